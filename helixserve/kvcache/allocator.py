@@ -1,0 +1,86 @@
+"""Free-list allocators for MLA cache blocks and KDA state slots (torch-free).
+
+Ids are plain ints in ``[0, capacity)``. ``allocate`` is all-or-nothing; ``free`` of an id that
+is not currently allocated (double free, foreign or out-of-range id) raises ``AllocationError``
+and leaves the allocator unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from helixserve.kvcache.errors import AllocationError, CacheCapacityError
+
+
+class _IdAllocator:
+    _kind = "id"
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"{self._kind} capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        # pop() from the end hands out low ids first
+        self._free_ids: list[int] = list(range(capacity - 1, -1, -1))
+        self._used_ids: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_ids)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used_ids)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of {self._kind}s: {n}")
+        if n > len(self._free_ids):
+            raise CacheCapacityError(
+                f"need {n} {self._kind}s, only {len(self._free_ids)} of {self.capacity} free"
+            )
+        ids = [self._free_ids.pop() for _ in range(n)]
+        self._used_ids.update(ids)
+        return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        bad = [i for i in ids if i not in self._used_ids]
+        if bad or len(set(ids)) != len(ids):
+            raise AllocationError(
+                f"cannot free {self._kind}s {sorted(bad) or ids}: not allocated "
+                f"(double free, duplicate or foreign id; capacity {self.capacity})"
+            )
+        self._used_ids.difference_update(ids)
+        self._free_ids.extend(reversed(ids))
+
+    def is_allocated(self, i: int) -> bool:
+        return i in self._used_ids
+
+
+class BlockAllocator(_IdAllocator):
+    """Physical MLA cache blocks ``[0, num_blocks)``."""
+
+    _kind = "block"
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity
+
+
+class SlotAllocator(_IdAllocator):
+    """KDA recurrent/conv state slots ``[0, num_slots)``."""
+
+    _kind = "slot"
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return self.capacity

@@ -1,0 +1,51 @@
+"""Helix context-parallel ownership of MLA cache blocks (torch-free).
+
+A request's KV is cut into global logical blocks of ``tokens_per_block`` tokens; block ``b``
+lives on CP rank ``b % cp_size``, for prompt and decoded tokens alike. Rank ``r`` therefore holds
+logical blocks ``r, r + cp, r + 2 cp, ...``; its k-th local block is logical block ``r + k * cp``.
+"""
+
+from __future__ import annotations
+
+
+def _check(tokens_per_block: int, cp_rank: int, cp_size: int) -> None:
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+
+
+def num_logical_blocks(num_tokens: int, tokens_per_block: int) -> int:
+    """Global logical blocks needed for ``num_tokens`` tokens (all ranks together)."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return -(-num_tokens // tokens_per_block)
+
+
+def block_owner(block: int, cp_size: int) -> int:
+    """CP rank that holds global logical block ``block``."""
+    if block < 0 or cp_size < 1:
+        raise ValueError(f"need block >= 0 and cp_size >= 1, got block={block} cp_size={cp_size}")
+    return block % cp_size
+
+
+def token_owner(position: int, tokens_per_block: int, cp_size: int) -> int:
+    """CP rank that stores the KV of the token at absolute ``position``."""
+    return block_owner(position // tokens_per_block, cp_size)
+
+
+def num_local_blocks(num_tokens: int, tokens_per_block: int, cp_rank: int, cp_size: int) -> int:
+    """Logical blocks of a ``num_tokens``-token sequence that ``cp_rank`` holds."""
+    _check(tokens_per_block, cp_rank, cp_size)
+    total = num_logical_blocks(num_tokens, tokens_per_block)
+    return max(0, -(-(total - cp_rank) // cp_size))
+
+
+def local_logical_blocks(
+    num_tokens: int, tokens_per_block: int, cp_rank: int, cp_size: int
+) -> list[int]:
+    """Global logical block ids held by ``cp_rank``, ascending (local order)."""
+    _check(tokens_per_block, cp_rank, cp_size)
+    return list(range(cp_rank, num_logical_blocks(num_tokens, tokens_per_block), cp_size))

@@ -1,0 +1,128 @@
+"""Cache tensor pools for one rank: MLA latent pages and KDA state/conv slots.
+
+Layouts (see :mod:`helixserve.models.context`), per layer id:
+
+- ``mla_kv[l]``:     ``[num_blocks, tokens_per_block, kv_lora_rank + qk_rope_head_dim]``, ``dtype``
+- ``kda_state[l]``:  ``[num_slots, kda_num_heads, kda_head_dim, kda_head_dim]`` float32 ([K, V])
+- ``conv_state[l]``: ``[num_slots, 3 * kda_num_heads * kda_head_dim, conv_kernel_size - 1]``, ``dtype``
+
+``kda_num_heads`` is the *local* head count (``H / cp`` under helix CP). All pools start zeroed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from helixserve.models.context import ModelCaches
+
+_FP32_BYTES = 4
+
+
+@dataclass(slots=True, frozen=True)
+class CacheSpec:
+    """What the cache pools of one rank look like. Layer ids are 0-based decoder layer indices."""
+
+    mla_layer_ids: tuple[int, ...]
+    kda_layer_ids: tuple[int, ...]
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    kda_num_heads: int
+    kda_head_dim: int
+    conv_kernel_size: int
+    dtype: torch.dtype
+    tokens_per_block: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mla_layer_ids", tuple(self.mla_layer_ids))
+        object.__setattr__(self, "kda_layer_ids", tuple(self.kda_layer_ids))
+        overlap = set(self.mla_layer_ids) & set(self.kda_layer_ids)
+        if overlap:
+            raise ValueError(f"layers {sorted(overlap)} are listed as both MLA and KDA")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        positive = {"tokens_per_block": self.tokens_per_block}
+        if self.mla_layer_ids:
+            positive |= {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim}
+        if self.kda_layer_ids:
+            positive |= {
+                "kda_num_heads": self.kda_num_heads,
+                "kda_head_dim": self.kda_head_dim,
+                "conv_kernel_size": self.conv_kernel_size,
+            }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def mla_entry_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 3 * self.kda_num_heads * self.kda_head_dim
+
+
+def bytes_per_block(spec: CacheSpec) -> int:
+    """Bytes one physical block costs over all MLA layers."""
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    return len(spec.mla_layer_ids) * spec.tokens_per_block * spec.mla_entry_dim * itemsize
+
+
+def bytes_per_slot(spec: CacheSpec) -> int:
+    """Bytes one state slot costs over all KDA layers (fp32 state + conv state)."""
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    state = spec.kda_num_heads * spec.kda_head_dim * spec.kda_head_dim * _FP32_BYTES
+    conv = spec.conv_channels * (spec.conv_kernel_size - 1) * itemsize
+    return len(spec.kda_layer_ids) * (state + conv)
+
+
+def size_from_budget(spec: CacheSpec, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
+    """``(num_blocks, num_slots)`` for a memory budget: ``max_num_seqs`` slots, the rest blocks.
+
+    Raises ``ValueError`` when the budget cannot hold the slots plus one block per sequence.
+    A model without MLA layers gets ``num_blocks = 0``.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    slot_bytes = bytes_per_slot(spec) * max_num_seqs
+    block_bytes = bytes_per_block(spec)
+    left = budget_bytes - slot_bytes
+    num_blocks = left // block_bytes if block_bytes else 0
+    min_blocks = max_num_seqs if block_bytes else 0
+    if left < 0 or num_blocks < min_blocks:
+        raise ValueError(
+            f"cache budget {budget_bytes} B too small: {max_num_seqs} slots take {slot_bytes} B "
+            f"({bytes_per_slot(spec)} B each) and {max_num_seqs} blocks (one per sequence) need "
+            f"{min_blocks * block_bytes} B more ({block_bytes} B each)"
+        )
+    return num_blocks, max_num_seqs
+
+
+def allocate_model_caches(
+    spec: CacheSpec, num_blocks: int, num_slots: int, device: torch.device | str = "cpu"
+) -> ModelCaches:
+    """Zero-filled pools with the layouts in the module docstring."""
+    if num_blocks < 0 or num_slots < 0:
+        raise ValueError(f"num_blocks and num_slots must be >= 0, got {num_blocks}, {num_slots}")
+    caches = ModelCaches(tokens_per_block=spec.tokens_per_block)
+    for layer_id in spec.mla_layer_ids:
+        shape = (num_blocks, spec.tokens_per_block, spec.mla_entry_dim)
+        caches.mla_kv[layer_id] = torch.zeros(shape, dtype=spec.dtype, device=device)
+    for layer_id in spec.kda_layer_ids:
+        state_shape = (num_slots, spec.kda_num_heads, spec.kda_head_dim, spec.kda_head_dim)
+        conv_shape = (num_slots, spec.conv_channels, spec.conv_kernel_size - 1)
+        caches.kda_state[layer_id] = torch.zeros(state_shape, dtype=torch.float32, device=device)
+        caches.conv_state[layer_id] = torch.zeros(conv_shape, dtype=spec.dtype, device=device)
+    return caches
+
+
+def reset_slots(caches: ModelCaches, slot_ids: Sequence[int] | torch.Tensor) -> None:
+    """Zero the KDA recurrent and conv state of ``slot_ids`` (call before a slot's first prefill)."""
+    for pools in (caches.kda_state, caches.conv_state):
+        for pool in pools.values():
+            index = torch.as_tensor(slot_ids, dtype=torch.long, device=pool.device)
+            if index.numel():
+                pool.index_fill_(0, index, 0)

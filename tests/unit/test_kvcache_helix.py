@@ -1,0 +1,44 @@
+import pytest
+
+from helixserve.kvcache import (
+    block_owner,
+    local_logical_blocks,
+    num_local_blocks,
+    num_logical_blocks,
+    token_owner,
+)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("tpb", [1, 3, 16])
+def test_ranks_partition_the_blocks(cp, tpb):
+    for num_tokens in range(0, 5 * cp * tpb + 2):
+        total = num_logical_blocks(num_tokens, tpb)
+        seen = []
+        for rank in range(cp):
+            local = local_logical_blocks(num_tokens, tpb, rank, cp)
+            assert len(local) == num_local_blocks(num_tokens, tpb, rank, cp)
+            assert all(block_owner(b, cp) == rank for b in local)
+            assert local == sorted(local)
+            seen += local
+        assert sorted(seen) == list(range(total))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_token_owner_round_robin_by_block(cp):
+    tpb = 4
+    for pos in range(64):
+        assert token_owner(pos, tpb, cp) == (pos // tpb) % cp
+    # rank 0 always holds at least as many blocks as any other rank
+    for n in range(64):
+        counts = [num_local_blocks(n, tpb, r, cp) for r in range(cp)]
+        assert counts[0] == max(counts) and counts[0] - min(counts) <= 1
+
+
+def test_examples_and_errors():
+    assert local_logical_blocks(10, 2, 1, 2) == [1, 3]  # blocks 0..4
+    assert local_logical_blocks(10, 2, 0, 2) == [0, 2, 4]
+    assert num_local_blocks(1, 16, 3, 4) == 0
+    for args in [(4, 0, 0, 1), (4, 2, 2, 2), (4, 2, 0, 0), (-1, 2, 0, 1)]:
+        with pytest.raises(ValueError):
+            num_local_blocks(*args)

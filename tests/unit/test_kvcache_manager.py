@@ -1,0 +1,128 @@
+import random
+
+import pytest
+
+from helixserve.kvcache import (
+    AllocationError,
+    CacheCapacityError,
+    CacheManager,
+    KVCacheError,
+    local_logical_blocks,
+)
+
+
+def test_allocate_extend_free_single_rank():
+    mgr = CacheManager(num_blocks=10, num_slots=2, tokens_per_block=4)
+    h = mgr.allocate("a", 5)
+    assert h.slot is not None and len(h.block_ids) == 2
+    assert h.block_table(4) == h.block_ids + [-1, -1]
+    mgr.extend(h, 8)  # still 2 blocks
+    assert len(h.block_ids) == 2
+    mgr.extend(h, 9)  # crosses into block 2
+    assert len(h.block_ids) == 3 and h.num_tokens == 9
+    s = mgr.stats()
+    assert (s.num_used_blocks, s.num_free_blocks, s.num_used_slots, s.num_requests) == (3, 7, 1, 1)
+    mgr.free("a")
+    s = mgr.stats()
+    assert (s.num_used_blocks, s.num_used_slots, s.num_requests, s.num_reserved_blocks) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_handles_hold_only_owned_blocks(cp):
+    tpb = 4
+    mgrs = [CacheManager(64, 4, tpb, cp_rank=r, cp_size=cp) for r in range(cp)]
+    handles = [m.allocate("r", 23) for m in mgrs]
+    for rank, (m, h) in enumerate(zip(mgrs, handles)):
+        for n in [23, 24, 25, 40, 57]:
+            m.extend(h, n)
+            table = h.block_table(16)
+            owned = local_logical_blocks(n, tpb, rank, cp)
+            assert [b for b in range(16) if table[b] >= 0] == owned
+            assert len(h.block_ids) == len(owned) == m.stats().num_used_blocks
+    # every rank answers capacity checks identically (CP-group-uniform charge)
+    for n in range(0, 300, 7):
+        assert len({m.can_allocate(n) for m in mgrs}) == 1
+        assert len({m.can_extend(h, n) for m, h in zip(mgrs, handles)}) == 1
+
+
+def test_capacity_errors_are_typed_with_numbers():
+    mgr = CacheManager(num_blocks=4, num_slots=1, tokens_per_block=4)
+    assert not mgr.can_allocate(17)
+    with pytest.raises(CacheCapacityError, match=r"need 5 blocks.*4 of 4 blocks"):
+        mgr.allocate("big", 17)
+    h = mgr.allocate("a", 4)
+    assert not mgr.can_allocate(1)  # no slot left
+    with pytest.raises(CacheCapacityError, match="0 of 1 slots"):
+        mgr.allocate("b", 1)
+    assert mgr.can_extend(h, 16) and not mgr.can_extend(h, 17)
+    with pytest.raises(CacheCapacityError) as info:
+        mgr.extend(h, 17)
+    assert isinstance(info.value, KVCacheError)
+    assert h.num_tokens == 4 and mgr.stats().num_used_blocks == 1
+    assert mgr.can_ever_fit(16) and not mgr.can_ever_fit(17)
+
+
+def test_id_errors():
+    mgr = CacheManager(num_blocks=4, num_slots=2, tokens_per_block=4)
+    h = mgr.allocate("a", 1)
+    with pytest.raises(AllocationError, match="already holds"):
+        mgr.allocate("a", 1)
+    with pytest.raises(AllocationError, match="no cache handle"):
+        mgr.free("zzz")
+    with pytest.raises(ValueError, match="shrink"):
+        mgr.extend(h, 0)
+    with pytest.raises(ValueError):
+        h.block_table(0)
+    mgr.free("a")
+    with pytest.raises(AllocationError):
+        mgr.free("a")
+    with pytest.raises(AllocationError):
+        mgr.extend(h, 8)  # stale handle
+
+
+def test_without_kda_or_mla():
+    no_kda = CacheManager(4, 0, 4, has_kda=False)
+    assert no_kda.allocate("a", 4).slot is None
+    no_mla = CacheManager(0, 2, 4, has_mla=False)
+    h = no_mla.allocate("a", 1000)
+    assert h.block_ids == [] and h.slot is not None
+    no_mla.extend(h, 5000)
+    no_mla.free("a")
+
+
+@pytest.mark.parametrize("cp_rank,cp_size", [(0, 1), (1, 2), (0, 4), (3, 4)])
+def test_random_sequence_returns_everything(cp_rank, cp_size):
+    rng = random.Random(cp_rank * 10 + cp_size)
+    mgr = CacheManager(40, 6, 3, cp_rank=cp_rank, cp_size=cp_size)
+    live: dict[str, int] = {}
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.35:
+            n = rng.randint(0, 40)
+            if mgr.can_allocate(n):
+                mgr.allocate(f"r{step}", n)
+                live[f"r{step}"] = n
+            else:
+                with pytest.raises(CacheCapacityError):
+                    mgr.allocate(f"r{step}", n)
+        elif op < 0.75 and live:
+            rid = rng.choice(sorted(live))
+            h = mgr.get(rid)
+            n = h.num_tokens + rng.randint(0, 8)
+            if mgr.can_extend(h, n):
+                mgr.extend(h, n)
+            else:
+                with pytest.raises(CacheCapacityError):
+                    mgr.extend(h, n)
+        elif live:
+            rid = rng.choice(sorted(live))
+            del live[rid]
+            mgr.free(rid)
+        s = mgr.stats()
+        assert s.num_used_blocks + s.num_free_blocks == 40
+        assert s.num_used_blocks <= s.num_reserved_blocks <= 40
+        assert s.num_requests == len(live) == s.num_used_slots
+    for rid in list(live):
+        mgr.free(rid)
+    s = mgr.stats()
+    assert (s.num_used_blocks, s.num_reserved_blocks, s.num_used_slots, s.num_requests) == (0, 0, 0, 0)
