@@ -1,1 +1,36 @@
-"""helixserve.kernels"""
+"""helixserve.kernels: one public function per op.
+
+Each function validates its arguments (ValueError naming the bad value) and dispatches to an
+implementation; today that is the vectorized PyTorch path (device-agnostic). GPU fast paths
+plug in behind the same functions. Loop-form fp32 references live in ``<op>/naive.py``.
+"""
+
+from __future__ import annotations
+
+from helixserve.kernels.attn_res.mix import attn_res_mix
+from helixserve.kernels.kda.chunk import kda_chunk_prefill
+from helixserve.kernels.kda.gate import kda_gate
+from helixserve.kernels.kda.recurrent import kda_recurrent_step
+from helixserve.kernels.mla.combine import lse_combine
+from helixserve.kernels.mla.paged import mla_paged_attention, mla_write_kv
+from helixserve.kernels.moe.experts import act_and_mul, moe_experts
+from helixserve.kernels.moe.route import moe_route
+from helixserve.kernels.norm.rms import gated_rms_norm, rms_norm
+from helixserve.kernels.short_conv.conv import short_conv_prefill, short_conv_step
+
+__all__ = [
+    "act_and_mul",
+    "attn_res_mix",
+    "gated_rms_norm",
+    "kda_chunk_prefill",
+    "kda_gate",
+    "kda_recurrent_step",
+    "lse_combine",
+    "mla_paged_attention",
+    "mla_write_kv",
+    "moe_experts",
+    "moe_route",
+    "rms_norm",
+    "short_conv_prefill",
+    "short_conv_step",
+]

@@ -1,0 +1,64 @@
+"""Argument checks shared by the kernel dispatchers; every failure raises ValueError naming the value."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    check_ndim(name, t, len(shape))
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def check_integer(name: str, t: torch.Tensor) -> None:
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+    """Validate ``cu_seqlens`` [N+1] (0, non-decreasing, ends at num_tokens); returns it as int64.
+
+    ``None`` means one sequence covering all ``num_tokens`` rows.
+    """
+    if cu_seqlens is None:
+        return torch.tensor([0, num_tokens], dtype=torch.int64)
+    check_ndim(name, cu_seqlens, 1)
+    check_integer(name, cu_seqlens)
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} needs at least 2 entries, got {cu_seqlens.tolist()}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(
+            f"{name} must start at 0, be non-decreasing and end at {num_tokens}, got {cu.tolist()}"
+        )
+    return cu
+
+
+def check_slot_ids(name: str, slot_ids: torch.Tensor, batch: int, num_slots: int) -> None:
+    check_shape(name, slot_ids, (batch,))
+    check_integer(name, slot_ids)
+    if batch == 0:
+        return
+    lo, hi = int(slot_ids.min()), int(slot_ids.max())
+    if lo < 0 or hi >= num_slots:
+        raise ValueError(f"{name} must lie in [0, {num_slots}), got min {lo} max {hi}")
+    if torch.unique(slot_ids).numel() != batch:
+        raise ValueError(f"{name} must not repeat a slot, got {slot_ids.tolist()}")
+
+
+def check_activation(activation: str | None, allowed: tuple[str | None, ...]) -> None:
+    if activation not in allowed:
+        raise ValueError(f"activation must be one of {allowed}, got {activation!r}")

@@ -1,0 +1,1 @@
+"""Attention residuals (Kimi K3 block AttnRes selection)."""

@@ -1,0 +1,1 @@
+"""KDA (Kimi Delta Attention): gate, chunked prefill, recurrent decode step."""

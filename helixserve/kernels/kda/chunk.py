@@ -1,0 +1,175 @@
+"""KDA prefill over a varlen batch, chunked (UT/WY) form.
+
+Shapes (flat varlen layout, N sequences, T rows in total):
+    q, k          [T, H, K]
+    v             [T, H, V]
+    g             [T, H, K]   float32 log-decay (<= 0), from :func:`kda_gate`
+    beta          [T, H]      post-sigmoid
+    cu_seqlens    [N + 1]     int64, None = one sequence
+    initial_state [N, H, K, V] float32, None = zeros
+Returns o [T, H, V] in v.dtype and final_state [N, H, K, V] float32.
+
+Per chunk of C rows with in-chunk cumulative decay G = cumsum(g):
+    L[r, c]  = beta_r * sum_d k_r[d] k_c[d] exp(G_r[d] - G_c[d])      (c < r)
+    A        = (I + L)^-1 diag(beta);  w = A (exp(G) * k);  u = A v
+    v'       = u - w S
+    o        = (q * exp(G)) S + Aqk v',  Aqk[r, c] = sum_d q_r k_c exp(G_r - G_c)  (c <= r)
+    S       <- exp(G_last) * S + (exp(G_last - G) * k)^T v'
+Every exponent is <= 0, so nothing overflows whatever the chunk's total decay.
+Each sequence is padded on its own to a multiple of C with rows (q=k=v=g=beta=0) that leave the
+state untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helixserve.kernels._checks import check_cu_seqlens, check_ndim, check_shape
+from helixserve.kernels.kda.naive import l2norm_fp32
+
+# bound on the [chunks, H, C, C, K] pairwise-decay intermediate (elements)
+_MAX_PAIRWISE_ELEMENTS = 1 << 24
+
+
+def kda_chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over every sequence of a varlen batch; any length per sequence.
+
+    ``use_qk_l2norm`` normalizes q and k per head in fp32 (``x * rsqrt(sum x^2 + 1e-6)``) first;
+    ``scale`` (default ``K ** -0.5``) multiplies q. See the module docstring for shapes.
+    """
+    T, H, K, V = check_kda_shapes(q, k, v, g, beta)
+    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, T)
+    num_seqs = cu.numel() - 1
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, (num_seqs, H, K, V))
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, cu, chunk_size, use_qk_l2norm)
+
+
+def check_kda_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """Check q, k [R, H, K]; v [R, H, V]; g [R, H, K]; beta [R, H]; returns (R, H, K, V)."""
+    check_ndim("q", q, 3)
+    R, H, K = q.shape
+    check_shape("k", k, (R, H, K))
+    check_ndim("v", v, 3)
+    if v.shape[:2] != (R, H):
+        raise ValueError(f"v must be [{R}, {H}, V], got {tuple(v.shape)}")
+    check_shape("g", g, (R, H, K))
+    check_shape("beta", beta, (R, H))
+    return R, H, K, v.shape[2]
+
+
+def _chunk_kda_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float, initial_state: torch.Tensor | None, cu: torch.Tensor, chunk_size: int,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H, K = q.shape
+    V = v.shape[-1]
+    device = q.device
+    num_seqs = cu.numel() - 1
+    q, k = (l2norm_fp32(q), l2norm_fp32(k)) if use_qk_l2norm else (q.float(), k.float())
+    q = q * scale
+
+    num_chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
+    chunk_offsets = torch.cumsum(num_chunks, 0) - num_chunks
+    token_idx = _chunk_token_index(cu, num_chunks, chunk_offsets, chunk_size).to(device)
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        # [T, H, ...] -> [NC, H, C, ...]; pad rows read the appended zero row
+        padded = torch.cat([x.float(), x.new_zeros((1, *x.shape[1:]), dtype=torch.float32)])
+        return padded[token_idx].movedim(1, 2)
+
+    qc, kc, vc, bc = to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(beta)
+    G = to_chunks(g).cumsum(-2)
+    w, u, Aqk = _intra_chunk(qc, kc, vc, G, bc)
+    G_last = G[..., -1:, :]
+    k_to_end = (G_last - G).exp() * kc
+    state = torch.zeros(num_seqs, H, K, V, dtype=torch.float32, device=device)
+    if initial_state is not None:
+        state.copy_(initial_state)
+    o_chunks = _inter_chunk(qc * G.exp(), Aqk, w, u, k_to_end, G_last.squeeze(-2).exp(), state,
+                            num_chunks, chunk_offsets)
+
+    o = torch.zeros(T + 1, H, V, dtype=torch.float32, device=device)
+    o[token_idx.flatten()] = o_chunks.movedim(2, 1).reshape(-1, H, V)
+    return o[:T].to(v.dtype), state
+
+
+def _chunk_token_index(
+    cu: torch.Tensor, num_chunks: torch.Tensor, chunk_offsets: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """[NC, C] row index of every chunk slot; slots past a sequence's end point at row T."""
+    total = int(num_chunks.sum())
+    seq_of_chunk = torch.repeat_interleave(torch.arange(num_chunks.numel()), num_chunks)
+    local_chunk = torch.arange(total) - chunk_offsets[seq_of_chunk]
+    rows = cu[seq_of_chunk, None] + local_chunk[:, None] * chunk_size + torch.arange(chunk_size)
+    return torch.where(rows < cu[seq_of_chunk + 1, None], rows, cu[-1])
+
+
+def _intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In-chunk terms (w, u, Aqk) for [NC, H, C, *] chunks, batched to bound memory."""
+    NC, H, C, K = k.shape
+    step = max(1, _MAX_PAIRWISE_ELEMENTS // max(1, H * C * C * K))
+    parts = [_intra_chunk_block(q[s:s + step], k[s:s + step], v[s:s + step], G[s:s + step],
+                                beta[s:s + step]) for s in range(0, NC, step)]
+    if not parts:
+        V = v.shape[-1]
+        return k.new_zeros(0, H, C, K), k.new_zeros(0, H, C, V), k.new_zeros(0, H, C, C)
+    return tuple(torch.cat(xs) for xs in zip(*parts))  # type: ignore[return-value]
+
+
+def _intra_chunk_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    C = k.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    # decay[r, c, d] = exp(G_r[d] - G_c[d]) for c <= r, else 0
+    diff = G[..., :, None, :] - G[..., None, :, :]
+    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+    k_decayed = k[..., None, :, :] * decay
+    Akk = (k_decayed * k[..., :, None, :]).sum(-1)
+    Aqk = (k_decayed * q[..., :, None, :]).sum(-1)
+    L = (Akk * beta[..., :, None]).tril(-1)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    inv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    A = inv * beta[..., None, :]
+    return A @ (G.exp() * k), A @ v, Aqk
+
+
+def _inter_chunk(
+    q_decayed: torch.Tensor, Aqk: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+    k_to_end: torch.Tensor, chunk_decay: torch.Tensor, state: torch.Tensor,
+    num_chunks: torch.Tensor, chunk_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Carry the state across chunks (in place in ``state``); returns o [NC, H, C, V]."""
+    o = torch.zeros_like(u)
+    device = state.device
+    max_chunks = int(num_chunks.max()) if num_chunks.numel() else 0
+    for j in range(max_chunks):
+        seq_ids = torch.nonzero(num_chunks > j).squeeze(1)
+        chunk_ids = (chunk_offsets[seq_ids] + j).to(device)
+        seq_ids = seq_ids.to(device)
+        S = state[seq_ids]
+        v_new = u[chunk_ids] - w[chunk_ids] @ S
+        o[chunk_ids] = q_decayed[chunk_ids] @ S + Aqk[chunk_ids] @ v_new
+        state[seq_ids] = S * chunk_decay[chunk_ids][..., None] + k_to_end[chunk_ids].transpose(-1, -2) @ v_new
+    return o

@@ -1,0 +1,1 @@
+"""MLA over a paged latent cache (absorbed form) and the helix lse combine."""

@@ -1,0 +1,162 @@
+"""MLA (absorbed form) over a paged latent cache, with helix partial outputs.
+
+Shapes (Dqk = kv_lora_rank + rope_dim, 576 for Kimi; v_dim = kv_lora_rank, 512):
+    kv_cache      [NB, BS, Dqk]   physical blocks of BS tokens
+    block_tables  [B, MB] int     global logical block -> physical block; -1 = not held on this rank
+    write:     cu_seqlens [B+1], positions [T], latent [T, Dqk]
+    attention: q [T, H, Dqk], cu_seqlens_q [B+1], q_positions [T], kv_lens [B]
+               -> o [T, H, v_dim] in q.dtype, lse [T, H] float32
+Key j of sequence i is kv_cache[block_tables[i, j // BS], j % BS]; its value is key[:v_dim].
+Query at position p sees key j iff j <= p and j < kv_lens[i] and the block is held locally.
+A query seeing no local key returns o = 0, lse = -inf (combine with :func:`lse_combine`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape
+
+# keys processed per online-softmax step; bounds the [Tq, H, keys] score tile
+_KEYS_PER_STEP = 2048
+
+
+def mla_write_kv(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    positions: torch.Tensor,
+    latent: torch.Tensor,
+) -> None:
+    """Store ``latent`` rows at their positions; rows whose block entry is -1 are skipped."""
+    check_ndim("kv_cache", kv_cache, 3)
+    NB, BS, Dqk = kv_cache.shape
+    check_ndim("block_tables", block_tables, 2)
+    check_integer("block_tables", block_tables)
+    check_ndim("latent", latent, 2)
+    T = latent.shape[0]
+    check_shape("latent", latent, (T, Dqk))
+    check_shape("positions", positions, (T,))
+    check_integer("positions", positions)
+    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, T)
+    if cu.numel() - 1 != block_tables.shape[0]:
+        raise ValueError(f"cu_seqlens has {cu.numel() - 1} sequences, block_tables {block_tables.shape[0]}")
+    _write_kv_torch(kv_cache, block_tables, cu, positions, latent)
+
+
+def _write_kv_torch(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
+    latent: torch.Tensor,
+) -> None:
+    NB, BS, Dqk = kv_cache.shape
+    device = kv_cache.device
+    if latent.shape[0] == 0:
+        return
+    seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1]).to(device)
+    positions = positions.to(device, torch.int64)
+    logical = positions // BS
+    if int(positions.min()) < 0 or int(logical.max()) >= block_tables.shape[1]:
+        raise ValueError(
+            f"positions must lie in [0, {block_tables.shape[1] * BS}), got "
+            f"min {int(positions.min())} max {int(positions.max())}"
+        )
+    physical = block_tables.to(device, torch.int64)[seq_ids, logical]
+    if int(physical.max()) >= NB:
+        raise ValueError(f"block_tables entries must be < {NB} (num blocks), got {int(physical.max())}")
+    is_local = physical >= 0
+    flat_rows = (physical * BS + positions % BS)[is_local]
+    kv_cache.view(NB * BS, Dqk)[flat_rows] = latent[is_local].to(kv_cache.dtype)
+
+
+def mla_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each query over its sequence's locally held keys (partial for helix)."""
+    check_ndim("q", q, 3)
+    T, H, Dqk = q.shape
+    check_ndim("kv_cache", kv_cache, 3)
+    if kv_cache.shape[2] != Dqk:
+        raise ValueError(f"kv_cache last dim must equal q's {Dqk}, got {tuple(kv_cache.shape)}")
+    if not 0 < v_dim <= Dqk:
+        raise ValueError(f"v_dim must lie in (0, {Dqk}], got {v_dim}")
+    check_ndim("block_tables", block_tables, 2)
+    check_integer("block_tables", block_tables)
+    cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T)
+    B = cu.numel() - 1
+    if block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must have {B} rows (sequences), got {tuple(block_tables.shape)}")
+    check_shape("q_positions", q_positions, (T,))
+    check_integer("q_positions", q_positions)
+    check_shape("kv_lens", kv_lens, (B,))
+    check_integer("kv_lens", kv_lens)
+    return _paged_attention_torch(q, kv_cache, block_tables, cu, q_positions, kv_lens, float(scale), v_dim)
+
+
+def _paged_attention_torch(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu: torch.Tensor,
+    q_positions: torch.Tensor, kv_lens: torch.Tensor, scale: float, v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H, _ = q.shape
+    BS = kv_cache.shape[1]
+    o = torch.zeros(T, H, v_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    tables = block_tables.detach().to("cpu", torch.int64)
+    lens = kv_lens.detach().to("cpu", torch.int64)
+    for i in range(cu.numel() - 1):
+        start, end = int(cu[i]), int(cu[i + 1])
+        kv_len = int(lens[i])
+        num_blocks = -(-kv_len // BS)
+        if end == start or kv_len <= 0:
+            continue
+        if num_blocks > tables.shape[1]:
+            raise ValueError(f"kv_lens[{i}]={kv_len} needs {num_blocks} blocks, block_tables has {tables.shape[1]}")
+        logical = torch.nonzero(tables[i, :num_blocks] >= 0).squeeze(1)
+        if logical.numel() == 0:
+            continue
+        o[start:end], lse[start:end] = _attend_one_sequence(
+            q[start:end].float() * scale, q_positions[start:end].to(q.device, torch.int64),
+            kv_cache, tables[i, logical], logical * BS, kv_len, v_dim,
+        )
+    return o.to(q.dtype), lse
+
+
+def _attend_one_sequence(
+    q: torch.Tensor, q_pos: torch.Tensor, kv_cache: torch.Tensor, physical: torch.Tensor,
+    block_starts: torch.Tensor, kv_len: int, v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax over this sequence's local blocks, a few blocks at a time."""
+    Tq, H, _ = q.shape
+    BS = kv_cache.shape[1]
+    device = q.device
+    m = torch.full((Tq, H), float("-inf"), device=device)
+    denom = torch.zeros(Tq, H, device=device)
+    acc = torch.zeros(Tq, H, v_dim, device=device)
+    blocks_per_step = max(1, _KEYS_PER_STEP // BS)
+    for s in range(0, physical.numel(), blocks_per_step):
+        phys = physical[s:s + blocks_per_step].to(device)
+        key_pos = (block_starts[s:s + blocks_per_step, None] + torch.arange(BS)).flatten().to(device)
+        in_seq = key_pos < kv_len
+        # slots past kv_len may hold stale or garbage rows: zero them so no NaN/inf can leak
+        keys = torch.where(in_seq[:, None], kv_cache[phys].flatten(0, 1).float(), 0.0)
+        scores = torch.einsum("qhd,kd->qhk", q, keys)
+        visible = in_seq[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+        probs = (scores - m_safe[..., None]).exp()
+        rescale = (m - m_safe).exp()
+        denom = denom * rescale + probs.sum(-1)
+        acc = acc * rescale[..., None] + torch.einsum("qhk,kd->qhd", probs, keys[:, :v_dim])
+        m = m_new
+    has_key = denom > 0
+    o = torch.where(has_key[..., None], acc / denom.clamp_min(1e-30)[..., None], 0.0)
+    lse = torch.where(has_key, m + denom.clamp_min(1e-30).log(), float("-inf"))
+    return o, lse

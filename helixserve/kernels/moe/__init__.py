@@ -1,0 +1,1 @@
+"""MoE routing, gated activations and the routed-expert sum."""

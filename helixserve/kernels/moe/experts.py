@@ -1,0 +1,106 @@
+"""Gated MLP activation and the routed-expert sum.
+
+act_and_mul: gate, up [..., I] -> [..., I]
+    silu: silu(gate) * up
+    situ: beta * tanh(gate / beta) * sigmoid(gate) * (lin_beta * tanh(up / lin_beta))   (Kimi K3)
+moe_experts: x [T, D]; topk_ids, topk_weights [T, k]; w13 [E_local, 2I, D] (gate rows then up rows);
+    w2 [E_local, D, I]; local experts are global ids [expert_offset, expert_offset + E_local) and
+    other ids contribute nothing (expert parallelism) -> y [T, D] in x.dtype, accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from helixserve.kernels._checks import check_activation, check_integer, check_ndim, check_shape
+
+_ACTIVATIONS = ("silu", "situ")
+
+
+def act_and_mul(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    activation: str = "silu",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+) -> torch.Tensor:
+    """Gated activation in fp32, returned in gate.dtype."""
+    check_shape("up", up, tuple(gate.shape))
+    check_activation(activation, _ACTIVATIONS)
+    if activation == "situ" and not (situ_beta > 0 and situ_linear_beta > 0):
+        raise ValueError(f"situ betas must be positive, got {situ_beta}, {situ_linear_beta}")
+    return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta).to(gate.dtype)
+
+
+def _act_and_mul_torch(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float, situ_linear_beta: float
+) -> torch.Tensor:
+    gate, up = gate.float(), up.float()
+    if activation == "silu":
+        return F.silu(gate) * up
+    soft_gate = situ_beta * torch.tanh(gate / situ_beta) * torch.sigmoid(gate)
+    return soft_gate * (situ_linear_beta * torch.tanh(up / situ_linear_beta))
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    expert_offset: int = 0,
+    activation: str = "silu",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+) -> torch.Tensor:
+    """``y[t] = sum_k w[t,k] * w2[e] @ act_and_mul(w13[e,:I] x, w13[e,I:] x)`` over local experts."""
+    check_ndim("x", x, 2)
+    T, D = x.shape
+    check_ndim("topk_ids", topk_ids, 2)
+    check_integer("topk_ids", topk_ids)
+    if topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be [{T}, k], got {tuple(topk_ids.shape)}")
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    check_ndim("w13", w13, 3)
+    E_local, two_I, _ = w13.shape
+    if two_I % 2 or w13.shape[2] != D:
+        raise ValueError(f"w13 must be [E_local, 2*I, {D}], got {tuple(w13.shape)}")
+    check_shape("w2", w2, (E_local, D, two_I // 2))
+    check_activation(activation, _ACTIVATIONS)
+    return _moe_experts_torch(x, topk_ids, topk_weights, w13, w2, expert_offset, activation,
+                              situ_beta, situ_linear_beta)
+
+
+def _moe_experts_torch(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+    w2: torch.Tensor, expert_offset: int, activation: str, situ_beta: float, situ_linear_beta: float,
+) -> torch.Tensor:
+    T, D = x.shape
+    E_local = w13.shape[0]
+    I = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    local_ids = (topk_ids.to(torch.int64) - expert_offset).flatten()
+    is_local = (local_ids >= 0) & (local_ids < E_local)
+    pair_ids = torch.nonzero(is_local).squeeze(1)
+    if pair_ids.numel() == 0:
+        return out.to(x.dtype)
+    # (token, k) pairs grouped by local expert
+    experts_of_pairs, order = torch.sort(local_ids[pair_ids], stable=True)
+    pair_ids = pair_ids[order]
+    counts = torch.bincount(experts_of_pairs, minlength=E_local).tolist()
+    token_ids = pair_ids // top_k
+    weights = topk_weights.flatten().float()[pair_ids]
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_ids[start:start + count]
+        h = x[rows].float() @ w13[e].float().t()
+        act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
+        out.index_add_(0, rows, (act @ w2[e].float().t()) * weights[start:start + count, None])
+        start += count
+    return out.to(x.dtype)

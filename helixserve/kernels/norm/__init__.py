@@ -1,0 +1,1 @@
+"""RMSNorm and the gated RMSNorm of the KDA output."""

@@ -1,0 +1,46 @@
+"""RMS norms (HF Kimi/DeepSeek conventions).
+
+rms_norm:       x [..., D], weight [D] -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)
+                (variance in fp32; result dtype = promote(weight, x) as in HF).
+gated_rms_norm: x [..., D], gate [..., D], weight [D] -> (weight * norm(x) * sigmoid(gate)) all fp32,
+                cast to x.dtype (HF KimiLinearRMSNormGated; KDA output norm per head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helixserve.kernels._checks import check_shape
+
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least 1 dim, got shape {tuple(x.shape)}")
+    check_shape("weight", weight, (x.shape[-1],))
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: fp32 variance, ``weight * x_normed.to(x.dtype)``."""
+    _check_norm_args(x, weight, eps)
+    return _rms_norm_torch(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm over the last dim: ``weight * norm(x) * sigmoid(gate)`` in fp32, cast to x.dtype."""
+    _check_norm_args(x, weight, eps)
+    check_shape("gate", gate, tuple(x.shape))
+    return _gated_rms_norm_torch(x, gate, weight, eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)

@@ -1,0 +1,1 @@
+"""Causal depthwise short convolution (KDA q/k/v convs)."""
