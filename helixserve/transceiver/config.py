@@ -1,0 +1,101 @@
+"""Transceiver configuration: backend choice, transfer deadline, poll interval, bounce pool.
+
+`kv_transfer_timeout_ms` is required and must be finite and positive: a transfer without a
+deadline can hang a request (and pin its cache) forever, so configuration refuses it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MIB = 1 << 20
+
+
+class TransceiverBackendKind(str, enum.Enum):
+    """Which data plane moves the bytes. `fake` is in-process, for fault-injection tests only."""
+
+    UCXX = "ucxx"
+    FAKE = "fake"
+
+
+class TransceiverConfig(BaseModel):
+    """Validated transceiver settings (one per ctx or gen worker).
+
+    Attributes:
+        backend: data plane; `ucxx` in deployments, `fake` in tests.
+        kv_transfer_timeout_ms: overall deadline of one request's transfer on one rank,
+            anchored at its first send / first receive request. Required, finite, > 0.
+        kv_transfer_poll_interval_ms: budget of one executor-step poll (`poll(wait_num, interval)`).
+        bounce_size_bytes: requested bounce pool size; rounded up to whole chunks and clamped to a
+            share of free memory (see `bounce.bounce_pool_bytes`). 0, None or negative = off
+            (direct block writes).
+        chunk_bytes: transfer chunk and bounce-pool sizing unit.
+        slice_ms: longest single blocking wait inside a deadline (a wait never exceeds the
+            remaining time either).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: TransceiverBackendKind = TransceiverBackendKind.UCXX
+    kv_transfer_timeout_ms: float = Field(
+        ..., description="overall per-request transfer deadline in ms; required, finite, > 0"
+    )
+    kv_transfer_poll_interval_ms: float = 1.0
+    bounce_size_bytes: int | None = None
+    chunk_bytes: int = 32 * MIB
+    slice_ms: float = 50.0
+
+    @field_validator("kv_transfer_timeout_ms", mode="before")
+    @classmethod
+    def _finite_timeout(cls, value: object) -> float:
+        if value is None:
+            raise ValueError(
+                "kv_transfer_timeout_ms must be set to a finite number of milliseconds > 0 "
+                "(got None): an unbounded transfer can hang a request forever"
+            )
+        timeout = float(value)  # type: ignore[arg-type]
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(
+                f"kv_transfer_timeout_ms must be finite and > 0, got {value!r}: "
+                "an unbounded transfer can hang a request forever"
+            )
+        return timeout
+
+    @field_validator("kv_transfer_poll_interval_ms", "slice_ms")
+    @classmethod
+    def _finite_positive(cls, value: float) -> float:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"poll interval / slice must be finite and >= 0 ms, got {value!r}")
+        return value
+
+    @field_validator("bounce_size_bytes")
+    @classmethod
+    def _bounce_off(cls, value: int | None) -> int | None:
+        # 0, None and negative sizes all mean "bouncing off"; normalize to None.
+        return None if value is None or value <= 0 else value
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _positive_chunk(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {value}")
+        return value
+
+    @property
+    def timeout_s(self) -> float:
+        return self.kv_transfer_timeout_ms / 1000.0
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self.kv_transfer_poll_interval_ms / 1000.0
+
+    @property
+    def slice_s(self) -> float:
+        return self.slice_ms / 1000.0
+
+    @property
+    def is_bounce_enabled(self) -> bool:
+        return self.bounce_size_bytes is not None
