@@ -1,1 +1,41 @@
-"""helixserve.parallel"""
+"""helixserve.parallel: rank layout, process groups and collectives of the helix_a2a gen world.
+
+- :mod:`.mapping`: :class:`Mapping` (dp x cp x tp ranks, ep = world, head/expert sharding).
+- :mod:`.groups`: :func:`dist_env_from` (torchrun/srun variables), :func:`init_parallel`,
+  :class:`ParallelGroups` (world, cp, dp, ep, cpu groups; every group has a timeout).
+- :mod:`.row_split`: token slicing, ``c = ceil(T / cp)`` rows per CP rank.
+- :mod:`.collectives`: all-gather / reduce-scatter rows, uneven all-to-all, helix LSE exchange.
+- :mod:`.moe_a2a`: MoE dispatch/combine over the whole world with an expert callback.
+- :mod:`.launch`: :func:`run_local_world`, a local multi-process world (CLI, tests).
+"""
+
+from helixserve.parallel.collectives import (
+    CollectiveError,
+    all_gather_counts,
+    all_gather_rows,
+    all_to_all_rows,
+    exchange_split_sizes,
+    lse_all_to_all,
+    reduce_scatter_rows,
+)
+from helixserve.parallel.groups import DistEnv, ParallelGroups, dist_env_from, init_from_env, init_parallel
+from helixserve.parallel.launch import LocalWorldError, run_local_world
+from helixserve.parallel.mapping import Mapping
+from helixserve.parallel.moe_a2a import MoeDispatch, moe_a2a, moe_combine, moe_dispatch
+from helixserve.parallel.row_split import (
+    RowSlice,
+    pad_rows,
+    per_rank_token_counts,
+    row_chunk,
+    rows_for_rank,
+    split_rows,
+    valid_rows,
+)
+
+__all__ = [
+    "CollectiveError", "DistEnv", "LocalWorldError", "Mapping", "MoeDispatch", "ParallelGroups",
+    "RowSlice", "all_gather_counts", "all_gather_rows", "all_to_all_rows", "dist_env_from",
+    "exchange_split_sizes", "init_from_env", "init_parallel", "lse_all_to_all", "moe_a2a",
+    "moe_combine", "moe_dispatch", "pad_rows", "per_rank_token_counts", "reduce_scatter_rows",
+    "row_chunk", "rows_for_rank", "run_local_world", "split_rows", "valid_rows",
+]

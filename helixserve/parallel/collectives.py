@@ -1,0 +1,188 @@
+"""Collectives used by the helix_a2a model: row gather/scatter, uneven all-to-all, LSE exchange.
+
+Every function is SPMD: every rank of ``group`` must call it, in the same order, even with zero
+rows (an empty step still enters the collective so no peer waits on it). Failures, timeouts
+included, are re-raised as :class:`CollectiveError` naming the collective, the group's ranks and
+this rank. Tensors must live on the group's device (CPU for gloo, CUDA for NCCL).
+
+Backend notes (torch 2.13): gloo implements ``all_gather_into_tensor``, ``reduce_scatter_tensor``
+and ``all_to_all_single`` with uneven split sizes on CPU, so every function is a single native
+collective on both gloo and NCCL (``tests/unit/test_parallel_collectives.py`` checks the results).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from helixserve.parallel.row_split import pad_rows, row_chunk
+
+logger = logging.getLogger(__name__)
+
+Group = dist.ProcessGroup | None
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer died, skipped it, or called another one)."""
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group)
+
+
+@contextmanager
+def _collective(name: str, group: Group) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as exc:
+        try:
+            ranks: object = dist.get_process_group_ranks(group or dist.group.WORLD)
+        except Exception:  # noqa: BLE001 - best effort for the message only
+            ranks = "?"
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        logger.error("%s over ranks %s failed on rank %d: %s", name, ranks, rank, exc)
+        raise CollectiveError(f"{name} over ranks {ranks} failed on rank {rank}: {exc}") from exc
+
+
+def all_gather_counts(count: int, group: Group, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's ``count`` (e.g. its local row count), in group-rank order."""
+    size = group_size(group)
+    send = torch.tensor([count], dtype=torch.int64, device=device)
+    recv = torch.empty(size, dtype=torch.int64, device=device)
+    with _collective("all_gather_counts", group):
+        dist.all_gather_into_tensor(recv, send, group=group)
+    return recv.tolist()
+
+
+def all_gather_rows(x_local: torch.Tensor, num_tokens: int, group: Group) -> torch.Tensor:
+    """Gather token-sliced rows back to all T rows on every rank of the CP group.
+
+    Args:
+        x_local: ``[c, ...]``, ``c = ceil(T / cp)``, this rank's padded slice (trailing padding
+            rows are ignored).
+        num_tokens: T, the same on every rank of the group.
+    Returns:
+        ``[T, ...]``: rows ``[r * c, (r + 1) * c)`` come from CP rank r; the padding is trimmed.
+    """
+    cp = group_size(group)
+    chunk = row_chunk(num_tokens, cp)
+    if x_local.shape[0] != chunk:
+        raise ValueError(f"x_local has {x_local.shape[0]} rows, expected ceil(T={num_tokens} / cp={cp}) = {chunk}")
+    out = x_local.new_empty((cp * chunk, *x_local.shape[1:]))
+    with _collective("all_gather_rows", group):
+        dist.all_gather_into_tensor(out, x_local.contiguous(), group=group)
+    return out[:num_tokens]
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum partial full-row tensors over the CP group and leave rank r its row slice.
+
+    Used after a head-sharded mixer: each rank holds o_proj partial sums for all T rows.
+    Rows are zero-padded to ``c * cp`` first, so padding rows of the result are exactly 0.
+    Sums in ``x.dtype`` (pass fp32 partials for fp32 accumulation).
+
+    Args:
+        x: ``[T, ...]`` this rank's partial sums for all rows.
+    Returns:
+        ``[c, ...]``, ``c = ceil(T / cp)``: rows ``[r * c, (r + 1) * c)`` of the sum.
+    """
+    cp = group_size(group)
+    chunk = row_chunk(x.shape[0], cp)
+    padded = pad_rows(x, chunk * cp).contiguous()
+    out = x.new_empty((chunk, *x.shape[1:]))
+    with _collective("reduce_scatter_rows", group):
+        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def exchange_split_sizes(send_counts: Sequence[int], group: Group, device: torch.device | str = "cpu") -> list[int]:
+    """All-to-all of counts: returns how many rows every rank will send to this rank.
+
+    Args:
+        send_counts: ``[group_size]``, rows this rank sends to each rank.
+    Returns:
+        ``[group_size]``, rows this rank receives from each rank.
+    """
+    size = group_size(group)
+    if len(send_counts) != size:
+        raise ValueError(f"send_counts has {len(send_counts)} entries, group size is {size}")
+    send = torch.tensor(list(send_counts), dtype=torch.int64, device=device)
+    recv = torch.empty(size, dtype=torch.int64, device=device)
+    with _collective("exchange_split_sizes", group):
+        dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+def all_to_all_rows(
+    x: torch.Tensor,
+    send_counts: Sequence[int],
+    group: Group,
+    recv_counts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """All-to-all along dim 0 with uneven splits.
+
+    Args:
+        x: ``[sum(send_counts), ...]``, rows for rank 0 first, then rank 1, ...
+        send_counts: ``[group_size]`` rows sent to each rank (may be 0).
+        recv_counts: ``[group_size]`` rows received from each rank; exchanged with
+            :func:`exchange_split_sizes` (one extra tiny all-to-all) when ``None``.
+    Returns:
+        ``[sum(recv_counts), ...]``, rows from rank 0 first, then rank 1, ...
+    """
+    if x.shape[0] != sum(send_counts):
+        raise ValueError(f"x has {x.shape[0]} rows but send_counts={list(send_counts)} sum to {sum(send_counts)}")
+    if recv_counts is None:
+        recv_counts = exchange_split_sizes(send_counts, group, device=x.device)
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    with _collective("all_to_all_rows", group):
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=group
+        )
+    return out
+
+
+def lse_all_to_all(o: torch.Tensor, lse: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Helix exchange: trade partial attention outputs over heads within the CP group.
+
+    Each rank computed attention for all T rows and all H heads over its local KV only. Rank j
+    is sent every rank's partials for head slice j, ``[j * H / cp, (j + 1) * H / cp)``. A rank with
+    no local KV sends ``lse = -inf`` and ``o = 0``. Combine the result with
+    ``O = sum_i o_i exp(lse_i - m) / sum_i exp(lse_i - m)``, ``m = max_i lse_i``.
+    One all-to-all when ``o`` and ``lse`` share a dtype (packed), else two.
+
+    Args:
+        o: ``[T, H, D]`` this rank's partial outputs (D = kv_lora_rank for MLA latent combine).
+        lse: ``[T, H]`` their log-sum-exp (natural log, of the scaled scores).
+    Returns:
+        o_parts ``[cp, T, H / cp, D]`` and lse_parts ``[cp, T, H / cp]``: index i holds CP rank
+        i's partials for this rank's head slice.
+    """
+    cp = group_size(group)
+    if o.dim() != 3 or lse.shape != o.shape[:2]:
+        raise ValueError(f"expected o [T, H, D] and lse [T, H], got {tuple(o.shape)} and {tuple(lse.shape)}")
+    num_tokens, num_heads, head_dim = o.shape
+    if num_heads % cp != 0:
+        raise ValueError(f"num_heads={num_heads} is not divisible by cp={cp}")
+    local_heads = num_heads // cp
+    # [T, H, ...] -> [cp, T, H/cp, ...]: destination rank first
+    o_send = o.reshape(num_tokens, cp, local_heads, head_dim).transpose(0, 1)
+    lse_send = lse.reshape(num_tokens, cp, local_heads, 1).transpose(0, 1)
+    with _collective("lse_all_to_all", group):
+        if o.dtype == lse.dtype:
+            packed = torch.cat([o_send, lse_send], dim=-1).contiguous()
+            recv = torch.empty_like(packed)
+            dist.all_to_all_single(recv, packed, group=group)
+            return recv[..., :head_dim], recv[..., head_dim]
+        o_send, lse_send = o_send.contiguous(), lse_send.contiguous()
+        o_recv, lse_recv = torch.empty_like(o_send), torch.empty_like(lse_send)
+        dist.all_to_all_single(o_recv, o_send, group=group)
+        dist.all_to_all_single(lse_recv, lse_send, group=group)
+    return o_recv, lse_recv[..., 0]

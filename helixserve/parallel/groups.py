@@ -1,0 +1,212 @@
+"""Process-group setup for a generation world (gloo on CPU, NCCL on CUDA).
+
+Launch paths:
+
+- torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+- srun: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the address comes from
+  ``MASTER_ADDR`` / ``MASTER_PORT`` when set, else the first host of ``SLURM_JOB_NODELIST`` and
+  a port derived from ``SLURM_JOB_ID``.
+- explicit: ``init_parallel(mapping, "tcp://host:port")`` (local spawned worlds, tests).
+
+This module reads no environment variables itself: ``config.py`` passes ``os.environ`` to
+:func:`dist_env_from`. Every process group gets a timeout, so a missing or dead peer makes a
+collective raise instead of hanging (NCCL honours it through its async error handling).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+from collections.abc import Mapping as EnvMapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from helixserve.parallel.mapping import Mapping
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    """Rank and rendezvous address as a launcher (torchrun or srun) describes them."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "slurm"
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def _int_var(environ: EnvMapping[str, str], name: str) -> int:
+    raw = environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"gpu[03-05,9],cpu1" -> "gpu03"``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, first = match.group(1), match.group(2)
+    return prefix + (first or "")
+
+
+def dist_env_from(environ: EnvMapping[str, str]) -> DistEnv | None:
+    """Parse torchrun or srun variables from ``environ``; ``None`` when neither launched us.
+
+    torchrun wins when both are present (torchrun inside an srun allocation).
+
+    Raises:
+        ValueError: a variable is not an integer, rank is outside the world, or the
+            rendezvous address cannot be determined.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        launcher, rank_var, world_var, local_var = "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        launcher, rank_var, world_var, local_var = "slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
+    else:
+        return None
+    rank, world_size = _int_var(environ, rank_var), _int_var(environ, world_var)
+    local_rank = _int_var(environ, local_var) if local_var in environ else 0
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"{rank_var}={rank} is outside [0, {world_var}={world_size})")
+
+    if "MASTER_ADDR" in environ:
+        addr = environ["MASTER_ADDR"]
+    elif launcher == "slurm" and ("SLURM_JOB_NODELIST" in environ or "SLURM_NODELIST" in environ):
+        addr = first_slurm_host(environ.get("SLURM_JOB_NODELIST") or environ["SLURM_NODELIST"])
+    elif world_size == 1:
+        addr = "127.0.0.1"
+    else:
+        raise ValueError(f"{launcher} world of {world_size} ranks but MASTER_ADDR is not set")
+    if "MASTER_PORT" in environ:
+        port = _int_var(environ, "MASTER_PORT")
+    elif launcher == "slurm" and "SLURM_JOB_ID" in environ:
+        port = 20000 + _int_var(environ, "SLURM_JOB_ID") % 20000
+    elif world_size == 1:
+        port = 29500
+    else:
+        raise ValueError(f"{launcher} world of {world_size} ranks but MASTER_PORT is not set")
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT={port} is not a valid TCP port")
+    return DistEnv(rank, world_size, local_rank, addr, port, launcher)
+
+
+@dataclass(slots=True)
+class ParallelGroups:
+    """The process groups of one rank.
+
+    Attributes:
+        mapping: this rank's place in the world.
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: where collective tensors must live (``cpu`` for gloo, ``cuda:LOCAL_RANK`` for nccl).
+        world: the default group (all ranks).
+        cp: this rank's CP group (ranks sharing requests; helix attention, row slicing).
+        dp: this rank's DP group (same cp_rank across CP groups).
+        ep: the expert-parallel group (= ``world``).
+        cpu: a gloo group over all ranks for host-side control messages (= ``world`` on gloo).
+        timeout: the timeout every group was created with.
+    """
+
+    mapping: Mapping
+    backend: str
+    device: torch.device
+    world: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    cpu: dist.ProcessGroup
+    timeout: datetime.timedelta
+
+    def destroy(self) -> None:
+        """Tear down every group of this process (idempotent)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            logger.debug("rank %d: process groups destroyed", self.mapping.rank)
+
+
+def _new_groups(all_ranks: list[list[int]], mine: list[int], backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """Create every group in ``all_ranks`` (all ranks must call this in the same order)."""
+    own = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if ranks == mine:
+            own = group
+    assert own is not None, f"rank list {mine} is not among {all_ranks}"
+    return own
+
+
+def init_parallel(
+    mapping: Mapping,
+    init_method: str,
+    *,
+    backend: str | None = None,
+    local_rank: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelGroups:
+    """Join the world and create the CP and DP subgroups.
+
+    Args:
+        mapping: this rank's mapping; its ``world_size`` and ``rank`` are used for rendezvous.
+        init_method: ``tcp://host:port`` (``DistEnv.init_method``) or ``file://...``.
+        backend: ``"gloo"`` / ``"nccl"``; default nccl when CUDA is available, else gloo.
+        local_rank: CUDA device index for nccl.
+        timeout_s: timeout of every collective on every group.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} must be 'gloo' or 'nccl'")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=mapping.rank,
+        world_size=mapping.world_size,
+        timeout=timeout,
+    )
+    world = dist.group.WORLD
+    assert world is not None
+    cp = _new_groups(mapping.all_cp_groups(), mapping.cp_group_ranks, backend, timeout)
+    dp = _new_groups(mapping.all_dp_groups(), mapping.dp_group_ranks, backend, timeout)
+    cpu = world if backend == "gloo" else dist.new_group(timeout=timeout, backend="gloo")
+    logger.info(
+        "rank %d/%d joined %s world (dp=%d cp=%d): cp group %s, dp group %s",
+        mapping.rank, mapping.world_size, backend, mapping.dp, mapping.cp,
+        mapping.cp_group_ranks, mapping.dp_group_ranks,
+    )
+    return ParallelGroups(mapping, backend, device, world, cp, dp, world, cpu, timeout)
+
+
+def init_from_env(
+    env: DistEnv, mapping: Mapping, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelGroups:
+    """:func:`init_parallel` for a launcher-described rank; checks it agrees with ``mapping``."""
+    if (env.rank, env.world_size) != (mapping.rank, mapping.world_size):
+        raise ValueError(
+            f"{env.launcher} says rank={env.rank} world_size={env.world_size} but the mapping says "
+            f"rank={mapping.rank} world_size={mapping.world_size}"
+        )
+    return init_parallel(
+        mapping, env.init_method, backend=backend, local_rank=env.local_rank, timeout_s=timeout_s
+    )

@@ -1,0 +1,149 @@
+"""Token-sliced MoE over the EP group (the whole world): all-to-all dispatch and combine.
+
+Each rank routes only its own c rows (its token slice; 0 rows on an idle rank or an empty step).
+Experts are partitioned contiguously: expert e lives on rank ``e // (num_experts // ep)`` as local
+expert ``e % (num_experts // ep)``. Flow of one layer::
+
+    dispatch: every (row, k) assignment -> the owning rank   (counts a2a + rows a2a + meta a2a)
+    expert_fn: y_i = weight_i * expert_{id_i}(x_i) on the expert side
+    combine:  y back to the origin rank (a2a), summed per origin row (index_add in fp32)
+
+Every rank must call :func:`moe_a2a` (or dispatch + combine) once per MoE layer per step, even
+with 0 rows. One copy of a row is sent per assignment (k copies when its k experts live on k
+ranks, also when several live on the same rank); deduplicating per destination rank would cut
+dispatch volume by up to k on large worlds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from helixserve.parallel.collectives import Group, all_to_all_rows, exchange_split_sizes, group_size
+
+logger = logging.getLogger(__name__)
+
+ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class MoeDispatch:
+    """What one rank received for its experts, and the bookkeeping to send results back.
+
+    Attributes:
+        x: ``[R, D]`` received rows, grouped by source rank (rank 0's first).
+        local_expert_ids: ``[R]`` int64, expert of each row as an index into this rank's experts.
+        weights: ``[R]`` routing weight of each row (dtype of ``topk_weights``).
+        recv_counts: ``[ep]`` rows received from each rank (sums to R).
+        send_counts: ``[ep]`` rows this rank sent to each rank.
+        origin_rows: ``[S]`` int64, local row index of each sent assignment, in send order.
+        num_rows: c, this rank's row count (the combine output has c rows).
+    """
+
+    x: torch.Tensor
+    local_expert_ids: torch.Tensor
+    weights: torch.Tensor
+    recv_counts: list[int]
+    send_counts: list[int]
+    origin_rows: torch.Tensor
+    num_rows: int
+
+
+def experts_per_rank(num_experts: int, ep: int) -> int:
+    if num_experts < 1 or num_experts % ep != 0:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep={ep} (world size)")
+    return num_experts // ep
+
+
+def moe_dispatch(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group: Group
+) -> MoeDispatch:
+    """Send every (row, k) assignment to the rank that owns its expert.
+
+    Args:
+        x: ``[c, D]`` this rank's rows (c may be 0).
+        topk_ids: ``[c, k]`` global expert ids; negative ids are dropped assignments.
+        topk_weights: ``[c, k]`` routing weights.
+        num_experts: total experts E, ``E % ep == 0``.
+        group: the EP group (world).
+    """
+    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expected x [c, D], topk_ids and topk_weights [c, k]; got {tuple(x.shape)}, "
+            f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}"
+        )
+    ep = group_size(group)
+    per_rank = experts_per_rank(num_experts, ep)
+    num_rows, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1).long()
+    if flat_ids.numel() and int(flat_ids.max()) >= num_experts:
+        raise ValueError(f"topk_ids holds expert {int(flat_ids.max())} >= num_experts={num_experts}")
+    kept = (flat_ids >= 0).nonzero().squeeze(1)
+    dest = torch.div(flat_ids[kept], per_rank, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    send_pos = kept[order]
+    origin_rows = torch.div(send_pos, top_k, rounding_mode="floor") if top_k else send_pos
+    send_counts = torch.bincount(dest, minlength=ep).tolist()
+
+    # local expert id and weight travel together as float64 (exact for ids and fp32/bf16 weights)
+    meta = torch.stack([(flat_ids[send_pos] % per_rank).double(), topk_weights.reshape(-1)[send_pos].double()], dim=1)
+    recv_counts = exchange_split_sizes(send_counts, group, device=x.device)
+    recv_x = all_to_all_rows(x[origin_rows], send_counts, group, recv_counts)
+    recv_meta = all_to_all_rows(meta, send_counts, group, recv_counts)
+    return MoeDispatch(
+        x=recv_x,
+        local_expert_ids=recv_meta[:, 0].long(),
+        weights=recv_meta[:, 1].to(topk_weights.dtype),
+        recv_counts=recv_counts,
+        send_counts=send_counts,
+        origin_rows=origin_rows,
+        num_rows=num_rows,
+    )
+
+
+def moe_combine(y: torch.Tensor, dispatch: MoeDispatch, group: Group) -> torch.Tensor:
+    """Return expert outputs to their origin rows and sum them over k.
+
+    Args:
+        y: ``[R, D_out]`` weighted expert outputs for ``dispatch.x``, same row order.
+    Returns:
+        ``[c, D_out]`` in ``y.dtype``: per origin row, the sum of its assignments' outputs
+        (accumulated in fp32); rows with no kept assignment are 0.
+    """
+    if y.shape[0] != dispatch.x.shape[0]:
+        raise ValueError(f"expert output has {y.shape[0]} rows, dispatch delivered {dispatch.x.shape[0]}")
+    back = all_to_all_rows(y, dispatch.recv_counts, group, dispatch.send_counts)
+    acc_dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
+    out = torch.zeros((dispatch.num_rows, *y.shape[1:]), dtype=acc_dtype, device=y.device)
+    out.index_add_(0, dispatch.origin_rows, back.to(acc_dtype))
+    return out.to(y.dtype)
+
+
+def moe_a2a(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_fn: ExpertFn,
+    *,
+    num_experts: int,
+    group: Group,
+) -> torch.Tensor:
+    """Routed-expert output of this rank's rows, experts spread over the EP group.
+
+    ``expert_fn(x_recv [R, D], local_expert_ids [R], weights [R]) -> y [R, D_out]`` runs this
+    rank's experts and must apply the weights: ``y_i = weights_i * expert_{local_expert_ids_i}(x_i)``.
+    It is called on every rank, also with R == 0.
+
+    Args:
+        x: ``[c, D]`` this rank's (token-sliced) rows; c may be 0.
+        topk_ids: ``[c, k]`` global expert ids (negative = dropped).
+        topk_weights: ``[c, k]`` routing weights.
+    Returns:
+        ``[c, D_out]`` sum over k of the weighted expert outputs.
+    """
+    dispatch = moe_dispatch(x, topk_ids, topk_weights, num_experts, group)
+    y = expert_fn(dispatch.x, dispatch.local_expert_ids, dispatch.weights)
+    return moe_combine(y, dispatch, group)
