@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from helixserve.transceiver.base import TransferSession, TransferState
@@ -100,6 +101,13 @@ class TransferPoller:
 
     def live_sessions(self) -> list[TransferSession]:
         return [s for s in self.sessions.values() if not s.state.is_settled]
+
+    def cancel(self, request_ids: Iterable[str], reason: str) -> None:
+        """Cancel local sessions (e.g. those the group agreed are cancelled or failed)."""
+        for request_id in request_ids:
+            session = self.sessions.get(request_id)
+            if session is not None and not session.state.is_settled:
+                session.cancel(reason)
 
     def retire(self, request_id: str) -> TransferSession:
         """Forget a settled, quiesced session (its buffers may then be freed or reused)."""
