@@ -1,0 +1,151 @@
+"""Request state: sampling parameters, status machine, token bookkeeping (torch-free).
+
+Lifecycle: ``WAITING -> RUNNING -> FINISHED_*``; a preempted request goes back to ``WAITING`` with
+``num_computed_tokens = 0`` and is recomputed from scratch (prompt + outputs so far).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+
+_GREEDY_BELOW = 1e-5  # temperatures this small are greedy (avoids overflow in logits / T)
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling and stopping. Invalid values raise ``ValueError`` naming the value.
+
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 is off. ``stop`` strings need a detokenizer
+    (see :mod:`helixserve.engine.stop`). A stop/eos token is kept in ``output_token_ids``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not v >= 0 or v == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"top_k must be >= 0 (0 = off) or -1 (off), got {v}")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = (v,)
+        if v is None:
+            return ()
+        if any(not s for s in v):  # type: ignore[union-attr]
+            raise ValueError(f"stop strings must be non-empty, got {v!r}")
+        return v
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_BELOW
+
+    @property
+    def is_top_k_on(self) -> bool:
+        return self.top_k > 0
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # eos, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"  # client cancel
+    FINISHED_ERROR = "finished_error"  # e.g. a failed KV transfer
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason, ``None`` while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV/state is in the cache
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` of prompt + outputs."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]

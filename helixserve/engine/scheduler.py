@@ -1,0 +1,325 @@
+"""Continuous-batching scheduler with chunked prefill and recompute preemption (torch-free).
+
+Each ``schedule()`` step, under a token budget of ``max_num_batched_tokens``:
+
+1. every running request that is decoding gets its one token (the last sampled one); if its
+   cache cannot grow, the most recently admitted running request is preempted (cache freed,
+   requeued at the front of ``waiting`` to be recomputed from scratch) until it can;
+2. running requests still in a chunked prefill get their next chunk;
+3. unless something was preempted this step, waiting requests are admitted FCFS while there are
+   sequence slots, budget and cache for their whole prompt (back-pressure: the head of the queue
+   waits, nobody jumps it).
+
+Only the final chunk of a prefill is sampled. ``update_from_output`` appends the sampled tokens,
+applies the stop rules (eos unless ``ignore_eos``, ``stop_token_ids``, stop strings through a
+``detokenize`` callable, ``max_tokens``, ``max_model_len``) and frees finished requests' caches.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from helixserve.engine.request import Request, RequestStatus
+from helixserve.engine.stop import Detokenize, StopChecker
+from helixserve.kvcache.manager import CacheManager
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    Attributes:
+        token_ids: the new tokens to run, at positions ``context_len ..``.
+        context_len: tokens already in the cache for this request.
+        block_table: global logical block -> physical block on this rank (``-1`` if not held
+            here); covers at least ``context_len + len(token_ids)`` tokens; pad to the batch max.
+        slot: KDA state slot (``None`` without KDA layers). ``context_len == 0`` means a fresh
+            slot whose state must start at zero (see ``SchedulerOutput.reset_slot_ids``).
+        is_prefill: False for a decode step (the one token sampled last step), True for a
+            prompt chunk (or a recompute chunk after preemption).
+        sample: sample from this chunk's last row.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    context_len: int
+    block_table: list[int]
+    slot: int | None
+    is_prefill: bool
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def reset_slot_ids(self) -> list[int]:
+        """Slots starting a sequence from scratch this step: zero their KDA state first."""
+        return [s.slot for s in self.seqs if s.context_len == 0 and s.slot is not None]
+
+
+@dataclass(slots=True, frozen=True)
+class RequestUpdate:
+    """A sampled token of one request, and whether the request finished with it."""
+
+    request_id: str
+    token_id: int
+    status: RequestStatus
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache_manager: CacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        detokenize: Detokenize | None = None,
+    ) -> None:
+        if not 1 <= max_num_seqs <= max_num_batched_tokens:
+            raise ValueError(
+                f"need 1 <= max_num_seqs ({max_num_seqs}) <= max_num_batched_tokens "
+                f"({max_num_batched_tokens}) so every running decode fits in a step"
+            )
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.cache = cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; preemption takes from the end
+        self._requests: dict[str, Request] = {}
+        self._stop_checkers: dict[str, StopChecker] = {}
+        self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
+
+    # -- queue -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ``ValueError`` for one that could never run."""
+        rid, params = request.request_id, request.sampling_params
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} must be new (WAITING, nothing computed)")
+        if not 1 <= request.num_tokens < self.max_model_len:
+            raise ValueError(
+                f"request {rid!r} has {request.num_tokens} tokens; need 1 <= tokens < "
+                f"max_model_len ({self.max_model_len}) to generate anything"
+            )
+        # the last token is sampled but never cached
+        max_cached = min(self.max_model_len, request.num_tokens + params.max_tokens) - 1
+        if not self.cache.can_ever_fit(max_cached):
+            raise ValueError(
+                f"request {rid!r} can need {max_cached} cached tokens; the whole cache holds "
+                f"fewer ({self.cache.stats().num_blocks} blocks of "
+                f"{self.cache.tokens_per_block} tokens, cp_size={self.cache.cp_size})"
+            )
+        if params.stop:
+            if self.detokenize is None:
+                raise ValueError(f"request {rid!r} has stop strings but no detokenize was given")
+            self._stop_checkers[rid] = StopChecker(params.stop, self.detokenize)
+        self._requests[rid] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Finish a request (ABORTED, or ERROR when ``error`` is given) and free its cache.
+
+        Returns False when the id is unknown or already finished (a cancel racing a finish).
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        request.error = error
+        self._finish(request, status)
+        return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's work. Strictly alternates with ``update_from_output``."""
+        if self._pending is not None:
+            raise RuntimeError("schedule() called before update_from_output() of the last step")
+        out = self._schedule()
+        self._pending = out if out.seqs else None
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens - self._schedule_decodes(out)
+        for request in self.running:
+            if budget == 0:
+                break
+            if not self._is_decode(request):
+                budget -= self._schedule_chunk(request, budget, out)
+        if out.preempted_ids:
+            return out
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            if not self.cache.can_allocate(request.num_tokens):
+                break  # back-pressure
+            self.cache.allocate(request.request_id, request.num_tokens)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= self._schedule_chunk(request, budget, out)
+        return out
+
+    def _is_decode(self, request: Request) -> bool:
+        return (
+            request.num_output_tokens > 0
+            and request.num_computed_tokens == request.num_tokens - 1
+        )
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        num_scheduled = 0
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            if not self._is_decode(request):
+                index += 1
+                continue
+            handle = self.cache.get(request.request_id)
+            while not self.cache.can_extend(handle, request.num_tokens):
+                victim = self.running[-1]  # index <= last, so never an already-scheduled one
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    return num_scheduled
+            self.cache.extend(handle, request.num_tokens)
+            token = request.output_token_ids[-1]
+            out.seqs.append(self._seq(request, [token], is_prefill=False, sample=True))
+            num_scheduled += 1
+            index += 1
+        return num_scheduled
+
+    def _schedule_chunk(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        start = request.num_computed_tokens
+        stop = min(request.num_tokens, start + budget)
+        token_ids = request.token_ids_between(start, stop)
+        is_last = stop == request.num_tokens
+        out.seqs.append(self._seq(request, token_ids, is_prefill=True, sample=is_last))
+        return stop - start
+
+    def _seq(
+        self, request: Request, token_ids: list[int], is_prefill: bool, sample: bool
+    ) -> ScheduledSeq:
+        handle = self.cache.get(request.request_id)
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            context_len=request.num_computed_tokens,
+            block_table=handle.block_table(),
+            slot=handle.slot,
+            is_prefill=is_prefill,
+            sample=sample,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- postprocess ---------------------------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+    ) -> list[RequestUpdate]:
+        """Advance computed counts, append sampled tokens, finish and free stopped requests.
+
+        ``sampled_token_ids`` must hold a token for every seq with ``sample=True``. Seqs of
+        requests aborted since ``schedule()`` are skipped.
+        """
+        if output is not self._pending and output.seqs:
+            raise ValueError("update_from_output() got an output that is not the pending step")
+        missing = [
+            s.request_id
+            for s in output.seqs
+            if s.sample and s.request_id not in sampled_token_ids and s.request_id in self._requests
+        ]
+        if missing:
+            raise ValueError(f"no sampled token for requests {missing}")
+        self._pending = None
+        updates: list[RequestUpdate] = []
+        for seq in output.seqs:
+            request = self._requests.get(seq.request_id)
+            if request is None or request.num_computed_tokens != seq.context_len:
+                continue  # aborted (or aborted and re-added) since schedule()
+            request.num_computed_tokens += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            token = sampled_token_ids[seq.request_id]
+            request.output_token_ids.append(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self._finish(request, status)
+            updates.append(RequestUpdate(request.request_id, token, request.status))
+        return updates
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        checker = self._stop_checkers.get(request.request_id)
+        if checker is not None:
+            matched = checker.check(request.output_token_ids)
+            if matched is not None:
+                request.stop_reason = matched
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.cache.free(request.request_id)
+        request.status = status
+        del self._requests[request.request_id]
+        self._stop_checkers.pop(request.request_id, None)

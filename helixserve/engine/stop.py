@@ -1,0 +1,40 @@
+"""Stop-string matching over detokenized output (torch-free).
+
+Design: the scheduler owns every finishing decision so a request's cache is freed in the same
+step it stops. Stop *strings* need text, so the scheduler is given a ``detokenize(token_ids) ->
+str`` callable and keeps one :class:`StopChecker` per request that has ``stop`` strings. The LLM
+layer uses :func:`truncate_at_stop` on the final text (stop strings are not returned to the user).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Detokenize = Callable[[list[int]], str]
+
+
+class StopChecker:
+    """Finds a stop string in the tail of the output.
+
+    Only the last ``4 * max_stop_len + 4`` tokens are detokenized each step (a character is at
+    most 4 byte-level tokens), so the per-step cost does not grow with the output length.
+    """
+
+    def __init__(self, stop: Sequence[str], detokenize: Detokenize) -> None:
+        if not stop or any(not s for s in stop):
+            raise ValueError(f"stop must be a non-empty list of non-empty strings, got {stop!r}")
+        self.stop = tuple(stop)
+        self.detokenize = detokenize
+        self._window = 4 * max(len(s) for s in self.stop) + 4
+
+    def check(self, output_token_ids: Sequence[int]) -> str | None:
+        """The stop string found in the output's tail, or ``None``."""
+        text = self.detokenize(list(output_token_ids[-self._window :]))
+        found = [(text.find(s), s) for s in self.stop if s in text]
+        return min(found)[1] if found else None
+
+
+def truncate_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` cut before the earliest occurrence of any stop string."""
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=len(text))
+    return text[:cut]
