@@ -1,0 +1,103 @@
+"""Multi-head latent attention (full-attention layers), absorbed form over the paged latent cache.
+
+Per token the cache holds ``[c (kv_lora_rank) | k_shared (qk_rope_head_dim)]``: ``c`` is the
+normed latent, ``k_shared`` the single-head key part that Kimi leaves unrotated (NoPE). Queries
+are absorbed into latent space: ``q_lat[h] = q_nope[h] @ W_UK[h]`` (``W_UK`` = the K rows of head
+h in ``kv_b_proj``), concatenated with ``q_rope``; attention over the latents then gives
+``o_lat [T, H, kv_lora_rank]`` which each head maps out through its V rows ``W_UV[h]``. The score
+scale stays ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``.
+
+The three steps (:meth:`absorbed_query`, :meth:`attend`, :meth:`output`) are separate so a helix
+rank can combine partial ``(o_lat, lse)`` across ranks before :meth:`output`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helixserve import kernels
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.context import ForwardBatch, ModelCaches
+from helixserve.models.mlp import linear
+from helixserve.models.norm import RMSNorm
+
+# q_a_layernorm / kv_a_layernorm use the DeepSeek/Kimi module default eps, not rms_norm_eps.
+MLA_LATENT_NORM_EPS = 1e-6
+
+
+class MultiLatentAttention(nn.Module):
+    def __init__(self, cfg: KimiModelConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim**-0.5
+        hidden, H = cfg.hidden_size, cfg.num_attention_heads
+
+        self.q_lora_rank = cfg.q_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(hidden, H * cfg.qk_head_dim, dtype)
+        else:
+            self.q_a_proj = linear(hidden, cfg.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_LATENT_NORM_EPS, dtype)
+            self.q_b_proj = linear(cfg.q_lora_rank, H * cfg.qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = linear(hidden, cfg.mla_latent_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, MLA_LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        self.use_output_gate = cfg.mla_use_output_gate
+        if cfg.mla_use_output_gate:
+            self.g_proj = linear(hidden, H * cfg.v_head_dim, dtype)
+        self.o_proj = linear(H * cfg.v_head_dim, hidden, dtype)
+
+    def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [H, nope, r]`` and ``W_UV [H, v, r]`` (checkpoint rows are ``[K | V]`` per head)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, kv_lora_rank + rope]`` cache rows of the new tokens."""
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_shared = ckv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_shared], dim=-1)
+
+    def absorbed_query(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H, kv_lora_rank + rope]``."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        w_uk, _ = self._kv_b_heads()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        return torch.cat([q_lat, q_rope], dim=-1)
+
+    def attend(
+        self, q: torch.Tensor, batch: ForwardBatch, caches: ModelCaches
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over the locally held latents: ``(o_lat [T, H, r], lse [T, H])``."""
+        return kernels.mla_paged_attention(
+            q, caches.mla_kv[self.layer_idx], batch.block_tables, batch.cu_seqlens, batch.positions,
+            batch.kv_lens, scale=self.scale, v_dim=self.kv_lora_rank,
+        )
+
+    def output(self, o_lat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per-head value projection, optional output gate, o_proj -> ``[T, hidden]``."""
+        _, w_uv = self._kv_b_heads()
+        o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)
+        o = o.reshape(x.shape[0], self.num_heads * self.v_head_dim)
+        if self.use_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """``x``: ``[T, hidden]`` normed layer input; writes the new latents, returns ``[T, hidden]``."""
+        kernels.mla_write_kv(
+            caches.mla_kv[self.layer_idx], batch.block_tables, batch.cu_seqlens, batch.positions, self.latent(x)
+        )
+        o_lat, _ = self.attend(self.absorbed_query(x), batch, caches)
+        return self.output(o_lat, x)

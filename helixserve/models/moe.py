@@ -1,0 +1,99 @@
+"""DeepSeek-V3-style MoE with Kimi's options.
+
+Router: fp32 logits, sigmoid scores; ``e_score_correction_bias`` only steers selection; the chosen
+un-biased scores are renormalized and scaled by ``routed_scaling_factor``. Routed experts are
+stacked per layer: ``w13 [E, 2I, De]`` (gate rows, then up rows) and ``w2 [E, De, I]``. K3's latent
+MoE runs the experts in ``De = routed_expert_hidden_size``: ``x -> routed_expert_down_proj -> experts
+-> sum -> routed_expert_norm -> routed_expert_up_proj``. Shared experts see the full ``x``.
+
+Split into :meth:`route`, :meth:`routed` and :meth:`finish` so expert parallelism can dispatch the
+expert input and sum partial expert outputs (before the latent norm) in between.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helixserve import kernels
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.mlp import GatedMLP, linear
+from helixserve.models.norm import RMSNorm
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=dtype))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight.float().t()
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        E, I, De = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_dim
+        self.w13 = nn.Parameter(torch.zeros(E, 2 * I, De, dtype=dtype))
+        self.w2 = nn.Parameter(torch.zeros(E, De, I, dtype=dtype))
+
+
+class KimiMoE(nn.Module):
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_token
+        self.renormalize = cfg.moe_renormalize
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.activation = cfg.hidden_act
+        self.situ_beta = cfg.activation_situ_beta
+        self.situ_linear_beta = cfg.activation_situ_linear_beta
+        self.gate = Router(cfg, dtype)
+        self.experts = RoutedExperts(cfg, dtype)
+        self.is_latent = cfg.routed_expert_hidden_size is not None
+        if self.is_latent:
+            self.routed_expert_down_proj = linear(cfg.hidden_size, cfg.expert_dim, dtype)
+            self.routed_expert_up_proj = linear(cfg.expert_dim, cfg.hidden_size, dtype)
+            self.use_latent_norm = cfg.latent_moe_use_norm
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(cfg.expert_dim, cfg.rms_norm_eps, dtype)
+        self.shared_experts = (
+            GatedMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts, dtype)
+            if cfg.num_shared_experts > 0 else None
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> (expert input ``[T, De]``, topk_weights ``[T, k]`` fp32, topk_ids ``[T, k]``)."""
+        weights, ids = kernels.moe_route(
+            self.gate.logits(x), top_k=self.top_k, correction_bias=self.gate.e_score_correction_bias,
+            renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor,
+        )
+        expert_in = self.routed_expert_down_proj(x) if self.is_latent else x
+        return expert_in, weights, ids
+
+    def routed(
+        self, expert_in: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+        w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, expert_offset: int = 0,
+    ) -> torch.Tensor:
+        """Weighted sum over the selected experts held in ``w13``/``w2`` (default: all) -> ``[T, De]``."""
+        return kernels.moe_experts(
+            expert_in, ids, weights,
+            self.experts.w13 if w13 is None else w13, self.experts.w2 if w2 is None else w2,
+            expert_offset=expert_offset, activation=self.activation,
+            situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
+        )
+
+    def finish(self, routed_sum: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Latent norm + up projection (K3) and the shared experts -> ``[T, hidden]``."""
+        y = routed_sum.to(x.dtype)
+        if self.is_latent:
+            if self.use_latent_norm:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert_in, weights, ids = self.route(x)
+        return self.finish(self.routed(expert_in, weights, ids), x)

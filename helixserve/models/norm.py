@@ -1,0 +1,18 @@
+"""RMSNorm holding its weight; the math is ``helixserve.kernels.rms_norm``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helixserve import kernels
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,146 @@
+"""Named model configs and random-weight checkpoints for tests and demos.
+
+``kimi-linear-48b`` and ``kimi-k3`` are the published shapes (configs only); ``kimi-linear-tiny``
+and ``kimi-k3-tiny`` are small enough for CPU tests yet exercise every layer kind: KDA and MLA
+mixers, a dense layer 0 and MoE layers; K3-tiny adds q-LoRA MLA with output gate, the lower-bound
+KDA gate with full-rank output gate, SiTU, latent MoE, three attention-residual blocks and MXFP4
+routed experts in its checkpoint. Tiny vocabularies match the byte-level tokenizer
+(256 bytes + specials, bos 256, eos 257, pad 258).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+_KIMI_LINEAR_48B: dict[str, Any] = {
+    "model_type": "kimi_linear",
+    "vocab_size": 163840, "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+    "hidden_size": 2304, "num_hidden_layers": 27, "intermediate_size": 9216, "hidden_act": "silu",
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 1048576,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+    "linear_attn_config": {
+        "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
+        "kda_layers": [i for i in range(1, 28) if i % 4 != 0 and i != 27],
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+    },
+    "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "moe_router_activation_func": "sigmoid",
+    "moe_renormalize": True, "routed_scaling_factor": 2.446, "use_grouped_topk": True,
+    "num_expert_group": 1, "topk_group": 1,
+}
+
+_K3_FULL_ATTN = [*range(4, 93, 4), 93]
+_KIMI_K3: dict[str, Any] = {
+    **_KIMI_LINEAR_48B,
+    "model_type": "kimi_k3",
+    "hidden_size": 7168, "num_hidden_layers": 93, "intermediate_size": 33792, "hidden_act": "situ",
+    "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+    "num_attention_heads": 96, "num_key_value_heads": 96, "q_lora_rank": 1536, "mla_use_output_gate": True,
+    "linear_attn_config": {
+        "num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True, "full_attn_layers": _K3_FULL_ATTN,
+        "kda_layers": [i for i in range(1, 94) if i not in _K3_FULL_ATTN],
+    },
+    "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
+    "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True, "routed_scaling_factor": 1.0,
+    "attn_res_block_size": 12, "routed_expert_format": "mxfp4",
+}
+
+_TINY_TOKENS = {"vocab_size": 512, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
+
+_KIMI_LINEAR_TINY: dict[str, Any] = {
+    **_KIMI_LINEAR_48B, **_TINY_TOKENS,
+    "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256, "max_position_embeddings": 4096,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "linear_attn_config": {"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4,
+                           "kda_layers": [1, 2, 4], "full_attn_layers": [3]},
+    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 64,
+}
+
+_KIMI_K3_TINY: dict[str, Any] = {
+    **_KIMI_K3, **_TINY_TOKENS,
+    "hidden_size": 128, "num_hidden_layers": 6, "intermediate_size": 256, "max_position_embeddings": 4096,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "linear_attn_config": {"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                           "use_full_rank_gate": True, "kda_layers": [1, 2, 3, 5], "full_attn_layers": [4, 6]},
+    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 64,
+    "routed_expert_hidden_size": 64, "attn_res_block_size": 2,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "kimi-linear-48b": _KIMI_LINEAR_48B,
+    "kimi-k3": _KIMI_K3,
+    "kimi-linear-tiny": _KIMI_LINEAR_TINY,
+    "kimi-k3-tiny": _KIMI_K3_TINY,
+}
+
+
+def get_preset(name: str) -> KimiModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return KimiModelConfig.model_validate(PRESETS[name])
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Seeded init with scales that keep activations O(1) and logits peaked enough to be non-degenerate.
+
+    Linear weights ~ N(0, 1/fan_in); embeddings ~ N(0, 1); norm weights ~ 1 + N(0, 0.1); KDA A_log =
+    log U(1, 16) and dt_bias = softplus^-1(U(1e-3, 1e-1)) (the fla init); router bias ~ N(0, 0.01);
+    attention-residual queries ~ N(0, 0.5). MXFP4 configs round routed experts to FP4 so that
+    a saved checkpoint reloads exactly.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: torch.Size, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    for name, p in model.named_parameters():
+        shape = p.shape
+        if name.endswith(".A_log"):
+            value = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
+        elif name.endswith(".dt_bias"):
+            dt = torch.exp(torch.rand(shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            value = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith(".e_score_correction_bias"):
+            value = normal(shape, 0.01)
+        elif name.endswith("_res_proj.weight"):
+            value = normal(shape, 0.5)
+        elif name.endswith("embed_tokens.weight"):
+            value = normal(shape, 1.0)
+        elif p.dim() == 1:
+            value = 1.0 + normal(shape, 0.1)
+        elif name.endswith("conv1d.weight"):
+            value = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        else:
+            value = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        p.copy_(value.to(p.dtype))
+    if model.cfg.routed_expert_format == "mxfp4":
+        for name, p in model.named_parameters():
+            if name.endswith((".experts.w13", ".experts.w2")):
+                p.copy_(dequantize_mxfp4(*quantize_mxfp4(p.float())).to(p.dtype))
+
+
+def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Random-weight checkpoint of ``preset``: config.json, model.safetensors, tokenizer files."""
+    from helixserve.models.checkpoint import save_checkpoint
+    from helixserve.models.kimi import KimiForCausalLM
+    from helixserve.models.tokenizer import write_tokenizer_files
+
+    cfg = get_preset(preset)
+    torch_dtype = getattr(torch, dtype)
+    model = KimiForCausalLM(cfg, dtype=torch.float32)
+    init_random_weights(model, seed)
+    out = save_checkpoint(model, cfg, out_dir, torch_dtype)
+    write_tokenizer_files(out)
+    return out
