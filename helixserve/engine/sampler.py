@@ -61,11 +61,19 @@ def sample(
     if any(p.is_top_k_on or p.top_p < 1 for p in sub):
         scaled = _mask_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
-    # Gumbel-max via exponential noise: argmax(p / q), q ~ Exp(1), one row per generator
+    # Gumbel-max via exponential noise: argmax(p / q), q ~ Exp(1). Rows sharing a generator draw
+    # together; a seeded request's own generator draws exactly its row, whatever the batch.
     noise = torch.empty_like(probs)
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for j, i in enumerate(sampled_rows):
         gen = generators[i] if generators is not None else None
-        noise[j].exponential_(generator=gen)
+        groups.setdefault(id(gen), (gen, []))[1].append(j)
+    for gen, js in groups.values():
+        if len(js) == 1:
+            noise[js[0]].exponential_(generator=gen)
+        else:
+            block = torch.empty(len(js), vocab, device=logits.device).exponential_(generator=gen)
+            noise[torch.tensor(js, device=logits.device)] = block
     noise.clamp_(min=1e-20)
     choice = (probs / noise).argmax(dim=-1).tolist()
     for j, i in enumerate(sampled_rows):

@@ -115,6 +115,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._stop_checkers: dict[str, StopChecker] = {}
         self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._pending_requests: dict[str, Request] = {}
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -182,6 +183,7 @@ class Scheduler:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         out = self._schedule()
         self._pending = out if out.seqs else None
+        self._pending_requests = {s.request_id: self._requests[s.request_id] for s in out.seqs}
         return out
 
     def _schedule(self) -> SchedulerOutput:
@@ -278,16 +280,15 @@ class Scheduler:
         missing = [
             s.request_id
             for s in output.seqs
-            if s.sample and s.request_id not in sampled_token_ids and s.request_id in self._requests
+            if s.sample and s.request_id not in sampled_token_ids and self._is_live(s.request_id)
         ]
         if missing:
             raise ValueError(f"no sampled token for requests {missing}")
-        self._pending = None
         updates: list[RequestUpdate] = []
         for seq in output.seqs:
-            request = self._requests.get(seq.request_id)
-            if request is None or request.num_computed_tokens != seq.context_len:
+            if not self._is_live(seq.request_id):
                 continue  # aborted (or aborted and re-added) since schedule()
+            request = self._requests[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
             if not seq.sample:
                 continue
@@ -297,7 +298,12 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
             updates.append(RequestUpdate(request.request_id, token, request.status))
+        self._pending, self._pending_requests = None, {}
         return updates
+
+    def _is_live(self, request_id: str) -> bool:
+        request = self._requests.get(request_id)
+        return request is not None and request is self._pending_requests.get(request_id)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -91,3 +91,20 @@ def test_generator_state_persists_and_release_resets():
 def test_bad_shapes():
     with pytest.raises(ValueError):
         sample(torch.zeros(2, V), [SamplingParams()])
+
+
+def test_mixed_batch_greedy_seeded_and_shared():
+    logits = _logits(6)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=0, seed=4),
+        SamplingParams(temperature=0.5, top_p=0.5),
+    ]
+    tokens = Sampler(seed=1)(logits, [f"r{i}" for i in range(6)], params)
+    again = Sampler(seed=1)(logits, [f"r{i}" for i in range(6)], params)
+    assert tokens == again  # same shared seed -> same tokens (CP ranks agree)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[4] == int(logits[4].argmax())
+    assert tokens[3] in logits[3].topk(2).indices.tolist()

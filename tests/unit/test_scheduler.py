@@ -280,3 +280,16 @@ def test_sampling_params_validation_names_the_value():
             SamplingParams(**kw)
     assert SamplingParams(top_k=-1, temperature=0).is_greedy
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_abort_and_readd_between_schedule_and_update_is_not_confused():
+    sched, mgr = make()
+    sched.add_request(req("a", 3))
+    out = sched.schedule()
+    sched.abort("a")
+    fresh = req("a", 3)
+    sched.add_request(fresh)
+    assert sched.update_from_output(out, {"a": 7}) == []
+    assert fresh.num_computed_tokens == 0 and fresh.output_token_ids == []
+    step(sched)
+    assert fresh.num_output_tokens == 1
