@@ -1,0 +1,150 @@
+"""``disaggregated_params``: what the router, the ctx worker and the gen worker tell each other.
+
+The request path (DESIGN.md, "One request, end to end"):
+
+1. router -> ctx: the OpenAI request with ``DisaggregatedParams(request_type="context_only")``.
+2. ctx -> router: the first token, and ``DisaggregatedParams`` (still ``context_only``) filled in:
+   ``ctx_request_id``, ``first_gen_tokens``, ``prompt_token_ids``, the ctx worker's transceiver
+   endpoint and a :class:`KVLayout` descriptor.
+3. router -> gen: the same request with ``params.for_generation()`` (``generation_only``); the gen
+   side checks the layout against its own (:meth:`KVLayout.mismatches`) before any transfer.
+
+Sizes the transceiver derives from a :class:`KVLayout` (per request of ``P`` prompt tokens):
+
+- MLA, per MLA layer: ``ceil(P / tokens_per_block)`` blocks of
+  ``[tokens_per_block, kv_lora_rank + qk_rope_head_dim]`` in ``kv_dtype``.
+- KDA, per KDA layer: recurrent state ``[num_kda_heads, kda_head_dim, kda_head_dim]`` in
+  ``state_dtype`` and conv state ``[3 * num_kda_heads * kda_head_dim, conv_kernel_size - 1]`` in
+  ``conv_dtype`` (the ctx side holds them sharded over ``ctx_tp_size`` head slices).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+DType = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+LayerKind = Literal["kda", "mla"]
+
+
+class RequestType(StrEnum):
+    """Which half of a disaggregated request a worker is asked to run."""
+
+    CONTEXT_ONLY = "context_only"
+    GENERATION_ONLY = "generation_only"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TransceiverEndpoint(_Strict):
+    """Where the ctx worker's transceiver control plane (gRPC) listens."""
+
+    host: NonEmptyStr
+    port: Annotated[StrictInt, Field(ge=1, le=65535)]
+
+
+class KVLayout(_Strict):
+    """Cache layout of the ctx worker that holds a request; both sides must agree on it.
+
+    ``layer_kinds[i]`` is the mixer of 0-based decoder layer ``i`` (``"kda"`` or ``"mla"``).
+    """
+
+    model: NonEmptyStr
+    tokens_per_block: PositiveInt
+    layer_kinds: Annotated[list[LayerKind], Field(min_length=1)]
+    kv_lora_rank: PositiveInt
+    qk_rope_head_dim: NonNegativeInt
+    num_kda_heads: PositiveInt
+    kda_head_dim: PositiveInt
+    conv_kernel_size: PositiveInt
+    kv_dtype: DType
+    state_dtype: DType = "float32"
+    conv_dtype: DType
+    ctx_tp_size: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> Self:
+        if self.num_kda_heads % self.ctx_tp_size:
+            raise PydanticCustomError(
+                "invalid_value", "num_kda_heads ({h}) must be divisible by ctx_tp_size ({tp})",
+                {"h": self.num_kda_heads, "tp": self.ctx_tp_size, "param": "ctx_tp_size"})
+        return self
+
+    @property
+    def mla_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_kinds) if kind == "mla"]
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_kinds) if kind == "kda"]
+
+    def num_blocks(self, num_tokens: int) -> int:
+        """MLA blocks that hold ``num_tokens`` cached tokens."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.tokens_per_block)
+
+    def mismatches(self, other: KVLayout, *, ignore: frozenset[str] = frozenset({"ctx_tp_size"})
+                   ) -> list[str]:
+        """``"field: ours != theirs"`` for every differing field (empty list = compatible).
+
+        ``ctx_tp_size`` is ignored by default: it says how the ctx side shards, not what it holds.
+        """
+        return [f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
+                for name in type(self).model_fields
+                if name not in ignore and getattr(self, name) != getattr(other, name)]
+
+
+class DisaggregatedParams(_Strict):
+    """The ``disaggregated_params`` field of requests to, and responses from, ctx and gen workers.
+
+    A ``context_only`` request from the router carries only ``request_type``; the ctx worker's
+    response fills in the rest. A ``generation_only`` request must carry everything the gen side
+    needs to pick the cache up: ``ctx_request_id``, ``first_gen_tokens`` (non-empty),
+    ``prompt_token_ids`` (non-empty), ``ctx_endpoint`` and ``layout``.
+    """
+
+    request_type: RequestType
+    ctx_request_id: NonEmptyStr | None = None
+    first_gen_tokens: list[TokenId] = Field(default_factory=list)
+    prompt_token_ids: list[TokenId] = Field(default_factory=list)
+    ctx_endpoint: TransceiverEndpoint | None = None
+    layout: KVLayout | None = None
+
+    @model_validator(mode="after")
+    def _check_generation_only(self) -> Self:
+        if self.request_type is not RequestType.GENERATION_ONLY:
+            return self
+        for name in ("ctx_request_id", "first_gen_tokens", "prompt_token_ids", "ctx_endpoint",
+                     "layout"):
+            if not getattr(self, name):
+                raise PydanticCustomError(
+                    "invalid_value", "a generation_only request needs disaggregated_params.{name}",
+                    {"name": name, "param": name,
+                     "code": "missing_required_parameter"})
+        return self
+
+    @property
+    def is_context_only(self) -> bool:
+        return self.request_type is RequestType.CONTEXT_ONLY
+
+    @property
+    def is_generation_only(self) -> bool:
+        return self.request_type is RequestType.GENERATION_ONLY
+
+    def for_generation(self) -> DisaggregatedParams:
+        """These (ctx-filled) params as a validated ``generation_only`` request's params.
+
+        Raises ``pydantic.ValidationError`` when the ctx answer lacks a required field.
+        """
+        return DisaggregatedParams.model_validate(
+            {**self.model_dump(), "request_type": RequestType.GENERATION_ONLY})
