@@ -110,15 +110,21 @@ def _paged_attention_torch(
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     tables = block_tables.detach().to("cpu", torch.int64)
     lens = kv_lens.detach().to("cpu", torch.int64)
+    positions = q_positions.detach().to("cpu", torch.int64)
+    if tables.numel() and int(tables.max()) >= kv_cache.shape[0]:
+        raise ValueError(f"block_tables entries must be < {kv_cache.shape[0]} (num blocks), got {int(tables.max())}")
     for i in range(cu.numel() - 1):
         start, end = int(cu[i]), int(cu[i + 1])
         kv_len = int(lens[i])
-        num_blocks = -(-kv_len // BS)
         if end == start or kv_len <= 0:
             continue
-        if num_blocks > tables.shape[1]:
-            raise ValueError(f"kv_lens[{i}]={kv_len} needs {num_blocks} blocks, block_tables has {tables.shape[1]}")
-        logical = torch.nonzero(tables[i, :num_blocks] >= 0).squeeze(1)
+        if -(-kv_len // BS) > tables.shape[1]:
+            raise ValueError(f"kv_lens[{i}]={kv_len} needs {-(-kv_len // BS)} blocks, block_tables has {tables.shape[1]}")
+        # only keys some query of this sequence can see
+        num_keys = min(kv_len, int(positions[start:end].max()) + 1)
+        if num_keys <= 0:
+            continue
+        logical = torch.nonzero(tables[i, :-(-num_keys // BS)] >= 0).squeeze(1)
         if logical.numel() == 0:
             continue
         o[start:end], lse[start:end] = _attend_one_sequence(

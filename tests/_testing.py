@@ -1,0 +1,79 @@
+"""Shared test helpers: fla-style closeness check and by-path loading of reference modules."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+
+def _err_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
+    err = (ref - out).square().mean().sqrt().item()
+    base = ref.square().mean().sqrt().item()
+    return err / (base + 1e-8)
+
+
+def assert_close(
+    name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float, *, atol: float | None = None,
+    err_atol: float = 1e-6,
+) -> None:
+    """fla-style check: same shape, no NaN, same +-inf pattern, then on finite entries
+    relative RMS error < ratio (skipped when max-abs diff <= err_atol) and, if given, max-abs <= atol."""
+    assert ref.shape == out.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
+    assert not torch.isnan(ref).any(), f"{name}: NaN in reference"
+    assert not torch.isnan(out).any(), f"{name}: NaN in output"
+    ref_inf, out_inf = torch.isinf(ref), torch.isinf(out)
+    assert torch.equal(ref_inf, out_inf), f"{name}: inf pattern differs ({int(ref_inf.sum())} vs {int(out_inf.sum())})"
+    assert torch.equal(ref[ref_inf], out[out_inf]), f"{name}: inf signs differ"
+    finite = ~ref_inf
+    ref, out = ref[finite], out[finite]
+    if ref.numel() == 0:
+        return
+    max_abs = (ref - out).abs().max().item()
+    rel = _err_ratio(ref, out)
+    msg = f"{name}: max-abs {max_abs:.3e}, rel-rms {rel:.3e} (ratio {ratio}, atol {atol})"
+    if atol is not None:
+        assert max_abs <= atol, msg
+    if max_abs <= err_atol:
+        return
+    assert rel < ratio, msg
+
+
+def site_package_file(package: str, relpath: str) -> Path:
+    """Path of a file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"{package} not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / relpath
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+def load_module_by_path(package: str, relpath: str) -> ModuleType:
+    """Import one file of a package on its own (fla's package import needs triton)."""
+    path = site_package_file(package, relpath)
+    name = f"_ref_{package}_{relpath.replace(os.sep, '_').removesuffix('.py')}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_functions_from_source(package: str, relpath: str, names: list[str], namespace: dict) -> dict:
+    """Exec only the named top-level functions of a file whose imports cannot load (e.g. triton)."""
+    tree = ast.parse(site_package_file(package, relpath).read_text())
+    defs = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    missing = set(names) - {node.name for node in defs}
+    if missing:
+        pytest.skip(f"{relpath} lacks {sorted(missing)}")
+    scope = dict(namespace)
+    exec(compile(ast.Module(body=defs, type_ignores=[]), relpath, "exec"), scope)
+    return {name: scope[name] for name in names}

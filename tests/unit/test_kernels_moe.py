@@ -1,0 +1,107 @@
+"""MoE routing, gated activations and the expert sum (incl. expert-parallel split)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helixserve.kernels import act_and_mul, moe_experts, moe_route
+from helixserve.kernels.moe.naive import naive_moe_experts, naive_moe_route
+from tests._testing import assert_close
+
+T, D, I, E, TOP_K = 11, 8, 6, 8, 3
+
+
+def rand(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def route(bias=None, renormalize=True, scaling=2.446, seed=0):
+    return moe_route(rand(T, E, seed=seed), top_k=TOP_K, correction_bias=bias, renormalize=renormalize,
+                     routed_scaling_factor=scaling)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_naive(renormalize):
+    logits, bias = rand(T, E, seed=0), rand(E, seed=1)
+    w, ids = moe_route(logits, top_k=TOP_K, correction_bias=bias, renormalize=renormalize,
+                       routed_scaling_factor=2.446)
+    w_ref, ids_ref = naive_moe_route(logits, TOP_K, bias, renormalize, 2.446)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, ids_ref)
+    assert_close("weights", w_ref, w, 1e-6)
+
+
+def test_bias_changes_selection_not_weights():
+    bias = torch.zeros(E)
+    bias[5] = 10.0  # forces expert 5 in
+    w, ids = route(bias, renormalize=False, scaling=1.0)
+    assert (ids == 5).any(-1).all()
+    scores = torch.sigmoid(rand(T, E, seed=0))
+    assert torch.equal(w, scores.gather(1, ids)), "weights are the unbiased sigmoid scores"
+    _, ids_plain = route(None)
+    assert not torch.equal(ids, ids_plain)
+
+
+def test_renormalize_then_scale():
+    w, _ = route(None, renormalize=True, scaling=2.5)
+    assert_close("row sums", torch.full((T,), 2.5), w.sum(-1), 1e-6)
+    w1, _ = route(None, renormalize=False, scaling=1.0)
+    w3, _ = route(None, renormalize=False, scaling=3.0)
+    assert_close("scaling", w1 * 3.0, w3, 1e-7)
+
+
+def test_act_and_mul_formulas():
+    gate, up = rand(5, I, seed=2) * 20, rand(5, I, seed=3) * 60  # reach both tanh soft-caps
+    assert_close("silu", F.silu(gate) * up, act_and_mul(gate, up), 1e-7)
+    situ = 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate) * (25.0 * torch.tanh(up / 25.0))
+    assert_close("situ", situ, act_and_mul(gate, up, activation="situ"), 1e-7)
+    out = act_and_mul(gate.bfloat16(), up.bfloat16(), activation="situ", situ_beta=2.0, situ_linear_beta=10.0)
+    assert out.dtype == torch.bfloat16
+    assert out.float().abs().max() <= 2.0 * 10.0 + 0.1
+
+
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+def test_experts_match_naive_and_split_halves_sum(activation):
+    x = rand(T, D, seed=4)
+    w, ids = route(rand(E, seed=5))
+    w13, w2 = rand(E, 2 * I, D, seed=6), rand(E, D, I, seed=7)
+    y = moe_experts(x, ids, w, w13, w2, activation=activation)
+    assert_close("vs naive", naive_moe_experts(x, ids, w, w13, w2, activation=activation), y, 1e-6)
+    half = E // 2
+    y_lo = moe_experts(x, ids, w, w13[:half], w2[:half], expert_offset=0, activation=activation)
+    y_hi = moe_experts(x, ids, w, w13[half:], w2[half:], expert_offset=half, activation=activation)
+    assert_close("EP halves", y, y_lo + y_hi, 1e-6)
+
+
+def test_experts_no_local_expert_and_bf16():
+    x = rand(T, D, seed=8, dtype=torch.bfloat16)
+    w, ids = route()
+    w13, w2 = rand(2, 2 * I, D, seed=9, dtype=torch.bfloat16), rand(2, D, I, seed=10, dtype=torch.bfloat16)
+    y_none = moe_experts(x, ids, w, w13, w2, expert_offset=E)  # every id outside [E, E+2)
+    assert y_none.dtype == torch.bfloat16 and torch.equal(y_none, torch.zeros(T, D, dtype=torch.bfloat16))
+    y = moe_experts(x, ids, w, w13, w2, expert_offset=3)
+    assert_close("bf16", naive_moe_experts(x, ids, w, w13, w2, expert_offset=3), y.float(), 1e-2)
+
+
+def test_rejects_bad_arguments():
+    x, (w, ids) = rand(T, D, seed=0), route()
+    w13, w2 = rand(E, 2 * I, D, seed=1), rand(E, D, I, seed=2)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(rand(T, E, seed=0), top_k=E + 1, correction_bias=None, renormalize=True, routed_scaling_factor=1.0)
+    with pytest.raises(ValueError, match="correction_bias"):
+        moe_route(rand(T, E, seed=0), top_k=2, correction_bias=torch.zeros(E - 1), renormalize=True,
+                  routed_scaling_factor=1.0)
+    with pytest.raises(ValueError, match="w13 must be"):
+        moe_experts(x, ids, w, w13[:, :-1], w2)
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        moe_experts(x, ids, w, w13, w2[:, :, :-1])
+    with pytest.raises(ValueError, match="topk_weights must have shape"):
+        moe_experts(x, ids, w[:, :1], w13, w2)
+    with pytest.raises(ValueError, match="topk_ids must be an integer"):
+        moe_experts(x, ids.float(), w, w13, w2)
+    with pytest.raises(ValueError, match="activation"):
+        moe_experts(x, ids, w, w13, w2, activation="gelu")
+    with pytest.raises(ValueError, match="up must have shape"):
+        act_and_mul(torch.zeros(2, I), torch.zeros(2, I + 1))
