@@ -1,0 +1,110 @@
+"""Engine core: one process, one model, continuous batching.
+
+``step()`` is schedule -> run -> postprocess. Servers and the Python API drive it; it knows no
+HTTP and no transfers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.request import Request, SamplingParams
+from helixserve.engine.runner import ModelRunner, cache_spec_for
+from helixserve.engine.scheduler import RequestUpdate, Scheduler
+from helixserve.kvcache.manager import CacheManager
+from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.tokenizer import HelixTokenizer
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class CacheLayout:
+    """Derived once at start-up from the cache config and the model."""
+
+    num_blocks: int
+    num_slots: int
+    tokens_per_block: int
+    max_model_len: int
+
+
+class EngineCore:
+    """Owns the scheduler (queues, cache accounting) and the runner (tensors)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: KimiModelConfig,
+        tokenizer: HelixTokenizer | None,
+        cache: CacheConfig = CacheConfig(),
+        scheduler: SchedulerConfig = SchedulerConfig(),
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        spec = cache_spec_for(model_config, model.dtype, cache.tokens_per_block)
+        num_blocks, num_slots = size_from_budget(spec, int(cache.memory_budget_mib * _MIB), cache.max_num_seqs)
+        max_model_len = min(cache.max_model_len or model_config.max_position_embeddings, num_blocks * cache.tokens_per_block)
+        self.layout = CacheLayout(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
+        caches = allocate_model_caches(spec, num_blocks, num_slots, device)
+        self.runner = ModelRunner(model, caches, device, seed=seed)
+        self.cache_manager = CacheManager(
+            num_blocks, num_slots, cache.tokens_per_block,
+            has_mla=bool(spec.mla_layer_ids), has_kda=bool(spec.kda_layer_ids),
+        )
+        eos = set(tokenizer.eos_token_ids) if tokenizer else set()
+        if model_config.eos_token_id is not None:
+            eos.add(model_config.eos_token_id)
+        self.scheduler = Scheduler(
+            self.cache_manager,
+            max_num_seqs=cache.max_num_seqs,
+            max_num_batched_tokens=max(scheduler.max_num_batched_tokens, cache.max_num_seqs),
+            max_model_len=max_model_len,
+            eos_token_ids=eos,
+            detokenize=tokenizer.decode if tokenizer else None,
+        )
+        self._params: dict[str, SamplingParams] = {}
+        logger.info("engine ready: %s", self.layout)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; ``ValueError`` if it could never run (too long, bad ids)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:8]}")
+        request = Request(request_id, list(prompt_token_ids), params)
+        self.scheduler.add_request(request)
+        self._params[request_id] = params
+        return request
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Stop a request and free its cache; False if unknown or already finished."""
+        aborted = self.scheduler.abort(request_id, error=error)
+        self._forget([request_id])
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestUpdate]:
+        """Schedule, run the model, apply the sampled tokens; returns this step's new tokens."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out, self._params)
+        updates = self.scheduler.update_from_output(out, sampled)
+        self._forget([u.request_id for u in updates if u.is_finished])
+        return updates
+
+    def _forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._params.pop(rid, None)
+        self.runner.release(request_ids)

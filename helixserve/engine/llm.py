@@ -1,0 +1,98 @@
+"""Python API: ``LLM(model_dir).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.core import EngineCore
+from helixserve.engine.request import Request, SamplingParams
+from helixserve.engine.stop import truncate_at_stop
+from helixserve.models.checkpoint import load_model
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.tokenizer import load_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` means float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """Offline generation over the engine core, with continuous batching across prompts."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str | torch.dtype | None = None,
+        device: str = "cpu",
+        cache: CacheConfig = CacheConfig(),
+        scheduler: SchedulerConfig = SchedulerConfig(),
+        seed: int = 0,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {self.model_dir}")
+        dev = torch.device(device)
+        self.model_config = KimiModelConfig.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        model = load_model(self.model_dir, dtype=resolve_dtype(dtype, dev), device=dev)
+        self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        requests: list[Request] = []
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                requests.append(self.engine.add_request(f"llm-{next(self._ids)}", self.encode(prompt), p))
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        finally:
+            for r in requests:
+                if not r.is_finished:
+                    self.engine.abort(r.request_id)
+        return [self._result(r) for r in requests]
+
+    def _result(self, r: Request) -> GenerationResult:
+        text = ""
+        if self.tokenizer is not None:
+            text = truncate_at_stop(self.tokenizer.decode(r.output_token_ids), r.sampling_params.stop)
+        return GenerationResult(r.request_id, r.prompt_token_ids, list(r.output_token_ids), text, r.status.finish_reason)

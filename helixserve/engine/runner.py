@@ -1,0 +1,93 @@
+"""Model runner: turns a :class:`SchedulerOutput` into a :class:`ForwardBatch`, runs the model and
+samples. It owns the model, the cache tensors and the sampler; it never touches queues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.sampler import Sampler
+from helixserve.engine.scheduler import SchedulerOutput
+from helixserve.kvcache.pools import CacheSpec, reset_slots
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.context import ForwardBatch, ModelCaches
+
+
+def cache_spec_for(
+    cfg: KimiModelConfig, dtype: torch.dtype, tokens_per_block: int, kda_num_heads: int | None = None
+) -> CacheSpec:
+    """The cache layout of ``cfg``; ``kda_num_heads`` overrides the head count (a rank's slice)."""
+    return CacheSpec(
+        mla_layer_ids=tuple(cfg.mla_layer_ids),
+        kda_layer_ids=tuple(cfg.kda_layer_ids),
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        kda_num_heads=kda_num_heads if kda_num_heads is not None else cfg.kda_num_heads,
+        kda_head_dim=cfg.kda_head_dim,
+        conv_kernel_size=cfg.conv_kernel_size,
+        dtype=dtype,
+        tokens_per_block=tokens_per_block,
+    )
+
+
+def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu") -> ForwardBatch:
+    """Flatten the scheduled sequences; logits are wanted for the last row of sampled sequences."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    cu_seqlens = [0]
+    logits_rows: list[int] = []
+    max_blocks = max((len(s.block_table) for s in out.seqs), default=0)
+    tables = []
+    for s in out.seqs:
+        n = s.num_tokens
+        input_ids.extend(s.token_ids)
+        positions.extend(range(s.context_len, s.context_len + n))
+        cu_seqlens.append(cu_seqlens[-1] + n)
+        if s.sample:
+            logits_rows.append(cu_seqlens[-1] - 1)
+        tables.append(list(s.block_table) + [-1] * (max_blocks - len(s.block_table)))
+
+    def as_long(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        input_ids=as_long(input_ids),
+        positions=as_long(positions),
+        cu_seqlens=as_long(cu_seqlens),
+        context_lens=as_long([s.context_len for s in out.seqs]),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(out.seqs), max_blocks),
+        state_slots=as_long([s.slot if s.slot is not None else 0 for s in out.seqs]),
+        logits_indices=as_long(logits_rows),
+    )
+
+
+class ModelRunner:
+    """Runs one scheduled step: reset fresh state slots, forward, sample the sampled rows."""
+
+    def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: torch.device | str, seed: int = 0) -> None:
+        self.model = model
+        self.caches = caches
+        self.device = torch.device(device)
+        self.sampler = Sampler(self.device, seed=seed)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits ``[num sampled seqs, vocab]`` fp32 for one step."""
+        if out.reset_slot_ids:
+            reset_slots(self.caches, out.reset_slot_ids)
+        return self.model(build_forward_batch(out, self.device), self.caches)
+
+    def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> dict[str, int]:
+        """Run ``out`` and return the sampled token of every sequence with ``sample`` set."""
+        if out.is_empty:
+            return {}
+        logits = self.forward(out)
+        sampled_ids = [s.request_id for s in out.seqs if s.sample]
+        tokens = self.sampler(logits, sampled_ids, [params[r] for r in sampled_ids])
+        return dict(zip(sampled_ids, tokens, strict=True))
+
+    def release(self, request_ids: list[str]) -> None:
+        self.sampler.release(request_ids)
