@@ -82,6 +82,18 @@ def test_chunk_size_does_not_change_result(chunk_size):
     assert_close("S", S_ref, S, 1e-5)
 
 
+def test_intra_chunk_batching_does_not_change_result(monkeypatch):
+    import helixserve.kernels.kda.chunk as chunk
+
+    cu = torch.tensor([0, 20, 45, 90])
+    q, k, v, g, beta = make_inputs(90, seed=30)
+    o_ref, S_ref = kda_chunk_prefill(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16)
+    monkeypatch.setattr(chunk, "_MAX_PAIRWISE_ELEMENTS", 3 * 16 * 16 * K)  # 3 (chunk, head) pairs per batch
+    o, S = kda_chunk_prefill(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16)
+    assert_close("o", o_ref, o, 1e-6)
+    assert_close("S", S_ref, S, 1e-6)
+
+
 def test_strong_decay_stays_finite():
     # g ~ -5 per token: the in-chunk cumulative decay reaches ~-320, exp(+320) would overflow fp32
     q, k, v, _, beta = make_inputs(128, seed=4)

@@ -126,15 +126,16 @@ def _chunk_token_index(
 def _intra_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """In-chunk terms (w, u, Aqk) for [NC, H, C, *] chunks, batched to bound memory."""
+    """In-chunk terms (w, u, Aqk) for [NC, H, C, *] chunks, in (chunk, head) batches to bound memory."""
     NC, H, C, K = k.shape
-    step = max(1, _MAX_PAIRWISE_ELEMENTS // max(1, H * C * C * K))
-    parts = [_intra_chunk_block(q[s:s + step], k[s:s + step], v[s:s + step], G[s:s + step],
-                                beta[s:s + step]) for s in range(0, NC, step)]
-    if not parts:
-        V = v.shape[-1]
-        return k.new_zeros(0, H, C, K), k.new_zeros(0, H, C, V), k.new_zeros(0, H, C, C)
-    return tuple(torch.cat(xs) for xs in zip(*parts))  # type: ignore[return-value]
+    V = v.shape[-1]
+    q, k, v, G, beta = (x.flatten(0, 1) for x in (q, k, v, G, beta))
+    step = max(1, _MAX_PAIRWISE_ELEMENTS // max(1, C * C * K))
+    w, u, Aqk = k.new_empty(NC * H, C, K), k.new_empty(NC * H, C, V), k.new_empty(NC * H, C, C)
+    for s in range(0, NC * H, step):
+        e = s + step
+        w[s:e], u[s:e], Aqk[s:e] = _intra_chunk_block(q[s:e], k[s:e], v[s:e], G[s:e], beta[s:e])
+    return w.view(NC, H, C, K), u.view(NC, H, C, V), Aqk.view(NC, H, C, C)
 
 
 def _intra_chunk_block(
