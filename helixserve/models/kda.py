@@ -22,14 +22,17 @@ from helixserve.models.norm import RMSNorm
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: KimiModelConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, cfg: KimiModelConfig, layer_idx: int, dtype: torch.dtype | None = None, num_heads: int | None = None
+    ) -> None:
+        """``num_heads``: heads held here (default all; a head-sharded rank passes its share)."""
         super().__init__()
         lin = cfg.linear_attn_config
         self.layer_idx = layer_idx
-        self.num_heads = lin.num_heads
+        self.num_heads = lin.num_heads if num_heads is None else num_heads
         self.head_dim = lin.head_dim
         self.lower_bound = lin.gate_lower_bound
-        hidden, width, kernel = cfg.hidden_size, lin.num_heads * lin.head_dim, lin.short_conv_kernel_size
+        hidden, width, kernel = cfg.hidden_size, self.num_heads * lin.head_dim, lin.short_conv_kernel_size
 
         self.q_proj = linear(hidden, width, dtype)
         self.k_proj = linear(hidden, width, dtype)
@@ -40,8 +43,8 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = linear(hidden, lin.head_dim, dtype)
         self.f_b_proj = linear(lin.head_dim, width, dtype)
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.zeros(lin.num_heads, dtype=torch.float32))
-        self.b_proj = linear(hidden, lin.num_heads, dtype)
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.b_proj = linear(hidden, self.num_heads, dtype)
         self.use_full_rank_gate = lin.use_full_rank_gate
         if lin.use_full_rank_gate:
             self.g_proj = linear(hidden, width, dtype)

@@ -198,3 +198,15 @@ def test_no_weights_file(tmp_path: Path) -> None:
     get_preset("kimi-linear-tiny").save(tmp_path)
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(tmp_path)
+
+
+def test_tied_embeddings_round_trip(tmp_path: Path) -> None:
+    cfg = get_preset("kimi-linear-tiny").model_copy(update={"tie_word_embeddings": True})
+    model = KimiForCausalLM(cfg)
+    init_random_weights(model, seed=2)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_checkpoint(model, cfg, tmp_path, torch.float32)
+    assert "lm_head.weight" not in _keys(tmp_path)
+    loaded = KimiForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight)
