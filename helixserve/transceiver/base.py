@@ -219,6 +219,9 @@ class TransferSession(ABC):
         task = self.tasks.get((peer, kind))
         if task is None:
             raise ValueError(f"request {self.request_id}: no task declared for {(peer, kind)}")
+        if self._outcome.state.is_settled:
+            handle.cancel()
+            raise ValueError(f"request {self.request_id} is already {self._outcome.state.value}")
         self.anchor_deadline()
         task.handle, task.state, task.error = handle, TransferState.TRANSFERRING, None
         if self._outcome.state is TransferState.PENDING:

@@ -262,3 +262,14 @@ def test_bounded_polling_wakeup_event_ends_a_tick_early():
     clock.call_at(0.0123, lambda: sender.acknowledge(1))
     assert poller.poll(wait_num=1, interval_s=1.0).completed == ["s"]
     assert clock.monotonic() == pytest.approx(0.0123)
+
+
+def test_bounded_polling_settled_session_rejects_late_posts():
+    clock = FakeClock()
+    session = receiver(clock, fault=FakeFault.NEVER_COMPLETE)
+    session.cancel()
+    assert session.update() is TransferState.CANCELLED
+    late = FakeHandle(clock)
+    with pytest.raises(ValueError, match="already cancelled"):
+        session.attach(0, KV, late)
+    assert late.is_cancel_requested
