@@ -7,6 +7,7 @@ HTTP and no transfers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,19 @@ from helixserve.models.tokenizer import HelixTokenizer
 logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A snapshot for health, load balancing and metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_held: int  # finished, cache kept for pickup
+    num_blocks: int
+    num_used_blocks: int
+    num_slots: int
+    num_used_slots: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,22 +88,69 @@ class EngineCore:
         self._params: dict[str, SamplingParams] = {}
         logger.info("engine ready: %s", self.layout)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; ``ValueError`` if it could never run (too long, bad ids)."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_cache: bool = False,
+        forced_output_token_ids: Sequence[int] = (),
+    ) -> Request:
+        """Queue a request; ``ValueError`` if it could never run (too long, bad ids).
+
+        ``hold_cache``: on a stop/length finish keep the cache until :meth:`release` (a ctx
+        prefill awaiting pickup). ``forced_output_token_ids``: the first outputs are these tokens
+        instead of the sampled ones (sampling still runs, so a seeded generator advances as if it
+        had drawn them).
+        """
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in (*prompt_token_ids, *forced_output_token_ids) if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:8]}")
-        request = Request(request_id, list(prompt_token_ids), params)
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:8]}")
+        if len(forced_output_token_ids) > params.max_tokens:
+            raise ValueError(
+                f"{len(forced_output_token_ids)} forced output tokens exceed max_tokens={params.max_tokens}"
+            )
+        request = Request(
+            request_id, list(prompt_token_ids), params, hold_cache_on_finish=hold_cache,
+            forced_output_token_ids=list(forced_output_token_ids),
+        )
         self.scheduler.add_request(request)
         self._params[request_id] = params
         return request
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
-        """Stop a request and free its cache; False if unknown or already finished."""
-        aborted = self.scheduler.abort(request_id, error=error)
+        """Stop a request and free its cache (a held one too); False if unknown or already freed."""
+        aborted = self.scheduler.abort(request_id, error=error) or self.scheduler.release(request_id)
         self._forget([request_id])
         return aborted
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's cache (picked up, or its pickup deadline passed)."""
+        return self.scheduler.release(request_id)
+
+    def abort_all(self, error: str) -> list[str]:
+        """Fail every unfinished request with ``error`` and drop a half-done step (after the model
+        raised); returns their ids. Held caches stay held."""
+        request_ids = self.scheduler.unfinished_request_ids
+        for rid in request_ids:
+            self.scheduler.abort(rid, error=error)
+        self.scheduler.discard_pending_step()
+        self._forget(request_ids)
+        return request_ids
+
+    def stats(self) -> EngineStats:
+        cache = self.cache_manager.stats()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_held=self.scheduler.num_held,
+            num_blocks=cache.num_blocks,
+            num_used_blocks=cache.num_used_blocks,
+            num_slots=cache.num_slots,
+            num_used_slots=cache.num_used_slots,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -120,6 +120,11 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     error: str | None = None
     num_preemptions: int = 0
+    # ctx pickup: on a stop/length finish keep the cache until ``Scheduler.release`` (see there)
+    hold_cache_on_finish: bool = False
+    # the first outputs are these tokens, not the sampled ones (a gen worker resuming a request
+    # whose first token the ctx worker sampled); stop rules still apply to them
+    forced_output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,6 +145,13 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+    def next_output_token(self, sampled_token_id: int) -> int:
+        """The token to append after sampling ``sampled_token_id`` (a forced one while any is left)."""
+        index = len(self.output_token_ids)
+        if index < len(self.forced_output_token_ids):
+            return self.forced_output_token_ids[index]
+        return sampled_token_id
 
     def token_ids_between(self, start: int, stop: int) -> list[int]:
         """Tokens ``[start, stop)`` of prompt + outputs."""

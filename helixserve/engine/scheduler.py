@@ -13,6 +13,10 @@ Each ``schedule()`` step, under a token budget of ``max_num_batched_tokens``:
 Only the final chunk of a prefill is sampled. ``update_from_output`` appends the sampled tokens,
 applies the stop rules (eos unless ``ignore_eos``, ``stop_token_ids``, stop strings through a
 ``detokenize`` callable, ``max_tokens``, ``max_model_len``) and frees finished requests' caches.
+
+A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting pickup) that finishes by
+stop or length keeps its cache, *held*: it no longer runs or counts as unfinished, but its blocks
+and slot stay allocated until ``release(request_id)``. An abort or error frees at once.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ class RequestUpdate:
         return self.status.is_finished
 
 
+_HOLDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -116,13 +123,14 @@ class Scheduler:
         self._stop_checkers: dict[str, StopChecker] = {}
         self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
         self._pending_requests: dict[str, Request] = {}
+        self._held: dict[str, Request] = {}  # finished, cache kept for pickup until release()
 
     # -- queue -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ``ValueError`` for one that could never run."""
         rid, params = request.request_id, request.sampling_params
-        if rid in self._requests:
+        if rid in self._requests or rid in self._held:
             raise ValueError(f"request id {rid!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} must be new (WAITING, nothing computed)")
@@ -161,8 +169,33 @@ class Scheduler:
         self._finish(request, status)
         return True
 
+    def release(self, request_id: str) -> bool:
+        """Free the cache of a held request; False when ``request_id`` is not held."""
+        request = self._held.pop(request_id, None)
+        if request is None:
+            return False
+        self.cache.free(request_id)
+        return True
+
+    def discard_pending_step(self) -> None:
+        """Forget the scheduled step whose output will never come (the model raised).
+
+        Abort the step's requests first: their computed counts no longer match the cache.
+        """
+        live = [rid for rid in self._pending_requests if self._is_live(rid)]
+        assert not live, f"abort the failed step's requests first: {live}"
+        self._pending, self._pending_requests = None, {}
+
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    @property
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     @property
     def num_waiting(self) -> int:
@@ -292,7 +325,7 @@ class Scheduler:
             request.num_computed_tokens += len(seq.token_ids)
             if not seq.sample:
                 continue
-            token = sampled_token_ids[seq.request_id]
+            token = request.next_output_token(sampled_token_ids[seq.request_id])
             request.output_token_ids.append(token)
             status = self._stop_status(request, token)
             if status is not None:
@@ -325,7 +358,11 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.cache.free(request.request_id)
+            keep = request.hold_cache_on_finish and status in _HOLDABLE
+            if keep:
+                self._held[request.request_id] = request
+            else:
+                self.cache.free(request.request_id)
         request.status = status
         del self._requests[request.request_id]
         self._stop_checkers.pop(request.request_id, None)

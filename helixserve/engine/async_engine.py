@@ -1,0 +1,369 @@
+"""Asyncio front of the engine: one thread owns the :class:`EngineCore` and runs its step loop;
+coroutines submit requests and read text deltas.
+
+A request's stages here:
+
+1. ``generate()`` admits it: at most ``max_num_seqs + max_queue_len`` live requests, else
+   :class:`QueueFullError` (429). An ADD command goes to the engine thread's inbox.
+2. The engine thread drains its inbox (add / abort / release), then steps the core. An add the
+   core refuses (``ValueError``: too long, bad ids) comes back to ``generate()`` as a 400.
+3. After each step the new tokens of every request go to the event loop in one call; a request's
+   :class:`_RequestStream` merges tokens its reader has not taken yet (one pending item per
+   request, so memory is bounded whatever the reader's speed).
+4. ``generate()`` turns tokens into text with :class:`IncrementalDetokenizer` (no broken UTF-8,
+   stop strings held back and cut) and yields :class:`RequestOutput` s; the last one has
+   ``finish_reason``.
+5. Leaving the iterator early (client gone, task cancelled) aborts the request in the engine,
+   which frees its cache; a ``hold_cache`` request that finished stays held until ``release()``.
+
+Failures never hang a reader: a step that raises fails every request in it with a 500 naming the
+exception (the loop goes on); ``shutdown()`` fails what is left with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from helixserve.engine.core import EngineStats
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.scheduler import RequestUpdate
+from helixserve.engine.stop import truncate_at_stop
+from helixserve.protocol.errors import (InternalServerError, InvalidRequestError, OpenAIError,
+                                        QueueFullError, RequestCancelledError,
+                                        ServiceUnavailableError)
+
+logger = logging.getLogger(__name__)
+
+_REPLACEMENT = "\ufffd"
+
+
+class EngineCoreLike(Protocol):
+    """What :class:`AsyncEngine` drives: :class:`EngineCore`, or a gen world's rank-0 driver."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    hold_cache: bool = False, forced_output_token_ids: Sequence[int] = ()) -> Any: ...
+    def abort(self, request_id: str, error: str | None = None) -> bool: ...
+    def release(self, request_id: str) -> bool: ...
+    def abort_all(self, error: str) -> list[str]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestUpdate]: ...
+    def stats(self) -> EngineStats: ...
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list whose concatenation is the final text.
+
+    The final text is ``truncate_at_stop(decode(all tokens), stop)``. While unfinished, a trailing
+    ``U+FFFD`` run (bytes that may still become a character) and the last ``max(len(stop)) - 1``
+    characters (the start of a stop string) are held back; everything before them can no longer
+    change. Each call decodes the whole output (the decoder is Rust; fine for serving lengths).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._token_ids: list[int] = []
+        self._num_emitted = 0
+        self.text = ""  # emitted so far
+
+    def add(self, token_ids: Sequence[int], is_finished: bool) -> str:
+        """Append tokens; the newly stable text (everything left, cut at a stop, when finished)."""
+        self._token_ids.extend(token_ids)
+        text = truncate_at_stop(self._decode(self._token_ids), self._stop)
+        end = len(text) if is_finished else len(text.rstrip(_REPLACEMENT)) - self._hold
+        if end <= self._num_emitted:
+            return ""
+        delta = text[self._num_emitted:end]
+        self._num_emitted = end
+        self.text += delta
+        return delta
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens and text of one request since the last output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int  # all so far
+    finish_reason: str | None = None  # "stop" or "length" on the last output
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _RequestStream:
+    """Tokens of one request the reader has not taken yet (merged: one pending item at most)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: OpenAIError | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, token_ids: list[int], finish_reason: str | None, error: OpenAIError | None) -> None:
+        self.token_ids.extend(token_ids)
+        self.finish_reason = self.finish_reason or finish_reason
+        self.error = self.error or error
+        self.event.set()
+
+    async def take(self) -> tuple[list[int], str | None, OpenAIError | None]:
+        await self.event.wait()
+        self.event.clear()
+        token_ids, self.token_ids = self.token_ids, []
+        return token_ids, self.finish_reason, self.error
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kwargs: dict[str, Any]
+    admitted: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Release:
+    request_id: str
+    released: asyncio.Future | None = None
+
+
+_STOP = object()
+_ERROR_STATUSES = ("abort", "error")
+
+
+class AsyncEngine:
+    """Runs ``core`` in a thread named ``engine_thread_name``; see the module docstring.
+
+    Args:
+        core: the engine; only the engine thread touches it after :meth:`start`.
+        decode: token ids -> text (``None``: outputs carry ids and empty text).
+        max_num_seqs: running slots of ``core`` (admission limit = this + ``max_queue_len``).
+        max_queue_len: requests allowed to wait beyond the running slots.
+    """
+
+    def __init__(self, core: EngineCoreLike, decode: Callable[[list[int]], str] | None,
+                 max_num_seqs: int, max_queue_len: int, engine_thread_name: str = "engine") -> None:
+        if max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
+        self._core = core
+        self._decode = decode or (lambda ids: "")
+        self.capacity = max_num_seqs + max_queue_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name=engine_thread_name, daemon=True)
+        self._is_accepting = False
+        self._stats = core.stats()
+        self._ids = itertools.count()
+        self.num_step_errors = 0
+
+    # -- event-loop side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._is_accepting = True
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._is_accepting and self._thread.is_alive()
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread published after its last step."""
+        return self._stats
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       *, hold_cache: bool = False,
+                       forced_output_token_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields outputs until the one with ``finish_reason``.
+
+        Raises :class:`QueueFullError` (429), :class:`InvalidRequestError` (400, the core refused
+        it), :class:`ServiceUnavailableError` (shutting down), :class:`InternalServerError` (the
+        engine failed) or :class:`RequestCancelledError` (aborted through :meth:`abort`).
+        """
+        stream = self._admit(request_id)
+        admitted = asyncio.get_running_loop().create_future()
+        kwargs = {"hold_cache": hold_cache, "forced_output_token_ids": tuple(forced_output_token_ids)}
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, kwargs, admitted))
+        detok = IncrementalDetokenizer(self._decode, params.stop)
+        num_output = 0
+        is_finished = False
+        try:
+            await admitted
+            while not is_finished:
+                token_ids, finish_reason, error = await stream.take()
+                if error is not None:
+                    raise error
+                is_finished = finish_reason is not None
+                num_output += len(token_ids)
+                text = detok.add(token_ids, is_finished)
+                yield RequestOutput(request_id, token_ids, text, len(prompt_token_ids), num_output,
+                                    finish_reason)
+        finally:
+            self._streams.pop(request_id, None)
+            if not is_finished:  # cancelled, failed or left early: free the cache (no await here)
+                self._inbox.put(_Abort(request_id))
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Abort a request (a held one too); its reader gets :class:`RequestCancelledError`."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put([], None, RequestCancelledError(error or f"request {request_id} was aborted"))
+        self._inbox.put(_Abort(request_id, error))
+
+    async def release(self, request_id: str) -> bool:
+        """Free a held request's cache; False when it is not held (never was, or already freed)."""
+        released = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Release(request_id, released))
+        return await released
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """Refuse new requests, let live ones finish for up to ``grace_s``, then stop the thread
+        and fail what is left with a 503."""
+        self._is_accepting = False
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self._streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self._inbox.put(_STOP)
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    def _admit(self, request_id: str) -> _RequestStream:
+        if not self.is_alive:
+            raise ServiceUnavailableError("the engine is not running (shutting down or failed)")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already running here",
+                                      code="duplicate_request_id")
+        if len(self._streams) >= self.capacity:
+            raise QueueFullError(f"the engine queue is full ({len(self._streams)} requests running "
+                                 f"or waiting, capacity {self.capacity}); retry later")
+        stream = self._streams[request_id] = _RequestStream()
+        return stream
+
+    def _deliver(self, batch: list[tuple[str, list[int], str | None, OpenAIError | None]]) -> None:
+        for request_id, token_ids, finish_reason, error in batch:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(token_ids, finish_reason, error)
+
+    # -- engine-thread side ------------------------------------------------------------------
+
+    def _call_soon(self, fn: Callable, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            pass
+
+    def _resolve(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None
+                 ) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+        self._call_soon(settle)
+
+    def _run(self) -> None:
+        is_stopping = False
+        while not is_stopping:
+            is_idle = not self._core.has_unfinished_requests()
+            commands = self._drain(block=is_idle)
+            for command in commands:
+                if command is _STOP:
+                    is_stopping = True
+                else:
+                    self._apply(command)
+            if not is_stopping and self._core.has_unfinished_requests():
+                self._step()
+            self._stats = self._core.stats()
+        failed = self._core.abort_all("the server is shutting down")
+        error = ServiceUnavailableError("the server is shutting down")
+        self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
+        self._drain_adds_after_stop(error)
+
+    def _drain(self, block: bool) -> list[Any]:
+        commands = []
+        try:
+            commands.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+            while True:
+                commands.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _drain_adds_after_stop(self, error: OpenAIError) -> None:
+        for command in self._drain(block=False):
+            if isinstance(command, _Add):
+                self._resolve(command.admitted, error=error)
+            elif isinstance(command, _Release) and command.released is not None:
+                self._resolve(command.released, False)
+
+    def _apply(self, command: _Add | _Abort | _Release) -> None:
+        if isinstance(command, _Add):
+            try:
+                self._core.add_request(command.request_id, command.prompt_token_ids,
+                                       command.params, **command.kwargs)
+            except ValueError as exc:
+                self._resolve(command.admitted, error=InvalidRequestError(str(exc)))
+            else:
+                self._resolve(command.admitted)
+        elif isinstance(command, _Abort):
+            self._core.abort(command.request_id, command.error)
+        else:
+            released = self._core.release(command.request_id)
+            if command.released is not None:
+                self._resolve(command.released, released)
+
+    def _step(self) -> None:
+        try:
+            updates = self._core.step()
+        except Exception as exc:  # the model or a kernel raised: fail this step's requests
+            self.num_step_errors += 1
+            logger.exception("engine step failed")
+            message = f"engine step failed: {type(exc).__name__}: {exc}"
+            failed = self._core.abort_all(message)
+            error = InternalServerError(message, code="engine_error")
+            self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
+            return
+        batch: dict[str, tuple[str, list[int], str | None, OpenAIError | None]] = {}
+        for update in updates:
+            rid, tokens, _, _ = batch.setdefault(update.request_id, (update.request_id, [], None, None))
+            reason, error = update.status.finish_reason, None
+            if reason in _ERROR_STATUSES:  # failed inside the core (e.g. a KV transfer): no token
+                error = InternalServerError(f"request {rid} failed in the engine ({reason})")
+                reason = None
+            else:
+                tokens.append(update.token_id)
+            batch[rid] = (rid, tokens, reason, error)
+        if batch:
+            self._call_soon(self._deliver, list(batch.values()))
