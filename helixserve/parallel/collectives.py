@@ -5,13 +5,22 @@ rows (an empty step still enters the collective so no peer waits on it). Failure
 included, are re-raised as :class:`CollectiveError` naming the collective, the group's ranks and
 this rank. Tensors must live on the group's device (CPU for gloo, CUDA for NCCL).
 
-Backend notes (torch 2.13): gloo implements ``all_gather_into_tensor``, ``reduce_scatter_tensor``
-and ``all_to_all_single`` with uneven split sizes on CPU, so every function is a single native
-collective on both gloo and NCCL (``tests/unit/test_parallel_collectives.py`` checks the results).
+Backend notes:
+
+- gloo (torch 2.13) implements ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
+  ``all_to_all_single`` with uneven split sizes on CPU, so every function is one native
+  collective on gloo and NCCL alike (``tests/integration/test_parallel_collectives.py``).
+  gloo enforces the group timeout itself.
+- NCCL runs collectives asynchronously; when a peer never joins, its watchdog notices the
+  timeout but the process was seen to stay blocked (> 45 s, torch 2.11, NCCL 2.28) in the next
+  synchronize. So by default (:func:`set_nccl_blocking_wait`, set by ``init_parallel``) the host
+  waits for each NCCL collective with the group timeout and raises on expiry: bounded, at the
+  cost of one host/GPU synchronization per collective (no CPU run-ahead, no CUDA graphs).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 Group = dist.ProcessGroup | None
 
+_nccl_wait_timeout: datetime.timedelta | None = None
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out (a peer died, skipped it, or called another one)."""
@@ -36,6 +47,28 @@ def group_size(group: Group) -> int:
 
 def group_rank(group: Group) -> int:
     return dist.get_rank(group)
+
+
+def group_device(group: Group) -> torch.device:
+    """Where this group's tensors live: the current CUDA device for nccl, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_nccl_blocking_wait(timeout: datetime.timedelta | None) -> None:
+    """Wait on the host for every NCCL collective, raising after ``timeout`` (None: don't)."""
+    global _nccl_wait_timeout
+    _nccl_wait_timeout = timeout
+
+
+def _wait(work: dist.Work | None, group: Group) -> None:
+    if work is None:  # this rank is not in the group
+        return
+    if _nccl_wait_timeout is not None and dist.get_backend(group) == "nccl":
+        work.wait(timeout=_nccl_wait_timeout)
+    else:
+        work.wait()
 
 
 @contextmanager
@@ -52,13 +85,14 @@ def _collective(name: str, group: Group) -> Iterator[None]:
         raise CollectiveError(f"{name} over ranks {ranks} failed on rank {rank}: {exc}") from exc
 
 
-def all_gather_counts(count: int, group: Group, device: torch.device | str = "cpu") -> list[int]:
+def all_gather_counts(count: int, group: Group, device: torch.device | None = None) -> list[int]:
     """Every rank's ``count`` (e.g. its local row count), in group-rank order."""
     size = group_size(group)
+    device = device or group_device(group)
     send = torch.tensor([count], dtype=torch.int64, device=device)
     recv = torch.empty(size, dtype=torch.int64, device=device)
     with _collective("all_gather_counts", group):
-        dist.all_gather_into_tensor(recv, send, group=group)
+        _wait(dist.all_gather_into_tensor(recv, send, group=group, async_op=True), group)
     return recv.tolist()
 
 
@@ -78,7 +112,7 @@ def all_gather_rows(x_local: torch.Tensor, num_tokens: int, group: Group) -> tor
         raise ValueError(f"x_local has {x_local.shape[0]} rows, expected ceil(T={num_tokens} / cp={cp}) = {chunk}")
     out = x_local.new_empty((cp * chunk, *x_local.shape[1:]))
     with _collective("all_gather_rows", group):
-        dist.all_gather_into_tensor(out, x_local.contiguous(), group=group)
+        _wait(dist.all_gather_into_tensor(out, x_local.contiguous(), group=group, async_op=True), group)
     return out[:num_tokens]
 
 
@@ -99,11 +133,11 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     padded = pad_rows(x, chunk * cp).contiguous()
     out = x.new_empty((chunk, *x.shape[1:]))
     with _collective("reduce_scatter_rows", group):
-        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=group)
+        _wait(dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=group, async_op=True), group)
     return out
 
 
-def exchange_split_sizes(send_counts: Sequence[int], group: Group, device: torch.device | str = "cpu") -> list[int]:
+def exchange_split_sizes(send_counts: Sequence[int], group: Group, device: torch.device | None = None) -> list[int]:
     """All-to-all of counts: returns how many rows every rank will send to this rank.
 
     Args:
@@ -114,10 +148,11 @@ def exchange_split_sizes(send_counts: Sequence[int], group: Group, device: torch
     size = group_size(group)
     if len(send_counts) != size:
         raise ValueError(f"send_counts has {len(send_counts)} entries, group size is {size}")
+    device = device or group_device(group)
     send = torch.tensor(list(send_counts), dtype=torch.int64, device=device)
     recv = torch.empty(size, dtype=torch.int64, device=device)
     with _collective("exchange_split_sizes", group):
-        dist.all_to_all_single(recv, send, group=group)
+        _wait(dist.all_to_all_single(recv, send, group=group, async_op=True), group)
     return recv.tolist()
 
 
@@ -143,9 +178,10 @@ def all_to_all_rows(
         recv_counts = exchange_split_sizes(send_counts, group, device=x.device)
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     with _collective("all_to_all_rows", group):
-        dist.all_to_all_single(
-            out, x.contiguous(), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=group
+        work = dist.all_to_all_single(
+            out, x.contiguous(), list(recv_counts), list(send_counts), group=group, async_op=True
         )
+        _wait(work, group)
     return out
 
 
@@ -179,10 +215,10 @@ def lse_all_to_all(o: torch.Tensor, lse: torch.Tensor, group: Group) -> tuple[to
         if o.dtype == lse.dtype:
             packed = torch.cat([o_send, lse_send], dim=-1).contiguous()
             recv = torch.empty_like(packed)
-            dist.all_to_all_single(recv, packed, group=group)
+            _wait(dist.all_to_all_single(recv, packed, group=group, async_op=True), group)
             return recv[..., :head_dim], recv[..., head_dim]
         o_send, lse_send = o_send.contiguous(), lse_send.contiguous()
         o_recv, lse_recv = torch.empty_like(o_send), torch.empty_like(lse_send)
-        dist.all_to_all_single(o_recv, o_send, group=group)
-        dist.all_to_all_single(lse_recv, lse_send, group=group)
+        _wait(dist.all_to_all_single(o_recv, o_send, group=group, async_op=True), group)
+        _wait(dist.all_to_all_single(lse_recv, lse_send, group=group, async_op=True), group)
     return o_recv, lse_recv[..., 0]

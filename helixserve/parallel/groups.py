@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from helixserve.parallel.collectives import set_nccl_blocking_wait
 from helixserve.parallel.mapping import Mapping
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class ParallelGroups:
 
     def destroy(self) -> None:
         """Tear down every group of this process (idempotent)."""
+        set_nccl_blocking_wait(None)
         if dist.is_initialized():
             dist.destroy_process_group()
             logger.debug("rank %d: process groups destroyed", self.mapping.rank)
@@ -156,6 +158,7 @@ def init_parallel(
     backend: str | None = None,
     local_rank: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    nccl_blocking_wait: bool = True,
 ) -> ParallelGroups:
     """Join the world and create the CP and DP subgroups.
 
@@ -165,6 +168,9 @@ def init_parallel(
         backend: ``"gloo"`` / ``"nccl"``; default nccl when CUDA is available, else gloo.
         local_rank: CUDA device index for nccl.
         timeout_s: timeout of every collective on every group.
+        nccl_blocking_wait: on nccl, make the host wait for each collective of
+            ``helixserve.parallel.collectives`` with ``timeout_s`` and raise on expiry (see that
+            module); False trades that bound for CPU run-ahead, leaving hangs to NCCL's watchdog.
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process")
@@ -178,6 +184,7 @@ def init_parallel(
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
+    set_nccl_blocking_wait(timeout if backend == "nccl" and nccl_blocking_wait else None)
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -199,7 +206,12 @@ def init_parallel(
 
 
 def init_from_env(
-    env: DistEnv, mapping: Mapping, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    env: DistEnv,
+    mapping: Mapping,
+    *,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    nccl_blocking_wait: bool = True,
 ) -> ParallelGroups:
     """:func:`init_parallel` for a launcher-described rank; checks it agrees with ``mapping``."""
     if (env.rank, env.world_size) != (mapping.rank, mapping.world_size):
@@ -208,5 +220,10 @@ def init_from_env(
             f"rank={mapping.rank} world_size={mapping.world_size}"
         )
     return init_parallel(
-        mapping, env.init_method, backend=backend, local_rank=env.local_rank, timeout_s=timeout_s
+        mapping,
+        env.init_method,
+        backend=backend,
+        local_rank=env.local_rank,
+        timeout_s=timeout_s,
+        nccl_blocking_wait=nccl_blocking_wait,
     )

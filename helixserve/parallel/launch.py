@@ -38,7 +38,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple, num_threads: int | None, results: Any) -> None:
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_method: str,
+    args: tuple,
+    num_threads: int | None,
+    results: Any,
+) -> None:
     try:
         if num_threads is not None:
             import torch

@@ -28,25 +28,27 @@ def _gen(*seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash(seed) % (2**31))
 
 
-def _rows_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int) -> int:
+def _rows_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int, backend: str = "gloo") -> int:
     mapping = Mapping(world_size, rank, dp=dp, cp=cp)
-    groups = init_parallel(mapping, init_method, timeout_s=TIMEOUT_S)
+    groups = init_parallel(mapping, init_method, backend=backend, local_rank=rank, timeout_s=TIMEOUT_S)
+    dev = groups.device
     checks = 0
     try:
         for num_tokens in TOKEN_COUNTS:
             # full rows differ per CP group, so a cross-group mix-up would show
             full = torch.randn(num_tokens, 5, generator=_gen(num_tokens, mapping.dp_rank))
             local = split_rows(full, cp, mapping.cp_rank)
-            assert torch.equal(all_gather_rows(local, num_tokens, groups.cp), full)
+            assert torch.equal(all_gather_rows(local.to(dev), num_tokens, groups.cp).cpu(), full)
 
             partials = [torch.randn(num_tokens, 5, generator=_gen(num_tokens, mapping.dp_rank, c)) for c in range(cp)]
             total = torch.stack(partials).sum(0)
-            mine = reduce_scatter_rows(partials[mapping.cp_rank], groups.cp)
+            mine = reduce_scatter_rows(partials[mapping.cp_rank].to(dev), groups.cp).cpu()
             expected = split_rows(total, cp, mapping.cp_rank)
             assert mine.shape == (math.ceil(num_tokens / cp), 5)
             torch.testing.assert_close(mine, expected, rtol=1e-6, atol=1e-6)
             assert torch.all(mine[expected.abs().sum(1) == 0] == 0)  # padding rows are exactly 0
-            torch.testing.assert_close(all_gather_rows(mine, num_tokens, groups.cp), total, rtol=1e-6, atol=1e-6)
+            gathered = all_gather_rows(mine.to(dev), num_tokens, groups.cp).cpu()
+            torch.testing.assert_close(gathered, total, rtol=1e-6, atol=1e-6)
             checks += 1
 
         assert all_gather_counts(3 * rank + 1, groups.world) == [3 * r + 1 for r in range(world_size)]
@@ -55,12 +57,12 @@ def _rows_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int)
         # uneven all-to-all over the world: rank s sends (s + d) % 3 rows to rank d (0 included)
         send_counts = [(rank + d) % 3 for d in range(world_size)]
         rows = torch.tensor([[rank, d, i] for d in range(world_size) for i in range(send_counts[d])], dtype=torch.float32)
-        got = all_to_all_rows(rows.reshape(-1, 3), send_counts, groups.world)
+        got = all_to_all_rows(rows.reshape(-1, 3).to(dev), send_counts, groups.world).cpu()
         want = [[s, rank, i] for s in range(world_size) for i in range((s + rank) % 3)]
         assert got.tolist() == want
 
         # the DP group really holds the ranks with this cp_rank
-        member_sum = torch.tensor([float(rank)])
+        member_sum = torch.tensor([float(rank)], device=dev)
         dist.all_reduce(member_sum, group=groups.dp)
         assert member_sum.item() == sum(mapping.dp_group_ranks)
         return checks + 3
@@ -70,7 +72,7 @@ def _rows_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int)
 
 @pytest.mark.parametrize("dp,cp", [(1, 2), (2, 1), (2, 2), (1, 4)])
 def test_rows_round_trip_and_uneven_all_to_all(dp: int, cp: int) -> None:
-    results = run_local_world(_rows_worker, dp * cp, dp, cp, timeout_s=60)
+    results = run_local_world(_rows_worker, dp * cp, dp, cp, "gloo", timeout_s=60)
     assert results == [len(TOKEN_COUNTS) + 3] * (dp * cp)
 
 
@@ -89,9 +91,10 @@ def _combine(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> torch.Tensor:
     return (o_parts * w[..., None]).sum(0) / w.sum(0)[..., None]
 
 
-def _lse_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int) -> float:
+def _lse_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int, backend: str = "gloo") -> float:
     mapping = Mapping(world_size, rank, dp=dp, cp=cp)
-    groups = init_parallel(mapping, init_method, timeout_s=TIMEOUT_S)
+    groups = init_parallel(mapping, init_method, backend=backend, local_rank=rank, timeout_s=TIMEOUT_S)
+    dev = groups.device
     num_heads, head_dim, block, scale = 8, 4, 2, 0.3
     worst = 0.0
     try:
@@ -106,7 +109,8 @@ def _lse_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int) 
             heads = mapping.local_heads(num_heads)
             o_ref, _ = _attention(q, k, v, scale)
             for o_dtype in (torch.float64, torch.float32):  # packed path, then two-call path
-                o_parts, lse_parts = lse_all_to_all(o.to(o_dtype), lse.to(torch.float64), groups.cp)
+                o_parts, lse_parts = lse_all_to_all(o.to(dev, o_dtype), lse.to(dev, torch.float64), groups.cp)
+                o_parts, lse_parts = o_parts.cpu(), lse_parts.cpu()
                 assert o_parts.shape == (cp, num_tokens, num_heads // cp, head_dim)
                 assert lse_parts.shape == (cp, num_tokens, num_heads // cp)
                 out = _combine(o_parts.double(), lse_parts)
@@ -121,5 +125,5 @@ def _lse_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int) 
 
 @pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2), (1, 4)])
 def test_lse_all_to_all_combine_equals_unsplit_attention(dp: int, cp: int) -> None:
-    errs = run_local_world(_lse_worker, dp * cp, dp, cp, timeout_s=60)
+    errs = run_local_world(_lse_worker, dp * cp, dp, cp, "gloo", timeout_s=60)
     assert max(errs) < 1e-6

@@ -22,7 +22,7 @@ COLLECTIVE_TIMEOUT_S = 2.0
 
 def _groups_worker(rank: int, world_size: int, init_method: str) -> tuple[list[int], list[int], str, str]:
     mapping = Mapping(world_size, rank, dp=2, cp=2)
-    groups = init_parallel(mapping, init_method, timeout_s=10)
+    groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=10)
     try:
         assert groups.backend == "gloo" and groups.device == torch.device("cpu")
         assert groups.ep is groups.world and groups.cpu is groups.world
@@ -47,7 +47,7 @@ def test_groups_membership_and_timeout() -> None:
 
 def _skipping_peer_worker(rank: int, world_size: int, init_method: str) -> float:
     """Rank 1 stays alive but never enters the collective rank 0 is waiting in."""
-    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
     try:
         if rank == 1:
             time.sleep(COLLECTIVE_TIMEOUT_S + 2.0)
@@ -67,7 +67,7 @@ def test_skipped_collective_raises_within_timeout() -> None:
 
 def _dead_peer_worker(rank: int, world_size: int, init_method: str) -> float:
     """Rank 1 leaves the world (process exits) before the collective."""
-    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
     if rank == 1:
         groups.destroy()
         return 0.0
@@ -87,7 +87,7 @@ def test_dead_peer_raises_within_timeout() -> None:
 
 
 def _failing_rank_worker(rank: int, world_size: int, init_method: str) -> None:
-    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
     try:
         if rank == 1:
             raise ValueError("rank 1 broke on purpose")

@@ -33,15 +33,16 @@ def _reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     return out
 
 
-def _moe_worker(rank: int, world_size: int, init_method: str, cases: list[list[int]]) -> list[float]:
+def _moe_worker(rank: int, world_size: int, init_method: str, cases: list[list[int]], backend: str = "gloo") -> list[float]:
     mapping = Mapping(world_size, rank, cp=world_size)
-    groups = init_parallel(mapping, init_method, timeout_s=20)
+    groups = init_parallel(mapping, init_method, backend=backend, local_rank=rank, timeout_s=20)
+    dev = groups.device
     experts = mapping.local_experts(NUM_EXPERTS)
     errors = []
     try:
         for seed, rows_per_rank in enumerate(cases):
             x, topk_ids, topk_weights, w = _problem(rows_per_rank, seed)
-            w_local = w[experts.start : experts.stop]
+            w_local = w[experts.start : experts.stop].to(dev)
             calls = []
 
             def expert_fn(x_recv: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,10 @@ def _moe_worker(rank: int, world_size: int, init_method: str, cases: list[list[i
 
             start = sum(rows_per_rank[:rank])
             mine = slice(start, start + rows_per_rank[rank])
-            out = moe_a2a(x[mine], topk_ids[mine], topk_weights[mine], expert_fn, num_experts=NUM_EXPERTS, group=groups.ep)
+            out = moe_a2a(
+                x[mine].to(dev), topk_ids[mine].to(dev), topk_weights[mine].to(dev), expert_fn,
+                num_experts=NUM_EXPERTS, group=groups.ep,
+            ).cpu()
             assert out.shape == (rows_per_rank[rank], OUT) and out.dtype == x.dtype
             # the expert side received exactly the assignments routed to its experts
             routed_here = ((topk_ids >= experts.start) & (topk_ids < experts.stop)).sum().item()
@@ -61,9 +65,10 @@ def _moe_worker(rank: int, world_size: int, init_method: str, cases: list[list[i
             errors.append((out - ref).abs().max().item() if out.numel() else 0.0)
 
         # fp32 rows with bf16 weights: dtypes preserved through dispatch
-        x32 = torch.randn(2, HIDDEN)
+        x32 = torch.randn(2, HIDDEN, device=dev)
         ids = torch.tensor([[0, NUM_EXPERTS - 1], [1, 2]])
-        dispatch = moe_dispatch(x32, ids, torch.ones(2, 2, dtype=torch.bfloat16), NUM_EXPERTS, groups.ep)
+        weights = torch.ones(2, 2, dtype=torch.bfloat16, device=dev)
+        dispatch = moe_dispatch(x32, ids.to(dev), weights, NUM_EXPERTS, groups.ep)
         assert dispatch.x.dtype == torch.float32 and dispatch.weights.dtype == torch.bfloat16
         num_mine = sum(int(i) in experts for i in ids.flatten())
         assert dispatch.recv_counts == [num_mine] * world_size and dispatch.x.shape[0] == world_size * num_mine
@@ -80,12 +85,12 @@ def _moe_worker(rank: int, world_size: int, init_method: str, cases: list[list[i
     ],
 )
 def test_moe_a2a_equals_single_process(world_size: int, cases: list[list[int]]) -> None:
-    errors = run_local_world(_moe_worker, world_size, cases, timeout_s=60)
+    errors = run_local_world(_moe_worker, world_size, cases, "gloo", timeout_s=60)
     assert max(max(e) for e in errors) < 1e-12
 
 
 def _bad_ids_worker(rank: int, world_size: int, init_method: str) -> str:
-    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, timeout_s=10)
+    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, backend="gloo", timeout_s=10)
     try:
         with pytest.raises(ValueError, match="num_experts=6 is not divisible by ep=4"):
             moe_dispatch(torch.ones(1, 2), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), 6, groups.ep)
