@@ -135,7 +135,9 @@ def moe_a2a(
 
     ``expert_fn(x_recv [R, D], local_expert_ids [R], weights [R]) -> y [R, D_out]`` runs this
     rank's experts and must apply the weights: ``y_i = weights_i * expert_{local_expert_ids_i}(x_i)``.
-    It is called on every rank, also with R == 0.
+    It is called on every rank, also with R == 0. With the kernels' grouped experts, e.g.
+    ``lambda x, ids, w: moe_experts(x, ids[:, None], w[:, None], w13_local, w2_local)``
+    (ids are already local, so no expert offset).
 
     Args:
         x: ``[c, D]`` this rank's (token-sliced) rows; c may be 0.
