@@ -29,6 +29,8 @@ from helixserve.kernels.kda.naive import l2norm_fp32
 
 # bound on the [chunks, H, C, C, K] pairwise-decay intermediate (elements)
 _MAX_PAIRWISE_ELEMENTS = 1 << 24
+# rows per diagonal sub-block inside a chunk (see _intra_chunk_block)
+_SUB_BLOCK = 16
 
 
 def kda_chunk_prefill(
@@ -130,25 +132,56 @@ def _intra_chunk(
     NC, H, C, K = k.shape
     V = v.shape[-1]
     q, k, v, G, beta = (x.flatten(0, 1) for x in (q, k, v, G, beta))
-    step = max(1, _MAX_PAIRWISE_ELEMENTS // max(1, C * C * K))
+    sub = _sub_block(C)
+    step = max(1, _MAX_PAIRWISE_ELEMENTS // max(1, C * max(sub, C // sub) * K))
+    if step >= NC * H:
+        w, u, Aqk = _intra_chunk_block(q, k, v, G, beta, sub)
+        return w.view(NC, H, C, K), u.view(NC, H, C, V), Aqk.view(NC, H, C, C)
     w, u, Aqk = k.new_empty(NC * H, C, K), k.new_empty(NC * H, C, V), k.new_empty(NC * H, C, C)
     for s in range(0, NC * H, step):
         e = s + step
-        w[s:e], u[s:e], Aqk[s:e] = _intra_chunk_block(q[s:e], k[s:e], v[s:e], G[s:e], beta[s:e])
+        w[s:e], u[s:e], Aqk[s:e] = _intra_chunk_block(q[s:e], k[s:e], v[s:e], G[s:e], beta[s:e], sub)
     return w.view(NC, H, C, K), u.view(NC, H, C, V), Aqk.view(NC, H, C, C)
 
 
+def _sub_block(C: int) -> int:
+    """Rows per diagonal sub-block of a chunk (the whole chunk when it does not split evenly)."""
+    return _SUB_BLOCK if C % _SUB_BLOCK == 0 else C
+
+
 def _intra_chunk_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, sub: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    C = k.shape[-2]
-    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    # decay[r, c, d] = exp(G_r[d] - G_c[d]) for c <= r, else 0
-    diff = G[..., :, None, :] - G[..., None, :, :]
-    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
-    k_decayed = k[..., None, :, :] * decay
-    Akk = (k_decayed * k[..., :, None, :]).sum(-1)
-    Aqk = (k_decayed * q[..., :, None, :]).sum(-1)
+    """Akk/Aqk over [B, C, *] chunks split into n = C / sub sub-blocks of rows.
+
+    Pairs inside a diagonal sub-block use the pairwise decay exp(G_r - G_c). A row r of sub-block i
+    and a column c of an earlier sub-block factor through the sub-block's first row f:
+    exp(G_r - G_c) = exp(G_r - G_f) * exp(G_f - G_c), both exponents <= 0 (G is non-increasing),
+    which turns that part into a matmul.
+    """
+    B, C, K = k.shape
+    n = C // sub
+    qs, ks, Gs = (x.view(B, n, sub, K) for x in (q, k, G))
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
+    # diagonal sub-blocks: decay[r, c, d] = exp(G_r[d] - G_c[d]) for c <= r, else 0
+    diff = Gs[..., :, None, :] - Gs[..., None, :, :]
+    decay = diff.masked_fill_(~causal[..., None], float("-inf")).exp_()
+    k_decayed = decay.mul_(ks[..., None, :, :])
+    Akk_diag = (k_decayed * ks[..., :, None, :]).sum(-1)
+    Aqk_diag = k_decayed.mul_(qs[..., :, None, :]).sum(-1)
+    if n == 1:
+        Akk, Aqk = Akk_diag.view(B, C, C), Aqk_diag.view(B, C, C)
+    else:
+        G_first = Gs[:, :, :1, :]
+        to_first = (Gs - G_first).exp_()  # [B, n, sub, K]
+        is_earlier = torch.arange(C, device=k.device) < torch.arange(0, C, sub, device=k.device)[:, None]
+        from_first = (G_first - G[:, None, :, :]).masked_fill_(~is_earlier[..., None], float("-inf"))
+        k_from_first = from_first.exp_().mul_(k[:, None, :, :]).transpose(-1, -2)  # [B, n, K, C]
+        Akk = ((ks * to_first) @ k_from_first).view(B, n, sub, n, sub)
+        Aqk = ((qs * to_first) @ k_from_first).view(B, n, sub, n, sub)
+        Akk.diagonal(dim1=1, dim2=3).add_(Akk_diag.permute(0, 2, 3, 1))
+        Aqk.diagonal(dim1=1, dim2=3).add_(Aqk_diag.permute(0, 2, 3, 1))
+        Akk, Aqk = Akk.view(B, C, C), Aqk.view(B, C, C)
     L = (Akk * beta[..., :, None]).tril(-1)
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     inv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
