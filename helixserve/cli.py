@@ -1,7 +1,9 @@
 """The ``helixserve`` command.
 
 Subcommands: ``make-checkpoint`` (write a preset checkpoint), ``generate`` (run the engine on a
-prompt). Heavy imports happen inside each subcommand so ``helixserve --help`` stays fast.
+prompt), ``serve-ctx`` / ``serve-gen`` (one worker), ``router`` (the front door) and ``launch``
+(router + workers on this machine from one YAML). Heavy imports happen inside each subcommand so
+``helixserve --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -89,7 +91,87 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cp", type=int, default=1)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)
+    _add_server_commands(sub)
     return parser
+
+
+def _load_deployment(args: argparse.Namespace):  # -> DeploymentConfig
+    from helixserve.config import DeploymentConfig
+
+    if args.config is None and getattr(args, "model", None) is None:
+        raise ValueError("give a deployment config (-c FILE) or --model DIR")
+    deploy = DeploymentConfig.from_yaml(args.config) if args.config else DeploymentConfig(model={"path": args.model})
+    if getattr(args, "model", None):
+        deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"path": args.model})})
+    return deploy
+
+
+def _worker_config(deploy, role: str, args: argparse.Namespace):
+    workers = deploy.ctx if role == "ctx" else deploy.gen
+    if not 0 <= args.index < len(workers):
+        raise ValueError(f"--index {args.index}: the config has {len(workers)} {role} workers")
+    server = workers[args.index]
+    return server.model_copy(update={"port": args.port}) if args.port else server
+
+
+def _cmd_serve_ctx(args: argparse.Namespace) -> int:
+    from helixserve.ctx_server.app import build_ctx_app
+    from helixserve.serving.http import serve
+
+    deploy = _load_deployment(args)
+    server = _worker_config(deploy, "ctx", args)
+    serve(build_ctx_app(deploy, server), server.host, server.port, args.log_level)
+    return 0
+
+
+def _cmd_serve_gen(args: argparse.Namespace) -> int:
+    from helixserve.gen_server.app import build_gen_app
+    from helixserve.serving.http import serve
+
+    deploy = _load_deployment(args)
+    server = _worker_config(deploy, "gen", args)
+    serve(build_gen_app(deploy, server), server.host, server.port, args.log_level)
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from helixserve.router.app import build_router_app_from
+    from helixserve.serving.http import serve
+
+    deploy = _load_deployment(args)
+    if args.port:
+        deploy = deploy.model_copy(update={"router": deploy.router.model_copy(update={"port": args.port})})
+    serve(build_router_app_from(deploy), deploy.router.host, deploy.router.port, args.log_level)
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from helixserve.serving.launch import launch
+
+    return launch(args.config, model=args.model, port=args.port, log_level=args.log_level,
+                  ready_timeout_s=args.ready_timeout)
+
+
+def _add_server_commands(sub) -> None:  # noqa: ANN001 (argparse's private subparsers type)
+    for name, func, help_text in (("serve-ctx", _cmd_serve_ctx, "run one context (prefill) worker"),
+                                  ("serve-gen", _cmd_serve_gen, "run one generation (decode) worker")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("-c", "--config", help="deployment YAML")
+        p.add_argument("--model", help="checkpoint directory (overrides the config's model.path)")
+        p.add_argument("--index", type=int, default=0, help="which worker of the config's list")
+        p.add_argument("--port", type=int, default=None, help="override the worker's port")
+        p.set_defaults(func=func)
+    rt = sub.add_parser("router", help="run the OpenAI front door")
+    rt.add_argument("-c", "--config", help="deployment YAML")
+    rt.add_argument("--model", help="checkpoint directory (its name is the served model name)")
+    rt.add_argument("--port", type=int, default=None)
+    rt.set_defaults(func=_cmd_router)
+    la = sub.add_parser("launch", help="start router + ctx + gen workers here; Ctrl-C stops all")
+    la.add_argument("-c", "--config", default=None, help="deployment YAML (default: local tiny model)")
+    la.add_argument("--model", default=None, help="checkpoint directory (made if missing and tiny)")
+    la.add_argument("--port", type=int, default=None, help="router port")
+    la.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /ready")
+    la.set_defaults(func=_cmd_launch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

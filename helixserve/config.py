@@ -1,7 +1,8 @@
 """Validated configuration: one pydantic model per role, loaded from one YAML file.
 
-Only this module reads the environment. Roles so far: the model to load, the caches, the
-single-process engine. Later roles (parallel world, transceiver, servers) add their models here.
+Only this module reads the environment. Roles: the model to load, the caches, the single-process
+engine, and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`.
+Later roles (parallel world, transceiver) add their models here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -54,6 +55,96 @@ class EngineConfig(_Strict):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
+
+
+class CtxServerConfig(_Strict):
+    """One context (prefill) worker: HTTP server over one engine; holds prefills for pickup."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    max_queue_len: int = Field(64, ge=0)  # requests waiting beyond the running slots; then 429
+    pickup_timeout_s: float = Field(30.0, gt=0)  # a held prefill not picked up by then is freed
+    transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
+    transceiver_port: int = Field(18100, ge=1, le=65535)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class GenServerConfig(_Strict):
+    """One generation (decode) worker: HTTP server on gen rank 0 of a dp x cp world."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8200, ge=1, le=65535)
+    max_queue_len: int = Field(64, ge=0)
+    dp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    # how generation_only requests get their prompt state; "recompute" re-prefills on gen
+    kv_source: Literal["recompute"] = "recompute"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class RouterConfig(_Strict):
+    """The public front door."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    policy: Literal["round_robin", "least_loaded"] = "round_robin"
+    api_keys: tuple[str, ...] = ()  # empty: no auth; else "Authorization: Bearer <key>" on /v1/*
+    ctx_urls: tuple[str, ...] = ()  # empty: the deployment's ctx workers
+    gen_urls: tuple[str, ...] = ()  # empty: the deployment's gen workers
+    health_check_interval_s: float = Field(1.0, gt=0)
+    health_check_timeout_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)  # longest a worker may take to answer / stream
+    max_inflight: int = Field(128, ge=1)  # requests forwarded to workers at once
+    max_queue_len: int = Field(256, ge=0)  # requests waiting for an inflight slot; then 429
+
+
+class DeploymentConfig(_Strict):
+    """One YAML file: the model, engine limits, every worker and the router."""
+
+    model: ModelSpec
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    seed: int = 0
+    default_max_tokens: int | None = Field(256, ge=1)  # when a request sets none; None: context
+    ctx: list[CtxServerConfig] = Field(default_factory=lambda: [CtxServerConfig()], min_length=1)
+    gen: list[GenServerConfig] = Field(default_factory=lambda: [GenServerConfig()], min_length=1)
+    router: RouterConfig = RouterConfig()
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> DeploymentConfig:
+        used = [(w.host, w.port) for w in (*self.ctx, *self.gen)] + [(self.router.host, self.router.port)]
+        used += [(w.transceiver_host, w.transceiver_port) for w in self.ctx]
+        dup = sorted({f"{h}:{p}" for h, p in used if used.count((h, p)) > 1})
+        if dup:
+            raise ValueError(f"ports used twice in the deployment: {dup}")
+        return self
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(model=self.model, cache=self.cache, scheduler=self.scheduler, seed=self.seed)
+
+    @property
+    def ctx_urls(self) -> tuple[str, ...]:
+        return self.router.ctx_urls or tuple(w.url for w in self.ctx)
+
+    @property
+    def gen_urls(self) -> tuple[str, ...]:
+        return self.router.gen_urls or tuple(w.url for w in self.gen)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> DeploymentConfig:
+        """Load and validate (a relative ``model.path`` is relative to the working directory)."""
+        return cls.model_validate(load_yaml(path))
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -224,16 +224,17 @@ class AsyncEngine:
                 is_finished = finish_reason is not None
                 num_output += len(token_ids)
                 text = detok.add(token_ids, is_finished)
+                if is_finished:  # no longer live, even if the reader never resumes us
+                    self._forget(request_id, stream)
                 yield RequestOutput(request_id, token_ids, text, len(prompt_token_ids), num_output,
                                     finish_reason)
         finally:
-            self._streams.pop(request_id, None)
-            if not is_finished:  # cancelled, failed or left early: free the cache (no await here)
-                self._inbox.put(_Abort(request_id))
+            if not is_finished and self._forget(request_id, stream):
+                self._inbox.put(_Abort(request_id))  # cancelled or left early: free the cache
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Abort a request (a held one too); its reader gets :class:`RequestCancelledError`."""
-        stream = self._streams.get(request_id)
+        stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put([], None, RequestCancelledError(error or f"request {request_id} was aborted"))
         self._inbox.put(_Abort(request_id, error))
@@ -266,6 +267,13 @@ class AsyncEngine:
                                  f"or waiting, capacity {self.capacity}); retry later")
         stream = self._streams[request_id] = _RequestStream()
         return stream
+
+    def _forget(self, request_id: str, stream: _RequestStream) -> bool:
+        """Drop ``stream`` if it is still the live one of ``request_id``."""
+        if self._streams.get(request_id) is not stream:
+            return False
+        del self._streams[request_id]
+        return True
 
     def _deliver(self, batch: list[tuple[str, list[int], str | None, OpenAIError | None]]) -> None:
         for request_id, token_ids, finish_reason, error in batch:

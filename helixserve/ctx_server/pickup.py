@@ -1,0 +1,118 @@
+"""Stage 3 of the ctx worker: prefills whose cache stays allocated until the gen side picks it up.
+
+The transceiver's ctx sender is the consumer: it looks a request up (:meth:`PickupRegistry.get`),
+sends the blocks and state the engine holds for it, and calls :meth:`PickupRegistry.release` (or
+:meth:`release_threadsafe` from its own thread) when every expected gen rank has acknowledged or
+the transfer was cancelled. Until then the router's ``POST /v1/release`` plays that role (the gen
+side recomputes instead of receiving). A hold not released by ``now + timeout_s`` is freed by
+:meth:`expire_due` and counted in ``num_expired``: a hold is never unbounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from helixserve.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class HeldPrefill:
+    request_id: str
+    prompt_token_ids: list[int]
+    first_gen_tokens: list[int]
+    deadline: float  # clock() time after which the cache is freed
+
+
+class PickupRegistry:
+    """Held prefills by request id (the engine's request id, sent as ``ctx_request_id``)."""
+
+    def __init__(self, engine: AsyncEngine, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"pickup timeout must be > 0 s, got {timeout_s}")
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._held: dict[str, HeldPrefill] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.num_released = 0
+        self.num_expired = 0
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def hold(self, request_id: str, prompt_token_ids: list[int], first_gen_tokens: list[int]
+             ) -> HeldPrefill:
+        """Register a finished prefill whose cache the engine holds."""
+        held = HeldPrefill(request_id, list(prompt_token_ids), list(first_gen_tokens),
+                           self.clock() + self.timeout_s)
+        self._held[request_id] = held
+        return held
+
+    def get(self, request_id: str) -> HeldPrefill | None:
+        return self._held.get(request_id)
+
+    async def release(self, request_id: str) -> bool:
+        """Free a held cache (picked up or cancelled); False if not held here (any more)."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        await self.engine.release(request_id)
+        self.num_released += 1
+        return True
+
+    def release_threadsafe(self, request_id: str) -> None:
+        """:meth:`release` from another thread (the transceiver's control plane)."""
+        if self._loop is None:
+            raise RuntimeError("the pickup registry is not running")
+        asyncio.run_coroutine_threadsafe(self.release(request_id), self._loop)
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted (the engine freed its cache already)."""
+        self._held.pop(request_id, None)
+
+    async def expire_due(self) -> list[str]:
+        """Free every hold past its deadline; returns their ids."""
+        now = self.clock()
+        due = [rid for rid, held in self._held.items() if held.deadline <= now]
+        for rid in due:
+            del self._held[rid]
+            if not await self.engine.release(rid):
+                continue  # freed otherwise meanwhile (aborted)
+            self.num_expired += 1
+            logger.warning("ctx request %s: not picked up within %.1f s, cache freed", rid,
+                           self.timeout_s)
+        return due
+
+    @contextlib.asynccontextmanager
+    async def running(self, interval_s: float = 0.5) -> AsyncIterator[PickupRegistry]:
+        """Expire holds every ``interval_s`` while the context is open; free all on exit."""
+        self._loop = asyncio.get_running_loop()
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                await self.expire_due()
+
+        task = asyncio.create_task(sweep())
+        try:
+            yield self
+        finally:
+            task.cancel()
+            for rid in list(self._held):
+                await self.release(rid)
+            self._loop = None
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        return [
+            ("pickups_held", "prefills holding their cache for pickup", self.num_held),
+            ("pickups_released_total", "holds released (picked up or cancelled)", self.num_released),
+            ("pickups_expired_total", "holds freed at the pickup deadline", self.num_expired),
+        ]

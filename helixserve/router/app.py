@@ -1,0 +1,174 @@
+"""The router's app: the public OpenAI endpoints, auth, admission, health and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from helixserve.config import DeploymentConfig, RouterConfig
+from helixserve.protocol import (AuthenticationError, ChatCompletionRequest, CompletionRequest,
+                                 InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
+                                 OpenAIError, QueueFullError, parse_model)
+from helixserve.router.metrics import RouterMetrics
+from helixserve.router.pool import WorkerPool
+from helixserve.router.proxy import Flight, Orchestrator
+from helixserve.serving.http import install_error_handlers, run_unless_disconnected
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """At most ``max_inflight`` requests on the workers; up to ``max_queue_len`` more wait for a
+    slot; beyond that, 429."""
+
+    def __init__(self, max_inflight: int, max_queue_len: int) -> None:
+        self.max_inflight = max_inflight
+        self.max_queue_len = max_queue_len
+        self._slots = asyncio.Semaphore(max_inflight)
+        self.num_waiting = 0
+        self.num_inflight = 0
+
+    async def acquire(self) -> None:
+        if self._slots.locked() and self.num_waiting >= self.max_queue_len:
+            raise QueueFullError(f"the router is at capacity ({self.num_inflight} requests in "
+                                 f"flight, {self.num_waiting} waiting); retry later")
+        self.num_waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.num_waiting -= 1
+        self.num_inflight += 1
+
+    def release(self) -> None:
+        self.num_inflight -= 1
+        self._slots.release()
+
+
+def _check_api_key(request: Request, api_keys: tuple[str, ...]) -> None:
+    if not api_keys:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
+    if not any(hmac.compare_digest(key.strip(), k) for k in api_keys):
+        raise AuthenticationError("Incorrect API key provided.")
+
+
+def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
+                     served_model: str) -> FastAPI:
+    ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
+    gen_pool = WorkerPool("gen", gen_urls, config.policy)
+    metrics = RouterMetrics(lambda: [ctx_pool, gen_pool])
+    admission = Admission(config.max_inflight, config.max_queue_len)
+    state: dict[str, Orchestrator] = {}
+
+    async def check_health(client: httpx.AsyncClient) -> None:
+        while True:
+            await asyncio.gather(ctx_pool.check(client, config.health_check_timeout_s),
+                                 gen_pool.check(client, config.health_check_timeout_s))
+            await asyncio.sleep(config.health_check_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=2 * config.max_inflight + 16,
+                              max_keepalive_connections=config.max_inflight)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            state["orchestrator"] = Orchestrator(ctx_pool, gen_pool, client, metrics)
+            checker = asyncio.create_task(check_health(client))
+            try:
+                yield
+            finally:
+                checker.cancel()
+
+    app = FastAPI(title="helixserve router", lifespan=lifespan)
+    install_error_handlers(app)
+
+    async def admit(request: Request, cls: type) -> tuple:
+        _check_api_key(request, config.api_keys)
+        raw_bytes = await request.body()
+        body = parse_model(cls, raw_bytes)
+        raw = json.loads(raw_bytes)
+        if raw.get("disaggregated_params") is not None:
+            raise InvalidRequestError("disaggregated_params is set by the router between its "
+                                      "workers; clients may not send it",
+                                      param="disaggregated_params")
+        if body.model != served_model:
+            raise ModelNotFoundError(body.model)
+        await admission.acquire()
+        return body, raw
+
+    async def completion(request: Request, cls: type, endpoint: str) -> Response:
+        t_arrival = time.monotonic()
+        try:
+            body, raw = await admit(request, cls)
+        except OpenAIError as err:  # refused before reaching a worker
+            metrics.requests.labels(endpoint, str(err.status_code)).inc()
+            raise
+        metrics.queue_time.observe(time.monotonic() - t_arrival)
+        metrics.running.inc()
+
+        def on_close() -> None:
+            admission.release()
+            metrics.running.dec()
+
+        orchestrator = state["orchestrator"]
+        flight = Flight(orchestrator, endpoint, t_arrival, on_close)
+        try:  # a streamed response closes its flight when the stream ends
+            return await run_unless_disconnected(request, orchestrator.run(flight, endpoint, body, raw))
+        except BaseException as exc:
+            status = getattr(exc, "status_code", None)
+            flight.status = str(status) if status else flight.status
+            flight.close()
+            raise
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion(request, CompletionRequest, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, ChatCompletionRequest, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _check_api_key(request, config.api_keys)
+        card = ModelCard(id=served_model, created=0)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    def pools_status() -> dict:
+        return {pool.role: [{"url": w.url, "healthy": w.is_healthy, "error": w.last_error,
+                             "inflight": w.num_inflight} for w in pool.workers]
+                for pool in (ctx_pool, gen_pool)}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        is_ready = bool(ctx_pool.healthy and gen_pool.healthy)
+        return JSONResponse({"ready": is_ready, **pools_status()},
+                            status_code=200 if is_ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        metrics.waiting.set(admission.num_waiting)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.pools = (ctx_pool, gen_pool)
+    app.state.admission = admission
+    return app
+
+
+def build_router_app_from(deploy: DeploymentConfig) -> FastAPI:
+    return build_router_app(deploy.router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name)

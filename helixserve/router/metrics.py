@@ -1,0 +1,75 @@
+"""The router's Prometheus metrics (one registry per router app)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from helixserve.router.pool import WorkerPool
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _PoolCollector:
+    """Per-worker gauges read at scrape time from the pools' last health checks."""
+
+    def __init__(self, pools: Callable[[], list[WorkerPool]]) -> None:
+        self._pools = pools
+
+    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
+        specs = [
+            ("healthy", "1 if the worker passed its last health check", None),
+            ("inflight", "requests this router has on the worker", None),
+            ("requests_running", "running requests (worker's engine)", "num_running"),
+            ("requests_waiting", "waiting requests (worker's engine)", "num_waiting"),
+            ("requests_held", "prefills held for pickup (ctx)", "num_held"),
+            ("cache_blocks_used", "MLA cache blocks in use", "num_used_blocks"),
+            ("cache_blocks_total", "MLA cache blocks", "num_blocks"),
+        ]
+        for name, help_text, key in specs:
+            family = GaugeMetricFamily(f"helixserve_router_worker_{name}", help_text,
+                                       labels=["role", "url"])
+            for pool in self._pools():
+                for w in pool.workers:
+                    if key is None:
+                        value = float(w.is_healthy) if name == "healthy" else float(w.num_inflight)
+                    else:
+                        value = float(w.stats.get(key, 0)) if w.is_healthy else 0.0
+                    family.add_metric([w.role, w.url], value)
+            yield family
+
+
+class RouterMetrics:
+    def __init__(self, pools: Callable[[], list[WorkerPool]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("helixserve_router_requests", "requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("helixserve_router_time_to_first_token_seconds",
+                              "arrival to first token sent (streamed requests)",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("helixserve_router_inter_token_latency_seconds",
+                             "gap between content chunks of a stream", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("helixserve_router_e2e_request_latency_seconds",
+                             "arrival to last byte", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("helixserve_router_queue_time_seconds",
+                                    "time waiting for an inflight slot", buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+        self.prompt_tokens = Counter("helixserve_router_prompt_tokens", "prompt tokens", registry=r)
+        self.generation_tokens = Counter("helixserve_router_generation_tokens",
+                                         "generated tokens", registry=r)
+        self.running = Gauge("helixserve_router_requests_running", "requests forwarded to workers",
+                             registry=r)
+        self.waiting = Gauge("helixserve_router_requests_waiting",
+                             "requests waiting for an inflight slot", registry=r)
+        self.handoff_failures = Counter("helixserve_router_kv_handoff_failures",
+                                        "requests that failed on gen after ctx prefilled them",
+                                        registry=r)
+        r.register(_PoolCollector(pools))
+
+    def count_usage(self, usage: dict | None) -> None:
+        if isinstance(usage, dict):
+            self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+            self.generation_tokens.inc(usage.get("completion_tokens", 0))

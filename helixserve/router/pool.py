@@ -1,0 +1,91 @@
+"""Worker pools: which ctx / gen workers are healthy, how loaded, and which one gets a request.
+
+A worker starts unknown (not healthy) and becomes healthy when its ``GET /health`` answers 200.
+A failed health check, or a request that could not reach it, marks it unhealthy with the cause;
+the next passing health check brings it back (rejoin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from helixserve.protocol import ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+Policy = Literal["round_robin", "least_loaded"]
+
+
+@dataclass(slots=True)
+class WorkerState:
+    url: str
+    role: str
+    is_healthy: bool = False
+    num_inflight: int = 0  # requests this router has on it now
+    last_error: str | None = "not checked yet"
+    stats: dict[str, Any] = field(default_factory=dict)  # the worker's last /health answer
+
+    def describe(self) -> str:
+        return f"{self.url} ({'healthy' if self.is_healthy else self.last_error})"
+
+
+class WorkerPool:
+    """The workers of one role."""
+
+    def __init__(self, role: str, urls: tuple[str, ...] | list[str], policy: Policy) -> None:
+        if not urls:
+            raise ValueError(f"no {role} workers configured")
+        self.role = role
+        self.policy = policy
+        self.workers = [WorkerState(url.rstrip("/"), role) for url in urls]
+        self._rr = itertools.count()
+
+    @property
+    def healthy(self) -> list[WorkerState]:
+        return [w for w in self.workers if w.is_healthy]
+
+    def pick(self) -> WorkerState:
+        """A healthy worker by the policy; 503 naming every worker's state when none is."""
+        healthy = self.healthy
+        if not healthy:
+            states = "; ".join(w.describe() for w in self.workers)
+            raise ServiceUnavailableError(f"no healthy {self.role} worker: {states}",
+                                          code=f"no_healthy_{self.role}_worker")
+        start = next(self._rr)
+        rotated = [healthy[(start + i) % len(healthy)] for i in range(len(healthy))]
+        if self.policy == "least_loaded":
+            return min(rotated, key=lambda w: w.num_inflight)  # ties: round robin
+        return rotated[0]
+
+    def mark_failed(self, worker: WorkerState, error: str) -> None:
+        if worker.is_healthy:
+            logger.warning("%s worker %s marked unhealthy: %s", self.role, worker.url, error)
+        worker.is_healthy = False
+        worker.last_error = error
+
+    async def check(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+        """One health check of every worker, concurrently."""
+        await asyncio.gather(*(self._check_one(client, w, timeout_s) for w in self.workers))
+
+    async def _check_one(self, client: httpx.AsyncClient, worker: WorkerState, timeout_s: float
+                         ) -> None:
+        try:
+            response = await client.get(f"{worker.url}/health", timeout=timeout_s)
+            stats = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self.mark_failed(worker, f"health check failed: {type(exc).__name__}: {exc}")
+            return
+        if response.status_code != 200:
+            self.mark_failed(worker, f"health check answered {response.status_code}: "
+                                     f"{stats.get('status') if isinstance(stats, dict) else stats}")
+            return
+        if not worker.is_healthy:
+            logger.info("%s worker %s is healthy", self.role, worker.url)
+        worker.is_healthy, worker.last_error = True, None
+        worker.stats = stats if isinstance(stats, dict) else {}

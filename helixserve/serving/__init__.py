@@ -1,0 +1,8 @@
+"""Pieces the ctx and gen workers (and, torch-free, the router) share.
+
+- :mod:`.http`: OpenAI-shaped error handlers, client-disconnect detection, uvicorn start-up
+  (torch-free: the router uses it).
+- :mod:`.openai_serving`: OpenAI request -> engine inputs, engine outputs -> answers / SSE.
+- :mod:`.worker_app`: the FastAPI app of a worker; roles plug in their request handlers.
+- :mod:`.loading`: build a worker's engine from a :class:`~helixserve.config.DeploymentConfig`.
+"""

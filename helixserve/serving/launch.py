@@ -1,0 +1,175 @@
+"""``helixserve launch``: the router, ctx and gen workers on this machine from one YAML.
+
+1. Resolve the config: ``-c FILE``, else the built-in local one (tiny model on CPU, one ctx
+   worker, one gen worker dp 1 x cp 1); ``--model`` / ``--port`` override. A missing checkpoint
+   at the default path, or at a path named after a preset, is made first (random weights).
+2. Write the resolved config to a temporary file and start every worker and the router as
+   ``python -m helixserve.cli <role> -c FILE --index I``, each in its own process group and
+   set to receive SIGTERM if the launcher dies (Linux), so nothing outlives it.
+3. Wait until the router's ``/ready`` answers 200, at most ``ready_timeout_s``; a process that
+   exits first fails the launch, naming it and its exit code.
+4. Print the URL and a ``curl`` example, then wait for SIGINT/SIGTERM (or a process dying).
+5. Stop: SIGTERM to every process group, wait up to 15 s, SIGKILL what is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from helixserve.config import CacheConfig, DeploymentConfig
+
+DEFAULT_MODEL_DIR = Path("checkpoints/kimi-k3-tiny")
+DEFAULT_PRESET = "kimi-k3-tiny"
+_PR_SET_PDEATHSIG = 1
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_deployment(model_dir: Path = DEFAULT_MODEL_DIR) -> DeploymentConfig:
+    return DeploymentConfig(model={"path": model_dir, "served_name": DEFAULT_PRESET},
+                            cache=CacheConfig(memory_budget_mib=64, max_num_seqs=16))
+
+
+def resolve_deployment(config: str | Path | None, model: str | None, port: int | None
+                       ) -> DeploymentConfig:
+    """Steps 1: the config with overrides and an absolute model path; makes a tiny checkpoint
+    when the path is missing and is the default or named after a preset."""
+    deploy = DeploymentConfig.from_yaml(config) if config else default_deployment()
+    spec = deploy.model
+    path = Path(model) if model else spec.path
+    if not (path / "config.json").is_file():
+        from helixserve.models.presets import PRESETS, make_checkpoint
+
+        preset = path.name if path.name in PRESETS else None
+        if preset is None and path == DEFAULT_MODEL_DIR:
+            preset = DEFAULT_PRESET
+        if preset is None:
+            raise FileNotFoundError(f"no checkpoint at {path} (no config.json); make one with "
+                                    f"`helixserve make-checkpoint --preset {DEFAULT_PRESET} --out {path}`")
+        print(f"making the {preset} checkpoint (random weights) at {path}", flush=True)
+        make_checkpoint(preset, path, seed=0)
+    spec = spec.model_copy(update={"path": path.resolve(), "served_name": spec.name})
+    router = deploy.router.model_copy(update={"port": port}) if port else deploy.router
+    return DeploymentConfig.model_validate({**deploy.model_dump(), "model": spec.model_dump(),
+                                            "router": router.model_dump()})
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the process groups are still stopped on a normal exit
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+
+
+def start_processes(config_file: Path, deploy: DeploymentConfig, log_level: str) -> list[Child]:
+    """Step 2: every worker, then the router."""
+    base = [sys.executable, "-m", "helixserve.cli", "--log-level", log_level]
+    commands = [(f"ctx[{i}] {w.url}", ["serve-ctx", "--index", str(i)]) for i, w in enumerate(deploy.ctx)]
+    commands += [(f"gen[{i}] {w.url}", ["serve-gen", "--index", str(i)]) for i, w in enumerate(deploy.gen)]
+    commands.append((f"router http://{deploy.router.host}:{deploy.router.port}", ["router"]))
+    children = []
+    for name, args in commands:
+        process = subprocess.Popen([*base, *args, "-c", str(config_file)], cwd=_REPO_ROOT,
+                                   start_new_session=True, preexec_fn=_die_with_parent)
+        children.append(Child(name, process))
+    return children
+
+
+def stop_processes(children: list[Child], timeout_s: float = 15.0) -> None:
+    """Step 5."""
+    for child in children:
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(child, signal.SIGKILL)  # leftovers in the group, if any
+        child.process.wait()
+
+
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    try:
+        os.killpg(child.process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_ready(url: str, children: list[Child], timeout_s: float, should_stop) -> None:  # noqa: ANN001
+    """Step 3; raises ``RuntimeError`` naming a process that exited or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not _is_ready(url):
+        for child in children:
+            code = child.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{child.name} exited with code {code} before the router was ready")
+        if should_stop():
+            raise KeyboardInterrupt
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router at {url} was not ready within {timeout_s:.0f} s")
+        time.sleep(0.3)
+
+
+def curl_example(url: str, deploy: DeploymentConfig) -> str:
+    body = json.dumps({"model": deploy.model.name, "prompt": "Hello, helix", "max_tokens": 16})
+    auth = " -H 'Authorization: Bearer <key>'" if deploy.router.api_keys else ""
+    return f"curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def launch(config: str | None, model: str | None = None, port: int | None = None,
+           log_level: str = "WARNING", ready_timeout_s: float = 180.0) -> int:
+    deploy = resolve_deployment(config, model, port)
+    stop_signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
+    url = f"http://{deploy.router.host}:{deploy.router.port}"
+    with tempfile.TemporaryDirectory(prefix="helixserve-launch-") as tmp:
+        config_file = Path(tmp) / "deployment.yaml"
+        deploy.to_yaml(config_file)
+        children = start_processes(config_file, deploy, log_level)
+        try:
+            wait_ready(url, children, ready_timeout_s, lambda: bool(stop_signals))
+            print(f"helixserve is ready at {url} (model {deploy.model.name!r})", flush=True)
+            print(f"try:\n  {curl_example(url, deploy)}", flush=True)
+            print("Ctrl-C stops everything.", flush=True)
+            while not stop_signals:
+                dead = [c for c in children if c.process.poll() is not None]
+                if dead:
+                    print(f"{dead[0].name} exited with code {dead[0].process.returncode}; stopping",
+                          file=sys.stderr, flush=True)
+                    return 1
+                time.sleep(0.3)
+            return 0
+        except KeyboardInterrupt:
+            return 0
+        except RuntimeError as exc:
+            print(f"helixserve launch: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            stop_processes(children)
+            print("stopped", flush=True)

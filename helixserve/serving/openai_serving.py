@@ -1,0 +1,175 @@
+"""OpenAI requests -> engine inputs, engine outputs -> OpenAI answers and SSE streams (workers).
+
+:func:`prepare` validates what pydantic cannot (prompt length vs the context, token ids vs the
+vocabulary) and builds :class:`SamplingParams`; :func:`collect` and :func:`sse_stream` turn a
+request's :class:`RequestOutput` s into the non-streamed answer or the SSE events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from helixserve.engine.async_engine import RequestOutput
+from helixserve.engine.request import SamplingParams
+from helixserve.models.tokenizer import HelixTokenizer
+from helixserve.protocol import (SSE_DONE, ChatCompletionRequest, CompletionRequest,
+                                 DisaggregatedParams, InvalidRequestError, OpenAIError,
+                                 ResponseMeta, Usage, chat_completion_chunk,
+                                 chat_completion_response, chat_usage_chunk, completion_chunk,
+                                 completion_response, completion_usage_chunk, resolve_max_tokens,
+                                 sse_error, sse_event)
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLimits:
+    """What a worker's engine allows; filled once at start-up."""
+
+    served_model: str
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int | None
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """One validated request, ready for the engine."""
+
+    request_id: str
+    body: GenerationRequest
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    meta: ResponseMeta
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.body, ChatCompletionRequest)
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.body.stream)
+
+    @property
+    def disaggregated_params(self) -> DisaggregatedParams | None:
+        return self.body.disaggregated_params
+
+
+def prompt_token_ids(body: GenerationRequest, tokenizer: HelixTokenizer | None) -> list[int]:
+    """The prompt as token ids: a generation_only request's ctx-given ids, else tokenized here."""
+    params = body.disaggregated_params
+    if params is not None and params.is_generation_only:
+        return list(params.prompt_token_ids)
+    if isinstance(body, ChatCompletionRequest):
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: chat is not available",
+                                      param="messages")
+        ids = tokenizer.encode_chat([m.model_dump() for m in body.messages])
+    elif isinstance(body.prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids",
+                                      param="prompt")
+        ids = tokenizer.encode(body.prompt)
+    else:
+        ids = list(body.prompt)
+    if not ids:
+        raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
+    return ids
+
+
+def sampling_params(body: GenerationRequest, num_prompt_tokens: int, limits: ServingLimits
+                    ) -> SamplingParams:
+    """OpenAI defaults (temperature 1, top_p 1); 400 when the prompt leaves no room."""
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    max_tokens = resolve_max_tokens(body.max_new_tokens, num_prompt_tokens, limits.max_model_len,
+                                    limits.default_max_tokens, prompt_param=prompt_param)
+    bad = [t for t in body.stop_token_ids or () if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids {bad[:8]} are outside the vocabulary "
+                                  f"[0, {limits.vocab_size})", param="stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        stop=tuple(body.stop_strings),
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def prepare(request_id: str, body: GenerationRequest, tokenizer: HelixTokenizer | None,
+            limits: ServingLimits) -> PreparedRequest:
+    ids = prompt_token_ids(body, tokenizer)
+    bad = [t for t in ids if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids {bad[:8]} are outside the vocabulary "
+                                  f"[0, {limits.vocab_size})", param="prompt")
+    params = sampling_params(body, len(ids), limits)
+    is_chat = isinstance(body, ChatCompletionRequest)
+    meta = (ResponseMeta.for_chat if is_chat else ResponseMeta.for_completion)(body.model)
+    return PreparedRequest(request_id, body, ids, params, meta)
+
+
+@dataclass(slots=True)
+class Collected:
+    """A whole request's outputs."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def usage(self) -> Usage:
+        return Usage.of(self.num_prompt_tokens, self.num_output_tokens)
+
+
+async def collect_outputs(outputs: AsyncIterator[RequestOutput]) -> Collected:
+    parts: list[str] = []
+    token_ids: list[int] = []
+    last: RequestOutput | None = None
+    async for out in outputs:
+        parts.append(out.text)
+        token_ids.extend(out.token_ids)
+        last = out
+    assert last is not None and last.is_finished, "an output stream ended without finishing"
+    return Collected("".join(parts), token_ids, last.finish_reason, last.num_prompt_tokens,
+                     last.num_output_tokens)
+
+
+def answer_json(prepared: PreparedRequest, done: Collected) -> str:
+    """The non-streamed OpenAI answer as JSON."""
+    build = chat_completion_response if prepared.is_chat else completion_response
+    return build(prepared.meta, done.text, done.finish_reason, done.usage).model_dump_json()
+
+
+async def sse_stream(prepared: PreparedRequest, first: RequestOutput,
+                     rest: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """SSE events of one request: chunks, the usage chunk if asked for, then ``[DONE]``; an
+    error after the stream started is sent as an error event (and ends the stream)."""
+    meta = prepared.meta
+    if prepared.is_chat:
+        yield sse_event(chat_completion_chunk(meta, "", is_first=True))
+    last = first
+    try:
+        out: RequestOutput | None = first
+        while out is not None:
+            last = out
+            if out.text or out.is_finished:
+                if prepared.is_chat:
+                    yield sse_event(chat_completion_chunk(meta, out.text or None, out.finish_reason))
+                else:
+                    yield sse_event(completion_chunk(meta, out.text, out.finish_reason))
+            out = None if out.is_finished else await anext(rest, None)
+    except OpenAIError as err:
+        yield sse_error(err)
+        return
+    if prepared.body.include_usage:
+        usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens)
+        build = chat_usage_chunk if prepared.is_chat else completion_usage_chunk
+        yield sse_event(build(meta, usage))
+    yield SSE_DONE

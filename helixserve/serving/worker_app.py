@@ -1,0 +1,229 @@
+"""The HTTP app both workers share; each role plugs in its request handlers.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream or not), ``GET /v1/models``,
+``GET /health`` (503 once the engine stopped), ``GET /stats`` (engine counters as JSON),
+``GET /metrics`` (Prometheus), ``POST /v1/abort`` (``{"request_id"}``: the router cancels).
+
+A completion request is parsed (400s), checked against the served model (404), routed by its
+``disaggregated_params.request_type`` (``None`` = aggregated) to the role's handler, which turns it
+into engine outputs; :func:`respond` sends them as one JSON answer or as SSE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+
+from helixserve.engine.async_engine import AsyncEngine, RequestOutput
+from helixserve.models.tokenizer import HelixTokenizer
+from helixserve.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequestError,
+                                 KVLayout, ModelCard, ModelList, ModelNotFoundError, RequestType,
+                                 ServiceUnavailableError, parse_model)
+from helixserve.serving.http import install_error_handlers, request_id_from, run_unless_disconnected
+from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
+                                               collect_outputs, prepare, sse_stream)
+
+RequestHandler = Callable[[Request, PreparedRequest], Awaitable[Response]]
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=128)
+
+
+class _EngineCollector:
+    """Engine gauges read at scrape time."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
+        role = self._worker.role
+        for name, help_text, value in self._worker.gauges():
+            gauge = GaugeMetricFamily(f"helixserve_worker_{name}", help_text, labels=["role"])
+            gauge.add_metric([role], float(value))
+            yield gauge
+
+
+@dataclass
+class Worker:
+    """One worker process: its engine, tokenizer, limits, cache layout and metrics."""
+
+    role: str  # "ctx" or "gen"
+    engine: AsyncEngine
+    tokenizer: HelixTokenizer | None
+    limits: ServingLimits
+    layout: KVLayout
+    extra_gauges: Callable[[], list[tuple[str, str, float]]] = lambda: []
+    on_abort: Callable[[str], None] = lambda request_id: None  # after /v1/abort (ctx: pickups)
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.requests = Counter("helixserve_worker_requests", "finished HTTP completion requests",
+                                ["role", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("helixserve_worker_prompt_tokens", "prompt tokens served",
+                                     ["role"], registry=self.registry)
+        self.generation_tokens = Counter("helixserve_worker_generation_tokens",
+                                         "tokens generated", ["role"], registry=self.registry)
+        self.registry.register(_EngineCollector(self))
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "role": self.role, "model": self.limits.served_model, "is_alive": self.engine.is_alive,
+            "num_live_requests": self.engine.num_live_requests, "num_running": s.num_running,
+            "num_waiting": s.num_waiting, "num_held": s.num_held, "num_blocks": s.num_blocks,
+            "num_used_blocks": s.num_used_blocks, "num_slots": s.num_slots,
+            "num_used_slots": s.num_used_slots, "capacity": self.engine.capacity,
+        }
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        s = self.engine.stats()
+        return [
+            ("requests_running", "requests in the running batch", s.num_running),
+            ("requests_waiting", "requests queued in the engine", s.num_waiting),
+            ("requests_live", "requests admitted and not finished", self.engine.num_live_requests),
+            ("requests_held", "finished prefills holding their cache for pickup", s.num_held),
+            ("cache_blocks_total", "MLA cache blocks", s.num_blocks),
+            ("cache_blocks_used", "MLA cache blocks in use", s.num_used_blocks),
+            ("state_slots_total", "KDA state slots", s.num_slots),
+            ("state_slots_used", "KDA state slots in use", s.num_used_slots),
+            *self.extra_gauges(),
+        ]
+
+    def count_tokens(self, out: RequestOutput) -> None:
+        self.prompt_tokens.labels(self.role).inc(out.num_prompt_tokens)
+        self.generation_tokens.labels(self.role).inc(out.num_output_tokens)
+
+
+async def _counted(worker: Worker, outputs: AsyncIterator[RequestOutput]
+                   ) -> AsyncIterator[RequestOutput]:
+    async for out in outputs:
+        if out.is_finished:
+            worker.count_tokens(out)
+        yield out
+
+
+async def respond(worker: Worker, http_request: Request, prepared: PreparedRequest,
+                  outputs: AsyncIterator[RequestOutput]) -> Response:
+    """Send a request's outputs as one JSON answer, or as SSE when it asked to stream. A client
+    that leaves aborts the request (the engine frees its cache)."""
+    outputs = _counted(worker, outputs)
+    if not prepared.is_stream:
+        done = await run_unless_disconnected(http_request, collect_outputs(outputs))
+        return Response(answer_json(prepared, done), media_type="application/json")
+    first = await run_unless_disconnected(http_request, anext(outputs))
+
+    async def events() -> AsyncIterator[str]:
+        is_complete = False
+        try:
+            async for event in sse_stream(prepared, first, outputs):
+                yield event
+            is_complete = True
+        finally:
+            if not is_complete:  # cancelled by a disconnect: no await allowed here
+                worker.engine.abort(prepared.request_id)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def aggregated_handler(worker: Worker) -> RequestHandler:
+    """Prefill and decode here: a gen worker's baseline, and a ctx worker's plain requests."""
+
+    async def handle(http_request: Request, prepared: PreparedRequest) -> Response:
+        outputs = worker.engine.generate(prepared.request_id, prepared.prompt_token_ids,
+                                         prepared.params)
+        return await respond(worker, http_request, prepared, outputs)
+
+    return handle
+
+
+def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
+                     lifespan_hooks: tuple[Callable[[], Any], ...] = ()) -> FastAPI:
+    """The app; ``handlers`` maps a request type (``None``: no disaggregated_params) to the
+    role's handler; ``lifespan_hooks`` are async context managers entered after the engine starts."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        worker.engine.start()
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for hook in lifespan_hooks:
+                    await stack.enter_async_context(hook())
+                yield
+        finally:
+            await worker.engine.shutdown()
+
+    app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
+    install_error_handlers(app)
+
+    async def completion(http_request: Request, cls: type) -> Response:
+        body = parse_model(cls, await http_request.body())
+        if body.model != worker.limits.served_model:
+            raise ModelNotFoundError(body.model)
+        params = body.disaggregated_params
+        request_type = params.request_type if params is not None else None
+        handler = handlers.get(request_type)
+        if handler is None:
+            raise InvalidRequestError(f"this {worker.role} worker does not serve "
+                                      f"{request_type or 'aggregated'} requests",
+                                      param="disaggregated_params.request_type")
+        if not worker.engine.is_alive:
+            raise ServiceUnavailableError(f"the {worker.role} engine is not running")
+        request_id = request_id_from(http_request, worker.engine.new_request_id(worker.role))
+        prepared = prepare(request_id, body, worker.tokenizer, worker.limits)
+        status = "500"
+        try:
+            response = await handler(http_request, prepared)
+            status = str(response.status_code)
+            return response
+        except Exception as err:
+            status = str(getattr(err, "status_code", 500))
+            raise
+        finally:
+            worker.requests.labels(worker.role, status).inc()
+
+    @app.post("/v1/completions")
+    async def completions(http_request: Request) -> Response:
+        return await completion(http_request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http_request: Request) -> Response:
+        return await completion(http_request, ChatCompletionRequest)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=worker.limits.served_model, created=0)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        stats = worker.stats()
+        return JSONResponse({"status": "ok" if stats["is_alive"] else "engine stopped", **stats},
+                            status_code=200 if stats["is_alive"] else 503)
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        return JSONResponse({**worker.stats(), **{n: v for n, _, v in worker.extra_gauges()}})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(worker.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/abort")
+    async def abort(http_request: Request) -> Response:
+        body = parse_model(AbortRequest, await http_request.body())
+        worker.engine.abort(body.request_id, f"request {body.request_id} was cancelled")
+        worker.on_abort(body.request_id)
+        return JSONResponse({"request_id": body.request_id, "aborted": True})
+
+    app.state.worker = worker
+    return app
