@@ -66,6 +66,7 @@ class CtxServerConfig(_Strict):
     pickup_timeout_s: float = Field(30.0, gt=0)  # a held prefill not picked up by then is freed
     transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
     transceiver_port: int = Field(18100, ge=1, le=65535)
+    device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
 
     @property
     def url(self) -> str:
@@ -82,6 +83,7 @@ class GenServerConfig(_Strict):
     cp: int = Field(1, ge=1)
     # how generation_only requests get their prompt state; "recompute" re-prefills on gen
     kv_source: Literal["recompute"] = "recompute"
+    device: str | None = None  # overrides model.device for this worker (e.g. "cuda:1")
 
     @property
     def url(self) -> str:
@@ -155,3 +157,12 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a YAML mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def slurm_env():  # -> helixserve.launch_slurm.SlurmEnv
+    """The SLURM allocation this process runs in (``SLURM_*`` variables), for the SLURM launcher."""
+    import os
+
+    from helixserve.launch_slurm import slurm_env_from
+
+    return slurm_env_from(os.environ)

@@ -62,7 +62,7 @@ class ContextOnlyHandler:
 def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
     """Load the engine and build the app (the engine thread starts with the app)."""
     registry: PickupRegistry | None = None
-    worker = make_worker("ctx", deploy, server.max_queue_len,
+    worker = make_worker("ctx", deploy, server.max_queue_len, server.device,
                          extra_gauges=lambda: registry.gauges() if registry else [])
     registry = PickupRegistry(worker.engine, server.pickup_timeout_s)
     worker.on_abort = registry.forget

@@ -45,7 +45,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig) -> FastAPI:
         raise ValueError(f"gen worker {server.url}: dp={server.dp} x cp={server.cp} needs the "
                          "SPMD generation world, which gen_server does not drive yet; use dp=1, cp=1")
     kv_source = make_kv_source(server.kv_source)
-    worker = make_worker("gen", deploy, server.max_queue_len)
+    worker = make_worker("gen", deploy, server.max_queue_len, server.device)
     handlers = {
         None: aggregated_handler(worker),
         RequestType.GENERATION_ONLY: GenerationOnlyHandler(worker, kv_source),

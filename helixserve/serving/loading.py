@@ -40,9 +40,12 @@ def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLa
     )
 
 
-def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int,
+def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None,
                 extra_gauges: Callable[[], list[tuple[str, str, float]]] | None = None) -> Worker:
-    """Load the engine and wrap it in an :class:`AsyncEngine` (started by the app's lifespan)."""
+    """Load the engine (on ``device``, default ``model.device``) and wrap it in an
+    :class:`AsyncEngine` (started by the app's lifespan)."""
+    if device is not None:
+        deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"device": device})})
     core, tokenizer, cfg = load_engine(deploy)
     engine = AsyncEngine(core, tokenizer.decode if tokenizer else None,
                          max_num_seqs=deploy.cache.max_num_seqs, max_queue_len=max_queue_len,
