@@ -63,38 +63,43 @@ def _check_api_key(request: Request, api_keys: tuple[str, ...]) -> None:
         raise AuthenticationError("Incorrect API key provided.")
 
 
-def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
-                     served_model: str) -> FastAPI:
-    ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
-    gen_pool = WorkerPool("gen", gen_urls, config.policy)
-    metrics = RouterMetrics(lambda: [ctx_pool, gen_pool])
-    admission = Admission(config.max_inflight, config.max_queue_len)
-    state: dict[str, Orchestrator] = {}
+class RouterService:
+    """The router's state: pools, admission, metrics and (while running) the orchestrator."""
 
-    async def check_health(client: httpx.AsyncClient) -> None:
-        while True:
-            await asyncio.gather(ctx_pool.check(client, config.health_check_timeout_s),
-                                 gen_pool.check(client, config.health_check_timeout_s))
-            await asyncio.sleep(config.health_check_interval_s)
+    def __init__(self, config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
+                 served_model: str) -> None:
+        self.config = config
+        self.served_model = served_model
+        self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
+        self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
+        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool])
+        self.admission = Admission(config.max_inflight, config.max_queue_len)
+        self.orchestrator: Orchestrator | None = None
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(self, _: FastAPI):
+        """One HTTP client to the workers and the health loop, for the app's lifetime."""
+        config = self.config
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=2 * config.max_inflight + 16,
                               max_keepalive_connections=config.max_inflight)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            state["orchestrator"] = Orchestrator(ctx_pool, gen_pool, client, metrics)
-            checker = asyncio.create_task(check_health(client))
+            self.orchestrator = Orchestrator(self.ctx_pool, self.gen_pool, client, self.metrics)
+            checker = asyncio.create_task(self._check_health(client))
             try:
                 yield
             finally:
                 checker.cancel()
 
-    app = FastAPI(title="helixserve router", lifespan=lifespan)
-    install_error_handlers(app)
+    async def _check_health(self, client: httpx.AsyncClient) -> None:
+        timeout_s = self.config.health_check_timeout_s
+        while True:
+            await asyncio.gather(self.ctx_pool.check(client, timeout_s),
+                                 self.gen_pool.check(client, timeout_s))
+            await asyncio.sleep(self.config.health_check_interval_s)
 
-    async def admit(request: Request, cls: type) -> tuple:
-        _check_api_key(request, config.api_keys)
+    async def _admit(self, request: Request, cls: type) -> tuple:
+        _check_api_key(request, self.config.api_keys)
         raw_bytes = await request.body()
         body = parse_model(cls, raw_bytes)
         raw = json.loads(raw_bytes)
@@ -102,15 +107,16 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
             raise InvalidRequestError("disaggregated_params is set by the router between its "
                                       "workers; clients may not send it",
                                       param="disaggregated_params")
-        if body.model != served_model:
+        if body.model != self.served_model:
             raise ModelNotFoundError(body.model)
-        await admission.acquire()
+        await self.admission.acquire()
         return body, raw
 
-    async def completion(request: Request, cls: type, endpoint: str) -> Response:
+    async def completion(self, request: Request, cls: type, endpoint: str) -> Response:
         t_arrival = time.monotonic()
+        metrics = self.metrics
         try:
-            body, raw = await admit(request, cls)
+            body, raw = await self._admit(request, cls)
         except OpenAIError as err:  # refused before reaching a worker
             metrics.requests.labels(endpoint, str(err.status_code)).inc()
             raise
@@ -118,55 +124,69 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
         metrics.running.inc()
 
         def on_close() -> None:
-            admission.release()
+            self.admission.release()
             metrics.running.dec()
 
-        orchestrator = state["orchestrator"]
-        flight = Flight(orchestrator, endpoint, t_arrival, on_close)
+        assert self.orchestrator is not None, "the router app is not running"
+        flight = Flight(self.orchestrator, endpoint, t_arrival, on_close)
         try:  # a streamed response closes its flight when the stream ends
-            return await run_unless_disconnected(request, orchestrator.run(flight, endpoint, body, raw))
+            return await run_unless_disconnected(
+                request, self.orchestrator.run(flight, endpoint, body, raw))
         except BaseException as exc:
             status = getattr(exc, "status_code", None)
             flight.status = str(status) if status else flight.status
             flight.close()
             raise
 
+    def models(self, request: Request) -> Response:
+        _check_api_key(request, self.config.api_keys)
+        card = ModelCard(id=self.served_model, created=0)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    def ready(self) -> Response:
+        """200 when at least one ctx and one gen worker are healthy; the pools either way."""
+        is_ready = bool(self.ctx_pool.healthy and self.gen_pool.healthy)
+        pools = {pool.role: [{"url": w.url, "healthy": w.is_healthy, "error": w.last_error,
+                              "inflight": w.num_inflight} for w in pool.workers]
+                 for pool in (self.ctx_pool, self.gen_pool)}
+        return JSONResponse({"ready": is_ready, **pools}, status_code=200 if is_ready else 503)
+
+    def metrics_page(self) -> Response:
+        self.metrics.waiting.set(self.admission.num_waiting)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
+                     served_model: str) -> FastAPI:
+    service = RouterService(config, ctx_urls, gen_urls, served_model)
+    app = FastAPI(title="helixserve router", lifespan=service.lifespan)
+    install_error_handlers(app)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await completion(request, CompletionRequest, "/v1/completions")
+        return await service.completion(request, CompletionRequest, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await completion(request, ChatCompletionRequest, "/v1/chat/completions")
+        return await service.completion(request, ChatCompletionRequest, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        _check_api_key(request, config.api_keys)
-        card = ModelCard(id=served_model, created=0)
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        return service.models(request)
 
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
-    def pools_status() -> dict:
-        return {pool.role: [{"url": w.url, "healthy": w.is_healthy, "error": w.last_error,
-                             "inflight": w.num_inflight} for w in pool.workers]
-                for pool in (ctx_pool, gen_pool)}
-
     @app.get("/ready")
     async def ready() -> Response:
-        is_ready = bool(ctx_pool.healthy and gen_pool.healthy)
-        return JSONResponse({"ready": is_ready, **pools_status()},
-                            status_code=200 if is_ready else 503)
+        return service.ready()
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        metrics.waiting.set(admission.num_waiting)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics() -> Response:
+        return service.metrics_page()
 
-    app.state.pools = (ctx_pool, gen_pool)
-    app.state.admission = admission
+    app.state.service = service
     return app
 
 

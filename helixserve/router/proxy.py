@@ -220,7 +220,13 @@ class Orchestrator:
                     flight.status, flight.is_complete = "200", True
                     yield SSE_DONE
                     return
-                event = json.loads(data)
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    err = flight.fail(InternalServerError(f"gen worker sent a malformed event: "
+                                                          f"{data[:200]!r}"))
+                    yield sse_error(err)
+                    return
                 if "error" in event:
                     flight.status, flight.is_complete = "stream_error", True  # gen ended it
                     yield f"{line}\n\n"

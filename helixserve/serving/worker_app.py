@@ -146,6 +146,35 @@ def aggregated_handler(worker: Worker) -> RequestHandler:
     return handle
 
 
+async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
+                            http_request: Request, cls: type) -> Response:
+    """Parse (400), check the model (404), pick the role's handler by request type, run it."""
+    body = parse_model(cls, await http_request.body())
+    if body.model != worker.limits.served_model:
+        raise ModelNotFoundError(body.model)
+    params = body.disaggregated_params
+    request_type = params.request_type if params is not None else None
+    handler = handlers.get(request_type)
+    if handler is None:
+        raise InvalidRequestError(f"this {worker.role} worker does not serve "
+                                  f"{request_type or 'aggregated'} requests",
+                                  param="disaggregated_params.request_type")
+    if not worker.engine.is_alive:
+        raise ServiceUnavailableError(f"the {worker.role} engine is not running")
+    request_id = request_id_from(http_request, worker.engine.new_request_id(worker.role))
+    prepared = prepare(request_id, body, worker.tokenizer, worker.limits)
+    status = "500"
+    try:
+        response = await handler(http_request, prepared)
+        status = str(response.status_code)
+        return response
+    except Exception as err:
+        status = str(getattr(err, "status_code", 500))
+        raise
+    finally:
+        worker.requests.labels(worker.role, status).inc()
+
+
 def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
                      lifespan_hooks: tuple[Callable[[], Any], ...] = ()) -> FastAPI:
     """The app; ``handlers`` maps a request type (``None``: no disaggregated_params) to the
@@ -165,39 +194,13 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
     install_error_handlers(app)
 
-    async def completion(http_request: Request, cls: type) -> Response:
-        body = parse_model(cls, await http_request.body())
-        if body.model != worker.limits.served_model:
-            raise ModelNotFoundError(body.model)
-        params = body.disaggregated_params
-        request_type = params.request_type if params is not None else None
-        handler = handlers.get(request_type)
-        if handler is None:
-            raise InvalidRequestError(f"this {worker.role} worker does not serve "
-                                      f"{request_type or 'aggregated'} requests",
-                                      param="disaggregated_params.request_type")
-        if not worker.engine.is_alive:
-            raise ServiceUnavailableError(f"the {worker.role} engine is not running")
-        request_id = request_id_from(http_request, worker.engine.new_request_id(worker.role))
-        prepared = prepare(request_id, body, worker.tokenizer, worker.limits)
-        status = "500"
-        try:
-            response = await handler(http_request, prepared)
-            status = str(response.status_code)
-            return response
-        except Exception as err:
-            status = str(getattr(err, "status_code", 500))
-            raise
-        finally:
-            worker.requests.labels(worker.role, status).inc()
-
     @app.post("/v1/completions")
     async def completions(http_request: Request) -> Response:
-        return await completion(http_request, CompletionRequest)
+        return await handle_completion(worker, handlers, http_request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request) -> Response:
-        return await completion(http_request, ChatCompletionRequest)
+        return await handle_completion(worker, handlers, http_request, ChatCompletionRequest)
 
     @app.get("/v1/models")
     async def models() -> Response:
