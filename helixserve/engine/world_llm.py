@@ -1,0 +1,161 @@
+"""Generation on a local helix_a2a world: the CLI's ``generate --dp N --cp M`` and rank bootstrap.
+
+- :func:`build_rank_engine`: one rank's :class:`~helixserve.engine.spmd.RankEngine` from a
+  checkpoint (sharded load, cache shard sized like ``EngineCore``'s, scheduler replica).
+- :func:`generate_on_world` / :func:`generate_many_on_world`: spawn dp x cp local processes (gloo
+  on CPU; NCCL, one GPU per rank, when enough GPUs are present), run the prompts through rank 0's
+  :class:`~helixserve.engine.spmd.WorldDriver`, return results like ``LLM.generate``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.llm import GenerationResult, resolve_dtype
+from helixserve.engine.request import RequestStatus, SamplingParams
+from helixserve.engine.runner import cache_spec_for
+from helixserve.engine.scheduler import Scheduler
+from helixserve.engine.spmd import RankEngine, WorldDriver, serve_rank
+from helixserve.engine.stop import truncate_at_stop
+from helixserve.kvcache.manager import CacheManager
+from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
+from helixserve.models.helix_load import load_helix_model
+from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer
+from helixserve.parallel import Mapping, ParallelGroups, init_parallel, run_local_world
+
+_MIB = 1 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class WorldOptions:
+    """How to build each rank (defaults match the single-process ``LLM``)."""
+
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    dtype: str | None = None
+    seed: int = 0
+    timeout_s: float = 120.0
+    backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
+
+
+def _tokenizer(model_dir: Path) -> HelixTokenizer | None:
+    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+
+
+def build_rank_engine(model_dir: str | Path, groups: ParallelGroups, options: WorldOptions = WorldOptions()) -> RankEngine:
+    """Load this rank's model shard and build its cache shard and scheduler replica."""
+    model_dir = Path(model_dir)
+    mapping = groups.mapping
+    dtype = resolve_dtype(options.dtype, groups.device)
+    model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device).bind(groups)
+    cfg, cache = model.cfg, options.cache
+    spec = cache_spec_for(cfg, dtype, cache.tokens_per_block, kda_num_heads=model.kda_num_local_heads)
+    num_blocks, num_slots = size_from_budget(spec, int(cache.memory_budget_mib * _MIB), cache.max_num_seqs)
+    # CP-group-uniform accounting: a group holds about cp times one rank's blocks
+    max_model_len = min(cache.max_model_len or cfg.max_position_embeddings, num_blocks * cache.tokens_per_block * mapping.cp)
+    caches = allocate_model_caches(spec, num_blocks, num_slots, groups.device)
+    manager = CacheManager(num_blocks, num_slots, cache.tokens_per_block, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
+                           has_mla=bool(spec.mla_layer_ids), has_kda=bool(spec.kda_layer_ids))
+    tokenizer = _tokenizer(model_dir)
+    eos = set(tokenizer.eos_token_ids) if tokenizer else set()
+    if cfg.eos_token_id is not None:
+        eos.add(cfg.eos_token_id)
+    scheduler = Scheduler(
+        manager, max_num_seqs=cache.max_num_seqs,
+        max_num_batched_tokens=max(options.scheduler.max_num_batched_tokens, cache.max_num_seqs),
+        max_model_len=max_model_len, eos_token_ids=eos, detokenize=tokenizer.decode if tokenizer else None,
+    )
+    return RankEngine(model, groups, caches, manager, scheduler, seed=options.seed)
+
+
+def pick_backend(world_size: int, backend: str | None = None) -> str:
+    if backend is not None:
+        return backend
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _world_main(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
+                prompts: list[list[int]], params: list[SamplingParams], options: WorldOptions) -> list[GenerationResult] | int:
+    mapping = Mapping(world_size, rank, dp=dp, cp=cp)
+    groups = init_parallel(mapping, init_method, backend=pick_backend(world_size, options.backend),
+                           local_rank=rank, timeout_s=options.timeout_s)
+    try:
+        engine = build_rank_engine(model_dir, groups, options)
+        if rank != 0:
+            return serve_rank(engine)
+        driver = WorldDriver(engine)
+        try:
+            return drive_to_completion(driver, prompts, params, _tokenizer(Path(model_dir)))
+        finally:
+            driver.shutdown()
+    finally:
+        groups.destroy()
+
+
+def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+                        tokenizer: HelixTokenizer | None = None) -> list[GenerationResult]:
+    """Add every prompt, step the world until all finish; results in prompt order."""
+    ids = [f"world-{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    reasons: dict[str, str | None] = {}
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        driver.add_request(rid, list(prompt), p)
+    while driver.has_unfinished_requests():
+        for update in driver.step():
+            if update.status not in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED):
+                tokens[update.request_id].append(update.token_id)
+            if update.is_finished:
+                reasons[update.request_id] = update.status.finish_reason
+    results = []
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        text = truncate_at_stop(tokenizer.decode(tokens[rid]), p.stop) if tokenizer else ""
+        results.append(GenerationResult(rid, list(prompt), tokens[rid], text, reasons.get(rid)))
+    return results
+
+
+def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[int]],
+                           params: SamplingParams | Sequence[SamplingParams], *, dp: int, cp: int,
+                           options: WorldOptions = WorldOptions(), timeout_s: float = 600.0) -> list[GenerationResult]:
+    """Run every prompt on a fresh local dp x cp world; results in prompt order."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    if dp < 1 or cp < 1:
+        raise ValueError(f"dp={dp} and cp={cp} must be >= 1")
+    tokenizer = _tokenizer(model_dir)
+    encoded = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"{model_dir} has no tokenizer.json: pass token ids")
+            prompt = tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        encoded.append(list(prompt))
+    params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
+    _check_fits_world(model_dir, dp, cp)
+    results = run_local_world(_world_main, dp * cp, str(model_dir), dp, cp, encoded, params_list, options,
+                              timeout_s=timeout_s)
+    return results[0]
+
+
+def _check_fits_world(model_dir: Path, dp: int, cp: int) -> None:
+    """Start-up errors (indivisible heads / experts, layer order) before spawning anything."""
+    from helixserve.models.config import KimiModelConfig
+    from helixserve.models.helix import check_helix_config
+
+    check_helix_config(KimiModelConfig.from_pretrained(model_dir), Mapping(dp * cp, 0, dp=dp, cp=cp))
+
+
+def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: list[int] | None,
+                      params: SamplingParams, *, dp: int, cp: int, dtype: str | None = None) -> GenerationResult:
+    """One prompt (text or ids) on a local dp x cp world; what ``helixserve generate --dp --cp`` prints."""
+    source = prompt_ids if prompt_ids is not None else prompt
+    if source is None:
+        raise ValueError("give a prompt or prompt ids")
+    return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(dtype=dtype))[0]

@@ -1,0 +1,235 @@
+"""The SPMD generation world (gloo): WorldDriver on rank 0, serve_rank elsewhere.
+
+- requests arriving over time, spread over both CP groups of a 2 x 2 world, give the
+  single-process engine's tokens (greedy and seeded sampling), an abort frees everything, a
+  held cache waits for release, idle worlds send heartbeat plans without running the model;
+- a request whose prompt KV "arrives" (a fake receiver writes each rank's shard: blocks
+  b % cp == cp_rank, its KDA heads) decodes exactly like the single-process engine; a transfer
+  failing on one rank fails the request on the whole group;
+- a rank that raises stops the world with an error, within the collective timeout;
+- ``helixserve generate --dp 2 --cp 2 --json`` prints what the single-process run prints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from helixserve.config import CacheConfig
+from helixserve.engine.llm import LLM
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.spmd import WorldDriver, WorldStoppedError, serve_rank
+from helixserve.engine.world_llm import WorldOptions, build_rank_engine, drive_to_completion
+from helixserve.kvcache.pools import allocate_model_caches
+from helixserve.engine.runner import cache_spec_for
+from helixserve.models.caches import SeqChunk, build_batch
+from helixserve.models.checkpoint import load_model
+from helixserve.parallel import LocalWorldError, Mapping, init_parallel, run_local_world
+
+CACHE = CacheConfig(tokens_per_block=4, memory_budget_mib=4, max_num_seqs=6)
+OPTIONS = WorldOptions(cache=CACHE, timeout_s=30)
+PRESET = "kimi-k3-tiny"
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+REQUESTS = [  # (prompt, params, arrives before step)
+    (_prompt(1, 9), SamplingParams(max_tokens=7, temperature=0, ignore_eos=True), 0),
+    (_prompt(2, 17), SamplingParams(max_tokens=5, temperature=0.8, seed=11, ignore_eos=True), 0),
+    (_prompt(3, 3), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), 2),
+    (_prompt(4, 6), SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=5, ignore_eos=True), 3),
+    (_prompt(5, 11), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), 3),
+]
+ABORTED = "late-abort"
+HELD = "held"
+KV_PROMPTS = [_prompt(6, 10), _prompt(7, 5)]
+
+
+class _FakeReceiver:
+    """Writes this rank's shard of a single-process prefill, reporting after two polls."""
+
+    def __init__(self, model_dir, mapping: Mapping) -> None:
+        self.ref = load_model(model_dir)
+        self.mapping = mapping
+        self.pending: dict[str, list] = {}
+
+    def start(self, request_id, handle, caches, ticket) -> None:
+        prompt, fail_on_rank = ticket
+        cfg, tpb = self.ref.cfg, caches.tokens_per_block
+        full = allocate_model_caches(cache_spec_for(cfg, torch.float32, tpb), 16, 1)
+        self.ref(build_batch([SeqChunk(prompt, 0, 0)], tpb, 16), full)
+        cp, r = self.mapping.cp, self.mapping.cp_rank
+        for layer, pool in caches.mla_kv.items():
+            for k, physical in enumerate(handle.block_ids):
+                pool[physical] = full.mla_kv[layer][r + k * cp]
+        heads = self.mapping.local_heads(cfg.kda_num_heads)
+        K = cfg.kda_head_dim
+        for layer, pool in caches.kda_state.items():
+            pool[handle.slot] = full.kda_state[layer][0, heads.start:heads.stop]
+            conv = full.conv_state[layer][0].view(3, -1, full.conv_state[layer].shape[-1])
+            caches.conv_state[layer][handle.slot] = conv[:, heads.start * K:heads.stop * K].reshape(-1, conv.shape[-1])
+        error = f"transfer failed on rank {self.mapping.rank}" if fail_on_rank == self.mapping.rank else None
+        self.pending[request_id] = [2, error]
+
+    def poll(self) -> dict[str, str | None]:
+        done = {}
+        for rid, entry in list(self.pending.items()):
+            entry[0] -= 1
+            if entry[0] == 0:
+                done[rid] = entry[1]
+                del self.pending[rid]
+        return done
+
+    def cancel(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+
+def _serving_world(rank: int, world_size: int, init_method: str, model_dir: str, first_tokens: list[int]) -> dict:
+    mapping = Mapping(world_size, rank, dp=2, cp=2)
+    groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=OPTIONS.timeout_s)
+    try:
+        engine = build_rank_engine(model_dir, groups, OPTIONS)
+        engine.kv_receiver = _FakeReceiver(model_dir, mapping)
+        if rank != 0:
+            return {"steps": serve_rank(engine), "stats": engine.stats()}
+        driver = WorldDriver(engine, heartbeat_s=0.2)
+        try:
+            return _drive(driver, first_tokens)
+        finally:
+            driver.shutdown()
+    finally:
+        groups.destroy()
+
+
+def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    owners = {}
+
+    def step() -> None:
+        for u in driver.step():
+            if u.status.finish_reason not in ("error", "abort"):
+                tokens.setdefault(u.request_id, []).append(u.token_id)
+            if u.is_finished:
+                reasons[u.request_id] = u.status.finish_reason
+
+    for step_no in range(4):
+        for i, (prompt, params, arrives) in enumerate(REQUESTS):
+            if arrives == step_no:
+                driver.add_request(f"r{i}", prompt, params)
+                owners[f"r{i}"] = driver._owner[f"r{i}"]
+        if step_no == 1:
+            driver.add_request(ABORTED, _prompt(9, 5), SamplingParams(max_tokens=50, temperature=0))
+            driver.add_request(HELD, _prompt(10, 4), SamplingParams(max_tokens=2, temperature=0), hold_cache=True)
+            for j, prompt in enumerate(KV_PROMPTS):  # the second fails on rank 3
+                driver.add_request(f"kv{j}", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                   forced_output_token_ids=[first_tokens[j]], kv_ticket=(prompt, 3 if j else None))
+        step()
+    assert driver.abort(ABORTED) and not driver.abort(ABORTED)
+    with pytest.raises(ValueError, match="already in the world"):
+        driver.add_request("r0", [1], SamplingParams())
+    with pytest.raises(ValueError, match="token ids out of range"):
+        driver.add_request("bad", [10**6], SamplingParams())
+    while driver.has_unfinished_requests():
+        step()
+    held_stats = driver.stats()
+    assert driver.release(HELD) and not driver.release(HELD)
+    time.sleep(0.3)  # idle: the next has_unfinished_requests() asks for a heartbeat step
+    assert driver.has_unfinished_requests()
+    step()
+    step_id = driver._step_id
+    return {"tokens": tokens, "reasons": reasons, "owners": owners, "held_stats": held_stats,
+            "final_stats": driver.stats(), "steps": step_id}
+
+
+@pytest.fixture(scope="module")
+def serving(tiny_checkpoints):
+    model_dir = str(tiny_checkpoints[PRESET])
+    llm = LLM(model_dir, cache=CACHE)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kv_expected = [r.token_ids for r in llm.generate(KV_PROMPTS, greedy)]
+    expected = [r.token_ids for r in llm.generate([p for p, _, _ in REQUESTS], [p for _, p, _ in REQUESTS])]
+    results = run_local_world(_serving_world, 4, model_dir, [t[0] for t in kv_expected], timeout_s=180)
+    return results, expected, kv_expected
+
+
+def test_world_requests_equal_single_process(serving) -> None:
+    results, expected, _ = serving
+    front = results[0]
+    for i, want in enumerate(expected):
+        assert front["tokens"][f"r{i}"] == want, f"request r{i}"
+        assert front["reasons"][f"r{i}"] == "length"
+    assert set(front["owners"].values()) == {0, 1}  # attention DP used both CP groups
+    assert ABORTED not in front["reasons"] and len(front["tokens"][ABORTED]) < 50  # stopped mid-way
+    assert front["held_stats"].num_held == 1 and front["final_stats"].num_held == 0
+    assert front["final_stats"].num_used_blocks == 0 and front["final_stats"].num_used_slots == 0
+    for rank in (1, 2, 3):  # every rank ran every step (the heartbeat ones too) and freed all
+        assert results[rank]["steps"] == front["steps"]
+        assert results[rank]["stats"].num_used_blocks == 0 and results[rank]["stats"].num_used_slots == 0
+
+
+def test_received_kv_decodes_like_single_process(serving) -> None:
+    results, _, kv_expected = serving
+    front = results[0]
+    assert front["tokens"]["kv0"] == kv_expected[0]
+    assert front["reasons"]["kv0"] == "length"
+    assert front["reasons"]["kv1"] == "error" and "kv1" not in front["tokens"]
+
+
+def _failing_world(rank: int, world_size: int, init_method: str, model_dir: str) -> str:
+    mapping = Mapping(world_size, rank, dp=2, cp=2)
+    groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=10)
+    engine = build_rank_engine(model_dir, groups, OPTIONS)
+    if rank == 2:
+        calls = {"n": 0}
+        forward = engine.model.forward
+
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected fault on rank 2")
+            return forward(*args, **kwargs)
+
+        engine.model.forward = flaky
+    if rank != 0:
+        return str(serve_rank(engine))
+    driver = WorldDriver(engine)
+    prompts = [_prompt(20 + i, 5) for i in range(4)]
+    try:
+        drive_to_completion(driver, prompts, [SamplingParams(max_tokens=20, temperature=0)] * 4)
+    except WorldStoppedError as exc:
+        assert not driver.has_unfinished_requests()
+        with pytest.raises(WorldStoppedError):
+            driver.add_request("after", [1, 2], SamplingParams())
+        return f"rank 0: {exc}"
+    return "rank 0: no error"
+
+
+def test_a_failing_rank_stops_the_world(tiny_checkpoints) -> None:
+    start = time.monotonic()
+    with pytest.raises(LocalWorldError) as info:
+        run_local_world(_failing_world, 4, str(tiny_checkpoints[PRESET]), timeout_s=60, grace_s=15)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "injected fault on rank 2" in message
+    assert "rank 0" not in message.split("failed on ranks")[1].split("\n")[0]  # rank 0 returned its error
+    assert elapsed < 40, f"took {elapsed:.1f}s"
+
+
+def test_cli_world_json_equals_single_process(tiny_checkpoints, capsys) -> None:
+    from helixserve.cli import main
+
+    model = str(tiny_checkpoints["kimi-linear-tiny"])
+    base = ["generate", "--model", model, "--prompt", "Hello, helix", "--max-tokens", "10", "--ignore-eos", "--json"]
+    outputs = []
+    for extra in ([], ["--dp", "2", "--cp", "2"]):
+        assert main(base + extra) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 10
+    assert main(base + ["--dp", "3"]) == 2
+    assert "num_experts=8 is not divisible by the world size 3" in capsys.readouterr().err
