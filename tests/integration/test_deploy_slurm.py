@@ -1,0 +1,270 @@
+"""The SLURM deployment on a real single-node cluster (deploy/slurm/testing/: munged, slurmctld,
+slurmd started here, stopped at the end): sbatch deploy/slurm/helixserve.sbatch with the tiny
+model on CPU, wait for the router's /ready, ask with the `openai` client and get the answers the
+local launcher (`helixserve launch`, same config) gives, scancel, and find no process of the job
+left. Also: a step that dies ends the job with nothing left, and srun starts a gen world's ranks
+with a working rendezvous (gloo all_reduce over SLURM_PROCID/SLURM_NTASKS/MASTER_ADDR)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TESTING = REPO / "deploy" / "slurm" / "testing"
+SBATCH = REPO / "deploy" / "slurm" / "helixserve.sbatch"
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
+PROMPTS = ["Hello, helix", "The quick brown fox jumps over the lazy dog, then the dog sleeps all day long."]
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Cluster:
+    root: Path
+    env: dict[str, str]  # the test's environment plus SLURM_CONF
+
+    def run(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
+    missing = [t for t in SLURM_TOOLS if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"SLURM tools {missing} not installed (CI runs deploy/ci/install_system_deps.sh)")
+    if os.geteuid() != 0:
+        pytest.skip("the single-node test cluster runs slurmd as root (CI runs as root)")
+    root = tmp_path_factory.mktemp("slurm")
+    began = time.monotonic()
+    started = subprocess.run([str(TESTING / "start.sh"), str(root)], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, f"cluster did not start:\n{started.stderr}"
+    print(f"\nslurm test cluster up in {time.monotonic() - began:.1f} s ({started.stderr.strip()})")
+    cluster = Cluster(root, {**os.environ, "SLURM_CONF": str(root / "etc" / "slurm.conf")})
+    try:
+        yield cluster
+    finally:
+        began = time.monotonic()
+        stopped = subprocess.run([str(TESTING / "stop.sh"), str(root), "--keep"], capture_output=True, text=True,
+                                 timeout=120)
+        print(f"\nslurm test cluster stopped in {time.monotonic() - began:.1f} s")
+        assert stopped.returncode == 0, f"cluster left processes behind:\n{stopped.stderr}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_config(path: Path, checkpoint: Path) -> int:
+    """A one-ctx, one-gen tiny deployment on free ports; returns the router port."""
+    router_port = free_port()
+    config = {
+        "model": {"path": str(checkpoint), "served_name": "kimi-k3-tiny"},
+        "cache": {"memory_budget_mib": 64, "max_num_seqs": 16},
+        "ctx": [{"port": free_port(), "transceiver_port": free_port()}],
+        "gen": [{"port": free_port()}],
+        "router": {"port": router_port},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return router_port
+
+
+def is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def answers(url: str) -> list[tuple]:
+    """Greedy and seeded completions: (text, finish_reason, prompt tokens, completion tokens)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+    out = []
+    for prompt in PROMPTS:
+        for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 7}):
+            r = client.completions.create(model="kimi-k3-tiny", prompt=prompt, max_tokens=12, **sampling)
+            out.append((r.choices[0].text, r.choices[0].finish_reason, r.usage.prompt_tokens,
+                        r.usage.completion_tokens))
+    return out
+
+
+def local_launcher_answers(config: Path, router_port: int, log: Path) -> list[tuple]:
+    url = f"http://127.0.0.1:{router_port}"
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "launch", "-c", str(config),
+                                     "--ready-timeout", "150"], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not is_ready(url):
+            assert launcher.poll() is None, f"helixserve launch exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"helixserve launch not ready in 180 s:\n{log.read_text()}"
+            time.sleep(0.3)
+        return answers(url)
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        try:
+            launcher.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def job_state(cluster: Cluster, job_id: str) -> str:
+    """squeue's state, or "" once the job left the queue."""
+    return cluster.run("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Live processes of the job: its environment names it, or a step daemon of it."""
+    found = []
+    marker = f"SLURM_JOB_ID={job_id}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            if "\nState:\tZ" in status:
+                continue  # exited, not yet reaped
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in environ or cmdline.startswith(f"slurmstepd: [{job_id}."):
+            found.append(f"{proc.name}: {cmdline.strip()}")
+    return found
+
+
+def submit(cluster: Cluster, work: Path, *launcher_args: str) -> str:
+    result = cluster.run("sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out",
+                         f"--export=ALL,HELIX_PYTHON={sys.executable}", str(SBATCH), *launcher_args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def wait_until_gone(cluster: Cluster, job_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while job_state(cluster, job_id):
+        assert time.monotonic() < deadline, f"job {job_id} still queued after {timeout_s} s"
+        time.sleep(0.3)
+
+
+def assert_nothing_left(job_id: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of job {job_id} still running:\n" + "\n".join(left)
+
+
+def test_sbatch_serves_the_local_launchers_answers_and_scancel_leaves_nothing(
+        slurm_cluster: Cluster, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    config = tmp_path / "deployment.yaml"
+    router_port = write_config(config, tiny_checkpoints["kimi-k3-tiny"])
+    expected = local_launcher_answers(config, router_port, tmp_path / "launch.log")
+
+    job_dir = tmp_path / "job"
+    began = time.monotonic()
+    job_id = submit(slurm_cluster, tmp_path, "-c", str(config), "--job-dir", str(job_dir),
+                    "--ready-timeout", "150", "--grace", "5")
+    output = tmp_path / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + 200
+    while not (job_dir / "ready").is_file():
+        state = job_state(slurm_cluster, job_id)
+        assert state in {"PENDING", "CONFIGURING", "RUNNING"}, (
+            f"job {job_id} is {state or 'gone'} before /ready:\n{output.read_text() if output.exists() else ''}")
+        assert time.monotonic() < deadline, f"job {job_id} not ready in 200 s:\n{output.read_text()}"
+        time.sleep(0.3)
+    url = (job_dir / "ready").read_text().strip()
+    print(f"\njob {job_id} ready at {url} {time.monotonic() - began:.1f} s after sbatch")
+    assert url.endswith(f":{router_port}")
+    assert (job_dir / "config.yaml").is_file() and (job_dir / "plan.json").is_file()
+
+    assert answers(url) == expected
+
+    began = time.monotonic()
+    assert slurm_cluster.run("scancel", job_id).returncode == 0
+    wait_until_gone(slurm_cluster, job_id, 60)
+    assert_nothing_left(job_id)
+    print(f"job {job_id} cancelled, nothing left, in {time.monotonic() - began:.1f} s")
+    assert not is_ready(url)
+    assert "helixserve-slurm: stopped" in output.read_text()
+
+
+def test_a_step_that_dies_ends_the_job_with_nothing_left(
+        slurm_cluster: Cluster, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    config = tmp_path / "deployment.yaml"
+    write_config(config, tiny_checkpoints["kimi-k3-tiny"])
+    data = yaml.safe_load(config.read_text())
+    with socket.socket() as taken:  # the gen worker's port is taken: serve-gen cannot bind
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", data["gen"][0]["port"]))
+        taken.listen()
+        job_id = submit(slurm_cluster, tmp_path, "-c", str(config), "--job-dir", str(tmp_path / "job"),
+                        "--ready-timeout", "150", "--grace", "5")
+        wait_until_gone(slurm_cluster, job_id, 200)
+    assert_nothing_left(job_id)
+    output = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert "step gen0 exited" in output and "helixserve-slurm: stopped" in output, output
+    assert not (tmp_path / "job" / "ready").exists()
+    state = slurm_cluster.run("scontrol", "show", "job", job_id).stdout
+    assert "JobState=FAILED" in state, state  # the launcher exits 1
+
+
+PROBE = """
+import os, torch, torch.distributed as dist
+from helixserve.parallel.groups import dist_env_from
+env = dist_env_from(os.environ)
+dist.init_process_group("gloo", init_method=env.init_method, rank=env.rank, world_size=env.world_size)
+total = torch.tensor([float(env.rank + 1)])
+dist.all_reduce(total)
+print(f"rank {env.rank}/{env.world_size} at {env.init_method}: sum {total.item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_srun_starts_a_gen_worlds_ranks_with_its_rank0_rendezvous(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """The gen step exactly as the launcher plans it (dp 1 x cp 2), running a gloo all_reduce."""
+    from helixserve.config import DeploymentConfig
+    from helixserve.launch_slurm import Placement, node_addresses, place, plan_steps
+
+    hosts = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N").stdout.split()[:1]
+    deploy = DeploymentConfig(model={"path": "/unused"}, gen=[{"dp": 1, "cp": 2}])
+    placement = Placement(rdzv_port=free_port()).resolve(deploy, 1)
+    old_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = slurm_cluster.env["SLURM_CONF"]  # node_addresses asks scontrol
+    try:
+        placed = place(deploy, placement, node_addresses(hosts))
+    finally:
+        os.environ.pop("SLURM_CONF") if old_conf is None else os.environ.update(SLURM_CONF=old_conf)
+    gen = next(s for s in plan_steps(placed, placement, hosts, tmp_path / "c.yaml") if s.name == "gen0")
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    srun = gen.argv[:gen.argv.index(sys.executable)]
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nexec " + " ".join([*srun, sys.executable, str(probe)]) + "\n")
+    result = slurm_cluster.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/out-%j.txt",
+                               str(script))
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip().split(";")[0]
+    wait_until_gone(slurm_cluster, job_id, 120)
+    lines = sorted(line for line in (tmp_path / f"out-{job_id}.txt").read_text().splitlines() if "rank " in line)
+    address = f"tcp://{placed.gen[0].host}:{placement.rdzv_port}"
+    assert lines == [f"0: rank 0/2 at {address}: sum 3", f"1: rank 1/2 at {address}: sum 3"], lines
+    assert_nothing_left(job_id)

@@ -1,0 +1,112 @@
+"""helixserve.launch_slurm without a cluster: SLURM variables, placement defaults and errors,
+resolved hosts, and the srun command lines of every step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helixserve.config import DeploymentConfig
+from helixserve.launch_slurm import Placement, place, plan_steps, role_args, slurm_env_from
+
+
+def deployment(num_ctx: int = 1, gens: tuple[tuple[int, int], ...] = ((1, 2),), device: str = "cpu"
+               ) -> DeploymentConfig:
+    return DeploymentConfig(
+        model={"path": "/models/tiny", "device": device},
+        ctx=[{"port": 8100 + i, "transceiver_port": 18100 + i} for i in range(num_ctx)],
+        gen=[{"port": 8200 + j, "dp": dp, "cp": cp} for j, (dp, cp) in enumerate(gens)],
+    )
+
+
+def test_slurm_env_from_batch_and_step_variables() -> None:
+    env = slurm_env_from({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_SUBMIT_DIR": "/w"})
+    assert (env.job_id, env.nodelist, env.procid, env.ntasks, env.submit_dir) == ("42", "n[1-2]", 0, 1, "/w")
+    env = slurm_env_from({"SLURM_JOBID": "7", "SLURM_NODELIST": "a", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    assert (env.job_id, env.procid, env.ntasks) == ("7", 1, 2)
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({}, "not inside a SLURM job"),
+    ({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "a", "SLURM_PROCID": "x"}, "must be integers"),
+    ({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "a", "SLURM_PROCID": "2", "SLURM_NTASKS": "2"}, "outside"),
+])
+def test_slurm_env_from_rejects(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        slurm_env_from(environ)
+
+
+def test_default_placement_one_node_and_many() -> None:
+    deploy = deployment(num_ctx=2, gens=((1, 2), (2, 1), (1, 1)))
+    one = Placement().resolve(deploy, 1)
+    assert (one.router, one.ctx, one.gen) == (0, [0, 0], [[0], [0], [0]])
+    three = Placement().resolve(deploy, 3)
+    assert (three.router, three.ctx, three.gen) == (0, [0, 0], [[1], [2], [1]])
+
+
+@pytest.mark.parametrize("placement, message", [
+    ({"ctx": [0, 0]}, "lists 2 ctx / 1 gen entries; the config has 1 ctx / 1 gen"),
+    ({"gen": [[0, 1, 2]]}, "cannot spread evenly"),
+    ({"router": 5}, "node indexes \\[5\\]"),
+    ({"gen": [[]]}, "cannot spread evenly"),
+])
+def test_placement_errors(placement: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Placement(**placement).resolve(deployment(), 2)
+
+
+def test_place_binds_each_server_to_its_node_and_ports_must_not_clash() -> None:
+    deploy = deployment(num_ctx=2)
+    placement = Placement(ctx=[0, 1], gen=[[2]], router=1).resolve(deploy, 3)
+    placed = place(deploy, placement, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    assert [w.host for w in placed.ctx] == ["10.0.0.1", "10.0.0.2"]
+    assert [w.transceiver_host for w in placed.ctx] == ["10.0.0.1", "10.0.0.2"]
+    assert placed.gen[0].host == "10.0.0.3" and placed.router.host == "10.0.0.2"
+    assert placed.ctx_urls == ("http://10.0.0.1:8100", "http://10.0.0.2:8101")
+    clash = DeploymentConfig(model={"path": "/m"}, ctx=[{"host": "a", "port": 8100}],
+                             gen=[{"host": "b", "port": 8100}])  # fine apart, not on one node
+    with pytest.raises(ValueError, match="ports used twice"):
+        place(clash, Placement().resolve(clash, 1), ["n1"])
+
+
+def test_plan_steps_cpu_world_over_two_nodes() -> None:
+    deploy = deployment(num_ctx=1, gens=((2, 2),))
+    placement = Placement(gen=[[1, 2]], rdzv_port=29600).resolve(deploy, 3)
+    hosts = ["n1", "n2", "n3"]
+    placed = place(deploy, placement, hosts)
+    steps = plan_steps(placed, placement, hosts, Path("/job/config.yaml"), python="/py")
+    assert [s.name for s in steps] == ["ctx0", "gen0", "router"]
+    ctx, gen, router = steps
+    assert ctx.argv[-7:] == ["--log-level", "WARNING", "serve-ctx", "--index", "0", "-c", "/job/config.yaml"]
+    assert (gen.nodes, gen.num_tasks) == (["n2", "n3"], 4)
+    assert gen.exports == {"MASTER_ADDR": "n2", "MASTER_PORT": "29600"}
+    for flag in ("--nodes=2", "--ntasks=4", "--nodelist=n2,n3", "--overlap", "--label",
+                 "--export=ALL,MASTER_ADDR=n2,MASTER_PORT=29600"):
+        assert flag in gen.argv
+    srun_part = gen.argv[:gen.argv.index("/py")]
+    assert srun_part[0] == "srun" and all(a.startswith("--") for a in srun_part[1:])
+    assert "--nodelist=n1" in router.argv and router.argv[-3:] == ["router", "-c", "/job/config.yaml"]
+    assert [args for _, args in role_args(placed)] == [
+        ["serve-ctx", "--index", "0"], ["serve-gen", "--index", "0"], ["router"]]
+
+
+def test_plan_steps_gpu_steps_get_gpus_and_exclusive_cpus() -> None:
+    deploy = deployment(device="cuda")
+    placement = Placement(cpus_per_task=4).resolve(deploy, 1)
+    placed = place(deploy, placement, ["g1"])
+    ctx, gen, router = plan_steps(placed, placement, ["g1"], Path("/c.yaml"))
+    for step in (ctx, gen):
+        assert "--gpus-per-task=1" in step.argv and "--cpus-per-task=4" in step.argv
+        assert "--overlap" not in step.argv
+    assert "--overlap" in router.argv and not any("gpu" in a for a in router.argv)
+
+
+def test_gpu_workers_see_only_their_step_gpus() -> None:
+    deploy = DeploymentConfig(model={"path": "/m", "device": "cpu"},
+                              ctx=[{"port": 8100, "device": "cuda:0"}], gen=[{"port": 8200, "device": "cuda:1"}])
+    placement = Placement().resolve(deploy, 2)
+    placed = place(deploy, placement, ["g1", "g2"])
+    assert (placed.ctx[0].device, placed.gen[0].device) == ("cuda", "cuda")
+    steps = plan_steps(placed, placement, ["g1", "g2"], Path("/c.yaml"))
+    assert ["--gpus-per-task=1" in s.argv for s in steps] == [True, True, False]
