@@ -154,8 +154,12 @@ def _check_fits_world(model_dir: Path, dp: int, cp: int) -> None:
 
 def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: list[int] | None,
                       params: SamplingParams, *, dp: int, cp: int, dtype: str | None = None) -> GenerationResult:
-    """One prompt (text or ids) on a local dp x cp world; what ``helixserve generate --dp --cp`` prints."""
+    """One prompt (text or ids) on a local dp x cp world; what ``helixserve generate --dp --cp`` prints.
+
+    ``dtype`` None means float32, the single-process CLI's CPU default, on GPUs too: the output is
+    meant to equal ``helixserve generate`` without ``--dp/--cp`` on the same checkpoint.
+    """
     source = prompt_ids if prompt_ids is not None else prompt
     if source is None:
         raise ValueError("give a prompt or prompt ids")
-    return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(dtype=dtype))[0]
+    return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(dtype=dtype or "float32"))[0]

@@ -56,8 +56,9 @@ class _Side:
 
     def __init__(self, model, cp_rank: int, cp: int, kda_heads: int) -> None:
         self.model = model
+        self.device = model.lm_head.weight.device
         spec = cache_spec_for(model.cfg, model.dtype, TPB, kda_num_heads=kda_heads)
-        self.caches = allocate_model_caches(spec, NUM_BLOCKS, NUM_SLOTS)
+        self.caches = allocate_model_caches(spec, NUM_BLOCKS, NUM_SLOTS, self.device)
         self.manager = CacheManager(NUM_BLOCKS, NUM_SLOTS, TPB, cp_rank=cp_rank, cp_size=cp)
 
     def batch(self, seqs: list[tuple[str, list[int], int]], all_rows: bool) -> ForwardBatch:
@@ -73,9 +74,9 @@ class _Side:
             last.append(cu[-1] - 1)
             tables.append(handle.block_table(16))
             slots.append(handle.slot)
-        as_long = lambda v: torch.tensor(v, dtype=torch.int64)
+        as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)
         return ForwardBatch(as_long(ids), as_long(pos), as_long(cu), as_long([c for _, _, c in seqs]),
-                            torch.tensor(tables, dtype=torch.int32), as_long(slots),
+                            torch.tensor(tables, dtype=torch.int32, device=self.device), as_long(slots),
                             None if all_rows else as_long(last))
 
 
@@ -135,7 +136,7 @@ def _scenario(model: HelixKimiForCausalLM, ref_model, mapping: Mapping) -> list[
         got = model(helix.batch(seqs, all_rows), helix.caches)
         want = ref_model(ref.batch(seqs, all_rows), ref.caches)
         if all_rows:
-            ends = torch.tensor([sum(len(s[1]) for s in seqs[: i + 1]) - 1 for i in range(len(seqs))])
+            ends = torch.tensor([sum(len(s[1]) for s in seqs[: i + 1]) - 1 for i in range(len(seqs))], device=got.device)
             got_last, want_last = got[ends], want[ends]
         else:
             got_last, want_last = got, want
@@ -154,15 +155,16 @@ def _scenario(model: HelixKimiForCausalLM, ref_model, mapping: Mapping) -> list[
     return records
 
 
-def _world(rank: int, world_size: int, init_method: str, dp: int, cp: int, ckpts: dict[str, str]) -> dict:
+def _world(rank: int, world_size: int, init_method: str, dp: int, cp: int, ckpts: dict[str, str],
+           backend: str = "gloo") -> dict:
     torch.manual_seed(0)
     mapping = Mapping(world_size, rank, dp=dp, cp=cp)
-    groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=60)
+    groups = init_parallel(mapping, init_method, backend=backend, local_rank=rank, timeout_s=60)
     try:
         out = {}
         for preset, path in ckpts.items():
-            model = load_helix_model(path, mapping).bind(groups)
-            out[preset] = _scenario(model, load_model(path), mapping)
+            model = load_helix_model(path, mapping, device=groups.device).bind(groups)
+            out[preset] = _scenario(model, load_model(path, device=groups.device), mapping)
         return out
     finally:
         groups.destroy()
@@ -183,7 +185,19 @@ def world_results(tiny_checkpoints):
 
 @pytest.mark.parametrize("dp,cp", WORLDS)
 def test_helix_forward_equals_single_process(world_results, dp: int, cp: int) -> None:
-    per_rank = world_results(dp, cp)
+    _check_records(world_results(dp, cp), dp)
+
+
+@pytest.mark.gpu
+def test_helix_forward_nccl_equals_single_process(tiny_checkpoints) -> None:
+    """The same scenario on 2 GPUs over NCCL (cp = 2), fp32."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ckpts = {p: str(tiny_checkpoints[p]) for p in PRESETS}
+    _check_records(run_local_world(_world, 2, 1, 2, ckpts, "nccl", timeout_s=300), 1)
+
+
+def _check_records(per_rank: list[dict], dp: int) -> None:
     seen_T = set()
     for rank, by_preset in enumerate(per_rank):
         for preset, records in by_preset.items():

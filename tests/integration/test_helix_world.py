@@ -233,3 +233,19 @@ def test_cli_world_json_equals_single_process(tiny_checkpoints, capsys) -> None:
     assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 10
     assert main(base + ["--dp", "3"]) == 2
     assert "num_experts=8 is not divisible by the world size 3" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_nccl_world_generates_like_single_process(tiny_checkpoints) -> None:
+    """2 GPUs, NCCL, cp = 2, fp32: tokens of the single-process CPU engine."""
+    from helixserve.engine.world_llm import generate_many_on_world
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    model = str(tiny_checkpoints[PRESET])
+    prompts = [p for p, _, _ in REQUESTS]
+    params = [p for _, p, _ in REQUESTS]
+    want = [r.token_ids for r in LLM(model, cache=CACHE).generate(prompts, params)]
+    got = generate_many_on_world(model, prompts, params, dp=1, cp=2,
+                                 options=WorldOptions(cache=CACHE, dtype="float32", backend="nccl"))
+    assert [r.token_ids for r in got] == want
