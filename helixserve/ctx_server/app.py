@@ -40,14 +40,20 @@ class ContextOnlyHandler:
         engine = self.worker.engine
         outputs = engine.generate(rid, prepared.prompt_token_ids,
                                   params.model_copy(update={"max_tokens": 1}), hold_cache=True)
-        done = await run_unless_disconnected(http_request, collect_outputs(outputs))
+        self.registry.hold(rid, prepared.prompt_token_ids)
+        try:
+            done = await run_unless_disconnected(http_request, collect_outputs(outputs))
+        except BaseException:
+            self.registry.forget(rid)  # failed or cancelled: the engine freed it
+            raise
         self.worker.prompt_tokens.labels(self.worker.role).inc(done.num_prompt_tokens)
         self.worker.generation_tokens.labels(self.worker.role).inc(done.num_output_tokens)
         is_finished = done.finish_reason == "stop" or params.max_tokens == 1
         if is_finished:
+            self.registry.forget(rid)
             await engine.release(rid)
         else:
-            self.registry.hold(rid, prepared.prompt_token_ids, done.token_ids)
+            self.registry.mark_ready(rid, done.token_ids)
         disagg = DisaggregatedParams(
             request_type=RequestType.CONTEXT_ONLY, ctx_request_id=rid,
             first_gen_tokens=done.token_ids, prompt_token_ids=prepared.prompt_token_ids,

@@ -1,7 +1,9 @@
 """Stage 3 of the ctx worker: prefills whose cache stays allocated until the gen side picks it up.
 
-The transceiver's ctx sender is the consumer: it looks a request up (:meth:`PickupRegistry.get`),
-sends the blocks and state the engine holds for it, and calls :meth:`PickupRegistry.release` (or
+The transceiver's ctx sender is the consumer: it looks a request up (:meth:`PickupRegistry.get`;
+``is_ready`` once prefilled), reads where the engine holds it (``await registry.engine.call(lambda
+core: core.cache_manager.get(request_id))``: block ids and state slot, read on the engine
+thread), sends those blocks and state, and calls :meth:`PickupRegistry.release` (or
 :meth:`release_threadsafe` from its own thread) when every expected gen rank has acknowledged or
 the transfer was cancelled. Until then the router's ``POST /v1/release`` plays that role (the gen
 side recomputes instead of receiving). A hold not released by ``now + timeout_s`` is freed by
@@ -15,19 +17,24 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from helixserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class HeldPrefill:
     request_id: str
     prompt_token_ids: list[int]
-    first_gen_tokens: list[int]
-    deadline: float  # clock() time after which the cache is freed
+    deadline: float  # clock() time after which a ready hold's cache is freed
+    first_gen_tokens: list[int] = field(default_factory=list)  # empty while prefilling
+
+    @property
+    def is_ready(self) -> bool:
+        """Prefilled: the cache holds the whole prompt and the first token is known."""
+        return bool(self.first_gen_tokens)
 
 
 class PickupRegistry:
@@ -49,13 +56,19 @@ class PickupRegistry:
     def num_held(self) -> int:
         return len(self._held)
 
-    def hold(self, request_id: str, prompt_token_ids: list[int], first_gen_tokens: list[int]
-             ) -> HeldPrefill:
-        """Register a finished prefill whose cache the engine holds."""
-        held = HeldPrefill(request_id, list(prompt_token_ids), list(first_gen_tokens),
-                           self.clock() + self.timeout_s)
+    def hold(self, request_id: str, prompt_token_ids: list[int]) -> HeldPrefill:
+        """Register a request *before* its prefill runs (so no path can leave its cache held
+        without a deadline); :meth:`mark_ready` once the first token is known."""
+        held = HeldPrefill(request_id, list(prompt_token_ids), self.clock() + self.timeout_s)
         self._held[request_id] = held
         return held
+
+    def mark_ready(self, request_id: str, first_gen_tokens: list[int]) -> None:
+        """The prefill finished and its cache is held: the pickup deadline starts now."""
+        held = self._held.get(request_id)
+        if held is not None:
+            held.first_gen_tokens = list(first_gen_tokens)
+            held.deadline = self.clock() + self.timeout_s
 
     def get(self, request_id: str) -> HeldPrefill | None:
         return self._held.get(request_id)
@@ -79,9 +92,10 @@ class PickupRegistry:
         self._held.pop(request_id, None)
 
     async def expire_due(self) -> list[str]:
-        """Free every hold past its deadline; returns their ids."""
+        """Free every prefilled hold past its deadline; returns their ids. (A request still
+        prefilling is its handler's to clean up: it forgets it on failure or cancel.)"""
         now = self.clock()
-        due = [rid for rid, held in self._held.items() if held.deadline <= now]
+        due = [rid for rid, held in self._held.items() if held.is_ready and held.deadline <= now]
         for rid in due:
             del self._held[rid]
             if not await self.engine.release(rid):

@@ -146,6 +146,12 @@ class _Release:
     released: asyncio.Future | None = None
 
 
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Any], Any]
+    result: asyncio.Future
+
+
 _STOP = object()
 _ERROR_STATUSES = ("abort", "error")
 
@@ -245,6 +251,13 @@ class AsyncEngine:
         self._inbox.put(_Release(request_id, released))
         return await released
 
+    async def call(self, fn: Callable[[EngineCoreLike], Any]) -> Any:
+        """Run ``fn(core)`` on the engine thread between steps and return its result (e.g. the
+        transceiver reading a held request's block table); its exception is re-raised here."""
+        result = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Call(fn, result))
+        return await result
+
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Refuse new requests, let live ones finish for up to ``grace_s``, then stop the thread
         and fail what is left with a 503."""
@@ -335,8 +348,10 @@ class AsyncEngine:
                 self._resolve(command.admitted, error=error)
             elif isinstance(command, _Release) and command.released is not None:
                 self._resolve(command.released, False)
+            elif isinstance(command, _Call):
+                self._resolve(command.result, error=error)
 
-    def _apply(self, command: _Add | _Abort | _Release) -> None:
+    def _apply(self, command: _Add | _Abort | _Release | _Call) -> None:
         if isinstance(command, _Add):
             try:
                 self._core.add_request(command.request_id, command.prompt_token_ids,
@@ -347,6 +362,11 @@ class AsyncEngine:
                 self._resolve(command.admitted)
         elif isinstance(command, _Abort):
             self._core.abort(command.request_id, command.error)
+        elif isinstance(command, _Call):
+            try:
+                self._resolve(command.result, command.fn(self._core))
+            except Exception as exc:  # the caller's function failed: tell the caller
+                self._resolve(command.result, error=exc)
         else:
             released = self._core.release(command.request_id)
             if command.released is not None:

@@ -188,3 +188,46 @@ def test_shutdown_fails_live_requests_and_refuses_new_ones(llm):
         assert llm.engine.stats().num_used_blocks == 0
 
     asyncio.run(main())
+
+
+def test_call_runs_on_the_engine_thread_and_reports_errors(llm):
+    async def main():
+        engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=1)
+        engine.start()
+        async for _ in engine.generate("h", PROMPT, greedy(1), hold_cache=True):
+            pass
+        handle = await engine.call(lambda core: core.cache_manager.get("h"))
+        assert handle.slot is not None and len(handle.block_ids) == 8
+        with pytest.raises(Exception, match="holds no cache handle"):
+            await engine.call(lambda core: core.cache_manager.get("nobody"))
+        assert await engine.release("h")
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_pickup_registry_expires_only_prefilled_holds(llm):
+    from helixserve.ctx_server.pickup import PickupRegistry
+
+    async def main():
+        now = [0.0]
+        engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=1)
+        engine.start()
+        registry = PickupRegistry(engine, timeout_s=5.0, clock=lambda: now[0])
+        registry.hold("a", PROMPT)
+        async for out in engine.generate("a", PROMPT, greedy(1), hold_cache=True):
+            pass
+        registry.hold("slow", PROMPT)  # still "prefilling": never expired by the sweeper
+        now[0] = 4.0
+        registry.mark_ready("a", out.token_ids)  # the deadline starts when it is ready: t=9
+        now[0] = 8.0
+        assert await registry.expire_due() == []
+        now[0] = 9.0
+        assert await registry.expire_due() == ["a"] and registry.num_expired == 1
+        assert registry.get("slow") is not None and not await registry.release("a")
+        registry.forget("slow")
+        await asyncio.sleep(0.7)
+        assert engine.stats().num_used_blocks == 0 and engine.stats().num_held == 0
+        await engine.shutdown()
+
+    asyncio.run(main())
