@@ -282,7 +282,9 @@ class RankEngine:
         request = self._awaiting_kv.pop(cmd.request_id, None)
         if request is None:
             return []
-        if cmd.error is not None:
+        if cmd.error is not None:  # this rank's transfer, or another rank's, failed
+            if self.kv_receiver is not None:
+                self.kv_receiver.cancel(request.request_id)  # nothing writes into the handle after this
             self.cache_manager.free(request.request_id)
             self._forget([request.request_id])
             return [RequestUpdate(request.request_id, -1, RequestStatus.FINISHED_ERROR)]

@@ -1,7 +1,11 @@
-"""Generation on a local helix_a2a world: the CLI's ``generate --dp N --cp M`` and rank bootstrap.
+"""Starting helix_a2a gen worlds: rank bootstrap, a server's world, the CLI's ``generate --dp --cp``.
 
 - :func:`build_rank_engine`: one rank's :class:`~helixserve.engine.spmd.RankEngine` from a
   checkpoint (sharded load, cache shard sized like ``EngineCore``'s, scheduler replica).
+- :func:`start_local_world`: a server process becomes rank 0 (its
+  :class:`~helixserve.engine.spmd.WorldDriver` goes to ``AsyncEngine``) and spawns ranks
+  1..world-1 as local processes; :func:`run_rank` is what those ranks (or srun/torchrun tasks of a
+  multi-node world) run.
 - :func:`generate_on_world` / :func:`generate_many_on_world`: spawn dp x cp local processes (gloo
   on CPU; NCCL, one GPU per rank, when enough GPUs are present), run the prompts through rank 0's
   :class:`~helixserve.engine.spmd.WorldDriver`, return results like ``LLM.generate``'s.
@@ -13,6 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import logging
+import multiprocessing as mp
+from collections.abc import Callable
+
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
@@ -20,13 +28,16 @@ from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.runner import cache_spec_for
 from helixserve.engine.scheduler import Scheduler
-from helixserve.engine.spmd import RankEngine, WorldDriver, serve_rank
+from helixserve.engine.spmd import KVReceiver, RankEngine, WorldDriver, serve_rank
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel, run_local_world
+from helixserve.parallel.launch import free_port
+
+logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 
@@ -41,6 +52,10 @@ class WorldOptions:
     seed: int = 0
     timeout_s: float = 120.0
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
+
+
+# ``factory(mapping) -> KVReceiver`` for a rank (module-level / picklable for spawned ranks)
+KVReceiverFactory = Callable[[Mapping], KVReceiver]
 
 
 def _tokenizer(model_dir: Path) -> HelixTokenizer | None:
@@ -163,3 +178,102 @@ def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: lis
     if source is None:
         raise ValueError("give a prompt or prompt ids")
     return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(dtype=dtype or "float32"))[0]
+
+
+# ---------------------------------------------------------------- a server's world
+
+
+def _join(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions,
+          kv_receiver_factory: KVReceiverFactory | None, local_rank: int) -> RankEngine:
+    groups = init_parallel(mapping, init_method, backend=pick_backend(mapping.world_size, options.backend),
+                           local_rank=local_rank, timeout_s=options.timeout_s)
+    try:
+        engine = build_rank_engine(model_dir, groups, options)
+        if kv_receiver_factory is not None:
+            engine.kv_receiver = kv_receiver_factory(mapping)
+    except BaseException:
+        groups.destroy()
+        raise
+    return engine
+
+
+def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),
+             kv_receiver_factory: KVReceiverFactory | None = None, local_rank: int | None = None) -> int:
+    """A rank != 0 of a gen world: join, load its shard, serve plans until shutdown; step count.
+
+    Raises when the world fails (the process should then exit so the other ranks fail fast).
+    """
+    if mapping.rank == 0:
+        raise ValueError("rank 0 drives the world: use start_rank0 / start_local_world")
+    engine = _join(model_dir, mapping, init_method, options, kv_receiver_factory,
+                   mapping.rank if local_rank is None else local_rank)
+    try:
+        return serve_rank(engine)
+    finally:
+        engine.groups.destroy()
+
+
+def start_rank0(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),
+                kv_receiver_factory: KVReceiverFactory | None = None, heartbeat_s: float | None = None,
+                local_rank: int = 0) -> WorldDriver:
+    """Rank 0 joins the world (blocks until every rank did) and returns its driver."""
+    if mapping.rank != 0:
+        raise ValueError(f"start_rank0 on rank {mapping.rank}")
+    return WorldDriver(_join(model_dir, mapping, init_method, options, kv_receiver_factory, local_rank), heartbeat_s)
+
+
+def _local_rank_main(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
+                     options: WorldOptions, kv_receiver_factory: KVReceiverFactory | None) -> None:
+    torch.set_num_threads(1)
+    run_rank(model_dir, Mapping(world_size, rank, dp=dp, cp=cp), init_method, options, kv_receiver_factory)
+
+
+@dataclass(slots=True)
+class LocalWorld:
+    """Rank 0 (this process) and the spawned ranks of a one-machine gen world."""
+
+    driver: WorldDriver
+    processes: list[mp.process.BaseProcess]
+
+    def is_alive(self) -> bool:
+        return self.driver.failure is None and all(p.is_alive() for p in self.processes)
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Shut the ranks down (or kill them after ``grace_s``) and leave the process groups."""
+        try:
+            self.driver.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the world is going away anyway
+            logger.warning("gen world shutdown plan failed: %s", exc)
+        for proc in self.processes:
+            proc.join(timeout=grace_s)
+            if proc.is_alive():
+                logger.warning("killing gen world rank process %d", proc.pid)
+                proc.kill()
+                proc.join()
+        self.driver.rank.groups.destroy()
+
+
+def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: WorldOptions = WorldOptions(),
+                      kv_receiver_factory: KVReceiverFactory | None = None,
+                      heartbeat_s: float | None = None) -> LocalWorld:
+    """Make this process rank 0 of a dp x cp world whose other ranks are spawned here."""
+    model_dir = Path(model_dir)
+    _check_fits_world(model_dir, dp, cp)
+    world_size = dp * cp
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("forkserver")
+    processes = [
+        ctx.Process(target=_local_rank_main, name=f"gen-world-rank-{rank}", daemon=True,
+                    args=(rank, world_size, init_method, str(model_dir), dp, cp, options, kv_receiver_factory))
+        for rank in range(1, world_size)
+    ]
+    for proc in processes:
+        proc.start()
+    try:
+        driver = start_rank0(model_dir, Mapping(world_size, 0, dp=dp, cp=cp), init_method, options,
+                             kv_receiver_factory, heartbeat_s)
+    except BaseException:
+        for proc in processes:
+            proc.kill()
+        raise
+    return LocalWorld(driver, processes)

@@ -249,3 +249,36 @@ def test_nccl_world_generates_like_single_process(tiny_checkpoints) -> None:
     got = generate_many_on_world(model, prompts, params, dp=1, cp=2,
                                  options=WorldOptions(cache=CACHE, dtype="float32", backend="nccl"))
     assert [r.token_ids for r in got] == want
+
+
+def test_async_engine_drives_a_local_world(tiny_checkpoints) -> None:
+    """A server process as rank 0 (start_local_world) behind the real AsyncEngine; an idle gap
+    longer than the collective timeout is bridged by heartbeat plans."""
+    import asyncio
+
+    from helixserve.engine.async_engine import AsyncEngine
+    from helixserve.engine.world_llm import start_local_world
+
+    model = str(tiny_checkpoints[PRESET])
+    prompts, params = [p for p, _, _ in REQUESTS[:3]], [p for _, p, _ in REQUESTS[:3]]
+    want = [r.token_ids for r in LLM(model, cache=CACHE).generate(prompts, params)]
+    world = start_local_world(model, dp=1, cp=2, options=WorldOptions(cache=CACHE, timeout_s=3), heartbeat_s=0.5)
+    try:
+        async def serve() -> list[list[int]]:
+            engine = AsyncEngine(world.driver, None, max_num_seqs=CACHE.max_num_seqs, max_queue_len=4)
+            engine.start()
+
+            async def run(i: int) -> list[int]:
+                return [t async for out in engine.generate(f"a{i}", prompts[i], params[i]) for t in out.token_ids]
+
+            got = list(await asyncio.gather(run(0), run(1)))
+            await asyncio.sleep(4.5)  # idle for longer than the 3 s timeout
+            got.append(await run(2))
+            await engine.shutdown()
+            return got
+
+        assert asyncio.run(serve()) == want
+        assert world.is_alive()
+    finally:
+        world.close()
+    assert [p.exitcode for p in world.processes] == [0]
