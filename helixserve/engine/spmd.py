@@ -168,7 +168,8 @@ class RankEngine:
         self.sampler = Sampler(groups.device, seed=seed)
         self.kv_receiver: KVReceiver | None = None
         self._params: dict[str, SamplingParams] = {}
-        self._awaiting_kv: dict[str, Request] = {}
+        self._awaiting_kv: dict[str, Request] = {}  # shard in flight
+        self._ready_kv: dict[str, Request] = {}  # shard complete on the whole group, FIFO
 
     # -- checks rank 0 runs before accepting a request (same rules as EngineCore/Scheduler)
 
@@ -203,6 +204,7 @@ class RankEngine:
         report.updates += self._apply(plan.commands[self.mapping.dp_rank])
         if self.kv_receiver is not None and self._awaiting_kv:
             report.kv_polls = self.kv_receiver.poll()
+        report.updates += self._start_ready()
         if plan.run_model:
             report.updates += self._run()
         if self.mapping.is_cp_leader:
@@ -293,13 +295,22 @@ class RankEngine:
             generator = self.sampler._generator(request.request_id, request.sampling_params)  # noqa: SLF001
             for _ in request.forced_output_token_ids:
                 torch.empty(self.model.cfg.vocab_size, device=self.groups.device).exponential_(generator=generator)
-        return _start_prefilled(self.scheduler, request)
+        self._ready_kv[request.request_id] = request
+        return []
+
+    def _start_ready(self) -> list[RequestUpdate]:
+        """Received requests start decoding as running slots free up (same order on every CP rank)."""
+        updates = []
+        while self._ready_kv and self.scheduler.num_running < self.scheduler.max_num_seqs:
+            request = self._ready_kv.pop(next(iter(self._ready_kv)))
+            updates += _start_prefilled(self.scheduler, request)
+        return updates
 
     def _abort(self, request_id: str, error: str | None) -> None:
-        if request_id in self._awaiting_kv:
-            del self._awaiting_kv[request_id]
-            if self.kv_receiver is not None:
+        if request_id in self._awaiting_kv or request_id in self._ready_kv:
+            if self._awaiting_kv.pop(request_id, None) is not None and self.kv_receiver is not None:
                 self.kv_receiver.cancel(request_id)
+            self._ready_kv.pop(request_id, None)
             self.cache_manager.free(request_id)
         elif not self.scheduler.abort(request_id, error=error):
             self.scheduler.release(request_id)
@@ -312,15 +323,18 @@ class RankEngine:
 
     def stats(self) -> EngineStats:
         cache = self.cache_manager.stats()
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting + len(self._awaiting_kv),
+        num_waiting = self.scheduler.num_waiting + len(self._awaiting_kv) + len(self._ready_kv)
+        return EngineStats(self.scheduler.num_running, num_waiting,
                            self.scheduler.num_held, cache.num_blocks, cache.num_used_blocks, cache.num_slots,
                            cache.num_used_slots)
 
 
 def _start_prefilled(scheduler: Scheduler, request: Request) -> list[RequestUpdate]:
     """Put a request whose prompt is in the cache (received) into ``scheduler.running``, decoding
-    from its forced first tokens; returns their updates. Until the Scheduler has an
-    ``add_prefilled`` of its own, this sets the few fields its admission would."""
+    from its forced first tokens; returns their updates. Uses ``Scheduler.add_prefilled`` where
+    the scheduler has it; otherwise sets the few fields that admission would."""
+    if hasattr(scheduler, "add_prefilled"):
+        return scheduler.add_prefilled(request)
     request.output_token_ids = list(request.forced_output_token_ids)
     request.num_computed_tokens = request.num_prompt_tokens + len(request.output_token_ids) - 1
     request.status = RequestStatus.RUNNING

@@ -47,7 +47,9 @@ REQUESTS = [  # (prompt, params, arrives before step)
 ]
 ABORTED = "late-abort"
 HELD = "held"
-KV_PROMPTS = [_prompt(6, 10), _prompt(7, 5)]
+KV_PROMPTS = [_prompt(6, 10), _prompt(7, 5), _prompt(8, 7)]  # the second fails on rank 3
+KV_PARAMS = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 2 + [
+    SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)]
 
 
 class _FakeReceiver:
@@ -126,9 +128,9 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
         if step_no == 1:
             driver.add_request(ABORTED, _prompt(9, 5), SamplingParams(max_tokens=50, temperature=0))
             driver.add_request(HELD, _prompt(10, 4), SamplingParams(max_tokens=2, temperature=0), hold_cache=True)
-            for j, prompt in enumerate(KV_PROMPTS):  # the second fails on rank 3
-                driver.add_request(f"kv{j}", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                                   forced_output_token_ids=[first_tokens[j]], kv_ticket=(prompt, 3 if j else None))
+            for j, (prompt, params) in enumerate(zip(KV_PROMPTS, KV_PARAMS)):
+                driver.add_request(f"kv{j}", prompt, params, forced_output_token_ids=[first_tokens[j]],
+                                   kv_ticket=(prompt, 3 if j == 1 else None))
         step()
     assert driver.abort(ABORTED) and not driver.abort(ABORTED)
     with pytest.raises(ValueError, match="already in the world"):
@@ -151,8 +153,7 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
 def serving(tiny_checkpoints):
     model_dir = str(tiny_checkpoints[PRESET])
     llm = LLM(model_dir, cache=CACHE)
-    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    kv_expected = [r.token_ids for r in llm.generate(KV_PROMPTS, greedy)]
+    kv_expected = [r.token_ids for r in llm.generate(KV_PROMPTS, KV_PARAMS)]
     expected = [r.token_ids for r in llm.generate([p for p, _, _ in REQUESTS], [p for _, p, _ in REQUESTS])]
     results = run_local_world(_serving_world, 4, model_dir, [t[0] for t in kv_expected], timeout_s=180)
     return results, expected, kv_expected
@@ -176,8 +177,9 @@ def test_world_requests_equal_single_process(serving) -> None:
 def test_received_kv_decodes_like_single_process(serving) -> None:
     results, _, kv_expected = serving
     front = results[0]
-    assert front["tokens"]["kv0"] == kv_expected[0]
-    assert front["reasons"]["kv0"] == "length"
+    for j in (0, 2):  # greedy, and seeded sampling (the ctx's first draw is replayed)
+        assert front["tokens"][f"kv{j}"] == kv_expected[j]
+        assert front["reasons"][f"kv{j}"] == "length"
     assert front["reasons"]["kv1"] == "error" and "kv1" not in front["tokens"]
 
 
