@@ -49,7 +49,7 @@ export DEBIAN_FRONTEND=noninteractive
 stamp=/var/lib/apt/periodic/helixserve-update-stamp
 # one `apt-get update` per machine boot is enough; skip it when lists are fresh (< 6 h)
 if [ ! -e "$stamp" ] || [ -n "$(find "$stamp" -mmin +360 2>/dev/null)" ] \
-        || [ -z "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial)" ]; then
+        || [ -z "$(find /var/lib/apt/lists -maxdepth 1 -name '*_Packages*' -print -quit 2>/dev/null)" ]; then
     "${sudo_cmd[@]}" apt-get update -q
     "${sudo_cmd[@]}" mkdir -p "$(dirname "$stamp")"
     "${sudo_cmd[@]}" touch "$stamp"

@@ -22,7 +22,10 @@ wait_s="${SLURM_TEST_WAIT_S:-30}"
 conf="$dir/etc/slurm.conf"
 export SLURM_CONF="$conf"
 
-alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
+alive() {  # running, not a zombie waiting to be reaped
+    [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null \
+        && [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != Z ]
+}
 pid_of() { [ -s "$dir/$1.pid" ] && cat "$dir/$1.pid"; }
 
 wait_gone() {  # wait_gone SECONDS PID...; returns 1 if any is still alive at the bound
@@ -48,11 +51,13 @@ cluster_pids() {
         case "$skip" in *" $pid "*) continue ;; esac
         local comm; comm="$(cat "$proc/comm" 2>/dev/null)" || continue
         if [ "$comm" = slurmstepd ]; then
-            # step daemons keep slurmd's log open and run in its log directory
-            if [ "$(readlink "$proc/cwd" 2>/dev/null)" = "$dir/log" ] \
-                    || ls -l "$proc/fd" 2>/dev/null | grep -qF -- "-> $dir/"; then
-                echo "$pid"
-            fi
+            # step daemons run in slurmd's log directory and keep files of DIR open
+            local mine=0 fd
+            [ "$(readlink "$proc/cwd" 2>/dev/null)" = "$dir/log" ] && mine=1
+            for fd in "$proc"/fd/*; do
+                case "$(readlink "$fd" 2>/dev/null)" in "$dir"/*) mine=1; break ;; esac
+            done
+            [ "$mine" = 1 ] && echo "$pid"
             continue
         fi
         if grep -zqxF "SLURM_CONF=$conf" "$proc/environ" 2>/dev/null \
@@ -65,12 +70,12 @@ cluster_pids() {
 started=$(date +%s.%N)
 ctld="$(pid_of slurmctld || true)"
 if alive "$ctld"; then
-    job_ids="$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')"
+    job_ids="$(timeout 10 squeue -h -o %i 2>/dev/null | tr '\n' ' ')"
     if [ -n "${job_ids// /}" ]; then
         # shellcheck disable=SC2086
-        scancel $job_ids 2>/dev/null
+        timeout 10 scancel $job_ids 2>/dev/null
         bound=$(( $(date +%s) + wait_s ))
-        while [ -n "$(squeue -h -o %i 2>/dev/null)" ] && [ "$(date +%s)" -lt "$bound" ]; do
+        while [ -n "$(timeout 10 squeue -h -o %i 2>/dev/null)" ] && [ "$(date +%s)" -lt "$bound" ]; do
             sleep 0.2
         done
     fi
