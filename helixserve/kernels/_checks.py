@@ -40,9 +40,10 @@ def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} needs at least 2 entries, got {cu_seqlens.tolist()}")
     cu = cu_seqlens.detach().to("cpu", torch.int64)
-    if int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu[1:] < cu[:-1]).any()):
+    values = cu.tolist()  # one host read; the checks below are plain Python
+    if values[0] != 0 or values[-1] != num_tokens or any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(
-            f"{name} must start at 0, be non-decreasing and end at {num_tokens}, got {cu.tolist()}"
+            f"{name} must start at 0, be non-decreasing and end at {num_tokens}, got {values}"
         )
     return cu
 
@@ -52,11 +53,12 @@ def check_slot_ids(name: str, slot_ids: torch.Tensor, batch: int, num_slots: int
     check_integer(name, slot_ids)
     if batch == 0:
         return
-    lo, hi = int(slot_ids.min()), int(slot_ids.max())
+    ids = slot_ids.tolist()  # one host read; the checks below are plain Python
+    lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= num_slots:
         raise ValueError(f"{name} must lie in [0, {num_slots}), got min {lo} max {hi}")
-    if torch.unique(slot_ids).numel() != batch:
-        raise ValueError(f"{name} must not repeat a slot, got {slot_ids.tolist()}")
+    if len(set(ids)) != batch:
+        raise ValueError(f"{name} must not repeat a slot, got {ids}")
 
 
 def check_activation(activation: str | None, allowed: tuple[str | None, ...]) -> None:

@@ -102,6 +102,27 @@ def test_helix_split_and_combine_equals_unsplit(num_ranks):
     assert_close("lse", lse_full, lse, 1e-6)
 
 
+@pytest.mark.parametrize("num_ranks", [1, 2])
+@pytest.mark.parametrize("batched", [True, False])
+def test_one_query_per_sequence_batch(monkeypatch, num_ranks, batched):
+    """The decode shape (one query per sequence) attends all sequences at once unless the gather is too big."""
+    if not batched:
+        monkeypatch.setattr(paged, "_SINGLE_QUERY_BATCH_KEYS", 0)
+    seq_lens = [6, 1, 23, 11, 4]  # partial last blocks over a NaN-filled cache
+    cache, tables, keys = build_cache(seq_lens, seed=14)
+    # last-position queries, a query that sees only a prefix (kv_len past it) and one with kv_len 0
+    q, cu, pos = queries([(5, 6), (0, 1), (22, 23), (7, 8), (3, 4)], seed=15)
+    kv_lens = torch.tensor([6, 1, 23, 11, 0])
+    logical = torch.arange(tables.shape[1])
+    local = torch.where(logical % num_ranks == 0, tables, torch.full_like(tables, -1))
+    o, lse = mla_paged_attention(q, cache, local, cu, pos, kv_lens, scale=SCALE, v_dim=V_DIM)
+    key_pos = [torch.arange(int(n))[(torch.arange(int(n)) // BS) % num_ranks == 0] for n in kv_lens]
+    o_ref, lse_ref = naive_mla_dense(q, [k[p] for k, p in zip(keys, key_pos)], cu, pos, SCALE, V_DIM, key_pos)
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("lse", lse_ref, lse, 1e-6)
+    assert torch.isneginf(lse[4]).all() and torch.equal(o[4], torch.zeros(H, V_DIM))
+
+
 @pytest.mark.parametrize("fill", [1e30, float("nan"), float("inf")])
 def test_unused_cache_memory_never_leaks(fill):
     seq_lens = [6, 11]  # partially filled last blocks

@@ -62,8 +62,17 @@ def test_act_and_mul_formulas():
     assert out.float().abs().max() <= 2.0 * 10.0 + 0.1
 
 
+@pytest.fixture(params=["few_pairs", "grouped"])
+def expert_path(request, monkeypatch):
+    """Both expert-sum paths: pairs grouped on the host (decode sizes) and the sorted grouping."""
+    import helixserve.kernels.moe.experts as experts
+
+    monkeypatch.setattr(experts, "_FEW_PAIRS", 64 if request.param == "few_pairs" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("activation", ["silu", "situ"])
-def test_experts_match_naive_and_split_halves_sum(activation):
+def test_experts_match_naive_and_split_halves_sum(activation, expert_path):
     x = rand(T, D, seed=4)
     w, ids = route(rand(E, seed=5))
     w13, w2 = rand(E, 2 * I, D, seed=6), rand(E, D, I, seed=7)
@@ -75,7 +84,15 @@ def test_experts_match_naive_and_split_halves_sum(activation):
     assert_close("EP halves", y, y_lo + y_hi, 1e-6)
 
 
-def test_experts_no_local_expert_and_bf16():
+def test_experts_single_token(expert_path):
+    x = rand(1, D, seed=11)
+    w, ids = moe_route(rand(1, E, seed=12), top_k=TOP_K, correction_bias=None, renormalize=True,
+                       routed_scaling_factor=2.0)
+    w13, w2 = rand(E, 2 * I, D, seed=13), rand(E, D, I, seed=14)
+    assert_close("T=1", naive_moe_experts(x, ids, w, w13, w2), moe_experts(x, ids, w, w13, w2), 1e-6)
+
+
+def test_experts_no_local_expert_and_bf16(expert_path):
     x = rand(T, D, seed=8, dtype=torch.bfloat16)
     w, ids = route()
     w13, w2 = rand(2, 2 * I, D, seed=9, dtype=torch.bfloat16), rand(2, D, I, seed=10, dtype=torch.bfloat16)

@@ -40,10 +40,26 @@ def _recurrent_step_torch(
     state_pool: torch.Tensor, slot_ids: torch.Tensor, scale: float, use_qk_l2norm: bool,
 ) -> torch.Tensor:
     check_slot_ids("slot_ids", slot_ids, q.shape[0], state_pool.shape[0])
+    B, H, K = k.shape
+    V = v.shape[-1]
     q, k = (l2norm_fp32(q), l2norm_fp32(k)) if use_qk_l2norm else (q.float(), k.float())
-    slot_ids = slot_ids.to(torch.int64)
-    S = state_pool[slot_ids] * g.float().exp()[..., None]
-    residual = v.float() - torch.einsum("bhk,bhkv->bhv", k, S)
-    S = S + (beta.float()[..., None] * k)[..., None] * residual[..., None, :]
-    state_pool.index_copy_(0, slot_ids, S)
-    return torch.einsum("bhk,bhkv->bhv", q * scale, S).to(v.dtype)
+    S, write_back = _slot_states(state_pool, slot_ids)
+    # S <- diag(exp g) S;  S <- S + (beta k) (v - S^T k)^T;  o = S^T (scale q), in place on S
+    S.mul_(g.float().exp().unsqueeze(-1))
+    S_flat = S.view(B * H, K, V)
+    residual = v.float().reshape(B * H, 1, V) - torch.bmm(k.reshape(B * H, 1, K), S_flat)
+    S_flat.baddbmm_((beta.float().unsqueeze(-1) * k).reshape(B * H, K, 1), residual)
+    if write_back is not None:
+        state_pool.index_copy_(0, write_back, S)
+    return torch.bmm((q * scale).reshape(B * H, 1, K), S_flat).view(B, H, V).to(v.dtype)
+
+
+def _slot_states(pool: torch.Tensor, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pool[slot_ids]`` as a view when the slots are consecutive (update in place), else a copy plus
+    the int64 ids to write it back to."""
+    ids = slot_ids.tolist()
+    first = ids[0] if ids else 0
+    if ids == list(range(first, first + len(ids))):
+        return pool[first:first + len(ids)], None
+    index = slot_ids.to(pool.device, torch.int64)
+    return pool.index_select(0, index), index

@@ -19,6 +19,8 @@ from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_nd
 
 # keys processed per online-softmax step; bounds the [Tq, H, keys] score tile
 _KEYS_PER_STEP = 2048
+# a batch of one query per sequence attends in one shot when it gathers at most this many keys
+_SINGLE_QUERY_BATCH_KEYS = 16 * _KEYS_PER_STEP
 
 
 def mla_write_kv(
@@ -113,13 +115,16 @@ def _paged_attention_torch(
     positions = q_positions.detach().to("cpu", torch.int64)
     if tables.numel() and int(tables.max()) >= kv_cache.shape[0]:
         raise ValueError(f"block_tables entries must be < {kv_cache.shape[0]} (num blocks), got {int(tables.max())}")
+    if T == cu.numel() - 1 and cu.tolist() == list(range(T + 1)):
+        single = _attend_single_queries(q, kv_cache, tables, positions, lens, scale, v_dim)
+        if single is not None:
+            return single
     for i in range(cu.numel() - 1):
         start, end = int(cu[i]), int(cu[i + 1])
         kv_len = int(lens[i])
         if end == start or kv_len <= 0:
             continue
-        if -(-kv_len // BS) > tables.shape[1]:
-            raise ValueError(f"kv_lens[{i}]={kv_len} needs {-(-kv_len // BS)} blocks, block_tables has {tables.shape[1]}")
+        _check_blocks_cover(i, kv_len, BS, tables.shape[1])
         # only keys some query of this sequence can see
         num_keys = min(kv_len, int(positions[start:end].max()) + 1)
         if num_keys <= 0:
@@ -131,6 +136,52 @@ def _paged_attention_torch(
             q[start:end].float() * scale, q_positions[start:end].to(q.device, torch.int64),
             kv_cache, tables[i, logical], logical * BS, kv_len, v_dim,
         )
+    return o.to(q.dtype), lse
+
+
+def _check_blocks_cover(i: int, kv_len: int, block_size: int, num_table_blocks: int) -> None:
+    if -(-kv_len // block_size) > num_table_blocks:
+        raise ValueError(f"kv_lens[{i}]={kv_len} needs {-(-kv_len // block_size)} blocks, block_tables has {num_table_blocks}")
+
+
+def _attend_single_queries(
+    q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+    lens: torch.Tensor, scale: float, v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One query per sequence (decode): every sequence's visible keys gathered at once, padded to the
+    longest; ``None`` when that gather would exceed ``_SINGLE_QUERY_BATCH_KEYS`` keys."""
+    B, H, _ = q.shape
+    BS = kv_cache.shape[1]
+    device = q.device
+    kv_lens, q_pos = lens.tolist(), positions.tolist()
+    for i, kv_len in enumerate(kv_lens):
+        if kv_len > 0:
+            _check_blocks_cover(i, kv_len, BS, tables.shape[1])
+    num_keys = [max(0, min(kv_len, p + 1)) for kv_len, p in zip(kv_lens, q_pos)]
+    max_blocks = -(-max(num_keys) // BS)
+    if B * max_blocks * BS > _SINGLE_QUERY_BATCH_KEYS:
+        return None
+    o = torch.zeros(B, H, v_dim, dtype=torch.float32, device=device)
+    lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
+    if max_blocks == 0:
+        return o.to(q.dtype), lse
+    table = tables[:, :max_blocks]
+    key_pos = torch.arange(max_blocks * BS)
+    visible = (key_pos < torch.tensor(num_keys)[:, None]) & (table >= 0).repeat_interleave(BS, dim=1)
+    visible = visible.to(device)
+    # keys a query cannot see (stale slots, blocks held elsewhere) are zeroed so no NaN/inf leaks
+    keys = kv_cache[table.clamp_min(0).to(device)].flatten(1, 2).float()
+    keys = torch.where(visible[..., None], keys, 0.0)
+    scores = torch.einsum("bhd,bkd->bhk", q.float() * scale, keys)
+    scores = scores.masked_fill_(~visible[:, None, :], float("-inf"))
+    m = scores.amax(-1)
+    m_safe = torch.where(torch.isfinite(m), m, 0.0)
+    probs = (scores - m_safe[..., None]).exp_()
+    denom = probs.sum(-1)
+    acc = torch.einsum("bhk,bkd->bhd", probs, keys[..., :v_dim])
+    has_key = denom > 0
+    o = torch.where(has_key[..., None], acc / denom.clamp_min(1e-30)[..., None], 0.0)
+    lse = torch.where(has_key, m + denom.clamp_min(1e-30).log(), float("-inf"))
     return o.to(q.dtype), lse
 
 
