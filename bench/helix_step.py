@@ -63,17 +63,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def _fill_random(model: torch.nn.Module, seed: int) -> None:
-    """Per-name seeded values (replicated parameters agree across ranks), O(1) activations."""
+    """Per-name seeded values drawn on the parameter's device (replicated parameters agree across
+    ranks), scaled for O(1) activations."""
     for name, p in model.named_parameters():
-        gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
-        if name.endswith(("A_log",)):
-            value = torch.log(torch.rand(p.shape, generator=gen) * 15 + 1)
-        elif name.endswith(("dt_bias", "e_score_correction_bias")):
-            value = torch.randn(p.shape, generator=gen) * 0.01 - (4.0 if name.endswith("dt_bias") else 0.0)
+        gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+        value = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+        if name.endswith("A_log"):
+            value = torch.log(torch.rand(p.shape, generator=gen, device=p.device) * 15 + 1)
+        elif name.endswith("dt_bias"):
+            value = value * 0.01 - 4.0
+        elif name.endswith("e_score_correction_bias"):
+            value = value * 0.01
         elif p.dim() == 1:
-            value = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            value = 1.0 + 0.1 * value
         else:
-            value = torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5
+            value = value / p.shape[-1] ** 0.5
         with torch.no_grad():
             p.copy_(value.to(p.dtype))
 
@@ -171,7 +175,7 @@ def main() -> None:
     headers = ["T", "MoE", "step ms", "kda", "mla", "lse a2a", "gather", "red-scat", "moe local", "experts",
                "moe a2a", "sliced/repl"]
     print(f"dp={args.dp} cp={args.cp} device={args.device} config={opts['config']} context={args.context} "
-          f"(phase columns: ms on rank 0, synchronizing timer)")
+          f"(phase columns: ms on rank 0, synchronizing timer; collective phases include waiting for the slower rank)")
     print(markdown_table(headers, table))
     write_json(args.out, {"bench": "helix_step", "machine": machine_info(), "options": opts, "rows": rows})
 
