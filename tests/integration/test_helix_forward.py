@@ -2,7 +2,8 @@
 
 One world per (dp, cp) runs a whole scenario per preset; the tests below check its records:
 
-- logits allclose (fp32) at T = 33, 1, 3, 8 and in a run of multi-token decode steps whose
+- logits allclose (fp32) at T = 33, 1, 3, 8, for a prompt chunk continuing a cached sequence,
+  and in a run of multi-sequence decode steps whose
   blocks fill and cross block boundaries onto other CP ranks (tokens_per_block = 4);
 - greedy tokens equal at every step;
 - each rank's MLA blocks are exactly its round-robin share and hold the single-process rows;
@@ -39,8 +40,9 @@ LOGITS_RTOL, STATE_RTOL = 5e-4, 1e-4
 
 # Per step, per sequence: number of new tokens (None: not in this step). Sequences of CP
 # group d use tokens seeded by (d, seq); decode tokens are the reference's greedy choice.
-# The opening steps cover T = 33, 1, 3 (< cp = 4), 8 (mixed prefill + decodes).
-_OPENING = [{"a": 33}, {"a": 1}, {"b": 3}, {"a": 1, "b": 1, "c": 6}]
+# The opening steps cover T = 33, 1, 3 (< cp = 4), 8 (mixed prefill + decodes) and a prompt
+# chunk continuing a cached sequence (n > 1 for a known sequence: more prompt tokens).
+_OPENING = [{"a": 33}, {"a": 1}, {"b": 3}, {"a": 1, "b": 1, "c": 6}, {"a": 1, "c": 5}]
 _DECODES = [{"a": 1, "b": 1, "c": 1}] * NUM_DECODE_STEPS
 
 
@@ -48,7 +50,7 @@ def _plan(dp_rank: int) -> list[dict[str, int]]:
     if dp_rank == 0:
         return _OPENING + _DECODES
     # the second CP group: different requests, idle in two steps, T = 8 and 33 at other times
-    return [{}, {"d": 8}, {"e": 33}, {}] + [{"d": 1, "e": 1}] * NUM_DECODE_STEPS
+    return [{}, {"d": 8}, {"e": 33}, {}, {"d": 1, "e": 4}] + [{"d": 1, "e": 1}] * NUM_DECODE_STEPS
 
 
 class _Side:
@@ -80,8 +82,8 @@ class _Side:
                             None if all_rows else as_long(last))
 
 
-def _tokens(dp_rank: int, rid: str, n: int) -> list[int]:
-    gen = torch.Generator().manual_seed(1000 * dp_rank + ord(rid))
+def _tokens(dp_rank: int, rid: str, n: int, offset: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(100_000 * dp_rank + 1000 * offset + ord(rid))
     return torch.randint(0, 512, (n,), generator=gen).tolist()
 
 
@@ -130,7 +132,8 @@ def _scenario(model: HelixKimiForCausalLM, ref_model, mapping: Mapping) -> list[
             continue
         seqs = []
         for rid, n in work.items():
-            tokens = _tokens(mapping.dp_rank, rid, n) if rid not in context else [next_token[rid]]
+            fresh = rid not in context or n > 1
+            tokens = _tokens(mapping.dp_rank, rid, n, context.get(rid, 0)) if fresh else [next_token[rid]]
             seqs.append((rid, tokens, context.get(rid, 0)))
         all_rows = step % 2 == 0
         got = model(helix.batch(seqs, all_rows), helix.caches)
