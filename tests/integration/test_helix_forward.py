@@ -3,8 +3,8 @@
 One world per (dp, cp) runs a whole scenario per preset; the tests below check its records:
 
 - logits allclose (fp32) at T = 33, 1, 3, 8, for a prompt chunk continuing a cached sequence,
-  and in a run of multi-sequence decode steps whose
-  blocks fill and cross block boundaries onto other CP ranks (tokens_per_block = 4);
+  and in a run of multi-sequence decode steps whose blocks fill and cross block boundaries onto
+  other CP ranks (tokens_per_block = 4);
 - greedy tokens equal at every step;
 - each rank's MLA blocks are exactly its round-robin share and hold the single-process rows;
 - each rank's KDA recurrent and conv state equal its head slice of the single-process state;
