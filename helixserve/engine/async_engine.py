@@ -125,6 +125,11 @@ class _RequestStream:
         return token_ids, self.finish_reason, self.error
 
 
+# starts a request in the core instead of ``add_request`` (e.g. a KV source's prefilled start);
+# the updates it returns (first tokens) are delivered like a step's
+StartFn = Callable[[Any], "list[RequestUpdate] | None"]
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -132,6 +137,7 @@ class _Add:
     params: SamplingParams
     kwargs: dict[str, Any]
     admitted: asyncio.Future
+    start: StartFn | None = None
 
 
 @dataclass(slots=True)
@@ -206,9 +212,13 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, hold_cache: bool = False,
-                       forced_output_token_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+                       *, hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),
+                       start: StartFn | None = None) -> AsyncIterator[RequestOutput]:
         """Run one request; yields outputs until the one with ``finish_reason``.
+
+        ``start(core)``, when given, replaces ``core.add_request`` on the engine thread (a KV
+        source starting a request whose prompt state it put in the cache, e.g. through
+        ``core.add_prefilled_request``); the updates it returns are this request's first outputs.
 
         Raises :class:`QueueFullError` (429), :class:`InvalidRequestError` (400, the core refused
         it), :class:`ServiceUnavailableError` (shutting down), :class:`InternalServerError` (the
@@ -217,7 +227,7 @@ class AsyncEngine:
         stream = self._admit(request_id)
         admitted = asyncio.get_running_loop().create_future()
         kwargs = {"hold_cache": hold_cache, "forced_output_token_ids": tuple(forced_output_token_ids)}
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, kwargs, admitted))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, kwargs, admitted, start))
         detok = IncrementalDetokenizer(self._decode, params.stop)
         num_output = 0
         is_finished = False
@@ -354,12 +364,22 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort | _Release | _Call) -> None:
         if isinstance(command, _Add):
             try:
-                self._core.add_request(command.request_id, command.prompt_token_ids,
-                                       command.params, **command.kwargs)
+                if command.start is None:
+                    self._core.add_request(command.request_id, command.prompt_token_ids,
+                                           command.params, **command.kwargs)
+                    updates = None
+                else:
+                    updates = command.start(self._core)
             except ValueError as exc:
                 self._resolve(command.admitted, error=InvalidRequestError(str(exc)))
+            except Exception as exc:  # a start function failed unexpectedly
+                logger.exception("starting request %s failed", command.request_id)
+                self._resolve(command.admitted, error=InternalServerError(
+                    f"starting request {command.request_id} failed: {type(exc).__name__}: {exc}"))
             else:
                 self._resolve(command.admitted)
+                if updates:
+                    self._dispatch(updates)
         elif isinstance(command, _Abort):
             self._core.abort(command.request_id, command.error)
         elif isinstance(command, _Call):
@@ -383,6 +403,10 @@ class AsyncEngine:
             error = InternalServerError(message, code="engine_error")
             self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
             return
+        self._dispatch(updates)
+
+    def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        """Hand new tokens (and finishes) to the event loop, one call for all requests."""
         batch: dict[str, tuple[str, list[int], str | None, OpenAIError | None]] = {}
         for update in updates:
             rid, tokens, _, _ = batch.setdefault(update.request_id, (update.request_id, [], None, None))

@@ -9,6 +9,12 @@ prompt_token_ids, first_gen_tokens) and yields the request's outputs from this w
 - a transfer failure or timeout must fail the stream with an ``OpenAIError`` naming the cause
   (``GatewayTimeoutError`` for a timeout), and the request's cache must be freed;
 - closing the iterator early (client gone) must cancel the transfer and free the cache.
+
+A receiving source allocates the request's cache and drives its transfer, then starts decoding
+through ``engine.generate(request_id, prompt_token_ids, sampling, start=...)``, where ``start(core)``
+runs on the engine thread and puts the request into the core already prefilled (e.g.
+``core.add_prefilled_request``), returning the first tokens' updates; ``engine.call(fn)`` runs
+any other core operation (allocate, read block tables) on the engine thread.
 """
 
 from __future__ import annotations

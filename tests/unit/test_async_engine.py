@@ -231,3 +231,26 @@ def test_pickup_registry_expires_only_prefilled_holds(llm):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_start_function_replaces_add_request(llm):
+    ref = llm.generate([PROMPT], greedy(6))[0].token_ids
+
+    def start(core):
+        request = core.add_request("started", PROMPT, greedy(6), forced_output_token_ids=ref[:1])
+        assert request.request_id == "started"
+        return None
+
+    def refuse(core):
+        raise ValueError("no cache handle for this request")
+
+    async def main():
+        engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=1)
+        engine.start()
+        ids, _, reason = await _collect(engine.generate("started", PROMPT, greedy(6), start=start))
+        assert ids == ref and reason == "length"
+        with pytest.raises(InvalidRequestError, match="no cache handle"):
+            await _collect(engine.generate("refused", PROMPT, greedy(6), start=refuse))
+        await engine.shutdown()
+
+    asyncio.run(main())
