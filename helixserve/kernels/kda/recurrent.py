@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from helixserve.kernels._checks import check_dtype, check_ndim, check_slot_ids
+from helixserve.kernels._slots import slot_rows
 from helixserve.kernels.kda.chunk import check_kda_shapes
-from helixserve.kernels.kda.naive import l2norm_fp32
 
 
 def kda_recurrent_step(
@@ -42,8 +42,11 @@ def _recurrent_step_torch(
     check_slot_ids("slot_ids", slot_ids, q.shape[0], state_pool.shape[0])
     B, H, K = k.shape
     V = v.shape[-1]
-    q, k = (l2norm_fp32(q), l2norm_fp32(k)) if use_qk_l2norm else (q.float(), k.float())
-    S, write_back = _slot_states(state_pool, slot_ids)
+    if use_qk_l2norm:
+        q, k = _l2norm_scaled(q, scale), _l2norm_scaled(k, 1.0)
+    else:
+        q, k = q.float() * scale, k.float()
+    S, write_back = slot_rows(state_pool, slot_ids)
     # S <- diag(exp g) S;  S <- S + (beta k) (v - S^T k)^T;  o = S^T (scale q), in place on S
     S.mul_(g.float().exp().unsqueeze(-1))
     S_flat = S.view(B * H, K, V)
@@ -51,15 +54,11 @@ def _recurrent_step_torch(
     S_flat.baddbmm_((beta.float().unsqueeze(-1) * k).reshape(B * H, K, 1), residual)
     if write_back is not None:
         state_pool.index_copy_(0, write_back, S)
-    return torch.bmm((q * scale).reshape(B * H, 1, K), S_flat).view(B, H, V).to(v.dtype)
+    return torch.bmm(q.reshape(B * H, 1, K), S_flat).view(B, H, V).to(v.dtype)
 
 
-def _slot_states(pool: torch.Tensor, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``pool[slot_ids]`` as a view when the slots are consecutive (update in place), else a copy plus
-    the int64 ids to write it back to."""
-    ids = slot_ids.tolist()
-    first = ids[0] if ids else 0
-    if ids == list(range(first, first + len(ids))):
-        return pool[first:first + len(ids)], None
-    index = slot_ids.to(pool.device, torch.int64)
-    return pool.index_select(0, index), index
+def _l2norm_scaled(x: torch.Tensor, scale: float, eps: float = 1e-6) -> torch.Tensor:
+    """``scale * l2norm_fp32(x)`` with the scale folded into the per-row factor."""
+    x = x.float()
+    factor = (x * x).sum(-1, keepdim=True).add_(eps).rsqrt_()
+    return x * (factor if scale == 1.0 else factor.mul_(scale))

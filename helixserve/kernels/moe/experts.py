@@ -131,12 +131,15 @@ def _few_pairs_experts(
     xf = x.float()
     for e in sorted(rows_of):
         rows = rows_of[e]
+        if len(rows) == 1:  # one token: slices, no index tensors
+            t = rows[0]
+            h = torch.nn.functional.linear(xf[t:t + 1], w13[e].float())
+            act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
+            out[t:t + 1].add_(torch.nn.functional.linear(act, w2[e].float()), alpha=weights_of[e][0])
+            continue
         index = torch.tensor(rows, device=x.device)
-        h = torch.nn.functional.linear(xf if T == 1 else xf.index_select(0, index), w13[e].float())
+        h = torch.nn.functional.linear(xf.index_select(0, index), w13[e].float())
         act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
         y = torch.nn.functional.linear(act, w2[e].float())
-        if len(rows) == 1:
-            out.index_add_(0, index, y, alpha=weights_of[e][0])
-        else:
-            out.index_add_(0, index, y * torch.tensor(weights_of[e], device=x.device)[:, None])
+        out.index_add_(0, index, y * torch.tensor(weights_of[e], device=x.device)[:, None])
     return out.to(x.dtype)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from helixserve.kernels._checks import (
     check_activation, check_cu_seqlens, check_ndim, check_shape, check_slot_ids,
 )
+from helixserve.kernels._slots import slot_rows
 
 _ACTIVATIONS = ("silu", None)
 
@@ -115,8 +116,11 @@ def _short_conv_step_torch(
     activation: str | None,
 ) -> torch.Tensor:
     check_slot_ids("slot_ids", slot_ids, x.shape[0], conv_pool.shape[0])
-    slot_ids = slot_ids.to(torch.int64)
-    window = torch.cat([conv_pool[slot_ids].float(), x.float()[:, :, None]], dim=2)
+    states, write_back = slot_rows(conv_pool, slot_ids)
+    window = torch.cat([states.float(), x.float()[:, :, None]], dim=2)
     y = (window * weight.float()).sum(-1)
-    conv_pool.index_copy_(0, slot_ids, window[:, :, 1:].to(conv_pool.dtype))
+    if write_back is None:
+        states.copy_(window[:, :, 1:])
+    else:
+        conv_pool.index_copy_(0, write_back, window[:, :, 1:].to(conv_pool.dtype))
     return _activate(y, activation).to(x.dtype)
