@@ -9,6 +9,8 @@ import pytest
 
 from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
+pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory, k3_tiny):

@@ -6,10 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 from helixserve.config import DeploymentConfig
 from tests.e2e.conftest import MODEL, REPO, free_ports, http, wait_until
+
+pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
 
 
 def _children(pid: int) -> list[int]:

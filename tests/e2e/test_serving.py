@@ -16,6 +16,8 @@ import pytest
 
 from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
 
+pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+
 # token-id prompts of 1..33 tokens: with tokens_per_block=4 they end inside and on block edges
 ID_PROMPTS = [[65], [72, 105, 33], [1, 2, 3, 4], [10, 20, 30, 40, 50], list(range(40, 49)),
               list(range(100, 117)), list(range(200, 233))]

@@ -3,7 +3,9 @@
 import pytest
 
 from helixserve.protocol import ServiceUnavailableError
-from helixserve.router.pool import WorkerPool
+
+pytest.importorskip("httpx", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+from helixserve.router.pool import WorkerPool  # noqa: E402
 
 
 def _pool(policy: str) -> WorkerPool:

@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+
 
 def test_router_imports_without_torch():
     code = (
