@@ -155,6 +155,32 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def can_add_prefilled_request(self) -> bool:
+        return self.scheduler.can_add_prefilled()
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[RequestUpdate]:
+        """Start decoding a request whose prompt KV / state is already in this engine's cache: a
+        KV transfer filled the handle ``cache_manager`` holds for ``request_id``. ``first_token_ids``
+        are the ctx worker's sampled first outputs; they are returned as this request's first
+        updates. A seeded request's generator advances as if it had drawn them, so the tokens
+        equal an aggregated run. ``ValueError`` if it cannot start (see ``Scheduler.add_prefilled``).
+        """
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (*prompt_token_ids, *first_token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:8]}")
+        request = Request(request_id, list(prompt_token_ids), params,
+                          forced_output_token_ids=list(first_token_ids))
+        updates = self.scheduler.add_prefilled(request)
+        self._params[request_id] = params
+        if params.seed is not None and not params.is_greedy:
+            generator = self.runner.sampler._generator(request_id, params)  # noqa: SLF001
+            for _ in first_token_ids:  # the draws sampling the first tokens would have made
+                torch.empty(vocab, device=self.runner.device).exponential_(generator=generator)
+        return updates
+
     def step(self) -> list[RequestUpdate]:
         """Schedule, run the model, apply the sampled tokens; returns this step's new tokens."""
         out = self.scheduler.schedule()

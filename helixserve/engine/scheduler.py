@@ -208,6 +208,42 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def can_add_prefilled(self) -> bool:
+        """Whether a prefilled request can start decoding now (a free running slot)."""
+        return len(self.running) < self.max_num_seqs
+
+    def add_prefilled(self, request: Request) -> list[RequestUpdate]:
+        """Start decoding a request whose prompt is already in the cache (a KV transfer filled the
+        handle ``cache`` holds for it), from its ``forced_output_token_ids`` (the ctx worker's
+        first tokens); returns their updates (they count as generated tokens).
+
+        Raises ``ValueError`` when it cannot start: no cache handle, no first token, no running
+        slot (check ``can_add_prefilled``), or limits it already breaks.
+        """
+        rid, params = request.request_id, request.sampling_params
+        first = list(request.forced_output_token_ids)
+        if rid in self._requests or rid in self._held:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if not first or request.output_token_ids or request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {rid!r} must be new with >= 1 forced first token")
+        num_cached = request.num_prompt_tokens + len(first) - 1
+        if rid not in self.cache or self.cache.get(rid).num_tokens < num_cached:
+            raise ValueError(f"request {rid!r} has no cache handle covering its {num_cached} cached tokens")
+        if not self.can_add_prefilled():
+            raise ValueError(f"request {rid!r}: all {self.max_num_seqs} running slots are taken")
+        if len(first) >= params.max_tokens or request.num_prompt_tokens + len(first) >= self.max_model_len:
+            raise ValueError(f"request {rid!r} is already finished after its {len(first)} first tokens")
+        if params.stop:
+            if self.detokenize is None:
+                raise ValueError(f"request {rid!r} has stop strings but no detokenize was given")
+            self._stop_checkers[rid] = StopChecker(params.stop, self.detokenize)
+        request.output_token_ids = first
+        request.num_computed_tokens = num_cached  # the last first token is not cached yet
+        request.status = RequestStatus.RUNNING
+        self._requests[rid] = request
+        self.running.append(request)
+        return [RequestUpdate(rid, token, RequestStatus.RUNNING) for token in first]
+
     # -- step ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

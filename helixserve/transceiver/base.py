@@ -12,7 +12,8 @@ Session lifecycle (states are `TransferState`):
 2. TRANSFERRING: the first send / first receive request anchored the overall deadline
    (`now + timeout`, anchored once, never reset; shared by every task, aux included).
 3. One of, checked in this order on each non-blocking `update()`:
-   CANCELLED (a cancel was requested), FAILED (any task failed, even with siblings pending),
+   CANCELLED (a cancel was requested), FAILED (`fail()` was called, or any task failed, even
+   with siblings pending),
    COMPLETED (every task completed, plus every ack on a sender), and only then the deadline:
    a receiver past its deadline is FAILED (cause: timeout); a sender past its deadline without
    every acknowledgement is TIMEOUT. A terminal state observed at the deadline boundary therefore
@@ -198,6 +199,7 @@ class TransferSession(ABC):
         self.settled_at: float | None = None
         self._outcome = _Outcome()
         self._cancel_reason: str | None = None
+        self._fail_reason: str | None = None
 
     # -- declaration and posting -------------------------------------------------------------
     def add_task(self, peer: int, kind: PayloadKind, nbytes: int = 0) -> TransferTask:
@@ -230,6 +232,12 @@ class TransferSession(ABC):
     def cancel(self, reason: str = "cancelled") -> None:
         """Request cancellation; it is observed by the next `update()` (between wait slices)."""
         self._cancel_reason = reason
+        self.wakeup.set()
+
+    def fail(self, reason: str) -> None:
+        """Fail the session (e.g. the control plane refused it, or its CP group agreed it failed);
+        observed by the next `update()`, after a cancel and before task states."""
+        self._fail_reason = reason
         self.wakeup.set()
 
     # -- state ---------------------------------------------------------------------------------
@@ -266,6 +274,8 @@ class TransferSession(ABC):
             return self._outcome.state
         if self._cancel_reason is not None:
             return self._settle(TransferState.CANCELLED, self._cancel_reason)
+        if self._fail_reason is not None:
+            return self._settle(TransferState.FAILED, self._fail_reason)
         for task in self.tasks.values():
             task.refresh()
         failed = [t for t in self.tasks.values() if t.state is TransferState.FAILED]

@@ -35,6 +35,12 @@ class TransceiverConfig(BaseModel):
         chunk_bytes: transfer chunk and bounce-pool sizing unit.
         slice_ms: longest single blocking wait inside a deadline (a wait never exceeds the
             remaining time either).
+        message_bytes: largest UCX message of a shard stream; a request's payload is cut into
+            messages of at most this size, so one huge request cannot monopolize the link.
+        send_window: messages a sender keeps in flight per receiver (round-robin over receivers).
+        rpc_timeout_ms: deadline of every control-plane (gRPC) call.
+        drain_timeout_ms: how long a receiver that gives up waits for the messages the sender had
+            already posted (a UCX rendezvous send cannot be cancelled) before closing regardless.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -47,6 +53,10 @@ class TransceiverConfig(BaseModel):
     bounce_size_bytes: int | None = None
     chunk_bytes: int = 32 * MIB
     slice_ms: float = 50.0
+    message_bytes: int = 4 * MIB
+    send_window: int = 4
+    rpc_timeout_ms: float = 5000.0
+    drain_timeout_ms: float = 2000.0
 
     @field_validator("kv_transfer_timeout_ms", mode="before")
     @classmethod
@@ -63,6 +73,20 @@ class TransceiverConfig(BaseModel):
                 "an unbounded transfer can hang a request forever"
             )
         return timeout
+
+    @field_validator("rpc_timeout_ms", "drain_timeout_ms")
+    @classmethod
+    def _finite_rpc(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"control-plane timeouts must be finite and > 0 ms, got {value!r}")
+        return value
+
+    @field_validator("message_bytes", "send_window")
+    @classmethod
+    def _positive_int(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"message_bytes and send_window must be > 0, got {value}")
+        return value
 
     @field_validator("kv_transfer_poll_interval_ms", "slice_ms")
     @classmethod
@@ -91,6 +115,14 @@ class TransceiverConfig(BaseModel):
     @property
     def poll_interval_s(self) -> float:
         return self.kv_transfer_poll_interval_ms / 1000.0
+
+    @property
+    def rpc_timeout_s(self) -> float:
+        return self.rpc_timeout_ms / 1000.0
+
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.drain_timeout_ms / 1000.0
 
     @property
     def slice_s(self) -> float:

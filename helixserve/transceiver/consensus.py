@@ -4,8 +4,9 @@ Which group: gen with attention DP -> the CP group (x PP when PP > 1); gen witho
 DP -> the whole gen world; ctx with TP > 1 -> its TP group. A group of size 1 (plain attention
 DP, cp = 1) needs no collective.
 
-Each check gathers every rank's `[cancelled, failed, completed, quiesced]` request-id lists in
-ONE `all_gather_object` call, then:
+Each check gathers every rank's `[cancelled, failed, completed, quiesced]` request-id lists (plus,
+optionally, an error message per failed request, so every rank reports the same cause) in ONE
+`all_gather_object` call, then:
 
     cancelled = union over ranks
     failed    = union - cancelled
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -82,6 +84,7 @@ class ConsensusResult:
     completed: frozenset[str]
     quiesced: frozenset[str]
     is_skipped: bool = False
+    errors: Mapping[str, str] = field(default_factory=dict)  # failed/cancelled id -> first cause
 
     @property
     def ready(self) -> frozenset[str]:
@@ -97,14 +100,23 @@ class ConsensusResult:
 EMPTY_RESULT = ConsensusResult(frozenset(), frozenset(), frozenset(), frozenset(), is_skipped=True)
 
 
-def combine(reports: list[tuple[list[str], ...]]) -> ConsensusResult:
-    """Apply the union/intersection rules to every rank's encoded report."""
-    sets = [[frozenset(ids) for ids in report] for report in reports]
+def combine(reports: list[tuple]) -> ConsensusResult:
+    """Apply the union/intersection rules to every rank's encoded report.
+
+    A report is `(cancelled, failed, completed, quiesced)` id lists, optionally followed by an
+    `{id: error}` dict; the agreed error of a request is the first one in rank order.
+    """
+    sets = [[frozenset(ids) for ids in report[:4]] for report in reports]
     cancelled = frozenset().union(*(s[0] for s in sets))
     failed = frozenset().union(*(s[1] for s in sets)) - cancelled
     completed = frozenset.intersection(*(s[2] for s in sets)) - cancelled - failed
     quiesced = frozenset.intersection(*(s[3] for s in sets))
-    return ConsensusResult(cancelled, failed, completed, quiesced)
+    errors: dict[str, str] = {}
+    for report in reports:
+        for request_id, error in (report[4] if len(report) > 4 else {}).items():
+            if request_id in failed | cancelled:
+                errors.setdefault(request_id, error)
+    return ConsensusResult(cancelled, failed, completed, quiesced, errors=errors)
 
 
 class TransferConsensus:
@@ -112,11 +124,16 @@ class TransferConsensus:
 
     Args:
         group: the consensus group (None = the default world when initialized, else size 1).
+        is_local: a group of one (no collective ever), e.g. a cp = 1 rank inside a bigger world.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, is_local: bool = False) -> None:
         self.group = group
-        if dist.is_available() and dist.is_initialized():
+        if is_local:  # a group of one by construction (cp = 1), whatever torch.distributed holds
+            if group is not None:
+                raise ValueError("a local consensus takes no process group")
+            self.group_size = 1
+        elif dist.is_available() and dist.is_initialized():
             self.group_size = dist.get_world_size(group)
         elif group is not None:
             raise ValueError("a consensus process group was given but torch.distributed is not initialized")
@@ -129,15 +146,19 @@ class TransferConsensus:
         """Set the sticky flag; call in the same step on every rank (from shared schedule info)."""
         self.is_active = True
 
-    def check(self, status: LocalStatus) -> ConsensusResult:
+    def check(self, status: LocalStatus, errors: Mapping[str, str] | None = None) -> ConsensusResult:
         """One consensus check: at most one collective (none for a group of size 1).
+
+        `errors` (optional): this rank's cause for requests it reports failed or cancelled;
+        they travel in the same all-gather.
 
         Raises:
             ValueError: `status` has something to report while the group was never marked
                 active (skipping would leave this rank's peers out of sync).
         """
+        report = (*status.encode(), dict(errors)) if errors else status.encode()
         if self.group_size == 1:
-            return combine([status.encode()])
+            return combine([report])
         if not self.is_active:
             if not status.is_empty:
                 raise ValueError(
@@ -146,6 +167,6 @@ class TransferConsensus:
                 )
             return EMPTY_RESULT
         gathered: list[object] = [None] * self.group_size
-        dist.all_gather_object(gathered, status.encode(), group=self.group)
+        dist.all_gather_object(gathered, report, group=self.group)
         self.num_collectives += 1
         return combine(gathered)  # type: ignore[arg-type]

@@ -1,26 +1,39 @@
 """UCX tag send/recv data plane over ucxx's synchronous core API (`ucxx._lib.libucxx`).
 
 One `UcxxDataPlane` per rank owns a UCX context and worker. Peers connect by worker address
-(bytes carried by the control plane): `connect(peer, address)`. A send or receive of one buffer
-is split into chunks (`chunk_bytes`) so one huge request cannot monopolize the link; each chunk is
-one tag message with tag `(tag << 24) | (sender_rank << 16) | chunk_index`, so messages of
-different senders, requests and chunks never match each other.
+(bytes carried by the control plane): `connect(peer, address)`; `peer` is any hashable key, so a
+transfer may open its own endpoint (closing it then touches only that transfer's operations).
 
-Progress is driven by the caller's polls (`UcxxHandle.test()` progresses the worker), so there
-is no background thread and every wait stays bounded by the transceiver's deadlines.
+Two ways to post:
 
-UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host): endpoint error handling excludes
-the shared-memory transports (they have no peer-failure handler) and falls back to tcp, several
-times slower; peer death is covered by the transceiver's deadlines anyway, so error handling is
-off by default. UCX has no per-request cancel in ucxx: `cancel()` marks the handle and the
-buffer stays quarantined until the operation ends or `close_peer()` closes the endpoint (which
-cancels every operation on it).
+- `post_send` / `post_recv`: one buffer split into chunks (`chunk_bytes`), each one tag message
+  with tag `(tag << 24) | (sender_rank << 16) | chunk_index`;
+- `send_message` / `recv_message`: exactly one message with a caller-built 64-bit tag (the
+  transceiver's shard streams use `(tag_base << 20) | message_index`, unique per receiver worker).
+
+Progress: by default the caller's polls drive it (`UcxxHandle.test()` progresses the worker). With
+`progress_thread=True`, ucxx's own C++ thread progresses the worker in blocking (epoll) mode, without
+the GIL, so transfers move while the owner computes; posting from Python threads is then safe
+(ucxx serializes on the worker).
+
+UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host):
+
+- endpoint error handling excludes the shared-memory transports (they have no peer-failure
+  handler) and falls back to tcp, several times slower; peer death is covered by the transceiver's
+  deadlines, so error handling is off by default. With it off, shm + cma moves ~5 GB/s.
+- Closing an endpoint cancels its posted *receives* (they complete with UCXXCanceledError), also
+  when the peer is dead. A rendezvous *send* that the peer never matches can NOT be cancelled
+  (neither by closing the endpoint nor by `cancel_inflight_requests`): its buffer stays pinned.
+  The transceiver therefore never leaves a posted send unmatched while the receiver lives (the
+  receiver drains what was posted before it closes, see `transceiver.receiver`).
+- Connecting to the address of a dead process raises (UCXXShmemSegmentError) at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -32,7 +45,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 MAX_TAG = (1 << 40) - 1
+MAX_WIRE_TAG = (1 << 64) - 1
 MAX_CHUNKS = 1 << 16
+PROGRESS_EPOLL_TIMEOUT_MS = 1
 
 
 def _as_uint8(buffer: Any) -> Any:
@@ -49,7 +64,7 @@ def _as_uint8(buffer: Any) -> Any:
 class UcxxHandle(TransferHandle):
     """A chunked send or receive: COMPLETED when every chunk completed, FAILED on any error."""
 
-    def __init__(self, plane: UcxxDataPlane, peer: int, requests: list[Any], buffers: list[Any]) -> None:
+    def __init__(self, plane: UcxxDataPlane, peer: Hashable, requests: list[Any], buffers: list[Any]) -> None:
         self._plane = plane
         self.peer = peer
         self._requests = requests
@@ -68,7 +83,7 @@ class UcxxHandle(TransferHandle):
             try:
                 request.check_error()
             except Exception as error:  # ucxx raises its own UCXX*Error types
-                self.error = f"UCX error with peer rank {self.peer}: {type(error).__name__}: {error}"
+                self.error = f"UCX error with peer {self.peer}: {type(error).__name__}: {error}"
                 self._state = TransferState.FAILED
                 return self._state
         self._state = TransferState.COMPLETED
@@ -86,12 +101,21 @@ class UcxxDataPlane(DataPlane):
     """UCX data plane of one rank.
 
     Args:
-        rank: this rank's id in the transfer (encoded in message tags; 0..255).
-        chunk_bytes: largest single UCX message.
+        rank: this rank's id in chunked transfers (encoded in their tags; 0..255).
+        chunk_bytes: largest single UCX message of `post_send` / `post_recv`.
         error_handling: UCX endpoint peer-failure handling (forces tcp on one host).
+        progress_thread: let ucxx's C++ thread progress the worker (see the module docstring).
+        ucx_options: UCX settings for this context (e.g. {"TLS": "sm,self"}), without "UCX_".
     """
 
-    def __init__(self, rank: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, error_handling: bool = False) -> None:
+    def __init__(
+        self,
+        rank: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        error_handling: bool = False,
+        progress_thread: bool = False,
+        ucx_options: dict[str, str] | None = None,
+    ) -> None:
         import ucxx._lib.libucxx as ucx_api  # lazy: only when this backend is chosen
         from ucxx._lib.arr import Array
 
@@ -102,43 +126,80 @@ class UcxxDataPlane(DataPlane):
         self.chunk_bytes = chunk_bytes
         self.error_handling = error_handling
         self.wakeup = threading.Event()
-        self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+        features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+        self._context = ucx_api.UCXContext(config_dict=dict(ucx_options or {}), feature_flags=features)
         self._worker = ucx_api.UCXWorker(self._context)
-        self._endpoints: dict[int, Any] = {}
+        self._endpoints: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
+        self.has_progress_thread = progress_thread
+        if progress_thread:
+            self._worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_TIMEOUT_MS)
 
     @property
     def address(self) -> bytes:
         """This worker's UCX address, to hand to peers through the control plane."""
         return self._worker.address.tobytes()
 
-    def connect(self, peer: int, address: bytes) -> None:
+    def connect(self, peer: Hashable, address: bytes) -> None:
+        """Open an endpoint to the worker at `address`, named `peer` here (replaces none)."""
+        if peer in self._endpoints:
+            raise ValueError(f"rank {self.rank}: an endpoint named {peer!r} is already open")
         address_obj = self._api.UCXAddress.create_from_buffer(address)
-        self._endpoints[peer] = self._api.UCXEndpoint.create_from_worker_address(
-            self._worker, address_obj, endpoint_error_handling=self.error_handling
-        )
+        with self._lock:
+            self._endpoints[peer] = self._api.UCXEndpoint.create_from_worker_address(
+                self._worker, address_obj, endpoint_error_handling=self.error_handling
+            )
 
-    def close_peer(self, peer: int) -> None:
-        """Close the endpoint to `peer`: cancels (and so quiesces) every operation on it."""
+    def is_connected(self, peer: Hashable) -> bool:
+        return peer in self._endpoints
+
+    def close_peer(self, peer: Hashable) -> None:
+        """Close the endpoint to `peer`: cancels (and so quiesces) its posted receives."""
         endpoint = self._endpoints.pop(peer, None)
         if endpoint is not None:
-            endpoint.close()
+            with self._lock:
+                endpoint.close()
             self.progress()
 
     def progress(self) -> None:
+        if self.has_progress_thread:
+            return
         with self._lock:
             self._worker.progress()
 
-    def post_send(self, peer: int, tag: int, buffer: Any) -> UcxxHandle:
+    def post_send(self, peer: Hashable, tag: int, buffer: Any) -> UcxxHandle:
         return self._post(peer, tag, buffer, is_send=True)
 
-    def post_recv(self, peer: int, tag: int, buffer: Any) -> UcxxHandle:
+    def post_recv(self, peer: Hashable, tag: int, buffer: Any) -> UcxxHandle:
         return self._post(peer, tag, buffer, is_send=False)
 
-    def _post(self, peer: int, tag: int, buffer: Any, is_send: bool) -> UcxxHandle:
+    def send_message(self, peer: Hashable, wire_tag: int, buffer: Any) -> UcxxHandle:
+        """Send `buffer` as exactly one message with tag `wire_tag` (no chunking)."""
+        return self._post_one(peer, wire_tag, buffer, is_send=True)
+
+    def recv_message(self, peer: Hashable, wire_tag: int, buffer: Any) -> UcxxHandle:
+        """Receive exactly one message with tag `wire_tag` into `buffer` (sizes must match)."""
+        return self._post_one(peer, wire_tag, buffer, is_send=False)
+
+    def _endpoint(self, peer: Hashable) -> Any:
         endpoint = self._endpoints.get(peer)
         if endpoint is None:
-            raise ValueError(f"rank {self.rank}: no UCX endpoint to peer rank {peer}; connect() first")
+            raise ValueError(f"rank {self.rank}: no UCX endpoint to peer {peer!r}; connect() first")
+        return endpoint
+
+    def _post_one(self, peer: Hashable, wire_tag: int, buffer: Any, is_send: bool) -> UcxxHandle:
+        endpoint = self._endpoint(peer)
+        if not 0 <= wire_tag <= MAX_WIRE_TAG:
+            raise ValueError(f"wire tag must be in [0, 2**64), got {wire_tag}")
+        flat = _as_uint8(buffer)
+        array = self._array(flat)
+        post = endpoint.tag_send if is_send else endpoint.tag_recv
+        with self._lock:
+            request = post(array, tag=self._api.UCXXTag(wire_tag))
+        return UcxxHandle(self, peer, [request], [(flat, array)])
+
+    def _post(self, peer: Hashable, tag: int, buffer: Any, is_send: bool) -> UcxxHandle:
+        endpoint = self._endpoint(peer)
         if not 0 <= tag <= MAX_TAG:
             raise ValueError(f"tag must be in [0, 2**40), got {tag}")
         flat = _as_uint8(buffer)
@@ -146,6 +207,8 @@ class UcxxDataPlane(DataPlane):
         num_chunks = max(1, -(-nbytes // self.chunk_bytes))
         if num_chunks > MAX_CHUNKS:
             raise ValueError(f"{nbytes} bytes need {num_chunks} chunks > {MAX_CHUNKS}; raise chunk_bytes")
+        if not isinstance(peer, int) or not 0 <= peer < 256:
+            raise ValueError(f"chunked transfers name peers by rank in [0, 256), got {peer!r}")
         sender = self.rank if is_send else peer
         requests, chunks = [], []
         for index in range(num_chunks):
@@ -161,3 +224,6 @@ class UcxxDataPlane(DataPlane):
     def close(self) -> None:
         for peer in list(self._endpoints):
             self.close_peer(peer)
+        if self.has_progress_thread:
+            self.has_progress_thread = False
+            self._worker.stop_progress_thread()

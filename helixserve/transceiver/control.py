@@ -1,0 +1,240 @@
+"""Control plane: the `KVTransfer` gRPC service on a ctx worker, and its client on gen ranks.
+
+The service negotiates transfers (RequestShard), stops them (Cancel) and confirms them
+(Acknowledge); the bytes move over UCX. Every client call carries a deadline (`timeout_s`, from
+`TransceiverConfig.rpc_timeout_ms` or the transfer's remaining time, whichever is shorter), so no
+caller ever waits on the control plane without bound. A handler that raises answers with an error
+reply instead of a gRPC failure, so the peer always gets a named cause.
+
+Trust: the service is plain (insecure) gRPC and UCX does not validate the worker addresses it is
+handed (a malformed one can abort the process), so ctx and gen workers must share a trusted
+network, like their torch.distributed and UCX traffic.
+
+Stubs: `helixserve/protocol/transfer_pb2*.py` are generated from `transfer.proto` by
+`python -m helixserve.transceiver.control --regenerate` (grpcio-tools; the generated code needs
+grpcio >= 1.85.1 and protobuf >= 7.35.1, < 8 at runtime). A unit test checks they are current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from helixserve.protocol import transfer_pb2 as pb
+from helixserve.protocol import transfer_pb2_grpc as pb_grpc
+from helixserve.protocol.disagg import TransceiverEndpoint
+from helixserve.transceiver.base import PayloadKind
+
+logger = logging.getLogger(__name__)
+
+PROTO = Path(__file__).resolve().parents[1] / "protocol" / "transfer.proto"
+GENERATED = ("transfer_pb2.py", "transfer_pb2.pyi", "transfer_pb2_grpc.py")
+
+KIND_TO_PB = {
+    PayloadKind.KV_BLOCKS: pb.PayloadDescriptor.KV_BLOCKS,
+    PayloadKind.KDA_STATE: pb.PayloadDescriptor.KDA_STATE,
+    PayloadKind.CONV_STATE: pb.PayloadDescriptor.CONV_STATE,
+    PayloadKind.AUX: pb.PayloadDescriptor.AUX,
+}
+PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
+
+
+class TransferHandler(Protocol):
+    """What the ctx side implements (`KVSender`); called on gRPC worker threads."""
+
+    def request_shard(self, request: pb.ShardRequest) -> pb.ShardReply: ...
+    def cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply: ...
+    def acknowledge(self, request: pb.AckRequest) -> pb.AckReply: ...
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    def __init__(self, handler: TransferHandler) -> None:
+        self.handler = handler
+
+    def RequestShard(self, request, context):  # noqa: N802 (gRPC names)
+        try:
+            return self.handler.request_shard(request)
+        except Exception as error:
+            logger.exception("RequestShard %s failed", request.ctx_request_id)
+            return pb.ShardReply(accepted=False, error=f"ctx sender error: {type(error).__name__}: {error}")
+
+    def Cancel(self, request, context):  # noqa: N802
+        try:
+            return self.handler.cancel_shard(request)
+        except Exception:
+            logger.exception("Cancel %s failed", request.ctx_request_id)
+            return pb.CancelReply(known=False)
+
+    def Acknowledge(self, request, context):  # noqa: N802
+        try:
+            return self.handler.acknowledge(request)
+        except Exception as error:
+            logger.exception("Acknowledge %s failed", request.ctx_request_id)
+            return pb.AckReply(known=False, error=f"{type(error).__name__}: {error}")
+
+
+class ControlServer:
+    """The KVTransfer service of one ctx worker.
+
+    Args:
+        handler: answers the three calls (thread-safe: several gRPC threads call it).
+        host: interface to bind; port 0 picks a free one (see `port` after `start`).
+    """
+
+    def __init__(self, handler: TransferHandler, host: str = "127.0.0.1", port: int = 0,
+                 max_workers: int = 4) -> None:
+        self.host = host
+        self.port = port
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-control"),
+                                   options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_KVTransferServicer_to_server(_Servicer(handler), self._server)
+
+    def start(self) -> int:
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind the KV transfer control plane to {self.host}")
+        self._server.start()
+        return self.port
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+
+
+def target(endpoint: TransceiverEndpoint) -> str:
+    return f"{endpoint.host}:{endpoint.port}"
+
+
+class ControlClient:
+    """Calls one ctx worker's service; every call has a deadline (`timeout_s` at most)."""
+
+    def __init__(self, endpoint: TransceiverEndpoint, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"control-plane timeout must be > 0 s, got {timeout_s}")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target(endpoint))
+        self._stub = pb_grpc.KVTransferStub(self._channel)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return max(0.001, min(self.timeout_s, timeout_s if timeout_s is not None else self.timeout_s))
+
+    def request_shard(self, request: pb.ShardRequest, timeout_s: float | None = None) -> pb.ShardReply:
+        return self._stub.RequestShard(request, timeout=self._deadline(timeout_s))
+
+    def request_shard_async(self, request: pb.ShardRequest, timeout_s: float | None = None) -> grpc.Future:
+        return self._stub.RequestShard.future(request, timeout=self._deadline(timeout_s))
+
+    def cancel(self, request: pb.CancelRequest, timeout_s: float | None = None) -> pb.CancelReply:
+        return self._stub.Cancel(request, timeout=self._deadline(timeout_s))
+
+    def cancel_async(self, request: pb.CancelRequest, timeout_s: float | None = None) -> grpc.Future:
+        return self._stub.Cancel.future(request, timeout=self._deadline(timeout_s))
+
+    def acknowledge(self, request: pb.AckRequest, timeout_s: float | None = None) -> pb.AckReply:
+        return self._stub.Acknowledge(request, timeout=self._deadline(timeout_s))
+
+    def acknowledge_async(self, request: pb.AckRequest, timeout_s: float | None = None) -> grpc.Future:
+        return self._stub.Acknowledge.future(request, timeout=self._deadline(timeout_s))
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class ControlClients:
+    """One client (one channel) per ctx endpoint, shared by a receiver's transfers."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._clients: dict[str, ControlClient] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: TransceiverEndpoint) -> ControlClient:
+        with self._lock:
+            client = self._clients.get(target(endpoint))
+            if client is None:
+                client = self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+def rpc_error_text(error: BaseException) -> str:
+    """A short cause for a failed call (status code and details for gRPC errors)."""
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
+
+
+def payload_descriptors(messages: Sequence, kinds: Sequence[PayloadKind]) -> list[pb.PayloadDescriptor]:
+    """Describe a plan's messages per payload kind (what the receiver will check)."""
+    out = []
+    for kind in kinds:
+        mine = [m for m in messages if m.kind is kind]
+        first = mine[0].index if mine else 0
+        out.append(pb.PayloadDescriptor(kind=KIND_TO_PB[kind], first_message=first,
+                                        message_nbytes=[m.nbytes for m in mine]))
+    return out
+
+
+def check_payloads(expected: Sequence[pb.PayloadDescriptor], got: Sequence[pb.PayloadDescriptor]) -> None:
+    """Reject a sender's (untrusted) message list that differs from ours, naming the difference."""
+    ours = {d.kind: (d.first_message, list(d.message_nbytes)) for d in expected}
+    theirs: dict[int, tuple[int, list[int]]] = {}
+    for d in got:
+        if d.kind in theirs:
+            raise ValueError(f"sender's plan lists payload {PB_TO_KIND.get(d.kind, d.kind)} twice")
+        theirs[d.kind] = (d.first_message, list(d.message_nbytes))
+    for kind in sorted(set(ours) | set(theirs)):
+        name = PB_TO_KIND[kind].value if kind in PB_TO_KIND else f"kind {kind}"
+        if ours.get(kind) != theirs.get(kind):
+            mine, other = ours.get(kind), theirs.get(kind)
+            raise ValueError(f"sender's plan for {name} differs from ours: "
+                             f"{_short(other)} != expected {_short(mine)}")
+
+
+def _short(entry: tuple[int, list[int]] | None) -> str:
+    if entry is None:
+        return "missing"
+    first, sizes = entry
+    return f"first message {first}, {len(sizes)} messages, {sum(sizes)} bytes"
+
+
+def generate_stubs(out_dir: Path) -> list[Path]:
+    """Run protoc (grpcio-tools) on transfer.proto; returns the generated files under `out_dir`."""
+    from grpc_tools import protoc  # dev dependency: only to regenerate
+
+    root = PROTO.parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["protoc", f"-I{root}", f"--python_out={tmp}", f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}", str(PROTO.relative_to(root))]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {PROTO}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        made = Path(tmp) / "helixserve" / "protocol"
+        return [Path(shutil.copy(made / name, out_dir / name)) for name in GENERATED]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="regenerate the KVTransfer gRPC stubs")
+    parser.add_argument("--regenerate", action="store_true", required=True)
+    parser.add_argument("--out", type=Path, default=PROTO.parent)
+    args = parser.parse_args(argv)
+    for path in generate_stubs(args.out):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""ctx -> gen shard mapping: which bytes of a request one receiver gets, and how they travel.
+
+The shard of a receiver with (cp_rank r, cp_size c), for a request of P cached prompt tokens:
+
+- MLA, for every MLA layer: global logical blocks ``b = r, r + c, r + 2c, ... < ceil(P / tpb)``
+  (helix ownership, :mod:`helixserve.kvcache.helix`), whole blocks ``[tpb, kv_lora_rank + rope]``.
+- KDA, for every KDA layer: heads ``[r*H/c, (r+1)*H/c)`` of the recurrent state ``[H, K, V]``
+  (fp32) and of each of the three sections ``q | k | v`` of the conv state ``[3*H*K, W-1]``.
+- AUX: the prompt length and the first generated token(s) (checked against the request).
+
+**Stream.** The shard is a list of segments in a fixed order: AUX; KDA_STATE per KDA layer;
+CONV_STATE per KDA layer; KV_BLOCKS per MLA layer (layers ascending, blocks ascending). A segment
+is ``num_units`` equal units (an MLA block, a head slice of a state, a conv section slice). Each
+segment is cut into messages of at most ``message_bytes``: whole units when a unit fits, else byte
+pieces of a unit; a message never spans two segments. Both sides compute the same cut from the
+layout alone (:func:`plan_messages`).
+
+**Memory.** Each side maps every segment to its own tensors (:class:`SegmentMemory`): the ctx
+sender to its full-head cache and its physical blocks, a receiver to its local-head pools
+(``H/c`` heads) and its local blocks. Consecutive units that are adjacent in memory are
+coalesced, so a message whose bytes are one run is sent / received in place; others are
+gathered / scattered through a staging buffer.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from helixserve.kvcache.helix import local_logical_blocks
+from helixserve.models.context import ModelCaches
+from helixserve.protocol.disagg import KVLayout
+from helixserve.transceiver.base import PayloadKind
+
+KIND_ORDER = (PayloadKind.AUX, PayloadKind.KDA_STATE, PayloadKind.CONV_STATE, PayloadKind.KV_BLOCKS)
+MESSAGE_INDEX_BITS = 20
+MAX_MESSAGES = 1 << MESSAGE_INDEX_BITS
+MAX_TAG_BASE = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
+AUX_WORDS = 64
+AUX_MAGIC = 0x48454C4958  # "HELIX"
+MAX_FIRST_TOKENS = AUX_WORDS - 3
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class LayoutMismatchError(ValueError):
+    """The two sides of a transfer disagree on the cache layout (names every differing field)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} cannot travel in a KVLayout; use one of {sorted(_DTYPES)}")
+    return _DTYPE_NAMES[dtype]
+
+
+def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str) -> KVLayout:
+    """The KVLayout of a single-process cache of `cfg` (a KimiModelConfig) in `dtype`."""
+    kinds = ["kda" if cfg.is_kda_layer(i) else "mla" for i in range(cfg.num_hidden_layers)]
+    name = dtype_name(dtype)
+    return KVLayout(
+        model=model, tokens_per_block=tokens_per_block, layer_kinds=kinds,
+        kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        num_kda_heads=cfg.kda_num_heads, kda_head_dim=cfg.kda_head_dim,
+        conv_kernel_size=cfg.conv_kernel_size, kv_dtype=name, state_dtype="float32",
+        conv_dtype=name,
+    )
+
+
+def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: str) -> None:
+    """Raise LayoutMismatchError naming each differing field (`ours_name` value first)."""
+    if ours.ctx_tp_size != 1 or theirs.ctx_tp_size != 1:
+        raise LayoutMismatchError(
+            f"ctx_tp_size {ours.ctx_tp_size}/{theirs.ctx_tp_size}: only ctx_tp_size == 1 is supported")
+    diffs = ours.mismatches(theirs)
+    if diffs:
+        raise LayoutMismatchError(
+            f"KV layout mismatch ({ours_name} != {theirs_name}): " + "; ".join(diffs))
+
+
+def head_slice(num_heads: int, cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """Heads ``[r*H/c, (r+1)*H/c)`` of CP rank `cp_rank`; H must be divisible by `cp_size`."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank={cp_rank} cp_size={cp_size}")
+    if num_heads % cp_size:
+        raise ValueError(f"{num_heads} KDA heads cannot be split over cp_size={cp_size}")
+    share = num_heads // cp_size
+    return cp_rank * share, (cp_rank + 1) * share
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=_DTYPES[name]).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """One receiver's share of one request."""
+
+    layout: KVLayout
+    num_tokens: int
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"a shard needs >= 1 prompt token, got {self.num_tokens}")
+        head_slice(self.layout.num_kda_heads, self.cp_rank, self.cp_size)  # validates
+
+    @property
+    def blocks(self) -> list[int]:
+        """Global logical MLA blocks of this shard, ascending."""
+        return local_logical_blocks(self.num_tokens, self.layout.tokens_per_block, self.cp_rank, self.cp_size)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return head_slice(self.layout.num_kda_heads, self.cp_rank, self.cp_size)
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.layout.num_kda_heads // self.cp_size
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    kind: PayloadKind
+    layer_id: int  # -1 for AUX
+    unit_bytes: int
+    num_units: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.unit_bytes * self.num_units
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Bytes ``[offset, offset + nbytes)`` of segment `segment`; travels with tag index `index`."""
+
+    index: int
+    kind: PayloadKind
+    segment: int
+    offset: int
+    nbytes: int
+
+
+def shard_segments(spec: ShardSpec) -> list[Segment]:
+    """The shard's segments in stream order (see the module docstring)."""
+    lay = spec.layout
+    h = spec.num_local_heads
+    k, w = lay.kda_head_dim, lay.conv_kernel_size - 1
+    segments = [Segment(PayloadKind.AUX, -1, AUX_WORDS * 8, 1)]
+    segments += [Segment(PayloadKind.KDA_STATE, i, h * k * k * itemsize(lay.state_dtype), 1)
+                 for i in lay.kda_layers]
+    segments += [Segment(PayloadKind.CONV_STATE, i, h * k * w * itemsize(lay.conv_dtype), 3)
+                 for i in lay.kda_layers]
+    block_bytes = lay.tokens_per_block * (lay.kv_lora_rank + lay.qk_rope_head_dim) * itemsize(lay.kv_dtype)
+    num_blocks = len(spec.blocks)
+    segments += [Segment(PayloadKind.KV_BLOCKS, i, block_bytes, num_blocks) for i in lay.mla_layers]
+    return segments
+
+
+def plan_messages(segments: Sequence[Segment], message_bytes: int) -> list[Message]:
+    """Cut every segment into messages of at most `message_bytes` (whole units when they fit)."""
+    if message_bytes < 1:
+        raise ValueError(f"message_bytes must be >= 1, got {message_bytes}")
+    messages: list[Message] = []
+    for index, seg in enumerate(segments):
+        step = (message_bytes // seg.unit_bytes) * seg.unit_bytes if seg.unit_bytes <= message_bytes else message_bytes
+        for offset in range(0, seg.nbytes, step):
+            messages.append(Message(len(messages), seg.kind, index, offset, min(step, seg.nbytes - offset)))
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"{len(messages)} messages > {MAX_MESSAGES}: raise message_bytes")
+    return messages
+
+
+def wire_tag(tag_base: int, message_index: int) -> int:
+    if not 0 <= tag_base <= MAX_TAG_BASE or not 0 <= message_index < MAX_MESSAGES:
+        raise ValueError(f"tag base {tag_base} / message index {message_index} out of range")
+    return (tag_base << MESSAGE_INDEX_BITS) | message_index
+
+
+@dataclass(slots=True)
+class SegmentMemory:
+    """Where one segment's bytes live on one side: coalesced runs of a parent tensor's bytes."""
+
+    flat: torch.Tensor  # uint8 view of the whole parent tensor
+    runs: list[tuple[int, int]]  # (byte offset in flat, nbytes), in stream order
+    starts: list[int] = field(default_factory=list)  # stream offset of each run
+
+    @classmethod
+    def of(cls, parent: torch.Tensor, unit_offsets: Sequence[int], unit_bytes: int) -> SegmentMemory:
+        if not parent.is_contiguous():
+            raise ValueError(f"cache tensor {tuple(parent.shape)} must be contiguous")
+        flat = parent.reshape(-1).view(torch.uint8)
+        runs: list[tuple[int, int]] = []
+        for offset in unit_offsets:
+            if not 0 <= offset <= flat.numel() - unit_bytes:
+                raise ValueError(f"unit at byte {offset} (+{unit_bytes}) outside a {flat.numel()}-byte tensor")
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1] = (runs[-1][0], runs[-1][1] + unit_bytes)
+            else:
+                runs.append((offset, unit_bytes))
+        starts, total = [], 0
+        for _, nbytes in runs:
+            starts.append(total)
+            total += nbytes
+        return cls(flat, runs, starts)
+
+    def spans(self, offset: int, nbytes: int) -> list[torch.Tensor]:
+        """Views of stream bytes ``[offset, offset + nbytes)``, in order."""
+        out, end = [], offset + nbytes
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        while offset < end:
+            run_offset, run_bytes = self.runs[i]
+            skip = offset - self.starts[i]
+            take = min(run_bytes - skip, end - offset)
+            out.append(self.flat[run_offset + skip : run_offset + skip + take])
+            offset += take
+            i += 1
+        return out
+
+
+def _memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,
+            physical_blocks: Sequence[int], slot: int | None, num_heads: int, head0: int) -> list[SegmentMemory]:
+    lay = spec.layout
+    k = lay.kda_head_dim
+    out = []
+    for seg in segments:
+        if seg.kind is PayloadKind.AUX:
+            out.append(SegmentMemory.of(aux, [0], seg.unit_bytes))
+            continue
+        if seg.kind is PayloadKind.KV_BLOCKS:
+            pool = _checked(caches.mla_kv, seg.layer_id, lay.kv_dtype,
+                            (lay.tokens_per_block, lay.kv_lora_rank + lay.qk_rope_head_dim))
+            row = pool.stride(0) * pool.element_size()
+            out.append(SegmentMemory.of(pool, [p * row for p in physical_blocks], seg.unit_bytes))
+            continue
+        if slot is None:
+            raise ValueError(f"KDA layer {seg.layer_id} needs a state slot")
+        if seg.kind is PayloadKind.KDA_STATE:
+            pool = _checked(caches.kda_state, seg.layer_id, lay.state_dtype, (num_heads, k, k))
+            offsets = [(slot * pool.stride(0) + head0 * pool.stride(1)) * pool.element_size()]
+        else:
+            pool = _checked(caches.conv_state, seg.layer_id, lay.conv_dtype,
+                            (3 * num_heads * k, lay.conv_kernel_size - 1))
+            offsets = [(slot * pool.stride(0) + (s * num_heads * k + head0 * k) * pool.stride(1))
+                       * pool.element_size() for s in range(3)]
+        out.append(SegmentMemory.of(pool, offsets, seg.unit_bytes))
+    assert all(m.starts[-1] + m.runs[-1][1] == s.nbytes for m, s in zip(out, segments) if m.runs)
+    return out
+
+
+def _checked(pools: dict[int, torch.Tensor], layer_id: int, dtype: str, inner: tuple[int, ...]) -> torch.Tensor:
+    pool = pools.get(layer_id)
+    if pool is None:
+        raise ValueError(f"no cache tensor for layer {layer_id}")
+    if pool.dtype != _DTYPES[dtype] or tuple(pool.shape[1:]) != inner:
+        raise ValueError(f"layer {layer_id} cache is {pool.dtype} {tuple(pool.shape)}, the layout "
+                         f"says {dtype} [*, {', '.join(map(str, inner))}]")
+    return pool
+
+
+def encode_aux(num_prompt_tokens: int, first_tokens: Sequence[int]) -> torch.Tensor:
+    """AUX payload: int64 ``[magic, num_prompt_tokens, n, first_tokens..., 0...]`` (AUX_WORDS)."""
+    if not 1 <= len(first_tokens) <= MAX_FIRST_TOKENS:
+        raise ValueError(f"need 1..{MAX_FIRST_TOKENS} first tokens, got {len(first_tokens)}")
+    aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
+    aux[:3] = torch.tensor([AUX_MAGIC, num_prompt_tokens, len(first_tokens)])
+    aux[3 : 3 + len(first_tokens)] = torch.tensor(list(first_tokens))
+    return aux
+
+
+def decode_aux(aux: torch.Tensor) -> tuple[int, list[int]]:
+    """(num_prompt_tokens, first_tokens); ValueError on a malformed payload."""
+    words = aux.tolist()
+    if words[0] != AUX_MAGIC or not 1 <= words[2] <= MAX_FIRST_TOKENS:
+        raise ValueError(f"malformed AUX payload (magic {words[0]:#x}, {words[2]} first tokens)")
+    return words[1], words[3 : 3 + words[2]]
+
+
+@dataclass(slots=True)
+class ShardPlan:
+    """A shard's segments, messages and this side's memory for each segment."""
+
+    spec: ShardSpec
+    segments: list[Segment]
+    messages: list[Message]
+    memory: list[SegmentMemory]
+    aux: torch.Tensor
+    message_bytes: int
+
+    @classmethod
+    def for_sender(cls, spec: ShardSpec, caches: ModelCaches, block_ids: Sequence[int], slot: int | None,
+                   first_tokens: Sequence[int], message_bytes: int) -> ShardPlan:
+        """The ctx side: a full-head cache whose ``block_ids[b]`` holds logical block b."""
+        blocks = spec.blocks
+        if blocks and blocks[-1] >= len(block_ids):
+            raise ValueError(f"shard needs logical block {blocks[-1]}, the request holds {len(block_ids)}")
+        aux = encode_aux(spec.num_tokens, first_tokens)
+        segments = shard_segments(spec)
+        memory = _memory(spec, segments, caches, aux, [block_ids[b] for b in blocks], slot,
+                         spec.layout.num_kda_heads, spec.heads[0])
+        return cls(spec, segments, plan_messages(segments, message_bytes), memory, aux, message_bytes)
+
+    @classmethod
+    def for_receiver(cls, spec: ShardSpec, caches: ModelCaches, local_block_ids: Sequence[int],
+                     slot: int | None, message_bytes: int) -> ShardPlan:
+        """A gen rank: local-head pools; ``local_block_ids[k]`` holds the k-th shard block."""
+        num_blocks = len(spec.blocks)
+        if len(local_block_ids) < num_blocks:
+            raise ValueError(f"shard has {num_blocks} blocks, the handle holds {len(local_block_ids)}")
+        aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
+        segments = shard_segments(spec)
+        memory = _memory(spec, segments, caches, aux, list(local_block_ids[:num_blocks]), slot,
+                         spec.num_local_heads, 0)
+        return cls(spec, segments, plan_messages(segments, message_bytes), memory, aux, message_bytes)
+
+    def spans(self, message: Message) -> list[torch.Tensor]:
+        return self.memory[message.segment].spans(message.offset, message.nbytes)
+
+    def kind_messages(self, kind: PayloadKind) -> list[Message]:
+        return [m for m in self.messages if m.kind is kind]
+
+    @property
+    def kinds(self) -> list[PayloadKind]:
+        present = {seg.kind for seg in self.segments}
+        return [k for k in KIND_ORDER if k in present]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.nbytes for seg in self.segments)
+
+
+def gather(spans: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy `spans` back to back into `out` (uint8, exactly their total size)."""
+    if len(spans) == 1:
+        out.copy_(spans[0])
+    else:
+        torch.cat(list(spans), out=out)
+
+
+def scatter(src: torch.Tensor, spans: Sequence[torch.Tensor]) -> None:
+    """Copy `src` (uint8) back into `spans`, in order."""
+    offset = 0
+    for span in spans:
+        span.copy_(src[offset : offset + span.numel()])
+        offset += span.numel()

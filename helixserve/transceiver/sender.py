@@ -1,0 +1,474 @@
+"""ctx side: serves pickups of finished prefills over UCX, negotiated by the KVTransfer service.
+
+Lifecycle of one held request (a `_Pickup`):
+
+1. **Held**: `hold(request_id, handle, num_prompt_tokens, first_gen_tokens)` (engine thread, once
+   the prefill finished with ``hold_cache``) registers it; its pickup deadline starts now.
+2. **Requested**: a gen rank's RequestShard is checked (known request, layout, prompt length, CP
+   geometry, no duplicate) and accepted; the rank's shard becomes an outbound stream.
+3. **Sending**: the sender thread posts each stream's messages in order, at most `send_window` in
+   flight per stream, round-robin over streams (one huge request cannot monopolize the link).
+   Runs that are contiguous in the cache are sent in place; others are gathered into staging
+   (bounce) buffers first.
+4. **Settled**: every expected gen rank (cp ranks ``0..cp_size-1``) acknowledged -> COMPLETED; a
+   Cancel, a negative ack or `cancel()` -> CANCELLED; the pickup deadline passed first -> TIMEOUT
+   (an expired pickup, counted). Streams of a settled pickup post nothing more.
+5. **Freed**: once no posted send can still read the cache (quiesced), `on_free(request_id)` runs
+   and the request is forgotten. Until then it is *quarantined*: a UCX rendezvous send whose
+   receiver died is never matched and cannot be cancelled, so those blocks are never reused.
+
+Threads: one sender thread owns every pickup and stream; all state changes happen there. gRPC
+handler threads and the engine thread only enqueue commands and wait (bounded) for the answer.
+ucxx's own thread progresses the UCX worker.
+
+Cache safety (the engine thread runs concurrently): the sender reads the engine's cache tensors
+from its own thread, in place, without a lock. That is safe because a held request's blocks and
+state slot stay allocated to it, so the engine neither writes nor reallocates them, until
+`on_free` runs; the sender never touches them after that. `on_free` is called on the sender
+thread and must be thread-safe (e.g. ``PickupRegistry.release_threadsafe``, which hands the release
+to the engine thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+from pydantic import ValidationError
+
+from helixserve.kvcache.manager import CacheHandle
+from helixserve.models.context import ModelCaches
+from helixserve.protocol import transfer_pb2 as pb
+from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
+from helixserve.transceiver.base import SenderSession, TransferState
+from helixserve.transceiver.bounce import BouncePool, bounce_pool_bytes
+from helixserve.transceiver.config import TransceiverConfig
+from helixserve.transceiver.control import ControlServer, payload_descriptors
+from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardPlan, ShardSpec,
+                                           check_layout, gather, wire_tag)
+from helixserve.transceiver.polling import TransferMetrics, TransferPoller
+from helixserve.transceiver.stream import KindHandle, Staging
+
+logger = logging.getLogger(__name__)
+
+MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
+ACTIVE_TICK_S = 0.0002  # sender-thread wait while messages are in flight or queued
+IDLE_TICK_S = 0.01
+
+
+class PickupSession(SenderSession):
+    """A held request: deadline anchored at hold; COMPLETED once every cp rank acknowledged."""
+
+    def _expired_outcome(self) -> tuple[TransferState, str]:
+        expected = sorted(self.expected_acks)
+        return TransferState.TIMEOUT, (
+            f"request {self.request_id}: pickup deadline passed after {self.timeout_s * 1e3:.0f} ms; "
+            f"acknowledged by cp ranks {sorted(self.acked)} of {expected if expected else 'none (never requested)'}")
+
+
+@dataclass(slots=True)
+class _Sent:
+    handle: object | None = None
+    reservation: object | None = None
+    is_done: bool = False
+
+
+class _Outbound:
+    """One receiver's shard stream of one request (touched by the sender thread only)."""
+
+    def __init__(self, plan: ShardPlan, peer: tuple[str, int], tag_base: int, who: str,
+                 staging: Staging, window: int) -> None:
+        self.plan = plan
+        self.peer = peer
+        self.tag_base = tag_base
+        self.who = who
+        self.staging = staging
+        self.window = window
+        self.sent = [_Sent() for _ in plan.messages]
+        self.inflight: list[int] = []
+        self.num_posted = 0
+        self.error: str | None = None
+        self.is_stopped = False
+        self._kind_indices = {k: [m.index for m in plan.kind_messages(k)] for k in plan.kinds}
+
+    @property
+    def has_work(self) -> bool:
+        pending = not self.is_stopped and self.error is None and self.num_posted < len(self.sent)
+        return pending or bool(self.inflight)
+
+    def pump(self, plane) -> None:
+        while (not self.is_stopped and self.error is None and self.num_posted < len(self.sent)
+               and len(self.inflight) < self.window):
+            if not self._post(plane, self.num_posted):
+                return
+            self.inflight.append(self.num_posted)
+            self.num_posted += 1
+
+    def _post(self, plane, index: int) -> bool:
+        message = self.plan.messages[index]
+        spans = self.plan.spans(message)
+        sent = self.sent[index]
+        buffer = spans[0]
+        if len(spans) > 1:
+            staged = self.staging.try_acquire(self.peer[0], message.nbytes)
+            if staged is None:
+                return False  # bounce pool full: retry on a later tick
+            buffer, sent.reservation = staged
+            gather(spans, buffer)
+        try:
+            sent.handle = plane.send_message(self.peer, wire_tag(self.tag_base, index), buffer)
+        except Exception as error:
+            self.staging.release(sent.reservation)
+            sent.reservation = None
+            self.error = f"posting message {index} to {self.who} failed: {type(error).__name__}: {error}"
+            return False
+        return True
+
+    def advance(self) -> None:
+        still = []
+        for index in self.inflight:
+            sent = self.sent[index]
+            state = sent.handle.test()
+            if state is TransferState.TRANSFERRING:
+                still.append(index)
+                continue
+            self.staging.release(sent.reservation)
+            sent.reservation = None
+            if state is TransferState.COMPLETED:
+                sent.is_done = True
+            elif self.error is None:
+                self.error = f"sending message {index} to {self.who} failed: {sent.handle.error}"
+        self.inflight = still
+
+    def kind_state(self, kind) -> TransferState:
+        if self.error is not None:
+            return TransferState.FAILED
+        if all(self.sent[i].is_done for i in self._kind_indices[kind]):
+            return TransferState.COMPLETED
+        return TransferState.TRANSFERRING
+
+    def is_quiesced(self) -> bool:
+        return all(self.sent[i].handle.is_quiesced() for i in self.inflight)
+
+    def stop(self, reason: str) -> None:
+        self.is_stopped = True
+
+
+@dataclass(slots=True)
+class _Pickup:
+    session: PickupSession
+    block_ids: list[int]
+    slot: int | None
+    num_prompt_tokens: int
+    first_tokens: list[int]
+    cp_size: int | None = None
+    outbounds: dict[int, _Outbound] = field(default_factory=dict)
+    is_quarantine_logged: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SenderStats:
+    num_held: int  # pickups not freed yet (waiting, sending, or quarantined)
+    num_quarantined: int  # settled, but a send may still read their cache
+    num_freed: int
+    metrics: TransferMetrics  # expired_pickups = pickups whose deadline passed
+
+
+class KVSender:
+    """The ctx worker's transceiver: a KVTransfer gRPC service plus a UCX sender thread.
+
+    Args:
+        config: transceiver settings (message size, window, timeouts, bounce pool).
+        layout: this worker's cache layout; every RequestShard must carry an equal one.
+        caches: the engine's cache tensors (read in place; see the module docstring).
+        on_free: called on the sender thread with a request id once its cache may be freed.
+        host / port: where the control plane listens (port 0: any free port).
+        advertise_host: host put in `endpoint` (default `host`).
+        pickup_timeout_s: default pickup deadline (default: the transfer timeout).
+    """
+
+    def __init__(self, config: TransceiverConfig, layout: KVLayout, caches: ModelCaches,
+                 on_free: Callable[[str], None], *, host: str = "127.0.0.1", port: int = 0,
+                 advertise_host: str | None = None, pickup_timeout_s: float | None = None) -> None:
+        from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+
+        check_layout(layout, layout, "ctx", "ctx")  # ctx_tp_size == 1 only
+        self.config = config
+        self.layout = layout
+        self.caches = caches
+        self.on_free = on_free
+        self.pickup_timeout_s = pickup_timeout_s or config.timeout_s
+        self._wakeup = threading.Event()
+        self.poller = TransferPoller(wakeup=self._wakeup)
+        self.plane = UcxxDataPlane(progress_thread=True)
+        self.staging = Staging(_bounce_pool(config))
+        self._server = ControlServer(self, host, port)
+        self._advertise_host = advertise_host or host
+        self._pickups: dict[str, _Pickup] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._is_stopping = False
+        self._num_freed = 0
+        self._rotation = itertools.count()
+        self.endpoint: TransceiverEndpoint | None = None
+
+    # -- public API (any thread) -------------------------------------------------------------
+
+    def start(self) -> TransceiverEndpoint:
+        self._thread.start()
+        port = self._server.start()
+        self.endpoint = TransceiverEndpoint(host=self._advertise_host, port=port)
+        logger.info("KV sender listening on %s:%d", self._advertise_host, port)
+        return self.endpoint
+
+    def hold(self, request_id: str, handle: CacheHandle, num_prompt_tokens: int,
+             first_gen_tokens: Sequence[int], *, pickup_timeout_s: float | None = None) -> None:
+        """Offer a finished prefill for pickup (call on the engine thread, right after it finished
+        with hold_cache). `handle` is read now: block_ids[b] must hold logical block b."""
+        if handle.cp_size != 1 or handle.num_tokens < num_prompt_tokens or num_prompt_tokens < 1:
+            raise ValueError(f"request {request_id}: cannot hold a cp_size={handle.cp_size} handle of "
+                             f"{handle.num_tokens} tokens for {num_prompt_tokens} prompt tokens")
+        pickup = _Pickup(
+            PickupSession(request_id, timeout_s=pickup_timeout_s or self.pickup_timeout_s),
+            list(handle.block_ids), handle.slot, num_prompt_tokens, list(first_gen_tokens))
+        self._call(self._do_hold, pickup).result(timeout=self.config.rpc_timeout_s)
+
+    def cancel(self, request_id: str, reason: str = "cancelled by the ctx worker") -> bool:
+        """Stop serving a pickup (client gone); its cache is freed once quiesced. False if unknown."""
+        return self._call(self._do_cancel, request_id, reason).result(timeout=self.config.rpc_timeout_s)
+
+    def stats(self) -> SenderStats:
+        return self._call(self._do_stats).result(timeout=self.config.rpc_timeout_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving: free what is quiesced, leave the rest (logged), close UCX and gRPC."""
+        self._server.stop(grace_s=min(1.0, timeout_s))
+        self._is_stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.plane.close()
+
+    # -- gRPC handlers (gRPC threads) ---------------------------------------------------------
+
+    def request_shard(self, request: pb.ShardRequest) -> pb.ShardReply:
+        return self._answer(self._do_request_shard, request, pb.ShardReply(accepted=False, error=(
+            f"ctx sender busy: no answer within {self.config.rpc_timeout_s:.1f}s")))
+
+    def cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply:
+        return self._answer(self._do_cancel_shard, request, pb.CancelReply(known=False))
+
+    def acknowledge(self, request: pb.AckRequest) -> pb.AckReply:
+        return self._answer(self._do_acknowledge, request, pb.AckReply(known=False, error="ctx sender busy"))
+
+    def _answer(self, fn, request, busy_reply):
+        try:
+            return self._call(fn, request).result(timeout=self.config.rpc_timeout_s)
+        except TimeoutError:
+            return busy_reply
+
+    def _call(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        if self._is_stopping or not self._thread.is_alive():
+            future.set_exception(RuntimeError("the KV sender is not running"))
+            return future
+        self._commands.put((fn, args, future))
+        self._wakeup.set()
+        return future
+
+    # -- sender thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._is_stopping:
+                self._drain_commands()
+                is_busy = self._pump()
+                self._settle(self.poller.poll(wait_num=0))
+                self._wakeup.wait(ACTIVE_TICK_S if is_busy else self._idle_wait())
+                self._wakeup.clear()
+        except Exception:
+            logger.exception("KV sender thread crashed; pickups stay held until their owner frees them")
+        finally:
+            self._drain_commands(error=RuntimeError("the KV sender stopped"))
+            self._settle(self.poller.poll(wait_num=0))
+
+    def _drain_commands(self, error: Exception | None = None) -> None:
+        while True:
+            try:
+                fn, args, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if error is not None:
+                future.set_exception(error)
+                continue
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _pump(self) -> bool:
+        streams = [ob for p in self._pickups.values() for ob in p.outbounds.values()]
+        if streams:  # round-robin: a different stream posts first each tick
+            start = next(self._rotation) % len(streams)
+            streams = streams[start:] + streams[:start]
+        for outbound in streams:
+            outbound.advance()
+            outbound.pump(self.plane)
+        return any(ob.has_work for ob in streams)
+
+    def _idle_wait(self) -> float:
+        remaining = [p.session.remaining() for p in self._pickups.values() if not p.session.state.is_settled]
+        return max(ACTIVE_TICK_S, min([IDLE_TICK_S, *remaining]))
+
+    def _settle(self, result) -> None:
+        settled = [*result.completed, *result.failed, *result.cancelled, *result.timed_out]
+        for request_id in settled:
+            pickup = self._pickups.get(request_id)
+            if pickup is None:
+                continue
+            for outbound in pickup.outbounds.values():
+                outbound.stop("pickup settled")
+            if pickup.session.is_quiesced:
+                self._free(request_id, pickup)
+            elif not pickup.is_quarantine_logged:
+                pickup.is_quarantine_logged = True
+                logger.warning("request %s %s but a send may still read its cache: quarantined",
+                               request_id, pickup.session.state.value)
+
+    def _free(self, request_id: str, pickup: _Pickup) -> None:
+        for outbound in pickup.outbounds.values():
+            self.plane.close_peer(outbound.peer)
+        self.poller.retire(request_id)
+        del self._pickups[request_id]
+        self._num_freed += 1
+        if pickup.session.state is not TransferState.COMPLETED:
+            logger.info("ctx request %s freed: %s", request_id, pickup.session.error)
+        try:
+            self.on_free(request_id)
+        except Exception:
+            logger.exception("on_free(%s) raised", request_id)
+
+    # -- commands (sender thread) -------------------------------------------------------------
+
+    def _do_hold(self, pickup: _Pickup) -> None:
+        request_id = pickup.session.request_id
+        if request_id in self._pickups:
+            raise ValueError(f"request {request_id} is already held for pickup")
+        pickup.session.anchor_deadline()  # the pickup deadline starts at hold
+        self.poller.add(pickup.session)
+        self._pickups[request_id] = pickup
+
+    def _do_cancel(self, request_id: str, reason: str) -> bool:
+        pickup = self._pickups.get(request_id)
+        if pickup is None:
+            return False
+        self._stop_pickup(pickup, reason)
+        return True
+
+    def _stop_pickup(self, pickup: _Pickup, reason: str) -> None:
+        if not pickup.session.state.is_settled:
+            pickup.session.cancel(reason)
+        for outbound in pickup.outbounds.values():
+            outbound.stop(reason)
+
+    def _do_stats(self) -> SenderStats:
+        quarantined = sum(p.session.state.is_settled for p in self._pickups.values())
+        return SenderStats(len(self._pickups), quarantined, self._num_freed, replace(self.poller.metrics))
+
+    def _do_cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply:
+        pickup = self._pickups.get(request.ctx_request_id)
+        if pickup is None:
+            return pb.CancelReply(known=False)
+        self._stop_pickup(pickup, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) "
+                                  f"cancelled: {request.reason}")
+        outbound = pickup.outbounds.get(request.cp_rank)
+        if outbound is None:
+            return pb.CancelReply(known=True, num_posted_messages=0)
+        return pb.CancelReply(known=True, num_posted_messages=outbound.num_posted,
+                              message_bytes=outbound.plan.message_bytes, ucx_worker_address=self.plane.address)
+
+    def _do_acknowledge(self, request: pb.AckRequest) -> pb.AckReply:
+        pickup = self._pickups.get(request.ctx_request_id)
+        if pickup is None:
+            return pb.AckReply(known=False, error=f"ctx request {request.ctx_request_id} is not held here")
+        if not request.success:
+            self._stop_pickup(pickup, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) gave up: "
+                                      f"{request.error}")
+            return pb.AckReply(known=True)
+        try:
+            pickup.session.acknowledge(request.cp_rank)
+        except ValueError as error:
+            return pb.AckReply(known=True, error=str(error))
+        return pb.AckReply(known=True)
+
+    def _do_request_shard(self, request: pb.ShardRequest) -> pb.ShardReply:
+        who = f"gen rank {request.gen_rank} (cp_rank {request.cp_rank} of {request.cp_size})"
+        pickup = self._pickups.get(request.ctx_request_id)
+        try:
+            if pickup is None:
+                raise ValueError(f"ctx request {request.ctx_request_id} is not held here (never held, "
+                                 "already picked up and freed, cancelled, or expired)")
+            spec = self._check_request(pickup, request, who)
+        except (ValueError, ValidationError) as error:
+            logger.warning("refused %s's pickup of %s: %s", who, request.ctx_request_id, error)
+            return pb.ShardReply(accepted=False, error=str(error))
+        message_bytes = min(self.config.message_bytes, request.max_message_bytes)
+        plan = ShardPlan.for_sender(spec, self.caches, pickup.block_ids, pickup.slot,
+                                    pickup.first_tokens, message_bytes)
+        peer = (request.ctx_request_id, request.cp_rank)
+        try:
+            self.plane.connect(peer, bytes(request.ucx_worker_address))
+        except Exception as error:
+            return pb.ShardReply(accepted=False, error=f"cannot reach {who}'s UCX worker: "
+                                                       f"{type(error).__name__}: {error}")
+        outbound = _Outbound(plan, peer, request.tag_base, who, self.staging, self.config.send_window)
+        session = pickup.session
+        pickup.cp_size = request.cp_size
+        session.expected_acks = set(range(request.cp_size))
+        for kind in plan.kinds:
+            session.add_task(request.cp_rank, kind, sum(m.nbytes for m in plan.kind_messages(kind)))
+            session.attach(request.cp_rank, kind, KindHandle(outbound, kind))
+        pickup.outbounds[request.cp_rank] = outbound
+        return pb.ShardReply(accepted=True, ucx_worker_address=self.plane.address, message_bytes=message_bytes,
+                             payloads=payload_descriptors(plan.messages, plan.kinds))
+
+    def _check_request(self, pickup: _Pickup, request: pb.ShardRequest, who: str) -> ShardSpec:
+        state = pickup.session.state
+        if state.is_settled:
+            raise ValueError(f"ctx request {request.ctx_request_id} is {state.value}: {pickup.session.error}")
+        try:
+            theirs = KVLayout.model_validate_json(request.layout_json)
+        except ValidationError as error:
+            raise ValueError(f"malformed KV layout from {who}: {error}") from None
+        try:
+            check_layout(self.layout, theirs, "ctx", who)
+        except LayoutMismatchError as error:
+            raise ValueError(str(error)) from None
+        if request.num_prompt_tokens != pickup.num_prompt_tokens:
+            raise ValueError(f"{who} expects {request.num_prompt_tokens} prompt tokens, the ctx request "
+                             f"has {pickup.num_prompt_tokens}")
+        if pickup.cp_size not in (None, request.cp_size):
+            raise ValueError(f"{who}: request already picked up with cp_size {pickup.cp_size}")
+        if request.cp_rank in pickup.outbounds:
+            raise ValueError(f"{who}: cp_rank {request.cp_rank} already picked this request up")
+        if not MIN_ADDRESS_BYTES <= len(request.ucx_worker_address) <= MAX_ADDRESS_BYTES:
+            raise ValueError(f"{who}: malformed UCX worker address ({len(request.ucx_worker_address)} bytes)")
+        if request.tag_base > MAX_TAG_BASE or request.max_message_bytes < 1:
+            raise ValueError(f"{who}: tag_base {request.tag_base} or max_message_bytes "
+                             f"{request.max_message_bytes} out of range")
+        return ShardSpec(self.layout, pickup.num_prompt_tokens, request.cp_rank, request.cp_size)
+
+
+def _bounce_pool(config: TransceiverConfig) -> BouncePool | None:
+    try:
+        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        free_bytes = 1 << 34
+    capacity = bounce_pool_bytes(config.bounce_size_bytes, config.chunk_bytes, free_bytes)
+    return BouncePool(capacity) if capacity else None

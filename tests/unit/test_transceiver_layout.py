@@ -1,0 +1,106 @@
+"""The ctx -> gen shard mapping: blocks and heads per CP rank, segment order and sizes, message
+cuts, memory runs, the AUX payload and layout-descriptor checks (pure, no transport)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helixserve.models.presets import get_preset
+from helixserve.transceiver.base import PayloadKind
+from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, SegmentMemory, ShardSpec, check_layout,
+                                           decode_aux, encode_aux, head_slice, layout_for, plan_messages,
+                                           shard_segments, wire_tag)
+
+CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
+LAYOUT = layout_for(CFG, torch.float32, 4, "kimi-k3-tiny")
+
+
+def test_layout_for_reads_the_model():
+    assert LAYOUT.layer_kinds == ["kda", "kda", "kda", "mla", "kda", "mla"]
+    assert (LAYOUT.num_kda_heads, LAYOUT.kda_head_dim, LAYOUT.conv_kernel_size) == (4, 32, 4)
+    assert (LAYOUT.kv_lora_rank, LAYOUT.qk_rope_head_dim, LAYOUT.kv_dtype) == (32, 8, "float32")
+
+
+@pytest.mark.parametrize("num_tokens, cp_size, cp_rank, blocks", [
+    (23, 1, 0, [0, 1, 2, 3, 4, 5]), (23, 2, 0, [0, 2, 4]), (23, 2, 1, [1, 3, 5]), (23, 4, 3, [3]),
+    (24, 4, 1, [1, 5]), (3, 2, 1, []), (4, 2, 0, [0]),
+])
+def test_mla_blocks_are_those_the_rank_owns(num_tokens, cp_size, cp_rank, blocks):
+    assert ShardSpec(LAYOUT, num_tokens, cp_rank, cp_size).blocks == blocks
+
+
+def test_kda_head_slices_partition_the_heads():
+    assert [head_slice(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="cannot be split over cp_size=3"):
+        head_slice(4, 0, 3)
+    with pytest.raises(ValueError, match="cp_rank"):
+        head_slice(4, 2, 2)
+
+
+def test_segments_in_stream_order_with_shard_sizes():
+    segments = shard_segments(ShardSpec(LAYOUT, 23, 1, 2))
+    assert [(s.kind, s.layer_id) for s in segments] == [
+        (PayloadKind.AUX, -1), *[(PayloadKind.KDA_STATE, i) for i in (0, 1, 2, 4)],
+        *[(PayloadKind.CONV_STATE, i) for i in (0, 1, 2, 4)], (PayloadKind.KV_BLOCKS, 3), (PayloadKind.KV_BLOCKS, 5)]
+    by_kind = {s.kind: s for s in segments}
+    assert by_kind[PayloadKind.AUX].nbytes == AUX_WORDS * 8
+    assert (by_kind[PayloadKind.KDA_STATE].unit_bytes, by_kind[PayloadKind.KDA_STATE].num_units) == (2 * 32 * 32 * 4, 1)
+    assert (by_kind[PayloadKind.CONV_STATE].unit_bytes, by_kind[PayloadKind.CONV_STATE].num_units) == (2 * 32 * 3 * 4, 3)
+    assert (by_kind[PayloadKind.KV_BLOCKS].unit_bytes, by_kind[PayloadKind.KV_BLOCKS].num_units) == (4 * 40 * 4, 3)
+
+
+def test_messages_are_whole_units_when_they_fit_and_never_span_segments():
+    segments = shard_segments(ShardSpec(LAYOUT, 23, 0, 1))
+    messages = plan_messages(segments, message_bytes=1300)  # 2 blocks of 640; KDA state 16 KiB split
+    assert [m.index for m in messages] == list(range(len(messages)))
+    for seg_index, seg in enumerate(segments):
+        mine = [m for m in messages if m.segment == seg_index]
+        assert sum(m.nbytes for m in mine) == seg.nbytes
+        assert [m.offset for m in mine] == [sum(x.nbytes for x in mine[:i]) for i in range(len(mine))]
+        if seg.kind is PayloadKind.KV_BLOCKS:
+            assert [m.nbytes for m in mine] == [1280, 1280, 1280]
+        if seg.kind is PayloadKind.KDA_STATE:
+            assert max(m.nbytes for m in mine) == 1300 and len(mine) == -(-seg.nbytes // 1300)
+    assert plan_messages(segments, 1 << 30) == plan_messages(segments, 1 << 29)  # one message per segment
+    with pytest.raises(ValueError):
+        plan_messages(segments, 0)
+
+
+def test_segment_memory_coalesces_adjacent_units_and_spans_cross_runs():
+    pool = torch.arange(10 * 4, dtype=torch.int32).reshape(10, 4)  # 16-byte units
+    memory = SegmentMemory.of(pool, [16 * b for b in (2, 3, 4, 7, 8)], 16)
+    assert memory.runs == [(32, 48), (112, 32)]
+    spans = memory.spans(40, 24)  # the second half of block 4, then block 7
+    assert [s.numel() for s in spans] == [8, 16]
+    assert torch.equal(torch.cat(spans).view(torch.int32), torch.tensor([18, 19, 28, 29, 30, 31]))
+    with pytest.raises(ValueError, match="outside"):
+        SegmentMemory.of(pool, [160], 16)
+
+
+def test_aux_payload_round_trip_and_malformed():
+    assert decode_aux(encode_aux(23, [7, 9])) == (23, [7, 9])
+    with pytest.raises(ValueError, match="malformed AUX"):
+        decode_aux(torch.zeros(AUX_WORDS, dtype=torch.int64))
+    with pytest.raises(ValueError):
+        encode_aux(3, [])
+
+
+def test_layout_mismatch_names_every_differing_field():
+    other = LAYOUT.model_copy(update={"tokens_per_block": 16, "conv_dtype": "bfloat16"})
+    with pytest.raises(LayoutMismatchError) as error:
+        check_layout(LAYOUT, other, "gen", "ctx worker a:1")
+    text = str(error.value)
+    assert "(gen != ctx worker a:1)" in text and "tokens_per_block: 4 != 16" in text
+    assert "conv_dtype: 'float32' != 'bfloat16'" in text
+    check_layout(LAYOUT, LAYOUT.model_copy(), "gen", "ctx")
+    with pytest.raises(LayoutMismatchError, match="ctx_tp_size"):
+        check_layout(LAYOUT, LAYOUT.model_copy(update={"ctx_tp_size": 2}), "gen", "ctx")
+
+
+def test_wire_tags_carry_base_and_index():
+    assert wire_tag(3, 5) == (3 << 20) | 5
+    with pytest.raises(ValueError):
+        wire_tag(1 << 44, 0)
+    with pytest.raises(ValueError):
+        wire_tag(0, 1 << 20)

@@ -1,0 +1,307 @@
+"""Sender and receivers in ONE process over real UCX (two workers) and real gRPC: shard contents,
+refusals with named causes, pickup expiry, cancel and timeout drains, hostile plans. Cache
+contents are random (no model): the oracle slices the ctx tensors directly."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from helixserve.engine.runner import cache_spec_for  # noqa: E402
+from helixserve.kvcache.manager import CacheManager  # noqa: E402
+from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
+from helixserve.models.presets import get_preset  # noqa: E402
+from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
+from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint  # noqa: E402
+from helixserve.transceiver import sender as sender_module  # noqa: E402
+from helixserve.transceiver.config import TransceiverConfig  # noqa: E402
+from helixserve.transceiver.control import ControlClient  # noqa: E402
+from helixserve.transceiver.group import CPGroupReceiver  # noqa: E402
+from helixserve.transceiver.layout import LayoutMismatchError, layout_for  # noqa: E402
+from helixserve.transceiver.receiver import KVReceiver  # noqa: E402
+from helixserve.transceiver.sender import KVSender  # noqa: E402
+
+CFG = get_preset("kimi-k3-tiny")
+TPB = 4
+LAYOUT = layout_for(CFG, torch.float32, TPB, "kimi-k3-tiny")
+H, K = CFG.kda_num_heads, CFG.kda_head_dim
+NUM_TOKENS = 23  # 6 blocks, the last one partial
+
+
+def config(**overrides) -> TransceiverConfig:
+    return TransceiverConfig(**{"kv_transfer_timeout_ms": 5000, "rpc_timeout_ms": 2000,
+                                "drain_timeout_ms": 1000, **overrides})
+
+
+class Ctx:
+    """A ctx worker without a model: random cache contents, real KVSender."""
+
+    def __init__(self, cfg: TransceiverConfig) -> None:
+        self.caches = allocate_model_caches(cache_spec_for(CFG, torch.float32, TPB), 32, 4)
+        for pools in (self.caches.mla_kv, self.caches.kda_state, self.caches.conv_state):
+            for pool in pools.values():
+                pool.copy_(torch.randn(pool.shape))
+        self.manager = CacheManager(32, 4, TPB)
+        self.manager.allocate("other", 9)  # the held request's blocks do not start at 0
+        self.freed: list[str] = []
+        self.sender = KVSender(cfg, LAYOUT, self.caches, self.freed.append)
+        self.endpoint = self.sender.start()
+
+    def hold(self, request_id: str, num_tokens: int = NUM_TOKENS, **kwargs) -> DisaggregatedParams:
+        handle = self.manager.allocate(request_id, num_tokens)
+        self.sender.hold(request_id, handle, num_tokens, [7], **kwargs)
+        return DisaggregatedParams(request_type="generation_only", ctx_request_id=request_id,
+                                   first_gen_tokens=[7], prompt_token_ids=list(range(1, num_tokens + 1)),
+                                   ctx_endpoint=self.endpoint, layout=LAYOUT)
+
+    def expected_shard(self, request_id: str, cp_rank: int, cp_size: int) -> dict:
+        handle, c = self.manager.get(request_id), self.caches
+        h0, h1 = cp_rank * H // cp_size, (cp_rank + 1) * H // cp_size
+        blocks = [handle.block_ids[b] for b in range(cp_rank, len(handle.block_ids), cp_size)]
+        return {
+            "mla": {i: c.mla_kv[i][blocks] for i in c.mla_kv},
+            "kda": {i: c.kda_state[i][handle.slot, h0:h1] for i in c.kda_state},
+            "conv": {i: torch.cat([c.conv_state[i][handle.slot, s * H * K + h0 * K: s * H * K + h1 * K]
+                                   for s in range(3)]) for i in c.conv_state},
+        }
+
+    def close(self) -> None:
+        self.sender.stop()
+
+
+_GENS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_gens():
+    yield
+    while _GENS:
+        _GENS.pop().rx.close()
+
+
+class Gen:
+    """One gen rank: own pools (H / cp heads), fragmented blocks, CPGroupReceiver (group of one)."""
+
+    def __init__(self, cfg: TransceiverConfig, cp_rank: int = 0, cp_size: int = 1, layout=LAYOUT) -> None:
+        spec = cache_spec_for(CFG, torch.float32, TPB, kda_num_heads=H // cp_size)
+        self.caches = allocate_model_caches(spec, 32, 4)
+        self.manager = CacheManager(32, 4, TPB, cp_rank, cp_size)
+        for name in ("a", "b", "c"):
+            self.manager.allocate(name, 4 * cp_size)
+        self.manager.free("b")  # a hole: this rank's blocks are not consecutive
+        self.rx = CPGroupReceiver(KVReceiver(cfg, layout, cp_rank=cp_rank, cp_size=cp_size, gen_rank=cp_rank),
+                                  self.manager, self.caches)
+        _GENS.append(self)
+
+    def received(self, request_id: str) -> dict:
+        handle, c = self.manager.get(request_id), self.caches
+        return {"mla": {i: c.mla_kv[i][handle.block_ids] for i in c.mla_kv},
+                "kda": {i: c.kda_state[i][handle.slot] for i in c.kda_state},
+                "conv": {i: c.conv_state[i][handle.slot] for i in c.conv_state}}
+
+    def used(self) -> tuple[int, int]:
+        stats = self.manager.stats()
+        return stats.num_used_blocks, stats.num_used_slots
+
+
+def drive(gens: list[Gen], until: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
+    """check() every rank until `until(outcomes)`; outcomes: rid -> ("ready"|error, rank) lists."""
+    outcomes: dict = {"ready": {}, "failed": {}, "freed": {}}
+    end = time.monotonic() + timeout_s
+    while not until(outcomes):
+        assert time.monotonic() < end, f"no outcome within {timeout_s}s: {outcomes}"
+        for rank, gen in enumerate(gens):
+            check = gen.rx.check()
+            for ready in check.ready:
+                outcomes["ready"].setdefault(ready.request_id, []).append(rank)
+            for rid, error in check.failed.items():
+                outcomes["failed"].setdefault(rid, []).append(error)
+            for rid in check.freed:
+                outcomes["freed"].setdefault(rid, []).append(rank)
+        time.sleep(0.001)
+    return outcomes
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def ctx():
+    made: list[Ctx] = []
+
+    def make(**overrides) -> Ctx:
+        made.append(Ctx(config(**overrides)))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("overrides", [{}, {"message_bytes": 1000}, {"bounce_size_bytes": 1 << 20, "chunk_bytes": 1 << 20}],
+                         ids=["direct", "small-messages", "bounce-pool"])
+def test_each_rank_receives_exactly_its_shard(ctx, cp_size, overrides):
+    c = ctx(**overrides)
+    params = c.hold("r1")
+    gens = [Gen(config(**overrides), r, cp_size) for r in range(cp_size)]
+    for gen in gens:
+        gen.rx.begin("g1", params)
+    out = drive(gens, lambda o: len(o["ready"].get("g1", [])) == cp_size or o["failed"])
+    assert not out["failed"], out["failed"]
+    for rank, gen in enumerate(gens):
+        got, want = gen.received("g1"), c.expected_shard("r1", rank, cp_size)
+        for part in ("mla", "kda", "conv"):
+            assert got[part].keys() == want[part].keys()
+            for layer in want[part]:
+                assert torch.equal(got[part][layer].view(torch.uint8), want[part][layer].reshape(
+                    got[part][layer].shape).view(torch.uint8)), (rank, part, layer)
+    wait_for(lambda: c.freed == ["r1"])
+    stats = c.sender.stats()
+    assert stats.num_held == 0 and stats.metrics.completed == 1 and stats.metrics.expired_pickups == 0
+
+
+def test_layout_mismatch_is_refused_at_the_first_request_on_both_sides(ctx):
+    c = ctx()
+    params = c.hold("r1")
+    gen = Gen(config())
+    bad = params.model_copy(update={"layout": LAYOUT.model_copy(update={"tokens_per_block": 8})})
+    with pytest.raises(LayoutMismatchError, match="tokens_per_block: 4 != 8"):
+        gen.rx.begin("g1", bad)
+    assert gen.used() == (2, 2) and gen.rx.receiver.inbounds == {}  # only the padding requests
+
+    client = ControlClient(c.endpoint, timeout_s=2.0)
+    theirs = LAYOUT.model_copy(update={"kv_dtype": "bfloat16", "num_kda_heads": 8})
+    reply = client.request_shard(pb.ShardRequest(
+        ctx_request_id="r1", cp_rank=0, cp_size=1, layout_json=theirs.model_dump_json(),
+        ucx_worker_address=gen.rx.receiver.plane.address, num_prompt_tokens=NUM_TOKENS, max_message_bytes=1 << 20))
+    assert not reply.accepted
+    assert "num_kda_heads: 4 != 8" in reply.error and "kv_dtype: 'float32' != 'bfloat16'" in reply.error
+    gen.rx.begin("g1", params)  # the pickup is still held: a correct request gets it
+    assert drive([gen], lambda o: "g1" in o["ready"] or o["failed"])["ready"] == {"g1": [0]}
+    client.close()
+
+
+def test_refusals_name_their_cause(ctx):
+    c = ctx()
+    c.hold("r1")
+    client = ControlClient(c.endpoint, timeout_s=2.0)
+    base = dict(layout_json=LAYOUT.model_dump_json(), num_prompt_tokens=NUM_TOKENS, max_message_bytes=1 << 20,
+                ucx_worker_address=Gen(config()).rx.receiver.plane.address, cp_size=2)
+    gone = KVReceiver(config(), LAYOUT)
+    dead_address = gone.plane.address
+    gone.close()  # a receiver that died: its UCX address leads nowhere
+    del gone
+    gc.collect()
+    cases = [({"ctx_request_id": "nope"}, "not held here"),
+             ({"ctx_request_id": "r1", "num_prompt_tokens": 5}, "expects 5 prompt tokens"),
+             ({"ctx_request_id": "r1", "ucx_worker_address": b"x"}, "malformed UCX worker address"),
+             ({"ctx_request_id": "r1", "ucx_worker_address": dead_address}, "cannot reach"),
+             ({"ctx_request_id": "r1", "cp_size": 3}, "cannot be split over cp_size=3")]
+    for update, cause in cases:
+        reply = client.request_shard(pb.ShardRequest(**{**base, **update}))
+        assert not reply.accepted and cause in reply.error, (update, reply.error)
+    assert client.request_shard(pb.ShardRequest(ctx_request_id="r1", cp_rank=0, **base)).accepted
+    dup = client.request_shard(pb.ShardRequest(ctx_request_id="r1", cp_rank=0, **base))
+    assert "already picked this request up" in dup.error
+    other = client.request_shard(pb.ShardRequest(ctx_request_id="r1", cp_rank=0, **{**base, "cp_size": 4}))
+    assert "already picked up with cp_size 2" in other.error
+    # this fake receiver never posts its receives: the rendezvous sends already posted can never
+    # complete, so after the cancel the ctx keeps the request's cache quarantined, never freed
+    cancel = client.cancel(pb.CancelRequest(ctx_request_id="r1", cp_rank=0))
+    assert cancel.known and cancel.num_posted_messages > 0
+    wait_for(lambda: c.sender.stats().num_quarantined == 1)
+    assert c.freed == [] and c.sender.stats().num_held == 1
+    client.close()
+
+
+def test_pickup_deadline_frees_and_counts_expired(ctx):
+    c = ctx()
+    c.hold("never", pickup_timeout_s=0.2)
+    c.hold("soon")
+    wait_for(lambda: c.freed == ["never"], timeout_s=3.0)
+    stats = c.sender.stats()
+    assert stats.num_held == 1 and stats.metrics.expired_pickups == 1 and stats.num_quarantined == 0
+
+
+def _stall_after(monkeypatch, num_messages: int) -> None:
+    """The ctx stops posting after `num_messages` messages per stream (it stays alive)."""
+    original = sender_module._Outbound._post
+
+    def post(self, plane, index):
+        return False if index >= num_messages else original(self, plane, index)
+
+    monkeypatch.setattr(sender_module._Outbound, "_post", post)
+
+
+def test_cancel_mid_transfer_drains_posted_messages_then_both_sides_free(ctx, monkeypatch):
+    _stall_after(monkeypatch, 3)
+    c = ctx(message_bytes=1000)
+    params = c.hold("r1")
+    gens = [Gen(config(message_bytes=1000), r, 2) for r in range(2)]
+    for gen in gens:
+        gen.rx.begin("g1", params)
+    inbound = gens[0].rx.receiver.inbounds["g1"]
+    wait_for(lambda: (gens[0].rx.check(), gens[1].rx.check()) and sum(r.is_done for r in inbound.recvs) == 3)
+    for gen in gens:  # (each rank is its own group here; with a real group one cancel suffices)
+        gen.rx.cancel("g1", "client went away")
+    out = drive(gens, lambda o: len(o["freed"].get("g1", [])) == 2)
+    assert out["failed"]["g1"][0].endswith("client went away") and "g1" not in out["ready"]
+    assert [g.used() for g in gens] == [(2, 2), (2, 2)]  # only the padding requests
+    wait_for(lambda: c.freed == ["r1"])
+    assert c.sender.stats().num_quarantined == 0
+
+
+def test_silent_ctx_times_out_on_every_rank_and_frees(ctx, monkeypatch):
+    _stall_after(monkeypatch, 1)
+    c = ctx()
+    params = c.hold("r1")
+    gens = [Gen(config(kv_transfer_timeout_ms=400), r, 2) for r in range(2)]
+    start = time.monotonic()
+    for gen in gens:
+        gen.rx.begin("g1", params)
+    out = drive(gens, lambda o: len(o["freed"].get("g1", [])) == 2)
+    assert time.monotonic() - start < 0.4 + 1.5
+    errors = out["failed"]["g1"]  # (each rank is its own group here: no shared cause)
+    assert len(errors) == 2 and all("timed out after 400 ms waiting for kda_state" in e for e in errors)
+    assert all(f"ctx worker {c.endpoint.host}:{c.endpoint.port}" in e for e in errors)
+    wait_for(lambda: c.freed == ["r1"])
+    assert c.sender.stats().num_quarantined == 0
+
+
+def test_unreachable_ctx_fails_with_the_peer_named():
+    gen = Gen(config(rpc_timeout_ms=500))
+    params = DisaggregatedParams(request_type="generation_only", ctx_request_id="r1", first_gen_tokens=[7],
+                                 prompt_token_ids=list(range(9)), layout=LAYOUT,
+                                 ctx_endpoint=TransceiverEndpoint(host="127.0.0.1", port=1))
+    gen.rx.begin("g1", params)
+    out = drive([gen], lambda o: "g1" in o["freed"], timeout_s=5.0)
+    assert "ctx worker 127.0.0.1:1" in out["failed"]["g1"][0] and "UNAVAILABLE" in out["failed"]["g1"][0]
+    assert gen.used() == (2, 2)
+
+
+def test_hostile_plan_from_the_sender_is_rejected(ctx, monkeypatch):
+    def lying(messages, kinds):
+        descriptors = sender_module.payload_descriptors.__wrapped__(messages, kinds)
+        descriptors[-1].message_nbytes[0] += 64  # "I will send you more bytes than your block"
+        return descriptors
+
+    lying.__wrapped__ = sender_module.payload_descriptors
+    monkeypatch.setattr(sender_module, "payload_descriptors", lying)
+    c = ctx()
+    params = c.hold("r1")
+    gen = Gen(config())
+    gen.rx.begin("g1", params)
+    out = drive([gen], lambda o: "g1" in o["freed"])
+    assert "plan for kv_blocks differs from ours" in out["failed"]["g1"][0]
+    wait_for(lambda: c.freed == ["r1"])
