@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CKPT ?= checkpoints/kimi-k3-tiny
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve generate test bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,11 @@ install: $(STAMP)
 $(CKPT)/config.json: | $(STAMP)
 	$(BIN)/helixserve make-checkpoint --preset kimi-k3-tiny --out $(CKPT) --seed 0
 
+# router + ctx worker + gen world on this machine; Ctrl-C stops everything it started
 serve: $(STAMP) $(CKPT)/config.json
+	$(BIN)/helixserve launch -c deploy/configs/local.yaml
+
+generate: $(STAMP) $(CKPT)/config.json
 	$(BIN)/helixserve generate --model $(CKPT) --prompt "Hello, helix" --max-tokens 16
 
 test: $(STAMP)
