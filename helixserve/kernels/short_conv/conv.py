@@ -117,10 +117,12 @@ def _short_conv_step_torch(
 ) -> torch.Tensor:
     check_slot_ids("slot_ids", slot_ids, x.shape[0], conv_pool.shape[0])
     states, write_back = slot_rows(conv_pool, slot_ids)
-    window = torch.cat([states.float(), x.float()[:, :, None]], dim=2)
-    y = (window * weight.float()).sum(-1)
+    # window [B, W, D] (taps outer): the tap sum runs over contiguous rows, not a size-W inner dim
+    window = torch.cat([states.float().transpose(1, 2), x.float()[:, None, :]], dim=1)
+    y = (window * weight.float().t()).sum(1)
+    new_states = window[:, 1:].transpose(1, 2)
     if write_back is None:
-        states.copy_(window[:, :, 1:])
+        states.copy_(new_states)
     else:
-        conv_pool.index_copy_(0, write_back, window[:, :, 1:].to(conv_pool.dtype))
+        conv_pool.index_copy_(0, write_back, new_states.to(conv_pool.dtype))
     return _activate(y, activation).to(x.dtype)
