@@ -1,0 +1,284 @@
+"""Single-process engine throughput on CPU against transformers on the same checkpoint.
+
+Prefill: tok/s of one 512-token prompt (``LLM.generate``, one sampled token; transformers:
+``forward(logits_to_keep=1)``). Decode: tok/s of greedy decoding at batch 1 and 8 (``EngineCore.step``
+loop; transformers: ``generate``), timed from the first sampled token to the last, so the prompt's
+prefill is not counted. Both run in this process with the same ``torch.set_num_threads``; each
+figure is the median of a few repetitions after a warm-up.
+
+Models: ``kimi-linear-tiny`` (the preset), ``kimi-linear-bench`` (built here: hidden 256, 8 layers =
+6 KDA + 2 MLA, 16 experts top-2), both as random-weight transformers models written with
+``save_pretrained`` and loaded by helixserve; ``kimi-k3-tiny`` (our ``make_checkpoint``) has no
+transformers counterpart, so its rows carry our figures only.
+
+    python bench/engine.py [--quick] [--out FILE] [--threads N] [--models a,b]
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# transformers (and our kernels) switch to Triton kernels whenever triton imports; those cannot run
+# on a CPU, so block it before anything imports it: both sides take their PyTorch paths, as on a
+# machine without triton.
+if not torch.cuda.is_available():
+    sys.modules.setdefault("triton", None)
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
+from _common import base_parser, machine_info, markdown_table, measure, median, write_json  # noqa: E402
+
+from helixserve.config import CacheConfig, SchedulerConfig  # noqa: E402
+from helixserve.engine.llm import LLM  # noqa: E402
+from helixserve.engine.request import SamplingParams  # noqa: E402
+from helixserve.models.config import KimiModelConfig  # noqa: E402
+from helixserve.models.presets import PRESETS, make_checkpoint  # noqa: E402
+
+TARGET_RATIO = 2.0
+PREFILL_LEN = 512
+DECODE_PROMPT_LEN = 32
+
+# BENCHMARKS.md's orientation shape: hidden 256, 8 layers (6 KDA + 2 MLA), 16 experts top-2
+KIMI_LINEAR_BENCH: dict[str, Any] = {
+    **PRESETS["kimi-linear-tiny"],
+    "hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 512,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "linear_attn_config": {"num_heads": 4, "head_dim": 64, "short_conv_kernel_size": 4,
+                           "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]},
+    "num_experts": 16, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 128,
+}
+
+
+@dataclass(slots=True)
+class Row:
+    model: str
+    metric: str
+    ours_tok_s: float
+    hf_tok_s: float | None
+    ours_seconds: list[float]
+    hf_seconds: list[float] | None
+    tokens_match: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.hf_tok_s is None else self.ours_tok_s / self.hf_tok_s
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Scales that keep every block relevant (HF's 0.02-std init leaves logits near zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith("A_log"):
+            value = torch.log(torch.rand(p.shape, generator=gen) * 15 + 1)
+        elif name.endswith("dt_bias"):
+            dt = torch.exp(torch.rand(p.shape, generator=gen) * math.log(100) + math.log(1e-3))
+            value = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith("e_score_correction_bias"):
+            value = torch.randn(p.shape, generator=gen) * 0.05
+        elif name.endswith("embed_tokens.weight"):
+            value = torch.randn(p.shape, generator=gen)
+        elif p.dim() == 1:
+            value = 1 + 0.2 * torch.randn(p.shape, generator=gen)
+        else:
+            value = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+        p.copy_(value)
+
+
+def build_hf_checkpoint(config: dict[str, Any], out: Path) -> torch.nn.Module:
+    """A random fp32 transformers KimiLinear model, saved to ``out`` (which helixserve loads)."""
+    import transformers
+
+    cfg = KimiModelConfig.model_validate(config)
+    hf_cfg = transformers.KimiLinearConfig.from_dict(cfg.to_hf_dict())
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM(hf_cfg).eval()
+    randomize(hf, seed=0)
+    hf.save_pretrained(out)
+    hf.generation_config.eos_token_id = None  # decode the full length, like ignore_eos
+    hf.generation_config.pad_token_id = cfg.pad_token_id
+    return hf
+
+
+def transformers_kda_paths() -> dict[str, str]:
+    """Which implementation transformers resolved for each KDA op (its PyTorch path or fla's)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as modeling
+
+    paths = {}
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn"):
+        fn = getattr(modeling, name)
+        while fn is not None:
+            cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+            if "implementation" in cells:
+                impl = cells["implementation"]
+                paths[name] = f"{impl.__module__}.{impl.__qualname__}"
+                break
+            fn = getattr(fn, "__wrapped__", None)
+    return paths
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (count, length), generator=gen).tolist()
+
+
+class _StepClock:
+    """A logits processor that stamps the time after each forward of ``generate``."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+class Bench:
+    def __init__(self, name: str, llm: LLM, hf: torch.nn.Module | None, args) -> None:
+        self.name, self.llm, self.hf, self.args = name, llm, hf, args
+        self._ids = itertools.count()
+        self._seeds = itertools.count(1)
+        self.last_tokens: dict[str, list[list[int]]] = {}
+
+    def _measure(self, ours, hf) -> tuple[list[float], list[float] | None]:
+        if self.hf is None:
+            return measure([ours], self.args.warmup, self.args.reps)[0], None
+        ours_s, hf_s = measure([ours, hf], self.args.warmup, self.args.reps)
+        return ours_s, hf_s
+
+    def prefill(self) -> Row:
+        greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        def ours() -> None:
+            self.llm.generate(prompts(1, PREFILL_LEN, next(self._seeds)), greedy_one)
+
+        def hf() -> None:
+            ids = torch.tensor(prompts(1, PREFILL_LEN, next(self._seeds)))
+            with torch.inference_mode():
+                self.hf(input_ids=ids, logits_to_keep=1)
+
+        return self._row("prefill bs1×512", PREFILL_LEN, *self._measure(ours, hf))
+
+    def decode(self, batch: int) -> Row:
+        n = self.args.new_tokens
+        batch_prompts = prompts(batch, DECODE_PROMPT_LEN, seed=1000 + batch)
+        ours, hf = self._measure(lambda: self._ours_decode(batch_prompts, n),
+                                 lambda: self._hf_decode(batch_prompts, n))
+        match = None
+        if self.hf is not None:
+            a, b = self.last_tokens["ours"], self.last_tokens["hf"]
+            same = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+            match = f"{same}/{batch * n}"
+        return self._row(f"decode bs{batch}", batch * (n - 1), ours, hf, match)
+
+    def _ours_decode(self, batch_prompts: list[list[int]], n: int) -> float:
+        engine = self.llm.engine
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        requests = [engine.add_request(f"bench-{next(self._ids)}", p, params) for p in batch_prompts]
+        stamps = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            stamps.append(time.perf_counter())
+        assert len(stamps) == n, f"expected one prefill step and {n - 1} decode steps, got {len(stamps)}"
+        self.last_tokens["ours"] = [list(r.output_token_ids) for r in requests]
+        return stamps[-1] - stamps[0]
+
+    def _hf_decode(self, batch_prompts: list[list[int]], n: int) -> float:
+        from transformers import LogitsProcessorList
+
+        ids = torch.tensor(batch_prompts)
+        clock = _StepClock()
+        out = self.hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+        assert len(clock.stamps) == n
+        self.last_tokens["hf"] = out[:, ids.shape[1]:].tolist()
+        return clock.stamps[-1] - clock.stamps[0]
+
+    def _row(self, metric: str, tokens: int, ours: list[float], hf: list[float] | None, match: str | None = None) -> Row:
+        return Row(self.name, metric, tokens / median(ours), None if hf is None else tokens / median(hf), ours, hf, match)
+
+
+def load_llm(path: Path) -> LLM:
+    # budget far above what the bench needs, so no preemption; 512-token prompts in one chunk
+    return LLM(path, dtype="float32", cache=CacheConfig(memory_budget_mib=512, max_num_seqs=16),
+               scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+
+
+def run_model(name: str, workdir: Path, args) -> list[Row]:
+    path = workdir / name
+    if name == "kimi-k3-tiny":
+        make_checkpoint(name, path)
+        hf = None
+    else:
+        hf = build_hf_checkpoint(KIMI_LINEAR_BENCH if name == "kimi-linear-bench" else PRESETS[name], path)
+    bench = Bench(name, load_llm(path), hf, args)
+    rows = [bench.prefill(), bench.decode(1), bench.decode(8)]
+    for row in rows:
+        print(f"  {row.metric:<16} ours {row.ours_tok_s:9.1f} tok/s   "
+              f"transformers {row.hf_tok_s or float('nan'):9.1f} tok/s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    parser.add_argument("--models", default="kimi-linear-tiny,kimi-linear-bench,kimi-k3-tiny")
+    args = parser.parse_args()
+    args.warmup, args.reps, args.new_tokens = (1, 3, 16) if args.quick else (1, 5, 64)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    started = time.perf_counter()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="helix-bench-") as tmp:
+        for name in args.models.split(","):
+            print(f"{name}:", flush=True)
+            rows += run_model(name, Path(tmp), args)
+    elapsed = time.perf_counter() - started
+
+    info = machine_info()
+    headers = ["model", "metric", "helixserve tok/s", "transformers tok/s", "ratio", f"≥ {TARGET_RATIO:g}×", "greedy tokens equal"]
+    table = markdown_table(headers, [
+        [r.model, r.metric, r.ours_tok_s, r.hf_tok_s,
+         None if r.ratio is None else f"{r.ratio:.2f}×",
+         "n/a (no transformers K3)" if r.ratio is None else ("yes" if r.ratio >= TARGET_RATIO else "no"),
+         r.tokens_match]
+        for r in rows
+    ])
+    print()
+    print(f"CPU, {info['cpu_count']} cores, torch {info['torch']}, {info['torch_threads']} threads; "
+          f"`{info['command']}`; medians of {args.reps} after {args.warmup} warm-up; "
+          f"decode: prompt {DECODE_PROMPT_LEN}, {args.new_tokens} new tokens, prefill not counted")
+    print(table)
+    print(f"\ntotal {elapsed:.1f} s")
+    write_json(args.out, {
+        "bench": "engine",
+        "machine": info,
+        "settings": {"quick": args.quick, "warmup": args.warmup, "reps": args.reps, "prefill_len": PREFILL_LEN,
+                     "decode_prompt_len": DECODE_PROMPT_LEN, "new_tokens": args.new_tokens,
+                     "target_ratio": TARGET_RATIO, "kimi_linear_bench_config": KIMI_LINEAR_BENCH},
+        "transformers_kda_paths": transformers_kda_paths(),
+        "results": [{**asdict(r), "ratio": r.ratio} for r in rows],
+        "total_seconds": elapsed,
+    })
+
+
+if __name__ == "__main__":
+    main()
