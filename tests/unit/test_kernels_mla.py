@@ -43,7 +43,14 @@ def dense_reference(q, keys, cu, q_positions, kv_lens):
     return naive_mla_dense(q, [k[:int(n)] for k, n in zip(keys, kv_lens)], cu, q_positions, SCALE, V_DIM)
 
 
-def test_full_prefill_matches_dense():
+@pytest.fixture(params=["host_rows", "vectorized"])
+def write_path(request, monkeypatch):
+    """Both cache-write paths: rows found on the host (decode sizes) and the vectorized one."""
+    monkeypatch.setattr(paged, "_HOST_WRITE_ROWS", 64 if request.param == "host_rows" else 0)
+    return request.param
+
+
+def test_full_prefill_matches_dense(write_path):
     seq_lens = [5, 16, 23, 1]
     cache, tables, keys = build_cache(seq_lens, seed=0)
     q, cu, pos = queries([(0, L) for L in seq_lens], seed=1)
@@ -135,7 +142,7 @@ def test_unused_cache_memory_never_leaks(fill):
     assert_close("lse", lse_ref, lse, 1e-6)
 
 
-def test_write_skips_blocks_held_elsewhere():
+def test_write_skips_blocks_held_elsewhere(write_path):
     cache = torch.full((6, BS, DQK), float("nan"))
     tables = torch.tensor([[4, -1, 1], [-1, 0, -1]])
     latent = torch.randn(12, DQK, generator=torch.Generator().manual_seed(10))
@@ -177,7 +184,7 @@ def test_lse_combine_matches_naive_with_empty_parts():
     assert torch.equal(o_one[[0, 1, 3, 4]], o_parts[0, [0, 1, 3, 4]])
 
 
-def test_rejects_bad_arguments():
+def test_rejects_bad_arguments(write_path):
     cache, tables, _ = build_cache([5], seed=0)
     q, cu, pos = queries([(0, 5)], seed=0)
     kv_lens = torch.tensor([5])

@@ -21,6 +21,8 @@ from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_nd
 _KEYS_PER_STEP = 2048
 # a batch of one query per sequence attends in one shot when it gathers at most this many keys
 _SINGLE_QUERY_BATCH_KEYS = 16 * _KEYS_PER_STEP
+# cache writes of at most this many rows (decode steps) find their rows on the host
+_HOST_WRITE_ROWS = 64
 
 
 def mla_write_kv(
@@ -53,6 +55,9 @@ def _write_kv_torch(
     NB, BS, Dqk = kv_cache.shape
     device = kv_cache.device
     if latent.shape[0] == 0:
+        return
+    if latent.shape[0] <= _HOST_WRITE_ROWS:
+        _write_few_rows(kv_cache, block_tables, cu, positions, latent)
         return
     seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1]).to(device)
     positions = positions.to(device, torch.int64)
@@ -102,14 +107,32 @@ def mla_paged_attention(
     return _paged_attention_torch(q, kv_cache, block_tables, cu, q_positions, kv_lens, float(scale), v_dim)
 
 
+def _write_few_rows(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
+    latent: torch.Tensor,
+) -> None:
+    """:func:`_write_kv_torch` for a few rows (decode): the rows are found on the host."""
+    NB, BS, Dqk = kv_cache.shape
+    pos, table, bounds = positions.tolist(), block_tables.tolist(), cu.tolist()
+    if min(pos) < 0 or max(pos) // BS >= block_tables.shape[1]:
+        raise ValueError(f"positions must lie in [0, {block_tables.shape[1] * BS}), got min {min(pos)} max {max(pos)}")
+    physical = [table[i][pos[t] // BS] for i in range(len(bounds) - 1) for t in range(bounds[i], bounds[i + 1])]
+    if max(physical) >= NB:
+        raise ValueError(f"block_tables entries must be < {NB} (num blocks), got {max(physical)}")
+    local = [t for t, b in enumerate(physical) if b >= 0]
+    if not local:
+        return
+    rows = torch.tensor([physical[t] * BS + pos[t] % BS for t in local], device=kv_cache.device)
+    values = latent if len(local) == len(pos) else latent[torch.tensor(local, device=latent.device)]
+    kv_cache.view(NB * BS, Dqk)[rows] = values.to(kv_cache.dtype)
+
+
 def _paged_attention_torch(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu: torch.Tensor,
     q_positions: torch.Tensor, kv_lens: torch.Tensor, scale: float, v_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     T, H, _ = q.shape
     BS = kv_cache.shape[1]
-    o = torch.zeros(T, H, v_dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     tables = block_tables.detach().to("cpu", torch.int64)
     lens = kv_lens.detach().to("cpu", torch.int64)
     positions = q_positions.detach().to("cpu", torch.int64)
@@ -119,6 +142,8 @@ def _paged_attention_torch(
         single = _attend_single_queries(q, kv_cache, tables, positions, lens, scale, v_dim)
         if single is not None:
             return single
+    o = torch.zeros(T, H, v_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     for i in range(cu.numel() - 1):
         start, end = int(cu[i]), int(cu[i + 1])
         kv_len = int(lens[i])
@@ -161,20 +186,26 @@ def _attend_single_queries(
     max_blocks = -(-max(num_keys) // BS)
     if B * max_blocks * BS > _SINGLE_QUERY_BATCH_KEYS:
         return None
-    o = torch.zeros(B, H, v_dim, dtype=torch.float32, device=device)
-    lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
     if max_blocks == 0:
-        return o.to(q.dtype), lse
+        lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=device)
+        return q.new_zeros(B, H, v_dim), lse
     table = tables[:, :max_blocks]
+    rows = table.tolist()
+    every_row_sees_a_key = all(any(b >= 0 for b in row[:-(-n // BS)]) for row, n in zip(rows, num_keys))
     key_pos = torch.arange(max_blocks * BS)
     visible = (key_pos < torch.tensor(num_keys)[:, None]) & (table >= 0).repeat_interleave(BS, dim=1)
     visible = visible.to(device)
     # keys a query cannot see (stale slots, blocks held elsewhere) are zeroed so no NaN/inf leaks
     keys = kv_cache[table.clamp_min(0).to(device)].flatten(1, 2).float()
-    keys = torch.where(visible[..., None], keys, 0.0)
+    keys = keys.masked_fill_(~visible[..., None], 0.0)  # the gather made a copy: fill it in place
     scores = torch.einsum("bhd,bkd->bhk", q.float() * scale, keys)
     scores = scores.masked_fill_(~visible[:, None, :], float("-inf"))
     m = scores.amax(-1)
+    if every_row_sees_a_key:  # m is finite and denom >= 1 in every row
+        probs = (scores - m[..., None]).exp_()
+        denom = probs.sum(-1)
+        acc = torch.einsum("bhk,bkd->bhd", probs, keys[..., :v_dim])
+        return (acc / denom[..., None]).to(q.dtype), m + denom.log()
     m_safe = torch.where(torch.isfinite(m), m, 0.0)
     probs = (scores - m_safe[..., None]).exp_()
     denom = probs.sum(-1)
