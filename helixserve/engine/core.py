@@ -61,6 +61,7 @@ class EngineCore:
         scheduler: SchedulerConfig = SchedulerConfig(),
         device: torch.device | str = "cpu",
         seed: int = 0,
+        use_cuda_graphs: bool = True,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -68,8 +69,14 @@ class EngineCore:
         num_blocks, num_slots = size_from_budget(spec, int(cache.memory_budget_mib * _MIB), cache.max_num_seqs)
         max_model_len = min(cache.max_model_len or model_config.max_position_embeddings, num_blocks * cache.tokens_per_block)
         self.layout = CacheLayout(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
-        caches = allocate_model_caches(spec, num_blocks, num_slots, device)
+        is_cuda = torch.device(device).type == "cuda"
+        # on CUDA one slot more than the manager hands out: the scratch slot of padded graph rows
+        caches = allocate_model_caches(spec, num_blocks, num_slots + int(is_cuda), device)
         self.runner = ModelRunner(model, caches, device, seed=seed)
+        if is_cuda and use_cuda_graphs:
+            self.runner.capture_decode_graphs(
+                min(cache.max_num_seqs, num_slots), -(-max_model_len // cache.tokens_per_block), num_slots
+            )
         self.cache_manager = CacheManager(
             num_blocks, num_slots, cache.tokens_per_block,
             has_mla=bool(spec.mla_layer_ids), has_kda=bool(spec.kda_layer_ids),

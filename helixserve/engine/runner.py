@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
+from helixserve.engine.cuda_graphs import DecodeGraphs
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.sampler import Sampler
 from helixserve.engine.scheduler import SchedulerOutput
@@ -61,6 +62,7 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(out.seqs), max_blocks),
         state_slots=as_long([s.slot if s.slot is not None else 0 for s in out.seqs]),
         logits_indices=as_long(logits_rows),
+        is_decode=bool(out.seqs) and all(s.num_tokens == 1 and s.context_len > 0 for s in out.seqs),
     )
 
 
@@ -72,12 +74,23 @@ class ModelRunner:
         self.caches = caches
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed=seed)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_blocks: int, scratch_slot: int) -> None:
+        """CUDA-graph the decode steps of up to ``max_batch`` sequences (see :mod:`.cuda_graphs`);
+        ``scratch_slot``: a state slot no request owns, for the padding rows."""
+        self.decode_graphs = DecodeGraphs(self.model, self.caches, self.device, max_batch, max_blocks, scratch_slot)
+        self.decode_graphs.capture()
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits ``[num sampled seqs, vocab]`` fp32 for one step."""
         if out.reset_slot_ids:
             reset_slots(self.caches, out.reset_slot_ids)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(out)
+            if logits is not None:
+                return logits
         return self.model(build_forward_batch(out, self.device), self.caches)
 
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> dict[str, int]:

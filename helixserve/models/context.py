@@ -35,6 +35,8 @@ class ForwardBatch:
             when absent on this rank.
         state_slots: ``[B]`` int64, KDA state slot of each sequence.
         logits_indices: rows whose logits are wanted (``None`` = every row).
+        is_decode: host-side hint that every sequence adds one token on top of cached context
+            (``None`` = derive it from the tensors, a device sync; CUDA-graph steps set it).
     """
 
     input_ids: torch.Tensor
@@ -44,6 +46,7 @@ class ForwardBatch:
     block_tables: torch.Tensor
     state_slots: torch.Tensor
     logits_indices: torch.Tensor | None = None
+    is_decode: bool | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -111,4 +111,6 @@ class _Conv(nn.Module):
 
 def _is_pure_decode(batch: ForwardBatch) -> bool:
     """Every sequence adds one token on top of existing state: the recurrent-step path applies."""
+    if batch.is_decode is not None:
+        return batch.is_decode
     return bool(batch.num_seqs > 0 and (batch.seq_lens == 1).all() and (batch.context_lens > 0).all())

@@ -77,11 +77,26 @@ _KIMI_K3_TINY: dict[str, Any] = {
     "routed_expert_hidden_size": 64, "attn_res_block_size": 2,
 }
 
+# kimi-k3-shaped at about 0.8B parameters, for GPU tests and benches: K3's head dims (MLA latent
+# 512 + 64, KDA K = V = 128), layer pattern (every 4th layer MLA), q-LoRA, gates, SiTU, latent MoE
+# and attention residuals; bf16 routed experts (MXFP4 rounding of 0.5B weights is slow on CPU, and
+# the GPU runs bf16 experts either way); fewer heads, layers and experts, byte tokens.
+_KIMI_K3_MID: dict[str, Any] = {
+    **_KIMI_K3, **_TINY_TOKENS,
+    "hidden_size": 2048, "num_hidden_layers": 8, "intermediate_size": 6144, "max_position_embeddings": 65536,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 768,
+    "linear_attn_config": {"num_heads": 16, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                           "use_full_rank_gate": True, "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]},
+    "num_experts": 32, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 768,
+    "routed_expert_hidden_size": 1024, "attn_res_block_size": 2, "routed_expert_format": "dense",
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "kimi-linear-48b": _KIMI_LINEAR_48B,
     "kimi-k3": _KIMI_K3,
     "kimi-linear-tiny": _KIMI_LINEAR_TINY,
     "kimi-k3-tiny": _KIMI_K3_TINY,
+    "kimi-k3-mid": _KIMI_K3_MID,
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from helixserve.kernels._checks import check_ndim
+from helixserve.kernels.triton_common import use_triton
 
 
 def attn_res_mix(
@@ -33,6 +34,10 @@ def attn_res_mix(
         raise ValueError(f"proj_weight must be [{D}] or [1, {D}], got {tuple(proj_weight.shape)}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if use_triton(prefix) and bank is not None and bank.shape[0] > 0:
+        from helixserve.kernels.attn_res import triton_attn_res
+
+        return triton_attn_res.attn_res_mix(prefix, bank, norm_weight, proj_weight, eps)
     return _attn_res_mix_torch(prefix, bank, norm_weight, proj_weight, eps)
 
 

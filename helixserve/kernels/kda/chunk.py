@@ -25,7 +25,9 @@ from __future__ import annotations
 import torch
 
 from helixserve.kernels._checks import check_cu_seqlens, check_ndim, check_shape
+from helixserve.kernels.kda import gpu as kda_gpu
 from helixserve.kernels.kda.naive import l2norm_fp32
+from helixserve.kernels.triton_common import gpu_num_seqs, use_fla
 
 # bound on the [chunks, H, C, C, K] pairwise-decay intermediate (elements)
 _MAX_PAIRWISE_ELEMENTS = 1 << 24
@@ -52,13 +54,20 @@ def kda_chunk_prefill(
     ``scale`` (default ``K ** -0.5``) multiplies q. See the module docstring for shapes.
     """
     T, H, K, V = check_kda_shapes(q, k, v, g, beta)
-    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, T)
-    num_seqs = cu.numel() - 1
+    # fla's chunk kernel is built for bf16/fp16 operands; fp32 callers keep the exact PyTorch path
+    on_gpu = use_fla(q) and q.dtype in (torch.bfloat16, torch.float16)
+    if on_gpu:
+        num_seqs = gpu_num_seqs("cu_seqlens", cu_seqlens, T)
+    else:
+        cu = check_cu_seqlens("cu_seqlens", cu_seqlens, T)
+        num_seqs = cu.numel() - 1
     if initial_state is not None:
         check_shape("initial_state", initial_state, (num_seqs, H, K, V))
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     scale = K ** -0.5 if scale is None else float(scale)
+    if on_gpu:  # fla chunk_kda; its chunk size is its own (the result does not depend on it)
+        return kda_gpu.chunk_prefill(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, cu, chunk_size, use_qk_l2norm)
 
 

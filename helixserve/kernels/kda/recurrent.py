@@ -10,7 +10,9 @@ import torch
 
 from helixserve.kernels._checks import check_dtype, check_ndim, check_slot_ids
 from helixserve.kernels._slots import slot_rows
+from helixserve.kernels.kda import gpu as kda_gpu
 from helixserve.kernels.kda.chunk import check_kda_shapes
+from helixserve.kernels.triton_common import gpu_check_slot_ids, use_fla
 
 
 def kda_recurrent_step(
@@ -32,6 +34,9 @@ def kda_recurrent_step(
         raise ValueError(f"state_pool must be [S, {H}, {K}, {V}], got {tuple(state_pool.shape)}")
     check_dtype("state_pool", state_pool, torch.float32)
     scale = K ** -0.5 if scale is None else float(scale)
+    if use_fla(q) and state_pool.is_contiguous():  # fla fused recurrent, in place at the slots
+        gpu_check_slot_ids("slot_ids", slot_ids, B, state_pool.shape[0])
+        return kda_gpu.recurrent_step(q, k, v, g, beta, state_pool, slot_ids, scale, use_qk_l2norm)
     return _recurrent_step_torch(q, k, v, g, beta, state_pool, slot_ids, scale, use_qk_l2norm)
 
 

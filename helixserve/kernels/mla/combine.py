@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from helixserve.kernels._checks import check_ndim, check_shape
+from helixserve.kernels.triton_common import use_triton
 
 
 def lse_combine(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,6 +18,10 @@ def lse_combine(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.T
     check_shape("lse_parts", lse_parts, tuple(o_parts.shape[:3]))
     if o_parts.shape[0] == 0:
         raise ValueError(f"o_parts needs at least one part, got shape {tuple(o_parts.shape)}")
+    if use_triton(o_parts):
+        from helixserve.kernels.mla import triton_mla
+
+        return triton_mla.lse_combine(o_parts, lse_parts)
     return _lse_combine_torch(o_parts, lse_parts)
 
 

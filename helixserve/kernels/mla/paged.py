@@ -16,6 +16,10 @@ from __future__ import annotations
 import torch
 
 from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape
+from helixserve.kernels.triton_common import gpu_num_seqs, has_triton, use_triton, value_checks_enabled
+
+if has_triton():
+    from helixserve.kernels.mla import triton_mla
 
 # keys processed per online-softmax step; bounds the [Tq, H, keys] score tile
 _KEYS_PER_STEP = 2048
@@ -42,6 +46,11 @@ def mla_write_kv(
     check_shape("latent", latent, (T, Dqk))
     check_shape("positions", positions, (T,))
     check_integer("positions", positions)
+    if use_triton(kv_cache) and kv_cache.is_contiguous() and not value_checks_enabled():
+        if gpu_num_seqs("cu_seqlens", cu_seqlens, T) != block_tables.shape[0]:
+            raise ValueError(f"cu_seqlens has {cu_seqlens.numel() - 1} sequences, block_tables {block_tables.shape[0]}")
+        triton_mla.write_kv(kv_cache, block_tables, cu_seqlens, positions, latent)
+        return
     cu = check_cu_seqlens("cu_seqlens", cu_seqlens, T)
     if cu.numel() - 1 != block_tables.shape[0]:
         raise ValueError(f"cu_seqlens has {cu.numel() - 1} sequences, block_tables {block_tables.shape[0]}")
@@ -96,14 +105,21 @@ def mla_paged_attention(
         raise ValueError(f"v_dim must lie in (0, {Dqk}], got {v_dim}")
     check_ndim("block_tables", block_tables, 2)
     check_integer("block_tables", block_tables)
-    cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T)
-    B = cu.numel() - 1
+    on_gpu = use_triton(q) and kv_cache.is_contiguous() and not value_checks_enabled()
+    if on_gpu:
+        B = gpu_num_seqs("cu_seqlens_q", cu_seqlens_q, T)
+    else:
+        cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T)
+        B = cu.numel() - 1
     if block_tables.shape[0] != B:
         raise ValueError(f"block_tables must have {B} rows (sequences), got {tuple(block_tables.shape)}")
     check_shape("q_positions", q_positions, (T,))
     check_integer("q_positions", q_positions)
     check_shape("kv_lens", kv_lens, (B,))
     check_integer("kv_lens", kv_lens)
+    if on_gpu:  # Triton, no host syncs (the bound checks below read the tables on the host)
+        return triton_mla.paged_attention(q, kv_cache, block_tables, cu_seqlens_q, q_positions, kv_lens,
+                                          float(scale), v_dim)
     return _paged_attention_torch(q, kv_cache, block_tables, cu, q_positions, kv_lens, float(scale), v_dim)
 
 

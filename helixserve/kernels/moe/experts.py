@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from helixserve.kernels._checks import check_activation, check_integer, check_ndim, check_shape
+from helixserve.kernels.moe import gpu as moe_gpu
 
 _ACTIVATIONS = ("silu", "situ")
 # up to this many (token, k) pairs (decode batches) the pairs are grouped by expert on the host
@@ -72,6 +73,14 @@ def moe_experts(
         raise ValueError(f"w13 must be [E_local, 2*I, {D}], got {tuple(w13.shape)}")
     check_shape("w2", w2, (E_local, D, two_I // 2))
     check_activation(activation, _ACTIVATIONS)
+    if x.is_cuda:  # grouped GEMM (bf16) or gathered bmm: no loop over experts, no host sync
+        def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
+
+        if moe_gpu.can_group(x, w13, w2):
+            return moe_gpu.grouped_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
+        if moe_gpu.can_gather(topk_ids, w13):
+            return moe_gpu.gathered_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
     return _moe_experts_torch(x, topk_ids, topk_weights, w13, w2, expert_offset, activation,
                               situ_beta, situ_linear_beta)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from helixserve.kernels._checks import check_ndim, check_shape
+from helixserve.kernels.triton_common import use_triton
 
 
 def moe_route(
@@ -26,6 +27,10 @@ def moe_route(
         raise ValueError(f"top_k must lie in [1, {E}] (num experts), got {top_k}")
     if correction_bias is not None:
         check_shape("correction_bias", correction_bias, (E,))
+    if use_triton(router_logits):
+        from helixserve.kernels.moe import triton_route
+
+        return triton_route.moe_route(router_logits, top_k, correction_bias, renormalize, routed_scaling_factor)
     return _moe_route_torch(router_logits, top_k, correction_bias, renormalize, routed_scaling_factor)
 
 

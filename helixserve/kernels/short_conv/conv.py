@@ -17,8 +17,12 @@ from helixserve.kernels._checks import (
     check_activation, check_cu_seqlens, check_ndim, check_shape, check_slot_ids,
 )
 from helixserve.kernels._slots import slot_rows
+from helixserve.kernels.triton_common import gpu_check_slot_ids, gpu_num_seqs, has_triton, use_triton
 
 _ACTIVATIONS = ("silu", None)
+
+if has_triton():
+    from helixserve.kernels.short_conv import triton_conv
 
 
 def short_conv_prefill(
@@ -37,10 +41,19 @@ def short_conv_prefill(
     T, D = x.shape
     weight = _as_2d_weight(weight, D)
     W = weight.shape[1]
-    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, T)
+    on_gpu = use_triton(x)
+    if on_gpu:
+        num_seqs = gpu_num_seqs("cu_seqlens", cu_seqlens, T)
+    else:
+        cu = check_cu_seqlens("cu_seqlens", cu_seqlens, T)
+        num_seqs = cu.numel() - 1
     if conv_state is not None:
-        check_shape("conv_state", conv_state, (cu.numel() - 1, D, W - 1))
+        check_shape("conv_state", conv_state, (num_seqs, D, W - 1))
     check_activation(activation, _ACTIVATIONS)
+    if on_gpu:
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, T], dtype=torch.int64)
+        return triton_conv.short_conv_prefill(x, weight, conv_state, cu_seqlens.to(x.device), activation)
     return _short_conv_prefill_torch(x, weight, conv_state, cu, activation)
 
 
@@ -60,6 +73,9 @@ def short_conv_step(
     if tuple(conv_pool.shape[1:]) != (D, weight.shape[1] - 1):
         raise ValueError(f"conv_pool must be [S, {D}, {weight.shape[1] - 1}], got {tuple(conv_pool.shape)}")
     check_activation(activation, _ACTIVATIONS)
+    if use_triton(x) and weight.shape[1] >= 2 and conv_pool.stride(2) == 1:  # in place at the slots
+        gpu_check_slot_ids("slot_ids", slot_ids, B, conv_pool.shape[0])
+        return triton_conv.short_conv_step(x, weight, conv_pool, slot_ids, activation)
     return _short_conv_step_torch(x, weight, conv_pool, slot_ids, activation)
 
 

@@ -1,0 +1,348 @@
+"""GPU kernels and the GPU engine on one H200, each figure next to its baseline from the same run.
+
+- HBM copy: a 4 GiB device-to-device copy, bytes read + written per second (the roofline below).
+- KDA prefill (T = 4k, 16k, 64k; H 32, K = V = 128, bf16) and decode (B = 64, 256, 1024, states
+  at scattered pool slots) through ``helixserve.kernels`` vs calling fla directly with the same
+  tensors: the wrapper's cost (target < 3 %).
+- Paged MLA decode (bf16 latent cache 512 + 64, shuffled 64-token blocks): unique bytes read over
+  time as a fraction of the copy bandwidth (target >= 80 %); the default launch and the best of a
+  small sweep of tile shapes.
+- MoE: the routed experts of K3 shape (3584 -> 2 x 3072 -> 3584, 64 local experts, top-8) as two
+  ``torch._grouped_mm`` calls vs dense bf16 GEMMs of the same FLOPs; plus the full ``moe_experts``.
+- ``kimi-k3-mid`` through the engine (``LLM``, what ``helixserve generate`` runs): prefill tok/s
+  (one 2048-token prompt), decode tok/s at batch 1 and 64 (CUDA graphs), and the share of a decode
+  step's wall time (``EngineCore.step``) outside the GPU-busy span of its forward (target < 10 %).
+
+Timing: CUDA events, median of repetitions after warm-up, the two sides of a ratio alternating.
+Without CUDA, ``--quick`` times the PyTorch references on tiny shapes instead and marks the GPU rows
+skipped (the numbers are then CPU figures, not the H200 ones).
+
+    python bench/kernels.py [--quick] [--out FILE] [--only kda,mla,moe,engine]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
+from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+
+from helixserve import kernels  # noqa: E402
+
+ROWS: list[dict[str, Any]] = []
+GiB = 1 << 30
+
+
+def row(section: str, case: str, ours: float | None, base: float | None, unit: str, base_name: str,
+        ratio: str | None = None, note: str = "", **extra: Any) -> None:
+    ROWS.append({"section": section, "case": case, "ours": ours, "baseline": base, "unit": unit,
+                 "baseline_is": base_name, "ratio": ratio, "note": note, **extra})
+    print(f"  {section:<8} {case:<34} {ours if ours is not None else '-'!s:>12} {unit:<6} "
+          f"| {base_name}: {base if base is not None else '-'!s:>10} {ratio or ''} {note}", flush=True)
+
+
+def timer(fns: list[Callable[[], Any]], warmup: int, reps: int) -> list[float]:
+    """Median seconds of each fn; CUDA events on a GPU, perf_counter otherwise; fns alternate."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                out.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def copy_bandwidth(args) -> float:
+    n = (4 * GiB if not args.quick else GiB) // 2
+    src = torch.randn(n // 2, dtype=torch.float32, device="cuda").view(torch.bfloat16)
+    dst = torch.empty_like(src)
+    (t,) = timer([lambda: dst.copy_(src)], 3, 20)
+    bw = 2 * src.numel() * src.element_size() / t
+    row("hbm", f"copy {src.numel() * 2 / GiB:.0f} GiB", bw / 1e12, None, "TB/s", "-")
+    return bw
+
+
+def kda_inputs(T: int, H: int, K: int, device: str, dtype=torch.bfloat16):
+    gen = torch.Generator(device=device).manual_seed(T)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=device) * scale
+
+    q, k, v = (rand(T, H, K).to(dtype) for _ in range(3))
+    g = -torch.rand(T, H, K, generator=gen, device=device) * 0.5 - 0.01
+    beta = torch.rand(T, H, generator=gen, device=device)
+    return q, k, v, g, beta
+
+
+def bench_kda(args, on_gpu: bool) -> None:
+    H, K = (32, 128) if on_gpu else (4, 32)
+    lengths = (4096, 16384, 65536) if on_gpu and not args.quick else ((4096,) if on_gpu else (256,))
+    for T in lengths:
+        q, k, v, g, beta = kda_inputs(T, H, K, "cuda" if on_gpu else "cpu")
+        cu = torch.tensor([0, T], device=q.device)
+
+        def ours():
+            return kernels.kda_chunk_prefill(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True)
+
+        if not on_gpu:
+            (t,) = timer([ours], 1, 3)
+            row("kda", f"prefill T={T} H={H} (cpu torch)", T / t, None, "tok/s", "fla (skipped: no CUDA)")
+            continue
+        from fla.ops.kda import chunk_kda
+
+        def fla():
+            return chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=K**-0.5,
+                             output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+
+        t_ours, t_fla = timer([ours, fla], 3, args.reps)
+        row("kda", f"prefill T={T // 1024}k H={H} K=V={K}", t_ours * 1e3, t_fla * 1e3, "ms", "fla chunk_kda",
+            f"{t_ours / t_fla - 1:+.1%}")
+    batches = (64, 256, 1024) if on_gpu and not args.quick else ((64, 256) if on_gpu else (8,))
+    for B in batches:
+        q, k, v, g, beta = kda_inputs(B, H, K, "cuda" if on_gpu else "cpu")
+        slots = torch.randperm(B + 7, device=q.device)[:B]
+        pool = torch.randn(B + 7, H, K, K, device=q.device) * 0.01
+
+        def ours_step():
+            return kernels.kda_recurrent_step(q, k, v, g, beta, pool, slots, use_qk_l2norm=True)
+
+        if not on_gpu:
+            (t,) = timer([ours_step], 1, 3)
+            row("kda", f"decode B={B} H={H} (cpu torch)", t * 1e6, None, "µs", "fla (skipped: no CUDA)")
+            continue
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        q4, k4, v4, g4, b4 = (t.unsqueeze(1).contiguous() for t in (q, k, v, g, beta))
+
+        def fla_step():
+            return fused_recurrent_kda_fwd(q4, k4, v4, g4, b4, scale=K**-0.5, initial_state=pool,
+                                           inplace_final_state=True, ssm_state_indices=slots,
+                                           use_qk_l2norm_in_kernel=True)
+
+        t_ours, t_fla = timer([ours_step, fla_step], 5, args.reps * 4)
+        state_bytes = 2 * B * H * K * K * 4
+        row("kda", f"decode B={B} H={H} K=V={K}", t_ours * 1e6, t_fla * 1e6, "µs", "fla fused_recurrent",
+            f"{t_ours / t_fla - 1:+.1%}", f"state {state_bytes / t_ours / 1e12:.2f} TB/s")
+
+
+def mla_case(B: int, kv_len: int, H: int, BS: int, device: str, dtype=torch.bfloat16):
+    blocks_per_seq = -(-kv_len // BS)
+    num_blocks = B * blocks_per_seq
+    cache = torch.randn(num_blocks, BS, 576, device=device).to(dtype)
+    tables = torch.randperm(num_blocks, device=device).view(B, blocks_per_seq).to(torch.int32)
+    q = torch.randn(B, H, 576, device=device).to(dtype)
+    cu = torch.arange(B + 1, device=device)
+    kv_lens = torch.full((B,), kv_len, device=device)
+    return q, cache, tables, cu, kv_lens - 1, kv_lens
+
+
+def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
+    if not on_gpu:
+        args_ = mla_case(4, 512, 4, 16, "cpu", torch.float32)
+        (t,) = timer([lambda: kernels.mla_paged_attention(*args_, scale=0.07, v_dim=512)], 1, 3)
+        row("mla", "decode B=4 kv=512 H=4 (cpu torch)", t * 1e6, None, "µs", "HBM copy (skipped: no CUDA)")
+        return
+    from helixserve.kernels.mla import triton_mla
+
+    # (batch, kv_len, heads, sweep tile shapes)
+    shapes = [(64, 4096, 16, True), (256, 4096, 16, False), (64, 16384, 16, False), (128, 4096, 64, True)]
+    if args.quick:
+        shapes = shapes[:1]
+    sweep = [dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in
+             ((32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 3))]
+    for B, kv_len, H, do_sweep in shapes:
+        case = mla_case(B, kv_len, H, 64, "cuda")
+        nbytes = B * kv_len * 576 * 2 + 2 * B * H * 576 * 2
+
+        def run(**kw):
+            return triton_mla.paged_attention(*case, 192**-0.5, 512, **kw)
+
+        (t_default,) = timer([lambda: kernels.mla_paged_attention(*case, scale=192**-0.5, v_dim=512)], 3, args.reps * 4)
+        best = (t_default, "default")
+        splits = triton_mla.choose_num_splits(B, -(-H // triton_mla._block_h(H)))
+        for kw in sweep if do_sweep else []:
+            for ns in {splits, 2 * splits}:
+                try:
+                    (t,) = timer([lambda: run(num_splits=ns, **kw)], 2, args.reps * 2)
+                except Exception as exc:  # a tile shape over the shared-memory limit
+                    print(f"    sweep {kw} splits={ns}: {type(exc).__name__}", flush=True)
+                    continue
+                if t < best[0]:
+                    best = (t, f"{kw} splits={ns}")
+        for label, t in (("default", t_default), ("best", best[0])):
+            bw = nbytes / t
+            row("mla", f"decode B={B} kv={kv_len // 1024}k H={H} {label}", bw / 1e12, copy_bw / 1e12, "TB/s",
+                "HBM copy", f"{bw / copy_bw:.0%}", f"{t * 1e6:.0f} µs" + (f" {best[1]}" if label == "best" else ""))
+
+
+def bench_moe(args, on_gpu: bool) -> None:
+    from helixserve.kernels.moe import gpu as moe_gpu
+
+    device = "cuda" if on_gpu else "cpu"
+    if on_gpu:
+        T, D, I, E, top_k = (4096, 3584, 3072, 64, 8) if not args.quick else (1024, 3584, 3072, 64, 8)
+    else:
+        T, D, I, E, top_k = 64, 128, 64, 8, 2
+    dtype = torch.bfloat16
+    x = torch.randn(T, D, device=device).to(dtype)
+    w13 = (torch.randn(E, 2 * I, D, device=device) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, I, device=device) / I**0.5).to(dtype)
+    weights, ids = kernels.moe_route(torch.randn(T, E, device=device), top_k=top_k, correction_bias=None,
+                                     renormalize=True, routed_scaling_factor=1.0)
+    P = T * top_k
+    flops = 2 * P * D * 2 * I + 2 * P * I * D
+    if not hasattr(torch, "_grouped_mm"):
+        row("moe", "grouped GEMM", None, None, "TFLOP/s", "dense", note="torch._grouped_mm missing")
+        return
+    order, sorted_ids, _ = moe_gpu._sort_pairs(ids, E, 0)
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=device).scatter_add_(
+        0, sorted_ids, torch.ones_like(sorted_ids, dtype=torch.int32))
+    offs = torch.cumsum(counts[:E], 0, dtype=torch.int32)
+    xs = x.index_select(0, order // top_k)
+    act = torch.randn(P, I, device=device).to(dtype)
+    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
+    dense_a, dense_b = w13[0].t(), w2[0].t()
+
+    def grouped():
+        torch._grouped_mm(xs, w13t, offs=offs)
+        torch._grouped_mm(act, w2t, offs=offs)
+
+    def dense():
+        xs @ dense_a
+        act @ dense_b
+
+    def full():
+        return kernels.moe_experts(x, ids, weights, w13, w2, activation="situ")
+
+    reps = args.reps if on_gpu else 2
+    t_grouped, t_dense = timer([grouped, dense], 2, reps)
+    (t_full,) = timer([full], 2, reps)
+    suffix = "" if on_gpu else " (cpu)"
+    row("moe", f"grouped GEMM T={T} E={E} top{top_k}{suffix}", flops / t_grouped / 1e12, flops / t_dense / 1e12,
+        "TFLOP/s", "dense bf16 GEMM", f"{t_dense / t_grouped:.0%} of dense")
+    row("moe", f"moe_experts (sort+GEMMs+act+sum){suffix}", flops / t_full / 1e12, flops / t_dense / 1e12,
+        "TFLOP/s", "dense bf16 GEMM", f"{t_dense / t_full:.0%} of dense", f"{t_full * 1e3:.2f} ms")
+
+
+def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
+    from helixserve.config import CacheConfig, SchedulerConfig
+    from helixserve.engine.llm import LLM
+    from helixserve.engine.request import SamplingParams
+    from helixserve.models.presets import make_checkpoint
+
+    preset = "kimi-k3-mid" if on_gpu else "kimi-k3-tiny"
+    with tempfile.TemporaryDirectory(prefix="helix-kbench-") as tmp:
+        if checkpoint is None:
+            checkpoint = make_checkpoint(preset, Path(tmp) / preset, dtype="bfloat16" if on_gpu else "float32")
+        prompt_len = 2048 if on_gpu else 128
+        max_batch = 64 if on_gpu else 4
+        llm = LLM(checkpoint, device="cuda" if on_gpu else "cpu",
+                  cache=CacheConfig(max_num_seqs=max_batch, memory_budget_mib=4096 if on_gpu else 256),
+                  scheduler=SchedulerConfig(max_num_batched_tokens=prompt_len))
+        gen = torch.Generator().manual_seed(0)
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+
+        def prefill():
+            llm.generate([torch.randint(0, 256, (prompt_len,), generator=gen).tolist()], one)
+
+        (t,) = timer([prefill], 1, 3 if args.quick else 5)
+        row("engine", f"{preset} prefill bs1×{prompt_len}", prompt_len / t, None, "tok/s", "-")
+        for batch in (1, max_batch):
+            tok_s, outside = decode_rate(llm, batch, 16 if args.quick else 64, gen, on_gpu)
+            row("engine", f"{preset} decode bs{batch}", tok_s, None, "tok/s", "-",
+                note=f"outside GPU span {outside:.1%}" if outside is not None else "")
+
+
+def decode_rate(llm, batch: int, new_tokens: int, gen: torch.Generator, on_gpu: bool) -> tuple[float, float | None]:
+    """Decode tok/s of ``batch`` requests (prefill excluded) and the share of step wall time outside
+    the GPU-busy span of the runner's forward."""
+    from helixserve.engine.request import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"kb-{batch}-{i}", torch.randint(0, 256, (128,), generator=gen).tolist(), params)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    spans: list[tuple[Any, Any]] = []
+    forward = engine.runner.forward
+    if on_gpu:
+        def timed_forward(out):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = forward(out)
+            end.record()
+            spans.append((start, end))
+            return logits
+
+        engine.runner.forward = timed_forward
+    walls, generated = [], 0
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            generated += len(engine.step())
+            walls.append(time.perf_counter() - t0)
+    finally:
+        engine.runner.forward = forward
+    if not on_gpu:
+        return generated / sum(walls), None
+    torch.cuda.synchronize()
+    gpu = sum(s.elapsed_time(e) for s, e in spans) / 1e3
+    return generated / sum(walls), 1 - gpu / sum(walls)
+
+
+def main() -> None:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="kda,mla,moe,engine")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="an existing kimi-k3-mid bf16 checkpoint")
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args()
+    args.reps = args.reps or (5 if args.quick else 20)
+    on_gpu = torch.cuda.is_available()
+    only = set(args.only.split(","))
+    started = time.perf_counter()
+    if not on_gpu:
+        print("no CUDA: timing the PyTorch references on tiny shapes; GPU baselines skipped", flush=True)
+    copy_bw = copy_bandwidth(args) if on_gpu and "mla" in only else None
+    if "kda" in only:
+        bench_kda(args, on_gpu)
+    if "mla" in only:
+        bench_mla(args, on_gpu, copy_bw)
+    if "moe" in only:
+        bench_moe(args, on_gpu)
+    if "engine" in only:
+        bench_engine(args, on_gpu, args.checkpoint)
+    info = machine_info()
+    if on_gpu:
+        info["gpu"] = torch.cuda.get_device_name()
+    headers = ["section", "case", "ours", "baseline", "unit", "baseline is", "ratio / overhead", "note"]
+    table = markdown_table(headers, [[r["section"], r["case"], r["ours"], r["baseline"], r["unit"], r["baseline_is"],
+                                      r["ratio"], r["note"]] for r in ROWS])
+    print(f"\n{info.get('gpu', info['processor'])}, torch {info['torch']}, {time.perf_counter() - started:.0f} s\n")
+    print(table)
+    write_json(args.out, {"machine": info, "rows": ROWS, "table": table})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""CUDA graphs of decode steps (one new token per sequence) for a ladder of batch sizes.
+
+A decode step of ``n`` sequences replays the graph of the smallest captured size ``>= n``. The
+graphs read static device buffers (token ids, positions, context lengths, block tables, state
+slots); a replay fills them from the scheduled sequences with one host-to-device copy per buffer
+and pads the unused rows with an empty sequence: context 0, block table all ``-1`` (nothing
+written, no key attended) and a scratch state slot that no request owns (the cache pools hold one
+slot more than the cache manager hands out). Every kernel of a decode step is free of host syncs,
+so a step costs one ``replay()`` plus the copies.
+
+Block-table columns past a row's own table may hold stale entries of earlier steps: a decode row
+reads only the columns its ``kv_len`` covers, so the copies carry just the batch's widest table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helixserve.engine.scheduler import SchedulerOutput
+from helixserve.models.context import ForwardBatch, ModelCaches
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_WARMUP_RUNS = 2
+
+
+class DecodeGraphs:
+    """Captured decode steps of ``model`` over ``caches``; :meth:`run` returns ``None`` when a step
+    does not fit (not pure decode, too many sequences, a table wider than ``max_blocks``)."""
+
+    def __init__(
+        self, model: torch.nn.Module, caches: ModelCaches, device: torch.device, max_batch: int,
+        max_blocks: int, scratch_slot: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    ) -> None:
+        self.model, self.caches, self.device = model, caches, device
+        self.sizes = sorted({s for s in batch_sizes if s < max_batch} | {max_batch})
+        self.max_blocks, self.scratch_slot = max(1, max_blocks), scratch_slot
+        n = self.sizes[-1]
+        # rows of `ints`: input ids, positions, context lens, state slots
+        self._ints = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._ints[3].fill_(scratch_slot)
+        self._tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, device=device)
+        self._cu = torch.arange(n + 1, dtype=torch.int64, device=device)
+        self._host_ints = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        self._host_tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, pin_memory=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _batch(self, n: int) -> ForwardBatch:
+        ids, positions, context_lens, slots = self._ints[:, :n]
+        return ForwardBatch(
+            input_ids=ids, positions=positions, cu_seqlens=self._cu[: n + 1], context_lens=context_lens,
+            block_tables=self._tables[:n], state_slots=slots, logits_indices=self._cu[:n], is_decode=True,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up (Triton compiles, autotunes) and capture every size, largest first, in one pool."""
+        pool = None
+        for n in reversed(self.sizes):
+            batch = self._batch(n)  # all rows padding: nothing outside the scratch slot is touched
+            for _ in range(_WARMUP_RUNS):
+                self.model(batch, self.caches)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(batch, self.caches)
+            pool = graph.pool()
+            self._graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Logits ``[num sampled seqs, vocab]`` of a decode step, or ``None`` to run it eagerly."""
+        seqs = out.seqs
+        n = len(seqs)
+        if n == 0 or n > self.sizes[-1] or any(s.num_tokens != 1 or s.context_len == 0 for s in seqs):
+            return None
+        width = max(len(s.block_table) for s in seqs)
+        if width > self.max_blocks:
+            return None
+        size = next(s for s in self.sizes if s >= n)
+        self._copied.synchronize()  # the last step's copies have left the host buffers
+        ints = self._host_ints.numpy()
+        ints[0, :n] = [s.token_ids[0] for s in seqs]
+        ints[1, :n] = ints[2, :n] = [s.context_len for s in seqs]
+        ints[3, :n] = [self.scratch_slot if s.slot is None else s.slot for s in seqs]
+        ints[:3, n:size] = 0
+        ints[3, n:size] = self.scratch_slot
+        tables = self._host_tables.numpy()
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        tables[n:size, :width] = -1
+        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
+        self._tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        self._copied.record()
+        graph, logits = self._graphs[size]
+        graph.replay()
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        if len(sampled) == n:
+            return logits[:n]
+        return logits[torch.tensor(sampled, device=self.device)]

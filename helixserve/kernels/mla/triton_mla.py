@@ -1,0 +1,250 @@
+"""Triton kernels for MLA over the paged latent cache: write, attention partials (o, lse), LSE combine.
+
+Same contracts and shapes as :mod:`helixserve.kernels.mla.paged` and :mod:`~.combine`; no host
+syncs (sequence ids of rows come from ``cu_seqlens`` on the device), so a decode step can be
+captured in a CUDA graph.
+
+Attention: one program per (query row, block of heads, KV split). All heads of a query share the
+latent keys (absorbed MLA is MQA-like), so a program scores ``[BLOCK_H, BLOCK_N]`` tiles with two
+dots (latent part ``[:v_dim]`` and rope part ``[v_dim:]``) and accumulates ``p @ keys[:, :v_dim]``
+with an online softmax. Keys are addressed one token at a time through the block table, so any
+block size works and ``-1`` entries (blocks held on another helix rank) are masked out. Decode
+batches split each sequence's keys over ``num_splits`` programs (flash-decoding) and merge the
+splits with the LSE-combine kernel, which is also the helix combine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from helixserve.kernels.triton_common import is_interpreting, next_pow2, seq_ids_of_rows
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# programs the attention grid should reach before KV splitting stops paying (about 2 waves on H200)
+_TARGET_PROGRAMS = 264
+_MAX_SPLITS = 16
+
+
+@triton.jit
+def _write_kv_kernel(
+    kv_ptr, table_ptr, seq_ptr, pos_ptr, latent_ptr,
+    stride_table, stride_latent, BS, D,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    seq = tl.load(seq_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    phys = tl.load(table_ptr + seq * stride_table + pos // BS).to(tl.int64)
+    if phys >= 0:
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < D
+        vals = tl.load(latent_ptr + row * stride_latent + offs, mask=mask)
+        dst = kv_ptr + (phys * BS + pos % BS) * D + offs
+        tl.store(dst, vals.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
+    positions: torch.Tensor, latent: torch.Tensor,
+) -> None:
+    """Triton :func:`~helixserve.kernels.mla_write_kv` (kv_cache contiguous)."""
+    T, D = latent.shape
+    if T == 0:
+        return
+    assert kv_cache.is_contiguous() and latent.stride(1) == 1
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    seq_ids = seq_ids_of_rows(cu_seqlens, T)
+    _write_kv_kernel[(T,)](
+        kv_cache, tables, seq_ids, positions, latent,
+        tables.stride(0), latent.stride(0), kv_cache.shape[1], D,
+        BLOCK_D=next_pow2(D),
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, table_ptr, seq_ptr, pos_ptr, kv_len_ptr, o_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    H, BS, sm_scale_log2,
+    DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    D: tl.constexpr = DV + DR
+    seq = tl.load(seq_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    kv_len = tl.load(kv_len_ptr + seq).to(tl.int64)
+    num_keys = tl.maximum(tl.minimum(kv_len, pos + 1), 0)
+    keys_per_split = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, num_keys)
+
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    mask_dv = offs_dv < DV
+    mask_dr = offs_dr < DR
+    q_row = q_ptr + row * stride_qt + offs_h[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_dv[None, :], mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    q_rope = tl.load(q_row + DV + offs_dr[None, :], mask=mask_h[:, None] & mask_dr[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        in_range = offs_n < hi
+        phys = tl.load(table_ptr + seq * stride_table + offs_n // BS, mask=in_range, other=-1).to(tl.int64)
+        valid = in_range & (phys >= 0)
+        key_row = kv_ptr + (phys * BS + offs_n % BS) * D
+        k_lat = tl.load(key_row[:, None] + offs_dv[None, :], mask=valid[:, None] & mask_dv[None, :], other=0.0)
+        k_rope = tl.load(key_row[:, None] + DV + offs_dr[None, :], mask=valid[:, None] & mask_dr[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat))
+            s += tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, k_lat, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+        m_i = m_new
+
+    has_key = l_i > 0
+    o = tl.where(has_key[:, None], acc / tl.where(has_key, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_row = o_ptr + split * stride_os + row * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :]
+    tl.store(o_row, o.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
+    tl.store(lse_ptr + split * stride_ls + row * stride_lt + offs_h, lse, mask=mask_h)
+
+
+def choose_num_splits(num_rows: int, num_head_blocks: int) -> int:
+    """KV splits per (row, head block): enough programs to fill the GPU, at most 16."""
+    programs = max(1, num_rows * num_head_blocks)
+    return max(1, min(_MAX_SPLITS, math.ceil(_TARGET_PROGRAMS / programs)))
+
+
+def _block_h(num_heads: int) -> int:
+    return min(64, max(16, next_pow2(num_heads)))
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    q_positions: torch.Tensor, kv_lens: torch.Tensor, scale: float, v_dim: int,
+    *, num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`~helixserve.kernels.mla_paged_attention`; the keyword tuning knobs default to
+    a heuristic (the bench sweeps them)."""
+    T, H, Dqk = q.shape
+    device = q.device
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    assert kv_cache.is_contiguous()
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    BLOCK_H = _block_h(H)
+    head_blocks = triton.cdiv(H, BLOCK_H)
+    if num_splits is None:
+        num_splits = choose_num_splits(T, head_blocks)
+    is_fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32
+    if block_n is None:
+        block_n = 16 if is_fp32 else 32
+    if num_warps is None:
+        num_warps = 8 if BLOCK_H * next_pow2(v_dim) >= 16 * 1024 else 4
+    if num_stages is None:
+        num_stages = 1 if is_fp32 else 2
+    if is_interpreting():
+        num_stages = 1
+    lse_parts = torch.empty(num_splits, T, H, dtype=torch.float32, device=device)
+    if num_splits == 1:
+        o_parts = torch.empty(1, T, H, v_dim, dtype=q.dtype, device=device)
+    else:
+        o_parts = torch.empty(num_splits, T, H, v_dim, dtype=torch.float32, device=device)
+    if T == 0:
+        return o_parts[0], lse_parts[0]
+    seq_ids = seq_ids_of_rows(cu_seqlens_q, T)
+    grid = (T, head_blocks, num_splits)
+    _paged_attention_kernel[grid](
+        q, kv_cache, tables, seq_ids, q_positions, kv_lens, o_parts, lse_parts,
+        q.stride(0), q.stride(1), tables.stride(0),
+        o_parts.stride(0), o_parts.stride(1), o_parts.stride(2), lse_parts.stride(0), lse_parts.stride(1),
+        H, kv_cache.shape[1], scale * _LOG2E,
+        DV=v_dim, DR=Dqk - v_dim, BLOCK_DV=next_pow2(v_dim), BLOCK_DR=max(16, next_pow2(Dqk - v_dim)),
+        BLOCK_H=BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=is_fp32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits == 1:
+        return o_parts[0], lse_parts[0]
+    return lse_combine(o_parts, lse_parts, out_dtype=q.dtype)
+
+
+@triton.jit
+def _lse_combine_kernel(
+    o_parts_ptr, lse_parts_ptr, o_ptr, lse_ptr,
+    P, H, D, stride_op, stride_ot, stride_oh, stride_lp, stride_lt, stride_out_t, stride_out_h,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    t = row // H
+    h = row % H
+    d_block = tl.program_id(1)
+    offs = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    for p in range(P):
+        m = tl.maximum(m, tl.load(lse_parts_ptr + p * stride_lp + t * stride_lt + h).to(tl.float32))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for p in range(P):
+        w = tl.exp(tl.load(lse_parts_ptr + p * stride_lp + t * stride_lt + h).to(tl.float32) - m_safe)
+        vals = tl.load(o_parts_ptr + p * stride_op + t * stride_ot + h * stride_oh + offs, mask=mask,
+                       other=0.0).to(tl.float32)
+        acc += tl.where(w > 0, vals * w, 0.0)
+        denom += w
+    has_any = denom > 0
+    o = tl.where(has_any, acc / tl.where(has_any, denom, 1.0), 0.0)
+    tl.store(o_ptr + t * stride_out_t + h * stride_out_h + offs, o.to(o_ptr.dtype.element_ty), mask=mask)
+    if d_block == 0:
+        lse = tl.where(has_any, m_safe + tl.log(tl.where(has_any, denom, 1.0)), float("-inf"))
+        tl.store(lse_ptr + t * H + h, lse)
+
+
+def lse_combine(
+    o_parts: torch.Tensor, lse_parts: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`~helixserve.kernels.lse_combine` (o_parts may be strided; last dim contiguous)."""
+    P, T, H, D = o_parts.shape
+    if o_parts.stride(3) != 1:
+        o_parts = o_parts.contiguous()
+    if lse_parts.stride(2) != 1:
+        lse_parts = lse_parts.contiguous()
+    o = torch.empty(T, H, D, dtype=out_dtype or o_parts.dtype, device=o_parts.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=o_parts.device)
+    if T * H == 0:
+        return o, lse
+    BLOCK_D = min(1024, next_pow2(D))
+    grid = (T * H, triton.cdiv(D, BLOCK_D))
+    _lse_combine_kernel[grid](
+        o_parts, lse_parts, o, lse,
+        P, H, D, o_parts.stride(0), o_parts.stride(1), o_parts.stride(2),
+        lse_parts.stride(0), lse_parts.stride(1), o.stride(0), o.stride(1),
+        BLOCK_D=BLOCK_D,
+    )
+    return o, lse

@@ -1,0 +1,216 @@
+"""The GPU fast paths on CPU: our Triton kernels (and fla's fused recurrent KDA) under Triton's
+interpreter, and the sync-free MoE expert paths, each against the PyTorch reference.
+
+Skipped when Triton is not installed (it is optional: the ``gpu`` extra). Small shapes keep the
+interpreter under a few seconds; the CUDA runs of the same comparisons are in test_gpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helixserve import kernels
+from tests._testing import assert_close
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not _INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+
+
+def test_kernels_under_triton_interpreter():
+    """Triton decides at import whether kernels are interpreted, so the kernel tests of this file run
+    in a child pytest with ``TRITON_INTERPRET=1`` set from the start."""
+    pytest.importorskip("triton")
+    if _INTERPRETING:
+        pytest.skip("already the interpreter run")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """Our Triton modules, interpreted; two interpreter patches for this Triton/numpy pairing."""
+    pytest.importorskip("triton")
+    import numpy as np
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    patch_lang_tensor, autotune_run = interpreter._patch_lang_tensor, autotuner.Autotuner.run
+
+    def patched_lang_tensor(tensor, scope):
+        # numpy 2 refuses int() of a 1-element array; loaded scalars used as loop bounds are such arrays
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    def first_config_run(self, *args, **kwargs):  # no GPU to time autotune candidates on
+        self.configs = self.configs[:1]
+        return autotune_run(self, *args, **kwargs)
+
+    interpreter._patch_lang_tensor = patched_lang_tensor
+    autotuner.Autotuner.run = first_config_run
+    from helixserve.kernels.attn_res import triton_attn_res
+    from helixserve.kernels.mla import triton_mla
+    from helixserve.kernels.moe import triton_route
+    from helixserve.kernels.short_conv import triton_conv
+
+    try:
+        yield {"triton_mla": triton_mla, "triton_conv": triton_conv, "triton_attn_res": triton_attn_res,
+               "triton_route": triton_route}
+    finally:
+        interpreter._patch_lang_tensor, autotuner.Autotuner.run = patch_lang_tensor, autotune_run
+
+
+def _paged_cache(seq_lens, D, BS, num_blocks, seed, fill=float("nan")):
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(-(-L // BS) for L in seq_lens) + 1
+    tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    for i, L in enumerate(seq_lens):
+        for b in range(-(-L // BS)):
+            tables[i, b] = free.pop()
+    cache = torch.full((num_blocks, BS, D), fill)
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(L) for L in seq_lens])
+    latent = torch.randn(int(cu[-1]), D, generator=gen)
+    return cache, tables, cu, positions, latent
+
+
+@needs_interpreter
+def test_mla_write_and_attention(interp):
+    tm = interp["triton_mla"]
+    H, V_DIM, D, BS = 5, 32, 40, 4
+    seq_lens = [6, 1, 23, 11, 2]
+    cache, tables, cu, positions, latent = _paged_cache(seq_lens, D, BS, num_blocks=32, seed=0)
+    fast_cache = cache.clone()
+    kernels.mla_write_kv(cache, tables, cu, positions, latent)
+    tm.write_kv(fast_cache, tables, cu, positions, latent)
+    assert torch.equal(cache.nan_to_num(7.0), fast_cache.nan_to_num(7.0))
+    # decode: one query per sequence, odd blocks held on another helix rank, a kv_len of 0
+    local = tables.clone()
+    local[:, 1::2] = -1
+    q = torch.randn(5, H, D)
+    q_pos, kv_lens = torch.tensor([5, 0, 22, 7, 1]), torch.tensor([6, 1, 23, 11, 0])
+    o_ref, lse_ref = kernels.mla_paged_attention(q, cache, local, torch.arange(6), q_pos, kv_lens, scale=0.1,
+                                                 v_dim=V_DIM)
+    for num_splits in (1, 3):
+        o, lse = tm.paged_attention(q, fast_cache, local, torch.arange(6), q_pos, kv_lens, 0.1, V_DIM,
+                                    num_splits=num_splits)
+        assert_close(f"o splits={num_splits}", o_ref, o, 1e-5)
+        assert_close(f"lse splits={num_splits}", lse_ref, lse, 1e-5)
+    assert torch.isneginf(lse[4]).all() and torch.equal(o[4], torch.zeros(H, V_DIM))
+    # prefill chunks: queries over the last rows of each sequence (causal inside the chunk)
+    q_rows = torch.cat([torch.arange(max(0, L - 3), L) for L in seq_lens])
+    cu_q = torch.tensor([0, *torch.tensor([min(3, L) for L in seq_lens]).cumsum(0).tolist()])
+    q = torch.randn(q_rows.numel(), H, D)
+    o_ref, lse_ref = kernels.mla_paged_attention(q, cache, tables, cu_q, q_rows, torch.tensor(seq_lens), scale=0.1,
+                                                 v_dim=V_DIM)
+    o, lse = tm.paged_attention(q, fast_cache, tables, cu_q, q_rows, torch.tensor(seq_lens), 0.1, V_DIM)
+    assert_close("prefill o", o_ref, o, 1e-5)
+    assert_close("prefill lse", lse_ref, lse, 1e-5)
+
+
+@needs_interpreter
+def test_lse_combine(interp):
+    o_parts, lse_parts = torch.randn(3, 4, 5, 24), torch.randn(3, 4, 5)
+    lse_parts[:, 0, 0] = float("-inf")  # no part saw a key
+    lse_parts[1, 1, 1] = float("-inf")
+    o_parts[1, 1, 1] = float("nan")  # a weightless part's O must not leak
+    o_ref, lse_ref = kernels.lse_combine(o_parts, lse_parts)
+    o, lse = interp["triton_mla"].lse_combine(o_parts, lse_parts)
+    assert_close("o", o_ref, o, 1e-6)
+    assert_close("lse", lse_ref, lse, 1e-6)
+
+
+@needs_interpreter
+def test_short_conv_step_and_prefill(interp):
+    tc = interp["triton_conv"]
+    D, W, S = 300, 4, 6
+    weight = torch.randn(D, W)
+    pool = torch.randn(S, D, W - 1)
+    fast_pool = pool.clone()
+    x, slots = torch.randn(3, D), torch.tensor([4, 0, 2])
+    y_ref = kernels.short_conv_step(x, weight, pool, slots)
+    y = tc.short_conv_step(x, weight, fast_pool, slots, "silu")
+    assert_close("step y", y_ref, y, 1e-6)
+    assert torch.equal(pool, fast_pool)  # updated slots and untouched ones alike
+    # varlen prefill with a state, including sequences shorter than W - 1 and an empty one
+    cu = torch.tensor([0, 5, 6, 6, 8])
+    x, state = torch.randn(8, D), torch.randn(4, D, W - 1)
+    for conv_state in (state, None):
+        y_ref, new_ref = kernels.short_conv_prefill(x, weight, conv_state=conv_state, cu_seqlens=cu)
+        y, new = tc.short_conv_prefill(x, weight, conv_state, cu, "silu")
+        assert_close("prefill y", y_ref, y, 1e-6)
+        assert_close("prefill state", new_ref, new, 1e-6)
+
+
+@needs_interpreter
+def test_attn_res_mix(interp):
+    prefix, bank = torch.randn(7, 200), torch.randn(3, 7, 200) * 2
+    norm_w, proj_w = torch.rand(200) + 0.5, torch.randn(1, 200)
+    ref = kernels.attn_res_mix(prefix, bank, norm_w, proj_w, 1e-5)
+    out = interp["triton_attn_res"].attn_res_mix(prefix, bank, norm_w, proj_w, 1e-5)
+    assert_close("attn_res", ref, out, 1e-6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bias", [True, False])
+def test_moe_route(interp, bias):
+    logits = torch.randn(9, 40)
+    correction = torch.randn(40) * 0.1 if bias else None
+    w_ref, ids_ref = kernels.moe_route(logits, top_k=6, correction_bias=correction, renormalize=True,
+                                       routed_scaling_factor=2.5)
+    w, ids = interp["triton_route"].moe_route(logits, 6, correction, True, 2.5)
+    assert torch.equal(ids_ref, ids)
+    assert_close("weights", w_ref, w, 1e-6)
+
+
+@needs_interpreter
+def test_fla_fused_recurrent_at_slots(interp):
+    """fla's kernel through our adapter, states in place in our [S, H, K, V] pool."""
+    pytest.importorskip("fla")
+    from helixserve.kernels.kda import gpu as kda_gpu
+    from helixserve.kernels.kda.recurrent import _recurrent_step_torch
+
+    B, H, K, S = 3, 2, 32, 6
+    q, k, v = torch.randn(B, H, K), torch.randn(B, H, K), torch.randn(B, H, K)
+    g, beta = -torch.rand(B, H, K), torch.rand(B, H)
+    pool = torch.randn(S, H, K, K)
+    fast_pool, slots = pool.clone(), torch.tensor([4, 0, 2])
+    o_ref = _recurrent_step_torch(q, k, v, g, beta, pool, slots, K**-0.5, True)
+    o = kda_gpu.recurrent_step(q, k, v, g, beta, fast_pool, slots, K**-0.5, True)
+    assert kda_gpu._direct_launch  # launched fla's kernel directly, not through the fallback wrapper
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("pool", pool, fast_pool, 1e-5)
+
+
+@pytest.mark.parametrize("path", ["grouped", "gathered"])
+def test_moe_expert_paths_without_host_sync(path):
+    """The GPU expert sums on CPU tensors (torch._grouped_mm has a CPU fallback); EP offsets too."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+    from helixserve.kernels.moe.experts import _act_and_mul_torch, _moe_experts_torch
+
+    if path == "grouped" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing")
+    dtype = torch.bfloat16 if path == "grouped" else torch.float32
+    T, D, I, E, top_k = 13, 32, 16, 6, 3
+    x = torch.randn(T, D).to(dtype)
+    w13, w2 = (torch.randn(E, 2 * I, D) / 6).to(dtype), (torch.randn(E, D, I) / 4).to(dtype)
+    weights, ids = kernels.moe_route(torch.randn(T, 10), top_k=top_k, correction_bias=None, renormalize=True,
+                                     routed_scaling_factor=1.0)
+    fn = moe_gpu.grouped_experts if path == "grouped" else moe_gpu.gathered_experts
+
+    def act(gate, up):
+        return _act_and_mul_torch(gate, up, "situ", 4.0, 25.0)
+
+    for offset in (0, 4):  # offset 4: experts 4..9 local, the rest routed elsewhere
+        ref = _moe_experts_torch(x, ids, weights, w13, w2, offset, "situ", 4.0, 25.0)
+        out = fn(x, ids, weights, w13, w2, offset, act)
+        assert_close(f"{path} offset={offset}", ref.float(), out.float(), 1e-2 if dtype == torch.bfloat16 else 1e-5)
