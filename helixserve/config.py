@@ -1,19 +1,23 @@
 """Validated configuration: one pydantic model per role, loaded from one YAML file.
 
 Only this module reads the environment. Roles: the model to load, the caches, the single-process
-engine, and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`.
-Later roles (parallel world, transceiver) add their models here.
+engine, the KV transceiver (:class:`~helixserve.transceiver.config.TransceiverConfig`, torch-free)
+and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from helixserve.transceiver.config import TransceiverConfig
+
 DType = Literal["float32", "bfloat16", "float16"]
+DEFAULT_KV_TRANSFER_TIMEOUT_MS = 10_000.0
 
 
 class _Strict(BaseModel):
@@ -74,16 +78,31 @@ class CtxServerConfig(_Strict):
 
 
 class GenServerConfig(_Strict):
-    """One generation (decode) worker: HTTP server on gen rank 0 of a dp x cp world."""
+    """One generation (decode) worker: HTTP server on gen rank 0 of a dp x cp world.
+
+    ``kv_source``: how ``generation_only`` requests get their prompt state. ``ucx``: every rank of
+    the request's CP group receives its shard from the ctx worker's transceiver (the data path);
+    ``recompute``: gen re-prefills the prompt (a fallback; nothing is transferred). A ``ucx``
+    worker, or any dp x cp > 1, runs the SPMD helix world (one rank when dp = cp = 1).
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(8200, ge=1, le=65535)
     max_queue_len: int = Field(64, ge=0)
     dp: int = Field(1, ge=1)
-    cp: int = Field(1, ge=1)
-    # how generation_only requests get their prompt state; "recompute" re-prefills on gen
-    kv_source: Literal["recompute"] = "recompute"
+    cp: int = Field(2, ge=1)
+    kv_source: Literal["ucx", "recompute"] = "ucx"
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:1")
+    collective_timeout_s: float = Field(60.0, gt=0)  # a world collective waiting longer fails
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def runs_world(self) -> bool:
+        """Whether this worker drives the SPMD world (else a single-process engine)."""
+        return self.world_size > 1 or self.kv_source == "ucx"
 
     @property
     def url(self) -> str:
@@ -118,6 +137,9 @@ class DeploymentConfig(_Strict):
     ctx: list[CtxServerConfig] = Field(default_factory=lambda: [CtxServerConfig()], min_length=1)
     gen: list[GenServerConfig] = Field(default_factory=lambda: [GenServerConfig()], min_length=1)
     router: RouterConfig = RouterConfig()
+    # ctx senders and gen receivers; kv_transfer_timeout_ms must stay finite (validated there)
+    transceiver: TransceiverConfig = Field(
+        default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))
 
     @model_validator(mode="after")
     def _check_ports(self) -> DeploymentConfig:
@@ -166,3 +188,25 @@ def slurm_env():  # -> helixserve.launch_slurm.SlurmEnv
     from helixserve.launch_slurm import slurm_env_from
 
     return slurm_env_from(os.environ)
+
+
+def dist_env():  # -> helixserve.parallel.DistEnv | None
+    """The torchrun / srun rank of this process (``RANK`` / ``SLURM_PROCID`` ... variables), or
+    ``None`` when neither launched it; a gen worker under ``srun -n dp*cp`` is one world rank."""
+    import os
+
+    from helixserve.parallel.groups import dist_env_from
+
+    return dist_env_from(os.environ)
+
+
+KERNEL_BACKENDS = ("auto", "reference")
+
+
+def kernel_backend(environ: dict[str, str] | None = None) -> str:
+    """``HELIXSERVE_KERNELS``: ``auto`` (GPU fast paths where installed) or ``reference`` (PyTorch
+    references everywhere, e.g. to check a GPU run against the references)."""
+    value = (os.environ if environ is None else environ).get("HELIXSERVE_KERNELS", "auto")
+    if value not in KERNEL_BACKENDS:
+        raise ValueError(f"HELIXSERVE_KERNELS must be one of {KERNEL_BACKENDS}, got {value!r}")
+    return value

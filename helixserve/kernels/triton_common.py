@@ -30,7 +30,9 @@ def value_checks_enabled() -> bool:
 
 @cache
 def has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    from helixserve.config import kernel_backend
+
+    return kernel_backend() == "auto" and importlib.util.find_spec("triton") is not None
 
 
 @cache
