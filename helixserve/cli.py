@@ -126,12 +126,21 @@ def _cmd_serve_ctx(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_gen(args: argparse.Namespace) -> int:
-    from helixserve.gen_server.app import build_gen_app
+    """One gen worker. Its SPMD world's ranks are spawned here, unless srun / torchrun started
+    this command as dp x cp tasks: then task 0 serves HTTP and the others are its world ranks."""
+    from helixserve.config import dist_env
+    from helixserve.gen_server.app import build_gen_app, run_gen_rank
     from helixserve.serving.http import serve
 
     deploy = _load_deployment(args)
     server = _worker_config(deploy, "gen", args)
-    serve(build_gen_app(deploy, server), server.host, server.port, args.log_level)
+    env = dist_env() if server.runs_world else None
+    if env is not None and env.world_size == 1:
+        env = None  # one task (e.g. the launcher's own srun step): spawn the ranks here
+    if env is not None and env.rank != 0:
+        run_gen_rank(deploy, server, env)
+        return 0
+    serve(build_gen_app(deploy, server, env), server.host, server.port, args.log_level)
     return 0
 
 

@@ -8,13 +8,15 @@ A ``context_only`` request passes these stages, each a named queue:
 2. **Prefill** (the engine's ``Scheduler.waiting`` then ``Scheduler.running``): the prompt is
    prefilled (chunked under the token budget) and the first token sampled; the request runs with
    ``max_tokens=1`` and ``hold_cache=True``, so finishing keeps its blocks and state slot.
-3. **Held** (:class:`~helixserve.ctx_server.pickup.PickupRegistry`): the answer carries
-   ``disaggregated_params`` (ctx_request_id, first_gen_tokens, prompt_token_ids, the transceiver
-   endpoint, the KV layout) and the cache stays pinned for the gen side to pick up.
-4. **Freed**: on ``release`` (picked up: the transceiver's acknowledgement, or the router's
-   ``POST /v1/release``), on cancel (``POST /v1/abort``, client gone) or when the pickup deadline
-   passes (counted as expired). A request that already finished at its first token (stop, or
-   ``max_tokens == 1``) is freed at once and answered with its final text.
+3. **Held** (:class:`~helixserve.ctx_server.pickup.PickupRegistry`, then the KV sender of
+   :mod:`~helixserve.ctx_server.transfer`): the answer carries ``disaggregated_params``
+   (ctx_request_id, first_gen_tokens, prompt_token_ids, the transceiver endpoint, the KV layout)
+   and the cache stays pinned while the gen ranks pick their shards up over UCX.
+4. **Freed** by the KV sender: when every expected gen rank acknowledged its shard, on cancel
+   (``POST /v1/abort``: client gone; ``POST /v1/release``: the router is done, e.g. with a gen
+   worker that recomputes) or when the pickup deadline passes (counted as expired), and only
+   once no send can still read the blocks. A request that already finished at its first token
+   (stop, or ``max_tokens == 1``) is freed at once and answered with its final text.
 
 Requests without ``disaggregated_params`` run aggregated here (prefill and decode).
 """

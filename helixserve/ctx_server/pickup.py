@@ -1,13 +1,13 @@
 """Stage 3 of the ctx worker: prefills whose cache stays allocated until the gen side picks it up.
 
-The transceiver's ctx sender is the consumer: it looks a request up (:meth:`PickupRegistry.get`;
-``is_ready`` once prefilled), reads where the engine holds it (``await registry.engine.call(lambda
-core: core.cache_manager.get(request_id))``: block ids and state slot, read on the engine
-thread), sends those blocks and state, and calls :meth:`PickupRegistry.release` (or
-:meth:`release_threadsafe` from its own thread) when every expected gen rank has acknowledged or
-the transfer was cancelled. Until then the router's ``POST /v1/release`` plays that role (the gen
-side recomputes instead of receiving). A hold not released by ``now + timeout_s`` is freed by
-:meth:`expire_due` and counted in ``num_expired``: a hold is never unbounded.
+A request is registered (:meth:`PickupRegistry.hold`) *before* its prefill, marked ready with its
+first token(s) once prefilled, then offered to the ctx worker's KV sender
+(:mod:`helixserve.ctx_server.transfer`, ``is_offered``). From then on the sender owns its end: it
+frees the cache when every expected gen rank acknowledged, on cancel, or at its pickup deadline,
+and only when no send can still read the blocks; :meth:`PickupRegistry.freed` then releases the
+engine's hold. A hold never offered (no sender) is freed by :meth:`release` (the router's
+``POST /v1/release``) or, past ``now + timeout_s``, by :meth:`expire_due` (counted in
+``num_expired``): a hold is never unbounded.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ class HeldPrefill:
     prompt_token_ids: list[int]
     deadline: float  # clock() time after which a ready hold's cache is freed
     first_gen_tokens: list[int] = field(default_factory=list)  # empty while prefilling
+    is_offered: bool = False  # the KV sender holds it: it decides when the cache is freed
+    is_cancelled: bool = False  # the client left while it was being offered
 
     @property
     def is_ready(self) -> bool:
@@ -45,7 +47,7 @@ class PickupRegistry:
         if not timeout_s > 0:
             raise ValueError(f"pickup timeout must be > 0 s, got {timeout_s}")
         self.engine = engine
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # for holds not offered to a sender
         self.clock = clock
         self._held: dict[str, HeldPrefill] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,6 +83,13 @@ class PickupRegistry:
         self.num_released += 1
         return True
 
+    async def freed(self, request_id: str) -> None:
+        """The KV sender freed an offered hold (acknowledged, cancelled or expired, and
+        quiesced): release the engine's hold, whatever the registry still knows of it."""
+        self._held.pop(request_id, None)
+        if await self.engine.release(request_id):
+            self.num_released += 1
+
     def release_threadsafe(self, request_id: str) -> None:
         """:meth:`release` from another thread (the transceiver's control plane)."""
         if self._loop is None:
@@ -95,7 +104,8 @@ class PickupRegistry:
         """Free every prefilled hold past its deadline; returns their ids. (A request still
         prefilling is its handler's to clean up: it forgets it on failure or cancel.)"""
         now = self.clock()
-        due = [rid for rid, held in self._held.items() if held.is_ready and held.deadline <= now]
+        due = [rid for rid, held in self._held.items()
+               if held.is_ready and not held.is_offered and held.deadline <= now]
         for rid in due:
             del self._held[rid]
             if not await self.engine.release(rid):
@@ -124,9 +134,11 @@ class PickupRegistry:
                 await self.release(rid)
             self._loop = None
 
-    def gauges(self) -> list[tuple[str, str, float]]:
+    def gauges(self, num_expired_by_sender: int = 0) -> list[tuple[str, str, float]]:
         return [
             ("pickups_held", "prefills holding their cache for pickup", self.num_held),
-            ("pickups_released_total", "holds released (picked up or cancelled)", self.num_released),
-            ("pickups_expired_total", "holds freed at the pickup deadline", self.num_expired),
+            ("pickups_released_total", "holds freed (picked up, cancelled or expired)",
+             self.num_released),
+            ("pickups_expired_total", "holds freed at the pickup deadline",
+             self.num_expired + num_expired_by_sender),
         ]

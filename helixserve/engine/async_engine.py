@@ -45,7 +45,12 @@ _REPLACEMENT = "\ufffd"
 
 
 class EngineCoreLike(Protocol):
-    """What :class:`AsyncEngine` drives: :class:`EngineCore`, or a gen world's rank-0 driver."""
+    """What :class:`AsyncEngine` drives: :class:`EngineCore`, or a gen world's rank-0 driver.
+
+    Optional: ``failure_error(request_id) -> OpenAIError | None``, why a request the core
+    finished with an error status failed (asked once, when its error update is delivered);
+    ``add_request`` may raise an ``OpenAIError`` to refuse with that status (e.g. 503).
+    """
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     hold_cache: bool = False, forced_output_token_ids: Sequence[int] = ()) -> Any: ...
@@ -370,6 +375,8 @@ class AsyncEngine:
                     updates = None
                 else:
                     updates = command.start(self._core)
+            except OpenAIError as exc:  # the core refused it with a status of its own (e.g. 503)
+                self._resolve(command.admitted, error=exc)
             except ValueError as exc:
                 self._resolve(command.admitted, error=InvalidRequestError(str(exc)))
             except Exception as exc:  # a start function failed unexpectedly
@@ -412,10 +419,17 @@ class AsyncEngine:
             rid, tokens, _, _ = batch.setdefault(update.request_id, (update.request_id, [], None, None))
             reason, error = update.status.finish_reason, None
             if reason in _ERROR_STATUSES:  # failed inside the core (e.g. a KV transfer): no token
-                error = InternalServerError(f"request {rid} failed in the engine ({reason})")
+                error = self._failure_error(rid, reason)
                 reason = None
             else:
                 tokens.append(update.token_id)
             batch[rid] = (rid, tokens, reason, error)
         if batch:
             self._call_soon(self._deliver, list(batch.values()))
+
+    def _failure_error(self, request_id: str, reason: str) -> OpenAIError:
+        """The error of a request the core failed: the core's own (``failure_error(request_id)``,
+        e.g. which KV transfer failed and why) where it has one, else a generic 500."""
+        explain = getattr(self._core, "failure_error", None)
+        error = explain(request_id) if explain is not None else None
+        return error or InternalServerError(f"request {request_id} failed in the engine ({reason})")

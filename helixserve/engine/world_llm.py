@@ -19,6 +19,7 @@ from pathlib import Path
 
 import logging
 import multiprocessing as mp
+import signal
 from collections.abc import Callable
 
 import torch
@@ -213,18 +214,48 @@ def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options:
         engine.groups.destroy()
 
 
+class ServingWorldDriver(WorldDriver):
+    """A :class:`WorldDriver` that keeps why each received request failed (the transfer errors
+    its ranks reported), for :meth:`kv_failure`: a request's error update carries only its
+    status, and a server's client should read the cause (which ctx, which rank, timeout or not).
+    """
+
+    max_kept_failures = 4096
+
+    def __init__(self, rank: RankEngine, heartbeat_s: float | None = None) -> None:
+        super().__init__(rank, heartbeat_s)
+        self._kv_failures: dict[str, str] = {}
+
+    def _add_kv_decisions(self, plan) -> None:  # noqa: ANN001 (StepPlan)
+        for rid, polls in self._kv_polls.items():
+            errors = list(dict.fromkeys(e for e in polls.values() if e is not None))
+            if errors:
+                self._kv_failures[rid] = "; ".join(errors)
+        while len(self._kv_failures) > self.max_kept_failures:  # never asked for (aborted)
+            del self._kv_failures[next(iter(self._kv_failures))]
+        super()._add_kv_decisions(plan)
+
+    def kv_failure(self, request_id: str) -> str | None:
+        """Why ``request_id``'s received KV failed (once), or None."""
+        return self._kv_failures.pop(request_id, None)
+
+
 def start_rank0(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),
                 kv_receiver_factory: KVReceiverFactory | None = None, heartbeat_s: float | None = None,
-                local_rank: int = 0) -> WorldDriver:
+                local_rank: int = 0, driver_cls: type[WorldDriver] = WorldDriver) -> WorldDriver:
     """Rank 0 joins the world (blocks until every rank did) and returns its driver."""
     if mapping.rank != 0:
         raise ValueError(f"start_rank0 on rank {mapping.rank}")
-    return WorldDriver(_join(model_dir, mapping, init_method, options, kv_receiver_factory, local_rank), heartbeat_s)
+    return driver_cls(_join(model_dir, mapping, init_method, options, kv_receiver_factory, local_rank), heartbeat_s)
 
 
 def _local_rank_main(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
                      options: WorldOptions, kv_receiver_factory: KVReceiverFactory | None) -> None:
     torch.set_num_threads(1)
+    # a SIGTERM to the server's process group is rank 0's to handle: it sends the shutdown plan
+    # (and if rank 0 dies instead, this rank's next collective fails and the process ends)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_rank(model_dir, Mapping(world_size, rank, dp=dp, cp=cp), init_method, options, kv_receiver_factory)
 
 
@@ -255,8 +286,12 @@ class LocalWorld:
 
 def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: WorldOptions = WorldOptions(),
                       kv_receiver_factory: KVReceiverFactory | None = None,
-                      heartbeat_s: float | None = None) -> LocalWorld:
-    """Make this process rank 0 of a dp x cp world whose other ranks are spawned here."""
+                      heartbeat_s: float | None = None, local_rank: int = 0,
+                      driver_cls: type[WorldDriver] = WorldDriver) -> LocalWorld:
+    """Make this process rank 0 of a dp x cp world whose other ranks are spawned here.
+
+    ``local_rank``: rank 0's CUDA device index under NCCL (spawned rank r uses r).
+    """
     model_dir = Path(model_dir)
     _check_fits_world(model_dir, dp, cp)
     world_size = dp * cp
@@ -271,7 +306,7 @@ def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: World
         proc.start()
     try:
         driver = start_rank0(model_dir, Mapping(world_size, 0, dp=dp, cp=cp), init_method, options,
-                             kv_receiver_factory, heartbeat_s)
+                             kv_receiver_factory, heartbeat_s, local_rank, driver_cls)
     except BaseException:
         for proc in processes:
             proc.kill()

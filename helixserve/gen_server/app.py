@@ -3,15 +3,23 @@ package docstring) and plain requests aggregated."""
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from helixserve.config import DeploymentConfig, GenServerConfig
-from helixserve.gen_server.kv_source import KVSource, make_kv_source
+from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
+from helixserve.gen_server.world import (GenWorld, GenWorldCore, serve_world_rank, start_gen_world,
+                                         world_layout, world_options)
+from helixserve.models.tokenizer import load_tokenizer
+from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
-from helixserve.serving.loading import make_worker
+from helixserve.serving.loading import make_worker, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
+
+logger = logging.getLogger(__name__)
 
 
 class GenerationOnlyHandler:
@@ -34,20 +42,55 @@ class GenerationOnlyHandler:
         return await respond(self.worker, http_request, prepared, outputs)
 
 
-def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig) -> FastAPI:
+def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEnv | None = None) -> FastAPI:
     """Load the engine and build the app (the engine thread starts with the app).
 
-    A dp x cp > 1 world is the generation-world engine's to drive: it must give an
-    :class:`~helixserve.engine.async_engine.EngineCoreLike` on rank 0, passed to ``AsyncEngine``
-    in place of the single-process ``EngineCore``.
+    With ``server.runs_world`` this process becomes rank 0 of the SPMD world (see
+    :mod:`.world`; ``env``: the srun / torchrun rank, when a launcher started the other ranks),
+    and the world is shut down after the engine thread stops.
     """
-    if server.dp * server.cp > 1:
-        raise ValueError(f"gen worker {server.url}: dp={server.dp} x cp={server.cp} needs the "
-                         "SPMD generation world, which gen_server does not drive yet; use dp=1, cp=1")
-    kv_source = make_kv_source(server.kv_source)
-    worker = make_worker("gen", deploy, server.max_queue_len, server.device)
+    if not server.runs_world:
+        worker, _ = make_worker("gen", deploy, server.max_queue_len, server.device)
+        kv_source = make_kv_source(server.kv_source, worker.layout, deploy.transceiver, server.cp)
+        return _app(worker, kv_source)
+    options, layout, kv_source, factory = _world_parts(deploy, server)
+    world = start_gen_world(deploy, server, options, factory, env)
+    try:
+        driver = world.driver
+        tokenizer = load_tokenizer(deploy.model.path) if (deploy.model.path / "tokenizer.json").is_file() else None
+        worker = wrap_core("gen", deploy, GenWorldCore(world), tokenizer, driver.rank.model.cfg, layout,
+                           driver.rank.scheduler.max_model_len, server.max_queue_len,
+                           num_running_slots=server.dp * deploy.cache.max_num_seqs)
+    except BaseException:
+        world.close()
+        raise
+    worker.failure = world.failure
+    logger.info("gen worker drives a dp=%d x cp=%d world (kv_source %s)", server.dp, server.cp, server.kv_source)
+    return _app(worker, kv_source, world)
+
+
+def run_gen_rank(deploy: DeploymentConfig, server: GenServerConfig, env: DistEnv) -> int:
+    """A task != 0 of an srun / torchrun gen world: serves plans, no HTTP (see :mod:`.world`)."""
+    options, _, _, factory = _world_parts(deploy, server)
+    return serve_world_rank(deploy, server, options, factory, env)
+
+
+def _world_parts(deploy: DeploymentConfig, server: GenServerConfig):  # noqa: ANN202
+    options = world_options(deploy, server)
+    layout = world_layout(deploy, server, options)
+    kv_source = make_kv_source(server.kv_source, layout, deploy.transceiver, server.cp)
+    factory = kv_source.receiver_factory() if isinstance(kv_source, UcxKVSource) else None
+    return options, layout, kv_source, factory
+
+
+def _app(worker: Worker, kv_source: KVSource, world: GenWorld | None = None) -> FastAPI:
+    worker.extra_gauges = kv_source.gauges
+    worker.extra_stats = kv_source.stats if world is None else lambda: {**kv_source.stats(),
+                                                                         "world": world.describe()}
     handlers = {
         None: aggregated_handler(worker),
         RequestType.GENERATION_ONLY: GenerationOnlyHandler(worker, kv_source),
     }
-    return build_worker_app(worker, handlers)
+    app = build_worker_app(worker, handlers, after_shutdown=(world.close,) if world is not None else ())
+    app.state.world = world
+    return app

@@ -1,5 +1,9 @@
 """Stage 2 of the gen worker: how a ``generation_only`` request's prompt state enters the engine.
 
+Sources: :class:`UcxKVSource` (``kv_source: ucx``, the default: every rank of the request's CP
+group receives its shard over UCX from the ctx worker's KV sender) and :class:`RecomputeKVSource`
+(``recompute``: a fallback that re-prefills on gen).
+
 This is the seam the transceiver's receiver plugs into. A :class:`KVSource` gets the request's
 :class:`~helixserve.protocol.DisaggregatedParams` (ctx_request_id, ctx endpoint, layout,
 prompt_token_ids, first_gen_tokens) and yields the request's outputs from this worker's engine:
@@ -19,13 +23,18 @@ any other core operation (allocate, read block tables) on the engine thread.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import ClassVar
 
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.engine.request import SamplingParams
-from helixserve.protocol import DisaggregatedParams
+from helixserve.protocol import DisaggregatedParams, KVLayout, OpenAIError
+from helixserve.transceiver.config import TransceiverConfig
+from helixserve.transceiver.polling import TransferMetrics
 
 
 class KVSource(ABC):
@@ -37,6 +46,14 @@ class KVSource(ABC):
     def generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
                  sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's outputs, ``first_gen_tokens`` first (see the module docstring)."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for ``/health`` and ``/stats`` (the router reads them)."""
+        return {}
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        """``(name, help, value)`` for ``/metrics``."""
+        return []
 
 
 class RecomputeKVSource(KVSource):
@@ -55,10 +72,133 @@ class RecomputeKVSource(KVSource):
                                forced_output_token_ids=params.first_gen_tokens)
 
 
-KV_SOURCES: dict[str, type[KVSource]] = {RecomputeKVSource.name: RecomputeKVSource}
+class PacedKVReceiver:
+    """A rank's :class:`~helixserve.transceiver.receiver.KVReceiver` as the gen world's
+    ``KVReceiver``: each executor step's poll waits at most ``interval_s`` for a transfer to end
+    (bounded local poll, no collective), so a world that only waits on transfers does not spin,
+    and decode steps of other requests wait at most that long."""
+
+    def __init__(self, receiver, interval_s: float) -> None:  # noqa: ANN001 (transceiver KVReceiver)
+        self.receiver = receiver
+        self.interval_s = interval_s
+
+    def start(self, request_id: str, handle, caches, ticket: DisaggregatedParams) -> None:  # noqa: ANN001
+        self.receiver.start(request_id, handle, caches, ticket)
+
+    def poll(self) -> dict[str, str | None]:
+        return self.receiver.poll(wait_num=1, interval_s=self.interval_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.receiver.cancel(request_id)
+
+    @property
+    def metrics(self) -> TransferMetrics:
+        return self.receiver.metrics
+
+    def close(self) -> None:
+        self.receiver.close()
 
 
-def make_kv_source(name: str) -> KVSource:
-    if name not in KV_SOURCES:
-        raise ValueError(f"unknown kv_source {name!r}; choose one of {sorted(KV_SOURCES)}")
-    return KV_SOURCES[name]()
+@dataclass(frozen=True, slots=True)
+class UcxReceiverFactory:
+    """Builds each gen world rank's receiver (pickled to the spawned ranks). ``layout`` has the
+    world's *global* head counts, as a ctx worker advertises it."""
+
+    config: TransceiverConfig
+    layout: KVLayout
+
+    def __call__(self, mapping) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping)
+        from helixserve.transceiver.receiver import KVReceiver
+
+        receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
+                              gen_rank=mapping.rank)
+        return PacedKVReceiver(receiver, self.config.poll_interval_s)
+
+
+class UcxKVSource(KVSource):
+    """THE data path: the request goes to the gen world (``kv_ticket`` = its params); every rank
+    of the CP group it lands on allocates its shard and its receiver asks the ctx sender for
+    exactly that shard, polled once per executor step (bounded); rank 0 starts decoding on the
+    whole group once every rank has its shard, and fails it on every rank when one rank's transfer
+    failed or timed out (the client gets a 503 / 504 naming the ctx worker, the rank and the
+    cause, from :meth:`GenWorldCore.failure_error`). A request whose client left is aborted: each
+    rank cancels its transfer (the ctx stops sending) and frees its blocks once nothing can write.
+
+    Counts per request (whole CP group): completed / failed transfers, bytes (the shards' sizes)
+    and seconds from admission to the prompt state ready on every rank.
+    """
+
+    name = "ucx"
+
+    def __init__(self, layout: KVLayout, config: TransceiverConfig, cp: int) -> None:
+        self.layout = layout
+        self.config = config
+        self.cp = cp
+        self.num_completed = 0
+        self.num_failed = 0
+        self.bytes_received = 0
+        self.seconds_received = 0.0
+
+    def receiver_factory(self) -> UcxReceiverFactory:
+        return UcxReceiverFactory(self.config, self.layout)
+
+    def generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
+                 sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        return self._generate(engine, request_id, params, sampling)
+
+    async def _generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
+                        sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        prompt = list(params.prompt_token_ids)
+
+        def start(core) -> None:  # noqa: ANN001 (the world's rank-0 core, on the engine thread)
+            core.add_request(request_id, prompt, sampling,
+                             forced_output_token_ids=params.first_gen_tokens, kv_ticket=params)
+
+        began, is_received = time.monotonic(), False
+        try:
+            async with contextlib.aclosing(engine.generate(request_id, prompt, sampling, start=start)) as outputs:
+                async for out in outputs:
+                    if not is_received:
+                        is_received = True
+                        self._count_received(len(prompt), time.monotonic() - began)
+                    yield out
+        except OpenAIError as err:
+            if not is_received and err.code in KV_ERROR_CODES:
+                self.num_failed += 1
+            raise
+
+    def _count_received(self, num_prompt_tokens: int, seconds: float) -> None:
+        from helixserve.transceiver.layout import ShardSpec, shard_segments
+
+        self.num_completed += 1
+        self.seconds_received += seconds
+        self.bytes_received += sum(segment.nbytes for cp_rank in range(self.cp) for segment in
+                                   shard_segments(ShardSpec(self.layout, num_prompt_tokens, cp_rank, self.cp)))
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_transfer_bytes": self.bytes_received, "kv_transfer_seconds": self.seconds_received,
+                "kv_transfers_completed": self.num_completed, "kv_transfer_failures": self.num_failed}
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        return [
+            ("kv_transfer_bytes_total", "KV bytes received by whole CP groups", self.bytes_received),
+            ("kv_transfer_seconds_total", "admission to prompt state on every CP rank, summed",
+             self.seconds_received),
+            ("kv_transfers_completed_total", "requests received by every rank of their CP group",
+             self.num_completed),
+            ("kv_transfer_failures_total", "requests whose KV transfer failed or timed out", self.num_failed),
+        ]
+
+
+KV_ERROR_CODES = ("kv_transfer_failed", "kv_transfer_timeout")
+KV_SOURCES: dict[str, type[KVSource]] = {RecomputeKVSource.name: RecomputeKVSource,
+                                         UcxKVSource.name: UcxKVSource}
+
+
+def make_kv_source(name: str, layout: KVLayout, config: TransceiverConfig, cp: int) -> KVSource:
+    """The gen worker's source by its config name (``GenServerConfig.kv_source``)."""
+    if name == UcxKVSource.name:
+        return UcxKVSource(layout, config, cp)
+    if name == RecomputeKVSource.name:
+        return RecomputeKVSource()
+    raise ValueError(f"unknown kv_source {name!r}; choose one of {sorted(KV_SOURCES)}")

@@ -27,6 +27,12 @@ class _PoolCollector:
             ("requests_held", "prefills held for pickup (ctx)", "num_held"),
             ("cache_blocks_used", "MLA cache blocks in use", "num_used_blocks"),
             ("cache_blocks_total", "MLA cache blocks", "num_blocks"),
+            ("kv_transfer_bytes", "KV bytes transferred (ctx: sent and acknowledged; gen: "
+             "received by whole CP groups)", "kv_transfer_bytes"),
+            ("kv_transfer_seconds", "KV transfer seconds, summed (ctx: hold to last ack; gen: "
+             "admission to prompt state on every CP rank)", "kv_transfer_seconds"),
+            ("kv_transfers_completed", "completed KV transfers", "kv_transfers_completed"),
+            ("kv_transfer_failures", "failed or timed-out KV transfers", "kv_transfer_failures"),
         ]
         for name, help_text, key in specs:
             family = GaugeMetricFamily(f"helixserve_router_worker_{name}", help_text,

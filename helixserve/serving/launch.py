@@ -1,11 +1,13 @@
 """``helixserve launch``: the router, ctx and gen workers on this machine from one YAML.
 
 1. Resolve the config: ``-c FILE``, else the built-in local one (tiny model on CPU, one ctx
-   worker, one gen worker dp 1 x cp 1); ``--model`` / ``--port`` override. A missing checkpoint
+   worker, one gen world of dp 1 x cp 2 receiving the KV over UCX); ``--model`` / ``--port``
+   override. A missing checkpoint
    at the default path, or at a path named after a preset, is made first (random weights).
 2. Write the resolved config to a temporary file and start every worker and the router as
    ``python -m helixserve.cli <role> -c FILE --index I``, each in its own process group and
-   set to receive SIGTERM if the launcher dies (Linux), so nothing outlives it.
+   set to receive SIGTERM if the launcher dies (Linux), so nothing outlives it (a gen worker's
+   world ranks are its own child processes, in its group).
 3. Wait until the router's ``/ready`` answers 200, at most ``ready_timeout_s``; a process that
    exits first fails the launch, naming it and its exit code.
 4. Print the URL and a ``curl`` example, then wait for SIGINT/SIGTERM (or a process dying).
@@ -27,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from helixserve.config import CacheConfig, DeploymentConfig
+from helixserve.config import CacheConfig, DeploymentConfig, GenServerConfig
 
 DEFAULT_MODEL_DIR = Path("checkpoints/kimi-k3-tiny")
 DEFAULT_PRESET = "kimi-k3-tiny"
@@ -36,8 +38,11 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def default_deployment(model_dir: Path = DEFAULT_MODEL_DIR) -> DeploymentConfig:
+    """deploy/configs/local.yaml's values: one ctx worker, one gen world of dp 1 x cp 2 (the
+    config defaults) receiving the KV over UCX."""
     return DeploymentConfig(model={"path": model_dir, "served_name": DEFAULT_PRESET},
-                            cache=CacheConfig(memory_budget_mib=64, max_num_seqs=16))
+                            cache=CacheConfig(memory_budget_mib=64, max_num_seqs=16),
+                            gen=[GenServerConfig(dp=1, cp=2, kv_source="ucx")])
 
 
 def resolve_deployment(config: str | Path | None, model: str | None, port: int | None

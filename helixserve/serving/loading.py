@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from helixserve.config import DeploymentConfig
-from helixserve.engine.async_engine import AsyncEngine
+from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
 from helixserve.models.config import KimiModelConfig
@@ -40,20 +39,31 @@ def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLa
     )
 
 
-def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None,
-                extra_gauges: Callable[[], list[tuple[str, str, float]]] | None = None) -> Worker:
-    """Load the engine (on ``device``, default ``model.device``) and wrap it in an
-    :class:`AsyncEngine` (started by the app's lifespan)."""
+def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None
+                ) -> tuple[Worker, EngineCore]:
+    """Load a single-process engine (on ``device``, default ``model.device``) and wrap it in a
+    :class:`Worker` (its :class:`AsyncEngine` is started by the app's lifespan); the core is
+    returned too (its caches are what a ctx worker's KV sender reads)."""
     if device is not None:
         deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"device": device})})
     core, tokenizer, cfg = load_engine(deploy)
+    worker = wrap_core(role, deploy, core, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
+                       core.layout.max_model_len, max_queue_len)
+    logger.info("%s worker ready: %s", role, core.layout)
+    return worker, core
+
+
+def wrap_core(role: str, deploy: DeploymentConfig, core: EngineCoreLike, tokenizer: HelixTokenizer | None,
+              cfg: KimiModelConfig, layout: KVLayout, max_model_len: int, max_queue_len: int,
+              num_running_slots: int | None = None) -> Worker:
+    """A :class:`Worker` over any engine core (a single-process ``EngineCore`` or a gen world's
+    rank-0 driver) holding ``layout`` and serving prompts up to ``max_model_len`` tokens;
+    ``num_running_slots`` (default ``cache.max_num_seqs``; a world: one set per DP group)."""
     engine = AsyncEngine(core, tokenizer.decode if tokenizer else None,
-                         max_num_seqs=deploy.cache.max_num_seqs, max_queue_len=max_queue_len,
+                         max_num_seqs=num_running_slots or deploy.cache.max_num_seqs,
+                         max_queue_len=max_queue_len,
                          engine_thread_name=f"{role}-engine")
-    limits = ServingLimits(served_model=deploy.model.name, max_model_len=core.layout.max_model_len,
+    limits = ServingLimits(served_model=deploy.model.name, max_model_len=max_model_len,
                            vocab_size=cfg.vocab_size, default_max_tokens=deploy.default_max_tokens)
-    worker = Worker(role, engine, tokenizer, limits, kv_layout(core, cfg, deploy.model.name))
-    if extra_gauges is not None:
-        worker.extra_gauges = extra_gauges
-    logger.info("%s worker ready: %s, %s", role, limits, core.layout)
-    return worker
+    logger.info("%s worker limits: %s", role, limits)
+    return Worker(role, engine, tokenizer, limits, layout)

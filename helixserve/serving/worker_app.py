@@ -1,8 +1,9 @@
 """The HTTP app both workers share; each role plugs in its request handlers.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream or not), ``GET /v1/models``,
-``GET /health`` (503 once the engine stopped), ``GET /stats`` (engine counters as JSON),
-``GET /metrics`` (Prometheus), ``POST /v1/abort`` (``{"request_id"}``: the router cancels).
+``GET /health`` (503 naming the cause once the engine stopped or the role reports a failure, e.g.
+a dead gen world rank), ``GET /stats`` (engine counters as JSON), ``GET /metrics`` (Prometheus),
+``POST /v1/abort`` (``{"request_id"}``: the router cancels).
 
 A completion request is parsed (400s), checked against the served model (404), routed by its
 ``disaggregated_params.request_type`` (``None`` = aggregated) to the role's handler, which turns it
@@ -11,6 +12,7 @@ into engine outputs; :func:`respond` sends them as one JSON answer or as SSE.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +66,11 @@ class Worker:
     layout: KVLayout
     extra_gauges: Callable[[], list[tuple[str, str, float]]] = lambda: []
     on_abort: Callable[[str], None] = lambda request_id: None  # after /v1/abort (ctx: pickups)
+    # asked first on /v1/abort: True when the role frees the request its own way (ctx: a pickup
+    # the KV sender holds is freed once no send can read it), so the engine abort is skipped
+    abort_override: Callable[[str], Awaitable[bool]] | None = None
+    failure: Callable[[], str | None] = lambda: None  # why the worker cannot serve (None: it can)
+    extra_stats: Callable[[], dict[str, Any]] = lambda: {}  # in /health and /stats (router reads)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
@@ -75,14 +82,22 @@ class Worker:
                                          "tokens generated", ["role"], registry=self.registry)
         self.registry.register(_EngineCollector(self))
 
+    def failure_cause(self) -> str | None:
+        """Why this worker cannot serve now, or None."""
+        if not self.engine.is_alive:
+            return f"the {self.role} engine is not running"
+        return self.failure()
+
     def stats(self) -> dict[str, Any]:
         s = self.engine.stats()
         return {
-            "role": self.role, "model": self.limits.served_model, "is_alive": self.engine.is_alive,
+            "role": self.role, "model": self.limits.served_model,
+            "is_alive": self.failure_cause() is None,
             "num_live_requests": self.engine.num_live_requests, "num_running": s.num_running,
             "num_waiting": s.num_waiting, "num_held": s.num_held, "num_blocks": s.num_blocks,
             "num_used_blocks": s.num_used_blocks, "num_slots": s.num_slots,
             "num_used_slots": s.num_used_slots, "capacity": self.engine.capacity,
+            **self.extra_stats(),
         }
 
     def gauges(self) -> list[tuple[str, str, float]]:
@@ -159,8 +174,10 @@ async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None
         raise InvalidRequestError(f"this {worker.role} worker does not serve "
                                   f"{request_type or 'aggregated'} requests",
                                   param="disaggregated_params.request_type")
-    if not worker.engine.is_alive:
-        raise ServiceUnavailableError(f"the {worker.role} engine is not running")
+    cause = worker.failure_cause()
+    if cause is not None:
+        raise ServiceUnavailableError(f"{worker.role} worker cannot serve: {cause}",
+                                      code=f"{worker.role}_worker_failed")
     request_id = request_id_from(http_request, worker.engine.new_request_id(worker.role))
     prepared = prepare(request_id, body, worker.tokenizer, worker.limits)
     status = "500"
@@ -176,9 +193,12 @@ async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None
 
 
 def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
-                     lifespan_hooks: tuple[Callable[[], Any], ...] = ()) -> FastAPI:
+                     lifespan_hooks: tuple[Callable[[], Any], ...] = (),
+                     after_shutdown: tuple[Callable[[], None], ...] = ()) -> FastAPI:
     """The app; ``handlers`` maps a request type (``None``: no disaggregated_params) to the
-    role's handler; ``lifespan_hooks`` are async context managers entered after the engine starts."""
+    role's handler; ``lifespan_hooks`` are async context managers entered after the engine starts;
+    ``after_shutdown`` run (in order, in a thread) once the engine thread stopped (e.g. closing
+    the gen world the engine drove)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -189,7 +209,11 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
                     await stack.enter_async_context(hook())
                 yield
         finally:
-            await worker.engine.shutdown()
+            try:
+                await worker.engine.shutdown()
+            finally:
+                for fn in after_shutdown:
+                    await asyncio.to_thread(fn)
 
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
     install_error_handlers(app)
@@ -210,8 +234,9 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     @app.get("/health")
     async def health() -> Response:
         stats = worker.stats()
-        return JSONResponse({"status": "ok" if stats["is_alive"] else "engine stopped", **stats},
-                            status_code=200 if stats["is_alive"] else 503)
+        cause = worker.failure_cause()
+        return JSONResponse({**stats, "status": "ok" if cause is None else cause},
+                            status_code=200 if cause is None else 503)
 
     @app.get("/stats")
     async def stats() -> Response:
@@ -224,7 +249,8 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     @app.post("/v1/abort")
     async def abort(http_request: Request) -> Response:
         body = parse_model(AbortRequest, await http_request.body())
-        worker.engine.abort(body.request_id, f"request {body.request_id} was cancelled")
+        if worker.abort_override is None or not await worker.abort_override(body.request_id):
+            worker.engine.abort(body.request_id, f"request {body.request_id} was cancelled")
         worker.on_abort(body.request_id)
         return JSONResponse({"request_id": body.request_id, "aborted": True})
 

@@ -113,6 +113,12 @@ def target(endpoint: TransceiverEndpoint) -> str:
     return f"{endpoint.host}:{endpoint.port}"
 
 
+# a ctx worker that restarts on the same endpoint is reachable again within a second; each
+# channel has its own subchannels (gRPC shares them, backoff included, across equal channels)
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
+
+
 class ControlClient:
     """Calls one ctx worker's service; every call has a deadline (`timeout_s` at most)."""
 
@@ -121,8 +127,18 @@ class ControlClient:
             raise ValueError(f"control-plane timeout must be > 0 s, got {timeout_s}")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target(endpoint))
+        self._channel = grpc.insecure_channel(target(endpoint), options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVTransferStub(self._channel)
+        self.state = grpc.ChannelConnectivity.IDLE
+        self._channel.subscribe(self._on_state)
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        self.state = state
+
+    @property
+    def is_failing(self) -> bool:
+        """The channel's last connection attempt failed (calls fail fast until its backoff ends)."""
+        return self.state is grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     def _deadline(self, timeout_s: float | None) -> float:
         return max(0.001, min(self.timeout_s, timeout_s if timeout_s is not None else self.timeout_s))
@@ -145,12 +161,19 @@ class ControlClient:
     def acknowledge_async(self, request: pb.AckRequest, timeout_s: float | None = None) -> grpc.Future:
         return self._stub.Acknowledge.future(request, timeout=self._deadline(timeout_s))
 
+    def stop_watching(self) -> None:
+        self._channel.unsubscribe(self._on_state)
+
     def close(self) -> None:
+        self.stop_watching()
         self._channel.close()
 
 
 class ControlClients:
-    """One client (one channel) per ctx endpoint, shared by a receiver's transfers."""
+    """One client (one channel) per ctx endpoint, shared by a receiver's transfers. A client
+    whose channel is failing (the ctx was down) is replaced by a fresh one for new transfers, so
+    a restarted ctx worker is not refused for the rest of the old channel's reconnect backoff;
+    the old one stays with the transfers that use it."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -160,6 +183,9 @@ class ControlClients:
     def get(self, endpoint: TransceiverEndpoint) -> ControlClient:
         with self._lock:
             client = self._clients.get(target(endpoint))
+            if client is not None and client.is_failing:
+                client.stop_watching()  # left to its transfers (closed when unreferenced)
+                client = None
             if client is None:
                 client = self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s)
             return client

@@ -1,5 +1,10 @@
 """Real servers on loopback: each process started as ``python -m helixserve.cli <role>`` from a
-deployment YAML with free ports, and stopped (process group) when its fixture ends."""
+deployment YAML with free ports, and stopped (process group) when its fixture ends.
+
+The deployment is the default shape: one ctx worker (its KV sender on a free port) and one gen
+world of dp 1 x cp 2 (rank 0 is the gen server, rank 1 its child) receiving the KV over UCX.
+``baseline_gen=True`` adds a single-process gen worker (dp = cp = 1, ``recompute``) that the
+router does not use: the aggregated baseline of the equivalence tests."""
 
 from __future__ import annotations
 
@@ -73,8 +78,11 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1) -> N
 class Deployment:
     """ctx + gen workers and a router as subprocesses, from one YAML."""
 
-    def __init__(self, tmp: Path, model_dir: Path, **overrides: Any) -> None:
-        ctx_port, gen_port, router_port, tx_port = free_ports(4)
+    def __init__(self, tmp: Path, model_dir: Path, baseline_gen: bool = False, **overrides: Any) -> None:
+        ctx_port, gen_port, router_port, tx_port, baseline_port = free_ports(5)
+        gen = [{"port": gen_port, "dp": 1, "cp": 2, "kv_source": "ucx", "collective_timeout_s": 30}]
+        if baseline_gen:
+            gen.append({"port": baseline_port, "dp": 1, "cp": 1, "kv_source": "recompute"})
         data: dict[str, Any] = {
             "model": {"path": str(model_dir), "served_name": MODEL},
             "cache": {"tokens_per_block": 4, "memory_budget_mib": 16, "max_num_seqs": 8,
@@ -82,9 +90,11 @@ class Deployment:
             "scheduler": {"max_num_batched_tokens": 512},
             "default_max_tokens": 16,
             "ctx": [{"port": ctx_port, "transceiver_port": tx_port, "pickup_timeout_s": 20}],
-            "gen": [{"port": gen_port}],
+            "gen": gen,
+            "transceiver": {"kv_transfer_timeout_ms": 5000, "rpc_timeout_ms": 1000,
+                            "drain_timeout_ms": 1000},
             "router": {"port": router_port, "health_check_interval_s": 0.25,
-                       "health_check_timeout_s": 1.0},
+                       "health_check_timeout_s": 1.0, "gen_urls": [f"http://127.0.0.1:{gen_port}"]},
         }
         for key, value in overrides.items():
             data[key] = {**data[key], **value} if isinstance(value, dict) else value
@@ -94,31 +104,45 @@ class Deployment:
         self.log_dir = tmp
         self.procs: dict[str, subprocess.Popen] = {}
         self.ctx_url, self.gen_url = self.config.ctx[0].url, self.config.gen[0].url
+        self.baseline_url = self.config.gen[1].url if baseline_gen else None
         self.router_url = f"http://127.0.0.1:{router_port}"
+        self.roles = ["ctx", "gen", *(["baseline"] if baseline_gen else []), "router"]
 
-    def start(self, role: str, *extra: str) -> None:
-        command = {"ctx": ["serve-ctx"], "gen": ["serve-gen"], "router": ["router"]}[role]
-        log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 (kept for the process)
-        self.procs[role] = subprocess.Popen(
+    def save(self) -> None:
+        self.config.to_yaml(self.config_file)
+
+    def start(self, role: str, *extra: str, env: dict[str, str] | None = None, name: str | None = None) -> None:
+        """Start ``role`` (``ctx``, ``gen``, ``baseline`` or ``router``) as process ``name``
+        (default: the role), with ``env`` added to this environment."""
+        command = {"ctx": ["serve-ctx"], "gen": ["serve-gen"], "baseline": ["serve-gen", "--index", "1"],
+                   "router": ["router"]}[role]
+        name = name or role
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (kept for the process)
+        self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "helixserve.cli", "--log-level", "WARNING", *command,
              "-c", str(self.config_file), *extra],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})})
 
     def start_all(self) -> Deployment:
-        for role in ("ctx", "gen", "router"):
+        for role in self.roles:
             self.start(role)
         self.wait_ready()
         return self
 
     def wait_ready(self, timeout: float = 120) -> None:
+        def up(url: str) -> bool:
+            try:
+                return http("GET", url, timeout=2)[0] == 200
+            except OSError:
+                return False
+
         def ready() -> bool:
             for role, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise AssertionError(f"{role} exited with {proc.returncode}:\n{self.log(role)}")
-            try:
-                return http("GET", f"{self.router_url}/ready", timeout=2)[0] == 200
-            except OSError:
-                return False
+            baseline_up = self.baseline_url is None or up(f"{self.baseline_url}/health")
+            return baseline_up and up(f"{self.router_url}/ready")
         wait_until(ready, timeout, "the router's /ready", interval=0.3)
 
     def log(self, role: str) -> str:
@@ -137,6 +161,17 @@ class Deployment:
     def stats(self, role: str) -> dict:
         url = {"ctx": self.ctx_url, "gen": self.gen_url}[role]
         return http("GET", f"{url}/stats")[1]
+
+    def rank_pids(self) -> list[int]:
+        """The gen world's spawned ranks (1 .. dp*cp-1), from the gen worker's /health."""
+        return http("GET", f"{self.gen_url}/health")[1]["world"]["rank_pids"][1:]
+
+    def is_idle(self) -> bool:
+        """Nothing in use or in flight on ctx (sender included) and gen."""
+        ctx, gen = self.stats("ctx"), self.stats("gen")
+        return (ctx["num_used_blocks"] == ctx["num_used_slots"] == ctx["num_held"] == 0
+                and ctx["pickups_held"] == 0 and ctx["kv_transfers_in_flight"] == 0
+                and gen["num_used_blocks"] == gen["num_used_slots"] == gen["num_live_requests"] == 0)
 
     def client(self, url: str | None = None, api_key: str = "none", timeout: float = 60):  # noqa: ANN201
         import openai

@@ -1,23 +1,35 @@
-"""Workers that die, come back, or never get their prefill picked up."""
+"""Workers and transfers that fail: a prefill never picked up, a silent or killed ctx during the KV
+pickup, a dead gen world rank, a killed gen worker; each fails within its bound with an error
+naming the cause, leaves nothing allocated, and the deployment recovers."""
 
 from __future__ import annotations
 
+import http.client as httplib
+import json
+import os
+import signal
+import socket
+import threading
 import time
+from urllib.parse import urlparse
 
 import openai
 import pytest
 
 from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
-pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+TRANSFER_TIMEOUT_S = 3.0
+# a receiver that gives up asks the ctx to stop (rpc timeout) and drains (drain timeout)
+FAIL_BOUND_S = TRANSFER_TIMEOUT_S + 2 * 1.0 + 2.0
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("failures"), k3_tiny)
+    d = Deployment(tmp_path_factory.mktemp("failures"), k3_tiny,
+                   transceiver={"kv_transfer_timeout_ms": TRANSFER_TIMEOUT_S * 1000})
     d.config = d.config.model_copy(update={"ctx": [d.config.ctx[0].model_copy(
         update={"pickup_timeout_s": 1.0})]})
-    d.config.to_yaml(d.config_file)
+    d.save()
     try:
         yield d.start_all()
     finally:
@@ -30,39 +42,163 @@ def _ask(dep: Deployment, max_tokens: int = 3) -> str:
     return r.choices[0].finish_reason
 
 
-def test_unpicked_prefill_expires_and_frees_its_cache(dep):
+def _prefill_on_ctx(dep: Deployment, prompt: list[int]) -> dict:
+    """A context_only request straight to the ctx worker: its generation_only params."""
     status, answer = http("POST", f"{dep.ctx_url}/v1/completions", {
-        "model": MODEL, "prompt": list(range(20)), "max_tokens": 8, "temperature": 0,
+        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
         "disaggregated_params": {"request_type": "context_only"}})
-    assert status == 200 and answer["choices"][0]["finish_reason"] is None
-    params = answer["disaggregated_params"]
+    assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
+    return {**answer["disaggregated_params"], "request_type": "generation_only"}
+
+
+def _decode_on_gen(dep: Deployment, params: dict, out: dict) -> None:
+    began = time.monotonic()
+    out["answer"] = http("POST", f"{dep.gen_url}/v1/completions", {
+        "model": MODEL, "prompt": "ignored: the ctx ids count", "max_tokens": 8, "temperature": 0,
+        "disaggregated_params": params}, timeout=60)
+    out["elapsed"] = time.monotonic() - began
+
+
+def _open_stream(url: str, body: dict) -> httplib.HTTPConnection:
+    parsed = urlparse(url)
+    conn = httplib.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def _ctx_endpoint(params: dict) -> str:
+    return f"{params['ctx_endpoint']['host']}:{params['ctx_endpoint']['port']}"
+
+
+def test_unpicked_prefill_expires_and_frees_its_cache(dep):
+    params = _prefill_on_ctx(dep, list(range(20)))
     assert params["prompt_token_ids"] == list(range(20)) and len(params["first_gen_tokens"]) == 1
     assert params["layout"]["tokens_per_block"] == 4 and params["ctx_endpoint"]["port"] > 0
     assert dep.stats("ctx")["num_held"] == 1 and dep.stats("ctx")["num_used_blocks"] == 5
     wait_until(lambda: dep.stats("ctx")["num_used_blocks"] == 0, 10, "the hold to expire")
-    assert metric(dep.ctx_url, "helixserve_worker_pickups_expired_total") == 1
-    # a generation_only request for the same prompt still decodes (recompute fallback)
-    gen_params = {**params, "request_type": "generation_only"}
-    status, out = http("POST", f"{dep.gen_url}/v1/completions", {
-        "model": MODEL, "prompt": "ignored: the ctx ids count", "max_tokens": 8, "temperature": 0,
-        "disaggregated_params": gen_params})
-    status_agg, agg = http("POST", f"{dep.gen_url}/v1/completions", {
-        "model": MODEL, "prompt": list(range(20)), "max_tokens": 8, "temperature": 0})
-    assert status == status_agg == 200
-    assert out["choices"] == agg["choices"] and out["usage"] == agg["usage"]
+    wait_until(lambda: metric(dep.ctx_url, "helixserve_worker_pickups_expired_total") == 1, 5,
+               "the expiry to be counted")
+    # the gen world asks for it anyway: the ctx refuses, every rank fails it, nothing stays
+    out: dict = {}
+    _decode_on_gen(dep, params, out)
+    status, err = out["answer"]
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed", err
+    message = err["error"]["message"]
+    assert f"ctx worker {_ctx_endpoint(params)}" in message and "is not held here" in message
+    assert "to gen rank" in message  # the first rank(s) to report it
+    wait_until(dep.is_idle, 5, "nothing allocated on ctx and gen")
 
 
 def test_gen_rejects_a_mismatched_layout(dep):
-    _, answer = http("POST", f"{dep.ctx_url}/v1/completions", {
-        "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
-        "disaggregated_params": {"request_type": "context_only"}})
-    params = {**answer["disaggregated_params"], "request_type": "generation_only"}
+    params = _prefill_on_ctx(dep, [5, 6, 7])
     params["layout"] = {**params["layout"], "tokens_per_block": 64}
     status, err = http("POST", f"{dep.gen_url}/v1/completions", {
         "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "disaggregated_params": params})
     assert status == 400 and err["error"]["code"] == "layout_mismatch"
     assert "tokens_per_block: 4 != 64" in err["error"]["message"]
-    http("POST", f"{dep.ctx_url}/v1/release", {"request_id": params["ctx_request_id"]})
+    wait_until(dep.is_idle, 5, "the unpicked hold to expire")
+
+
+def test_silent_ctx_times_the_transfer_out_on_every_rank(dep):
+    """The ctx worker stops answering (SIGSTOP) after its prefill: the gen world's pickup times
+    out within kv_transfer_timeout_ms, the client gets a 504 naming the ctx, gen frees all."""
+    params = _prefill_on_ctx(dep, list(range(30, 47)))
+    os.killpg(dep.procs["ctx"].pid, signal.SIGSTOP)
+    out: dict = {}
+    try:
+        _decode_on_gen(dep, params, out)
+    finally:
+        os.killpg(dep.procs["ctx"].pid, signal.SIGCONT)
+    status, err = out["answer"]
+    assert status == 504 and err["error"]["code"] == "kv_transfer_timeout", err
+    assert f"ctx worker {_ctx_endpoint(params)}" in err["error"]["message"]
+    assert out["elapsed"] < FAIL_BOUND_S  # (the RequestShard call alone is bounded by rpc_timeout)
+    wait_until(dep.is_idle, 10, "nothing allocated on gen, the ctx hold expired")
+    dep.wait_ready()  # the router saw the ctx answer its health checks again
+    assert _ask(dep) == "length"
+
+
+def test_client_gone_during_the_pickup_frees_ctx_and_every_gen_rank(dep):
+    """The client leaves while the CP ranks wait for their shards: each rank cancels its
+    transfer (the ctx stops serving it) and frees its blocks; the router's abort frees the ctx."""
+    def ended() -> float:  # cancelled, or expired if the frozen ctx saw its pickup deadline first
+        return (metric(dep.ctx_url, "helixserve_worker_kv_transfers_cancelled_total")
+                + metric(dep.ctx_url, "helixserve_worker_pickups_expired_total"))
+
+    before = ended()
+    params = _prefill_on_ctx(dep, list(range(100, 123)))
+    os.killpg(dep.procs["ctx"].pid, signal.SIGSTOP)  # the pickup stays pending
+    try:
+        conn = _open_stream(dep.gen_url, {"model": MODEL, "prompt": [1], "max_tokens": 8, "stream": True,
+                                          "disaggregated_params": params})
+        wait_until(lambda: dep.stats("gen")["num_used_blocks"] > 0, 5, "gen allocating the shards")
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        wait_until(lambda: dep.stats("gen")["num_live_requests"] == 0, 5, "gen aborting it")
+    finally:
+        os.killpg(dep.procs["ctx"].pid, signal.SIGCONT)
+    http("POST", f"{dep.ctx_url}/v1/abort", {"request_id": params["ctx_request_id"]})  # as the router does
+    wait_until(dep.is_idle, 10, "nothing allocated on ctx and gen")
+    assert ended() == before + 1
+    dep.wait_ready()
+    assert _ask(dep) == "length"
+
+
+def test_ctx_killed_mid_pickup_fails_fast_then_router_recovers(dep):
+    params = _prefill_on_ctx(dep, list(range(60, 90)))
+    os.killpg(dep.procs["ctx"].pid, signal.SIGSTOP)  # the pickup hangs on it...
+    out: dict = {}
+    decode = threading.Thread(target=_decode_on_gen, args=(dep, params, out))
+    decode.start()
+    wait_until(lambda: dep.stats("gen")["num_used_blocks"] > 0, 5, "gen allocating the shards")
+    began = time.monotonic()
+    dep.kill("ctx")  # ... then it dies
+    decode.join(FAIL_BOUND_S + 5)
+    status, err = out["answer"]
+    assert status in (503, 504) and err["error"]["code"] in ("kv_transfer_failed", "kv_transfer_timeout")
+    assert f"ctx worker {_ctx_endpoint(params)}" in err["error"]["message"]
+    assert time.monotonic() - began < FAIL_BOUND_S and out["elapsed"] < FAIL_BOUND_S
+    wait_until(lambda: dep.stats("gen")["num_used_blocks"] == dep.stats("gen")["num_live_requests"] == 0,
+               5, "gen freeing every rank's shard")
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError, match=f"ctx worker.*{dep.ctx_url}") as info:
+        _ask(dep)
+    assert info.value.status_code == 503 and time.monotonic() - t0 < 3
+    dep.start("ctx")
+    dep.wait_ready()
+    assert _ask(dep) == "length"
+    healthy = http("GET", f"{dep.router_url}/metrics")[1]
+    assert f'helixserve_router_worker_healthy{{role="ctx",url="{dep.ctx_url}"}} 1.0' in healthy
+
+
+def test_dead_world_rank_fails_requests_fast_then_restart_rejoins(dep):
+    stream = dep.client().completions.create(model=MODEL, prompt="long", max_tokens=200,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+    next(iter(stream))
+    (rank1,) = dep.rank_pids()
+    t0 = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="generation world stopped"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 5
+    status, health = http("GET", f"{dep.gen_url}/health")
+    assert status == 503 and f"gen world rank 1 (pid {rank1}) exited" in health["status"]
+    wait_until(lambda: http("GET", f"{dep.router_url}/ready")[0] == 503, 5, "the router to notice")
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError, match=f"gen worker.*{dep.gen_url}.*rank 1") as info:
+        _ask(dep)
+    assert info.value.status_code == 503 and time.monotonic() - t0 < 3
+    wait_until(dep_ctx_idle(dep), 5, "the ctx hold to be freed")
+    dep.kill("gen")
+    dep.start("gen")
+    dep.wait_ready()
+    assert _ask(dep) == "length"
+
+
+def dep_ctx_idle(dep: Deployment):  # noqa: ANN201
+    return lambda: dep.stats("ctx")["num_used_blocks"] == 0 and dep.stats("ctx")["pickups_held"] == 0
 
 
 def test_killed_gen_fails_its_stream_fast_then_rejoins(dep):
@@ -81,20 +217,7 @@ def test_killed_gen_fails_its_stream_fast_then_rejoins(dep):
         _ask(dep)
     assert info.value.status_code == 503 and time.monotonic() - t0 < 3
     assert http("GET", f"{dep.router_url}/ready")[0] == 503
-    assert dep.stats("ctx")["num_used_blocks"] == 0  # the failed request's hold was cancelled
+    wait_until(dep_ctx_idle(dep), 5, "the ctx hold to be freed")
     dep.start("gen")
     dep.wait_ready()
     assert _ask(dep) == "length"
-
-
-def test_killed_ctx_fails_fast_naming_it_then_rejoins(dep):
-    dep.kill("ctx")
-    t0 = time.monotonic()
-    with pytest.raises(openai.InternalServerError, match=f"ctx worker.*{dep.ctx_url}") as info:
-        _ask(dep)
-    assert info.value.status_code == 503 and time.monotonic() - t0 < 3
-    dep.start("ctx")
-    dep.wait_ready()
-    assert _ask(dep) == "length"
-    healthy = http("GET", f"{dep.router_url}/metrics")[1]
-    assert f'helixserve_router_worker_healthy{{role="ctx",url="{dep.ctx_url}"}} 1.0' in healthy

@@ -1,4 +1,6 @@
-"""``helixserve launch``: one command starts router + workers, answers, and stops with no orphans."""
+"""``helixserve launch``: one command starts router + workers (the gen worker a dp 1 x cp 2 world,
+its rank 1 a process of its own), answers, and stops with no orphans. And ``serve-gen`` started as
+the world's tasks (as srun runs it for the SLURM launcher): task 0 serves, task 1 is rank 1."""
 
 from __future__ import annotations
 
@@ -6,14 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-
-import pytest
 from pathlib import Path
 
 from helixserve.config import DeploymentConfig
-from tests.e2e.conftest import MODEL, REPO, free_ports, http, wait_until
-
-pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
 
 
 def _children(pid: int) -> list[int]:
@@ -27,6 +25,11 @@ def _children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 kids.append(int(entry.name))
     return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = _children(pid)
+    return kids + [d for k in kids for d in _descendants(k)]
 
 
 def _is_running(pid: int) -> bool:
@@ -61,13 +64,45 @@ def test_launch_makes_the_tiny_model_serves_and_stops_everything(tmp_path):
         status, answer = http("POST", f"{url}/v1/completions",
                               {"model": MODEL, "prompt": "Hi", "max_tokens": 3})
         assert status == 200 and answer["usage"]["completion_tokens"] == 3
+        assert answer["usage"]["prompt_tokens"] > 0
         children = _children(launcher.pid)
         assert len(children) == 3
-        grandchildren = [g for c in children for g in _children(c)]
+        descendants = _descendants(launcher.pid)
+        gen = next(c for c in children if "serve-gen" in Path(f"/proc/{c}/cmdline").read_text())
+        assert http("GET", f"http://127.0.0.1:{gen_port}/health")[1]["world"]["cp"] == 2
+        assert len(_descendants(gen)) >= 1  # the world's rank 1 (and its forkserver)
     finally:
         launcher.send_signal(signal.SIGINT)
         code = launcher.wait(60)
     assert code == 0
     assert "stopped" in (tmp_path / "launch.log").read_text()
-    assert not [pid for pid in children + grandchildren if _is_running(pid)]
+    wait_until(lambda: not [pid for pid in descendants if _is_running(pid)], 10, "every process to end")
     assert os.path.isfile(model_dir / "config.json")
+
+
+def test_serve_gen_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
+    """``srun -n 2 helixserve serve-gen`` (SLURM_PROCID / SLURM_NTASKS, MASTER_ADDR / MASTER_PORT as
+    the SLURM launcher exports them): task 0 is rank 0 and serves HTTP, task 1 joins as rank 1; the
+    deployment answers as the local one does, and a dead task makes the gen worker unhealthy."""
+    d = Deployment(tmp_path, k3_tiny)
+    (master_port,) = free_ports(1)
+    try:
+        for task in (1, 0):
+            d.start("gen", env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "SLURM_PROCID": str(task),
+                                "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task), "MASTER_ADDR": "127.0.0.1",
+                                "MASTER_PORT": str(master_port)}, name=f"gen-task{task}")
+        d.start("ctx")
+        d.start("router")
+        d.wait_ready()
+        health = http("GET", f"{d.gen_url}/health")[1]
+        assert health["world"] == {"dp": 1, "cp": 2, "rank_pids": [None], "failure": None}
+        body = {"model": MODEL, "prompt": list(range(3, 20)), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        status, disagg = http("POST", f"{d.router_url}/v1/completions", body)
+        status_agg, agg = http("POST", f"{d.gen_url}/v1/completions", body)
+        assert status == status_agg == 200 and disagg["choices"][0]["text"] == agg["choices"][0]["text"]
+        assert metric(d.gen_url, "helixserve_worker_kv_transfers_completed_total") == 1
+        d.kill("gen-task1")
+        wait_until(lambda: http("GET", f"{d.gen_url}/health")[0] == 503, 15, "the gen worker to notice")
+        assert "the gen world stopped" in http("GET", f"{d.gen_url}/health")[1]["status"]
+    finally:
+        d.stop()

@@ -1,5 +1,9 @@
 """Router -> ctx -> gen on loopback, through the ``openai`` client: answers, streams, equivalence
-with the aggregated gen worker, concurrency, bad inputs, disconnects, 429 and API keys."""
+with aggregated serving, concurrency, bad inputs, disconnects, 429 and API keys.
+
+The gen worker is a dp 1 x cp 2 helix world receiving each request's KV over UCX (each CP rank its
+shard); the aggregated baselines are that world without ``disaggregated_params`` and a
+single-process gen worker (dp = cp = 1)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,6 @@ import pytest
 
 from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
 
-pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
-
 # token-id prompts of 1..33 tokens: with tokens_per_block=4 they end inside and on block edges
 ID_PROMPTS = [[65], [72, 105, 33], [1, 2, 3, 4], [10, 20, 30, 40, 50], list(range(40, 49)),
               list(range(100, 117)), list(range(200, 233))]
@@ -29,7 +31,7 @@ IGNORE_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("serving"), k3_tiny)
+    d = Deployment(tmp_path_factory.mktemp("serving"), k3_tiny, baseline_gen=True)
     try:
         yield d.start_all()
     finally:
@@ -95,17 +97,30 @@ def test_completions_and_chat_streamed_equal_non_streamed(dep):
     assert chat(client, "Hi there", max_tokens=7, stream=True) == whole
 
 
+def _transfers(dep: Deployment) -> tuple[float, float, float]:
+    return (metric(dep.gen_url, "helixserve_worker_kv_transfers_completed_total"),
+            metric(dep.gen_url, "helixserve_worker_kv_transfer_failures_total"),
+            metric(dep.ctx_url, "helixserve_worker_kv_transfers_completed_total"))
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_disaggregated_equals_aggregated(dep, sampling):
-    """Router (ctx prefill -> gen decode) answers == the gen worker alone (prefill + decode)."""
-    disagg, agg = dep.client(), dep.client(dep.gen_url)
+    """Router (ctx prefill -> UCX -> cp=2 gen world decode) answers == the gen world alone
+    (prefill + decode) == a single-process gen worker; every one of them moved its KV over UCX."""
+    disagg, world, single = dep.client(), dep.client(dep.gen_url), dep.client(dep.baseline_url)
     cases = [(p, n, s) for p, n in zip(ID_PROMPTS + TEXT_PROMPTS, [5, 9, 12, 3, 8, 11, 6, 10, 7, 9])
              for s in (False, True)]
+    received, failed, acknowledged = _transfers(dep)
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda c: complete(disagg, c[0], c[1], c[2], sampling), cases))
     for (prompt, n, stream), answer in zip(cases, got):
-        assert answer == complete(agg, prompt, n, stream, sampling), (prompt, n, stream)
+        assert answer == complete(world, prompt, n, stream, sampling), (prompt, n, stream)
+        assert answer == complete(single, prompt, n, stream, sampling), (prompt, n, stream)
         assert answer[2]["completion_tokens"] == n
+    assert _transfers(dep)[:2] == (received + len(cases), failed)
+    # the ctx freed each hold when both CP ranks acknowledged their shard
+    wait_until(lambda: _transfers(dep)[2] == acknowledged + len(cases), 5, "every ack on ctx")
+    wait_until(dep.is_idle, 5, "nothing held on ctx or gen")
 
 
 def test_stop_strings_max_tokens_and_first_token_finish(dep):
@@ -205,11 +220,14 @@ def test_openai_client_raises_typed_errors_and_servers_stay_healthy(dep):
 
 
 def _idle(dep: Deployment) -> bool:
+    """From /metrics: no block or slot in use, nothing held or in flight, on ctx and gen."""
     gen_blocks = metric(dep.gen_url, "helixserve_worker_cache_blocks_used")
+    gen_slots = metric(dep.gen_url, "helixserve_worker_state_slots_used")
     ctx_blocks = metric(dep.ctx_url, "helixserve_worker_cache_blocks_used")
     live = metric(dep.gen_url, "helixserve_worker_requests_live")
     held = metric(dep.ctx_url, "helixserve_worker_requests_held")
-    return gen_blocks == ctx_blocks == live == held == 0
+    pickups = metric(dep.ctx_url, "helixserve_worker_pickups_held")
+    return gen_blocks == gen_slots == ctx_blocks == live == held == pickups == 0
 
 
 def _open_stream(url: str, body: dict) -> httplib.HTTPConnection:
@@ -314,3 +332,10 @@ def test_metrics_count_requests_tokens_and_latencies(dep):
     assert metric(dep.router_url, "helixserve_router_requests_running") == 0
     assert metric(dep.ctx_url, "helixserve_worker_pickups_released_total") > 0
     assert metric(dep.ctx_url, "helixserve_worker_pickups_expired_total") == 0
+    for role, url in (("ctx", dep.ctx_url), ("gen", dep.gen_url)):  # KV transfers, per worker
+        labels = f'{{role="{role}",url="{url}"}}'
+        assert metric(dep.router_url, f"helixserve_router_worker_kv_transfer_bytes{labels}") > 0
+        assert metric(dep.router_url, f"helixserve_router_worker_kv_transfer_seconds{labels}") > 0
+        assert metric(dep.router_url, f"helixserve_router_worker_kv_transfer_failures{labels}") == 0
+    assert metric(dep.gen_url, "helixserve_worker_kv_transfer_bytes_total") == \
+        metric(dep.ctx_url, "helixserve_worker_kv_transfer_bytes_total")  # every shard, counted once

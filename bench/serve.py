@@ -1,0 +1,273 @@
+"""Serving latency and throughput: disaggregated (router -> ctx -> UCX -> gen world) vs aggregated
+(the same gen world alone), over a concurrency sweep, in one run.
+
+One deployment is started with ``helixserve launch`` from deploy/configs/local.yaml (free ports):
+one ctx worker and one gen world of dp 1 x cp 2 receiving the KV over UCX, the tiny K3 checkpoint
+on CPU unless ``--model`` says otherwise. For each concurrency level, the same synthetic requests
+(random prompt token ids, greedy, ``ignore_eos``, streamed) go ``disagg``: to the router, and
+``agg``: straight to the gen worker without ``disaggregated_params`` (it prefills and decodes).
+Per mode and level: TTFT and inter-token latency (ITL: gaps between streamed content chunks; a
+chunk can carry several tokens while the detokenizer holds back partial characters) p50 / p90 /
+p99, time per output token after the first (TPOT, per request) p50 / p90, output tokens/s and
+requests/s; for ``disagg`` also the KV transfer seen by the gen worker (admission to the first
+output: both CP ranks received their shard over UCX, agreed, and ran one step; mean ms per request)
+and the KV bytes moved per request (both shards).
+
+    python bench/serve.py --quick --out bench/results/serve_quick.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "kimi-k3-tiny"
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+class Servers:
+    """``helixserve launch`` on a copy of deploy/configs/local.yaml with free ports."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        from helixserve.config import DeploymentConfig
+
+        router, ctx, gen, tx = _free_ports(4)
+        base = DeploymentConfig.from_yaml(REPO / "deploy" / "configs" / "local.yaml").model_dump(mode="json")
+        base["model"]["path"] = str(model)
+        base["ctx"][0].update(port=ctx, transceiver_port=tx)
+        base["gen"][0].update(port=gen)
+        base["router"].update(port=router, health_check_interval_s=0.25)
+        self.config = DeploymentConfig.model_validate(base)
+        self.router_url, self.ctx_url, self.gen_url = (f"http://127.0.0.1:{p}" for p in (router, ctx, gen))
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
+        self.config_file = Path(self._tmp.name) / "deployment.yaml"
+        self.config.to_yaml(self.config_file)
+        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "launch", "-c", str(self.config_file)],
+                                        cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"helixserve launch exited with {self.process.returncode}; see {self._log.name}")
+            try:
+                if _get(f"{self.router_url}/ready")["ready"]:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"not ready within {timeout_s:.0f} s; see {self._log.name}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self._log.close()
+        self._tmp.cleanup()
+
+
+async def _one(client, url: str, body: dict) -> dict:  # noqa: ANN001 (httpx.AsyncClient)
+    began = time.perf_counter()
+    chunk_times: list[float] = []
+    num_tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(f"{url}: stream error {event['error']}")
+            if event.get("choices") and event["choices"][0].get("text"):
+                chunk_times.append(time.perf_counter())
+            if event.get("usage"):
+                num_tokens = event["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    ttft = (chunk_times[0] if chunk_times else end) - began
+    gaps = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    tpot = (end - began - ttft) / (num_tokens - 1) if num_tokens > 1 else None
+    return {"ttft": ttft, "gaps": gaps, "tpot": tpot, "tokens": num_tokens, "seconds": end - began}
+
+
+async def _level(url: str, bodies: list[dict], concurrency: int, timeout_s: float) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(body: dict) -> dict:
+            async with gate:
+                return await _one(client, url, body)
+
+        began = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(gated(b) for b in bodies)), timeout_s)
+        wall = time.perf_counter() - began
+    return {"results": results, "wall": wall}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _summary(mode: str, concurrency: int, run: dict, kv: dict | None) -> dict:
+    results = run["results"]
+    ttfts = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    tpots = [r["tpot"] for r in results if r["tpot"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    row = {"mode": mode, "concurrency": concurrency, "requests": len(results),
+           **{f"ttft_p{q}_ms": 1e3 * _pct(ttfts, q) for q in (50, 90, 99)},
+           **{f"itl_p{q}_ms": (1e3 * v if (v := _pct(gaps, q)) is not None else None) for q in (50, 90, 99)},
+           **{f"tpot_p{q}_ms": (1e3 * v if (v := _pct(tpots, q)) is not None else None) for q in (50, 90)},
+           "output_tok_s": tokens / run["wall"], "req_s": len(results) / run["wall"], "wall_s": run["wall"]}
+    if kv is not None:
+        row.update(kv)
+    return row
+
+
+def _kv_counters(servers: Servers) -> tuple[float, float, float]:
+    stats = _get(f"{servers.gen_url}/stats")
+    return stats["kv_transfers_completed"], stats["kv_transfer_seconds"], stats["kv_transfer_bytes"]
+
+
+def _bodies(rng: random.Random, n: int, prompt_len: int, max_tokens: int, vocab: int) -> list[dict]:
+    return [{"model": MODEL, "prompt": [rng.randrange(1, vocab) for _ in range(prompt_len)],
+             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+             "stream_options": {"include_usage": True}} for _ in range(n)]
+
+
+def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
+    levels = args.concurrency or ([1, 4, 16] if args.quick else [1, 4, 16, 32])
+    prompt_len = args.prompt_len or (48 if args.quick else 200)
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    servers = Servers(Path(args.model), Path(args.log))
+    rng = random.Random(0)
+    rows = []
+    try:
+        servers.start()
+        vocab = min(1000, _vocab(servers))
+        for url in (servers.router_url, servers.gen_url):  # warm-up, unrecorded
+            asyncio.run(_level(url, _bodies(rng, 2, prompt_len, max_tokens, vocab), 2, args.timeout))
+        for concurrency in levels:
+            n = max(4, (2 if args.quick else 4) * concurrency)
+            bodies = _bodies(rng, n, prompt_len, max_tokens, vocab)
+            before = _kv_counters(servers)
+            disagg = asyncio.run(_level(servers.router_url, bodies, concurrency, args.timeout))
+            after = _kv_counters(servers)
+            moved = max(1.0, after[0] - before[0])
+            kv = {"kv_transfer_ms": 1e3 * (after[1] - before[1]) / moved,
+                  "kv_mb_per_request": (after[2] - before[2]) / moved / 1e6}
+            rows.append(_summary("disagg", concurrency, disagg, kv))
+            agg = asyncio.run(_level(servers.gen_url, bodies, concurrency, args.timeout))
+            rows.append(_summary("agg", concurrency, agg, None))
+            print(f"concurrency {concurrency}: disagg {rows[-2]['output_tok_s']:.1f} tok/s, "
+                  f"agg {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        servers.stop()
+    return {"machine": machine_info(), "model": str(args.model), "prompt_len": prompt_len,
+            "max_tokens": max_tokens, "deployment": "1 ctx + gen world dp 1 x cp 2 (kv_source ucx), CPU",
+            "rows": rows}
+
+
+def _vocab(servers: Servers) -> int:
+    from helixserve.models.config import KimiModelConfig
+
+    return KimiModelConfig.from_pretrained(servers.config.model.path).vocab_size
+
+
+HEADERS = ["mode", "conc", "reqs", "TTFT p50", "p90", "p99", "ITL p50", "p90", "p99", "TPOT p50", "p90",
+           "tok/s", "req/s", "KV ms/req", "KV MB/req"]
+KEYS = ["mode", "concurrency", "requests", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
+        "itl_p99_ms", "tpot_p50_ms", "tpot_p90_ms", "output_tok_s", "req_s", "kv_transfer_ms", "kv_mb_per_request"]
+
+
+def table(rows: list[dict]) -> str:
+    return markdown_table(HEADERS, [[r.get(k) for k in KEYS] for r in rows])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for mode in ("disagg", "agg"):
+        mine = [r for r in rows if r["mode"] == mode]
+        x = [r["concurrency"] for r in mine]
+        for ax, key, label in zip(axes, ("ttft_p50_ms", "itl_p50_ms", "output_tok_s"),
+                                  ("TTFT p50 (ms)", "ITL p50 (ms)", "output tokens/s")):
+            ax.plot(x, [r[key] for r in mine], marker="o", label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_title(label)
+    axes[0].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO / "checkpoints" / MODEL),
+                        help="checkpoint directory (a missing kimi-k3-tiny one is made)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one level may take")
+    parser.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "bench-serve.log"),
+                        help="where the servers' output goes")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot (needs matplotlib)")
+    args = parser.parse_args()
+    payload = run(args)
+    print(f"\n{payload['deployment']}; prompt {payload['prompt_len']} tokens, "
+          f"{payload['max_tokens']} generated (times in ms)\n")
+    print(table(payload["rows"]))
+    write_json(args.out, payload)
+    if args.plot is not None:
+        plot(payload["rows"], args.plot)
+
+
+if __name__ == "__main__":
+    main()

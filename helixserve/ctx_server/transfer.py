@@ -1,0 +1,179 @@
+"""Stages 3 -> 4 of the ctx worker over the transceiver: a KV sender serves the held prefills.
+
+:class:`CtxTransceiver` runs a :class:`~helixserve.transceiver.sender.KVSender` (gRPC control plane
+on ``transceiver_host:transceiver_port``, UCX data plane) over the engine's cache for the app's
+lifetime:
+
+- :meth:`CtxTransceiver.offer`: a finished prefill (held by the engine and registered in the
+  :class:`~helixserve.ctx_server.pickup.PickupRegistry`) goes to the sender on the engine thread,
+  where its block ids and state slot are read; its pickup deadline starts there.
+- The sender frees it once every expected gen rank acknowledged its shard, on cancel, or when the
+  pickup deadline passed (counted as expired), and only once no send can still read its blocks (a
+  hold whose send may still be in flight is quarantined, never freed under it). Its ``on_free``
+  hands the request to the event loop, where :meth:`PickupRegistry.freed` releases the engine's hold.
+- :meth:`CtxTransceiver.cancel`: the client left (``POST /v1/abort``); :meth:`cancel_later`: the
+  router released the hold (``POST /v1/release``, sent once a gen worker answered; a gen worker
+  that received the shards has acknowledged by then, one that recomputes never asks for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from helixserve.config import CtxServerConfig
+from helixserve.ctx_server.pickup import PickupRegistry
+from helixserve.engine.core import EngineCore
+from helixserve.protocol import KVLayout, TransceiverEndpoint
+from helixserve.transceiver.config import TransceiverConfig
+from helixserve.transceiver.polling import TransferMetrics
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+RELEASE_GRACE_S = 1.0  # a router release waits this long for the gen ranks' acknowledgements
+
+
+@dataclass(slots=True)
+class SenderSnapshot:
+    """The sender's counters as last read (the sender thread owns the live ones)."""
+
+    num_held: int = 0
+    num_quarantined: int = 0
+    metrics: TransferMetrics | None = None
+
+    def stats(self) -> dict[str, float]:
+        m = self.metrics or TransferMetrics()
+        return {"kv_transfer_bytes": m.bytes_transferred, "kv_transfer_seconds": m.seconds_transferred,
+                "kv_transfers_completed": m.completed, "kv_transfer_failures": m.failures,
+                "kv_transfer_timeouts": m.timeouts, "kv_transfers_cancelled": m.cancellations,
+                "kv_transfers_in_flight": m.in_flight, "kv_pickups_expired": m.expired_pickups,
+                "kv_pickups_quarantined": self.num_quarantined}
+
+
+# (stats key, metric name under helixserve_worker_, help); the counters never decrease
+_GAUGES = [
+    ("kv_transfer_bytes", "kv_transfer_bytes_total", "KV bytes sent to gen ranks (acknowledged pickups)"),
+    ("kv_transfer_seconds", "kv_transfer_seconds_total", "pickup hold to last acknowledgement, summed"),
+    ("kv_transfers_completed", "kv_transfers_completed_total", "pickups acknowledged by every gen rank"),
+    ("kv_transfer_failures", "kv_transfer_failures_total", "pickups failed or expired"),
+    ("kv_transfer_timeouts", "kv_transfer_timeouts_total", "pickups that hit their deadline"),
+    ("kv_transfers_cancelled", "kv_transfers_cancelled_total", "pickups cancelled (client gone, released)"),
+    ("kv_transfers_in_flight", "kv_transfers_in_flight", "pickups not settled yet"),
+    ("kv_pickups_quarantined", "kv_pickups_quarantined", "settled pickups a send may still read"),
+]
+
+
+class CtxTransceiver:
+    """The ctx worker's KV sender over its pickup registry (see the module docstring)."""
+
+    def __init__(self, registry: PickupRegistry, core: EngineCore, layout: KVLayout,
+                 config: TransceiverConfig, server: CtxServerConfig) -> None:
+        self.registry = registry
+        self.core = core
+        self.layout = layout
+        self.config = config
+        self.server = server
+        self.sender = None  # a KVSender while running
+        self.snapshot = SenderSnapshot()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def endpoint(self) -> TransceiverEndpoint:
+        if self.sender is None or self.sender.endpoint is None:
+            raise RuntimeError("the ctx KV sender is not running")
+        return self.sender.endpoint
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[CtxTransceiver]:
+        """Start the sender (UCX worker, gRPC server); stop it on exit."""
+        from helixserve.transceiver.sender import KVSender
+
+        self._loop = asyncio.get_running_loop()
+        server = self.server
+        self.sender = KVSender(self.config, self.layout, self.core.runner.caches, self._on_free,
+                               host=server.transceiver_host, port=server.transceiver_port,
+                               pickup_timeout_s=server.pickup_timeout_s)
+        await asyncio.to_thread(self.sender.start)
+        refresher = asyncio.create_task(self._refresh_stats_forever())
+        try:
+            yield self
+        finally:
+            refresher.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.to_thread(self.sender.stop)
+            self.sender = None
+            self._loop = None
+
+    async def offer(self, request_id: str, num_prompt_tokens: int, first_gen_tokens: list[int]) -> None:
+        """Hand a finished, held prefill to the sender (on the engine thread: it reads the
+        request's cache handle there). Raises if the engine no longer holds it (aborted)."""
+        sender = self.sender
+        assert sender is not None, "offer() before the sender started"
+
+        def hold(core: EngineCore) -> None:
+            handle = core.cache_manager.get(request_id)
+            sender.hold(request_id, handle, num_prompt_tokens, first_gen_tokens)
+
+        await self.registry.engine.call(hold)
+
+    async def cancel(self, request_id: str, reason: str) -> bool:
+        """Stop serving a pickup; it is freed once quiesced. False if the sender does not hold it."""
+        if self.sender is None:
+            return False
+        return await asyncio.to_thread(self.sender.cancel, request_id, reason)
+
+    def cancel_later(self, request_id: str, reason: str, delay_s: float = RELEASE_GRACE_S) -> None:
+        async def later() -> None:
+            await asyncio.sleep(delay_s)
+            await self.cancel(request_id, reason)
+        self._spawn(later())
+
+    def stats(self) -> dict[str, float]:
+        return self.snapshot.stats()
+
+    def gauges(self) -> list[tuple[str, str, float]]:
+        stats = self.stats()
+        return [(name, text, stats[key]) for key, name, text in _GAUGES]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _on_free(self, request_id: str) -> None:
+        """Sender thread: the request's cache may be freed now."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(lambda: self._spawn(self._freed(request_id)))
+        except RuntimeError:  # the loop closed: the registry frees what is left on exit
+            pass
+
+    async def _freed(self, request_id: str) -> None:
+        await self.registry.freed(request_id)
+        await self._refresh_stats()
+
+    def _spawn(self, work) -> None:  # noqa: ANN001 (a coroutine)
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh_stats(self) -> None:
+        sender = self.sender
+        if sender is None:
+            return
+        try:
+            stats = await asyncio.to_thread(sender.stats)
+        except Exception as exc:  # noqa: BLE001 - the sender stopped or is busy: keep the last figures
+            logger.debug("KV sender stats unavailable: %s", exc)
+            return
+        self.snapshot = SenderSnapshot(stats.num_held, stats.num_quarantined, stats.metrics)
+
+    async def _refresh_stats_forever(self) -> None:
+        while True:
+            await self._refresh_stats()
+            await asyncio.sleep(STATS_INTERVAL_S)

@@ -1,0 +1,259 @@
+"""The gen worker's engine when it drives the SPMD helix world (``GenServerConfig.runs_world``).
+
+Where the ranks come from:
+
+- by default this server process is rank 0 and spawns ranks 1 .. dp*cp-1 on this machine
+  (:func:`~helixserve.engine.world_llm.start_local_world`: gloo on CPU, one GPU per rank under
+  NCCL);
+- under ``srun -n dp*cp`` (the SLURM launcher's gen step) or torchrun, every task runs
+  ``helixserve serve-gen``: task 0 is rank 0 and serves HTTP, every other task runs
+  :func:`serve_world_rank` (joins, loads its shard, runs plans until rank 0 shuts the world down).
+
+:class:`GenWorldCore` is rank 0's driver as the ``AsyncEngine``'s core, plus the world's liveness:
+a spawned rank that died, or a world that stopped (a collective failed or timed out), makes
+:meth:`GenWorld.failure` name the cause; the worker's ``/health`` then answers 503 with it, new
+requests fail with a 503 naming it, and requests in flight fail at the next world step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from helixserve.config import DeploymentConfig, GenServerConfig
+from helixserve.engine.core import EngineStats
+from helixserve.engine.llm import resolve_dtype
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.scheduler import RequestUpdate
+from helixserve.engine.spmd import WorldStoppedError
+from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, ServingWorldDriver, WorldOptions,
+                                         pick_backend, run_rank, start_local_world, start_rank0)
+from helixserve.kvcache.helix import num_local_blocks
+from helixserve.models.config import KimiModelConfig
+from helixserve.parallel import DistEnv, Mapping
+from helixserve.protocol import GatewayTimeoutError, KVLayout, OpenAIError, ServiceUnavailableError
+from helixserve.transceiver.layout import layout_for
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0  # longest idle gap between world steps (a dead srun rank shows within it)
+
+
+def world_options(deploy: DeploymentConfig, server: GenServerConfig) -> WorldOptions:
+    device = server.device or deploy.model.device
+    return WorldOptions(cache=deploy.cache, scheduler=deploy.scheduler, dtype=deploy.model.dtype,
+                        seed=deploy.seed, timeout_s=server.collective_timeout_s,
+                        backend="gloo" if device == "cpu" else None)
+
+
+def world_layout(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions) -> KVLayout:
+    """The world's cache layout with global head counts (what a ctx worker of the same
+    checkpoint, dtype and block size advertises)."""
+    backend = pick_backend(server.world_size, options.backend)
+    dtype = resolve_dtype(options.dtype, torch.device("cuda" if backend == "nccl" else "cpu"))
+    cfg = KimiModelConfig.from_pretrained(deploy.model.path)
+    return layout_for(cfg, dtype, deploy.cache.tokens_per_block, deploy.model.name)
+
+
+def _device_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
+
+
+@dataclass
+class GenWorld:
+    """Rank 0's driver, and the ranks spawned here (none when srun / torchrun started them)."""
+
+    driver: ServingWorldDriver
+    local: LocalWorld | None = None
+
+    def failure(self) -> str | None:
+        """Why the world cannot serve (dead spawned ranks first), or None."""
+        causes = [self.dead_ranks(), self.driver.failure and f"the gen world stopped: {self.driver.failure}"]
+        return "; ".join(c for c in causes if c) or None
+
+    def dead_ranks(self) -> str | None:
+        """The spawned ranks that exited, or None."""
+        if self.local is None:
+            return None
+        dead = [f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                for rank, proc in enumerate(self.local.processes, start=1) if not proc.is_alive()]
+        return "gen world " + ", ".join(dead) if dead else None
+
+    def describe(self) -> dict[str, Any]:
+        """The world's shape, its spawned ranks' pids (rank 0 and launcher-started ranks: None)
+        and its failure, for ``/health``."""
+        pids = [None] + ([p.pid for p in self.local.processes] if self.local else [])
+        mapping = self.driver.mapping
+        return {"dp": mapping.dp, "cp": mapping.cp, "rank_pids": pids, "failure": self.failure()}
+
+    def close(self) -> None:
+        """After the engine thread stopped: shut the ranks down, close rank 0's receiver."""
+        receiver = self.driver.rank.kv_receiver
+        if self.local is not None:
+            self.local.close()
+        else:
+            try:
+                self.driver.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the world is going away anyway
+                logger.warning("gen world shutdown plan failed: %s", exc)
+            self.driver.rank.groups.destroy()
+        if receiver is not None:
+            receiver.close()
+
+
+@dataclass(slots=True)
+class _Deferred:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    forced_output_token_ids: Sequence[int]
+    kv_ticket: Any
+
+
+class GenWorldCore:
+    """The world's rank-0 driver as an ``EngineCoreLike`` (engine thread only), refusing work with
+    a 503 naming the cause once the world failed, and explaining failed transfers
+    (:meth:`failure_error`).
+
+    Received requests wait here (FIFO) until their shard's blocks and state slot fit in the cache
+    (a rank allocates them as soon as the request reaches it, and refuses one that does not fit):
+    with dp = 1 the check is exact (rank 0's accounting is its CP group's); with dp > 1 it uses
+    the sum over DP groups, so a request can still meet a full group and fail.
+    """
+
+    def __init__(self, world: GenWorld) -> None:
+        self.world = world
+        self.driver = world.driver
+        self._deferred: dict[str, _Deferred] = {}
+        self._num_pending_slots = 0  # handed to the driver since its last step (not allocated yet)
+        self._num_pending_blocks = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),
+                    kv_ticket: Any = None) -> None:
+        cause = self.world.failure()
+        if cause is not None:
+            raise ServiceUnavailableError(f"gen worker cannot serve: {cause}", code="gen_world_failed")
+        if kv_ticket is not None:
+            self.driver.rank.check_request(prompt_token_ids, params, forced_output_token_ids, has_kv=True)
+            self._deferred[request_id] = _Deferred(request_id, list(prompt_token_ids), params,
+                                                   tuple(forced_output_token_ids), kv_ticket)
+            self._admit_deferred()
+            return
+        self._add(request_id, prompt_token_ids, params, hold_cache=hold_cache,
+                  forced_output_token_ids=forced_output_token_ids)
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any) -> None:
+        try:
+            self.driver.add_request(request_id, prompt_token_ids, params, **kwargs)
+        except WorldStoppedError as exc:
+            raise ServiceUnavailableError(str(exc), code="gen_world_failed") from None
+
+    def _admit_deferred(self) -> None:
+        """Hand waiting received requests to the world, in order, while their shards fit."""
+        tokens_per_block, cp = self.driver.rank.cache_manager.tokens_per_block, self.driver.mapping.cp
+        needs_slot = bool(self.driver.rank.caches.kda_state)
+        while self._deferred:
+            request = next(iter(self._deferred.values()))
+            num_free_blocks, num_free_slots = self._free_capacity()
+            num_blocks = num_local_blocks(len(request.prompt_token_ids), tokens_per_block, 0, cp)
+            if (num_blocks + self._num_pending_blocks > num_free_blocks
+                    or (needs_slot and self._num_pending_slots + 1 > num_free_slots)):
+                return
+            del self._deferred[request.request_id]
+            self._add(request.request_id, request.prompt_token_ids, request.params,
+                      forced_output_token_ids=request.forced_output_token_ids, kv_ticket=request.kv_ticket)
+            self._num_pending_blocks += num_blocks
+            self._num_pending_slots += 1
+
+    def _free_capacity(self) -> tuple[int, int]:
+        """Free blocks (rank 0's share, the largest of a CP group) and state slots."""
+        if self.driver.mapping.dp == 1:
+            cache = self.driver.rank.cache_manager.stats()
+            return cache.num_free_blocks, cache.num_free_slots
+        s = self.driver.stats()  # summed over DP groups (see the class docstring)
+        return s.num_blocks - s.num_used_blocks, s.num_slots - s.num_used_slots
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        if self._deferred.pop(request_id, None) is not None:
+            return True
+        return self.driver.abort(request_id, error)
+
+    def release(self, request_id: str) -> bool:
+        return self.driver.release(request_id)
+
+    def abort_all(self, error: str) -> list[str]:
+        deferred = list(self._deferred)
+        self._deferred.clear()
+        return deferred + self.driver.abort_all(error)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._deferred) or self.driver.has_unfinished_requests()
+
+    def step(self) -> list[RequestUpdate]:
+        self._admit_deferred()
+        try:
+            updates = self.driver.step()
+            self._num_pending_blocks = self._num_pending_slots = 0  # allocated (or refused) now
+            return updates
+        except WorldStoppedError as exc:
+            dead = self.world.dead_ranks()
+            if dead is not None:
+                raise WorldStoppedError(f"{dead}: {exc}") from exc
+            raise
+
+    def stats(self) -> EngineStats:
+        s = self.driver.stats()
+        return replace(s, num_waiting=s.num_waiting + len(self._deferred))
+
+    def failure_error(self, request_id: str) -> OpenAIError | None:
+        cause = self.driver.kv_failure(request_id)
+        if cause is None:
+            return None
+        if "timed out" in cause or "deadline" in cause.lower():
+            return GatewayTimeoutError(cause, code="kv_transfer_timeout")
+        return ServiceUnavailableError(cause, code="kv_transfer_failed")
+
+
+def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions,
+                    kv_receiver_factory: KVReceiverFactory | None, env: DistEnv | None = None) -> GenWorld:
+    """This process as rank 0: of the srun / torchrun world ``env`` describes when it has
+    ``dp * cp`` ranks, else of a world whose other ranks are spawned here."""
+    model_dir = Path(deploy.model.path)
+    if env is not None and env.world_size > 1:
+        check_env(env, server)
+        mapping = Mapping(env.world_size, env.rank, dp=server.dp, cp=server.cp)
+        driver = start_rank0(model_dir, mapping, env.init_method, options, kv_receiver_factory, HEARTBEAT_S,
+                             env.local_rank, ServingWorldDriver)
+        assert isinstance(driver, ServingWorldDriver)
+        return GenWorld(driver)
+    device = server.device or deploy.model.device
+    local_rank = _device_index(device) if server.world_size == 1 else 0
+    local = start_local_world(model_dir, dp=server.dp, cp=server.cp, options=options,
+                              kv_receiver_factory=kv_receiver_factory, heartbeat_s=HEARTBEAT_S,
+                              local_rank=local_rank, driver_cls=ServingWorldDriver)
+    assert isinstance(local.driver, ServingWorldDriver)
+    return GenWorld(local.driver, local)
+
+
+def check_env(env: DistEnv, server: GenServerConfig) -> None:
+    if env.world_size != server.world_size:
+        raise ValueError(f"{env.launcher} started {env.world_size} tasks for a gen world of dp={server.dp} "
+                         f"x cp={server.cp} = {server.world_size} ranks")
+
+
+def serve_world_rank(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions,
+                     kv_receiver_factory: KVReceiverFactory | None, env: DistEnv) -> int:
+    """A task != 0 of an srun / torchrun gen world: serve plans until rank 0 shuts the world down
+    (raises when the world fails, so the task ends and srun notices)."""
+    check_env(env, server)
+    mapping = Mapping(env.world_size, env.rank, dp=server.dp, cp=server.cp)
+    logger.info("gen world rank %d/%d joining at %s", env.rank, env.world_size, env.init_method)
+    return run_rank(deploy.model.path, mapping, env.init_method, options, kv_receiver_factory,
+                    local_rank=env.local_rank)
