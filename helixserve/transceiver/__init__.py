@@ -5,6 +5,11 @@ Core logic (backend-free): `base` (poll states, sessions, tasks, data-plane inte
 group), `bounce` (staging pool, fan-in scatter, untrusted-plan validation). Backends are picked
 by `TransceiverBackendKind` through `load_data_plane`, which imports them lazily: `ucxx_backend`
 (UCX via ucxx) and `fake` (in-process, fault injection for tests only).
+
+Transfer path: `layout` (which bytes a receiver gets, the message plan, each side's memory map),
+`control` (the KVTransfer gRPC service and client), `sender` (ctx: `KVSender`, with
+`outbound`), `receiver` (gen: `KVReceiver`, with `inbound`) and `group` (`CPGroupReceiver`:
+allocation + consensus). Those are imported on first use (they need gRPC and ucxx).
 """
 
 from helixserve.transceiver.base import (
@@ -21,9 +26,23 @@ from helixserve.transceiver.clock import Clock, FakeClock, MonotonicClock
 from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
 
+_LAZY = {
+    "KVSender": "sender", "SenderStats": "sender", "KVReceiver": "receiver", "CPGroupReceiver": "group",
+    "ReadyRequest": "group", "TransferCheck": "group", "LayoutMismatchError": "layout", "layout_for": "layout",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"helixserve.transceiver.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'helixserve.transceiver' has no attribute {name!r}")
+
+
 __all__ = [
-    "Clock", "DataPlane", "FakeClock", "MonotonicClock", "PayloadKind", "PollResult",
-    "ReceiverSession", "SenderSession", "TransceiverBackendKind", "TransceiverConfig",
-    "TransferHandle", "TransferMetrics", "TransferPoller", "TransferSession", "TransferState",
-    "load_data_plane",
+    "CPGroupReceiver", "Clock", "DataPlane", "FakeClock", "KVReceiver", "KVSender", "LayoutMismatchError",
+    "MonotonicClock", "PayloadKind", "PollResult", "ReadyRequest", "ReceiverSession", "SenderSession",
+    "SenderStats", "TransceiverBackendKind", "TransceiverConfig", "TransferCheck", "TransferHandle",
+    "TransferMetrics", "TransferPoller", "TransferSession", "TransferState", "layout_for", "load_data_plane",
 ]

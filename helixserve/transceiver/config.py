@@ -37,7 +37,8 @@ class TransceiverConfig(BaseModel):
             remaining time either).
         message_bytes: largest UCX message of a shard stream; a request's payload is cut into
             messages of at most this size, so one huge request cannot monopolize the link.
-        send_window: messages a sender keeps in flight per receiver (round-robin over receivers).
+        send_window_bytes: bytes a sender keeps in flight per receiver stream (at least one
+            message; round-robin over streams): bounds what one request holds of the link.
         rpc_timeout_ms: deadline of every control-plane (gRPC) call.
         drain_timeout_ms: how long a receiver that gives up waits for the messages the sender had
             already posted (a UCX rendezvous send cannot be cancelled) before closing regardless.
@@ -53,8 +54,8 @@ class TransceiverConfig(BaseModel):
     bounce_size_bytes: int | None = None
     chunk_bytes: int = 32 * MIB
     slice_ms: float = 50.0
-    message_bytes: int = 4 * MIB
-    send_window: int = 4
+    message_bytes: int = 16 * MIB
+    send_window_bytes: int = 64 * MIB
     rpc_timeout_ms: float = 5000.0
     drain_timeout_ms: float = 2000.0
 
@@ -81,11 +82,11 @@ class TransceiverConfig(BaseModel):
             raise ValueError(f"control-plane timeouts must be finite and > 0 ms, got {value!r}")
         return value
 
-    @field_validator("message_bytes", "send_window")
+    @field_validator("message_bytes", "send_window_bytes")
     @classmethod
     def _positive_int(cls, value: int) -> int:
         if value <= 0:
-            raise ValueError(f"message_bytes and send_window must be > 0, got {value}")
+            raise ValueError(f"message_bytes and send_window_bytes must be > 0, got {value}")
         return value
 
     @field_validator("kv_transfer_poll_interval_ms", "slice_ms")

@@ -28,6 +28,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from helixserve.kvcache.helix import local_logical_blocks
@@ -46,6 +47,7 @@ MAX_FIRST_TOKENS = AUX_WORDS - 3
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
 
 
 class LayoutMismatchError(ValueError):
@@ -93,7 +95,7 @@ def head_slice(num_heads: int, cp_rank: int, cp_size: int) -> tuple[int, int]:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=_DTYPES[name]).element_size()
+    return _ITEMSIZE[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,21 +195,20 @@ class SegmentMemory:
 
     @classmethod
     def of(cls, parent: torch.Tensor, unit_offsets: Sequence[int], unit_bytes: int) -> SegmentMemory:
+        """Units at byte `unit_offsets` of `parent` (in stream order), adjacent ones coalesced."""
         if not parent.is_contiguous():
             raise ValueError(f"cache tensor {tuple(parent.shape)} must be contiguous")
         flat = parent.reshape(-1).view(torch.uint8)
-        runs: list[tuple[int, int]] = []
-        for offset in unit_offsets:
-            if not 0 <= offset <= flat.numel() - unit_bytes:
-                raise ValueError(f"unit at byte {offset} (+{unit_bytes}) outside a {flat.numel()}-byte tensor")
-            if runs and runs[-1][0] + runs[-1][1] == offset:
-                runs[-1] = (runs[-1][0], runs[-1][1] + unit_bytes)
-            else:
-                runs.append((offset, unit_bytes))
-        starts, total = [], 0
-        for _, nbytes in runs:
-            starts.append(total)
-            total += nbytes
+        offsets = np.asarray(unit_offsets, dtype=np.int64)
+        if offsets.size == 0:
+            return cls(flat, [], [])
+        bad = offsets[(offsets < 0) | (offsets > flat.numel() - unit_bytes)]
+        if bad.size:
+            raise ValueError(f"unit at byte {int(bad[0])} (+{unit_bytes}) outside a {flat.numel()}-byte tensor")
+        first = np.concatenate([[0], np.flatnonzero(np.diff(offsets) != unit_bytes) + 1])
+        sizes = np.diff(np.concatenate([first, [offsets.size]])) * unit_bytes
+        runs = list(zip(offsets[first].tolist(), sizes.tolist()))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
         return cls(flat, runs, starts)
 
     def spans(self, offset: int, nbytes: int) -> list[torch.Tensor]:
@@ -237,7 +238,7 @@ def _memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, a
             pool = _checked(caches.mla_kv, seg.layer_id, lay.kv_dtype,
                             (lay.tokens_per_block, lay.kv_lora_rank + lay.qk_rope_head_dim))
             row = pool.stride(0) * pool.element_size()
-            out.append(SegmentMemory.of(pool, [p * row for p in physical_blocks], seg.unit_bytes))
+            out.append(SegmentMemory.of(pool, np.asarray(physical_blocks, dtype=np.int64) * row, seg.unit_bytes))
             continue
         if slot is None:
             raise ValueError(f"KDA layer {seg.layer_id} needs a state slot")
@@ -252,6 +253,16 @@ def _memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, a
         out.append(SegmentMemory.of(pool, offsets, seg.unit_bytes))
     assert all(m.starts[-1] + m.runs[-1][1] == s.nbytes for m, s in zip(out, segments) if m.runs)
     return out
+
+
+def check_caches(layout: KVLayout, caches: ModelCaches, num_heads: int) -> None:
+    """ValueError unless `caches` hold every layer of `layout` (with `num_heads` KDA heads)."""
+    k = layout.kda_head_dim
+    for i in layout.mla_layers:
+        _checked(caches.mla_kv, i, layout.kv_dtype, (layout.tokens_per_block, layout.kv_lora_rank + layout.qk_rope_head_dim))
+    for i in layout.kda_layers:
+        _checked(caches.kda_state, i, layout.state_dtype, (num_heads, k, k))
+        _checked(caches.conv_state, i, layout.conv_dtype, (3 * num_heads * k, layout.conv_kernel_size - 1))
 
 
 def _checked(pools: dict[int, torch.Tensor], layer_id: int, dtype: str, inner: tuple[int, ...]) -> torch.Tensor:
@@ -284,14 +295,29 @@ def decode_aux(aux: torch.Tensor) -> tuple[int, list[int]]:
 
 @dataclass(slots=True)
 class ShardPlan:
-    """A shard's segments, messages and this side's memory for each segment."""
+    """A shard's segments, messages and this side's memory for each segment.
+
+    The memory map is built on first use (`prepare()`, or the first `spans()`), so a side can
+    answer or ask first and map its memory while the peer works.
+    """
 
     spec: ShardSpec
     segments: list[Segment]
     messages: list[Message]
-    memory: list[SegmentMemory]
+    map_memory: object  # () -> list[SegmentMemory]
     aux: torch.Tensor
     message_bytes: int
+    _memory: list[SegmentMemory] | None = None
+
+    @property
+    def memory(self) -> list[SegmentMemory]:
+        if self._memory is None:
+            self._memory = self.map_memory()
+        return self._memory
+
+    def prepare(self) -> ShardPlan:
+        self.memory  # noqa: B018 - builds the map now
+        return self
 
     @classmethod
     def for_sender(cls, spec: ShardSpec, caches: ModelCaches, block_ids: Sequence[int], slot: int | None,
@@ -302,9 +328,11 @@ class ShardPlan:
             raise ValueError(f"shard needs logical block {blocks[-1]}, the request holds {len(block_ids)}")
         aux = encode_aux(spec.num_tokens, first_tokens)
         segments = shard_segments(spec)
-        memory = _memory(spec, segments, caches, aux, [block_ids[b] for b in blocks], slot,
-                         spec.layout.num_kda_heads, spec.heads[0])
-        return cls(spec, segments, plan_messages(segments, message_bytes), memory, aux, message_bytes)
+        physical = [block_ids[b] for b in blocks]
+
+        def map_memory() -> list[SegmentMemory]:
+            return _memory(spec, segments, caches, aux, physical, slot, spec.layout.num_kda_heads, spec.heads[0])
+        return cls(spec, segments, plan_messages(segments, message_bytes), map_memory, aux, message_bytes)
 
     @classmethod
     def for_receiver(cls, spec: ShardSpec, caches: ModelCaches, local_block_ids: Sequence[int],
@@ -315,9 +343,11 @@ class ShardPlan:
             raise ValueError(f"shard has {num_blocks} blocks, the handle holds {len(local_block_ids)}")
         aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
         segments = shard_segments(spec)
-        memory = _memory(spec, segments, caches, aux, list(local_block_ids[:num_blocks]), slot,
-                         spec.num_local_heads, 0)
-        return cls(spec, segments, plan_messages(segments, message_bytes), memory, aux, message_bytes)
+        physical = list(local_block_ids[:num_blocks])
+
+        def map_memory() -> list[SegmentMemory]:
+            return _memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads, 0)
+        return cls(spec, segments, plan_messages(segments, message_bytes), map_memory, aux, message_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:
         return self.memory[message.segment].spans(message.offset, message.nbytes)

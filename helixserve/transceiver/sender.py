@@ -6,8 +6,8 @@ Lifecycle of one held request (a `_Pickup`):
    the prefill finished with ``hold_cache``) registers it; its pickup deadline starts now.
 2. **Requested**: a gen rank's RequestShard is checked (known request, layout, prompt length, CP
    geometry, no duplicate) and accepted; the rank's shard becomes an outbound stream.
-3. **Sending**: the sender thread posts each stream's messages in order, at most `send_window` in
-   flight per stream, round-robin over streams (one huge request cannot monopolize the link).
+3. **Sending**: the sender thread posts each stream's messages in order, at most `send_window_bytes`
+   in flight per stream, round-robin over streams (one huge request cannot monopolize the link).
    Runs that are contiguous in the cache are sent in place; others are gathered into staging
    (bounce) buffers first.
 4. **Settled**: every expected gen rank (cp ranks ``0..cp_size-1``) acknowledged -> COMPLETED; a
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -47,18 +46,18 @@ from helixserve.models.context import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import SenderSession, TransferState
-from helixserve.transceiver.bounce import BouncePool, bounce_pool_bytes
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import ControlServer, payload_descriptors
 from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardPlan, ShardSpec,
-                                           check_layout, gather, wire_tag)
+                                           check_caches, check_layout)
+from helixserve.transceiver.outbound import Outbound
 from helixserve.transceiver.polling import TransferMetrics, TransferPoller
-from helixserve.transceiver.stream import KindHandle, Staging
+from helixserve.transceiver.stream import KindHandle, staging_for
 
 logger = logging.getLogger(__name__)
 
 MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
-ACTIVE_TICK_S = 0.0002  # sender-thread wait while messages are in flight or queued
+ACTIVE_TICK_S = 0.0005  # sender-thread wait while messages are in flight or queued
 IDLE_TICK_S = 0.01
 
 
@@ -73,94 +72,6 @@ class PickupSession(SenderSession):
 
 
 @dataclass(slots=True)
-class _Sent:
-    handle: object | None = None
-    reservation: object | None = None
-    is_done: bool = False
-
-
-class _Outbound:
-    """One receiver's shard stream of one request (touched by the sender thread only)."""
-
-    def __init__(self, plan: ShardPlan, peer: tuple[str, int], tag_base: int, who: str,
-                 staging: Staging, window: int) -> None:
-        self.plan = plan
-        self.peer = peer
-        self.tag_base = tag_base
-        self.who = who
-        self.staging = staging
-        self.window = window
-        self.sent = [_Sent() for _ in plan.messages]
-        self.inflight: list[int] = []
-        self.num_posted = 0
-        self.error: str | None = None
-        self.is_stopped = False
-        self._kind_indices = {k: [m.index for m in plan.kind_messages(k)] for k in plan.kinds}
-
-    @property
-    def has_work(self) -> bool:
-        pending = not self.is_stopped and self.error is None and self.num_posted < len(self.sent)
-        return pending or bool(self.inflight)
-
-    def pump(self, plane) -> None:
-        while (not self.is_stopped and self.error is None and self.num_posted < len(self.sent)
-               and len(self.inflight) < self.window):
-            if not self._post(plane, self.num_posted):
-                return
-            self.inflight.append(self.num_posted)
-            self.num_posted += 1
-
-    def _post(self, plane, index: int) -> bool:
-        message = self.plan.messages[index]
-        spans = self.plan.spans(message)
-        sent = self.sent[index]
-        buffer = spans[0]
-        if len(spans) > 1:
-            staged = self.staging.try_acquire(self.peer[0], message.nbytes)
-            if staged is None:
-                return False  # bounce pool full: retry on a later tick
-            buffer, sent.reservation = staged
-            gather(spans, buffer)
-        try:
-            sent.handle = plane.send_message(self.peer, wire_tag(self.tag_base, index), buffer)
-        except Exception as error:
-            self.staging.release(sent.reservation)
-            sent.reservation = None
-            self.error = f"posting message {index} to {self.who} failed: {type(error).__name__}: {error}"
-            return False
-        return True
-
-    def advance(self) -> None:
-        still = []
-        for index in self.inflight:
-            sent = self.sent[index]
-            state = sent.handle.test()
-            if state is TransferState.TRANSFERRING:
-                still.append(index)
-                continue
-            self.staging.release(sent.reservation)
-            sent.reservation = None
-            if state is TransferState.COMPLETED:
-                sent.is_done = True
-            elif self.error is None:
-                self.error = f"sending message {index} to {self.who} failed: {sent.handle.error}"
-        self.inflight = still
-
-    def kind_state(self, kind) -> TransferState:
-        if self.error is not None:
-            return TransferState.FAILED
-        if all(self.sent[i].is_done for i in self._kind_indices[kind]):
-            return TransferState.COMPLETED
-        return TransferState.TRANSFERRING
-
-    def is_quiesced(self) -> bool:
-        return all(self.sent[i].handle.is_quiesced() for i in self.inflight)
-
-    def stop(self, reason: str) -> None:
-        self.is_stopped = True
-
-
-@dataclass(slots=True)
 class _Pickup:
     session: PickupSession
     block_ids: list[int]
@@ -168,7 +79,7 @@ class _Pickup:
     num_prompt_tokens: int
     first_tokens: list[int]
     cp_size: int | None = None
-    outbounds: dict[int, _Outbound] = field(default_factory=dict)
+    outbounds: dict[int, Outbound] = field(default_factory=dict)
     is_quarantine_logged: bool = False
 
 
@@ -199,6 +110,7 @@ class KVSender:
         from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
         check_layout(layout, layout, "ctx", "ctx")  # ctx_tp_size == 1 only
+        check_caches(layout, caches, layout.num_kda_heads)
         self.config = config
         self.layout = layout
         self.caches = caches
@@ -207,7 +119,7 @@ class KVSender:
         self._wakeup = threading.Event()
         self.poller = TransferPoller(wakeup=self._wakeup)
         self.plane = UcxxDataPlane(progress_thread=True)
-        self.staging = Staging(_bounce_pool(config))
+        self.staging = staging_for(config)
         self._server = ControlServer(self, host, port)
         self._advertise_host = advertise_host or host
         self._pickups: dict[str, _Pickup] = {}
@@ -427,7 +339,7 @@ class KVSender:
         except Exception as error:
             return pb.ShardReply(accepted=False, error=f"cannot reach {who}'s UCX worker: "
                                                        f"{type(error).__name__}: {error}")
-        outbound = _Outbound(plan, peer, request.tag_base, who, self.staging, self.config.send_window)
+        outbound = Outbound(plan, peer, request.tag_base, who, self.staging, self.config.send_window_bytes)
         session = pickup.session
         pickup.cp_size = request.cp_size
         session.expected_acks = set(range(request.cp_size))
@@ -463,12 +375,3 @@ class KVSender:
             raise ValueError(f"{who}: tag_base {request.tag_base} or max_message_bytes "
                              f"{request.max_message_bytes} out of range")
         return ShardSpec(self.layout, pickup.num_prompt_tokens, request.cp_rank, request.cp_size)
-
-
-def _bounce_pool(config: TransceiverConfig) -> BouncePool | None:
-    try:
-        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        free_bytes = 1 << 34
-    capacity = bounce_pool_bytes(config.bounce_size_bytes, config.chunk_bytes, free_bytes)
-    return BouncePool(capacity) if capacity else None

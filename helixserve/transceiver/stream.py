@@ -2,18 +2,20 @@
 
 A shard transfer (one request, one receiver) is one ordered stream of UCX messages (see
 `layout`). A session still has one task per payload kind; each task's handle is a `KindHandle`
-that asks the stream object (`sender._Outbound` or `receiver._Inbound`) for that kind's state, so
+that asks the stream object (`outbound.Outbound` or `inbound.Inbound`) for that kind's state, so
 the session rules of `base` (deadline, first failure wins, quiescence) apply unchanged.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 
 from helixserve.transceiver.base import PayloadKind, TransferHandle, TransferState
-from helixserve.transceiver.bounce import BouncePool, Reservation
+from helixserve.transceiver.bounce import BouncePool, Reservation, bounce_pool_bytes
+from helixserve.transceiver.config import TransceiverConfig
 
 
 class Stream(Protocol):
@@ -49,14 +51,21 @@ class Staging:
     """Staging buffers for gathered (sender) or scattered (receiver) messages.
 
     With a `BouncePool` buffers are first-fit regions of it (a full pool makes the caller retry
-    later, never overwrite); without one (bouncing off) each buffer is a fresh tensor.
+    later, never overwrite); without one (bouncing off) buffers are plain tensors, a few of which
+    are kept for reuse (a fresh one would page-fault on every gather).
     """
+
+    MAX_SPARE = 8
 
     def __init__(self, pool: BouncePool | None) -> None:
         self.pool = pool
+        self._spare: list[torch.Tensor] = []
 
     def try_acquire(self, owner: str, nbytes: int) -> tuple[torch.Tensor, Reservation | None] | None:
         if self.pool is None:
+            for i, spare in enumerate(self._spare):
+                if spare.numel() >= nbytes:
+                    return self._spare.pop(i)[:nbytes], None
             return torch.empty(nbytes, dtype=torch.uint8), None
         if nbytes > self.pool.capacity_bytes:
             raise ValueError(f"request {owner}: a {nbytes}-byte message exceeds the "
@@ -66,10 +75,24 @@ class Staging:
             return None
         return self.pool.view(reservation)[:nbytes], reservation
 
-    def release(self, reservation: Reservation | None) -> None:
+    def release(self, reservation: Reservation | None, buffer: torch.Tensor | None = None) -> None:
+        """Give a buffer back (`reservation` with a pool; `buffer`, optionally, without one)."""
         if reservation is not None and self.pool is not None:
             self.pool.release(reservation)
+        elif buffer is not None and self.pool is None and len(self._spare) < self.MAX_SPARE:
+            self._spare.append(buffer if buffer._base is None else buffer._base)
 
     def quarantine(self, reservation: Reservation | None, reason: str) -> None:
         if reservation is not None and self.pool is not None:
             self.pool.quarantine(reservation, reason)
+
+
+def staging_for(config: TransceiverConfig) -> Staging:
+    """Staging per the config: a bounce pool (sized in chunks, at most half the free memory) or
+    fresh buffers when bouncing is off."""
+    try:
+        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        free_bytes = 1 << 34
+    capacity = bounce_pool_bytes(config.bounce_size_bytes, config.chunk_bytes, free_bytes)
+    return Staging(BouncePool(capacity) if capacity else None)

@@ -61,10 +61,10 @@ def _exit(results) -> None:
 
 def _stall(num_messages: int | None, cp_rank: int | None = None) -> None:
     """In a ctx process: stop posting after `num_messages` per stream (of `cp_rank` only)."""
-    from helixserve.transceiver import sender
+    from helixserve.transceiver.outbound import Outbound
 
-    original = getattr(sender._Outbound, "_original_post", sender._Outbound._post)
-    sender._Outbound._original_post = original
+    original = getattr(Outbound, "_original_post", Outbound._post)
+    Outbound._original_post = original
 
     def post(self, plane, index):
         stalled = num_messages is not None and index >= num_messages
@@ -72,7 +72,7 @@ def _stall(num_messages: int | None, cp_rank: int | None = None) -> None:
             return False
         return original(self, plane, index)
 
-    sender._Outbound._post = post
+    Outbound._post = post
 
 
 # ---------------------------------------------------------------------------------- ctx worker

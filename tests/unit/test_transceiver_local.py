@@ -20,6 +20,7 @@ from helixserve.models.presets import get_preset  # noqa: E402
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint  # noqa: E402
 from helixserve.transceiver import sender as sender_module  # noqa: E402
+from helixserve.transceiver.outbound import Outbound  # noqa: E402
 from helixserve.transceiver.config import TransceiverConfig  # noqa: E402
 from helixserve.transceiver.control import ControlClient  # noqa: E402
 from helixserve.transceiver.group import CPGroupReceiver  # noqa: E402
@@ -236,12 +237,12 @@ def test_pickup_deadline_frees_and_counts_expired(ctx):
 
 def _stall_after(monkeypatch, num_messages: int) -> None:
     """The ctx stops posting after `num_messages` messages per stream (it stays alive)."""
-    original = sender_module._Outbound._post
+    original = Outbound._post
 
     def post(self, plane, index):
         return False if index >= num_messages else original(self, plane, index)
 
-    monkeypatch.setattr(sender_module._Outbound, "_post", post)
+    monkeypatch.setattr(Outbound, "_post", post)
 
 
 def test_cancel_mid_transfer_drains_posted_messages_then_both_sides_free(ctx, monkeypatch):

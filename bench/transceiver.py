@@ -1,0 +1,286 @@
+"""Transceiver bandwidth: one request's KV + KDA state, ctx -> gen over UCX, next to raw peers.
+
+Two processes on this host: a ctx worker (KVSender over a Kimi-Linear-48B-shaped cache, bf16,
+tokens_per_block 16) and a gen rank (KVReceiver + CPGroupReceiver, cp = 1). For each prompt
+length the whole request (7 MLA layers of blocks, 20 KDA layers of fp32 state and conv state, plus
+AUX) moves from begin() to "ready" on the gen side: control RPC, plan check, every message,
+scatter. In the same run, between the same two processes and the same ucxx setup (progress
+thread, no endpoint error handling): a raw ucxx tag send of ONE contiguous buffer of the same
+size. Where available, also a NIXL WRITE of one buffer (nixl-cu12, UCX backend, DRAM; pass
+``--nixl-path`` to a ``pip install --target`` dir) and ``ucx_perftest -t tag_bw`` (from the libucx
+wheel). GB/s = 1e9 bytes/s, median of ``--reps`` after one warm-up.
+
+    python bench/transceiver.py --quick --out bench/results/transceiver_quick.json
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+
+TPB = 16
+PRESET = "kimi-linear-48b"
+
+
+def _setup(max_tokens: int, message_mib: float, window_mib: float):
+    import torch
+
+    from helixserve.engine.runner import cache_spec_for
+    from helixserve.kvcache.manager import CacheManager
+    from helixserve.kvcache.pools import allocate_model_caches
+    from helixserve.models.presets import get_preset
+    from helixserve.transceiver.config import TransceiverConfig
+    from helixserve.transceiver.layout import layout_for
+
+    torch.set_num_threads(1)
+    cfg = get_preset(PRESET)
+    num_blocks = -(-max_tokens // TPB)
+    caches = allocate_model_caches(cache_spec_for(cfg, torch.bfloat16, TPB), num_blocks, 1)
+    for pools in (caches.mla_kv, caches.kda_state, caches.conv_state):
+        for pool in pools.values():
+            pool.fill_(1.0)  # touch every page before timing
+    config = TransceiverConfig(kv_transfer_timeout_ms=60_000, message_bytes=int(message_mib * 2**20),
+                               send_window_bytes=int(window_mib * 2**20))
+    return config, layout_for(cfg, torch.bfloat16, TPB, PRESET), caches, CacheManager(num_blocks, 1, TPB)
+
+
+def _ctx_main(max_tokens: int, message_mib: float, window_mib: float, inbox, outbox) -> None:
+    import torch
+
+    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+
+    config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
+    raw = torch.ones(_payload_bytes(caches), dtype=torch.uint8)  # page-touched, reused like a cache
+    freed = mp.SimpleQueue()
+    sender = KVSender(config, layout, caches, freed.put)
+    plane = UcxxDataPlane(progress_thread=True)
+    outbox.put((sender.start().model_dump(), layout.model_dump(), plane.address))
+    while (cmd := inbox.get())[0] != "stop":
+        if cmd[0] == "hold":
+            _, rid, num_tokens = cmd
+            while not manager.can_allocate(num_tokens):  # the previous pickup is freed on its ack
+                manager.free(freed.get())
+            sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
+            outbox.put("held")
+        elif cmd[0] == "connect":
+            plane.connect("gen", cmd[1])
+            outbox.put("connected")
+        elif cmd[0] == "raw":
+            handle = plane.send_message("gen", cmd[2], raw[: cmd[1]])
+            while not handle.is_quiesced():
+                time.sleep(0.0002)
+            outbox.put("sent")
+    sender.stop()
+    plane.close()
+
+
+def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, outbox) -> None:
+    import torch
+
+    from helixserve.protocol.disagg import DisaggregatedParams
+    from helixserve.transceiver.base import TransferState
+    from helixserve.transceiver.group import CPGroupReceiver
+    from helixserve.transceiver.receiver import KVReceiver
+    from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+
+    config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
+    raw = torch.zeros(_payload_bytes(caches), dtype=torch.uint8)
+    rx = CPGroupReceiver(KVReceiver(config, layout), manager, caches)
+    plane = UcxxDataPlane(progress_thread=True)
+    outbox.put(plane.address)
+    while (cmd := inbox.get())[0] != "stop":
+        if cmd[0] == "connect":
+            plane.connect("ctx", cmd[1])
+            outbox.put("connected")
+        elif cmd[0] == "transfer":
+            _, rid, num_tokens, endpoint = cmd
+            params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
+                                         prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout)
+            start = time.perf_counter()
+            rx.begin(rid, params)
+            check = rx.check()
+            while not check.ready:
+                assert not check.failed, check.failed
+                rx.receiver.progress(wait_num=1, interval_s=0.002)
+                check = rx.check()
+            elapsed = time.perf_counter() - start
+            manager.free(rid)
+            outbox.put((elapsed, rx.receiver.metrics.bytes_transferred))
+        elif cmd[0] == "raw":
+            handle = plane.recv_message("ctx", cmd[2], raw[: cmd[1]])
+            outbox.put("posted")
+            assert inbox.get() == ("go",)
+            start = time.perf_counter()
+            while handle.test() is TransferState.TRANSFERRING:
+                time.sleep(0.0002)
+            outbox.put(time.perf_counter() - start)
+    rx.close()
+    plane.close()
+
+
+def _payload_bytes(caches) -> int:
+    """An upper bound of one request's payload in these caches (the whole pools + AUX)."""
+    pools = [*caches.mla_kv.values(), *caches.kda_state.values(), *caches.conv_state.values()]
+    return sum(p.numel() * p.element_size() for p in pools) + 4096
+
+
+def bench_ucx(token_counts: list[int], reps: int, message_mib: float, window_mib: float) -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    queues = {name: (ctx.Queue(), ctx.Queue()) for name in ("ctx", "gen")}
+    setup = (max(token_counts), message_mib, window_mib)
+    procs = [ctx.Process(target=_ctx_main, args=(*setup, *queues["ctx"])),
+             ctx.Process(target=_gen_main, args=(*setup, *queues["gen"]))]
+    for proc in procs:
+        proc.start()
+    (ctx_in, ctx_out), (gen_in, gen_out) = queues["ctx"], queues["gen"]
+    endpoint, _, ctx_address = ctx_out.get(timeout=120)
+    gen_address = gen_out.get(timeout=120)
+    ctx_in.put(("connect", gen_address)), gen_in.put(("connect", ctx_address))
+    assert (ctx_out.get(timeout=30), gen_out.get(timeout=30)) == ("connected", "connected")
+    out, serial = {}, iter(range(10**6))
+    for num_tokens in token_counts:
+        transfer, raw, nbytes = [], [], 0
+        for rep in range(reps + 1):
+            rid = f"r{next(serial)}"
+            ctx_in.put(("hold", rid, num_tokens))
+            assert ctx_out.get(timeout=60) == "held"
+            before = nbytes
+            gen_in.put(("transfer", rid, num_tokens, endpoint))
+            elapsed, nbytes = gen_out.get(timeout=120)
+            payload = nbytes - before
+            tag = next(serial)
+            gen_in.put(("raw", payload, tag))
+            assert gen_out.get(timeout=60) == "posted"
+            ctx_in.put(("raw", payload, tag))
+            gen_in.put(("go",))
+            raw_s = gen_out.get(timeout=120)
+            assert ctx_out.get(timeout=60) == "sent"
+            if rep:  # the first round warms up
+                transfer.append(elapsed)
+                raw.append(raw_s)
+        out[num_tokens] = {"bytes": payload, "transfer_s": transfer, "raw_ucxx_s": raw}
+    for inbox in (ctx_in, gen_in):
+        inbox.put(("stop",))
+    for proc in procs:
+        proc.join(timeout=30)
+    return out
+
+
+def _nixl_main(role: str, nbytes: int, reps: int, nixl_path: str, inbox, outbox) -> None:
+    sys.path.insert(0, nixl_path)
+    import torch
+
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl._api import nixl_agent, nixl_agent_config
+    agent = nixl_agent(role, nixl_agent_config(backends=["UCX"]))
+    buffer = (torch.ones if role == "initiator" else torch.zeros)(nbytes, dtype=torch.uint8)
+    agent.register_memory(buffer)
+    descs = agent.get_xfer_descs(buffer)
+    if role == "target":
+        outbox.put((agent.get_agent_metadata(), agent.get_serialized_descs(descs)))
+        inbox.get()
+        return
+    metadata, remote = inbox.get()
+    peer = agent.add_remote_agent(metadata)
+    handle = agent.initialize_xfer("WRITE", descs, agent.deserialize_descs(remote), peer, b"done")
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        agent.transfer(handle)
+        while (state := agent.check_xfer_state(handle)) not in ("DONE", "ERR"):
+            pass
+        assert state == "DONE"
+        times.append(time.perf_counter() - start)
+    outbox.put(times[1:])
+
+
+def bench_nixl(nbytes: int, reps: int, nixl_path: str | None) -> list[float] | None:
+    ctx = mp.get_context("spawn")
+    a_to_b, b_to_a, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    path = nixl_path or ""
+    target = ctx.Process(target=_nixl_main, args=("target", nbytes, reps, path, a_to_b, b_to_a))
+    initiator = ctx.Process(target=_nixl_main, args=("initiator", nbytes, reps, path, b_to_a, results))
+    target.start(), initiator.start()
+    try:
+        return results.get(timeout=180)
+    except Exception:
+        return None
+    finally:
+        a_to_b.put("stop")
+        for proc in (target, initiator):
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+
+
+def bench_perftest(nbytes: int, reps: int) -> float | None:
+    """ucx_perftest -t tag_bw overall bandwidth in GB/s, or None when it does not run here."""
+    try:
+        import libucx
+    except ImportError:
+        return None
+    root = Path(libucx.__file__).parent
+    binary = root / "bin" / "ucx_perftest"
+    if not binary.exists():
+        return None
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{root / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    port = str(20000 + os.getpid() % 20000)
+    args = ["-t", "tag_bw", "-s", str(nbytes), "-n", str(reps), "-p", port]
+    server = subprocess.Popen([str(binary), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)
+        client = subprocess.run([str(binary), "127.0.0.1", *args], env=env, capture_output=True, text=True, timeout=300)
+        match = re.search(r"Final:\s+\d+\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", client.stdout)
+        return float(match.group(1)) * 2**20 / 1e9 if match else None
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--message-mib", type=float, default=16.0, help="TransceiverConfig.message_bytes in MiB")
+    parser.add_argument("--window-mib", type=float, default=64.0, help="TransceiverConfig.send_window_bytes in MiB")
+    parser.add_argument("--nixl-path", default=None, help="directory holding nixl_cu12 (pip install --target)")
+    args = parser.parse_args()
+    token_counts = [512, 2048] if args.quick else [4096, 16384, 32768]
+    reps = args.reps or (5 if args.quick else 7)
+    ucx = bench_ucx(token_counts, reps, args.message_mib, args.window_mib)
+    rows, records = [], []
+    for num_tokens, r in ucx.items():
+        gbps = {"helixserve": r["bytes"] / statistics.median(r["transfer_s"]) / 1e9,
+                "raw ucxx": r["bytes"] / statistics.median(r["raw_ucxx_s"]) / 1e9}
+        nixl = bench_nixl(r["bytes"], reps, args.nixl_path)
+        gbps["NIXL write"] = r["bytes"] / statistics.median(nixl) / 1e9 if nixl else None
+        gbps["ucx_perftest"] = bench_perftest(r["bytes"], max(reps, 3))
+        best = max(v for k, v in gbps.items() if k != "helixserve" and v)
+        rows.append([num_tokens, r["bytes"] / 2**20, *gbps.values(), gbps["helixserve"] / best])
+        records.append({"tokens": num_tokens, "bytes": r["bytes"], "gbps": gbps, "ratio_vs_best_peer":
+                        gbps["helixserve"] / best, "transfer_s": r["transfer_s"], "raw_ucxx_s": r["raw_ucxx_s"]})
+    headers = ["prompt tokens", "MiB", "helixserve GB/s", "raw ucxx GB/s", "NIXL write GB/s", "ucx_perftest GB/s",
+               "helixserve / best peer"]
+    print(f"\n{PRESET} request (bf16 KV, fp32 KDA state), ctx -> gen, 2 processes, one host\n")
+    print(markdown_table(headers, rows))
+    write_json(args.out, {"bench": "transceiver", "preset": PRESET, "tokens_per_block": TPB, "reps": reps,
+                          "message_bytes": int(args.message_mib * 2**20),
+                          "send_window_bytes": int(args.window_mib * 2**20),
+                          "machine": machine_info(), "results": records})
+
+
+if __name__ == "__main__":
+    main()

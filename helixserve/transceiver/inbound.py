@@ -1,0 +1,244 @@
+"""One request's shard stream into a gen rank (owned by the engine thread; see `receiver`).
+
+Phases: REQUESTING (RequestShard in flight) -> RECEIVING (every receive posted: in place when
+the message's bytes are one run of the pools, else into a staging buffer scattered on arrival)
+-> DONE (all landed, AUX checked, acknowledged). Giving up: DRAINING (Cancel sent; the messages
+the ctx says it already posted are still received, because an unmatched rendezvous send would
+pin the ctx's cache) -> CLOSED (endpoint closed: every other receive is cancelled).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from helixserve.kvcache.manager import CacheHandle
+from helixserve.models.context import ModelCaches
+from helixserve.protocol import transfer_pb2 as pb
+from helixserve.protocol.disagg import DisaggregatedParams
+from helixserve.transceiver.base import PayloadKind, TransferState
+from helixserve.transceiver.control import check_payloads, payload_descriptors, rpc_error_text, target
+from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    REQUESTING = "requesting"  # RequestShard in flight
+    RECEIVING = "receiving"  # receives posted
+    DONE = "done"  # every message landed
+    DRAINING = "draining"  # gave up: waiting for the Cancel reply / the already-posted messages
+    CLOSED = "closed"  # endpoint closed: nothing can write any more
+
+
+@dataclass(slots=True)
+class _Recv:
+    handle: object | None = None
+    staging: object | None = None  # (buffer, reservation) when staged
+    is_done: bool = False
+
+
+class Inbound:
+    """One request's shard stream into this rank (engine thread only)."""
+
+    def __init__(self, receiver, request_id: str, params: DisaggregatedParams,
+                 handle: CacheHandle, caches: ModelCaches, tag_base: int) -> None:
+        self.r = receiver
+        self.request_id = request_id
+        self.handle = handle
+        self.caches = caches
+        self.params = params
+        self.tag_base = tag_base
+        self.peer = ("ctx", request_id)
+        self.ctx = f"ctx worker {target(params.ctx_endpoint)}"
+        self.client = receiver.clients.get(params.ctx_endpoint)
+        spec = ShardSpec(receiver.layout, len(params.prompt_token_ids), receiver.cp_rank, receiver.cp_size)
+        self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot,
+                                           receiver.config.message_bytes)
+        self.phase = Phase.REQUESTING
+        self.recvs: list[_Recv] = []
+        self._pending: deque[int] = deque()
+        self.error: str | None = None
+        self.future = None  # RequestShard, then Cancel
+        self.drain_end: float | None = None
+        self.num_to_drain = 0
+        self._kind_indices: dict[PayloadKind, list[int]] = {}
+
+    # -- requesting ---------------------------------------------------------------------------
+    def request(self, deadline_s: float) -> None:
+        handle = self.handle
+        req = pb.ShardRequest(
+            ctx_request_id=self.params.ctx_request_id, gen_rank=self.r.gen_rank,
+            cp_rank=self.plan.spec.cp_rank, cp_size=self.plan.spec.cp_size,
+            layout_json=self.r.layout.model_dump_json(), ucx_worker_address=self.r.plane.address,
+            tag_base=self.tag_base, num_prompt_tokens=self.plan.spec.num_tokens,
+            max_message_bytes=self.plan.message_bytes, deadline_ms=int(deadline_s * 1e3),
+            dst_block_ids=handle.block_ids, dst_slot=-1 if handle.slot is None else handle.slot)
+        self.future = self.client.request_shard_async(req, timeout_s=deadline_s)
+        self.future.add_done_callback(lambda _: self.r.poller.wakeup.set())
+
+    def advance(self) -> None:
+        """Non-blocking progress of whatever phase the stream is in."""
+        if self.phase is Phase.REQUESTING and self.future.done():
+            self._on_reply()
+        if self.phase in (Phase.RECEIVING, Phase.DRAINING):
+            self._post(len(self.recvs) if self.phase is Phase.RECEIVING else self.num_to_drain)
+            self._collect()
+        if self.phase is Phase.RECEIVING and all(r.is_done for r in self.recvs) and self.error is None:
+            self._finish()
+        if self.phase is Phase.DRAINING:
+            self._drain()
+
+    def _on_reply(self) -> None:
+        try:
+            reply = self.future.result()
+        except Exception as error:
+            return self._fail(f"{self.ctx} did not answer RequestShard: {rpc_error_text(error)}")
+        if not reply.accepted:
+            return self._fail(f"{self.ctx} refused the transfer: {reply.error}")
+        try:
+            if not 1 <= reply.message_bytes <= self.plan.message_bytes:
+                raise ValueError(f"message_bytes {reply.message_bytes} outside [1, {self.plan.message_bytes}]")
+            self._replan(reply.message_bytes)
+            check_payloads(payload_descriptors(self.plan.messages, self.plan.kinds), reply.payloads)
+            self.r.plane.connect(self.peer, bytes(reply.ucx_worker_address))
+        except Exception as error:
+            self._fail(f"{self.ctx}'s transfer plan is unusable: {type(error).__name__}: {error}")
+            return self.stop("unusable plan")  # it accepted: it may be sending already
+        self.phase = Phase.RECEIVING
+
+    def _replan(self, message_bytes: int) -> None:
+        if message_bytes != self.plan.message_bytes:
+            self.plan = ShardPlan.for_receiver(self.plan.spec, self.caches, self.handle.block_ids,
+                                               self.handle.slot, message_bytes)
+        self.recvs = [_Recv() for _ in self.plan.messages]
+        self._pending: deque[int] = deque()  # posted, not landed yet, in post order
+        self._kind_indices = {k: [m.index for m in self.plan.kind_messages(k)] for k in self.plan.kinds}
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _post(self, limit: int) -> None:
+        for index in range(min(limit, len(self.recvs))):
+            recv = self.recvs[index]
+            if recv.handle is not None:
+                continue
+            message = self.plan.messages[index]
+            try:
+                spans = self.plan.spans(message)
+                buffer = spans[0]
+                if len(spans) > 1:
+                    recv.staging = self.r.staging.try_acquire(self.request_id, message.nbytes)
+                    if recv.staging is None:
+                        return  # staging full: post the rest on a later poll
+                    buffer = recv.staging[0]
+                recv.handle = self.r.plane.recv_message(self.peer, wire_tag(self.tag_base, index), buffer)
+            except Exception as error:
+                if recv.staging is not None:
+                    self.r.staging.release(recv.staging[1], recv.staging[0])
+                    recv.staging = None
+                return self._fail(f"posting the receive of message {index} failed: {type(error).__name__}: {error}")
+            self._pending.append(index)
+
+    def _collect(self) -> None:
+        """Land completed receives, testing from the oldest posted one and stopping at the first
+        still in flight: messages complete in stream order, so a poll costs O(1), not O(stream)."""
+        while self._pending:
+            index = self._pending[0]
+            recv = self.recvs[index]
+            state = recv.handle.test()
+            if state is TransferState.TRANSFERRING:
+                return
+            self._pending.popleft()
+            recv.is_done = True
+            if state is TransferState.COMPLETED and self.phase is Phase.RECEIVING:
+                if recv.staging is not None:
+                    scatter(recv.staging[0], self.plan.spans(self.plan.messages[index]))
+                if self.plan.messages[index].kind is PayloadKind.AUX:
+                    self._check_aux()
+            elif state is not TransferState.COMPLETED and self.error is None and self.phase is Phase.RECEIVING:
+                self._fail(f"receiving message {index} from {self.ctx} failed: {recv.handle.error}")
+            if recv.staging is not None:
+                self.r.staging.release(recv.staging[1], recv.staging[0])
+                recv.staging = None
+
+    def _check_aux(self) -> None:
+        try:
+            num_tokens, first = decode_aux(self.plan.aux)
+        except ValueError as error:
+            return self._fail(f"{self.ctx}: {error}")
+        if num_tokens != self.plan.spec.num_tokens or first != list(self.params.first_gen_tokens):
+            self._fail(f"{self.ctx} sent prompt length {num_tokens} and first tokens {first}; the request "
+                       f"has {self.plan.spec.num_tokens} and {list(self.params.first_gen_tokens)}")
+
+    def _finish(self) -> None:
+        self.phase = Phase.DONE  # every receive completed: nothing can write any more
+        self.r.send_ack(self, success=True, error="")
+
+    def _fail(self, error: str) -> None:
+        self.error = self.error or error
+
+    # -- giving up ----------------------------------------------------------------------------
+    def stop(self, reason: str) -> None:
+        """Give up (session settled without success): drain what was posted, then close."""
+        if self.phase is Phase.DONE:
+            return self._close()  # complete here, failed elsewhere: nothing in flight
+        if self.phase in (Phase.DRAINING, Phase.CLOSED):
+            return
+        if self.phase is Phase.REQUESTING and self.future is not None:
+            self.future.cancel()
+        self.phase = Phase.DRAINING
+        self.drain_end = self.r.clock.monotonic() + self.r.config.drain_timeout_s
+        cancel = pb.CancelRequest(ctx_request_id=self.params.ctx_request_id, cp_rank=self.plan.spec.cp_rank,
+                                  gen_rank=self.r.gen_rank, reason=self.error or reason)
+        self.future = self.client.cancel_async(cancel)
+        self.num_to_drain = -1  # unknown until the Cancel reply
+
+    def _drain(self) -> None:
+        if self.num_to_drain < 0 and self.future.done():
+            try:
+                reply = self.future.result()
+            except Exception as error:  # ctx gone: nothing more can arrive
+                logger.info("request %s: Cancel to %s failed (%s); closing", self.request_id, self.ctx,
+                            rpc_error_text(error))
+                return self._close()
+            self.num_to_drain = reply.num_posted_messages if reply.known else 0
+            try:
+                if self.num_to_drain and not self.recvs:  # never saw the RequestShard reply
+                    if not 1 <= reply.message_bytes <= self.plan.message_bytes:
+                        raise ValueError(f"message_bytes {reply.message_bytes} out of range")
+                    self._replan(reply.message_bytes)
+                if self.num_to_drain and not self.r.plane.is_connected(self.peer):
+                    self.r.plane.connect(self.peer, bytes(reply.ucx_worker_address))
+            except Exception as error:
+                logger.warning("request %s: cannot drain (%s); closing", self.request_id, error)
+                return self._close()
+            self.num_to_drain = min(self.num_to_drain, len(self.recvs))
+            self._post(self.num_to_drain)
+            self._collect()
+        drained = self.num_to_drain >= 0 and all(r.is_done for r in self.recvs[: self.num_to_drain])
+        if drained or self.r.clock.monotonic() >= self.drain_end:
+            self._close()
+
+    def _close(self) -> None:
+        self.r.plane.close_peer(self.peer)  # cancels every receive still posted
+        self.phase = Phase.CLOSED
+
+    # -- Stream protocol (task handles) -------------------------------------------------------
+    def kind_state(self, kind: PayloadKind) -> TransferState:
+        self.advance()
+        if self.error is not None:
+            return TransferState.FAILED
+        if self.phase in (Phase.RECEIVING, Phase.DONE) and self.recvs and all(
+                self.recvs[i].is_done for i in self._kind_indices[kind]):
+            return TransferState.COMPLETED  # (the last one to land closes the stream first)
+        return TransferState.TRANSFERRING
+
+    def is_quiesced(self) -> bool:
+        done = self.phase in (Phase.DONE, Phase.CLOSED)
+        return done and all(r.handle is None or r.handle.is_quiesced() for r in self.recvs)
+
+    def fail_unsent(self, error: str) -> None:
+        """Fail before anything was requested: nothing can arrive, so it is closed at once."""
+        self._fail(error)
+        self.phase = Phase.CLOSED

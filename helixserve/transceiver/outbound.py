@@ -1,0 +1,118 @@
+"""One receiver's shard stream of one request, on the ctx side (owned by the sender thread).
+
+Messages are posted in stream order, at most `window_bytes` in flight (always at least one
+message); a message whose bytes are one
+contiguous run of the cache is sent in place, others are gathered into a staging (bounce)
+buffer first, released when its send completes. `stop()` posts nothing more; the stream is
+quiesced once every posted send has completed (a rendezvous send the receiver never matches
+never completes: its cache then stays quarantined, see `sender`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from helixserve.transceiver.base import PayloadKind, TransferState
+from helixserve.transceiver.layout import ShardPlan, gather, wire_tag
+from helixserve.transceiver.stream import Staging
+
+
+@dataclass(slots=True)
+class _Sent:
+    handle: object | None = None
+    staging: tuple | None = None  # (buffer, reservation) of a gathered message
+    is_done: bool = False
+
+
+class Outbound:
+    """One receiver's shard stream of one request (touched by the sender thread only)."""
+
+    def __init__(self, plan: ShardPlan, peer: tuple[str, int], tag_base: int, who: str,
+                 staging: Staging, window_bytes: int) -> None:
+        self.plan = plan
+        self.peer = peer
+        self.tag_base = tag_base
+        self.who = who
+        self.staging = staging
+        self.window_bytes = window_bytes
+        self.inflight_bytes = 0
+        self.sent = [_Sent() for _ in plan.messages]
+        self.inflight: list[int] = []
+        self.num_posted = 0
+        self.error: str | None = None
+        self.is_stopped = False
+        self._kind_indices = {k: [m.index for m in plan.kind_messages(k)] for k in plan.kinds}
+
+    @property
+    def has_work(self) -> bool:
+        pending = not self.is_stopped and self.error is None and self.num_posted < len(self.sent)
+        return pending or bool(self.inflight)
+
+    def pump(self, plane) -> None:
+        while not self.is_stopped and self.error is None and self.num_posted < len(self.sent):
+            nbytes = self.plan.messages[self.num_posted].nbytes
+            if self.inflight and self.inflight_bytes + nbytes > self.window_bytes:
+                return
+            if not self._post(plane, self.num_posted):
+                return
+            self.inflight.append(self.num_posted)
+            self.inflight_bytes += nbytes
+            self.num_posted += 1
+
+    def _post(self, plane, index: int) -> bool:
+        message = self.plan.messages[index]
+        sent = self.sent[index]
+        try:
+            spans = self.plan.spans(message)
+            buffer = spans[0]
+            if len(spans) > 1:
+                staged = self.staging.try_acquire(self.peer[0], message.nbytes)
+                if staged is None:
+                    return False  # bounce pool full: retry on a later tick
+                sent.staging = staged
+                buffer = staged[0]
+                gather(spans, buffer)
+                if buffer.is_cuda:  # the send must not start before the gather kernel ran
+                    torch.cuda.current_stream(buffer.device).synchronize()
+            sent.handle = plane.send_message(self.peer, wire_tag(self.tag_base, index), buffer)
+        except Exception as error:
+            self._unstage(sent)
+            self.error = f"posting message {index} to {self.who} failed: {type(error).__name__}: {error}"
+            return False
+        return True
+
+    def advance(self) -> None:
+        still = []
+        for index in self.inflight:
+            sent = self.sent[index]
+            state = sent.handle.test()
+            if state is TransferState.TRANSFERRING:
+                still.append(index)
+                continue
+            self._unstage(sent)
+            self.inflight_bytes -= self.plan.messages[index].nbytes
+            if state is TransferState.COMPLETED:
+                sent.is_done = True
+            elif self.error is None:
+                self.error = f"sending message {index} to {self.who} failed: {sent.handle.error}"
+        self.inflight = still
+
+    def _unstage(self, sent: _Sent) -> None:
+        if sent.staging is not None:
+            self.staging.release(sent.staging[1], sent.staging[0])
+            sent.staging = None
+
+    def kind_state(self, kind: PayloadKind) -> TransferState:
+        if self.error is not None:
+            return TransferState.FAILED
+        if all(self.sent[i].is_done for i in self._kind_indices[kind]):
+            return TransferState.COMPLETED
+        return TransferState.TRANSFERRING
+
+    def is_quiesced(self) -> bool:
+        return all(self.sent[i].handle.is_quiesced() for i in self.inflight)
+
+    def stop(self, reason: str) -> None:
+        self.is_stopped = True
