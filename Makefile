@@ -29,8 +29,15 @@ generate: $(STAMP) $(CKPT)/config.json
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# every bench in its quick form (each prints a table; JSON lands in bench/results/)
 bench: $(STAMP)
-	$(BIN)/python bench/engine.py --quick
+	$(BIN)/pip install -q -e '.[bench]'
+	mkdir -p bench/results
+	$(BIN)/python bench/engine.py --quick --out bench/results/engine.json
+	$(BIN)/python bench/helix_step.py --quick --out bench/results/helix_step.json
+	$(BIN)/python bench/transceiver.py --quick --out bench/results/transceiver.json
+	$(BIN)/python bench/serve.py --quick --out bench/results/serve.json --plot bench/results/serve.png
+	$(BIN)/python bench/kernels.py --quick --out bench/results/kernels.json
 
 clean:
 	rm -rf $(VENV) checkpoints
