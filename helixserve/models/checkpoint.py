@@ -190,8 +190,12 @@ def to_internal(canonical: dict[str, torch.Tensor], cfg: KimiModelConfig) -> dic
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
-    """Build :class:`~helixserve.models.kimi.KimiForCausalLM` from an HF-format checkpoint dir."""
+    """Build :class:`~helixserve.models.kimi.KimiForCausalLM` from an HF-format checkpoint dir.
+
+    On the CPU its weights are packed for inference (:func:`~helixserve.models.packing.pack_for_cpu`:
+    fused input projections, column-major storage; same names, shapes and values)."""
     from helixserve.models.kimi import KimiForCausalLM
+    from helixserve.models.packing import pack_for_cpu
 
     cfg = KimiModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -204,7 +208,7 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    return pack_for_cpu(model.eval().requires_grad_(False))
 
 
 # ---------------------------------------------------------------- save

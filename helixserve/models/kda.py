@@ -14,11 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from helixserve import kernels
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch, ModelCaches
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
+from helixserve.models.packing import fuse_weights, relayout
 
 
 class KimiDeltaAttention(nn.Module):
@@ -53,21 +56,54 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = linear(lin.head_dim, width, dtype)
         self.o_norm = RMSNorm(lin.head_dim, cfg.rms_norm_eps, dtype)
         self.o_proj = linear(width, hidden, dtype)
+        # set by pack(): [q | k | v | f_a | b | g_a or g] rows of one weight, and the fused conv kernels
+        self.register_buffer("in_proj", None, persistent=False)
+        self.register_buffer("packed_conv_weight", None, persistent=False)
+        self.in_proj_sizes: list[int] = []
+
+    @property
+    def _input_projections(self) -> list[nn.Linear]:
+        gate = self.g_proj if self.use_full_rank_gate else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
+
+    def pack(self, is_column_major: bool) -> None:
+        """Fuse the projections of ``x`` into ``in_proj`` and the conv kernels into one weight
+        (see :mod:`helixserve.models.packing`)."""
+        projections = self._input_projections
+        self.in_proj_sizes = [3 * projections[0].out_features, *(p.out_features for p in projections[3:])]
+        self.in_proj = fuse_weights([(p, "weight") for p in projections], is_column_major)
+        convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
+        for conv in convs:  # fused as [rows, W]; the views keep the checkpoint's [rows, 1, W] shape
+            conv.weight = nn.Parameter(conv.weight.detach().squeeze(1), requires_grad=False)
+        self.packed_conv_weight = fuse_weights([(c, "weight") for c in convs], is_column_major)
+        for conv in convs:
+            conv.weight = nn.Parameter(conv.weight.unsqueeze(1), requires_grad=False)
+        if is_column_major:
+            for p in (self.f_b_proj, self.o_proj, *([] if self.use_full_rank_gate else [self.g_b_proj])):
+                relayout(p)
 
     def conv_weight(self) -> torch.Tensor:
         """``[3*H*K, W]``: the q, k, v depthwise kernels in the conv-state section order."""
+        if self.packed_conv_weight is not None:
+            return self.packed_conv_weight
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(qkv [T, 3HK], f_b output [T, HK], b_proj output [T, H], output gate [T, HK])``."""
+        if self.in_proj is None:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            f_a, b, g = self.f_a_proj(x), self.b_proj(x), self._input_projections[-1](x)
+        else:
+            qkv, f_a, b, g = F.linear(x, self.in_proj).split(self.in_proj_sizes, dim=-1)
+        return qkv, self.f_b_proj(f_a), b, g if self.use_full_rank_gate else self.g_b_proj(g)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """``x``: ``[T, hidden]`` normed layer input -> ``[T, hidden]``."""
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        g = kernels.kda_gate(
-            self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias,
-            num_heads=H, head_dim=K, lower_bound=self.lower_bound,
-        )
-        beta = torch.sigmoid(self.b_proj(x).float())
+        qkv, f, b, gate = self._project(x)
+        g = kernels.kda_gate(f, self.A_log, self.dt_bias, num_heads=H, head_dim=K, lower_bound=self.lower_bound)
+        beta = torch.sigmoid(b.float())
         conv_pool = caches.conv_state[self.layer_idx]
         state_pool = caches.kda_state[self.layer_idx]
         slots = batch.state_slots.to(torch.int64)
@@ -93,10 +129,6 @@ class KimiDeltaAttention(nn.Module):
             )
             state_pool[slots] = state_new.to(state_pool.dtype)
 
-        if self.use_full_rank_gate:
-            gate = self.g_proj(x)
-        else:
-            gate = self.g_b_proj(self.g_a_proj(x))
         o = kernels.gated_rms_norm(o, gate.view(T, H, K), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.reshape(T, H * K).to(x.dtype))
 

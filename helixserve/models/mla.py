@@ -14,6 +14,7 @@ rank can combine partial ``(o_lat, lse)`` across ranks before :meth:`output`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from helixserve import kernels
@@ -21,6 +22,7 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch, ModelCaches
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
+from helixserve.models.packing import fuse_weights, relayout
 
 # q_a_layernorm / kv_a_layernorm use the DeepSeek/Kimi module default eps, not rms_norm_eps.
 MLA_LATENT_NORM_EPS = 1e-6
@@ -52,28 +54,50 @@ class MultiLatentAttention(nn.Module):
         if cfg.mla_use_output_gate:
             self.g_proj = linear(hidden, H * cfg.v_head_dim, dtype)
         self.o_proj = linear(H * cfg.v_head_dim, hidden, dtype)
+        self.register_buffer("in_proj", None, persistent=False)  # set by pack(): [q or q_a | kv_a | g]
+        self.in_proj_sizes: list[int] = []
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [H, nope, r]`` and ``W_UV [H, v, r]`` (checkpoint rows are ``[K | V]`` per head)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
+    @property
+    def _input_projections(self) -> list[nn.Linear]:
+        q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        return [q, self.kv_a_proj_with_mqa, *([self.g_proj] if self.use_output_gate else [])]
+
+    def pack(self, is_column_major: bool) -> None:
+        """Fuse the projections of ``x`` (q or q_a, kv_a, output gate) into ``in_proj`` (see
+        :mod:`helixserve.models.packing`); ``kv_b_proj`` keeps its layout (read as per-head views)."""
+        projections = self._input_projections
+        self.in_proj_sizes = [p.out_features for p in projections]
+        self.in_proj = fuse_weights([(p, "weight") for p in projections], is_column_major)
+        if is_column_major:
+            relayout(self.o_proj)
+            if self.q_lora_rank is not None:
+                relayout(self.q_b_proj)
+
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, kv_lora_rank + rope]`` cache rows of the new tokens."""
-        ckv = self.kv_a_proj_with_mqa(x)
+        return self._latent_rows(self.kv_a_proj_with_mqa(x))
+
+    def _latent_rows(self, ckv: torch.Tensor) -> torch.Tensor:
         c, k_shared = ckv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_shared], dim=-1)
 
     def absorbed_query(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H, kv_lora_rank + rope]``."""
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+        return self._absorb(self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x))
+
+    def _absorb(self, q: torch.Tensor) -> torch.Tensor:
+        """``q_proj`` (or ``q_a_proj``) output ``[T, *]`` -> absorbed queries ``[T, H, r + rope]``."""
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(q.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         w_uk, _ = self._kv_b_heads()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # per head [T, nope] @ [nope, r]
         return torch.cat([q_lat, q_rope], dim=-1)
 
     def attend(
@@ -87,17 +111,24 @@ class MultiLatentAttention(nn.Module):
 
     def output(self, o_lat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per-head value projection, optional output gate, o_proj -> ``[T, hidden]``."""
+        return self._project_out(o_lat, self.g_proj(x) if self.use_output_gate else None)
+
+    def _project_out(self, o_lat: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         _, w_uv = self._kv_b_heads()
-        o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)
-        o = o.reshape(x.shape[0], self.num_heads * self.v_head_dim)
-        if self.use_output_gate:
-            o = o * torch.sigmoid(self.g_proj(x))
+        o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        o = o.transpose(0, 1).reshape(o_lat.shape[0], self.num_heads * self.v_head_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """``x``: ``[T, hidden]`` normed layer input; writes the new latents, returns ``[T, hidden]``."""
-        kernels.mla_write_kv(
-            caches.mla_kv[self.layer_idx], batch.block_tables, batch.cu_seqlens, batch.positions, self.latent(x)
-        )
-        o_lat, _ = self.attend(self.absorbed_query(x), batch, caches)
-        return self.output(o_lat, x)
+        kv_cache = caches.mla_kv[self.layer_idx]
+        if self.in_proj is None:
+            kernels.mla_write_kv(kv_cache, batch.block_tables, batch.cu_seqlens, batch.positions, self.latent(x))
+            o_lat, _ = self.attend(self.absorbed_query(x), batch, caches)
+            return self.output(o_lat, x)
+        q, ckv, *gate = F.linear(x, self.in_proj).split(self.in_proj_sizes, dim=-1)
+        kernels.mla_write_kv(kv_cache, batch.block_tables, batch.cu_seqlens, batch.positions, self._latent_rows(ckv))
+        o_lat, _ = self.attend(self._absorb(q), batch, caches)
+        return self._project_out(o_lat, gate[0] if gate else None)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from helixserve import kernels
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.packing import fuse_weights, relayout
 
 
 def linear(in_features: int, out_features: int, dtype: torch.dtype | None) -> nn.Linear:
@@ -22,10 +24,22 @@ class GatedMLP(nn.Module):
         self.activation = cfg.hidden_act
         self.situ_beta = cfg.activation_situ_beta
         self.situ_linear_beta = cfg.activation_situ_linear_beta
+        self.register_buffer("gate_up", None, persistent=False)  # set by pack(): [gate | up] rows
+
+    def pack(self, is_column_major: bool) -> None:
+        """Fuse ``gate_proj`` and ``up_proj`` into ``gate_up`` (see :mod:`helixserve.models.packing`)."""
+        self.gate_up = fuse_weights([(self.gate_proj, "weight"), (self.up_proj, "weight")], is_column_major)
+        if is_column_major:
+            relayout(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None:
+            return self.down(self.gate_proj(x), self.up_proj(x))
+        return self.down(*F.linear(x, self.gate_up).chunk(2, dim=-1))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``down_proj(act(gate) * up)`` from the gate and up projections ``[T, I]``."""
         h = kernels.act_and_mul(
-            self.gate_proj(x), self.up_proj(x), activation=self.activation,
-            situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
+            gate, up, activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
         )
         return self.down_proj(h)

@@ -13,12 +13,14 @@ expert input and sum partial expert outputs (before the latent norm) in between.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from helixserve import kernels
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.mlp import GatedMLP, linear
 from helixserve.models.norm import RMSNorm
+from helixserve.models.packing import fuse_weights, relayout
 
 
 class Router(nn.Module):
@@ -61,15 +63,42 @@ class KimiMoE(nn.Module):
             GatedMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts, dtype)
             if cfg.num_shared_experts > 0 else None
         )
+        # set by pack(): [router (fp32 models) | routed_expert_down_proj | shared gate | shared up] rows
+        self.register_buffer("in_proj", None, persistent=False)
+        self.in_proj_sizes: list[int] = []
+        self.is_router_packed = False
+
+    def pack(self, is_column_major: bool) -> None:
+        """Fuse the projections of ``x`` into ``in_proj`` (the router only when it is fp32 like its
+        logits) and store the expert stacks column-major (see :mod:`helixserve.models.packing`)."""
+        self.is_router_packed = self.gate.weight.dtype == torch.float32
+        owners = [self.gate] if self.is_router_packed else []
+        owners += [self.routed_expert_down_proj] if self.is_latent else []
+        shared = self.shared_experts
+        owners += [shared.gate_proj, shared.up_proj] if shared is not None else []
+        if owners:
+            self.in_proj_sizes = [m.weight.shape[0] for m in owners]
+            self.in_proj = fuse_weights([(m, "weight") for m in owners], is_column_major)
+        if not is_column_major:
+            return
+        relayout(self.experts, "w13")
+        relayout(self.experts, "w2")
+        others = [] if self.is_router_packed else [self.gate]
+        others += [self.routed_expert_up_proj] if self.is_latent else []
+        for module in [*others, *([shared.down_proj] if shared is not None else [])]:
+            relayout(module)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> (expert input ``[T, De]``, topk_weights ``[T, k]`` fp32, topk_ids ``[T, k]``)."""
-        weights, ids = kernels.moe_route(
-            self.gate.logits(x), top_k=self.top_k, correction_bias=self.gate.e_score_correction_bias,
-            renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor,
-        )
+        weights, ids = self._select(self.gate.logits(x))
         expert_in = self.routed_expert_down_proj(x) if self.is_latent else x
         return expert_in, weights, ids
+
+    def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.moe_route(
+            logits, top_k=self.top_k, correction_bias=self.gate.e_score_correction_bias,
+            renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor,
+        )
 
     def routed(
         self, expert_in: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -85,15 +114,26 @@ class KimiMoE(nn.Module):
 
     def finish(self, routed_sum: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Latent norm + up projection (K3) and the shared experts -> ``[T, hidden]``."""
-        y = routed_sum.to(x.dtype)
-        if self.is_latent:
-            if self.use_latent_norm:
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
+        y = self._latent_out(routed_sum.to(x.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
 
+    def _latent_out(self, y: torch.Tensor) -> torch.Tensor:
+        if self.is_latent:
+            if self.use_latent_norm:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        expert_in, weights, ids = self.route(x)
-        return self.finish(self.routed(expert_in, weights, ids), x)
+        if self.in_proj is None:
+            expert_in, weights, ids = self.route(x)
+            return self.finish(self.routed(expert_in, weights, ids), x)
+        parts = list(F.linear(x, self.in_proj).split(self.in_proj_sizes, dim=-1))
+        weights, ids = self._select(parts.pop(0) if self.is_router_packed else self.gate.logits(x))
+        expert_in = parts.pop(0) if self.is_latent else x
+        y = self._latent_out(self.routed(expert_in, weights, ids).to(x.dtype))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts.down(*parts)
+        return y

@@ -141,7 +141,12 @@ def test_save_load_logits_match(tmp_path: Path, dtype: torch.dtype) -> None:
     with torch.no_grad():
         ref = model(batch, allocate_caches(cfg, 8, 16, 2))
         got = loaded(batch, allocate_caches(cfg, 8, 16, 2, dtype=dtype))
-    tol = 1e-6 if dtype == torch.float32 else 0.5
+    if dtype == torch.float32:  # the weights round-trip exactly
+        loaded_state = loaded.state_dict()
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, loaded_state[name]), name
+    # the CPU load packs the weights (fused GEMMs, column-major storage): fp32 rounding differs a little
+    tol = 2e-5 if dtype == torch.float32 else 0.5
     assert (ref - got).abs().max() <= tol
 
 

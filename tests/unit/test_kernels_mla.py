@@ -216,3 +216,15 @@ def test_rejects_bad_arguments(write_path):
         lse_combine(torch.zeros(2, 3, H, V_DIM), torch.zeros(2, 3, H + 1))
     with pytest.raises(ValueError, match="at least one part"):
         lse_combine(torch.zeros(0, 3, H, V_DIM), torch.zeros(0, 3, H))
+
+
+@pytest.mark.parametrize("seq_lens", [[23], [6, 6, 6], [8, 8]])
+def test_one_query_per_sequence_equal_lengths(seq_lens):
+    """Equal key counts, every block held (the unmasked decode path), over a NaN-filled cache."""
+    cache, tables, keys = build_cache(seq_lens, seed=16)
+    q, cu, pos = queries([(L - 1, L) for L in seq_lens], seed=17)
+    kv_lens = torch.tensor(seq_lens)
+    o, lse = mla_paged_attention(q, cache, tables, cu, pos, kv_lens, scale=SCALE, v_dim=V_DIM)
+    o_ref, lse_ref = dense_reference(q, keys, cu, pos, kv_lens)
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("lse", lse_ref, lse, 1e-6)

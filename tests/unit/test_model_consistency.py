@@ -3,7 +3,9 @@
 - prefill of n tokens then token-by-token decode == one forward over all tokens;
 - chunked prefill (continuing from the caches) == one forward;
 - a batch mixing fresh prefills, continuation chunks and decodes == each sequence alone;
-- a pure-decode batch (recurrent-step path) == each sequence alone.
+- a pure-decode batch (recurrent-step path) == each sequence alone;
+
+each for the model as built and as packed for the CPU (fused projections, column-major weights).
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ import torch
 
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
 from helixserve.models.kimi import KimiForCausalLM
+from helixserve.models.packing import pack_for_cpu
 from helixserve.models.presets import get_preset, init_random_weights
 
 TPB, BLOCKS_PER_SEQ, SLOTS = 8, 10, 6  # small blocks so sequences span several
 PRESETS = ["kimi-linear-tiny", "kimi-k3-tiny"]
 
 
-@pytest.fixture(scope="module", params=PRESETS)
+@pytest.fixture(scope="module", params=[(p, packed) for p in PRESETS for packed in (False, True)],
+                ids=lambda param: f"{param[0]}-{'packed' if param[1] else 'plain'}")
 def model(request) -> KimiForCausalLM:
-    m = KimiForCausalLM(get_preset(request.param)).eval()
+    preset, packed = request.param
+    m = KimiForCausalLM(get_preset(preset)).eval()
     init_random_weights(m, seed=11)
-    return m
+    return pack_for_cpu(m.requires_grad_(False)) if packed else m
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -199,7 +199,8 @@ def _attend_single_queries(
         if kv_len > 0:
             _check_blocks_cover(i, kv_len, BS, tables.shape[1])
     num_keys = [max(0, min(kv_len, p + 1)) for kv_len, p in zip(kv_lens, q_pos)]
-    max_blocks = -(-max(num_keys) // BS)
+    longest = max(num_keys)
+    max_blocks = -(-longest // BS)
     if B * max_blocks * BS > _SINGLE_QUERY_BATCH_KEYS:
         return None
     if max_blocks == 0:
@@ -207,25 +208,34 @@ def _attend_single_queries(
         return q.new_zeros(B, H, v_dim), lse
     table = tables[:, :max_blocks]
     rows = table.tolist()
-    every_row_sees_a_key = all(any(b >= 0 for b in row[:-(-n // BS)]) for row, n in zip(rows, num_keys))
+    is_held = [[b >= 0 for b in row[:-(-n // BS)]] for row, n in zip(rows, num_keys)]
+    qf = q.float() * scale
+    if all(n == longest for n in num_keys) and all(all(row) for row in is_held):
+        # every sequence sees its first `longest` keys, all held here: no padding, no masks
+        keys = kv_cache[table.to(device)].flatten(1, 2)[:, :longest].float()
+        scores = torch.bmm(qf, keys.transpose(1, 2))  # [B, H, keys]
+        lse = torch.logsumexp(scores, dim=-1)
+        acc = torch.bmm(scores.sub_(lse[..., None]).exp_(), keys[..., :v_dim])
+        return acc.to(q.dtype), lse
+    every_row_sees_a_key = all(any(row) for row in is_held)
     key_pos = torch.arange(max_blocks * BS)
     visible = (key_pos < torch.tensor(num_keys)[:, None]) & (table >= 0).repeat_interleave(BS, dim=1)
     visible = visible.to(device)
     # keys a query cannot see (stale slots, blocks held elsewhere) are zeroed so no NaN/inf leaks
     keys = kv_cache[table.clamp_min(0).to(device)].flatten(1, 2).float()
     keys = keys.masked_fill_(~visible[..., None], 0.0)  # the gather made a copy: fill it in place
-    scores = torch.einsum("bhd,bkd->bhk", q.float() * scale, keys)
+    scores = torch.bmm(qf, keys.transpose(1, 2))
     scores = scores.masked_fill_(~visible[:, None, :], float("-inf"))
     m = scores.amax(-1)
     if every_row_sees_a_key:  # m is finite and denom >= 1 in every row
         probs = (scores - m[..., None]).exp_()
         denom = probs.sum(-1)
-        acc = torch.einsum("bhk,bkd->bhd", probs, keys[..., :v_dim])
+        acc = torch.bmm(probs, keys[..., :v_dim])
         return (acc / denom[..., None]).to(q.dtype), m + denom.log()
     m_safe = torch.where(torch.isfinite(m), m, 0.0)
     probs = (scores - m_safe[..., None]).exp_()
     denom = probs.sum(-1)
-    acc = torch.einsum("bhk,bkd->bhd", probs, keys[..., :v_dim])
+    acc = torch.bmm(probs, keys[..., :v_dim])
     has_key = denom > 0
     o = torch.where(has_key[..., None], acc / denom.clamp_min(1e-30)[..., None], 0.0)
     lse = torch.where(has_key, m + denom.clamp_min(1e-30).log(), float("-inf"))

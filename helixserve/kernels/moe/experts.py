@@ -10,6 +10,8 @@ moe_experts: x [T, D]; topk_ids, topk_weights [T, k]; w13 [E_local, 2I, D] (gate
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -125,7 +127,8 @@ def _few_pairs_experts(
     w2: torch.Tensor, expert_offset: int, activation: str, situ_beta: float, situ_linear_beta: float,
 ) -> torch.Tensor:
     """Same sum as the grouped path (experts in ascending order), with the (token, k) pairs sorted by
-    expert on the host from one read of the routing: one gather, one scatter, two GEMMs per expert."""
+    expert on the host from one read of the routing: one gather, one scatter, and two grouped GEMMs
+    (fp32 on CPU) or two GEMMs per expert."""
     T, D = x.shape
     E_local = w13.shape[0]
     I = w13.shape[1] // 2
@@ -149,11 +152,35 @@ def _few_pairs_experts(
         return out.to(x.dtype)
     tokens = torch.tensor([t for _, t, _ in pairs], device=x.device)
     rows = xf.index_select(0, tokens)
-    ys, start = [], 0
-    for e in sorted({e for e, _, _ in pairs}):
-        count = sum(1 for pair in pairs if pair[0] == e)
-        ys.append(expert(e, rows[start:start + count]))
-        start += count
+    if _can_group_on_host(x, w13, w2):
+        # one grouped GEMM per weight stack: the same per-expert products, without a Python loop
+        counts = [0] * E_local
+        for e, _, _ in pairs:
+            counts[e] += 1
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+        h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
+        act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
+        y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    else:
+        ys, start = [], 0
+        for e in sorted({e for e, _, _ in pairs}):
+            count = sum(1 for pair in pairs if pair[0] == e)
+            ys.append(expert(e, rows[start:start + count]))
+            start += count
+        y = torch.cat(ys)
     weights = torch.tensor([w for _, _, w in pairs], device=x.device)
-    out.index_add_(0, tokens, torch.cat(ys) * weights[:, None])
+    out.index_add_(0, tokens, y * weights[:, None])
     return out.to(x.dtype)
+
+
+def _can_group_on_host(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` on CPU fp32 stacks (other dtypes would convert whole stacks per call);
+    it needs 16-byte aligned operands: rows of D and I floats, weight stacks with aligned strides."""
+    return (x.device.type == "cpu" and w13.dtype == w2.dtype == torch.float32 and hasattr(torch, "_grouped_mm")
+            and x.shape[1] % 4 == 0 and w2.shape[2] % 4 == 0 and _is_aligned(w13) and _is_aligned(w2))
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all(
+        stride * t.element_size() % 16 == 0 for stride, size in zip(t.stride(), t.shape) if stride != 1 and size > 1
+    )

@@ -1,0 +1,90 @@
+"""CPU weight packing (fused input projections, column-major storage): same names, shapes and values;
+the same logits up to fp32 rounding; parameters stay views of the fused weights; saving still works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
+from helixserve.models.checkpoint import load_model, save_checkpoint
+from helixserve.models.kimi import KimiForCausalLM
+from helixserve.models.packing import pack_for_cpu
+from helixserve.models.presets import get_preset, init_random_weights
+from tests._testing import assert_close
+
+PRESETS = ["kimi-linear-tiny", "kimi-k3-tiny"]
+TPB, BLOCKS_PER_SEQ = 8, 8
+
+
+def _pair(preset: str, dtype: torch.dtype = torch.float32) -> tuple[KimiForCausalLM, KimiForCausalLM]:
+    plain = KimiForCausalLM(get_preset(preset)).eval().requires_grad_(False)
+    init_random_weights(plain, seed=5)
+    plain = plain.to(dtype)
+    packed = KimiForCausalLM(get_preset(preset), dtype=dtype).eval().requires_grad_(False)
+    packed.load_state_dict(plain.state_dict())
+    return plain, pack_for_cpu(packed)
+
+
+def _steps(model: KimiForCausalLM) -> list[torch.Tensor]:
+    """A prefill of three sequences, a decode step, then a 3-token continuation chunk."""
+    caches = allocate_caches(model.cfg, 4 * BLOCKS_PER_SEQ, TPB, 4, dtype=model.dtype)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (29, 4, 17)]
+    outs = []
+    with torch.no_grad():
+        for chunks in (
+            [SeqChunk(p, 0, s) for s, p in enumerate(prompts)],
+            [SeqChunk([7], len(p), s) for s, p in enumerate(prompts)],
+            [SeqChunk([9, 10, 11], len(p) + 1, s) for s, p in enumerate(prompts)],
+        ):
+            outs.append(model(build_batch(chunks, TPB, BLOCKS_PER_SEQ), caches))
+    return outs
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_packing_keeps_names_shapes_values_and_logits(preset: str) -> None:
+    plain, packed = _pair(preset)
+    want, got = plain.state_dict(), packed.state_dict()
+    assert want.keys() == got.keys()
+    for name, t in want.items():
+        assert got[name].shape == t.shape and torch.equal(got[name], t), name
+    for step, (ref, out) in enumerate(zip(_steps(plain), _steps(packed), strict=True)):
+        assert_close(f"step {step} logits", ref, out, 1e-5)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_parameters_are_views_of_the_fused_weights(preset: str) -> None:
+    _, packed = _pair(preset)
+    layers = packed.model.layers
+    kda = next(layer.self_attn for layer in layers if layer.is_kda)
+    mla = next(layer.self_attn for layer in layers if not layer.is_kda)
+    moe = next(layer.block_sparse_moe for layer in layers if layer.is_moe)
+    assert kda.in_proj is not None and mla.in_proj is not None and moe.in_proj is not None
+    with torch.no_grad():
+        kda.k_proj.weight.mul_(2.0)
+        kda.v_conv1d.weight.add_(1.0)
+        moe.gate.weight.zero_()
+    width = kda.num_heads * kda.head_dim
+    assert torch.equal(kda.in_proj[width:2 * width], kda.k_proj.weight)
+    assert torch.equal(kda.conv_weight()[2 * width:], kda.v_conv1d.weight.squeeze(1))
+    assert moe.is_router_packed and torch.equal(moe.in_proj[:moe.gate.weight.shape[0]], moe.gate.weight)
+    assert not any(name.endswith(("in_proj", "gate_up", "packed_conv_weight")) for name in packed.state_dict())
+
+
+def test_bf16_router_stays_separate() -> None:
+    plain, packed = _pair("kimi-linear-tiny", torch.bfloat16)
+    moe = next(layer.block_sparse_moe for layer in packed.model.layers if layer.is_moe)
+    assert not moe.is_router_packed and moe.in_proj is not None  # the shared experts' gate and up only
+    for ref, out in zip(_steps(plain), _steps(packed), strict=True):
+        assert torch.corrcoef(torch.stack([ref.flatten(), out.flatten()]))[0, 1] > 0.99
+
+
+def test_packed_model_saves_and_loads_packed(tmp_path) -> None:
+    cfg = get_preset("kimi-k3-tiny")
+    _, packed = _pair("kimi-k3-tiny")
+    save_checkpoint(packed, cfg, tmp_path, torch.float32)  # views of fused weights: no shared storage error
+    loaded = load_model(tmp_path)
+    assert next(layer.self_attn for layer in loaded.model.layers if layer.is_kda).in_proj is not None
+    for ref, out in zip(_steps(packed), _steps(loaded), strict=True):
+        assert_close("reloaded", ref, out, 1e-5)
