@@ -29,8 +29,10 @@ class _Sent:
 class Outbound:
     """One receiver's shard stream of one request (touched by the sender thread only)."""
 
-    def __init__(self, plan: ShardPlan, peer: tuple[str, int], tag_base: int, who: str,
+    def __init__(self, request_id: str, cp_rank: int, plan: ShardPlan, peer: tuple[str, int], tag_base: int, who: str,
                  staging: Staging, window_bytes: int) -> None:
+        self.request_id = request_id
+        self.cp_rank = cp_rank
         self.plan = plan
         self.peer = peer
         self.tag_base = tag_base
@@ -68,7 +70,7 @@ class Outbound:
             spans = self.plan.spans(message)
             buffer = spans[0]
             if len(spans) > 1:
-                staged = self.staging.try_acquire(self.peer[0], message.nbytes)
+                staged = self.staging.try_acquire(self.request_id, message.nbytes)
                 if staged is None:
                     return False  # bounce pool full: retry on a later tick
                 sent.staging = staged

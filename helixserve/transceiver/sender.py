@@ -333,13 +333,16 @@ class KVSender:
         message_bytes = min(self.config.message_bytes, request.max_message_bytes)
         plan = ShardPlan.for_sender(spec, self.caches, pickup.block_ids, pickup.slot,
                                     pickup.first_tokens, message_bytes)
+        # One endpoint per (request, receiver): UCX pairs it with the receiver's endpoint for this
+        # request, which the receiver closes on its own schedule; a shared one would break with it.
         peer = (request.ctx_request_id, request.cp_rank)
         try:
             self.plane.connect(peer, bytes(request.ucx_worker_address))
         except Exception as error:
             return pb.ShardReply(accepted=False, error=f"cannot reach {who}'s UCX worker: "
                                                        f"{type(error).__name__}: {error}")
-        outbound = Outbound(plan, peer, request.tag_base, who, self.staging, self.config.send_window_bytes)
+        outbound = Outbound(request.ctx_request_id, request.cp_rank, plan, peer, request.tag_base, who,
+                            self.staging, self.config.send_window_bytes)
         session = pickup.session
         pickup.cp_size = request.cp_size
         session.expected_acks = set(range(request.cp_size))

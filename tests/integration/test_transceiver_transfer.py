@@ -68,7 +68,7 @@ def _stall(num_messages: int | None, cp_rank: int | None = None) -> None:
 
     def post(self, plane, index):
         stalled = num_messages is not None and index >= num_messages
-        if stalled and (cp_rank is None or self.peer[1] == cp_rank):
+        if stalled and (cp_rank is None or self.cp_rank == cp_rank):
             return False
         return original(self, plane, index)
 

@@ -18,6 +18,15 @@ CACHE = CacheConfig(tokens_per_block=4, memory_budget_mib=4, max_num_seqs=4)
 PROMPT = [5, 17, 3, 99, 250, 7, 7, 1, 42, 64, 128, 33, 2]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one torch thread is faster and does not suffer from a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=["kimi-k3-tiny", "kimi-linear-tiny"])
 def model(request):
     cfg = get_preset(request.param)

@@ -27,6 +27,11 @@ UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host):
   The transceiver therefore never leaves a posted send unmatched while the receiver lives (the
   receiver drains what was posted before it closes, see `transceiver.receiver`).
 - Connecting to the address of a dead process raises (UCXXShmemSegmentError) at once.
+- UCX matches the endpoints two workers create to each other's addresses into ONE connection:
+  closing either side's endpoint breaks the other's (a later rendezvous on it fails as
+  cancelled). So both sides open one endpoint per (request, peer) and never share them.
+- A malformed worker address can abort the process inside UCX: addresses must come from a
+  trusted control plane.
 """
 
 from __future__ import annotations
