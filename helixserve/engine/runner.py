@@ -61,7 +61,8 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
         context_lens=as_long([s.context_len for s in out.seqs]),
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(out.seqs), max_blocks),
         state_slots=as_long([s.slot if s.slot is not None else 0 for s in out.seqs]),
-        logits_indices=as_long(logits_rows),
+        # None = every row (a decode step that samples every sequence): no gather before the LM head
+        logits_indices=None if len(logits_rows) == len(input_ids) else as_long(logits_rows),
         is_decode=bool(out.seqs) and all(s.num_tokens == 1 and s.context_len > 0 for s in out.seqs),
     )
 

@@ -1,8 +1,16 @@
-"""Argument checks shared by the kernel dispatchers; every failure raises ValueError naming the value."""
+"""Argument checks shared by the kernel dispatchers; every failure raises ValueError naming the value.
+(Also :func:`as_f32`, the fp32 view the torch paths compute in.)"""
 
 from __future__ import annotations
 
 import torch
+
+from helixserve.kernels._host import host_list
+
+
+def as_f32(t: torch.Tensor) -> torch.Tensor:
+    """``t.float()`` without the dispatch when ``t`` already is float32."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def check_ndim(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -39,8 +47,9 @@ def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int
     check_integer(name, cu_seqlens)
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} needs at least 2 entries, got {cu_seqlens.tolist()}")
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    values = cu.tolist()  # one host read; the checks below are plain Python
+    is_host_int64 = cu_seqlens.device.type == "cpu" and cu_seqlens.dtype == torch.int64
+    cu = cu_seqlens if is_host_int64 and not cu_seqlens.requires_grad else cu_seqlens.detach().to("cpu", torch.int64)
+    values = host_list(cu)  # one host read per step; the checks below are plain Python
     if values[0] != 0 or values[-1] != num_tokens or any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(
             f"{name} must start at 0, be non-decreasing and end at {num_tokens}, got {values}"
@@ -53,7 +62,7 @@ def check_slot_ids(name: str, slot_ids: torch.Tensor, batch: int, num_slots: int
     check_integer(name, slot_ids)
     if batch == 0:
         return
-    ids = slot_ids.tolist()  # one host read; the checks below are plain Python
+    ids = host_list(slot_ids)  # one host read per step; the checks below are plain Python
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= num_slots:
         raise ValueError(f"{name} must lie in [0, {num_slots}), got min {lo} max {hi}")

@@ -14,14 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
 from helixserve import kernels
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch, ModelCaches
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
-from helixserve.models.packing import fuse_weights, relayout
+from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear
 
 
 class KimiDeltaAttention(nn.Module):
@@ -58,6 +56,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = linear(width, hidden, dtype)
         # set by pack(): [q | k | v | f_a | b | g_a or g] rows of one weight, and the fused conv kernels
         self.register_buffer("in_proj", None, persistent=False)
+        self.register_buffer("in_proj_cols", None, persistent=False)
         self.register_buffer("packed_conv_weight", None, persistent=False)
         self.in_proj_sizes: list[int] = []
 
@@ -66,21 +65,21 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj if self.use_full_rank_gate else self.g_a_proj
         return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
 
-    def pack(self, is_column_major: bool) -> None:
+    def pack(self) -> None:
         """Fuse the projections of ``x`` into ``in_proj`` and the conv kernels into one weight
         (see :mod:`helixserve.models.packing`)."""
         projections = self._input_projections
         self.in_proj_sizes = [3 * projections[0].out_features, *(p.out_features for p in projections[3:])]
-        self.in_proj = fuse_weights([(p, "weight") for p in projections], is_column_major)
+        self.in_proj = fuse_weights([(p, "weight") for p in projections])
+        self.in_proj_cols = column_major(self.in_proj)
         convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
         for conv in convs:  # fused as [rows, W]; the views keep the checkpoint's [rows, 1, W] shape
             conv.weight = nn.Parameter(conv.weight.detach().squeeze(1), requires_grad=False)
-        self.packed_conv_weight = fuse_weights([(c, "weight") for c in convs], is_column_major)
+        # column-major: the decode step reads it as [W, rows] rows
+        self.packed_conv_weight = fuse_weights([(c, "weight") for c in convs], is_column_major=True)
         for conv in convs:
             conv.weight = nn.Parameter(conv.weight.unsqueeze(1), requires_grad=False)
-        if is_column_major:
-            for p in (self.f_b_proj, self.o_proj, *([] if self.use_full_rank_gate else [self.g_b_proj])):
-                relayout(p)
+        pack_linears(self, "f_b_proj", "o_proj", *([] if self.use_full_rank_gate else ["g_b_proj"]))
 
     def conv_weight(self) -> torch.Tensor:
         """``[3*H*K, W]``: the q, k, v depthwise kernels in the conv-state section order."""
@@ -94,7 +93,7 @@ class KimiDeltaAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             f_a, b, g = self.f_a_proj(x), self.b_proj(x), self._input_projections[-1](x)
         else:
-            qkv, f_a, b, g = F.linear(x, self.in_proj).split(self.in_proj_sizes, dim=-1)
+            qkv, f_a, b, g = packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1)
         return qkv, self.f_b_proj(f_a), b, g if self.use_full_rank_gate else self.g_b_proj(g)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
@@ -103,14 +102,15 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         qkv, f, b, gate = self._project(x)
         g = kernels.kda_gate(f, self.A_log, self.dt_bias, num_heads=H, head_dim=K, lower_bound=self.lower_bound)
-        beta = torch.sigmoid(b.float())
+        beta = torch.sigmoid(b if b.dtype == torch.float32 else b.float())
         conv_pool = caches.conv_state[self.layer_idx]
         state_pool = caches.kda_state[self.layer_idx]
-        slots = batch.state_slots.to(torch.int64)
+        slots = batch.state_slots
+        slots = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
 
         if _is_pure_decode(batch):
             qkv = kernels.short_conv_step(qkv, self.conv_weight(), conv_pool, slots, activation="silu")
-            q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, dim=-1))
+            q, k, v = qkv.reshape(T, 3, H, K).unbind(1)
             o = kernels.kda_recurrent_step(
                 q, k, v, g, beta, state_pool, slots, scale=K**-0.5, use_qk_l2norm=True
             )

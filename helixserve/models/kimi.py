@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from helixserve.kernels._host import step_host_cache
 from helixserve.models.attn_res import AttnResProj, attn_res_mix
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch, ModelCaches
@@ -132,7 +133,8 @@ class KimiForCausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        hidden = self.model(batch, caches)
+        with step_host_cache():  # the batch metadata is read on the host once, not once per layer
+            hidden = self.model(batch, caches)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         return self.lm_head(hidden).float()

@@ -14,7 +14,6 @@ rank can combine partial ``(o_lat, lse)`` across ranks before :meth:`output`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helixserve import kernels
@@ -22,7 +21,7 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch, ModelCaches
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
-from helixserve.models.packing import fuse_weights, relayout
+from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear
 
 # q_a_layernorm / kv_a_layernorm use the DeepSeek/Kimi module default eps, not rms_norm_eps.
 MLA_LATENT_NORM_EPS = 1e-6
@@ -55,6 +54,7 @@ class MultiLatentAttention(nn.Module):
             self.g_proj = linear(hidden, H * cfg.v_head_dim, dtype)
         self.o_proj = linear(H * cfg.v_head_dim, hidden, dtype)
         self.register_buffer("in_proj", None, persistent=False)  # set by pack(): [q or q_a | kv_a | g]
+        self.register_buffer("in_proj_cols", None, persistent=False)
         self.in_proj_sizes: list[int] = []
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,16 +67,14 @@ class MultiLatentAttention(nn.Module):
         q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         return [q, self.kv_a_proj_with_mqa, *([self.g_proj] if self.use_output_gate else [])]
 
-    def pack(self, is_column_major: bool) -> None:
+    def pack(self) -> None:
         """Fuse the projections of ``x`` (q or q_a, kv_a, output gate) into ``in_proj`` (see
-        :mod:`helixserve.models.packing`); ``kv_b_proj`` keeps its layout (read as per-head views)."""
+        :mod:`helixserve.models.packing`); ``kv_b_proj`` is read as per-head views and stays as is."""
         projections = self._input_projections
         self.in_proj_sizes = [p.out_features for p in projections]
-        self.in_proj = fuse_weights([(p, "weight") for p in projections], is_column_major)
-        if is_column_major:
-            relayout(self.o_proj)
-            if self.q_lora_rank is not None:
-                relayout(self.q_b_proj)
+        self.in_proj = fuse_weights([(p, "weight") for p in projections])
+        self.in_proj_cols = column_major(self.in_proj)
+        pack_linears(self, "o_proj", *([] if self.q_lora_rank is None else ["q_b_proj"]))
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, kv_lora_rank + rope]`` cache rows of the new tokens."""
@@ -128,7 +126,7 @@ class MultiLatentAttention(nn.Module):
             kernels.mla_write_kv(kv_cache, batch.block_tables, batch.cu_seqlens, batch.positions, self.latent(x))
             o_lat, _ = self.attend(self.absorbed_query(x), batch, caches)
             return self.output(o_lat, x)
-        q, ckv, *gate = F.linear(x, self.in_proj).split(self.in_proj_sizes, dim=-1)
+        q, ckv, *gate = packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1)
         kernels.mla_write_kv(kv_cache, batch.block_tables, batch.cu_seqlens, batch.positions, self._latent_rows(ckv))
         o_lat, _ = self.attend(self._absorb(q), batch, caches)
         return self._project_out(o_lat, gate[0] if gate else None)

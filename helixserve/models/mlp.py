@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helixserve import kernels
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.packing import fuse_weights, relayout
+from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear
 
 
 def linear(in_features: int, out_features: int, dtype: torch.dtype | None) -> nn.Linear:
@@ -25,17 +24,18 @@ class GatedMLP(nn.Module):
         self.situ_beta = cfg.activation_situ_beta
         self.situ_linear_beta = cfg.activation_situ_linear_beta
         self.register_buffer("gate_up", None, persistent=False)  # set by pack(): [gate | up] rows
+        self.register_buffer("gate_up_cols", None, persistent=False)
 
-    def pack(self, is_column_major: bool) -> None:
+    def pack(self) -> None:
         """Fuse ``gate_proj`` and ``up_proj`` into ``gate_up`` (see :mod:`helixserve.models.packing`)."""
-        self.gate_up = fuse_weights([(self.gate_proj, "weight"), (self.up_proj, "weight")], is_column_major)
-        if is_column_major:
-            relayout(self.down_proj)
+        self.gate_up = fuse_weights([(self.gate_proj, "weight"), (self.up_proj, "weight")])
+        self.gate_up_cols = column_major(self.gate_up)
+        pack_linears(self, "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down(self.gate_proj(x), self.up_proj(x))
-        return self.down(*F.linear(x, self.gate_up).chunk(2, dim=-1))
+        return self.down(*packed_linear(x, self.gate_up, self.gate_up_cols).chunk(2, dim=-1))
 
     def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``down_proj(act(gate) * up)`` from the gate and up projections ``[T, I]``."""

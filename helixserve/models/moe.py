@@ -13,14 +13,13 @@ expert input and sum partial expert outputs (before the latent norm) in between.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helixserve import kernels
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.mlp import GatedMLP, linear
 from helixserve.models.norm import RMSNorm
-from helixserve.models.packing import fuse_weights, relayout
+from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear, relayout
 
 
 class Router(nn.Module):
@@ -65,10 +64,11 @@ class KimiMoE(nn.Module):
         )
         # set by pack(): [router (fp32 models) | routed_expert_down_proj | shared gate | shared up] rows
         self.register_buffer("in_proj", None, persistent=False)
+        self.register_buffer("in_proj_cols", None, persistent=False)
         self.in_proj_sizes: list[int] = []
         self.is_router_packed = False
 
-    def pack(self, is_column_major: bool) -> None:
+    def pack(self) -> None:
         """Fuse the projections of ``x`` into ``in_proj`` (the router only when it is fp32 like its
         logits) and store the expert stacks column-major (see :mod:`helixserve.models.packing`)."""
         self.is_router_packed = self.gate.weight.dtype == torch.float32
@@ -78,15 +78,14 @@ class KimiMoE(nn.Module):
         owners += [shared.gate_proj, shared.up_proj] if shared is not None else []
         if owners:
             self.in_proj_sizes = [m.weight.shape[0] for m in owners]
-            self.in_proj = fuse_weights([(m, "weight") for m in owners], is_column_major)
-        if not is_column_major:
-            return
+            self.in_proj = fuse_weights([(m, "weight") for m in owners])
+            self.in_proj_cols = column_major(self.in_proj)
         relayout(self.experts, "w13")
         relayout(self.experts, "w2")
-        others = [] if self.is_router_packed else [self.gate]
-        others += [self.routed_expert_up_proj] if self.is_latent else []
-        for module in [*others, *([shared.down_proj] if shared is not None else [])]:
-            relayout(module)
+        if self.is_latent:
+            pack_linears(self, "routed_expert_up_proj")
+        if shared is not None:
+            pack_linears(shared, "down_proj")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> (expert input ``[T, De]``, topk_weights ``[T, k]`` fp32, topk_ids ``[T, k]``)."""
@@ -130,7 +129,7 @@ class KimiMoE(nn.Module):
         if self.in_proj is None:
             expert_in, weights, ids = self.route(x)
             return self.finish(self.routed(expert_in, weights, ids), x)
-        parts = list(F.linear(x, self.in_proj).split(self.in_proj_sizes, dim=-1))
+        parts = list(packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1))
         weights, ids = self._select(parts.pop(0) if self.is_router_packed else self.gate.logits(x))
         expert_in = parts.pop(0) if self.is_latent else x
         y = self._latent_out(self.routed(expert_in, weights, ids).to(x.dtype))

@@ -283,3 +283,26 @@ def test_step_and_gate_reject_bad_arguments():
         kda_gate(f, torch.zeros(H), torch.zeros(H * K), num_heads=H + 1, head_dim=K)
     with pytest.raises(ValueError, match="lower_bound"):
         kda_gate(f, torch.zeros(H), torch.zeros(H * K), num_heads=H, head_dim=K, lower_bound=5.0)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_decode_step_with_q_k_v_from_one_projection(batch):
+    """q | k | v as views of one [B, 3, H, K] tensor (the model's layout: q and k normed in one pass)
+    give the same bits as separate tensors, for the output and the state."""
+    H, K = 3, 8
+    gen = torch.Generator().manual_seed(batch)
+    qkv = torch.randn(batch, 3, H, K, generator=gen)
+    g = -torch.rand(batch, H, K, generator=gen)
+    beta = torch.rand(batch, H, generator=gen)
+    pool = torch.randn(batch + 2, H, K, K, generator=gen)
+    slots = torch.arange(batch).flip(0) + 1  # not in order: the copy-and-write-back path for batch > 1
+    outs = []
+    for q, k, v in (qkv.unbind(1), [t.clone() for t in qkv.unbind(1)]):
+        state = pool.clone()
+        outs.append((kda_recurrent_step(q, k, v, g, beta, state, slots, scale=0.3, use_qk_l2norm=True), state))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    q, k, v = (t.clone() for t in qkv.unbind(1))
+    ref_o, ref_state = naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=pool[slots],
+                                           cu_seqlens=torch.arange(batch + 1), use_qk_l2norm=True)
+    assert_close("o vs naive", ref_o, outs[0][0], 1e-5)
+    assert_close("state vs naive", ref_state, outs[0][1][slots], 1e-5)

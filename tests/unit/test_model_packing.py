@@ -1,5 +1,5 @@
-"""CPU weight packing (fused input projections, column-major storage): same names, shapes and values;
-the same logits up to fp32 rounding; parameters stay views of the fused weights; saving still works."""
+"""CPU weight packing (fused input projections, GEMM forms by row count): same names, shapes and
+values; the same logits up to fp32 rounding; parameters stay views of the fused weights; saving works."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
 from helixserve.models.checkpoint import load_model, save_checkpoint
 from helixserve.models.kimi import KimiForCausalLM
-from helixserve.models.packing import pack_for_cpu
+from helixserve.models.packing import PackedLinear, pack_for_cpu, packed_linear
 from helixserve.models.presets import get_preset, init_random_weights
 from tests._testing import assert_close
 
@@ -69,7 +69,21 @@ def test_parameters_are_views_of_the_fused_weights(preset: str) -> None:
     assert torch.equal(kda.in_proj[width:2 * width], kda.k_proj.weight)
     assert torch.equal(kda.conv_weight()[2 * width:], kda.v_conv1d.weight.squeeze(1))
     assert moe.is_router_packed and torch.equal(moe.in_proj[:moe.gate.weight.shape[0]], moe.gate.weight)
-    assert not any(name.endswith(("in_proj", "gate_up", "packed_conv_weight")) for name in packed.state_dict())
+    assert isinstance(kda.o_proj, PackedLinear) and torch.equal(kda.o_proj.weight_cols, kda.o_proj.weight)
+    plain_names = {name for name, _ in _pair(preset)[0].named_parameters()}
+    assert {name for name, _ in packed.named_parameters()} == plain_names
+    assert set(packed.state_dict()) == set(_pair(preset)[0].state_dict())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 200])
+def test_packed_linear_matches_f_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 40, generator=gen)
+    x = torch.randn(rows, 80, generator=gen)[:, ::2]  # a strided input, like a split projection
+    cols = weight.t().contiguous().t()
+    out = packed_linear(x, weight, cols)
+    assert out.shape == (rows, 48) and out.is_contiguous()
+    assert_close("packed_linear", torch.nn.functional.linear(x, weight), out, 1e-6)
 
 
 def test_bf16_router_stays_separate() -> None:

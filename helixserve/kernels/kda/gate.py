@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helixserve.kernels._checks import check_ndim
+from helixserve.kernels._checks import as_f32, check_ndim
 
 
 def kda_gate(
@@ -56,8 +56,9 @@ def _kda_gate_torch(
     head_dim: int,
     lower_bound: float | None,
 ) -> torch.Tensor:
-    x = f.float().view(-1, num_heads, head_dim) + dt_bias.float().view(num_heads, head_dim)
-    decay_rate = A_log.float().flatten()[:num_heads].exp().view(num_heads, 1)
-    if lower_bound is None:
-        return -decay_rate * F.softplus(x)
-    return lower_bound * torch.sigmoid(decay_rate * x)
+    x = as_f32(f).view(-1, num_heads, head_dim) + as_f32(dt_bias).view(num_heads, head_dim)
+    a_log = A_log if A_log.shape == (num_heads,) else A_log.flatten()[:num_heads]
+    decay_rate = as_f32(a_log).exp().view(num_heads, 1)
+    if lower_bound is None:  # -(rate * softplus): the same bits as (-rate) * softplus
+        return F.softplus(x).mul_(decay_rate).neg_()
+    return torch.sigmoid(x.mul_(decay_rate)).mul_(lower_bound)

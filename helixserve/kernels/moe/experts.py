@@ -15,7 +15,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from helixserve.kernels._checks import check_activation, check_integer, check_ndim, check_shape
+from helixserve.kernels._checks import as_f32, check_activation, check_integer, check_ndim, check_shape
 from helixserve.kernels.moe import gpu as moe_gpu
 
 _ACTIVATIONS = ("silu", "situ")
@@ -36,13 +36,14 @@ def act_and_mul(
     check_activation(activation, _ACTIVATIONS)
     if activation == "situ" and not (situ_beta > 0 and situ_linear_beta > 0):
         raise ValueError(f"situ betas must be positive, got {situ_beta}, {situ_linear_beta}")
-    return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta).to(gate.dtype)
+    out = _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
+    return out if out.dtype == gate.dtype else out.to(gate.dtype)
 
 
 def _act_and_mul_torch(
     gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float, situ_linear_beta: float
 ) -> torch.Tensor:
-    gate, up = gate.float(), up.float()
+    gate, up = as_f32(gate), as_f32(up)
     if activation == "silu":
         return F.silu(gate) * up
     soft_gate = situ_beta * torch.tanh(gate / situ_beta) * torch.sigmoid(gate)
@@ -136,20 +137,21 @@ def _few_pairs_experts(
     for t, (ids, weights) in enumerate(zip(topk_ids.tolist(), topk_weights.float().tolist())):
         pairs += [(e - expert_offset, t, w) for e, w in zip(ids, weights) if 0 <= e - expert_offset < E_local]
     pairs.sort(key=lambda pair: pair[0])  # stable: tokens stay in order within an expert
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    xf = x.float()
+    xf = as_f32(x)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.linear(rows, w13[e].float())
+        h = F.linear(rows, as_f32(w13[e]))
         act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
-        return torch.nn.functional.linear(act, w2[e].float())
+        return F.linear(act, as_f32(w2[e]))
 
-    if T == 1:  # one token: no index tensors
-        for e, _, w in pairs:
+    if not pairs:
+        return torch.zeros(T, D, dtype=x.dtype, device=x.device)
+    if T == 1:  # one token: no index tensors; the first product starts the sum (0 + w y == w y)
+        out = expert(pairs[0][0], xf) * pairs[0][2]
+        for e, _, w in pairs[1:]:
             out.add_(expert(e, xf), alpha=w)
         return out.to(x.dtype)
-    if not pairs:
-        return out.to(x.dtype)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     tokens = torch.tensor([t for _, t, _ in pairs], device=x.device)
     rows = xf.index_select(0, tokens)
     if _can_group_on_host(x, w13, w2):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from helixserve.kernels._checks import check_ndim, check_shape
+from helixserve.kernels._checks import as_f32, check_ndim, check_shape
 from helixserve.kernels.triton_common import use_triton
 
 
@@ -38,10 +38,10 @@ def _moe_route_torch(
     router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
     renormalize: bool, routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = router_logits.float().sigmoid()
-    choice = scores if correction_bias is None else scores + correction_bias.float()
+    scores = as_f32(router_logits).sigmoid()
+    choice = scores if correction_bias is None else scores + as_f32(correction_bias)
     topk_ids = torch.topk(choice, top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
-        topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
-    return topk_weights * routed_scaling_factor, topk_ids.to(torch.int64)
+        topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).add_(1e-20)
+    return topk_weights.mul_(routed_scaling_factor), topk_ids  # topk indices are int64

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helixserve.kernels._checks import check_shape
+from helixserve.kernels._checks import as_f32, check_shape
 
 
 def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -48,4 +48,5 @@ def _gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
         normed = F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     else:
         normed = weight.float() * F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return (normed * torch.sigmoid(gate.float())).to(x.dtype)
+    out = normed * torch.sigmoid(as_f32(gate))
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from helixserve.kernels._checks import (
-    check_activation, check_cu_seqlens, check_ndim, check_shape, check_slot_ids,
+    as_f32, check_activation, check_cu_seqlens, check_ndim, check_shape, check_slot_ids,
 )
 from helixserve.kernels._slots import slot_rows
 from helixserve.kernels.triton_common import gpu_check_slot_ids, gpu_num_seqs, has_triton, use_triton
@@ -134,11 +134,12 @@ def _short_conv_step_torch(
     check_slot_ids("slot_ids", slot_ids, x.shape[0], conv_pool.shape[0])
     states, write_back = slot_rows(conv_pool, slot_ids)
     # window [B, W, D] (taps outer): the tap sum runs over contiguous rows, not a size-W inner dim
-    window = torch.cat([states.float().transpose(1, 2), x.float()[:, None, :]], dim=1)
-    y = (window * weight.float().t()).sum(1)
+    window = torch.cat([as_f32(states).transpose(1, 2), as_f32(x).unsqueeze(1)], dim=1)
+    y = (window * as_f32(weight).t()).sum(1)
     new_states = window[:, 1:].transpose(1, 2)
     if write_back is None:
         states.copy_(new_states)
     else:
         conv_pool.index_copy_(0, write_back, new_states.to(conv_pool.dtype))
-    return _activate(y, activation).to(x.dtype)
+    y = _activate(y, activation)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
