@@ -124,12 +124,16 @@ def test_rejects_bad_arguments():
         act_and_mul(torch.zeros(2, I), torch.zeros(2, I + 1))
 
 
+@pytest.mark.parametrize("form", ["grouped_mm", "padded_bmm"])
 @pytest.mark.parametrize("layout", ["row_major", "column_major"])
 @pytest.mark.parametrize("activation", ["silu", "situ"])
-def test_few_pairs_grouped_gemm_matches_per_expert_loop(monkeypatch, layout, activation):
-    """fp32 stacks with 16-byte aligned rows take torch._grouped_mm on the host-sorted pairs: the
-    same sum as the per-expert loop and the naive reference, also for an expert-parallel half."""
+def test_few_pairs_grouped_gemm_matches_per_expert_loop(monkeypatch, form, layout, activation):
+    """fp32 stacks with 16-byte aligned rows take torch._grouped_mm (or one bmm over every local
+    expert, padded) on the host-sorted pairs: the same sum as the per-expert loop and the naive
+    reference, also for an expert-parallel half."""
     import helixserve.kernels.moe.experts as experts
+
+    monkeypatch.setattr(experts, "_prefers_padded_bmm", lambda counts: form == "padded_bmm")
 
     t, d, i = 9, 16, 8
     x = rand(t, d, seed=21)
@@ -147,3 +151,12 @@ def test_few_pairs_grouped_gemm_matches_per_expert_loop(monkeypatch, layout, act
     assert_close("vs naive", naive_moe_experts(x, ids, w, w13, w2, activation=activation), grouped, 1e-6)
     assert_close("EP half", naive_moe_experts(x, ids, w, w13[E // 2:], w2[E // 2:], expert_offset=E // 2,
                                               activation=activation), half, 1e-6)
+
+
+def test_padded_bmm_only_with_threads_and_busy_experts(monkeypatch):
+    import helixserve.kernels.moe.experts as experts
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert experts._prefers_padded_bmm([1, 0, 2, 1]) and not experts._prefers_padded_bmm([1, 0, 0, 0, 3, 0])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not experts._prefers_padded_bmm([1, 1, 1, 1])

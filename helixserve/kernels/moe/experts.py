@@ -11,6 +11,7 @@ moe_experts: x [T, D]; topk_ids, topk_weights [T, k]; w13 [E_local, 2I, D] (gate
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +130,8 @@ def _few_pairs_experts(
 ) -> torch.Tensor:
     """Same sum as the grouped path (experts in ascending order), with the (token, k) pairs sorted by
     expert on the host from one read of the routing: one gather, one scatter, and two grouped GEMMs
-    (fp32 on CPU) or two GEMMs per expert."""
+    or two bmm over every local expert (fp32 on CPU, see :func:`_prefers_padded_bmm`), else two
+    GEMMs per expert."""
     T, D = x.shape
     E_local = w13.shape[0]
     I = w13.shape[1] // 2
@@ -155,14 +157,17 @@ def _few_pairs_experts(
     tokens = torch.tensor([t for _, t, _ in pairs], device=x.device)
     rows = xf.index_select(0, tokens)
     if _can_group_on_host(x, w13, w2):
-        # one grouped GEMM per weight stack: the same per-expert products, without a Python loop
         counts = [0] * E_local
         for e, _, _ in pairs:
             counts[e] += 1
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-        h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
-        act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
-        y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+        if _prefers_padded_bmm(counts):
+            y = _padded_bmm_experts(rows, counts, w13, w2, lambda h: _act_and_mul_torch(
+                h[..., :I], h[..., I:], activation, situ_beta, situ_linear_beta))
+        else:  # one grouped GEMM per weight stack: the same per-expert products, without a Python loop
+            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+            h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
+            act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
+            y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
     else:
         ys, start = [], 0
         for e in sorted({e for e, _, _ in pairs}):
@@ -173,6 +178,26 @@ def _few_pairs_experts(
     weights = torch.tensor([w for _, _, w in pairs], device=x.device)
     out.index_add_(0, tokens, y * weights[:, None])
     return out.to(x.dtype)
+
+
+def _prefers_padded_bmm(counts: list[int]) -> bool:
+    """With more than one thread and at least half of the local experts hit, one bmm over every local
+    expert (rows padded to the busiest one) streams the weights from memory on all threads; it reads
+    the idle experts too, so it is not worth it when few are hit, nor with one thread."""
+    return torch.get_num_threads() > 1 and 2 * sum(1 for c in counts if c) >= len(counts)
+
+
+def _padded_bmm_experts(
+    rows: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, act: Callable,
+) -> torch.Tensor:
+    """Expert outputs ``[P, D]`` for ``rows [P, D]`` sorted by expert (``counts`` per local expert)."""
+    E_local, width = len(counts), max(counts)
+    slots = [e * width + j for e, count in enumerate(counts) for j in range(count)]
+    index = torch.tensor(slots, device=rows.device)
+    padded = rows.new_zeros(E_local * width, rows.shape[1]).index_copy_(0, index, rows)
+    h = torch.bmm(padded.view(E_local, width, -1), w13.transpose(1, 2))
+    y = torch.bmm(act(h), w2.transpose(1, 2))
+    return y.view(E_local * width, -1).index_select(0, index)
 
 
 def _can_group_on_host(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
