@@ -11,7 +11,7 @@ from helixserve.models.checkpoint import load_model, save_checkpoint
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.packing import PackedLinear, pack_for_cpu, packed_linear
 from helixserve.models.presets import get_preset, init_random_weights
-from tests._testing import assert_close
+from tests._testing import _err_ratio, assert_close
 
 PRESETS = ["kimi-linear-tiny", "kimi-k3-tiny"]
 TPB, BLOCKS_PER_SEQ = 8, 8
@@ -49,8 +49,13 @@ def test_packing_keeps_names_shapes_values_and_logits(preset: str) -> None:
     assert want.keys() == got.keys()
     for name, t in want.items():
         assert got[name].shape == t.shape and torch.equal(got[name], t), name
-    for step, (ref, out) in enumerate(zip(_steps(plain), _steps(packed), strict=True)):
-        assert_close(f"step {step} logits", ref, out, 1e-5)
+    # fp32 rounding of the plain model itself is ~1e-5 (relative RMS) on kimi-k3-tiny: judge the packed
+    # model against a float64 run (KDA states stay fp32 by layout), next to the plain model
+    exact = KimiForCausalLM(get_preset(preset), dtype=torch.float64).eval().requires_grad_(False)
+    exact.load_state_dict({k: v.double() for k, v in want.items()})
+    for step, (ref, a, b) in enumerate(zip(_steps(exact), _steps(plain), _steps(packed), strict=True)):
+        assert_close(f"step {step} packed vs plain", a, b, 5e-5)
+        assert _err_ratio(ref, b) <= 2 * _err_ratio(ref, a) + 1e-6, f"step {step}: packed drifts from float64"
 
 
 @pytest.mark.parametrize("preset", PRESETS)
