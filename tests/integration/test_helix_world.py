@@ -272,7 +272,7 @@ def test_async_engine_drives_a_local_world(tiny_checkpoints) -> None:
     model = str(tiny_checkpoints[PRESET])
     prompts, params = [p for p, _, _ in REQUESTS[:3]], [p for _, p, _ in REQUESTS[:3]]
     want = [r.token_ids for r in LLM(model, cache=CACHE).generate(prompts, params)]
-    world = start_local_world(model, dp=1, cp=2, options=WorldOptions(cache=CACHE, timeout_s=3), heartbeat_s=0.5)
+    world = start_local_world(model, dp=1, cp=2, options=WorldOptions(cache=CACHE, timeout_s=10), heartbeat_s=0.5)
     try:
         async def serve() -> list[list[int]]:
             engine = AsyncEngine(world.driver, None, max_num_seqs=CACHE.max_num_seqs, max_queue_len=4)
@@ -282,7 +282,7 @@ def test_async_engine_drives_a_local_world(tiny_checkpoints) -> None:
                 return [t async for out in engine.generate(f"a{i}", prompts[i], params[i]) for t in out.token_ids]
 
             got = list(await asyncio.gather(run(0), run(1)))
-            await asyncio.sleep(4.5)  # idle for longer than the 3 s timeout
+            await asyncio.sleep(12.0)  # idle for longer than the 10 s timeout
             got.append(await run(2))
             await engine.shutdown()
             return got
