@@ -1,7 +1,8 @@
 """helixserve.protocol: the wire formats, torch-free.
 
 - :mod:`.openai`: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` requests, responses,
-  SSE chunks and the helpers that build them.
+  SSE chunks and the helpers that build them (defined in :mod:`.openai_requests`,
+  :mod:`.openai_responses` and :mod:`.openai_common`).
 - :mod:`.errors`: :class:`OpenAIError` and its per-status subclasses, OpenAI-shaped error bodies,
   and :func:`parse_model` (request body -> model, or a 400 naming the parameter).
 - :mod:`.disagg`: ``disaggregated_params`` exchanged by router, ctx and gen workers.
