@@ -100,11 +100,12 @@ def test_mla_write_and_attention(interp):
     q_pos, kv_lens = torch.tensor([5, 0, 22, 7, 1]), torch.tensor([6, 1, 23, 11, 0])
     o_ref, lse_ref = kernels.mla_paged_attention(q, cache, local, torch.arange(6), q_pos, kv_lens, scale=0.1,
                                                  v_dim=V_DIM)
-    for num_splits in (1, 3):
+    # block_n 16 > BS: per-row gathered keys; block_n 4 == BS, 2 | BS: tiles inside one page
+    for num_splits, block_n in ((1, 16), (3, 16), (1, 4), (3, 2)):
         o, lse = tm.paged_attention(q, fast_cache, local, torch.arange(6), q_pos, kv_lens, 0.1, V_DIM,
-                                    num_splits=num_splits)
-        assert_close(f"o splits={num_splits}", o_ref, o, 1e-5)
-        assert_close(f"lse splits={num_splits}", lse_ref, lse, 1e-5)
+                                    num_splits=num_splits, block_n=block_n)
+        assert_close(f"o splits={num_splits} block_n={block_n}", o_ref, o, 1e-5)
+        assert_close(f"lse splits={num_splits} block_n={block_n}", lse_ref, lse, 1e-5)
     assert torch.isneginf(lse[4]).all() and torch.equal(o[4], torch.zeros(H, V_DIM))
     # prefill chunks: queries over the last rows of each sequence (causal inside the chunk)
     q_rows = torch.cat([torch.arange(max(0, L - 3), L) for L in seq_lens])

@@ -8,7 +8,10 @@ Attention: one program per (query row, block of heads, KV split). All heads of a
 latent keys (absorbed MLA is MQA-like), so a program scores ``[BLOCK_H, BLOCK_N]`` tiles with two
 dots (latent part ``[:v_dim]`` and rope part ``[v_dim:]``) and accumulates ``p @ keys[:, :v_dim]``
 with an online softmax. Keys are addressed one token at a time through the block table, so any
-block size works and ``-1`` entries (blocks held on another helix rank) are masked out. Decode
+block size works and ``-1`` entries (blocks held on another helix rank) are masked out. When the
+block size is a multiple of the key tile (``PAGE_TILES``), a tile lies inside one page: one table
+read per tile and ``BLOCK_N`` contiguous key rows, which the compiler loads as one wide, coalesced
+stream instead of ``BLOCK_N`` gathered rows. Decode
 batches split each sequence's keys over ``num_splits`` programs (flash-decoding) and merge the
 splits with the LSE-combine kernel, which is also the helix combine.
 """
@@ -73,7 +76,7 @@ def _paged_attention_kernel(
     H, BS, sm_scale_log2,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PAGE_TILES: tl.constexpr,
 ):
     row = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -103,9 +106,15 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < hi
-        phys = tl.load(table_ptr + seq * stride_table + offs_n // BS, mask=in_range, other=-1).to(tl.int64)
-        valid = in_range & (phys >= 0)
-        key_row = kv_ptr + (phys * BS + offs_n % BS) * D
+        if PAGE_TILES:
+            # the tile lies inside one page: one table read, BLOCK_N contiguous key rows
+            page = tl.load(table_ptr + seq * stride_table + start // BS).to(tl.int64)
+            valid = in_range & (page >= 0)
+            key_row = kv_ptr + (page * BS + start % BS) * D + tl.arange(0, BLOCK_N) * D
+        else:
+            phys = tl.load(table_ptr + seq * stride_table + offs_n // BS, mask=in_range, other=-1).to(tl.int64)
+            valid = in_range & (phys >= 0)
+            key_row = kv_ptr + (phys * BS + offs_n % BS) * D
         k_lat = tl.load(key_row[:, None] + offs_dv[None, :], mask=valid[:, None] & mask_dv[None, :], other=0.0)
         k_rope = tl.load(key_row[:, None] + DV + offs_dr[None, :], mask=valid[:, None] & mask_dr[None, :], other=0.0)
         if IEEE:
@@ -187,6 +196,7 @@ def paged_attention(
         H, kv_cache.shape[1], scale * _LOG2E,
         DV=v_dim, DR=Dqk - v_dim, BLOCK_DV=next_pow2(v_dim), BLOCK_DR=max(16, next_pow2(Dqk - v_dim)),
         BLOCK_H=BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=is_fp32,
+        PAGE_TILES=kv_cache.shape[1] % block_n == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits == 1:
