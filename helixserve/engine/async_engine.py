@@ -8,11 +8,11 @@ A request's stages here:
 2. The engine thread drains its inbox (add / abort / release), then steps the core. An add the
    core refuses (``ValueError``: too long, bad ids) comes back to ``generate()`` as a 400.
 3. After each step the new tokens of every request go to the event loop in one call; a request's
-   :class:`_RequestStream` merges tokens its reader has not taken yet (one pending item per
+   :class:`RequestStream` merges tokens its reader has not taken yet (one pending item per
    request, so memory is bounded whatever the reader's speed).
 4. ``generate()`` turns tokens into text with :class:`IncrementalDetokenizer` (no broken UTF-8,
    stop strings held back and cut) and yields :class:`RequestOutput` s; the last one has
-   ``finish_reason``.
+   ``finish_reason``. These three live in :mod:`helixserve.engine.output_stream`.
 5. Leaving the iterator early (client gone, task cancelled) aborts the request in the engine,
    which frees its cache; a ``hold_cache`` request that finished stays held until ``release()``.
 
@@ -28,20 +28,18 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from helixserve.engine.core import EngineStats
+from helixserve.engine.output_stream import IncrementalDetokenizer, RequestOutput, RequestStream
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
-from helixserve.engine.stop import truncate_at_stop
 from helixserve.protocol.errors import (InternalServerError, InvalidRequestError, OpenAIError,
                                         QueueFullError, RequestCancelledError,
                                         ServiceUnavailableError)
 
 logger = logging.getLogger(__name__)
-
-_REPLACEMENT = "\ufffd"
 
 
 class EngineCoreLike(Protocol):
@@ -60,74 +58,6 @@ class EngineCoreLike(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[RequestUpdate]: ...
     def stats(self) -> EngineStats: ...
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list whose concatenation is the final text.
-
-    The final text is ``truncate_at_stop(decode(all tokens), stop)``. While unfinished, a trailing
-    ``U+FFFD`` run (bytes that may still become a character) and the last ``max(len(stop)) - 1``
-    characters (the start of a stop string) are held back; everything before them can no longer
-    change. Each call decodes the whole output (the decoder is Rust; fine for serving lengths).
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
-        self._decode = decode
-        self._stop = tuple(stop)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._token_ids: list[int] = []
-        self._num_emitted = 0
-        self.text = ""  # emitted so far
-
-    def add(self, token_ids: Sequence[int], is_finished: bool) -> str:
-        """Append tokens; the newly stable text (everything left, cut at a stop, when finished)."""
-        self._token_ids.extend(token_ids)
-        text = truncate_at_stop(self._decode(self._token_ids), self._stop)
-        end = len(text) if is_finished else len(text.rstrip(_REPLACEMENT)) - self._hold
-        if end <= self._num_emitted:
-            return ""
-        delta = text[self._num_emitted:end]
-        self._num_emitted = end
-        self.text += delta
-        return delta
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """New tokens and text of one request since the last output."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    num_prompt_tokens: int
-    num_output_tokens: int  # all so far
-    finish_reason: str | None = None  # "stop" or "length" on the last output
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class _RequestStream:
-    """Tokens of one request the reader has not taken yet (merged: one pending item at most)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: OpenAIError | None = None
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def put(self, token_ids: list[int], finish_reason: str | None, error: OpenAIError | None) -> None:
-        self.token_ids.extend(token_ids)
-        self.finish_reason = self.finish_reason or finish_reason
-        self.error = self.error or error
-        self.event.set()
-
-    async def take(self) -> tuple[list[int], str | None, OpenAIError | None]:
-        await self.event.wait()
-        self.event.clear()
-        token_ids, self.token_ids = self.token_ids, []
-        return token_ids, self.finish_reason, self.error
 
 
 # starts a request in the core instead of ``add_request`` (e.g. a KV source's prefilled start);
@@ -185,7 +115,7 @@ class AsyncEngine:
         self._decode = decode or (lambda ids: "")
         self.capacity = max_num_seqs + max_queue_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=engine_thread_name, daemon=True)
         self._is_accepting = False
@@ -284,7 +214,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30.0)
 
-    def _admit(self, request_id: str) -> _RequestStream:
+    def _admit(self, request_id: str) -> RequestStream:
         if not self.is_alive:
             raise ServiceUnavailableError("the engine is not running (shutting down or failed)")
         if request_id in self._streams:
@@ -293,10 +223,10 @@ class AsyncEngine:
         if len(self._streams) >= self.capacity:
             raise QueueFullError(f"the engine queue is full ({len(self._streams)} requests running "
                                  f"or waiting, capacity {self.capacity}); retry later")
-        stream = self._streams[request_id] = _RequestStream()
+        stream = self._streams[request_id] = RequestStream()
         return stream
 
-    def _forget(self, request_id: str, stream: _RequestStream) -> bool:
+    def _forget(self, request_id: str, stream: RequestStream) -> bool:
         """Drop ``stream`` if it is still the live one of ``request_id``."""
         if self._streams.get(request_id) is not stream:
             return False
