@@ -23,72 +23,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
 from helixserve.engine.request import Request, RequestStatus
+from helixserve.engine.scheduler_output import RequestUpdate, ScheduledSeq, SchedulerOutput
 from helixserve.engine.stop import Detokenize, StopChecker
 from helixserve.kvcache.manager import CacheManager
 
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step.
-
-    Attributes:
-        token_ids: the new tokens to run, at positions ``context_len ..``.
-        context_len: tokens already in the cache for this request.
-        block_table: global logical block -> physical block on this rank (``-1`` if not held
-            here); covers at least ``context_len + len(token_ids)`` tokens; pad to the batch max.
-        slot: KDA state slot (``None`` without KDA layers). ``context_len == 0`` means a fresh
-            slot whose state must start at zero (see ``SchedulerOutput.reset_slot_ids``).
-        is_prefill: False for a decode step (the one token sampled last step), True for a
-            prompt chunk (or a recompute chunk after preemption).
-        sample: sample from this chunk's last row.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    context_len: int
-    block_table: list[int]
-    slot: int | None
-    is_prefill: bool
-    sample: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def reset_slot_ids(self) -> list[int]:
-        """Slots starting a sequence from scratch this step: zero their KDA state first."""
-        return [s.slot for s in self.seqs if s.context_len == 0 and s.slot is not None]
-
-
-@dataclass(slots=True, frozen=True)
-class RequestUpdate:
-    """A sampled token of one request, and whether the request finished with it."""
-
-    request_id: str
-    token_id: int
-    status: RequestStatus
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
+__all__ = ["RequestUpdate", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
 
 _HOLDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -130,8 +71,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ``ValueError`` for one that could never run."""
         rid, params = request.request_id, request.sampling_params
-        if rid in self._requests or rid in self._held:
-            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        self._check_new_id(rid)
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} must be new (WAITING, nothing computed)")
         if not 1 <= request.num_tokens < self.max_model_len:
@@ -147,12 +87,21 @@ class Scheduler:
                 f"fewer ({self.cache.stats().num_blocks} blocks of "
                 f"{self.cache.tokens_per_block} tokens, cp_size={self.cache.cp_size})"
             )
-        if params.stop:
-            if self.detokenize is None:
-                raise ValueError(f"request {rid!r} has stop strings but no detokenize was given")
-            self._stop_checkers[rid] = StopChecker(params.stop, self.detokenize)
+        self._add_stop_checker(request)
         self._requests[rid] = request
         self.waiting.append(request)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._requests or request_id in self._held:
+            raise ValueError(f"request id {request_id!r} is already in the scheduler")
+
+    def _add_stop_checker(self, request: Request) -> None:
+        stop = request.sampling_params.stop
+        if stop:
+            if self.detokenize is None:
+                raise ValueError(f"request {request.request_id!r} has stop strings but no "
+                                 "detokenize was given")
+            self._stop_checkers[request.request_id] = StopChecker(stop, self.detokenize)
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
         """Finish a request (ABORTED, or ERROR when ``error`` is given) and free its cache.
@@ -222,8 +171,7 @@ class Scheduler:
         """
         rid, params = request.request_id, request.sampling_params
         first = list(request.forced_output_token_ids)
-        if rid in self._requests or rid in self._held:
-            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        self._check_new_id(rid)
         if not first or request.output_token_ids or request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {rid!r} must be new with >= 1 forced first token")
         num_cached = request.num_prompt_tokens + len(first) - 1
@@ -233,10 +181,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: all {self.max_num_seqs} running slots are taken")
         if len(first) >= params.max_tokens or request.num_prompt_tokens + len(first) >= self.max_model_len:
             raise ValueError(f"request {rid!r} is already finished after its {len(first)} first tokens")
-        if params.stop:
-            if self.detokenize is None:
-                raise ValueError(f"request {rid!r} has stop strings but no detokenize was given")
-            self._stop_checkers[rid] = StopChecker(params.stop, self.detokenize)
+        self._add_stop_checker(request)
         request.output_token_ids = first
         request.num_computed_tokens = num_cached  # the last first token is not cached yet
         request.status = RequestStatus.RUNNING

@@ -1,0 +1,70 @@
+"""What the scheduler hands out each step (torch-free): :class:`SchedulerOutput`, the ids,
+tokens, positions and block tables the runner needs, and :class:`RequestUpdate`, one sampled token
+of a request after ``update_from_output``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from helixserve.engine.request import RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    Attributes:
+        token_ids: the new tokens to run, at positions ``context_len ..``.
+        context_len: tokens already in the cache for this request.
+        block_table: global logical block -> physical block on this rank (``-1`` if not held
+            here); covers at least ``context_len + len(token_ids)`` tokens; pad to the batch max.
+        slot: KDA state slot (``None`` without KDA layers). ``context_len == 0`` means a fresh
+            slot whose state must start at zero (see ``SchedulerOutput.reset_slot_ids``).
+        is_prefill: False for a decode step (the one token sampled last step), True for a
+            prompt chunk (or a recompute chunk after preemption).
+        sample: sample from this chunk's last row.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    context_len: int
+    block_table: list[int]
+    slot: int | None
+    is_prefill: bool
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def reset_slot_ids(self) -> list[int]:
+        """Slots starting a sequence from scratch this step: zero their KDA state first."""
+        return [s.slot for s in self.seqs if s.context_len == 0 and s.slot is not None]
+
+
+@dataclass(slots=True, frozen=True)
+class RequestUpdate:
+    """A sampled token of one request, and whether the request finished with it."""
+
+    request_id: str
+    token_id: int
+    status: RequestStatus
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
