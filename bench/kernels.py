@@ -169,8 +169,7 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
     shapes = [(64, 4096, 16, True), (256, 4096, 16, False), (64, 16384, 16, False), (128, 4096, 64, True)]
     if args.quick:
         shapes = shapes[:1]
-    sweep = [dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in
-             ((32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 3))]
+    sweep = [dict(block_n=bn, num_warps=w, num_stages=s) for bn in (32, 64) for w in (4, 8) for s in (2, 3, 4)]
     for B, kv_len, H, do_sweep in shapes:
         case = mla_case(B, kv_len, H, 64, "cuda")
         nbytes = B * kv_len * 576 * 2 + 2 * B * H * 576 * 2
@@ -182,12 +181,13 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
         best = (t_default, "default")
         splits = triton_mla.choose_num_splits(B, -(-H // triton_mla._block_h(H)))
         for kw in sweep if do_sweep else []:
-            for ns in {splits, 2 * splits}:
+            for ns in sorted({splits, 2 * splits, 4 * splits}):
                 try:
                     (t,) = timer([lambda: run(num_splits=ns, **kw)], 2, args.reps * 2)
                 except Exception as exc:  # a tile shape over the shared-memory limit
                     print(f"    sweep {kw} splits={ns}: {type(exc).__name__}", flush=True)
                     continue
+                print(f"    sweep B={B} H={H} {kw} splits={ns}: {nbytes / t / 1e12:.2f} TB/s", flush=True)
                 if t < best[0]:
                     best = (t, f"{kw} splits={ns}")
         for label, t in (("default", t_default), ("best", best[0])):

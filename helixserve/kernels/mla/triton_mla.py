@@ -75,7 +75,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     H, BS, sm_scale_log2,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS,
     IEEE: tl.constexpr, PAGE_TILES: tl.constexpr,
 ):
     row = tl.program_id(0)
