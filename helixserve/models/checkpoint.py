@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -51,10 +52,11 @@ def _shard_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json found")
 
 
-def read_checkpoint_tensors(model_dir: str | Path, cfg: KimiModelConfig) -> dict[str, torch.Tensor]:
-    """Every language-model tensor of ``model_dir``, with the K3 ``language_model.`` prefix removed."""
+def iter_checkpoint_keys(model_dir: str | Path, cfg: KimiModelConfig) -> Iterator[tuple[Path, Any, str, str]]:
+    """``(shard path, open shard, stored key, name)`` of every language-model tensor of ``model_dir``;
+    ``name`` is the key without the K3 ``language_model.`` prefix. The shard stays open (for
+    ``get_tensor`` / ``get_slice``) until the next shard's keys start."""
     prefix = cfg.weight_prefix
-    tensors: dict[str, torch.Tensor] = {}
     for path in _shard_files(Path(model_dir)):
         if not path.is_file():
             raise CheckpointError(f"shard {path.name} listed in the index is missing from {model_dir}")
@@ -64,8 +66,12 @@ def read_checkpoint_tensors(model_dir: str | Path, cfg: KimiModelConfig) -> dict
                     continue
                 if prefix and not key.startswith(prefix):
                     raise CheckpointError(f"unexpected tensor {key!r}: K3 weights must start with {prefix!r}")
-                tensors[key[len(prefix):]] = f.get_tensor(key)
-    return tensors
+                yield path, f, key, key[len(prefix):]
+
+
+def read_checkpoint_tensors(model_dir: str | Path, cfg: KimiModelConfig) -> dict[str, torch.Tensor]:
+    """Every language-model tensor of ``model_dir``, with the K3 ``language_model.`` prefix removed."""
+    return {name: f.get_tensor(key) for _, f, key, name in iter_checkpoint_keys(model_dir, cfg)}
 
 
 # ---------------------------------------------------------------- canonical (original-name) form

@@ -23,13 +23,12 @@ import torch
 from safetensors import safe_open
 
 from helixserve.models.checkpoint import (
-    SKIPPED_PREFIXES,
     CheckpointError,
     _normalize_a_log,
-    _shard_files,
     canonicalize,
     check_tensors,
     expected_shapes,
+    iter_checkpoint_keys,
     read_checkpoint_tensors,
     to_internal,
 )
@@ -168,18 +167,8 @@ class _LazyCheckpoint:
     def __init__(self, model_dir: Path, cfg: KimiModelConfig) -> None:
         self.cfg = cfg
         self._files = {}
-        self._where: dict[str, tuple[Path, str]] = {}
-        prefix = cfg.weight_prefix
-        for path in _shard_files(model_dir):
-            if not path.is_file():
-                raise CheckpointError(f"shard {path.name} listed in the index is missing from {model_dir}")
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    if key.startswith(SKIPPED_PREFIXES):
-                        continue
-                    if prefix and not key.startswith(prefix):
-                        raise CheckpointError(f"unexpected tensor {key!r}: K3 weights must start with {prefix!r}")
-                    self._where[key[len(prefix):]] = (path, key)
+        self._where: dict[str, tuple[Path, str]] = {
+            name: (path, key) for path, _, key, name in iter_checkpoint_keys(model_dir, cfg)}
 
     def _names_for(self, name: str) -> list[str]:
         if name.endswith(".weight") and ".experts." in name and name not in self._where:
