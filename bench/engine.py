@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402
 from helixserve.models.presets import PRESETS, make_checkpoint  # noqa: E402
+from helixserve.testing.hf_reference import build_hf_reference  # noqa: E402
 
 TARGET_RATIO = 2.0
 PREFILL_LEN = 512
@@ -75,37 +75,10 @@ class Row:
         return None if self.hf_tok_s is None else self.ours_tok_s / self.hf_tok_s
 
 
-@torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Scales that keep every block relevant (HF's 0.02-std init leaves logits near zero)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith("A_log"):
-            value = torch.log(torch.rand(p.shape, generator=gen) * 15 + 1)
-        elif name.endswith("dt_bias"):
-            dt = torch.exp(torch.rand(p.shape, generator=gen) * math.log(100) + math.log(1e-3))
-            value = dt + torch.log(-torch.expm1(-dt))
-        elif name.endswith("e_score_correction_bias"):
-            value = torch.randn(p.shape, generator=gen) * 0.05
-        elif name.endswith("embed_tokens.weight"):
-            value = torch.randn(p.shape, generator=gen)
-        elif p.dim() == 1:
-            value = 1 + 0.2 * torch.randn(p.shape, generator=gen)
-        else:
-            value = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
-        p.copy_(value)
-
-
 def build_hf_checkpoint(config: dict[str, Any], out: Path) -> torch.nn.Module:
     """A random fp32 transformers KimiLinear model, saved to ``out`` (which helixserve loads)."""
-    import transformers
-
     cfg = KimiModelConfig.model_validate(config)
-    hf_cfg = transformers.KimiLinearConfig.from_dict(cfg.to_hf_dict())
-    torch.manual_seed(0)
-    hf = transformers.KimiLinearForCausalLM(hf_cfg).eval()
-    randomize(hf, seed=0)
-    hf.save_pretrained(out)
+    hf = build_hf_reference(cfg, out)
     hf.generation_config.eos_token_id = None  # decode the full length, like ignore_eos
     hf.generation_config.pad_token_id = cfg.pad_token_id
     return hf

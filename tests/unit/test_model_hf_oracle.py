@@ -7,7 +7,6 @@ A random fp32 HF model shaped like the ``kimi-linear-tiny`` preset is written wi
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -17,43 +16,17 @@ from safetensors.torch import save_file
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch, greedy_generate
 from helixserve.models.checkpoint import load_model
 from helixserve.models.presets import get_preset
+from helixserve.testing.hf_reference import build_hf_reference
 
 transformers = pytest.importorskip("transformers")
 
 NUM_NEW_TOKENS = 24
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Scales that make every block matter (HF's 0.02-std init would leave the logits near zero)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith("A_log"):
-            value = torch.log(torch.rand(p.shape, generator=gen) * 15 + 1)
-        elif name.endswith("dt_bias"):
-            dt = torch.exp(torch.rand(p.shape, generator=gen) * math.log(100) + math.log(1e-3))
-            value = dt + torch.log(-torch.expm1(-dt))
-        elif name.endswith("e_score_correction_bias"):
-            value = torch.randn(p.shape, generator=gen) * 0.05
-        elif name.endswith("embed_tokens.weight"):
-            value = torch.randn(p.shape, generator=gen)
-        elif p.dim() == 1:
-            value = 1 + 0.2 * torch.randn(p.shape, generator=gen)
-        else:
-            value = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
-        p.copy_(value)
-
-
 @pytest.fixture(scope="module")
 def hf_and_dir(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
-    cfg = get_preset("kimi-linear-tiny")
-    hf_cfg = transformers.KimiLinearConfig.from_dict(cfg.to_hf_dict())
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = transformers.KimiLinearForCausalLM(hf_cfg).eval()
-    _randomize(hf, seed=0)
     out = tmp_path_factory.mktemp("hf_kimi")
-    hf.save_pretrained(out)
+    hf = build_hf_reference(get_preset("kimi-linear-tiny"), out, attn_implementation="eager")
     return hf, out
 
 
