@@ -22,7 +22,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,18 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
 
+from helixserve.testing.servers import free_ports  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kimi-k3-tiny"
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _get(url: str) -> dict:
@@ -58,7 +49,7 @@ class Servers:
     def __init__(self, model: Path, log: Path) -> None:
         from helixserve.config import DeploymentConfig
 
-        router, ctx, gen, tx = _free_ports(4)
+        router, ctx, gen, tx = free_ports(4)
         base = DeploymentConfig.from_yaml(REPO / "deploy" / "configs" / "local.yaml").model_dump(mode="json")
         base["model"]["path"] = str(model)
         base["ctx"][0].update(port=ctx, transceiver_port=tx)

@@ -8,51 +8,22 @@ router does not use: the aggregated baseline of the equivalence tests."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helixserve.config import DeploymentConfig
+from helixserve.testing.servers import free_ports, http, wait_until
+
+__all__ = ["MODEL", "REPO", "Deployment", "free_ports", "http", "metric", "wait_until"]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "kimi-k3-tiny"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def http(method: str, url: str, body: Any = None, headers: dict | None = None,
-         timeout: float = 30) -> tuple[int, Any]:
-    """``(status, parsed JSON or text)``; never raises for an HTTP status."""
-    data = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, raw = response.status, response.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode()
 
 
 def metric(url: str, name: str, default: float | None = None) -> float:
@@ -64,15 +35,6 @@ def metric(url: str, name: str, default: float | None = None) -> float:
     if default is not None:
         return default
     raise KeyError(f"{name} not in {url}/metrics")
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 class Deployment:
