@@ -58,18 +58,26 @@ class CompletionChoice(_Out):
     finish_reason: OpenAIFinishReason | None = None
 
 
-class CompletionResponse(_Out):
+class _Envelope(_Out):
+    """The fields of every answer and chunk; subclasses narrow ``object`` and ``choices``."""
+
+    _omit_if_none = frozenset({"usage", "system_fingerprint"})
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionResponse(_Envelope):
     """``text_completion``: a non-streamed answer, or one SSE chunk (``finish_reason`` null until
     the last one; a usage-only chunk has no choices)."""
 
     _omit_if_none = frozenset({"usage", "system_fingerprint", "disaggregated_params"})
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
     disaggregated_params: DisaggregatedParams | None = None
 
 
@@ -85,15 +93,10 @@ class ChatChoice(_Out):
     finish_reason: OpenAIFinishReason
 
 
-class ChatCompletionResponse(_Out):
+class ChatCompletionResponse(_Envelope):
     _omit_if_none = frozenset({"usage", "system_fingerprint", "disaggregated_params"})
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
     disaggregated_params: DisaggregatedParams | None = None
 
 
@@ -110,15 +113,9 @@ class ChatChunkChoice(_Out):
     finish_reason: OpenAIFinishReason | None = None
 
 
-class ChatCompletionChunk(_Out):
-    _omit_if_none = frozenset({"usage", "system_fingerprint"})
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelCard(_Out):
