@@ -4,7 +4,8 @@ Phases: REQUESTING (RequestShard in flight) -> RECEIVING (every receive posted: 
 the message's bytes are one run of the pools, else into a staging buffer scattered on arrival)
 -> DONE (all landed, AUX checked, acknowledged). Giving up: DRAINING (Cancel sent; the messages
 the ctx says it already posted are still received, because an unmatched rendezvous send would
-pin the ctx's cache) -> CLOSED (endpoint closed: every other receive is cancelled).
+pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `retract`; the
+endpoint to the ctx worker is shared by all requests and stays open).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Phase(enum.Enum):
     RECEIVING = "receiving"  # receives posted
     DONE = "done"  # every message landed
     DRAINING = "draining"  # gave up: waiting for the Cancel reply / the already-posted messages
-    CLOSED = "closed"  # endpoint closed: nothing can write any more
+    CLOSED = "closed"  # receives retracted: nothing can write once they ended
 
 
 @dataclass(slots=True)
@@ -51,7 +52,7 @@ class Inbound:
         self.caches = caches
         self.params = params
         self.tag_base = tag_base
-        self.peer = ("ctx", request_id)
+        self.peer = None  # the shared endpoint to the ctx worker, once its address is known
         self.ctx = f"ctx worker {target(params.ctx_endpoint)}"
         self.client = receiver.clients.get(params.ctx_endpoint)
         spec = ShardSpec(receiver.layout, len(params.prompt_token_ids), receiver.cp_rank, receiver.cp_size)
@@ -85,6 +86,7 @@ class Inbound:
             self._on_reply()
         if self.phase in (Phase.RECEIVING, Phase.DRAINING):
             self._post(len(self.recvs) if self.phase is Phase.RECEIVING else self.num_to_drain)
+        if self.phase is not Phase.REQUESTING:
             self._collect()
         if self.phase is Phase.RECEIVING and all(r.is_done for r in self.recvs) and self.error is None:
             self._finish()
@@ -103,7 +105,7 @@ class Inbound:
                 raise ValueError(f"message_bytes {reply.message_bytes} outside [1, {self.plan.message_bytes}]")
             self._replan(reply.message_bytes)
             check_payloads(payload_descriptors(self.plan.messages, self.plan.kinds), reply.payloads)
-            self.r.plane.connect(self.peer, bytes(reply.ucx_worker_address))
+            self.peer = self.r.plane.connect_worker(bytes(reply.ucx_worker_address))
         except Exception as error:
             self._fail(f"{self.ctx}'s transfer plan is unusable: {type(error).__name__}: {error}")
             return self.stop("unusable plan")  # it accepted: it may be sending already
@@ -198,31 +200,40 @@ class Inbound:
         if self.num_to_drain < 0 and self.future.done():
             try:
                 reply = self.future.result()
-            except Exception as error:  # ctx gone: nothing more can arrive
+            except Exception as error:  # ctx gone or stuck: what it posted may still come
                 logger.info("request %s: Cancel to %s failed (%s); closing", self.request_id, self.ctx,
                             rpc_error_text(error))
-                return self._close()
+                return self._close(may_still_send=None)
             self.num_to_drain = reply.num_posted_messages if reply.known else 0
             try:
                 if self.num_to_drain and not self.recvs:  # never saw the RequestShard reply
                     if not 1 <= reply.message_bytes <= self.plan.message_bytes:
                         raise ValueError(f"message_bytes {reply.message_bytes} out of range")
                     self._replan(reply.message_bytes)
-                if self.num_to_drain and not self.r.plane.is_connected(self.peer):
-                    self.r.plane.connect(self.peer, bytes(reply.ucx_worker_address))
+                if self.num_to_drain and self.peer is None:
+                    self.peer = self.r.plane.connect_worker(bytes(reply.ucx_worker_address))
             except Exception as error:
                 logger.warning("request %s: cannot drain (%s); closing", self.request_id, error)
-                return self._close()
+                return self._close(may_still_send=None)
             self.num_to_drain = min(self.num_to_drain, len(self.recvs))
             self._post(self.num_to_drain)
             self._collect()
         drained = self.num_to_drain >= 0 and all(r.is_done for r in self.recvs[: self.num_to_drain])
         if drained or self.r.clock.monotonic() >= self.drain_end:
-            self._close()
+            self._close(may_still_send=max(self.num_to_drain, 0))
 
-    def _close(self) -> None:
-        self.r.plane.close_peer(self.peer)  # cancels every receive still posted
+    def _close(self, may_still_send: int | None = 0) -> None:
+        """Retract every receive still posted. Messages below `may_still_send` (None: any) may
+        still come from the ctx: a sink absorbs each of them (see `retract`)."""
+        limit = len(self.recvs) if may_still_send is None else may_still_send
+        for index in self._pending:
+            recv = self.recvs[index]
+            if recv.handle.test().is_terminal:
+                continue
+            self.r.retractor.retract(self.peer, wire_tag(self.tag_base, index), self.plan.messages[index].nbytes,
+                                     may_still_arrive=index < limit)
         self.phase = Phase.CLOSED
+        self._collect()
 
     # -- Stream protocol (task handles) -------------------------------------------------------
     def kind_state(self, kind: PayloadKind) -> TransferState:
@@ -235,8 +246,10 @@ class Inbound:
         return TransferState.TRANSFERRING
 
     def is_quiesced(self) -> bool:
+        if self.phase is Phase.CLOSED:
+            self._collect()  # releases the staging of retracted receives as they end
         done = self.phase in (Phase.DONE, Phase.CLOSED)
-        return done and all(r.handle is None or r.handle.is_quiesced() for r in self.recvs)
+        return done and not self._pending and all(r.handle is None or r.handle.is_quiesced() for r in self.recvs)
 
     def fail_unsent(self, error: str) -> None:
         """Fail before anything was requested: nothing can arrive, so it is closed at once."""

@@ -29,7 +29,7 @@ class _Sent:
 class Outbound:
     """One receiver's shard stream of one request (touched by the sender thread only)."""
 
-    def __init__(self, request_id: str, cp_rank: int, plan: ShardPlan, peer: tuple[str, int], tag_base: int, who: str,
+    def __init__(self, request_id: str, cp_rank: int, plan: ShardPlan, peer: tuple[str, bytes], tag_base: int, who: str,
                  staging: Staging, window_bytes: int) -> None:
         self.request_id = request_id
         self.cp_rank = cp_rank

@@ -17,8 +17,9 @@ callers that want the receiver to allocate and to agree over the CP group itself
    transfer is acknowledged to the ctx.
 4. `cancel(request_id)` (client gone, or the group failed it; also before freeing a failed one's
    handle) stops it and returns once nothing can write into its handle any more: the ctx is told
-   to stop, what it already posted is still received, then the endpoint is closed (bounded by
-   `drain_timeout_ms` + `rpc_timeout_ms`).
+   to stop, what it already posted is still received, then every receive still posted is
+   retracted (bounded by `drain_timeout_ms` + `rpc_timeout_ms`). The UCX endpoint to a ctx worker
+   is shared by all requests and never closed per request (see `ucxx_backend`, `retract`).
 
 Threading: every method runs on the engine thread; only ucxx's thread writes into the pools, and
 only into the blocks/slot of a transfer in flight, which the caller must not free or reuse until
@@ -41,9 +42,12 @@ from helixserve.transceiver.control import ControlClients
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
+from helixserve.transceiver.retract import Retractor
 from helixserve.transceiver.stream import KindHandle, staging_for
 
 logger = logging.getLogger(__name__)
+
+RETRACT_WAIT_S = 1.0  # a retraction is a local 0-byte message: it ends in microseconds
 
 
 class KVReceiver:
@@ -72,6 +76,7 @@ class KVReceiver:
         self.clock: Clock = clock or MonotonicClock()
         self.poller = TransferPoller(clock=self.clock)
         self.plane = UcxxDataPlane(progress_thread=True)
+        self.retractor = Retractor(self.plane, self.clock, config.timeout_s)
         self.clients = ControlClients(config.rpc_timeout_s)
         self.staging = staging_for(config)
         self.inbounds: dict[str, Inbound] = {}
@@ -136,14 +141,21 @@ class KVReceiver:
             self.progress()
             self.clock.wait(None, 0.001)
         if not session.is_quiesced:
+            inbound = self.inbounds[request_id]
+            if inbound.phase is not Phase.CLOSED:
+                inbound._close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
+            limit = self.clock.monotonic() + RETRACT_WAIT_S
+            while not session.is_quiesced and self.clock.monotonic() < limit:
+                self.clock.wait(None, 0.001)
+        if not session.is_quiesced:
             logger.error("request %s: transfer not quiesced after cancel; a late write may land", request_id)
-            self.inbounds[request_id]._close()
         self.forget(request_id, force=True)
         return True
 
     def progress(self, wait_num: int | None = 0, interval_s: float = 0.0) -> PollResult:
         """One bounded poller pass plus the drains of transfers that gave up."""
         self._drive()
+        self.retractor.prune()
         result = self.poller.poll(wait_num, interval_s)
         self._drive()
         return result
@@ -160,7 +172,7 @@ class KVReceiver:
             self.poller.retire(request_id)  # raises: not quiesced
         inbound = self.inbounds.pop(request_id)
         if inbound.phase is not Phase.CLOSED:
-            inbound._close()  # (a complete stream closes here, off the transfer's critical path)
+            inbound._close(may_still_send=None)  # (nothing is posted any more once complete)
         self._reported.discard(request_id)
 
     def fail(self, request_id: str, reason: str) -> None:
@@ -182,8 +194,9 @@ class KVReceiver:
     def close(self) -> None:
         """Shut down: close every transfer (frees nothing: the caller owns the handles)."""
         for inbound in self.inbounds.values():
-            inbound._close()
-        self.plane.close()
+            if inbound.phase is not Phase.CLOSED:
+                inbound._close()
+        self.plane.close()  # closing the endpoints cancels whatever is still posted
         self.clients.close()
 
     def _drive(self) -> None:

@@ -254,8 +254,6 @@ class KVSender:
                                request_id, pickup.session.state.value)
 
     def _free(self, request_id: str, pickup: _Pickup) -> None:
-        for outbound in pickup.outbounds.values():
-            self.plane.close_peer(outbound.peer)
         self.poller.retire(request_id)
         del self._pickups[request_id]
         self._num_freed += 1
@@ -333,11 +331,11 @@ class KVSender:
         message_bytes = min(self.config.message_bytes, request.max_message_bytes)
         plan = ShardPlan.for_sender(spec, self.caches, pickup.block_ids, pickup.slot,
                                     pickup.first_tokens, message_bytes)
-        # One endpoint per (request, receiver): UCX pairs it with the receiver's endpoint for this
-        # request, which the receiver closes on its own schedule; a shared one would break with it.
-        peer = (request.ctx_request_id, request.cp_rank)
+        # One long-lived endpoint per gen worker, shared by its requests (tags tell them apart):
+        # per-request endpoints between the same two workers get paired arbitrarily by UCX, and
+        # closing one cancelled another request's transfer.
         try:
-            self.plane.connect(peer, bytes(request.ucx_worker_address))
+            peer = self.plane.connect_worker(bytes(request.ucx_worker_address))
         except Exception as error:
             return pb.ShardReply(accepted=False, error=f"cannot reach {who}'s UCX worker: "
                                                        f"{type(error).__name__}: {error}")

@@ -1,8 +1,10 @@
 """UCX tag send/recv data plane over ucxx's synchronous core API (`ucxx._lib.libucxx`).
 
 One `UcxxDataPlane` per rank owns a UCX context and worker. Peers connect by worker address
-(bytes carried by the control plane): `connect(peer, address)`; `peer` is any hashable key, so a
-transfer may open its own endpoint (closing it then touches only that transfer's operations).
+(bytes carried by the control plane). The transceiver uses `connect_worker(address)`: ONE
+long-lived endpoint per peer worker, created on first use, shared by every request (requests are
+told apart by their tags) and closed only at `close()` or by `close_peer` when the peer is known
+gone. `connect(peer, address)` opens an endpoint under a caller-chosen key (tests, benchmarks).
 
 Two ways to post:
 
@@ -29,7 +31,13 @@ UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host):
 - Connecting to the address of a dead process raises (UCXXShmemSegmentError) at once.
 - UCX matches the endpoints two workers create to each other's addresses into ONE connection:
   closing either side's endpoint breaks the other's (a later rendezvous on it fails as
-  cancelled). So both sides open one endpoint per (request, peer) and never share them.
+  cancelled). With several endpoints between the same two workers (one per request) the pairing
+  is arbitrary, so closing one request's endpoint cancelled another request's in-flight receives
+  (a CI flake). Hence one endpoint per peer worker, never closed per request.
+- Tag receives are matched by the *worker*, whatever endpoint posted them. A receive that will
+  never get its message is ended by `retract(wire_tag)`: a 0-byte message with that tag sent to our
+  own worker completes it without touching its buffer (ucxx has no per-request cancel, and
+  closing the shared endpoint would cancel every request's receives).
 - A malformed worker address can abort the process inside UCX: addresses must come from a
   trusted control plane.
 """
@@ -134,8 +142,10 @@ class UcxxDataPlane(DataPlane):
         features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
         self._context = ucx_api.UCXContext(config_dict=dict(ucx_options or {}), feature_flags=features)
         self._worker = ucx_api.UCXWorker(self._context)
+        self._address = self._worker.address.tobytes()
         self._endpoints: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
+        self._retracts: list[UcxxHandle] = []  # 0-byte self-sends, kept alive until they complete
         self.has_progress_thread = progress_thread
         if progress_thread:
             self._worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_TIMEOUT_MS)
@@ -143,7 +153,7 @@ class UcxxDataPlane(DataPlane):
     @property
     def address(self) -> bytes:
         """This worker's UCX address, to hand to peers through the control plane."""
-        return self._worker.address.tobytes()
+        return self._address
 
     def connect(self, peer: Hashable, address: bytes) -> None:
         """Open an endpoint to the worker at `address`, named `peer` here (replaces none)."""
@@ -155,11 +165,28 @@ class UcxxDataPlane(DataPlane):
                 self._worker, address_obj, endpoint_error_handling=self.error_handling
             )
 
+    def connect_worker(self, address: bytes) -> Hashable:
+        """The shared endpoint to the worker at `address` (opened on first use); returns its key."""
+        peer = ("worker", bytes(address))
+        if peer not in self._endpoints:
+            self.connect(peer, peer[1])
+        return peer
+
+    def retract(self, wire_tag: int) -> UcxxHandle:
+        """End this worker's posted receive of `wire_tag` with a 0-byte message to ourselves (the
+        receive's buffer is not written). Only for a tag whose real message will not arrive, or
+        whose late arrival a second receive (a sink) absorbs: UCX matches in posting order."""
+        self._retracts = [h for h in self._retracts if not h.test().is_terminal]
+        handle = self.send_message(self.connect_worker(self.address), wire_tag, np.empty(0, dtype=np.uint8))
+        self._retracts.append(handle)
+        return handle
+
     def is_connected(self, peer: Hashable) -> bool:
         return peer in self._endpoints
 
     def close_peer(self, peer: Hashable) -> None:
-        """Close the endpoint to `peer`: cancels (and so quiesces) its posted receives."""
+        """Close the endpoint to `peer`: cancels its posted receives, and breaks the peer's endpoint
+        to us. Only when the peer is known gone (or at `close()`), never per request."""
         endpoint = self._endpoints.pop(peer, None)
         if endpoint is not None:
             with self._lock:
