@@ -6,7 +6,7 @@
   tensors: the wrapper's cost (target < 3 %).
 - Paged MLA decode (bf16 latent cache 512 + 64, shuffled 64-token blocks): unique bytes read over
   time as a fraction of the copy bandwidth (target >= 80 %); the default launch and the best of a
-  small sweep of tile shapes.
+  sweep of tile shapes with --mla-sweep (block_h, dv_parts, warps, stages, splits).
 - MoE: the routed experts of K3 shape (3584 -> 2 x 3072 -> 3584, 64 local experts, top-8) as two
   ``torch._grouped_mm`` calls vs dense bf16 GEMMs of the same FLOPs; plus the full ``moe_experts``.
 - ``kimi-k3-mid`` through the engine (``LLM``, what ``helixserve generate`` runs): prefill tok/s
@@ -169,8 +169,9 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
     shapes = [(64, 4096, 16, True), (256, 4096, 16, False), (64, 16384, 16, False), (128, 4096, 64, True)]
     if args.quick:
         shapes = shapes[:1]
-    sweep = [dict(block_n=bn, num_warps=w, num_stages=s) for bn in (32, 64) for w in (4, 8) for s in (2, 3, 4)]
     for B, kv_len, H, do_sweep in shapes:
+        sweep = [dict(block_n=32, block_h=bh, dv_parts=dp, num_warps=w, num_stages=st)
+                 for bh in (16, 32, 64) if bh <= max(16, H) for dp in (1, 2, 4) for w in (4, 8) for st in (2, 3)]
         case = mla_case(B, kv_len, H, 64, "cuda")
         nbytes = B * kv_len * 576 * 2 + 2 * B * H * 576 * 2
 
@@ -179,9 +180,9 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
 
         (t_default,) = timer([lambda: kernels.mla_paged_attention(*case, scale=192**-0.5, v_dim=512)], 3, args.reps * 4)
         best = (t_default, "default")
-        splits = triton_mla.choose_num_splits(B, -(-H // triton_mla._block_h(H)))
-        for kw in sweep if do_sweep else []:
-            for ns in sorted({splits, 2 * splits, 4 * splits}):
+        for kw in sweep if do_sweep and args.mla_sweep else []:
+            splits = triton_mla.choose_num_splits(B, -(-H // kw["block_h"]) * kw["dv_parts"])
+            for ns in sorted({splits, 2 * splits}):
                 try:
                     (t,) = timer([lambda: run(num_splits=ns, **kw)], 2, args.reps * 2)
                 except Exception as exc:  # a tile shape over the shared-memory limit
@@ -317,6 +318,8 @@ def main() -> None:
     parser.add_argument("--only", default="kda,mla,moe,engine")
     parser.add_argument("--checkpoint", type=Path, default=None, help="an existing kimi-k3-mid bf16 checkpoint")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--mla-sweep", action="store_true",
+                        help="also time a grid of MLA tile shapes (block_h, dv_parts, warps, stages, splits)")
     args = parser.parse_args()
     args.reps = args.reps or (5 if args.quick else 20)
     on_gpu = torch.cuda.is_available()

@@ -101,11 +101,13 @@ def test_mla_write_and_attention(interp):
     o_ref, lse_ref = kernels.mla_paged_attention(q, cache, local, torch.arange(6), q_pos, kv_lens, scale=0.1,
                                                  v_dim=V_DIM)
     # block_n 16 > BS: per-row gathered keys; block_n 4 == BS, 2 | BS: tiles inside one page
-    for num_splits, block_n in ((1, 16), (3, 16), (1, 4), (3, 2)):
+    # and value columns split over 2 or 4 programs, heads over 2 blocks of 4
+    for num_splits, block_n, dv_parts, block_h in ((1, 16, 1, None), (3, 16, 2, 4), (1, 4, 4, None), (3, 2, 2, 4)):
         o, lse = tm.paged_attention(q, fast_cache, local, torch.arange(6), q_pos, kv_lens, 0.1, V_DIM,
-                                    num_splits=num_splits, block_n=block_n)
-        assert_close(f"o splits={num_splits} block_n={block_n}", o_ref, o, 1e-5)
-        assert_close(f"lse splits={num_splits} block_n={block_n}", lse_ref, lse, 1e-5)
+                                    num_splits=num_splits, block_n=block_n, dv_parts=dv_parts, block_h=block_h)
+        case = f"splits={num_splits} block_n={block_n} dv_parts={dv_parts} block_h={block_h}"
+        assert_close(f"o {case}", o_ref, o, 1e-5)
+        assert_close(f"lse {case}", lse_ref, lse, 1e-5)
     assert torch.isneginf(lse[4]).all() and torch.equal(o[4], torch.zeros(H, V_DIM))
     # prefill chunks: queries over the last rows of each sequence (causal inside the chunk)
     q_rows = torch.cat([torch.arange(max(0, L - 3), L) for L in seq_lens])
@@ -113,9 +115,11 @@ def test_mla_write_and_attention(interp):
     q = torch.randn(q_rows.numel(), H, D)
     o_ref, lse_ref = kernels.mla_paged_attention(q, cache, tables, cu_q, q_rows, torch.tensor(seq_lens), scale=0.1,
                                                  v_dim=V_DIM)
-    o, lse = tm.paged_attention(q, fast_cache, tables, cu_q, q_rows, torch.tensor(seq_lens), 0.1, V_DIM)
-    assert_close("prefill o", o_ref, o, 1e-5)
-    assert_close("prefill lse", lse_ref, lse, 1e-5)
+    for dv_parts in (1, 2):
+        o, lse = tm.paged_attention(q, fast_cache, tables, cu_q, q_rows, torch.tensor(seq_lens), 0.1, V_DIM,
+                                    dv_parts=dv_parts)
+        assert_close(f"prefill o dv_parts={dv_parts}", o_ref, o, 1e-5)
+        assert_close(f"prefill lse dv_parts={dv_parts}", lse_ref, lse, 1e-5)
 
 
 @needs_interpreter

@@ -4,7 +4,7 @@ Same contracts and shapes as :mod:`helixserve.kernels.mla.paged` and :mod:`~.com
 syncs (sequence ids of rows come from ``cu_seqlens`` on the device), so a decode step can be
 captured in a CUDA graph.
 
-Attention: one program per (query row, block of heads, KV split). All heads of a query share the
+Attention: one program per (query row, KV split, block of heads, part of the value columns). All heads of a query share the
 latent keys (absorbed MLA is MQA-like), so a program scores ``[BLOCK_H, BLOCK_N]`` tiles with two
 dots (latent part ``[:v_dim]`` and rope part ``[v_dim:]``) and accumulates ``p @ keys[:, :v_dim]``
 with an online softmax. Keys are addressed one token at a time through the block table, so any
@@ -13,7 +13,10 @@ block size is a multiple of the key tile (``PAGE_TILES``), a tile lies inside on
 read per tile and ``BLOCK_N`` contiguous key rows, which the compiler loads as one wide, coalesced
 stream instead of ``BLOCK_N`` gathered rows. Decode
 batches split each sequence's keys over ``num_splits`` programs (flash-decoding) and merge the
-splits with the LSE-combine kernel, which is also the helix combine.
+splits with the LSE-combine kernel, which is also the helix combine. ``dv_parts`` > 1 splits the
+value columns (the accumulator) over that many programs: each scores the whole key tile again but
+keeps a smaller accumulator, and the programs of one (row, split) are launched side by side, so the
+repeated key reads come from L2, not HBM.
 """
 
 from __future__ import annotations
@@ -75,13 +78,20 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     H, BS, sm_scale_log2,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS,
-    IEEE: tl.constexpr, PAGE_TILES: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, HEAD_PROGRAMS,
+    IEEE: tl.constexpr, PAGE_TILES: tl.constexpr, DV_PARTS: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2)
+    # 1-D grid, fastest index first: (head block, value part), then split, then row, so the
+    # programs that read the same keys run side by side and share them through L2
+    pid = tl.program_id(0)
+    head_part = pid % HEAD_PROGRAMS
+    rest = pid // HEAD_PROGRAMS
+    split = rest % NUM_SPLITS
+    row = rest // NUM_SPLITS
+    head_block = head_part // DV_PARTS
+    part = head_part % DV_PARTS
     D: tl.constexpr = DV + DR
+    BLOCK_DVP: tl.constexpr = BLOCK_DV // DV_PARTS
     seq = tl.load(seq_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     kv_len = tl.load(kv_len_ptr + seq).to(tl.int64)
@@ -100,9 +110,11 @@ def _paged_attention_kernel(
     q_lat = tl.load(q_row + offs_dv[None, :], mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
     q_rope = tl.load(q_row + DV + offs_dr[None, :], mask=mask_h[:, None] & mask_dr[None, :], other=0.0)
 
+    offs_dvp = part * BLOCK_DVP + tl.arange(0, BLOCK_DVP)  # this program's output columns
+    mask_dvp = offs_dvp < DV
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DVP], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < hi
@@ -129,23 +141,28 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DV_PARTS == 1:
+            vals = k_lat
+        else:  # this part's columns of the tile just read (an L1 hit)
+            vals = tl.load(key_row[:, None] + offs_dvp[None, :], mask=valid[:, None] & mask_dvp[None, :], other=0.0)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, k_lat, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
         m_i = m_new
 
     has_key = l_i > 0
     o = tl.where(has_key[:, None], acc / tl.where(has_key, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_row = o_ptr + split * stride_os + row * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :]
-    tl.store(o_row, o.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
-    tl.store(lse_ptr + split * stride_ls + row * stride_lt + offs_h, lse, mask=mask_h)
+    o_row = o_ptr + split * stride_os + row * stride_ot + offs_h[:, None] * stride_oh + offs_dvp[None, :]
+    tl.store(o_row, o.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dvp[None, :])
+    if part == 0:
+        tl.store(lse_ptr + split * stride_ls + row * stride_lt + offs_h, lse, mask=mask_h)
 
 
-def choose_num_splits(num_rows: int, num_head_blocks: int) -> int:
-    """KV splits per (row, head block): enough programs to fill the GPU, at most 16."""
-    programs = max(1, num_rows * num_head_blocks)
+def choose_num_splits(num_rows: int, num_head_programs: int) -> int:
+    """KV splits per (row, head block, value part): enough programs to fill the GPU, at most 16."""
+    programs = max(1, num_rows * num_head_programs)
     return max(1, min(_MAX_SPLITS, math.ceil(_TARGET_PROGRAMS / programs)))
 
 
@@ -157,7 +174,7 @@ def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     q_positions: torch.Tensor, kv_lens: torch.Tensor, scale: float, v_dim: int,
     *, num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, block_h: int | None = None, dv_parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`~helixserve.kernels.mla_paged_attention`; the keyword tuning knobs default to
     a heuristic (the bench sweeps them)."""
@@ -167,15 +184,20 @@ def paged_attention(
         q = q.contiguous()
     assert kv_cache.is_contiguous()
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    BLOCK_H = _block_h(H)
-    head_blocks = triton.cdiv(H, BLOCK_H)
+    BLOCK_H = block_h or _block_h(H)
+    BLOCK_DV = next_pow2(v_dim)
+    if dv_parts is None:
+        dv_parts = 1
+    if BLOCK_DV % dv_parts:
+        raise ValueError(f"dv_parts={dv_parts} must divide the padded value width {BLOCK_DV}")
+    head_programs = triton.cdiv(H, BLOCK_H) * dv_parts
     if num_splits is None:
-        num_splits = choose_num_splits(T, head_blocks)
+        num_splits = choose_num_splits(T, head_programs)
     is_fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32
     if block_n is None:
         block_n = 16 if is_fp32 else 32
     if num_warps is None:
-        num_warps = 8 if BLOCK_H * next_pow2(v_dim) >= 16 * 1024 else 4
+        num_warps = 8 if BLOCK_H * BLOCK_DV // dv_parts >= 16 * 1024 else 4
     if num_stages is None:
         num_stages = 1 if is_fp32 else 2
     if is_interpreting():
@@ -188,15 +210,15 @@ def paged_attention(
     if T == 0:
         return o_parts[0], lse_parts[0]
     seq_ids = seq_ids_of_rows(cu_seqlens_q, T)
-    grid = (T, head_blocks, num_splits)
+    grid = (T * num_splits * head_programs,)
     _paged_attention_kernel[grid](
         q, kv_cache, tables, seq_ids, q_positions, kv_lens, o_parts, lse_parts,
         q.stride(0), q.stride(1), tables.stride(0),
         o_parts.stride(0), o_parts.stride(1), o_parts.stride(2), lse_parts.stride(0), lse_parts.stride(1),
         H, kv_cache.shape[1], scale * _LOG2E,
-        DV=v_dim, DR=Dqk - v_dim, BLOCK_DV=next_pow2(v_dim), BLOCK_DR=max(16, next_pow2(Dqk - v_dim)),
-        BLOCK_H=BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=is_fp32,
-        PAGE_TILES=kv_cache.shape[1] % block_n == 0,
+        DV=v_dim, DR=Dqk - v_dim, BLOCK_DV=BLOCK_DV, BLOCK_DR=max(16, next_pow2(Dqk - v_dim)),
+        BLOCK_H=BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=num_splits, HEAD_PROGRAMS=head_programs, IEEE=is_fp32,
+        PAGE_TILES=kv_cache.shape[1] % block_n == 0, DV_PARTS=dv_parts,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits == 1:
