@@ -136,6 +136,14 @@ def test_mla_write_and_paged_attention(dtype, tol, BS):
                                              *(a.to(CUDA) for a in args[2:]), scale=scale, v_dim=V_DIM)
         assert_close(f"decode o helix={helix}", o_ref.float(), o.float(), tol)
         assert_close(f"decode lse helix={helix}", lse_ref, lse, tol)
+        if dtype == torch.bfloat16:  # the tuned launch shapes: value columns split, other tiles
+            from helixserve.kernels.mla import triton_mla
+
+            for kw in (dict(dv_parts=2, num_splits=3), dict(dv_parts=4, block_n=64, num_stages=3)):
+                o, lse = triton_mla.paged_attention(*(a.to(CUDA) for a in args[:1]), gpu[0],
+                                                    *(a.to(CUDA) for a in args[2:]), scale, V_DIM, **kw)
+                assert_close(f"decode o helix={helix} {kw}", o_ref.float(), o.float(), tol)
+                assert_close(f"decode lse helix={helix} {kw}", lse_ref, lse, tol)
     # prefill chunk with context: the last 50 (or fewer) rows of each sequence
     q_rows = torch.cat([torch.arange(max(0, L - 50), L) for L in seq_lens])
     cu_q = torch.tensor([0, *torch.tensor([min(50, L) for L in seq_lens]).cumsum(0).tolist()])
