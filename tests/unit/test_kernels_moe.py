@@ -160,3 +160,30 @@ def test_padded_bmm_only_with_threads_and_busy_experts(monkeypatch):
     assert experts._prefers_padded_bmm([1, 0, 2, 1]) and not experts._prefers_padded_bmm([1, 0, 0, 0, 3, 0])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert not experts._prefers_padded_bmm([1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7])
+@pytest.mark.parametrize("form", ["gathered", "grouped"])
+def test_gpu_expert_forms_match_naive_on_any_row_count(form, rows):
+    """The GPU path's two expert forms are plain torch: checked here on the CPU, including a rank
+    that receives no rows from the token-sliced all-to-all (T = 0) and an EP slice of the experts."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+    from helixserve.kernels.moe.experts import _act_and_mul_torch
+
+    dtype = torch.bfloat16 if form == "grouped" else torch.float32
+    d, i = 16, 8  # 16-byte aligned rows, as torch._grouped_mm needs
+    x = rand(rows, d, seed=20, dtype=dtype)
+    w, ids = moe_route(rand(rows, E, seed=21), top_k=TOP_K, correction_bias=None, renormalize=True,
+                       routed_scaling_factor=1.0)
+    w13, w2 = rand(E // 2, 2 * i, d, seed=22, dtype=dtype), rand(E // 2, d, i, seed=23, dtype=dtype)
+    if form == "grouped" and not moe_gpu.can_group(x, w13, w2):
+        pytest.fail("torch._grouped_mm should be usable for bf16 here")
+
+    def act(gate, up):
+        return _act_and_mul_torch(gate, up, "silu", 1.0, 1.0)
+
+    fn = moe_gpu.grouped_experts if form == "grouped" else moe_gpu.gathered_experts
+    y = fn(x, ids, w, w13, w2, E // 2, act)
+    assert y.shape == (rows, d) and y.dtype == dtype
+    want = naive_moe_experts(x.float(), ids, w, w13.float(), w2.float(), expert_offset=E // 2)
+    assert_close(f"{form} T={rows}", want, y.float(), 1e-2 if dtype == torch.bfloat16 else 1e-6)

@@ -78,6 +78,8 @@ def moe_experts(
     check_shape("w2", w2, (E_local, D, two_I // 2))
     check_activation(activation, _ACTIVATIONS)
     if x.is_cuda:  # grouped GEMM (bf16) or gathered bmm: no loop over experts, no host sync
+        if T == 0:  # a rank that received no rows in the token-sliced all-to-all
+            return x.new_zeros(0, D)
         def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
 

@@ -81,4 +81,4 @@ def gathered_experts(
     act = act_and_mul(h[:, :I], h[:, I:])
     y = torch.bmm(w2.index_select(0, safe).float(), act[:, :, None]).squeeze(-1)
     weights = torch.where(is_local, topk_weights.flatten().float(), 0.0)
-    return (y * weights[:, None]).view(T, -1, D).sum(1).to(x.dtype)
+    return (y * weights[:, None]).view(T, topk_ids.shape[1], D).sum(1).to(x.dtype)
