@@ -86,14 +86,17 @@ def test_mid_size_bf16_gpu_within_tolerance_of_cpu_fp32(mid_checkpoint, capsys):
     max_tokens = 16
     cli_tokens = generate_cli(capsys, mid_checkpoint, PROMPTS[1], max_tokens, "--device", "cuda")
     llm = LLM(mid_checkpoint, device="cuda", cache=CacheConfig(max_num_seqs=4, memory_budget_mib=512))
-    batch_tokens = [r.token_ids for r in llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))]
-    assert batch_tokens[1] == cli_tokens  # batch composition does not change a greedy sequence on the GPU
+    greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    batch_tokens = [r.token_ids for r in llm.generate(PROMPTS, greedy)]
+    # bf16 is not batch-invariant (other GEMM shapes, KV splits, expert forms per batch), so the
+    # CLI's lone run of prompt 1 may part from the batched one; both must pass the checks below
+    assert len(cli_tokens) == max_tokens
     del llm
 
     gpu_model = load_model(mid_checkpoint, dtype=torch.bfloat16, device="cuda")
     cpu_model = load_model(mid_checkpoint, dtype=torch.float32, device="cpu")
     exact = margins = 0
-    for prompt, tokens in zip(PROMPTS, batch_tokens, strict=True):
+    for prompt, tokens in [*zip(PROMPTS, batch_tokens, strict=True), (PROMPTS[1], cli_tokens)]:
         ref = all_logits(cpu_model, prompt + tokens[:-1], "cpu")
         gpu = all_logits(gpu_model, prompt, "cuda")
         err = ((gpu - ref[: len(prompt)]).square().mean().sqrt() / ref[: len(prompt)].square().mean().sqrt()).item()
