@@ -31,8 +31,9 @@ from helixserve.kernels.triton_common import is_interpreting, next_pow2, seq_ids
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# programs the attention grid should reach before KV splitting stops paying (about 2 waves on H200)
-_TARGET_PROGRAMS = 264
+# programs the attention grid should reach before KV splitting stops paying (about 4 waves on H200;
+# bench/kernels.py --mla-sweep on one H200: B 64 x kv 4k x H 16 fastest at 10 splits, 2x the 2-wave choice)
+_TARGET_PROGRAMS = 528
 _MAX_SPLITS = 16
 
 
@@ -167,7 +168,9 @@ def choose_num_splits(num_rows: int, num_head_programs: int) -> int:
 
 
 def _block_h(num_heads: int) -> int:
-    return min(64, max(16, next_pow2(num_heads)))
+    """Heads per program: 16 or 32 (a [64, 512] fp32 accumulator spills; the H200 sweep at H = 64
+    ran 32-head blocks 1.3x faster than 64)."""
+    return min(32, max(16, next_pow2(num_heads)))
 
 
 def paged_attention(
@@ -197,9 +200,9 @@ def paged_attention(
     if block_n is None:
         block_n = 16 if is_fp32 else 32
     if num_warps is None:
-        num_warps = 8 if BLOCK_H * BLOCK_DV // dv_parts >= 16 * 1024 else 4
-    if num_stages is None:
-        num_stages = 1 if is_fp32 else 2
+        num_warps = 8 if BLOCK_H * BLOCK_DV // dv_parts > 16 * 1024 else 4
+    if num_stages is None:  # bf16: 3 stages won the sweep at every shape
+        num_stages = 1 if is_fp32 else 3
     if is_interpreting():
         num_stages = 1
     lse_parts = torch.empty(num_splits, T, H, dtype=torch.float32, device=device)
