@@ -16,6 +16,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.runner import ModelRunner, cache_spec_for
 from helixserve.engine.scheduler import RequestUpdate, Scheduler
+from helixserve.kernels.triton_common import has_fla
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
 from helixserve.models.config import KimiModelConfig
@@ -73,10 +74,14 @@ class EngineCore:
         # on CUDA one slot more than the manager hands out: the scratch slot of padded graph rows
         caches = allocate_model_caches(spec, num_blocks, num_slots + int(is_cuda), device)
         self.runner = ModelRunner(model, caches, device, seed=seed)
-        if is_cuda and use_cuda_graphs:
+        # graphs need the fast kernels: the PyTorch references read metadata on the host and
+        # check slot ids (padded rows repeat the scratch slot), neither of which a graph can hold
+        if is_cuda and use_cuda_graphs and has_fla():
             self.runner.capture_decode_graphs(
                 min(cache.max_num_seqs, num_slots), -(-max_model_len // cache.tokens_per_block), num_slots
             )
+        elif is_cuda and use_cuda_graphs:
+            logger.info("decode CUDA graphs off: the fast kernels (fla, Triton) are not in use")
         self.cache_manager = CacheManager(
             num_blocks, num_slots, cache.tokens_per_block,
             has_mla=bool(spec.mla_layer_ids), has_kda=bool(spec.kda_layer_ids),

@@ -247,7 +247,7 @@ def test_cli_world_json_equals_single_process(tiny_checkpoints, capsys) -> None:
 
 @pytest.mark.gpu
 def test_nccl_world_generates_like_single_process(tiny_checkpoints) -> None:
-    """2 GPUs, NCCL, cp = 2, fp32: tokens of the single-process CPU engine."""
+    """2 GPUs, NCCL, cp = 2, fp32: tokens of the single-process engine on one GPU."""
     from helixserve.engine.world_llm import generate_many_on_world
 
     if torch.cuda.device_count() < 2:
@@ -255,7 +255,8 @@ def test_nccl_world_generates_like_single_process(tiny_checkpoints) -> None:
     model = str(tiny_checkpoints[PRESET])
     prompts = [p for p, _, _ in REQUESTS]
     params = [p for _, p, _ in REQUESTS]
-    want = [r.token_ids for r in LLM(model, cache=CACHE).generate(prompts, params)]
+    # the reference runs on a GPU too: seeded sampling draws from the device's generator
+    want = [r.token_ids for r in LLM(model, cache=CACHE, device="cuda", dtype="float32").generate(prompts, params)]
     got = generate_many_on_world(model, prompts, params, dp=1, cp=2,
                                  options=WorldOptions(cache=CACHE, dtype="float32", backend="nccl"))
     assert [r.token_ids for r in got] == want
