@@ -2,10 +2,9 @@
 
 - Tiny presets in fp32: the same greedy tokens as on the CPU (CLI), also for a batch of prompts
   through the LLM API, and CUDA-graph decode == eager decode on the GPU.
-- ``kimi-k3-mid`` in bf16 against the CPU in fp32 ("within tolerance"): the GPU's prefill logits
-  are within 5 % relative RMS of the CPU's, and every greedy token the GPU picks is, under the CPU
-  fp32 model fed the same tokens (teacher forcing), the argmax or within 0.1 logit standard
-  deviations of it, with at least 90 % exact argmax matches.
+- ``kimi-k3-mid``: greedy generation runs on the GPU in bf16 (CLI and a batch); prefill logits in
+  fp32 on the GPU equal the CPU's (2e-3 relative RMS), and in bf16 they are no further from the
+  CPU's fp32 logits than 1.5x the CPU's own bf16 model is (see the test for why not a fixed bound).
 """
 
 from __future__ import annotations
@@ -82,29 +81,35 @@ def all_logits(model, token_ids: list[int], device: str) -> torch.Tensor:
         return model(build_batch([SeqChunk(token_ids, 0, 0)], tpb, blocks, device=device), caches).float().cpu()
 
 
-def test_mid_size_bf16_gpu_within_tolerance_of_cpu_fp32(mid_checkpoint, capsys):
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).square().mean().sqrt() / want.square().mean().sqrt()).item()
+
+
+def test_mid_size_gpu_within_tolerance_of_cpu(mid_checkpoint, capsys):
+    """fp32 on the GPU == the CPU (the fast kernels are exact); bf16 on the GPU is no less accurate
+    against CPU fp32 than the CPU's own bf16 model. The random-weight K3 model is chaotic in bf16
+    (top-k routing over near-tied expert scores flips under rounding): on the CPU alone its bf16
+    prefill logits part from fp32 by 0.47-0.80 relative RMS for multi-token prompts, so a fixed
+    bf16 bound would test the model's sensitivity, not the GPU path. Measured on one H200
+    (session 2): fp32 4.5e-5 / 2.7e-5 / 3.9e-4 / 1.6e-6; bf16 0.62 / 0.51 / 0.74 / 0.0077 against
+    the CPU bf16's 0.54 / 0.47 / 0.80 / 0.0073."""
     max_tokens = 16
     cli_tokens = generate_cli(capsys, mid_checkpoint, PROMPTS[1], max_tokens, "--device", "cuda")
     llm = LLM(mid_checkpoint, device="cuda", cache=CacheConfig(max_num_seqs=4, memory_budget_mib=512))
     greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     batch_tokens = [r.token_ids for r in llm.generate(PROMPTS, greedy)]
-    # bf16 is not batch-invariant (other GEMM shapes, KV splits, expert forms per batch), so the
-    # CLI's lone run of prompt 1 may part from the batched one; both must pass the checks below
-    assert len(cli_tokens) == max_tokens
+    assert len(cli_tokens) == max_tokens and all(len(t) == max_tokens for t in batch_tokens)
     del llm
 
-    gpu_model = load_model(mid_checkpoint, dtype=torch.bfloat16, device="cuda")
-    cpu_model = load_model(mid_checkpoint, dtype=torch.float32, device="cpu")
-    exact = margins = 0
-    for prompt, tokens in [*zip(PROMPTS, batch_tokens, strict=True), (PROMPTS[1], cli_tokens)]:
-        ref = all_logits(cpu_model, prompt + tokens[:-1], "cpu")
-        gpu = all_logits(gpu_model, prompt, "cuda")
-        err = ((gpu - ref[: len(prompt)]).square().mean().sqrt() / ref[: len(prompt)].square().mean().sqrt()).item()
-        assert err < 5e-2, f"prefill logits rel-rms {err:.3e}"
-        steps = ref[len(prompt) - 1:]
-        for row, token in zip(steps, tokens, strict=True):
-            margin = (row.max() - row[token]).item()
-            assert margin <= 0.1 * row.std().item(), f"token {token}: margin {margin:.3f}, std {row.std():.3f}"
-            exact += int(row.argmax().item() == token)
-            margins += 1
-    assert exact >= 0.9 * margins, f"{exact}/{margins} greedy tokens are the CPU fp32 argmax"
+    cpu_fp32 = load_model(mid_checkpoint, dtype=torch.float32, device="cpu")
+    cpu_bf16 = load_model(mid_checkpoint, dtype=torch.bfloat16, device="cpu")
+    want = [all_logits(cpu_fp32, p, "cpu") for p in PROMPTS]
+    cpu_err = [rel_rms(all_logits(cpu_bf16, p, "cpu"), w) for p, w in zip(PROMPTS, want, strict=True)]
+    del cpu_bf16
+    for dtype in (torch.float32, torch.bfloat16):
+        gpu_model = load_model(mid_checkpoint, dtype=dtype, device="cuda")
+        for prompt, ref, bf16_err in zip(PROMPTS, want, cpu_err, strict=True):
+            err = rel_rms(all_logits(gpu_model, prompt, "cuda"), ref)
+            bound = 2e-3 if dtype == torch.float32 else 1.5 * bf16_err + 1e-2
+            assert err <= bound, f"{dtype} prompt of {len(prompt)}: rel-rms {err:.3e} > {bound:.3e}"
+        del gpu_model
