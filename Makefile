@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CKPT ?= checkpoints/kimi-k3-tiny
 STAMP := $(VENV)/.installed
+# Triton for the kernels' CPU tests (TRITON_INTERPRET=1, in a child pytest) lives outside the venv's
+# site-packages: importable there, it would send transformers' and fla's KDA to GPU-only kernels
+TRITON_INTERP := $(VENV)/triton-interp
 
 .PHONY: install serve generate test bench clean
 
@@ -12,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps --target $(TRITON_INTERP) 'triton==3.6.*'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,7 +31,7 @@ generate: $(STAMP) $(CKPT)/config.json
 	$(BIN)/helixserve generate --model $(CKPT) --prompt "Hello, helix" --max-tokens 16
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	HELIXSERVE_TRITON_INTERP=$(TRITON_INTERP) $(BIN)/python -m pytest -q tests
 
 # every bench in its quick form (each prints a table; JSON lands in bench/results/)
 bench: $(STAMP)
