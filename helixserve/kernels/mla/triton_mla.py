@@ -31,9 +31,9 @@ from helixserve.kernels.triton_common import is_interpreting, next_pow2, seq_ids
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# programs the attention grid should reach before KV splitting stops paying (about 4 waves on H200;
-# bench/kernels.py --mla-sweep on one H200: B 64 x kv 4k x H 16 fastest at 10 splits, 2x the 2-wave choice)
-_TARGET_PROGRAMS = 528
+# programs the attention grid should reach before KV splitting stops paying (about 5 waves on H200;
+# bench/kernels.py --mla-sweep on one H200: B 64 x kv 4k x H 16 fastest at 10 splits)
+_TARGET_PROGRAMS = 640
 _MAX_SPLITS = 16
 
 
