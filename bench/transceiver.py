@@ -10,6 +10,11 @@ size. Where available, also a NIXL WRITE of one buffer (nixl-cu12, UCX backend, 
 ``--nixl-path`` to a ``pip install --target`` dir) and ``ucx_perftest -t tag_bw`` (from the libucx
 wheel). GB/s = 1e9 bytes/s, median of ``--reps`` after one warm-up.
 
+NIXL is probed once up front (import, then creating an agent in a child process, bounded); when it
+cannot run here that peer is skipped with the reason printed (and recorded as ``nixl_skipped``),
+and a NIXL run that gives no result is not retried for the next size. Every wait is bounded, and
+``--quick`` uses short bounds so it stays under a minute on CPU.
+
     python bench/transceiver.py --quick --out bench/results/transceiver_quick.json
 """
 
@@ -206,7 +211,33 @@ def _nixl_main(role: str, nbytes: int, reps: int, nixl_path: str, inbox, outbox)
     outbox.put(times[1:])
 
 
-def bench_nixl(nbytes: int, reps: int, nixl_path: str | None) -> list[float] | None:
+def nixl_unavailable(nixl_path: str | None, timeout_s: float = 20.0) -> str | None:
+    """Why NIXL cannot run here (None: it can): an import check, then a bounded probe in a child
+    process that creates an agent with the UCX backend (a broken install can hang or abort there)."""
+    import importlib.util
+
+    saved = list(sys.path)
+    try:
+        if nixl_path:
+            sys.path.insert(0, nixl_path)
+        names = [n for n in ("nixl_cu12", "nixl") if importlib.util.find_spec(n) is not None]
+    finally:
+        sys.path[:] = saved
+    if not names:
+        return f"neither nixl_cu12 nor nixl is importable{f' from {nixl_path}' if nixl_path else ''} (pass --nixl-path)"
+    probe = (f"import sys; sys.path.insert(0, {nixl_path or ''!r}); from {names[0]}._api import nixl_agent, "
+             "nixl_agent_config; nixl_agent('probe', nixl_agent_config(backends=['UCX']))")
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"creating a NIXL agent did not finish within {timeout_s:.0f} s"
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return f"creating a NIXL agent failed: {lines[-1] if lines else f'exit {done.returncode}'}"
+    return None
+
+
+def bench_nixl(nbytes: int, reps: int, nixl_path: str | None, timeout_s: float) -> list[float] | None:
     ctx = mp.get_context("spawn")
     a_to_b, b_to_a, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     path = nixl_path or ""
@@ -214,18 +245,19 @@ def bench_nixl(nbytes: int, reps: int, nixl_path: str | None) -> list[float] | N
     initiator = ctx.Process(target=_nixl_main, args=("initiator", nbytes, reps, path, b_to_a, results))
     target.start(), initiator.start()
     try:
-        return results.get(timeout=180)
+        return results.get(timeout=timeout_s)
     except Exception:
         return None
     finally:
         a_to_b.put("stop")
         for proc in (target, initiator):
-            proc.join(timeout=20)
+            proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)
 
 
-def bench_perftest(nbytes: int, reps: int) -> float | None:
+def bench_perftest(nbytes: int, reps: int, timeout_s: float) -> float | None:
     """ucx_perftest -t tag_bw overall bandwidth in GB/s, or None when it does not run here."""
     try:
         import libucx
@@ -241,7 +273,8 @@ def bench_perftest(nbytes: int, reps: int) -> float | None:
     server = subprocess.Popen([str(binary), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(1.0)
-        client = subprocess.run([str(binary), "127.0.0.1", *args], env=env, capture_output=True, text=True, timeout=300)
+        client = subprocess.run([str(binary), "127.0.0.1", *args], env=env, capture_output=True, text=True,
+                                timeout=timeout_s)
         match = re.search(r"Final:\s+\d+\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", client.stdout)
         return float(match.group(1)) * 2**20 / 1e9 if match else None
     except (subprocess.TimeoutExpired, OSError):
@@ -261,13 +294,19 @@ def main() -> None:
     token_counts = [512, 2048] if args.quick else [4096, 16384, 32768]
     reps = args.reps or (5 if args.quick else 7)
     ucx = bench_ucx(token_counts, reps, args.message_mib, args.window_mib)
+    nixl_skip = nixl_unavailable(args.nixl_path, 10 if args.quick else 30)
+    if nixl_skip:
+        print(f"NIXL write: skipped, {nixl_skip}")
     rows, records = [], []
     for num_tokens, r in ucx.items():
         gbps = {"helixserve": r["bytes"] / statistics.median(r["transfer_s"]) / 1e9,
                 "raw ucxx": r["bytes"] / statistics.median(r["raw_ucxx_s"]) / 1e9}
-        nixl = bench_nixl(r["bytes"], reps, args.nixl_path)
+        nixl = None if nixl_skip else bench_nixl(r["bytes"], reps, args.nixl_path, 15 if args.quick else 180)
+        if nixl is None and not nixl_skip:
+            nixl_skip = f"the NIXL write of {r['bytes']} bytes gave no result; not tried again"
+            print(f"NIXL write: {nixl_skip}")
         gbps["NIXL write"] = r["bytes"] / statistics.median(nixl) / 1e9 if nixl else None
-        gbps["ucx_perftest"] = bench_perftest(r["bytes"], max(reps, 3))
+        gbps["ucx_perftest"] = bench_perftest(r["bytes"], max(reps, 3), 20 if args.quick else 300)
         best = max(v for k, v in gbps.items() if k != "helixserve" and v)
         rows.append([num_tokens, r["bytes"] / 2**20, *gbps.values(), gbps["helixserve"] / best])
         records.append({"tokens": num_tokens, "bytes": r["bytes"], "gbps": gbps, "ratio_vs_best_peer":
@@ -279,7 +318,7 @@ def main() -> None:
     write_json(args.out, {"bench": "transceiver", "preset": PRESET, "tokens_per_block": TPB, "reps": reps,
                           "message_bytes": int(args.message_mib * 2**20),
                           "send_window_bytes": int(args.window_mib * 2**20),
-                          "machine": machine_info(), "results": records})
+                          "nixl_skipped": nixl_skip, "machine": machine_info(), "results": records})
 
 
 if __name__ == "__main__":
