@@ -71,7 +71,11 @@ def _moe_worker(rank: int, world_size: int, init_method: str, cases: list[list[i
         dispatch = moe_dispatch(x32, ids.to(dev), weights, NUM_EXPERTS, groups.ep)
         assert dispatch.x.dtype == torch.float32 and dispatch.weights.dtype == torch.bfloat16
         num_mine = sum(int(i) in experts for i in ids.flatten())
-        assert dispatch.recv_counts == [num_mine] * world_size and dispatch.x.shape[0] == world_size * num_mine
+        rows_mine = sum(any(int(i) in experts for i in row) for row in ids)  # a row travels once per rank
+        assert dispatch.recv_counts == [rows_mine] * world_size and dispatch.x.shape[0] == world_size * num_mine
+        per_rank = NUM_EXPERTS // world_size
+        assert dispatch.send_counts == [sum(any(int(i) // per_rank == r for i in row) for row in ids)
+                                        for r in range(world_size)]
         return errors
     finally:
         groups.destroy()
