@@ -7,6 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client.core import GaugeMetricFamily
 
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
@@ -83,6 +84,23 @@ def _world_parts(deploy: DeploymentConfig, server: GenServerConfig):  # noqa: AN
     return options, layout, kv_source, factory
 
 
+class _RankCacheCollector:
+    """``/metrics``: every gen world rank's cache blocks and state slots, labelled by
+    ``dp_rank`` and ``cp_rank`` (each CP rank holds its own share of a request's blocks). The
+    unlabelled ``helixserve_worker_cache_blocks_*`` / ``state_slots_*`` gauges are their sums."""
+
+    def __init__(self, role: str, world: GenWorld) -> None:
+        self.role = role
+        self.world = world
+
+    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
+        for name, help_text, values in self.world.rank_gauges():
+            gauge = GaugeMetricFamily(f"helixserve_worker_{name}", help_text, labels=["role", "dp_rank", "cp_rank"])
+            for (dp_rank, cp_rank), value in sorted(values.items()):
+                gauge.add_metric([self.role, str(dp_rank), str(cp_rank)], value)
+            yield gauge
+
+
 def _app(worker: Worker, kv_source: KVSource, world: GenWorld | None = None) -> FastAPI:
     worker.extra_gauges = kv_source.gauges
     worker.extra_stats = kv_source.stats if world is None else lambda: {**kv_source.stats(),
@@ -91,6 +109,8 @@ def _app(worker: Worker, kv_source: KVSource, world: GenWorld | None = None) -> 
         None: aggregated_handler(worker),
         RequestType.GENERATION_ONLY: GenerationOnlyHandler(worker, kv_source),
     }
+    if world is not None:
+        worker.registry.register(_RankCacheCollector(worker.role, world))
     app = build_worker_app(worker, handlers, after_shutdown=(world.close,) if world is not None else ())
     app.state.world = world
     return app

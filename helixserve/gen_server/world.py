@@ -92,6 +92,18 @@ class GenWorld:
         mapping = self.driver.mapping
         return {"dp": mapping.dp, "cp": mapping.cp, "rank_pids": pids, "failure": self.failure()}
 
+    def rank_gauges(self) -> list[tuple[str, str, dict[tuple[int, int], float]]]:
+        """``(name, help, {(dp_rank, cp_rank): value})`` of every rank's cache, as reported after
+        the last world step (the unlabelled ``cache_blocks_*`` / ``state_slots_*`` gauges are
+        their sums over every rank)."""
+        stats = self.driver.rank_stats()
+        fields = (("rank_cache_blocks_used", "MLA cache blocks in use on one gen rank", "num_used_blocks"),
+                  ("rank_cache_blocks_total", "MLA cache blocks of one gen rank", "num_blocks"),
+                  ("rank_state_slots_used", "KDA state slots in use on one gen rank", "num_used_slots"),
+                  ("rank_state_slots_total", "KDA state slots of one gen rank", "num_slots"))
+        return [(name, text, {key: float(getattr(s, attr)) for key, s in stats.items()})
+                for name, text, attr in fields]
+
     def close(self) -> None:
         """After the engine thread stopped: shut the ranks down, close rank 0's receiver."""
         receiver = self.driver.rank.kv_receiver
@@ -177,8 +189,9 @@ class GenWorldCore:
         if self.driver.mapping.dp == 1:
             cache = self.driver.rank.cache_manager.stats()
             return cache.num_free_blocks, cache.num_free_slots
-        s = self.driver.stats()  # summed over DP groups (see the class docstring)
-        return s.num_blocks - s.num_used_blocks, s.num_slots - s.num_used_slots
+        leaders = [s for (_, cp_rank), s in self.driver.rank_stats().items() if cp_rank == 0]
+        return (sum(s.num_blocks - s.num_used_blocks for s in leaders),  # summed over DP groups
+                sum(s.num_slots - s.num_used_slots for s in leaders))  # (see the class docstring)
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
         if self._deferred.pop(request_id, None) is not None:

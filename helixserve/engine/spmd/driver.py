@@ -49,7 +49,9 @@ class WorldDriver:
         self._load: list[int] = [0] * self.mapping.dp  # live tokens budget per CP group
         self._cost: dict[str, int] = {}
         self._kv_polls: dict[str, dict[int, str | None]] = {}  # awaiting request -> rank -> result
-        self._group_stats: list[EngineStats] = [rank.stats()] * self.mapping.dp
+        # every rank's last report (keys fixed here, so other threads may read a copy at any time)
+        self._rank_stats: dict[tuple[int, int], EngineStats] = {
+            (d, c): rank.stats() for d in range(self.mapping.dp) for c in range(self.mapping.cp)}
         self._step_id = 0
         self._last_plan = time.monotonic()
         self.failure: str | None = None
@@ -129,8 +131,23 @@ class WorldDriver:
         return self._absorb(reports)
 
     def stats(self) -> EngineStats:
-        s = self._group_stats
-        return EngineStats(*(sum(getattr(g, f) for g in s) for f in EngineStats.__dataclass_fields__))
+        """World totals: request counts summed over DP groups (each CP group's requests are
+        replicated on its CP ranks, so its leader's counts), cache blocks and state slots (total
+        and used) summed over every rank (each CP rank holds its own share of a request's blocks
+        and its own KDA heads' slots). A world with blocks in use on any rank is not idle."""
+        s = self.rank_stats()
+        leaders = [v for (_, cp_rank), v in s.items() if cp_rank == 0]
+
+        def total(stats: list[EngineStats], name: str) -> int:
+            return sum(getattr(g, name) for g in stats)
+        return EngineStats(
+            *(total(leaders, f) for f in ("num_running", "num_waiting", "num_held")),
+            *(total(list(s.values()), f) for f in ("num_blocks", "num_used_blocks", "num_slots", "num_used_slots")))
+
+    def rank_stats(self) -> dict[tuple[int, int], EngineStats]:
+        """``(dp_rank, cp_rank) -> stats`` each rank reported after the last step (a copy; safe
+        to call from another thread)."""
+        return dict(self._rank_stats)
 
     # -- world lifetime
 
@@ -175,7 +192,7 @@ class WorldDriver:
                 if rid in self._kv_polls:
                     self._kv_polls[rid][report.rank] = result
             if report.stats is not None:
-                self._group_stats[report.dp_rank] = report.stats
+                self._rank_stats[(report.dp_rank, report.cp_rank)] = report.stats
             for update in report.updates:
                 updates.append(update)
                 if update.is_finished and update.request_id in self._owner:

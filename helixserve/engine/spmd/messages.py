@@ -85,9 +85,10 @@ class StepPlan:
 class StepReport:
     rank: int
     dp_rank: int
+    cp_rank: int = 0
     updates: list[RequestUpdate] = field(default_factory=list)  # CP leaders only
     kv_polls: dict[str, str | None] = field(default_factory=dict)
-    stats: EngineStats | None = None  # CP leaders only
+    stats: EngineStats | None = None  # every rank: its own cache shard's blocks and slots
 
 
 def broadcast_plan(plan: StepPlan | None, groups: ParallelGroups) -> StepPlan:

@@ -80,16 +80,15 @@ class RankEngine:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepReport:
-        report = StepReport(self.mapping.rank, self.mapping.dp_rank)
+        report = StepReport(self.mapping.rank, self.mapping.dp_rank, self.mapping.cp_rank)
         report.updates += self._apply(plan.commands[self.mapping.dp_rank])
         if self.kv_receiver is not None and self._awaiting_kv:
             report.kv_polls = self.kv_receiver.poll()
         report.updates += self._start_ready()
         if plan.run_model:
             report.updates += self._run()
-        if self.mapping.is_cp_leader:
-            report.stats = self.stats()
-        else:
+        report.stats = self.stats()  # every rank: each CP rank holds its own share of the blocks
+        if not self.mapping.is_cp_leader:
             report.updates = []
         return report
 
