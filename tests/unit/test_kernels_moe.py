@@ -124,16 +124,20 @@ def test_rejects_bad_arguments():
         act_and_mul(torch.zeros(2, I), torch.zeros(2, I + 1))
 
 
-@pytest.mark.parametrize("form", ["grouped_mm", "padded_bmm"])
+@pytest.mark.parametrize("form", ["grouped_mm", "padded_bmm", "bag"])
 @pytest.mark.parametrize("layout", ["row_major", "column_major"])
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 def test_few_pairs_grouped_gemm_matches_per_expert_loop(monkeypatch, form, layout, activation):
     """fp32 stacks with 16-byte aligned rows take torch._grouped_mm (or one bmm over every local
-    expert, padded) on the host-sorted pairs: the same sum as the per-expert loop and the naive
-    reference, also for an expert-parallel half."""
+    expert, padded) on the host-sorted pairs, or (column-major stacks) two weighted embedding bags:
+    the same sum as the per-expert loop and the naive reference, also for an expert-parallel half."""
     import helixserve.kernels.moe.experts as experts
 
+    if form == "bag" and layout == "row_major":
+        pytest.skip("the bag form reads column-major stacks only")
     monkeypatch.setattr(experts, "_prefers_padded_bmm", lambda counts: form == "padded_bmm")
+    if form != "bag":
+        monkeypatch.setattr(experts, "_can_bag", lambda *args: False)
 
     t, d, i = 9, 16, 8
     x = rand(t, d, seed=21)
@@ -143,14 +147,34 @@ def test_few_pairs_grouped_gemm_matches_per_expert_loop(monkeypatch, form, layou
     if layout == "column_major":
         w13, w2 = (wt.transpose(1, 2).contiguous().transpose(1, 2) for wt in (w13, w2))
     assert experts._can_group_on_host(x, w13, w2)
+    assert experts._can_bag(x, w13, w2) == (form == "bag")
     grouped = moe_experts(x, ids, w, w13, w2, activation=activation)
     half = moe_experts(x, ids, w, w13[E // 2:], w2[E // 2:], expert_offset=E // 2, activation=activation)
     monkeypatch.setattr(experts, "_can_group_on_host", lambda *args: False)
+    monkeypatch.setattr(experts, "_can_bag", lambda *args: False)
     looped = moe_experts(x, ids, w, w13, w2, activation=activation)
     assert_close("vs loop", looped, grouped, 1e-6)
     assert_close("vs naive", naive_moe_experts(x, ids, w, w13, w2, activation=activation), grouped, 1e-6)
     assert_close("EP half", naive_moe_experts(x, ids, w, w13[E // 2:], w2[E // 2:], expert_offset=E // 2,
                                               activation=activation), half, 1e-6)
+
+
+def test_bag_form_needs_column_major_fp32_stacks_and_skips_one_token(monkeypatch):
+    """The bag form reads the column-major stacks as row tables (row-major or bf16 stacks would need a
+    copy of the whole stack); one token keeps the per-expert GEMMs."""
+    import helixserve.kernels.moe.experts as experts
+
+    x = rand(4, D, seed=30)
+    w13, w2 = rand(E, 2 * I, D, seed=31), rand(E, D, I, seed=32)
+    cols = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (w13, w2)]
+    assert experts._can_bag(x, *cols) and not experts._can_bag(x, w13, w2)
+    assert not experts._can_bag(x.bfloat16(), *(t.bfloat16() for t in cols))
+    called = []
+    monkeypatch.setattr(experts, "_bag_experts", lambda *args: called.append(args) or args[0])
+    w, ids = moe_route(rand(1, E, seed=33), top_k=TOP_K, correction_bias=None, renormalize=True,
+                       routed_scaling_factor=1.0)
+    moe_experts(x[:1], ids, w, *cols)
+    assert not called
 
 
 def test_padded_bmm_only_with_threads_and_busy_experts(monkeypatch):

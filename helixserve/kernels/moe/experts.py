@@ -99,6 +99,9 @@ def _moe_experts_torch(
     E_local = w13.shape[0]
     I = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
+    if 1 < T and T * top_k <= _FEW_PAIRS and _can_bag(x, w13, w2):
+        return _bag_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, activation,
+                            situ_beta, situ_linear_beta)
     if T * top_k <= _FEW_PAIRS:
         return _few_pairs_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, activation,
                                   situ_beta, situ_linear_beta)
@@ -180,6 +183,49 @@ def _few_pairs_experts(
     weights = torch.tensor([w for _, _, w in pairs], device=x.device)
     out.index_add_(0, tokens, y * weights[:, None])
     return out.to(x.dtype)
+
+
+def _can_bag(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The embedding-bag form applies: CPU fp32 stacks stored column-major (each expert's ``[D, 2I]``
+    and ``[I, D]`` rows contiguous, as :func:`helixserve.models.packing.relayout` leaves them), so
+    both stacks are tables of rows without a copy."""
+    return (x.device.type == "cpu" and w13.dtype == w2.dtype == torch.float32
+            and w13.transpose(1, 2).is_contiguous() and w2.transpose(1, 2).is_contiguous())
+
+
+def _bag_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+    w2: torch.Tensor, expert_offset: int, activation: str, situ_beta: float, situ_linear_beta: float,
+) -> torch.Tensor:
+    """The expert sum as two weighted embedding bags over the column-major stacks, for a few tokens.
+
+    ``w13[e] x`` is the sum over d of ``x[d]`` times row d of expert e's ``[D, 2I]`` block: one bag of
+    D rows per (token, k) pair; then ``sum_k w_k w2[e_k] act_k`` is one bag per token over the
+    ``[I, D]`` rows of its k experts, weighted by ``w_k act_k``, so the weighted sum over k needs no
+    scatter. Only the chosen experts' rows are read (the padded bmm reads every local expert), on all
+    threads (the bags run in parallel), with no host read of the routing and no sort. Pairs routed to
+    experts held elsewhere read a clamped local expert and get weight 0.
+    """
+    T, D = x.shape
+    E_local, two_I = w13.shape[0], w13.shape[1]
+    I = two_I // 2
+    top_k = topk_ids.shape[1]
+    local = topk_ids if expert_offset == 0 else topk_ids - expert_offset
+    safe = local.clamp(0, E_local - 1)
+    weights = as_f32(topk_weights) * (safe == local)  # 0 for experts held elsewhere
+    rows_d = torch.arange(D, device=x.device)
+    rows_i = torch.arange(I, device=x.device)
+    h = F.embedding_bag(
+        (safe.unsqueeze(-1) * D + rows_d).view(T * top_k, D), w13.transpose(1, 2).reshape(E_local * D, two_I),
+        per_sample_weights=as_f32(x).unsqueeze(1).expand(T, top_k, D).reshape(T * top_k, D), mode="sum",
+    )
+    act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
+    act = act.mul_(weights.view(T * top_k, 1)).view(T, top_k * I)
+    y = F.embedding_bag(
+        (safe.unsqueeze(-1) * I + rows_i).view(T, top_k * I), w2.transpose(1, 2).reshape(E_local * I, D),
+        per_sample_weights=act, mode="sum",
+    )
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _prefers_padded_bmm(counts: list[int]) -> bool:
