@@ -68,7 +68,7 @@ def _ctx_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     raw = torch.ones(_payload_bytes(caches), dtype=torch.uint8)  # page-touched, reused like a cache
     freed = mp.SimpleQueue()
     sender = KVSender(config, layout, caches, freed.put)
-    plane = UcxxDataPlane(progress_thread=True)
+    plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)  # raw ucxx: no notifier
     outbox.put((sender.start().model_dump(), layout.model_dump(), plane.address))
     while (cmd := inbox.get())[0] != "stop":
         if cmd[0] == "hold":
@@ -101,7 +101,7 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
     raw = torch.zeros(_payload_bytes(caches), dtype=torch.uint8)
     rx = CPGroupReceiver(KVReceiver(config, layout), manager, caches)
-    plane = UcxxDataPlane(progress_thread=True)
+    plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)  # raw ucxx: no notifier
     outbox.put(plane.address)
     while (cmd := inbox.get())[0] != "stop":
         if cmd[0] == "connect":

@@ -43,6 +43,7 @@ MAX_TAG_BASE = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
 AUX_WORDS = 64
 AUX_MAGIC = 0x48454C4958  # "HELIX"
 MAX_FIRST_TOKENS = AUX_WORDS - 3
+SMALL_SEGMENT_UNITS = 16  # segments of at most this many units are mapped without numpy
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -199,6 +200,8 @@ class SegmentMemory:
         if not parent.is_contiguous():
             raise ValueError(f"cache tensor {tuple(parent.shape)} must be contiguous")
         flat = parent.reshape(-1).view(torch.uint8)
+        if len(unit_offsets) <= SMALL_SEGMENT_UNITS:  # AUX, KDA and conv states: plain Python is faster
+            return cls._of_few(flat, [int(o) for o in unit_offsets], unit_bytes)
         offsets = np.asarray(unit_offsets, dtype=np.int64)
         if offsets.size == 0:
             return cls(flat, [], [])
@@ -210,6 +213,21 @@ class SegmentMemory:
         runs = list(zip(offsets[first].tolist(), sizes.tolist()))
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
         return cls(flat, runs, starts)
+
+    @classmethod
+    def _of_few(cls, flat: torch.Tensor, offsets: list[int], unit_bytes: int) -> SegmentMemory:
+        runs: list[list[int]] = []
+        for offset in offsets:
+            if not 0 <= offset <= flat.numel() - unit_bytes:
+                raise ValueError(f"unit at byte {offset} (+{unit_bytes}) outside a {flat.numel()}-byte tensor")
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1][1] += unit_bytes
+            else:
+                runs.append([offset, unit_bytes])
+        starts = [0]
+        for _, size in runs[:-1]:
+            starts.append(starts[-1] + size)
+        return cls(flat, [(o, n) for o, n in runs], starts if runs else [])
 
     def spans(self, offset: int, nbytes: int) -> list[torch.Tensor]:
         """Views of stream bytes ``[offset, offset + nbytes)``, in order."""

@@ -112,3 +112,71 @@ def test_transceiver_ucx_silent_peer_fails_within_deadline_and_quarantines():
     assert done["elapsed"] < 0.5 + 0.5  # deadline + a poll interval, generously
     assert done["quarantined"] == ["req-1"]  # the receive was still posted: never reuse
     assert done["quiesced_after_close"]
+
+
+@pytest.mark.parametrize("is_notified", [True, False])
+def test_transceiver_ucx_completion_sets_the_wakeup_event(is_notified):
+    """With the progress thread, a completed request sets the plane's wakeup event (a poller
+    waiting on it wakes at once, not at its next tick); with the notifier off it stays unset."""
+    import threading
+
+    import torch
+
+    from helixserve.transceiver.base import TransferState
+    from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+
+    wakeup = threading.Event()
+    plane = UcxxDataPlane(progress_thread=True, wakeup=wakeup, wakeup_on_completion=is_notified)
+    try:
+        peer = plane.connect_worker(plane.address)
+        src, dst = _pattern(1 << 20), torch.zeros(1 << 20, dtype=torch.uint8)
+        recv = plane.recv_message(peer, 7, dst)
+        time.sleep(0.05)
+        wakeup.clear()
+        send = plane.send_message(peer, 7, src)
+        assert wakeup.wait(2.0) is is_notified
+        end = time.monotonic() + TIMEOUT_S
+        while not (recv.test().is_terminal and send.test().is_terminal) and time.monotonic() < end:
+            time.sleep(0.001)
+        assert recv.test() is TransferState.COMPLETED and torch.equal(dst, src)
+    finally:
+        plane.close()
+    with pytest.raises(ValueError, match="progress_thread"):
+        UcxxDataPlane(wakeup_on_completion=True)
+
+
+def test_transceiver_ucx_requests_posted_from_other_threads_complete():
+    """ucxx gives each request a completion future, made on the posting thread when its pool
+    runs dry; threads without an asyncio loop (the KV sender's, an engine thread) must still get
+    requests that complete (they once hung until the transfer deadline)."""
+    import threading
+
+    import torch
+
+    from helixserve.transceiver.base import TransferState
+    from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+
+    plane = UcxxDataPlane(progress_thread=True)
+    states: list[TransferState] = []
+
+    def post_many() -> None:
+        peer = plane.connect_worker(plane.address)
+        src = [_pattern(1024 + i) for i in range(400)]  # more requests than ucxx's future pool
+        dst = [torch.zeros(1024 + i, dtype=torch.uint8) for i in range(400)]
+        handles = [plane.recv_message(peer, 1000 + i, d) for i, d in enumerate(dst)]
+        handles += [plane.send_message(peer, 1000 + i, s) for i, s in enumerate(src)]
+        end = time.monotonic() + TIMEOUT_S
+        while not all(h.test().is_terminal for h in handles) and time.monotonic() < end:
+            time.sleep(0.001)
+        states.extend(h.test() for h in handles)
+        states.append(TransferState.COMPLETED if all(torch.equal(a, b) for a, b in zip(src, dst))
+                      else TransferState.FAILED)
+
+    try:
+        thread = threading.Thread(target=post_many)
+        thread.start()
+        thread.join(TIMEOUT_S + 5)
+        assert not thread.is_alive()
+        assert len(states) == 801 and set(states) == {TransferState.COMPLETED}
+    finally:
+        plane.close()

@@ -8,8 +8,9 @@ import torch
 
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
-from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, SegmentMemory, ShardSpec, check_layout,
-                                           decode_aux, encode_aux, head_slice, layout_for, plan_messages,
+import helixserve.transceiver.layout as layout_module
+from helixserve.transceiver.layout import (AUX_WORDS, SMALL_SEGMENT_UNITS, LayoutMismatchError, SegmentMemory,
+                                           ShardSpec, check_layout, decode_aux, encode_aux, head_slice, layout_for, plan_messages,
                                            shard_segments, wire_tag)
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
@@ -104,3 +105,27 @@ def test_wire_tags_carry_base_and_index():
         wire_tag(1 << 44, 0)
     with pytest.raises(ValueError):
         wire_tag(0, 1 << 20)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_small_segments_map_like_the_numpy_path(seed, monkeypatch):
+    """Segments of few units (states, AUX) take a plain-Python path: same runs, starts and spans
+    as the numpy path for any offsets, and the same refusal of an out-of-range unit."""
+    gen = torch.Generator().manual_seed(seed)
+    unit = int(torch.randint(1, 9, (), generator=gen))
+    parent = torch.arange(256, dtype=torch.uint8)
+    count = int(torch.randint(1, SMALL_SEGMENT_UNITS + 1, (), generator=gen))
+    slots = torch.randperm(256 // unit, generator=gen)[:count].tolist()
+    offsets = [s * unit for s in (sorted(slots) if seed % 2 else slots)]  # odd seeds: adjacent runs
+    bad = [*offsets[:-1], 256 - unit + 1]
+    few = SegmentMemory.of(parent, offsets, unit)
+    with pytest.raises(ValueError, match="outside"):
+        SegmentMemory.of(parent, bad, unit)
+    monkeypatch.setattr(layout_module, "SMALL_SEGMENT_UNITS", -1)  # every segment through numpy
+    many = SegmentMemory.of(parent, offsets, unit)
+    with pytest.raises(ValueError, match="outside"):
+        SegmentMemory.of(parent, bad, unit)
+    assert few.runs == many.runs and few.starts == many.starts
+    total = count * unit
+    for start, size in ((0, total), (total // 3, total - total // 3), (total - 1, 1)):
+        assert [s.tolist() for s in few.spans(start, size)] == [s.tolist() for s in many.spans(start, size)]

@@ -18,6 +18,12 @@ Progress: by default the caller's polls drive it (`UcxxHandle.test()` progresses
 the GIL, so transfers move while the owner computes; posting from Python threads is then safe
 (ucxx serializes on the worker).
 
+Wakeup: with the progress thread, every request also gets ucxx's completion future, and a small
+notifier thread (`_CompletionNotifier`) blocks in ucxx's request notifier (bounded waits, no GIL)
+and sets `wakeup` each time requests complete. A poller waiting on `wakeup` (the receiver's
+`TransferPoller`, the KV sender thread) therefore sees a completion within microseconds instead of
+at its next tick; the ticks stay as the bound when nothing completes.
+
 UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host):
 
 - endpoint error handling excludes the shared-memory transports (they have no peer-failure
@@ -44,8 +50,10 @@ UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -61,6 +69,7 @@ MAX_TAG = (1 << 40) - 1
 MAX_WIRE_TAG = (1 << 64) - 1
 MAX_CHUNKS = 1 << 16
 PROGRESS_EPOLL_TIMEOUT_MS = 1
+NOTIFIER_PERIOD_NS = 50_000_000  # the notifier's longest wait: it checks for close at least this often
 
 
 def _as_uint8(buffer: Any) -> Any:
@@ -110,6 +119,64 @@ class UcxxHandle(TransferHandle):
         self.is_cancel_requested = True
 
 
+class _CompletionNotifier:
+    """Sets `plane.wakeup` whenever requests of the plane's worker complete (see the module
+    docstring). ucxx completes each request's Python future through its request notifier; this
+    thread waits on it (``wait_request_notifier``, at most NOTIFIER_PERIOD_NS at a time), resolves
+    the futures (``run_request_notifier``; they are asyncio futures of this thread's private
+    loop, nobody awaits them) and sets the event."""
+
+    def __init__(self, plane: UcxxDataPlane) -> None:
+        self._plane = plane
+        self._worker = plane._worker
+        self._api = plane._api
+        self._is_stopping = False
+        self.loop = asyncio.new_event_loop()  # never runs: it only owns the futures
+        self._thread_state = threading.local()  # .has_loop, per thread (and gone with it)
+        self.ensure_loop()
+        self._worker.populate_python_futures_pool()
+        self._thread = threading.Thread(target=self._run, name="ucxx-notifier", daemon=True)
+        self._thread.start()
+
+    def ensure_loop(self) -> None:
+        """ucxx creates a request's future on the posting thread when its pool is empty, with
+        that thread's asyncio event loop; a thread without one (any but the main thread) would
+        get no future and the request would never complete. Give such a thread our loop (a
+        thread that has its own loop keeps it)."""
+        if getattr(self._thread_state, "has_loop", False):
+            return
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                asyncio.get_event_loop_policy().get_event_loop()
+        except RuntimeError:
+            asyncio.set_event_loop(self.loop)
+        self._thread_state.has_loop = True
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        states = self._api.PythonRequestNotifierWaitState
+        try:
+            while not self._is_stopping:
+                self._worker.populate_python_futures_pool()
+                state = self._worker.wait_request_notifier(period_ns=NOTIFIER_PERIOD_NS)
+                if state == states.Shutdown:
+                    break
+                if state == states.Ready:
+                    self._worker.run_request_notifier()
+                    self._plane.wakeup.set()
+        except Exception:  # the pollers' ticks still bound every wait
+            logger.exception("UCX completion notifier stopped; pollers fall back to their ticks")
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        self._is_stopping = True
+        self._worker.stop_request_notifier_thread()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._worker.clear_python_futures_pool()
+            self.loop.close()
+
+
 class UcxxDataPlane(DataPlane):
     """UCX data plane of one rank.
 
@@ -119,6 +186,9 @@ class UcxxDataPlane(DataPlane):
         error_handling: UCX endpoint peer-failure handling (forces tcp on one host).
         progress_thread: let ucxx's C++ thread progress the worker (see the module docstring).
         ucx_options: UCX settings for this context (e.g. {"TLS": "sm,self"}), without "UCX_".
+        wakeup: the event completions set (default: a new one), e.g. the owner's poller's.
+        wakeup_on_completion: set `wakeup` on completions (needs `progress_thread`; default: with
+            the progress thread).
     """
 
     def __init__(
@@ -128,6 +198,8 @@ class UcxxDataPlane(DataPlane):
         error_handling: bool = False,
         progress_thread: bool = False,
         ucx_options: dict[str, str] | None = None,
+        wakeup: threading.Event | None = None,
+        wakeup_on_completion: bool | None = None,
     ) -> None:
         import ucxx._lib.libucxx as ucx_api  # lazy: only when this backend is chosen
         from ucxx._lib.arr import Array
@@ -138,17 +210,23 @@ class UcxxDataPlane(DataPlane):
         self.rank = rank
         self.chunk_bytes = chunk_bytes
         self.error_handling = error_handling
-        self.wakeup = threading.Event()
+        self.wakeup = wakeup or threading.Event()
+        is_notified = progress_thread if wakeup_on_completion is None else wakeup_on_completion
+        if is_notified and not progress_thread:
+            raise ValueError("wakeup_on_completion needs progress_thread=True")
         features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
         self._context = ucx_api.UCXContext(config_dict=dict(ucx_options or {}), feature_flags=features)
-        self._worker = ucx_api.UCXWorker(self._context)
+        self._worker = ucx_api.UCXWorker(self._context, enable_python_future=is_notified)
         self._address = self._worker.address.tobytes()
         self._endpoints: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
         self._retracts: list[UcxxHandle] = []  # 0-byte self-sends, kept alive until they complete
         self.has_progress_thread = progress_thread
+        self._notifier: _CompletionNotifier | None = None
         if progress_thread:
             self._worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_TIMEOUT_MS)
+        if is_notified:
+            self._notifier = _CompletionNotifier(self)
 
     @property
     def address(self) -> bytes:
@@ -189,6 +267,8 @@ class UcxxDataPlane(DataPlane):
         to us. Only when the peer is known gone (or at `close()`), never per request."""
         endpoint = self._endpoints.pop(peer, None)
         if endpoint is not None:
+            if self._notifier is not None:
+                self._notifier.ensure_loop()
             with self._lock:
                 endpoint.close()
             self.progress()
@@ -221,6 +301,8 @@ class UcxxDataPlane(DataPlane):
 
     def _post_one(self, peer: Hashable, wire_tag: int, buffer: Any, is_send: bool) -> UcxxHandle:
         endpoint = self._endpoint(peer)
+        if self._notifier is not None:
+            self._notifier.ensure_loop()
         if not 0 <= wire_tag <= MAX_WIRE_TAG:
             raise ValueError(f"wire tag must be in [0, 2**64), got {wire_tag}")
         flat = _as_uint8(buffer)
@@ -242,6 +324,8 @@ class UcxxDataPlane(DataPlane):
         if not isinstance(peer, int) or not 0 <= peer < 256:
             raise ValueError(f"chunked transfers name peers by rank in [0, 256), got {peer!r}")
         sender = self.rank if is_send else peer
+        if self._notifier is not None:
+            self._notifier.ensure_loop()
         requests, chunks = [], []
         for index in range(num_chunks):
             chunk = flat[index * self.chunk_bytes : (index + 1) * self.chunk_bytes]
@@ -256,6 +340,9 @@ class UcxxDataPlane(DataPlane):
     def close(self) -> None:
         for peer in list(self._endpoints):
             self.close_peer(peer)
+        if self._notifier is not None:
+            self._notifier.stop()
+            self._notifier = None
         if self.has_progress_thread:
             self.has_progress_thread = False
             self._worker.stop_progress_thread()
