@@ -10,6 +10,7 @@ moe_experts: x [T, D]; topk_ids, topk_weights [T, k]; w13 [E_local, 2I, D] (gate
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -190,7 +191,12 @@ def _can_bag(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     and ``[I, D]`` rows contiguous, as :func:`helixserve.models.packing.relayout` leaves them), so
     both stacks are tables of rows without a copy."""
     return (x.device.type == "cpu" and w13.dtype == w2.dtype == torch.float32
-            and w13.transpose(1, 2).is_contiguous() and w2.transpose(1, 2).is_contiguous())
+            and _is_column_major_stack(w13) and _is_column_major_stack(w2))
+
+
+def _is_column_major_stack(w: torch.Tensor) -> bool:
+    E, rows, cols = w.shape
+    return w.stride() == (rows * cols, 1, rows)
 
 
 def _bag_experts(
@@ -213,19 +219,28 @@ def _bag_experts(
     local = topk_ids if expert_offset == 0 else topk_ids - expert_offset
     safe = local.clamp(0, E_local - 1)
     weights = as_f32(topk_weights) * (safe == local)  # 0 for experts held elsewhere
-    rows_d = torch.arange(D, device=x.device)
-    rows_i = torch.arange(I, device=x.device)
-    h = F.embedding_bag(
-        (safe.unsqueeze(-1) * D + rows_d).view(T * top_k, D), w13.transpose(1, 2).reshape(E_local * D, two_I),
-        per_sample_weights=as_f32(x).unsqueeze(1).expand(T, top_k, D).reshape(T * top_k, D), mode="sum",
-    )
+    # per (token, k) pair, its token's x as the weights of its D rows
+    h = _bag(w13.as_strided((E_local * D, two_I), (two_I, 1)), safe.view(T * top_k, 1), D,
+             as_f32(x).repeat(1, top_k))
     act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
-    act = act.mul_(weights.view(T * top_k, 1)).view(T, top_k * I)
-    y = F.embedding_bag(
-        (safe.unsqueeze(-1) * I + rows_i).view(T, top_k * I), w2.transpose(1, 2).reshape(E_local * I, D),
-        per_sample_weights=act, mode="sum",
-    )
+    y = _bag(w2.as_strided((E_local * I, D), (D, 1)), safe, I, act.mul_(weights.view(T * top_k, 1)))
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _bag(table: torch.Tensor, experts: torch.Tensor, rows_per_expert: int, weights: torch.Tensor) -> torch.Tensor:
+    """``out[b] = sum_{j, r} weights[b, j, r] * table[experts[b, j] * rows_per_expert + r]`` for ``experts
+    [B, m]`` and ``weights`` holding ``B * m * rows_per_expert`` values in that order -> ``[B, width]``."""
+    B, m = experts.shape
+    index = torch.add(_aranged(rows_per_expert, 1, experts.device), experts.unsqueeze(-1), alpha=rows_per_expert)
+    offsets = _aranged(B, m * rows_per_expert, experts.device)
+    return torch.embedding_bag(table, index.view(-1), offsets, mode=0, per_sample_weights=weights.reshape(-1))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _aranged(count: int, step: int, device: torch.device) -> torch.Tensor:
+    """``arange(0, count * step, step)`` int64, kept: the bag row and offset patterns repeat every step."""
+    with torch.inference_mode(False):  # a plain tensor, usable inside and outside inference mode
+        return torch.arange(0, count * step, step, device=device)
 
 
 def _prefers_padded_bmm(counts: list[int]) -> bool:
