@@ -54,10 +54,12 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = linear(lin.head_dim, width, dtype)
         self.o_norm = RMSNorm(lin.head_dim, cfg.rms_norm_eps, dtype)
         self.o_proj = linear(width, hidden, dtype)
-        # set by pack(): [q | k | v | f_a | b | g_a or g] rows of one weight, and the fused conv kernels
+        # set by pack(): [q | k | v | f_a | g_a or g | b] rows of one weight, the fused conv kernels and
+        # (low-rank gate) f_b | g_b as one [2, K, H*K] stack of their transposed weights
         self.register_buffer("in_proj", None, persistent=False)
         self.register_buffer("in_proj_cols", None, persistent=False)
         self.register_buffer("packed_conv_weight", None, persistent=False)
+        self.register_buffer("f_g_b_stack", None, persistent=False)
         self.in_proj_sizes: list[int] = []
 
     @property
@@ -67,9 +69,12 @@ class KimiDeltaAttention(nn.Module):
 
     def pack(self) -> None:
         """Fuse the projections of ``x`` into ``in_proj`` and the conv kernels into one weight
-        (see :mod:`helixserve.models.packing`)."""
-        projections = self._input_projections
-        self.in_proj_sizes = [3 * projections[0].out_features, *(p.out_features for p in projections[3:])]
+        (see :mod:`helixserve.models.packing`); with the low-rank output gate, ``f_a`` and ``g_a`` are
+        adjacent in ``in_proj`` and ``f_b_proj``/``g_b_proj`` run as one bmm on a few rows (two GEMMs
+        of a [T, K] input cost ~2.5x one bmm over both at 8 rows; one row keeps the two linears)."""
+        q, k, v, f_a, b, gate = self._input_projections
+        projections = [q, k, v, f_a, gate, b]
+        self.in_proj_sizes = [3 * q.out_features, f_a.out_features, gate.out_features, b.out_features]
         self.in_proj = fuse_weights([(p, "weight") for p in projections])
         self.in_proj_cols = column_major(self.in_proj)
         convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
@@ -80,6 +85,9 @@ class KimiDeltaAttention(nn.Module):
         for conv in convs:
             conv.weight = nn.Parameter(conv.weight.unsqueeze(1), requires_grad=False)
         pack_linears(self, "f_b_proj", "o_proj", *([] if self.use_full_rank_gate else ["g_b_proj"]))
+        if not self.use_full_rank_gate:  # the linears' column-major copies become views of the stack
+            self.f_g_b_stack = torch.stack([self.f_b_proj.weight_cols.t(), self.g_b_proj.weight_cols.t()])
+            self.f_b_proj.weight_cols, self.g_b_proj.weight_cols = (w.t() for w in self.f_g_b_stack)
 
     def conv_weight(self) -> torch.Tensor:
         """``[3*H*K, W]``: the q, k, v depthwise kernels in the conv-state section order."""
@@ -93,7 +101,11 @@ class KimiDeltaAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             f_a, b, g = self.f_a_proj(x), self.b_proj(x), self._input_projections[-1](x)
         else:
-            qkv, f_a, b, g = packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1)
+            qkv, f_a, g, b = packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1)
+            if self.f_g_b_stack is not None and x.shape[0] > 1:  # f_a | g_a adjacent: [2, T, K] view
+                f, gate = torch.bmm(f_a.as_strided((2, x.shape[0], f_a.shape[1]), (f_a.shape[1], f_a.stride(0), 1)),
+                                    self.f_g_b_stack).unbind(0)
+                return qkv, f, b, gate
         return qkv, self.f_b_proj(f_a), b, g if self.use_full_rank_gate else self.g_b_proj(g)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:

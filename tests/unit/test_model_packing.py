@@ -80,6 +80,23 @@ def test_parameters_are_views_of_the_fused_weights(preset: str) -> None:
     assert set(packed.state_dict()) == set(_pair(preset)[0].state_dict())
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_kda_gate_projections_as_one_bmm_match_the_linears(rows: int) -> None:
+    """Packed low-rank gates: f_b_proj and g_b_proj run as one bmm over the adjacent f_a | g_a columns
+    (several rows) or as the two packed linears (one row); both give the unpacked projections, and
+    the linears' column-major copies are views of the bmm's stack (held once)."""
+    plain, packed = _pair("kimi-linear-tiny")
+    i = next(i for i, layer in enumerate(packed.model.layers) if layer.is_kda)
+    kda, ref = packed.model.layers[i].self_attn, plain.model.layers[i].self_attn
+    assert kda.f_g_b_stack is not None
+    assert kda.f_b_proj.weight_cols.untyped_storage().data_ptr() == kda.f_g_b_stack.untyped_storage().data_ptr()
+    assert torch.equal(kda.g_b_proj.weight_cols, kda.g_b_proj.weight)
+    x = torch.randn(rows, packed.cfg.hidden_size, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        for name, want, got in zip(("qkv", "f", "b", "gate"), ref._project(x), kda._project(x), strict=True):
+            assert_close(name, want, got, 1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 200])
 def test_packed_linear_matches_f_linear(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
