@@ -118,7 +118,8 @@ class KVSender:
         self.pickup_timeout_s = pickup_timeout_s or config.timeout_s
         self._wakeup = threading.Event()
         self.poller = TransferPoller(wakeup=self._wakeup)
-        self.plane = UcxxDataPlane(progress_thread=True, wakeup=self._wakeup)  # completions wake the thread
+        self.plane = UcxxDataPlane(progress_thread=True, wakeup=self._wakeup,
+                                   wakeup_on_completion=config.wake_on_completion)
         self.staging = staging_for(config)
         self._server = ControlServer(self, host, port)
         self._advertise_host = advertise_host or host

@@ -150,12 +150,17 @@ def ctx():
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
-@pytest.mark.parametrize("overrides", [{}, {"message_bytes": 1000}, {"bounce_size_bytes": 1 << 20, "chunk_bytes": 1 << 20}],
-                         ids=["direct", "small-messages", "bounce-pool"])
+@pytest.mark.parametrize("overrides", [{}, {"message_bytes": 1000}, {"bounce_size_bytes": 1 << 20, "chunk_bytes": 1 << 20},
+                                       {"message_bytes": 1000, "wake_on_completion": True}],
+                         ids=["direct", "small-messages", "bounce-pool", "wake-on-completion"])
 def test_each_rank_receives_exactly_its_shard(ctx, cp_size, overrides):
     c = ctx(**overrides)
     params = c.hold("r1")
     gens = [Gen(config(**overrides), r, cp_size) for r in range(cp_size)]
+    is_notified = overrides.get("wake_on_completion", False)
+    assert (c.sender.plane._notifier is not None) is is_notified  # noqa: SLF001
+    assert all((g.rx.receiver.plane._notifier is not None) is is_notified for g in gens)  # noqa: SLF001
+    assert all(g.rx.receiver.plane.wakeup is g.rx.receiver.poller.wakeup for g in gens)
     for gen in gens:
         gen.rx.begin("g1", params)
     out = drive(gens, lambda o: len(o["ready"].get("g1", [])) == cp_size or o["failed"])

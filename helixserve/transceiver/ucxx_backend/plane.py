@@ -18,11 +18,13 @@ Progress: by default the caller's polls drive it (`UcxxHandle.test()` progresses
 the GIL, so transfers move while the owner computes; posting from Python threads is then safe
 (ucxx serializes on the worker).
 
-Wakeup: with the progress thread, every request also gets ucxx's completion future, and a small
-notifier thread (`_CompletionNotifier`) blocks in ucxx's request notifier (bounded waits, no GIL)
-and sets `wakeup` each time requests complete. A poller waiting on `wakeup` (the receiver's
-`TransferPoller`, the KV sender thread) therefore sees a completion within microseconds instead of
-at its next tick; the ticks stay as the bound when nothing completes.
+Wakeup (`wakeup_on_completion`, needs the progress thread): every request also gets ucxx's
+completion future, and a small notifier thread (`_CompletionNotifier`) blocks in ucxx's request
+notifier (bounded waits, no GIL) and sets `wakeup` each time requests complete. A poller waiting
+on `wakeup` (the receiver's `TransferPoller`, the KV sender thread) then sees a completion within
+microseconds instead of at its next tick; the ticks stay as the bound when nothing completes. It
+costs Python work per completion: the transceiver turns it on only with
+`TransceiverConfig.wake_on_completion` (off by default, see there for the measurement).
 
 UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host):
 
@@ -188,7 +190,7 @@ class UcxxDataPlane(DataPlane):
         ucx_options: UCX settings for this context (e.g. {"TLS": "sm,self"}), without "UCX_".
         wakeup: the event completions set (default: a new one), e.g. the owner's poller's.
         wakeup_on_completion: set `wakeup` on completions (needs `progress_thread`; default: with
-            the progress thread).
+            the progress thread; the transceiver passes `TransceiverConfig.wake_on_completion`).
     """
 
     def __init__(
