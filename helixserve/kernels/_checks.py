@@ -14,16 +14,18 @@ def as_f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_ndim(name: str, t: torch.Tensor, ndim: int) -> None:
+    if isinstance(t, torch.Tensor) and t.dim() == ndim:  # the common case first: one call, no raise path
+        return
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if isinstance(t, torch.Tensor) and t.shape == tuple(shape):  # torch.Size compares with a tuple
+        return
     check_ndim(name, t, len(shape))
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def check_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:

@@ -38,14 +38,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps), one call instead of five
     if x.dtype == weight.dtype == torch.float32:  # weight applied inside: same product, one op fewer
-        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)  # F.rms_norm's op without its Python wrapper
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 
 
 def _gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == weight.dtype == torch.float32:
-        normed = F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+        normed = torch.rms_norm(x, (x.shape[-1],), weight, eps)
     else:
         normed = weight.float() * F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     out = normed * torch.sigmoid(as_f32(gate))
