@@ -61,11 +61,12 @@ def _setup(max_tokens: int, message_mib: float, window_mib: float):
 def _ctx_main(max_tokens: int, message_mib: float, window_mib: float, inbox, outbox) -> None:
     import torch
 
+    from helixserve.kvcache.pools import host_zeros
     from helixserve.transceiver.sender import KVSender
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
-    raw = torch.ones(_payload_bytes(caches), dtype=torch.uint8)  # page-touched, reused like a cache
+    raw = host_zeros((_payload_bytes(caches),), torch.uint8).fill_(1)  # pool-like memory, page-touched
     freed = mp.SimpleQueue()
     sender = KVSender(config, layout, caches, freed.put)
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)  # raw ucxx: no notifier
@@ -92,6 +93,7 @@ def _ctx_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
 def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, outbox) -> None:
     import torch
 
+    from helixserve.kvcache.pools import host_zeros
     from helixserve.protocol.disagg import DisaggregatedParams
     from helixserve.transceiver.base import TransferState
     from helixserve.transceiver.group import CPGroupReceiver
@@ -99,7 +101,7 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
-    raw = torch.zeros(_payload_bytes(caches), dtype=torch.uint8)
+    raw = host_zeros((_payload_bytes(caches),), torch.uint8)  # the same (huge-page) memory as the pools
     rx = CPGroupReceiver(KVReceiver(config, layout), manager, caches)
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)  # raw ucxx: no notifier
     outbox.put(plane.address)
@@ -189,8 +191,12 @@ def _nixl_main(role: str, nbytes: int, reps: int, nixl_path: str, inbox, outbox)
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError:
         from nixl._api import nixl_agent, nixl_agent_config
+    from helixserve.kvcache.pools import host_zeros
+
     agent = nixl_agent(role, nixl_agent_config(backends=["UCX"]))
-    buffer = (torch.ones if role == "initiator" else torch.zeros)(nbytes, dtype=torch.uint8)
+    buffer = host_zeros((nbytes,), torch.uint8)
+    if role == "initiator":
+        buffer.fill_(1)
     agent.register_memory(buffer)
     descs = agent.get_xfer_descs(buffer)
     if role == "target":

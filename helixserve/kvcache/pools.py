@@ -7,6 +7,10 @@ Layouts (see :mod:`helixserve.models.context`), per layer id:
 - ``conv_state[l]``: ``[num_slots, 3 * kda_num_heads * kda_head_dim, conv_kernel_size - 1]``, ``dtype``
 
 ``kda_num_heads`` is the *local* head count (``H / cp`` under helix CP). All pools start zeroed.
+
+On the host, all pools are views into one arena backed by transparent huge pages (:func:`host_zeros`):
+the transceiver's UCX copies between processes run about 3x faster from 2 MiB pages than from the
+4 KiB pages torch's CPU allocator gets where THP is in ``madvise`` mode (the usual default).
 """
 
 from __future__ import annotations
@@ -19,6 +23,48 @@ import torch
 from helixserve.models.context import ModelCaches
 
 _FP32_BYTES = 4
+_HUGE_PAGE_MIN_BYTES = 4 << 20
+
+
+def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor; from 4 MiB on, in memory advised for transparent huge pages.
+
+    numpy's allocator asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) on large
+    buffers and torch's does not, so large pools are numpy buffers viewed as torch tensors.
+    """
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _HUGE_PAGE_MIN_BYTES:
+        return torch.zeros(tuple(shape), dtype=dtype)
+    import numpy as np
+
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(tuple(shape))
+
+
+_ARENA_ALIGN = 4096
+
+
+def _allocate(
+    pools: list[tuple[dict[int, torch.Tensor], int, tuple[int, ...], torch.dtype]], device: torch.device | str
+) -> None:
+    """Fill ``pools`` [(target dict, layer id, shape, dtype)] with zeroed tensors. On the host they
+    are page-aligned views into one :func:`host_zeros` arena, so small per-layer pools (a KDA
+    state pool of a few slots is ~2 MiB) share its huge pages too."""
+    if torch.device(device).type != "cpu":
+        for target, layer_id, shape, dtype in pools:
+            target[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
+        return
+    offsets, total = [], 0
+    for _, _, shape, dtype in pools:
+        offsets.append(total)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        total += -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+    arena = host_zeros((total,), torch.uint8)
+    for (target, layer_id, shape, dtype), offset in zip(pools, offsets, strict=True):
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        target[layer_id] = arena[offset : offset + nbytes].view(dtype).view(shape)
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,14 +154,14 @@ def allocate_model_caches(
     if num_blocks < 0 or num_slots < 0:
         raise ValueError(f"num_blocks and num_slots must be >= 0, got {num_blocks}, {num_slots}")
     caches = ModelCaches(tokens_per_block=spec.tokens_per_block)
+    pools = []
     for layer_id in spec.mla_layer_ids:
-        shape = (num_blocks, spec.tokens_per_block, spec.mla_entry_dim)
-        caches.mla_kv[layer_id] = torch.zeros(shape, dtype=spec.dtype, device=device)
+        pools.append((caches.mla_kv, layer_id, (num_blocks, spec.tokens_per_block, spec.mla_entry_dim), spec.dtype))
     for layer_id in spec.kda_layer_ids:
         state_shape = (num_slots, spec.kda_num_heads, spec.kda_head_dim, spec.kda_head_dim)
-        conv_shape = (num_slots, spec.conv_channels, spec.conv_kernel_size - 1)
-        caches.kda_state[layer_id] = torch.zeros(state_shape, dtype=torch.float32, device=device)
-        caches.conv_state[layer_id] = torch.zeros(conv_shape, dtype=spec.dtype, device=device)
+        pools.append((caches.kda_state, layer_id, state_shape, torch.float32))
+        pools.append((caches.conv_state, layer_id, (num_slots, spec.conv_channels, spec.conv_kernel_size - 1), spec.dtype))
+    _allocate(pools, device)
     return caches
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helixserve.kvcache.pools import host_zeros
 from helixserve.transceiver.base import TransferState, resolve_slice, resolve_timeout
 from helixserve.transceiver.clock import Clock, MonotonicClock
 
@@ -82,7 +83,7 @@ class BouncePool:
         self.align = align
         self.clock: Clock = clock or MonotonicClock()
         if buffer is None:
-            buffer = torch.zeros(capacity_bytes, dtype=torch.uint8)
+            buffer = host_zeros((capacity_bytes,), torch.uint8)  # huge pages: faster UCX copies
         if buffer.dtype != torch.uint8 or buffer.numel() < capacity_bytes:
             raise ValueError(f"buffer must be uint8 with >= {capacity_bytes} elements")
         self.buffer = buffer

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,3 +71,39 @@ def test_spec_validation():
         _spec(tokens_per_block=0)
     with pytest.raises(ValueError, match="dtype"):
         _spec(dtype="bf16")
+
+
+def test_host_pools_are_disjoint_page_aligned_views_of_one_arena():
+    caches = allocate_model_caches(_spec(), num_blocks=5, num_slots=3, device="cpu")
+    pools = [*caches.mla_kv.values(), *caches.kda_state.values(), *caches.conv_state.values()]
+    base = pools[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base and p.is_contiguous() for p in pools)
+    assert all(p.data_ptr() % 4096 == base % 4096 for p in pools)  # page-aligned inside the arena
+    for i, pool in enumerate(pools):  # writing one pool leaves every other one zero
+        pool.fill_(1)
+        assert all(not q.any() for j, q in enumerate(pools) if j != i)
+        pool.zero_()
+
+
+def test_host_zeros_large_buffers_are_advised_for_huge_pages():
+    from helixserve.kvcache.pools import host_zeros
+
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        pytest.skip("no /proc/self/smaps (not Linux)")
+    small, large = host_zeros((1024,), torch.float32), host_zeros((3, 1 << 20), torch.bfloat16)
+    assert small.shape == (1024,) and large.shape == (3, 1 << 20) and large.dtype == torch.bfloat16
+    assert not large.any()
+
+    def vm_flags(ptr: int) -> list[str]:
+        lines = smaps.read_text().splitlines()
+        for i, line in enumerate(lines):
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if lo <= ptr < hi:
+                    return next(item.split()[1:] for item in lines[i + 1:] if item.startswith("VmFlags"))
+        raise AssertionError(f"{ptr:#x} is in no mapping")
+
+    # madvise(MADV_HUGEPAGE) on the buffer's whole pages (the first, partial one keeps its flags)
+    assert "hg" in vm_flags(large.data_ptr() + large.nbytes // 2)
