@@ -18,7 +18,6 @@ ranks, as the CP consensus does). Every wait is bounded.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import time
 
@@ -28,7 +27,7 @@ import torch
 pytest.importorskip("ucxx")
 
 from helixserve.protocol.disagg import DisaggregatedParams  # noqa: E402
-from tests.integration.test_transceiver_transfer import _assert_bytes_equal, _shard  # noqa: E402
+from tests.integration.test_transceiver_transfer import _assert_bytes_equal, _exit, _quiet, _shard  # noqa: E402
 
 TPB = 4
 NUM_BLOCKS, NUM_SLOTS = 512, 48
@@ -54,19 +53,6 @@ def _layout_and_spec(cp_size: int = 1):
     cfg = get_preset("kimi-k3-tiny")
     return (layout_for(cfg, torch.float32, TPB, "kimi-k3-tiny"),
             cache_spec_for(cfg, torch.float32, TPB, cfg.kda_num_heads // cp_size))
-
-
-def _quiet() -> None:
-    import logging
-
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-
-
-def _exit(results) -> None:
-    results.close()
-    results.join_thread()
-    os._exit(0)
 
 
 def _fault(ctx_request_id: str, kind: str, index: int) -> None:
