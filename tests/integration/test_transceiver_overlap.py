@@ -27,7 +27,9 @@ import torch
 pytest.importorskip("ucxx")
 
 from helixserve.protocol.disagg import DisaggregatedParams  # noqa: E402
-from tests.integration.test_transceiver_transfer import _assert_bytes_equal, _exit, _quiet, _shard  # noqa: E402
+from tests.integration.test_transceiver_transfer import (  # noqa: E402
+    Mailbox, _assert_bytes_equal, _exit, _quiet, _shard,
+)
 
 TPB = 4
 NUM_BLOCKS, NUM_SLOTS = 512, 48
@@ -226,7 +228,7 @@ def _gen_main(commands, results) -> None:
 
 # ---------------------------------------------------------------------------------- test side
 
-class Pair:
+class Pair(Mailbox):
     def __init__(self) -> None:
         self.mp = mp.get_context("forkserver")
         self.mp.set_forkserver_preload(["torch", "helixserve.kvcache.pools"])
@@ -240,19 +242,6 @@ class Pair:
         self.tag = 0
         ready = self.wait([("ctx", "ready"), ("gen", "ready")], 90.0)
         self.endpoint, self.layout = ready[("ctx", "ready")]
-
-    def wait(self, keys: list, timeout_s: float = WAIT_S) -> dict:
-        end = time.monotonic() + timeout_s
-        while not all(k in self.stash for k in keys):
-            dead = [n for n, p in self.procs.items() if not p.is_alive()]
-            assert not dead, f"processes died: {dead}"
-            try:
-                name, tag, value = self.results.get(timeout=max(0.01, min(1.0, end - time.monotonic())))
-            except queue.Empty:
-                assert time.monotonic() < end, f"no answer within {timeout_s}s for {keys}"
-                continue
-            self.stash[(name, tag)] = value
-        return {k: self.stash.pop(k) for k in keys}
 
     def ask(self, name: str, cmd: str, *args, timeout_s: float = WAIT_S):
         self.tag += 1

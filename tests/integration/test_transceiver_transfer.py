@@ -273,7 +273,29 @@ def _gen_main(rank: int, init_method: str, checkpoints: dict, commands, results)
 
 # ---------------------------------------------------------------------------------- the test side
 
-class World:
+class Mailbox:
+    """The test side of worker processes: ``results`` carries (name, tag, value) answers; ``wait``
+    collects the answers to ``keys``, failing on a dead process or after ``timeout_s``."""
+
+    procs: dict
+    results: object
+    stash: dict
+
+    def wait(self, keys: list[tuple[str, object]], timeout_s: float = WAIT_S) -> dict:
+        end = time.monotonic() + timeout_s
+        while not all(k in self.stash for k in keys):
+            dead = [n for n, p in self.procs.items() if not p.is_alive()]
+            assert not dead, f"processes died: {dead}"
+            try:
+                name, tag, value = self.results.get(timeout=max(0.01, min(1.0, end - time.monotonic())))
+            except queue.Empty:
+                assert time.monotonic() < end, f"no answer within {timeout_s}s for {keys}; have {list(self.stash)}"
+                continue
+            self.stash[(name, tag)] = value
+        return {k: self.stash.pop(k) for k in keys}
+
+
+class World(Mailbox):
     def __init__(self, checkpoints: dict) -> None:
         from helixserve.parallel.launch import free_port
 
@@ -294,19 +316,6 @@ class World:
         self.tags = count()
         ready = self.wait([(name, "ready") for name in self.procs], timeout_s=90.0)
         self.endpoints = ready[("ctx", "ready")]
-
-    def wait(self, keys: list[tuple[str, object]], timeout_s: float = WAIT_S) -> dict:
-        end = time.monotonic() + timeout_s
-        while not all(k in self.stash for k in keys):
-            dead = [n for n, p in self.procs.items() if not p.is_alive()]
-            assert not dead, f"processes died: {dead}"
-            try:
-                name, tag, value = self.results.get(timeout=max(0.01, min(1.0, end - time.monotonic())))
-            except queue.Empty:
-                assert time.monotonic() < end, f"no answer within {timeout_s}s for {keys}; have {list(self.stash)}"
-                continue
-            self.stash[(name, tag)] = value
-        return {k: self.stash.pop(k) for k in keys}
 
     def ask(self, targets: list[str], cmd: str, *args, timeout_s: float = WAIT_S) -> list:
         tag = next(self.tags)
