@@ -261,15 +261,6 @@ class Pair(Mailbox):
                 return stats
             time.sleep(0.05)
 
-    def close(self) -> None:
-        for inbox in self.inboxes.values():
-            inbox.put((None, "stop", None))
-        end = time.monotonic() + 10
-        for name, proc in self.procs.items():
-            proc.join(timeout=max(0.1, end - time.monotonic()))
-            if proc.is_alive():
-                print(f"{name} did not stop; killing it")
-                proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -278,6 +278,7 @@ class Mailbox:
     collects the answers to ``keys``, failing on a dead process or after ``timeout_s``."""
 
     procs: dict
+    inboxes: dict
     results: object
     stash: dict
 
@@ -293,6 +294,17 @@ class Mailbox:
                 continue
             self.stash[(name, tag)] = value
         return {k: self.stash.pop(k) for k in keys}
+
+    def close(self) -> None:
+        """Ask every process to stop; kill the ones still running after 10 s."""
+        for inbox in self.inboxes.values():
+            inbox.put((None, "stop", None))
+        end = time.monotonic() + 10
+        for name, proc in self.procs.items():
+            proc.join(timeout=max(0.1, end - time.monotonic()))
+            if proc.is_alive():
+                print(f"{name} did not stop; killing it")
+                proc.kill()
 
 
 class World(Mailbox):
@@ -332,15 +344,6 @@ class World(Mailbox):
     def prefill(self, model: str, rid: str, prompt=PROMPT, pickup_timeout_s: float | None = None):
         return self.ask(["ctx"], "prefill", model, rid, prompt, pickup_timeout_s)[0]
 
-    def close(self) -> None:
-        for name, inbox in self.inboxes.items():
-            inbox.put((None, "stop", None))
-        end = time.monotonic() + 10
-        for name, proc in self.procs.items():
-            proc.join(timeout=max(0.1, end - time.monotonic()))
-            if proc.is_alive():
-                print(f"{name} did not stop; killing it")
-                proc.kill()
 
 
 @pytest.fixture(scope="module")
