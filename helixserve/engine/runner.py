@@ -67,6 +67,21 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
     )
 
 
+def slot_order(out: SchedulerOutput) -> list[int] | None:
+    """For a decode step (one sampled token per sequence) whose state slots are a consecutive range
+    in another order (the allocator hands freed slots back last-freed first): the sequence order
+    that sorts the slots, so the KDA and conv state rows are one slice of the pools. ``None`` when
+    the slots already ascend, are not a consecutive range, or the step is not a pure decode."""
+    seqs = out.seqs
+    slots = [s.slot for s in seqs]
+    if len(seqs) < 2 or None in slots or any(s.num_tokens != 1 or not s.sample for s in seqs):
+        return None
+    first = min(slots)
+    if slots == list(range(first, first + len(slots))) or sorted(slots) != list(range(first, first + len(slots))):
+        return None
+    return sorted(range(len(seqs)), key=slots.__getitem__)
+
+
 class ModelRunner:
     """Runs one scheduled step: reset fresh state slots, forward, sample the sampled rows."""
 
@@ -92,7 +107,17 @@ class ModelRunner:
             logits = self.decode_graphs.run(out)
             if logits is not None:
                 return logits
-        return self.model(build_forward_batch(out, self.device), self.caches)
+        order = slot_order(out)
+        if order is None:
+            return self.model(build_forward_batch(out, self.device), self.caches)
+        # the model updates the slots' KDA/conv state rows in place (a view of the pools) instead of
+        # gathering and scattering them; the logits go back to the scheduled order
+        by_slot = SchedulerOutput(seqs=[out.seqs[i] for i in order])
+        logits = self.model(build_forward_batch(by_slot, self.device), self.caches)
+        inverse = [0] * len(order)
+        for row, i in enumerate(order):
+            inverse[i] = row
+        return logits.index_select(0, torch.tensor(inverse, device=logits.device))
 
     def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> dict[str, int]:
         """Run ``out`` and return the sampled token of every sequence with ``sample`` set."""

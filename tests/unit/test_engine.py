@@ -89,3 +89,43 @@ def test_cache_is_empty_after_generate(llm):
     llm.generate(PROMPTS, greedy(4))
     stats = llm.engine.cache_manager.stats()
     assert stats.num_requests == 0 and stats.num_used_blocks == 0 and stats.num_used_slots == 0
+
+
+def test_decode_step_runs_in_slot_order_and_returns_logits_in_scheduled_order(llm):
+    """A decode step whose slots are a consecutive range in another order runs with the sequences
+    sorted by slot (the state rows are one slice of the pools) and returns each sequence's logits in
+    the scheduled order: the same logits as the step scheduled in slot order."""
+    import torch
+
+    from helixserve.engine.runner import slot_order
+    from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    runner = llm.engine.runner
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    slots = [2, 0, 1]
+    block_tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)]
+
+    def step(seqs: list[ScheduledSeq]) -> torch.Tensor:
+        return runner.forward(SchedulerOutput(seqs=seqs))
+
+    def prefill() -> None:
+        step([ScheduledSeq(f"r{i}", p, 0, block_tables[i], slots[i], True, True) for i, p in enumerate(prompts)])
+
+    decode = [ScheduledSeq(f"r{i}", [7 + i], len(p), block_tables[i], slots[i], False, True)
+              for i, p in enumerate(prompts)]
+    assert slot_order(SchedulerOutput(seqs=decode)) == [1, 2, 0]
+    seen = []
+    forward = runner.model.forward
+    runner.model.forward = lambda batch, caches: seen.append(batch.state_slots.tolist()) or forward(batch, caches)
+    try:
+        prefill()
+        permuted = step(decode)
+        prefill()
+        in_slot_order = step([decode[i] for i in (1, 2, 0)])
+    finally:
+        del runner.model.forward
+    assert seen[1] == seen[3] == [0, 1, 2]
+    torch.testing.assert_close(permuted[[1, 2, 0]], in_slot_order, rtol=1e-5, atol=1e-5)
+    assert slot_order(SchedulerOutput(seqs=[decode[i] for i in (1, 2, 0)])) is None  # already ascending
+    assert slot_order(SchedulerOutput(seqs=decode[:1] + decode[2:])) == [1, 0]  # slots 2, 1
+    assert slot_order(SchedulerOutput(seqs=decode[:2])) is None  # slots 2, 0: not a consecutive range
