@@ -70,10 +70,9 @@ def _l2norm_qk(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Te
     """``(scale * l2norm(q), l2norm(k))`` in fp32; one pass over both when k directly follows q in
     memory (the q | k | v sections of one projection), with the same per-row arithmetic."""
     B, H, K = q.shape
-    is_adjacent = (
+    is_adjacent = (  # data_ptr includes the storage offset: no storage objects to build
         k.shape == q.shape and k.stride() == q.stride() and q.stride(2) == 1 and q.stride(1) == K
-        and k.dtype == q.dtype and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
-        and k.storage_offset() == q.storage_offset() + H * K
+        and k.dtype == q.dtype and k.data_ptr() == q.data_ptr() + H * K * q.element_size()
     )
     if not is_adjacent:
         return _l2norm_scaled(q, scale), _l2norm_scaled(k, 1.0)

@@ -150,7 +150,8 @@ def _paged_attention_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     T, H, _ = q.shape
     BS = kv_cache.shape[1]
-    if block_tables.numel() and int(block_tables.max()) >= kv_cache.shape[0]:
+    # one host read of the tables per step (shared with the decode gather and the cache write)
+    if block_tables.numel() and max(map(max, host_list(block_tables))) >= kv_cache.shape[0]:
         raise ValueError(f"block_tables entries must be < {kv_cache.shape[0]} (num blocks), got {int(block_tables.max())}")
     if T == cu.numel() - 1 and host_list(cu) == list(range(T + 1)):
         single = _attend_single_queries(q, kv_cache, block_tables, q_positions, kv_lens, scale, v_dim)

@@ -221,7 +221,7 @@ def _bag_experts(
     weights = as_f32(topk_weights) * (safe == local)  # 0 for experts held elsewhere
     # per (token, k) pair, its token's x as the weights of its D rows
     h = _bag(w13.as_strided((E_local * D, two_I), (two_I, 1)), safe.view(T * top_k, 1), D,
-             as_f32(x).repeat(1, top_k))
+             torch.cat([as_f32(x)] * top_k, dim=1))  # cat: ~1 us, x.repeat: ~6 us
     act = _act_and_mul_torch(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
     y = _bag(w2.as_strided((E_local * I, D), (D, 1)), safe, I, act.mul_(weights.view(T * top_k, 1)))
     return y if y.dtype == x.dtype else y.to(x.dtype)
