@@ -101,7 +101,7 @@ class KimiDeltaAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             f_a, b, g = self.f_a_proj(x), self.b_proj(x), self._input_projections[-1](x)
         else:
-            qkv, f_a, g, b = packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1)
+            qkv, f_a, g, b = packed_linear(x, self.in_proj, self.in_proj_cols).split_with_sizes(self.in_proj_sizes, dim=-1)
             if self.f_g_b_stack is not None and x.shape[0] > 1:  # f_a | g_a adjacent: [2, T, K] view
                 f, gate = torch.bmm(f_a.as_strided((2, x.shape[0], f_a.shape[1]), (f_a.shape[1], f_a.stride(0), 1)),
                                     self.f_g_b_stack).unbind(0)

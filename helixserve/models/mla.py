@@ -81,7 +81,7 @@ class MultiLatentAttention(nn.Module):
         return self._latent_rows(self.kv_a_proj_with_mqa(x))
 
     def _latent_rows(self, ckv: torch.Tensor) -> torch.Tensor:
-        c, k_shared = ckv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c, k_shared = ckv.split_with_sizes([self.kv_lora_rank, self.rope_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_shared], dim=-1)
 
     def absorbed_query(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class MultiLatentAttention(nn.Module):
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(q.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_nope, q_rope = q.split_with_sizes([self.nope_dim, self.rope_dim], dim=-1)
         w_uk, _ = self._kv_b_heads()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # per head [T, nope] @ [nope, r]
         return torch.cat([q_lat, q_rope], dim=-1)
@@ -126,7 +126,7 @@ class MultiLatentAttention(nn.Module):
             kernels.mla_write_kv(kv_cache, batch.block_tables, batch.cu_seqlens, batch.positions, self.latent(x))
             o_lat, _ = self.attend(self.absorbed_query(x), batch, caches)
             return self.output(o_lat, x)
-        q, ckv, *gate = packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1)
+        q, ckv, *gate = packed_linear(x, self.in_proj, self.in_proj_cols).split_with_sizes(self.in_proj_sizes, dim=-1)
         kernels.mla_write_kv(kv_cache, batch.block_tables, batch.cu_seqlens, batch.positions, self._latent_rows(ckv))
         o_lat, _ = self.attend(self._absorb(q), batch, caches)
         return self._project_out(o_lat, gate[0] if gate else None)

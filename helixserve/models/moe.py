@@ -129,7 +129,7 @@ class KimiMoE(nn.Module):
         if self.in_proj is None:
             expert_in, weights, ids = self.route(x)
             return self.finish(self.routed(expert_in, weights, ids), x)
-        parts = list(packed_linear(x, self.in_proj, self.in_proj_cols).split(self.in_proj_sizes, dim=-1))
+        parts = list(packed_linear(x, self.in_proj, self.in_proj_cols).split_with_sizes(self.in_proj_sizes, dim=-1))
         weights, ids = self._select(parts.pop(0) if self.is_router_packed else self.gate.logits(x))
         expert_in = parts.pop(0) if self.is_latent else x
         y = self._latent_out(self.routed(expert_in, weights, ids).to(x.dtype))
