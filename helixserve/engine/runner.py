@@ -4,6 +4,7 @@ samples. It owns the model, the cache tensors and the sampler; it never touches 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -51,18 +52,23 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
             logits_rows.append(cu_seqlens[-1] - 1)
         tables.append(list(s.block_table) + [-1] * (max_blocks - len(s.block_table)))
 
-    def as_long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+    # None = every row (a decode step that samples every sequence): no gather before the LM head
+    if len(logits_rows) == len(input_ids):
+        logits_rows = []
+    context_lens = [s.context_len for s in out.seqs]
+    slots = [s.slot if s.slot is not None else 0 for s in out.seqs]
+    # the int64 metadata as views of one tensor: one host -> tensor conversion (and one copy to a device)
+    parts = (input_ids, positions, cu_seqlens, context_lens, slots, logits_rows)
+    flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64, device=device)
+    ids_t, positions_t, cu_t, context_t, slots_t, logits_t = flat.split_with_sizes([len(p) for p in parts])
     return ForwardBatch(
-        input_ids=as_long(input_ids),
-        positions=as_long(positions),
-        cu_seqlens=as_long(cu_seqlens),
-        context_lens=as_long([s.context_len for s in out.seqs]),
+        input_ids=ids_t,
+        positions=positions_t,
+        cu_seqlens=cu_t,
+        context_lens=context_t,
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(out.seqs), max_blocks),
-        state_slots=as_long([s.slot if s.slot is not None else 0 for s in out.seqs]),
-        # None = every row (a decode step that samples every sequence): no gather before the LM head
-        logits_indices=None if len(logits_rows) == len(input_ids) else as_long(logits_rows),
+        state_slots=slots_t,
+        logits_indices=logits_t if logits_rows else None,
         is_decode=bool(out.seqs) and all(s.num_tokens == 1 and s.context_len > 0 for s in out.seqs),
     )
 
