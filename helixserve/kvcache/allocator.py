@@ -7,6 +7,7 @@ and leaves the allocator unchanged.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 from helixserve.kvcache.errors import AllocationError, CacheCapacityError
@@ -41,9 +42,15 @@ class _IdAllocator:
             raise CacheCapacityError(
                 f"need {n} {self._kind}s, only {len(self._free_ids)} of {self.capacity} free"
             )
-        ids = [self._free_ids.pop() for _ in range(n)]
+        ids = self._take(n)
         self._used_ids.update(ids)
         return ids
+
+    def _take(self, n: int) -> list[int]:
+        return [self._free_ids.pop() for _ in range(n)]
+
+    def _give(self, ids: list[int]) -> None:
+        self._free_ids.extend(reversed(ids))
 
     def free(self, ids: Iterable[int]) -> None:
         ids = list(ids)
@@ -54,7 +61,7 @@ class _IdAllocator:
                 f"(double free, duplicate or foreign id; capacity {self.capacity})"
             )
         self._used_ids.difference_update(ids)
-        self._free_ids.extend(reversed(ids))
+        self._give(ids)
 
     def is_allocated(self, i: int) -> bool:
         return i in self._used_ids
@@ -74,12 +81,22 @@ class BlockAllocator(_IdAllocator):
 
 
 class SlotAllocator(_IdAllocator):
-    """KDA recurrent/conv state slots ``[0, num_slots)``."""
+    """KDA recurrent/conv state slots ``[0, num_slots)``, lowest free slot first: a batch's
+    sequences tend to hold consecutive ascending slots, which the CPU KDA step reads as one
+    contiguous slice of the state pool instead of gathering and scattering every state."""
 
     _kind = "slot"
 
     def __init__(self, num_slots: int) -> None:
         super().__init__(num_slots)
+        self._free_ids = list(range(num_slots))  # ascending: already a min-heap
+
+    def _take(self, n: int) -> list[int]:
+        return [heapq.heappop(self._free_ids) for _ in range(n)]
+
+    def _give(self, ids: list[int]) -> None:
+        for i in ids:
+            heapq.heappush(self._free_ids, i)
 
     @property
     def num_slots(self) -> int:

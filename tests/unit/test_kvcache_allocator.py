@@ -45,3 +45,13 @@ def test_duplicate_ids_in_one_free_raise_and_change_nothing():
         alloc.allocate(-1)
     with pytest.raises(ValueError):
         BlockAllocator(-1)
+
+
+def test_slots_come_back_lowest_first():
+    slots = SlotAllocator(8)
+    held = slots.allocate(8)
+    assert held == list(range(8))
+    slots.free([6, 1, 4])
+    slots.free([3])
+    assert slots.allocate(3) == [1, 3, 4]  # not last-freed first
+    assert slots.allocate(1) == [6] and slots.num_free == 0
