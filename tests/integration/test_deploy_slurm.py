@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helixserve.testing.servers import free_ports
+
 REPO = Path(__file__).resolve().parents[2]
 TESTING = REPO / "deploy" / "slurm" / "testing"
 SBATCH = REPO / "deploy" / "slurm" / "helixserve.sbatch"
@@ -71,12 +73,12 @@ def free_port() -> int:
 
 def write_config(path: Path, checkpoint: Path) -> int:
     """A one-ctx, one-gen tiny deployment on free ports; returns the router port."""
-    router_port = free_port()
+    router_port, ctx_port, transceiver_port, gen_port = free_ports(4)  # distinct (one at a time may repeat)
     config = {
         "model": {"path": str(checkpoint), "served_name": "kimi-k3-tiny"},
         "cache": {"memory_budget_mib": 64, "max_num_seqs": 16},
-        "ctx": [{"port": free_port(), "transceiver_port": free_port()}],
-        "gen": [{"port": free_port()}],
+        "ctx": [{"port": ctx_port, "transceiver_port": transceiver_port}],
+        "gen": [{"port": gen_port}],
         "router": {"port": router_port},
     }
     path.write_text(yaml.safe_dump(config))
