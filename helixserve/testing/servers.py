@@ -40,12 +40,13 @@ def http(method: str, url: str, body: Any = None, headers: dict | None = None,
         return status, raw.decode()
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> None:
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1,
+               state: Callable[[], Any] | None = None) -> None:
     """Poll ``predicate`` every ``interval`` s until it is true; ``AssertionError`` naming ``what``
-    after ``timeout`` s."""
+    after ``timeout`` s, with ``state()`` (what the caller wants to see of a failure) appended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f"; state: {state()}" if state else ""))

@@ -61,11 +61,21 @@ class _Servicer(pb_grpc.KVTransferServicer):
         self.handler = handler
 
     def RequestShard(self, request, context):  # noqa: N802 (gRPC names)
+        # a call whose caller already gave up (deadline passed while this server was stalled, or
+        # cancelled) must not start a transfer: nobody would receive it
+        if not context.is_active() or (context.time_remaining() is not None and context.time_remaining() <= 0):
+            logger.warning("RequestShard %s arrived after its caller gave up; refused", request.ctx_request_id)
+            return pb.ShardReply(accepted=False, error="the caller's deadline passed before the ctx served it")
         try:
-            return self.handler.request_shard(request)
+            reply = self.handler.request_shard(request)
         except Exception as error:
             logger.exception("RequestShard %s failed", request.ctx_request_id)
             return pb.ShardReply(accepted=False, error=f"ctx sender error: {type(error).__name__}: {error}")
+        if reply.accepted and not context.is_active():  # the caller left while the shard was planned
+            logger.warning("RequestShard %s: caller gone after acceptance; cancelling the shard", request.ctx_request_id)
+            self.handler.cancel_shard(pb.CancelRequest(ctx_request_id=request.ctx_request_id, cp_rank=request.cp_rank,
+                                                       gen_rank=request.gen_rank, reason="caller gone"))
+        return reply
 
     def Cancel(self, request, context):  # noqa: N802
         try:

@@ -181,8 +181,28 @@ class KVSender:
         return self._answer(self._do_acknowledge, request, pb.AckReply(known=False, error="ctx sender busy"))
 
     def _answer(self, fn, request, busy_reply):
+        """``fn(request)`` on the sender thread, or ``busy_reply`` if it has not started within the
+        RPC timeout. A command the caller was already answered "busy" for never runs later (a late
+        accepted shard would send to a gen that gave up); one that started is waited for."""
+        lock, state = threading.Lock(), {"started": False, "abandoned": False}
+
+        def run_unless_abandoned(req):
+            with lock:
+                if state["abandoned"]:
+                    return busy_reply
+                state["started"] = True
+            return fn(req)
+
+        future = self._call(run_unless_abandoned, request)
         try:
-            return self._call(fn, request).result(timeout=self.config.rpc_timeout_s)
+            return future.result(timeout=self.config.rpc_timeout_s)
+        except TimeoutError:
+            with lock:
+                if not state["started"]:
+                    state["abandoned"] = True
+                    return busy_reply
+        try:  # running: bounded work whose answer is the truth
+            return future.result(timeout=self.config.rpc_timeout_s)
         except TimeoutError:
             return busy_reply
 

@@ -138,7 +138,8 @@ def test_client_gone_during_the_pickup_frees_ctx_and_every_gen_rank(dep):
     finally:
         os.killpg(dep.procs["ctx"].pid, signal.SIGCONT)
     http("POST", f"{dep.ctx_url}/v1/abort", {"request_id": params["ctx_request_id"]})  # as the router does
-    wait_until(dep.is_idle, 10, "nothing allocated on ctx and gen")
+    wait_until(dep.is_idle, 10, "nothing allocated on ctx and gen",
+               state=lambda: {"ctx": dep.stats("ctx"), "gen": dep.stats("gen")})
     assert ended() == before + 1
     dep.wait_ready()
     assert _ask(dep) == "length"

@@ -311,3 +311,23 @@ def test_hostile_plan_from_the_sender_is_rejected(ctx, monkeypatch):
     out = drive([gen], lambda o: "g1" in o["freed"])
     assert "plan for kv_blocks differs from ours" in out["failed"]["g1"][0]
     wait_for(lambda: c.freed == ["r1"])
+
+
+def test_a_pickup_answered_busy_never_starts_later(ctx):
+    """The sender thread is stuck past the RPC timeout: the gen is told "busy", and when the thread
+    frees up the stale RequestShard must not run (it would send a shard nobody receives)."""
+    c = ctx(rpc_timeout_ms=300)
+    c.hold("r1")
+    client = ControlClient(c.endpoint, timeout_s=2.0)
+    request = pb.ShardRequest(ctx_request_id="r1", cp_rank=0, cp_size=1, layout_json=LAYOUT.model_dump_json(),
+                              num_prompt_tokens=NUM_TOKENS, max_message_bytes=1 << 20,
+                              ucx_worker_address=Gen(config()).rx.receiver.plane.address)
+    stuck = c.sender._call(time.sleep, 1.0)  # the sender thread is busy for 1 s
+    busy = client.request_shard(request)
+    assert not busy.accepted and "busy" in busy.error
+    stuck.result(timeout=5)
+    wait_for(lambda: c.sender._commands.empty())
+    time.sleep(0.05)
+    assert c.sender._pickups["r1"].outbounds == {}  # the abandoned command did not run
+    assert client.request_shard(request).accepted  # and the pickup can still be made
+    client.close()
