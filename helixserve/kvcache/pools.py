@@ -26,16 +26,17 @@ _FP32_BYTES = 4
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 
 
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor; from 4 MiB on, in memory advised for transparent huge pages.
 
     numpy's allocator asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) on large
     buffers and torch's does not, so large pools are numpy buffers viewed as torch tensors.
     """
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     if nbytes < _HUGE_PAGE_MIN_BYTES:
         return torch.zeros(tuple(shape), dtype=dtype)
     import numpy as np
@@ -56,14 +57,13 @@ def _allocate(
         for target, layer_id, shape, dtype in pools:
             target[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
         return
+    sizes = [_nbytes(shape, dtype) for _, _, shape, dtype in pools]
     offsets, total = [], 0
-    for _, _, shape, dtype in pools:
+    for nbytes in sizes:
         offsets.append(total)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         total += -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
     arena = host_zeros((total,), torch.uint8)
-    for (target, layer_id, shape, dtype), offset in zip(pools, offsets, strict=True):
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    for (target, layer_id, shape, dtype), offset, nbytes in zip(pools, offsets, sizes, strict=True):
         target[layer_id] = arena[offset : offset + nbytes].view(dtype).view(shape)
 
 

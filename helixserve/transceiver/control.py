@@ -63,7 +63,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def RequestShard(self, request, context):  # noqa: N802 (gRPC names)
         # a call whose caller already gave up (deadline passed while this server was stalled, or
         # cancelled) must not start a transfer: nobody would receive it
-        if not context.is_active() or (context.time_remaining() is not None and context.time_remaining() <= 0):
+        remaining = context.time_remaining()  # None: no deadline
+        if not context.is_active() or (remaining is not None and remaining <= 0):
             logger.warning("RequestShard %s arrived after its caller gave up; refused", request.ctx_request_id)
             return pb.ShardReply(accepted=False, error="the caller's deadline passed before the ctx served it")
         try:
