@@ -4,16 +4,19 @@
 - KDA prefill (T = 4k, 16k, 64k; H 32, K = V = 128, bf16) and decode (B = 64, 256, 1024, states
   at scattered pool slots) through ``helixserve.kernels`` vs calling fla directly with the same
   tensors: the wrapper's cost (target < 3 %).
-- Paged MLA decode (bf16 latent cache 512 + 64, shuffled 64-token blocks): unique bytes read over
+- Paged MLA decode (bf16 latent cache 512 + 64, shuffled 64- and 16-token pages): unique bytes read over
   time as a fraction of the copy bandwidth (target >= 80 %); the default launch and the best of a
-  sweep of tile shapes with --mla-sweep (block_h, dv_parts, warps, stages, splits).
+  sweep of tile shapes with --mla-sweep (block_n, block_h, warps, stages, splits).
 - MoE: the routed experts of K3 shape (3584 -> 2 x 3072 -> 3584, 64 local experts, top-8) as two
   ``torch._grouped_mm`` calls vs dense bf16 GEMMs of the same FLOPs; plus the full ``moe_experts``.
 - ``kimi-k3-mid`` through the engine (``LLM``, what ``helixserve generate`` runs): prefill tok/s
   (one 2048-token prompt), decode tok/s at batch 1 and 64 (CUDA graphs), and the share of a decode
-  step's wall time (``EngineCore.step``) outside the GPU-busy span of its forward (target < 10 %).
+  step's wall time (``EngineCore.step``) outside its GPU-busy span, from the CUDA-graph launch to
+  the sampler's last kernel (target < 10 %).
 
-Timing: CUDA events, median of repetitions after warm-up, the two sides of a ratio alternating.
+Timing: CUDA events, median of repetitions after warm-up, the two sides of a ratio alternating;
+each repetition is queued behind a ~1 ms GPU sleep, so the events time the GPU work and not the
+host's launch latency (decode steps run as CUDA graphs, where no launch latency exists).
 Without CUDA, ``--quick`` times the PyTorch references on tiny shapes instead and marks the GPU rows
 skipped (the numbers are then CPU figures, not the H200 ones).
 
@@ -50,6 +53,9 @@ def row(section: str, case: str, ours: float | None, base: float | None, unit: s
           f"| {base_name}: {base if base is not None else '-'!s:>10} {ratio or ''} {note}", flush=True)
 
 
+_SLEEP_CYCLES = 2_000_000  # about 1 ms at the H200's clock
+
+
 def timer(fns: list[Callable[[], Any]], warmup: int, reps: int) -> list[float]:
     """Median seconds of each fn; CUDA events on a GPU, perf_counter otherwise; fns alternate."""
     cuda = torch.cuda.is_available()
@@ -61,6 +67,9 @@ def timer(fns: list[Callable[[], Any]], warmup: int, reps: int) -> list[float]:
         for fn, out in zip(fns, times):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                # keep the GPU busy while the host enqueues fn, so the events time the GPU work,
+                # not the host's launch latency (as in a CUDA graph)
+                torch.cuda._sleep(_SLEEP_CYCLES)
                 start.record()
                 fn()
                 end.record()
@@ -166,13 +175,17 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
     from helixserve.kernels.mla import triton_mla
 
     # (batch, kv_len, heads, sweep tile shapes)
-    shapes = [(64, 4096, 16, True), (256, 4096, 16, False), (64, 16384, 16, False), (128, 4096, 64, True)]
+    # (batch, kv_len, heads, page size, sweep tile shapes); 16-token pages are the engine's default
+    shapes = [(64, 4096, 16, 64, True), (256, 4096, 16, 64, False), (64, 16384, 16, 64, False),
+              (128, 4096, 64, 64, True), (64, 4096, 16, 16, False), (128, 4096, 64, 16, False)]
     if args.quick:
         shapes = shapes[:1]
-    for B, kv_len, H, do_sweep in shapes:
-        sweep = [dict(block_n=32, block_h=bh, dv_parts=dp, num_warps=w, num_stages=st)
-                 for bh in (16, 32, 64) if bh <= max(16, H) for dp in (1, 2, 4) for w in (4, 8) for st in (2, 3)]
-        case = mla_case(B, kv_len, H, 64, "cuda")
+    for B, kv_len, H, page, do_sweep in shapes:
+        # key tile (block_n) x heads per program x warps x pipeline stages; value-column splits
+        # (dv_parts 2, 4) lost at every shape of the first sweep and are left out
+        sweep = [dict(block_n=bn, block_h=bh, dv_parts=1, num_warps=w, num_stages=st)
+                 for bn in (16, 32, 64) for bh in (16, 32) if bh <= max(16, H) for w in (4, 8) for st in (2, 3, 4)]
+        case = mla_case(B, kv_len, H, page, "cuda")
         nbytes = B * kv_len * 576 * 2 + 2 * B * H * 576 * 2
 
         def run(**kw):
@@ -180,8 +193,12 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
 
         (t_default,) = timer([lambda: kernels.mla_paged_attention(*case, scale=192**-0.5, v_dim=512)], 3, args.reps * 4)
         best = (t_default, "default")
-        for kw in sweep if do_sweep and args.mla_sweep else []:
-            splits = triton_mla.choose_num_splits(B, -(-H // kw["block_h"]) * kw["dv_parts"])
+        # without --mla-sweep: the two tile shapes the defaults choose between (64-key tiles in 2
+        # stages on 64-token pages, 32-key tiles in 3 stages otherwise)
+        tiles = [dict(block_n=32, num_stages=3), dict(block_n=64, num_stages=2)]
+        for kw in sweep if do_sweep and args.mla_sweep else tiles:
+            splits = triton_mla.choose_num_splits(B, -(-H // kw.get("block_h", triton_mla._block_h(H)))
+                                                  * kw.get("dv_parts", 1))
             for ns in sorted({splits, 2 * splits}):
                 try:
                     (t,) = timer([lambda: run(num_splits=ns, **kw)], 2, args.reps * 2)
@@ -193,8 +210,9 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
                     best = (t, f"{kw} splits={ns}")
         for label, t in (("default", t_default), ("best", best[0])):
             bw = nbytes / t
-            row("mla", f"decode B={B} kv={kv_len // 1024}k H={H} {label}", bw / 1e12, copy_bw / 1e12, "TB/s",
-                "HBM copy", f"{bw / copy_bw:.0%}", f"{t * 1e6:.0f} µs" + (f" {best[1]}" if label == "best" else ""))
+            row("mla", f"decode B={B} kv={kv_len // 1024}k H={H} page={page} {label}", bw / 1e12, copy_bw / 1e12,
+                "TB/s", "HBM copy", f"{bw / copy_bw:.0%}",
+                f"{t * 1e6:.0f} µs" + (f" {best[1]}" if label == "best" else ""))
 
 
 def bench_moe(args, on_gpu: bool) -> None:
@@ -272,12 +290,12 @@ def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
         for batch in (1, max_batch):
             tok_s, outside = decode_rate(llm, batch, 16 if args.quick else 64, gen, on_gpu)
             row("engine", f"{preset} decode bs{batch}", tok_s, None, "tok/s", "-",
-                note=f"outside GPU span {outside:.1%}" if outside is not None else "")
+                note=f"outside GPU kernels {outside:.1%}" if outside is not None else "")
 
 
 def decode_rate(llm, batch: int, new_tokens: int, gen: torch.Generator, on_gpu: bool) -> tuple[float, float | None]:
     """Decode tok/s of ``batch`` requests (prefill excluded) and the share of step wall time outside
-    the GPU-busy span of the runner's forward."""
+    the GPU-busy span (graph launch to the sampler's last kernel; ``None`` without CUDA graphs)."""
     from helixserve.engine.request import SamplingParams
 
     engine = llm.engine
@@ -286,18 +304,29 @@ def decode_rate(llm, batch: int, new_tokens: int, gen: torch.Generator, on_gpu: 
         engine.add_request(f"kb-{batch}-{i}", torch.randint(0, 256, (128,), generator=gen).tolist(), params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
-    spans: list[tuple[Any, Any]] = []
-    forward = engine.runner.forward
-    if on_gpu:
-        def timed_forward(out):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            logits = forward(out)
-            end.record()
-            spans.append((start, end))
-            return logits
+    # the GPU-busy span of a step: from the graph launch (after the host has filled its inputs)
+    # to the sampler's last kernel (enqueued before the host waits for the tokens)
+    spans: list[Any] = []
+    graphs, sampler = engine.runner.decode_graphs, engine.runner.sampler
+    patched = on_gpu and graphs is not None
+    if patched:
+        launch, sample_launch = graphs.launch, sampler.launch
 
-        engine.runner.forward = timed_forward
+        def timed_launch(*a):
+            spans.append(torch.cuda.Event(enable_timing=True))
+            spans[-1].record()
+            return launch(*a)
+
+        def timed_sample(*a):
+            tokens = sample_launch(*a)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            if not spans or isinstance(spans[-1], tuple):
+                raise RuntimeError("a decode step ran eagerly (no graph launch before its sampling)")
+            spans[-1] = (spans[-1], end)
+            return tokens
+
+        graphs.launch, sampler.launch = timed_launch, timed_sample
     walls, generated = [], 0
     try:
         while engine.has_unfinished_requests():
@@ -305,10 +334,13 @@ def decode_rate(llm, batch: int, new_tokens: int, gen: torch.Generator, on_gpu: 
             generated += len(engine.step())
             walls.append(time.perf_counter() - t0)
     finally:
-        engine.runner.forward = forward
-    if not on_gpu:
+        if patched:
+            del graphs.launch, sampler.launch  # the instance attributes shadowing the methods
+    if not patched:
         return generated / sum(walls), None
     torch.cuda.synchronize()
+    # every step launched in the loop is also read back in it (it runs until nothing is in flight);
+    # a step enqueued ahead during the warm-up is read back here but not timed (conservative)
     gpu = sum(s.elapsed_time(e) for s, e in spans) / 1e3
     return generated / sum(walls), 1 - gpu / sum(walls)
 

@@ -50,6 +50,9 @@ class SchedulerConfig(_Strict):
     """Continuous batching limits."""
 
     max_num_batched_tokens: int = Field(2048, ge=1)
+    # enqueue the next decode step before reading this one's tokens back (the device runs it while
+    # the host applies them); None = on where decode steps run as CUDA graphs
+    overlap_decode: bool | None = None
 
 
 class EngineConfig(_Strict):

@@ -14,8 +14,8 @@ import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.request import Request, SamplingParams
-from helixserve.engine.runner import ModelRunner, cache_spec_for
-from helixserve.engine.scheduler import RequestUpdate, Scheduler
+from helixserve.engine.runner import LaunchedStep, ModelRunner, cache_spec_for
+from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.kernels.triton_common import has_fla
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
@@ -98,7 +98,11 @@ class EngineCore:
             detokenize=tokenizer.decode if tokenizer else None,
         )
         self._params: dict[str, SamplingParams] = {}
-        logger.info("engine ready: %s", self.layout)
+        # overlapped decoding pays where the device runs ahead of the host: with CUDA graphs
+        overlap = scheduler.overlap_decode
+        self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        logger.info("engine ready: %s, overlapped decoding %s", self.layout, self.overlap_decode)
 
     def add_request(
         self,
@@ -148,6 +152,7 @@ class EngineCore:
         request_ids = self.scheduler.unfinished_request_ids
         for rid in request_ids:
             self.scheduler.abort(rid, error=error)
+        self._in_flight = None
         self.scheduler.discard_pending_step()
         self._forget(request_ids)
         return request_ids
@@ -165,7 +170,8 @@ class EngineCore:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or an overlapped step still to be read back (its caches to free)."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def can_add_prefilled_request(self) -> bool:
         return self.scheduler.can_add_prefilled()
@@ -194,12 +200,24 @@ class EngineCore:
         return updates
 
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run the model, apply the sampled tokens; returns this step's new tokens."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        sampled = self.runner.execute(out, self._params)
-        updates = self.scheduler.update_from_output(out, sampled)
+        """Schedule, run the model, apply the sampled tokens; returns this step's new tokens.
+
+        With overlapped decoding the next decode step is enqueued (``Scheduler.schedule_ahead``,
+        fed the sampled tokens on the device) before this step's tokens are read back, so the
+        device runs it while the host applies them; the next call starts from that step.
+        """
+        if self._in_flight is not None:
+            (out, launched), self._in_flight = self._in_flight, None
+        else:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return []
+            launched = self.runner.launch(out, self._params)
+        if self.overlap_decode:
+            ahead = self.scheduler.schedule_ahead()
+            if ahead is not None:
+                self._in_flight = (ahead, self.runner.launch(ahead, self._params, input_tokens=launched.tokens))
+        updates = self.scheduler.update_from_output(out, launched.result())
         self._forget([u.request_id for u in updates if u.is_finished])
         return updates
 

@@ -10,6 +10,9 @@ so a step costs one ``replay()`` plus the copies.
 
 Block-table columns past a row's own table may hold stale entries of earlier steps: a decode row
 reads only the columns its ``kv_len`` covers, so the copies carry just the batch's widest table.
+A row is rewritten on the host only when its table changed: the cache handle returns the same
+list object until a block is added (``CacheHandle.block_table``), so a step inside the rows'
+last blocks converts no table at all.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class DecodeGraphs:
         self._cu = torch.arange(n + 1, dtype=torch.int64, device=device)
         self._host_ints = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
         self._host_tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, pin_memory=True)
+        # the table list each host row was last written from (None: padding or never written)
+        self._row_tables: list[list[int] | None] = [None] * n
         self._copied = torch.cuda.Event()
         self._copied.record()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -69,8 +74,10 @@ class DecodeGraphs:
             self._graphs[n] = (graph, logits)
         torch.cuda.synchronize(self.device)
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Logits ``[num sampled seqs, vocab]`` of a decode step, or ``None`` to run it eagerly."""
+    def run(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits ``[num sampled seqs, vocab]`` of a decode step, or ``None`` to run it eagerly.
+        ``input_tokens``: the step's input ids on the device (an overlapped step's, whose
+        ``token_ids`` are placeholders), copied in after the host buffers."""
         seqs = out.seqs
         n = len(seqs)
         if n == 0 or n > self.sizes[-1] or any(s.num_tokens != 1 or s.context_len == 0 for s in seqs):
@@ -87,15 +94,29 @@ class DecodeGraphs:
         ints[:3, n:size] = 0
         ints[3, n:size] = self.scratch_slot
         tables = self._host_tables.numpy()
+        written = self._row_tables
         for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+            table = s.block_table
+            if written[i] is not table:
+                tables[i, : len(table)] = table
+                written[i] = table
         tables[n:size, :width] = -1
-        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
-        self._tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
-        self._copied.record()
-        graph, logits = self._graphs[size]
-        graph.replay()
+        written[n:size] = [None] * (size - n)
+        logits = self.launch(size, width, input_tokens)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         if len(sampled) == n:
             return logits[:n]
         return logits[torch.tensor(sampled, device=self.device)]
+
+    def launch(self, size: int, width: int, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The GPU part of a step: copy the filled host buffers (``size`` rows, ``width`` table
+        columns), then ``input_tokens`` over the first input ids, and replay the graph of
+        ``size``; returns its logits buffer."""
+        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
+        self._tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        self._copied.record()
+        if input_tokens is not None:
+            self._ints[0, : input_tokens.shape[0]].copy_(input_tokens)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -88,6 +89,25 @@ def slot_order(out: SchedulerOutput) -> list[int] | None:
     return sorted(range(len(seqs)), key=slots.__getitem__)
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step enqueued on the device: ``tokens`` (device, one per id of ``sampled_ids``) feed an
+    overlapped next step; ``result()`` waits for their copy to the host only (not for work
+    enqueued after the step)."""
+
+    sampled_ids: list[str]
+    tokens: torch.Tensor | None
+    host_tokens: torch.Tensor | None
+    copied: torch.cuda.Event | None
+
+    def result(self) -> dict[str, int]:
+        if self.host_tokens is None:
+            return {}
+        if self.copied is not None:
+            self.copied.synchronize()
+        return dict(zip(self.sampled_ids, self.host_tokens.tolist(), strict=True))
+
+
 class ModelRunner:
     """Runs one scheduled step: reset fresh state slots, forward, sample the sampled rows."""
 
@@ -105,34 +125,49 @@ class ModelRunner:
         self.decode_graphs.capture()
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits ``[num sampled seqs, vocab]`` fp32 for one step."""
+    def forward(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[num sampled seqs, vocab]`` fp32 for one step. ``input_tokens``: the input ids of
+        a decode step (one per sequence, on the device) in place of the sequences' ``token_ids``."""
         if out.reset_slot_ids:
             reset_slots(self.caches, out.reset_slot_ids)
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.run(out)
+            logits = self.decode_graphs.run(out, input_tokens)
             if logits is not None:
                 return logits
         order = slot_order(out)
         if order is None:
-            return self.model(build_forward_batch(out, self.device), self.caches)
+            batch = build_forward_batch(out, self.device)
+            if input_tokens is not None:
+                batch.input_ids.copy_(input_tokens)
+            return self.model(batch, self.caches)
         # the model updates the slots' KDA/conv state rows in place (a view of the pools) instead of
         # gathering and scattering them; the logits go back to the scheduled order
         by_slot = SchedulerOutput(seqs=[out.seqs[i] for i in order])
-        logits = self.model(build_forward_batch(by_slot, self.device), self.caches)
+        batch = build_forward_batch(by_slot, self.device)
+        if input_tokens is not None:
+            batch.input_ids.copy_(input_tokens[torch.tensor(order, device=input_tokens.device)])
+        logits = self.model(batch, self.caches)
         inverse = [0] * len(order)
         for row, i in enumerate(order):
             inverse[i] = row
         return logits.index_select(0, torch.tensor(inverse, device=logits.device))
 
-    def execute(self, out: SchedulerOutput, params: Mapping[str, SamplingParams]) -> dict[str, int]:
-        """Run ``out`` and return the sampled token of every sequence with ``sample`` set."""
-        if out.is_empty:
-            return {}
-        logits = self.forward(out)
+    def launch(
+        self, out: SchedulerOutput, params: Mapping[str, SamplingParams], input_tokens: torch.Tensor | None = None,
+    ) -> LaunchedStep:
+        """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for it."""
         sampled_ids = [s.request_id for s in out.seqs if s.sample]
-        tokens = self.sampler(logits, sampled_ids, [params[r] for r in sampled_ids])
-        return dict(zip(sampled_ids, tokens, strict=True))
+        if out.is_empty:
+            return LaunchedStep([], None, None, None)
+        logits = self.forward(out, input_tokens)
+        tokens = self.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids])
+        if self.device.type != "cuda":
+            return LaunchedStep(sampled_ids, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(sampled_ids, tokens, host, copied)
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)

@@ -31,32 +31,37 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(
+def sample_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None = None,
-) -> list[int]:
-    """Sample one token per row.
+) -> torch.Tensor:
+    """One token per row as int64 ``[B]`` on ``logits.device``, with every kernel enqueued and no
+    host sync (the per-row sampling parameters go over in one pinned copy).
 
     Args:
-        logits: ``[B, V]`` float32.
+        logits: ``[B, V]``.
         params: ``B`` sampling params.
         generators: ``B`` generators on ``logits.device`` (``None`` = torch's default RNG).
     """
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [B, V] with B = {len(params)}, got {tuple(logits.shape)}")
     logits = logits.float()
-    num_rows, vocab = logits.shape
-    greedy = logits.argmax(dim=-1)
+    vocab = logits.shape[1]
+    tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    tokens = greedy.tolist()
     if not sampled_rows:
         return tokens
-    rows = torch.tensor(sampled_rows, device=logits.device)
+    device = logits.device
     sub = [params[i] for i in sampled_rows]
-    temperature = torch.tensor([p.temperature for p in sub], device=logits.device)
-    top_k = torch.tensor([p.top_k if p.is_top_k_on else vocab for p in sub], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in sub], device=logits.device)
+    host = torch.tensor(
+        [sampled_rows, [p.top_k if p.is_top_k_on else vocab for p in sub]], dtype=torch.int64,
+        pin_memory=logits.is_cuda,
+    )
+    host_f = torch.tensor([[p.temperature for p in sub], [p.top_p for p in sub]], pin_memory=logits.is_cuda)
+    ints, floats = host.to(device, non_blocking=True), host_f.to(device, non_blocking=True)
+    rows, top_k = ints[0], ints[1]
+    temperature, top_p = floats[0], floats[1]
     scaled = logits.index_select(0, rows) / temperature.unsqueeze(1)
     if any(p.is_top_k_on or p.top_p < 1 for p in sub):
         scaled = _mask_top_k_top_p(scaled, top_k, top_p)
@@ -72,13 +77,21 @@ def sample(
         if len(js) == 1:
             noise[js[0]].exponential_(generator=gen)
         else:
-            block = torch.empty(len(js), vocab, device=logits.device).exponential_(generator=gen)
-            noise[torch.tensor(js, device=logits.device)] = block
+            block = torch.empty(len(js), vocab, device=device).exponential_(generator=gen)
+            where = torch.tensor(js, pin_memory=logits.is_cuda).to(device, non_blocking=True)
+            noise.index_copy_(0, where, block)
     noise.clamp_(min=1e-20)
-    choice = (probs / noise).argmax(dim=-1).tolist()
-    for j, i in enumerate(sampled_rows):
-        tokens[i] = choice[j]
-    return tokens
+    choice = (probs / noise).argmax(dim=-1)
+    return tokens.index_copy(0, rows, choice)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> list[int]:
+    """Sample one token per row (see :func:`sample_on_device`); one host sync."""
+    return sample_on_device(logits, params, generators).tolist()
 
 
 class Sampler:
@@ -93,8 +106,14 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> list[int]:
         """Tokens for ``logits`` ``[B, V]`` (on ``device``), one per request id."""
+        return self.launch(logits, request_ids, params).tolist()
+
+    def launch(
+        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+    ) -> torch.Tensor:
+        """The tokens as a device tensor, every kernel enqueued, no host sync yet."""
         generators = [self._generator(rid, p) for rid, p in zip(request_ids, params, strict=True)]
-        return sample(logits, params, generators)
+        return sample_on_device(logits, params, generators)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:

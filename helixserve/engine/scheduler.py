@@ -13,6 +13,7 @@ Each ``schedule()`` step, under a token budget of ``max_num_batched_tokens``:
 Only the final chunk of a prefill is sampled. ``update_from_output`` appends the sampled tokens,
 applies the stop rules (eos unless ``ignore_eos``, ``stop_token_ids``, stop strings through a
 ``detokenize`` callable, ``max_tokens``, ``max_model_len``) and frees finished requests' caches.
+``schedule_ahead`` schedules the next decode step before the pending one's tokens are known.
 
 A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting pickup) that finishes by
 stop or length keeps its cache, *held*: it no longer runs or counts as unfinished, but its blocks
@@ -64,6 +65,11 @@ class Scheduler:
         self._stop_checkers: dict[str, StopChecker] = {}
         self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
         self._pending_requests: dict[str, Request] = {}
+        self._ahead: SchedulerOutput | None = None  # see schedule_ahead
+        self._ahead_requests: dict[str, Request] = {}
+        # requests of a step scheduled ahead and not yet updated: caches freed once it is
+        self._in_flight: set[str] = set()
+        self._deferred_frees: list[str] = []
         self._held: dict[str, Request] = {}  # finished, cache kept for pickup until release()
 
     # -- queue -------------------------------------------------------------------------------
@@ -131,9 +137,12 @@ class Scheduler:
 
         Abort the step's requests first: their computed counts no longer match the cache.
         """
-        live = [rid for rid in self._pending_requests if self._is_live(rid)]
+        live = [rid for rid in (*self._pending_requests, *self._ahead_requests) if self._is_live(rid)]
         assert not live, f"abort the failed step's requests first: {live}"
         self._pending, self._pending_requests = None, {}
+        self._ahead, self._ahead_requests = None, {}
+        self._in_flight.clear()
+        self._free_deferred()
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -200,6 +209,36 @@ class Scheduler:
         self._pending_requests = {s.request_id: self._requests[s.request_id] for s in out.seqs}
         return out
 
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """The decode step after the pending one, scheduled before its tokens are known, so the
+        device runs it while the host applies them (overlapped decoding). Only in the steady
+        state: the pending step decodes every running request, nobody waits, and no request holds
+        its cache on finish (a ctx prefill), has forced tokens left or reaches ``max_model_len``.
+        The input tokens are the pending step's samples, fed on the device (``token_ids`` hold
+        ``-1``). A request finishing with the pending token runs here too: its output is dropped
+        and its cache freed once this step is updated (the device may still write it). ``None``
+        when not possible; caches may stay extended by one token, which the next step needs.
+        """
+        out = self._pending
+        if out is None or self._ahead is not None or self.waiting or len(out.seqs) != len(self.running):
+            return None
+        requests = self._pending_requests
+        ahead = SchedulerOutput()
+        for seq in out.seqs:
+            request = requests[seq.request_id]
+            if (seq.is_prefill or not seq.sample or request.hold_cache_on_finish
+                    or len(request.forced_output_token_ids) > request.num_output_tokens
+                    or request.num_tokens + 1 >= self.max_model_len
+                    or request is not self._requests.get(seq.request_id)):
+                return None
+            handle = self.cache.get(request.request_id)
+            if not self.cache.try_extend(handle, request.num_tokens + 1):
+                return None
+            ahead.seqs.append(self._seq(request, [-1], is_prefill=False, sample=True, ahead=1))
+        self._ahead, self._ahead_requests = ahead, dict(requests)
+        self._in_flight.update(requests)
+        return ahead
+
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens - self._schedule_decodes(out)
@@ -221,11 +260,10 @@ class Scheduler:
             budget -= self._schedule_chunk(request, budget, out)
         return out
 
-    def _is_decode(self, request: Request) -> bool:
-        return (
-            request.num_output_tokens > 0
-            and request.num_computed_tokens == request.num_tokens - 1
-        )
+    @staticmethod
+    def _is_decode(request: Request) -> bool:
+        outputs = len(request.output_token_ids)  # (the properties, inlined: once per request per step)
+        return outputs > 0 and request.num_computed_tokens == len(request.prompt_token_ids) + outputs - 1
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         num_scheduled = 0
@@ -236,15 +274,13 @@ class Scheduler:
                 index += 1
                 continue
             handle = self.cache.get(request.request_id)
-            while not self.cache.can_extend(handle, request.num_tokens):
+            while not self.cache.try_extend(handle, request.num_tokens):
                 victim = self.running[-1]  # index <= last, so never an already-scheduled one
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
                     return num_scheduled
-            self.cache.extend(handle, request.num_tokens)
-            token = request.output_token_ids[-1]
-            out.seqs.append(self._seq(request, [token], is_prefill=False, sample=True))
+            out.seqs.append(self._seq(request, [request.output_token_ids[-1]], is_prefill=False, sample=True))
             num_scheduled += 1
             index += 1
         return num_scheduled
@@ -258,22 +294,16 @@ class Scheduler:
         return stop - start
 
     def _seq(
-        self, request: Request, token_ids: list[int], is_prefill: bool, sample: bool
+        self, request: Request, token_ids: list[int], is_prefill: bool, sample: bool, ahead: int = 0
     ) -> ScheduledSeq:
+        """``ahead``: tokens computed by steps not yet updated (1 for a step scheduled ahead)."""
         handle = self.cache.get(request.request_id)
-        return ScheduledSeq(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            context_len=request.num_computed_tokens,
-            block_table=handle.block_table(),
-            slot=handle.slot,
-            is_prefill=is_prefill,
-            sample=sample,
-        )
+        return ScheduledSeq(request.request_id, token_ids, request.num_computed_tokens + ahead, handle.block_table(),
+                            handle.slot, is_prefill, sample)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.cache.free(request.request_id)
+        self._free_cache(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -291,18 +321,15 @@ class Scheduler:
         """
         if output is not self._pending and output.seqs:
             raise ValueError("update_from_output() got an output that is not the pending step")
-        missing = [
-            s.request_id
-            for s in output.seqs
-            if s.sample and s.request_id not in sampled_token_ids and self._is_live(s.request_id)
-        ]
+        # seqs of requests aborted (or aborted and re-added) since schedule() are skipped
+        requests, pending = self._requests, self._pending_requests
+        live = [(seq, request) for seq in output.seqs
+                if (request := requests.get(seq.request_id)) is not None and request is pending.get(seq.request_id)]
+        missing = [seq.request_id for seq, _ in live if seq.sample and seq.request_id not in sampled_token_ids]
         if missing:
             raise ValueError(f"no sampled token for requests {missing}")
         updates: list[RequestUpdate] = []
-        for seq in output.seqs:
-            if not self._is_live(seq.request_id):
-                continue  # aborted (or aborted and re-added) since schedule()
-            request = self._requests[seq.request_id]
+        for seq, request in live:
             request.num_computed_tokens += len(seq.token_ids)
             if not seq.sample:
                 continue
@@ -312,8 +339,25 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
             updates.append(RequestUpdate(request.request_id, token, request.status))
-        self._pending, self._pending_requests = None, {}
+        self._pending, self._pending_requests = self._ahead, self._ahead_requests
+        self._ahead, self._ahead_requests = None, {}
+        if self._deferred_frees or self._in_flight:
+            self._in_flight = set(self._pending_requests) if self._pending is not None else set()
+            self._free_deferred()
         return updates
+
+    def _free_cache(self, request_id: str) -> None:
+        if request_id in self._in_flight:
+            self._deferred_frees.append(request_id)
+        else:
+            self.cache.free(request_id)
+
+    def _free_deferred(self) -> None:
+        keep = [rid for rid in self._deferred_frees if rid in self._in_flight]
+        for rid in self._deferred_frees:
+            if rid not in self._in_flight:
+                self.cache.free(rid)
+        self._deferred_frees = keep
 
     def _is_live(self, request_id: str) -> bool:
         request = self._requests.get(request_id)
@@ -343,7 +387,7 @@ class Scheduler:
             if keep:
                 self._held[request.request_id] = request
             else:
-                self.cache.free(request.request_id)
+                self._free_cache(request.request_id)
         request.status = status
         del self._requests[request.request_id]
         self._stop_checkers.pop(request.request_id, None)

@@ -12,7 +12,7 @@ fit raises :class:`CacheCapacityError` with the numbers; nothing is ever evicted
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from helixserve.kvcache.allocator import BlockAllocator, SlotAllocator
 from helixserve.kvcache.errors import AllocationError, CacheCapacityError
@@ -39,6 +39,10 @@ class CacheHandle:
     tokens_per_block: int
     cp_rank: int = 0
     cp_size: int = 1
+    # the last default-length table and what it was built from (block_ids list, its length, the
+    # logical block count): a decode step reuses it until a block is added
+    _table: list[int] | None = field(default=None, repr=False, compare=False)
+    _table_key: tuple[object, int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_logical_blocks(self) -> int:
@@ -49,18 +53,30 @@ class CacheHandle:
 
         Length ``max_blocks`` (default: the handle's logical block count); entries past the
         allocated blocks are ``-1``. Raises ``ValueError`` if ``max_blocks`` is too small.
+
+        The default-length table is built once per change of the blocks and then returned again
+        (the same list object, which callers must not modify): per-step callers such as the
+        scheduler and the CUDA-graph runner pay nothing while a request decodes inside a block.
         """
         num_blocks = self.num_logical_blocks
         if max_blocks is None:
-            max_blocks = num_blocks
+            key = (self.block_ids, len(self.block_ids), num_blocks)
+            cached = self._table_key
+            if cached is not None and cached[0] is key[0] and cached[1:] == key[1:]:
+                return self._table  # type: ignore[return-value]
+            self._table, self._table_key = self._build_table(num_blocks), key
+            return self._table
         if max_blocks < num_blocks:
             raise ValueError(
                 f"request {self.request_id!r} spans {num_blocks} logical blocks "
                 f"({self.num_tokens} tokens), more than max_blocks={max_blocks}"
             )
-        table = [-1] * max_blocks
-        for k, physical in enumerate(self.block_ids):
-            table[self.cp_rank + k * self.cp_size] = physical
+        return self._build_table(max_blocks)
+
+    def _build_table(self, length: int) -> list[int]:
+        table = [-1] * length
+        n = len(self.block_ids)
+        table[self.cp_rank : self.cp_rank + n * self.cp_size : self.cp_size] = self.block_ids
         return table
 
 
@@ -148,6 +164,19 @@ class CacheManager:
         self._own(handle)
         extra = self._charge(max(new_num_tokens, handle.num_tokens)) - self._charge(handle.num_tokens)
         return self._num_reserved_blocks + extra <= self.blocks.capacity
+
+    def try_extend(self, handle: CacheHandle, new_num_tokens: int) -> bool:
+        """``extend`` if ``can_extend``; returns whether it did. A step that stays inside the
+        handle's last logical block (most decode steps) only moves ``num_tokens``."""
+        tpb = self.tokens_per_block
+        if new_num_tokens >= handle.num_tokens and -(-new_num_tokens // tpb) == -(-handle.num_tokens // tpb):
+            self._own(handle)
+            handle.num_tokens = new_num_tokens  # same logical blocks: same charge, same local blocks
+            return True
+        if not self.can_extend(handle, new_num_tokens):
+            return False
+        self.extend(handle, new_num_tokens)
+        return True
 
     def extend(self, handle: CacheHandle, new_num_tokens: int) -> None:
         """Grow ``handle`` to cover ``[0, new_num_tokens)``; adds blocks this rank owns."""

@@ -148,16 +148,16 @@ def test_async_engine_bounds_admission(llm):
 
 def test_failing_step_fails_its_requests_and_the_loop_goes_on(llm, monkeypatch):
     runner = llm.engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     calls = {"n": 0}
 
-    def flaky(out, params):
+    def flaky(out, params, input_tokens=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("kernel exploded")
-        return real_execute(out, params)
+        return real_launch(out, params, input_tokens)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
 
     async def main():
         engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=2)

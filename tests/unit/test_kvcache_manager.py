@@ -126,3 +126,32 @@ def test_random_sequence_returns_everything(cp_rank, cp_size):
         mgr.free(rid)
     s = mgr.stats()
     assert (s.num_used_blocks, s.num_reserved_blocks, s.num_used_slots, s.num_requests) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("cp_rank,cp_size", [(0, 1), (1, 2), (2, 3)])
+def test_try_extend_and_the_reused_block_table_match_extend(cp_rank, cp_size):
+    """``try_extend`` grows a handle exactly as ``extend`` does (blocks, charge), and the default
+    block table is the same list object until a block is added, always equal to a fresh build."""
+    tpb = 4
+    fast, slow = (CacheManager(12, 2, tpb, cp_rank=cp_rank, cp_size=cp_size) for _ in range(2))
+    hf, hs = fast.allocate("r", 3), slow.allocate("r", 3)
+    table = hf.block_table()
+    for n in range(3, 200):
+        grew = fast.try_extend(hf, n)
+        assert grew == slow.can_extend(hs, n)
+        if not grew:
+            assert hf.num_tokens == n - 1  # nothing changed on a refusal
+            break
+        slow.extend(hs, n)
+        assert (hf.block_ids, hf.num_tokens) == (hs.block_ids, hs.num_tokens)
+        assert fast.stats() == slow.stats()
+        same_blocks = -(-n // tpb) == -(-(n - 1) // tpb)
+        new = hf.block_table()
+        assert (new is table) == same_blocks
+        assert new == hs.block_table(len(new)) and len(new) == -(-n // tpb)
+        table = new
+    else:
+        pytest.fail("the cache never filled")
+    fast.free("r")
+    with pytest.raises(AllocationError, match="'r' is not live"):
+        fast.try_extend(hf, hf.num_tokens + 1)

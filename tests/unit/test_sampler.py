@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.sampler import Sampler, _mask_top_k_top_p, sample
+from helixserve.engine.sampler import Sampler, _mask_top_k_top_p, sample, sample_on_device
 
 V = 50
 
@@ -108,3 +108,13 @@ def test_mixed_batch_greedy_seeded_and_shared():
     assert tokens == again  # same shared seed -> same tokens (CP ranks agree)
     assert tokens[0] == int(logits[0].argmax()) and tokens[4] == int(logits[4].argmax())
     assert tokens[3] in logits[3].topk(2).indices.tolist()
+
+
+def test_mixed_batch_tokens_keep_greedy_rows_and_one_device_result():
+    logits = _logits(6)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 3
+    tokens = sample_on_device(logits, params)
+    assert tokens.dtype == torch.int64 and tokens.shape == (6,)
+    assert tokens[0::2].tolist() == logits[0::2].argmax(-1).tolist()
+    again = Sampler()(logits, [f"r{i}" for i in range(6)], params)
+    assert again[0::2] == tokens[0::2].tolist()
