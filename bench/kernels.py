@@ -277,7 +277,8 @@ def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
         prompt_len = 2048 if on_gpu else 128
         max_batch = 64 if on_gpu else 4
         llm = LLM(checkpoint, device="cuda" if on_gpu else "cpu",
-                  cache=CacheConfig(max_num_seqs=max_batch, memory_budget_mib=4096 if on_gpu else 256),
+                  cache=CacheConfig(max_num_seqs=max_batch, memory_budget_mib=4096 if on_gpu else 256,
+                                    tokens_per_block=args.tokens_per_block),
                   scheduler=SchedulerConfig(max_num_batched_tokens=prompt_len))
         gen = torch.Generator().manual_seed(0)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -286,10 +287,11 @@ def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
             llm.generate([torch.randint(0, 256, (prompt_len,), generator=gen).tolist()], one)
 
         (t,) = timer([prefill], 1, 3 if args.quick else 5)
-        row("engine", f"{preset} prefill bs1×{prompt_len}", prompt_len / t, None, "tok/s", "-")
+        pages = f" (pages of {args.tokens_per_block})"
+        row("engine", f"{preset} prefill bs1×{prompt_len}{pages}", prompt_len / t, None, "tok/s", "-")
         for batch in (1, max_batch):
             tok_s, outside = decode_rate(llm, batch, 16 if args.quick else 64, gen, on_gpu)
-            row("engine", f"{preset} decode bs{batch}", tok_s, None, "tok/s", "-",
+            row("engine", f"{preset} decode bs{batch}{pages}", tok_s, None, "tok/s", "-",
                 note=f"outside GPU kernels {outside:.1%}" if outside is not None else "")
 
 
@@ -350,6 +352,7 @@ def main() -> None:
     parser.add_argument("--only", default="kda,mla,moe,engine")
     parser.add_argument("--checkpoint", type=Path, default=None, help="an existing kimi-k3-mid bf16 checkpoint")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--tokens-per-block", type=int, default=16, help="the engine rows' cache page size")
     parser.add_argument("--mla-sweep", action="store_true",
                         help="also time a grid of MLA tile shapes (block_h, dv_parts, warps, stages, splits)")
     args = parser.parse_args()
