@@ -173,6 +173,23 @@ def _block_h(num_heads: int) -> int:
     return min(32, max(16, next_pow2(num_heads)))
 
 
+def _tile_defaults(is_fp32: bool, page: int, acc_elems: int) -> tuple[int, int, int]:
+    """(block_n, num_stages, num_warps) for a page size. bf16 tiles are whole pages where the page
+    allows (one table read, contiguous rows); the H200 runs (bench/figures/kernels_h200.md) chose
+    64 x 2 stages on 64-token pages (57-86 % of copy bandwidth) and 16 x 4 stages on 16-token pages,
+    with 2 warps for a 16-head block (54-79 %, against 27-38 % for 32-key gathered tiles)."""
+    warps = 8 if acc_elems > 16 * 1024 else 4
+    if is_fp32:
+        return 16, 1, warps
+    if page % 64 == 0:
+        return 64, 2, warps
+    if page % 32 == 0:
+        return 32, 3, warps
+    if page % 16 == 0:
+        return 16, 4, 2 if acc_elems <= 16 * 512 else warps
+    return 32, 3, warps  # rows gathered one by one through the table
+
+
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     q_positions: torch.Tensor, kv_lens: torch.Tensor, scale: float, v_dim: int,
@@ -197,15 +214,10 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(T, head_programs)
     is_fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32
-    # bf16 on pages of 64 (or a multiple): 64-key tiles in 2 stages won the second H200 sweep
-    # (B 64 x kv 4k x H 16: 1.52 vs 1.21 TB/s; H 64: 1.44 vs 1.20); other pages keep 32 x 3
-    wide_tiles = not is_fp32 and kv_cache.shape[1] % 64 == 0
-    if block_n is None:
-        block_n = 16 if is_fp32 else 64 if wide_tiles else 32
-    if num_warps is None:
-        num_warps = 8 if BLOCK_H * BLOCK_DV // dv_parts > 16 * 1024 else 4
-    if num_stages is None:
-        num_stages = 1 if is_fp32 else 2 if wide_tiles else 3
+    tile_n, stages, warps = _tile_defaults(is_fp32, kv_cache.shape[1], BLOCK_H * BLOCK_DV // dv_parts)
+    block_n = block_n or tile_n
+    num_warps = num_warps or warps
+    num_stages = num_stages or stages
     if is_interpreting():
         num_stages = 1
     lse_parts = torch.empty(num_splits, T, H, dtype=torch.float32, device=device)
