@@ -212,8 +212,9 @@ class Scheduler:
     def schedule_ahead(self) -> SchedulerOutput | None:
         """The decode step after the pending one, scheduled before its tokens are known, so the
         device runs it while the host applies them (overlapped decoding). Only in the steady
-        state: the pending step decodes every running request, nobody waits, and no request holds
-        its cache on finish (a ctx prefill), has forced tokens left or reaches ``max_model_len``.
+        state: the pending step samples every running request (a decode or a prompt's last chunk),
+        nobody waits, and no request holds its cache on finish (a ctx prefill), has forced tokens
+        left or reaches ``max_model_len``.
         The input tokens are the pending step's samples, fed on the device (``token_ids`` hold
         ``-1``). A request finishing with the pending token runs here too: its output is dropped
         and its cache freed once this step is updated (the device may still write it). ``None``
@@ -226,7 +227,7 @@ class Scheduler:
         ahead = SchedulerOutput()
         for seq in out.seqs:
             request = requests[seq.request_id]
-            if (seq.is_prefill or not seq.sample or request.hold_cache_on_finish
+            if (not seq.sample or request.hold_cache_on_finish
                     or len(request.forced_output_token_ids) > request.num_output_tokens
                     or request.num_tokens + 1 >= self.max_model_len
                     or request is not self._requests.get(seq.request_id)):
@@ -234,7 +235,7 @@ class Scheduler:
             handle = self.cache.get(request.request_id)
             if not self.cache.try_extend(handle, request.num_tokens + 1):
                 return None
-            ahead.seqs.append(self._seq(request, [-1], is_prefill=False, sample=True, ahead=1))
+            ahead.seqs.append(self._seq(request, [-1], is_prefill=False, sample=True, ahead=len(seq.token_ids)))
         self._ahead, self._ahead_requests = ahead, dict(requests)
         self._in_flight.update(requests)
         return ahead

@@ -161,7 +161,7 @@ def _decoding(sched: Scheduler, *requests: Request) -> None:
     sched.update_from_output(out, {s.request_id: 1 for s in out.seqs if s.sample})
 
 
-def test_schedule_ahead_refuses_held_forced_and_prefill_steps():
+def test_schedule_ahead_refuses_held_forced_and_unsampled_steps():
     sched = _scheduler()
     held = Request("h", [1, 2, 3], greedy(5), hold_cache_on_finish=True)
     _decoding(sched, held)
@@ -174,10 +174,27 @@ def test_schedule_ahead_refuses_held_forced_and_prefill_steps():
     sched.schedule()
     assert sched.schedule_ahead() is None  # the next input would be a forced token, not the sample
 
-    sched = _scheduler()
-    sched.add_request(Request("p", [1, 2, 3], greedy(5)))
-    sched.schedule()  # a prefill step
-    assert sched.schedule_ahead() is None
+    sched = Scheduler(CacheManager(64, 8, 4), max_num_seqs=8, max_num_batched_tokens=8, max_model_len=40)
+    sched.add_request(Request("p", list(range(1, 12)), greedy(5)))
+    out = sched.schedule()  # the prompt's first chunk (8 of 11 tokens): nothing sampled
+    assert not out.seqs[0].sample and sched.schedule_ahead() is None
+
+
+def test_schedule_ahead_follows_a_prompts_last_chunk_with_its_first_decode():
+    sched = Scheduler(CacheManager(64, 8, 4), max_num_seqs=8, max_num_batched_tokens=8, max_model_len=40)
+    sched.add_request(Request("p", list(range(1, 12)), greedy(5)))
+    first = sched.schedule()
+    sched.update_from_output(first, {})
+    last = sched.schedule()  # the last chunk: tokens 8..10, sampled
+    assert last.seqs[0].is_prefill and last.seqs[0].sample
+    ahead = sched.schedule_ahead()
+    assert ahead is not None and ahead.seqs[0].context_len == 11  # the whole prompt, then the token
+    assert sched.cache.get("p").num_tokens == 12
+    sched.update_from_output(last, {"p": 50})
+    sched.update_from_output(ahead, {"p": 51})
+    request = sched.get_request("p")
+    assert request.output_token_ids == [50, 51] and request.num_computed_tokens == 12
+    assert sched.schedule().seqs[0].token_ids == [51]  # plain decoding goes on from there
 
 
 def test_schedule_ahead_defers_the_frees_of_finished_requests():
