@@ -213,16 +213,20 @@ class Scheduler:
         """The decode step after the pending one, scheduled before its tokens are known, so the
         device runs it while the host applies them (overlapped decoding). Only in the steady
         state: the pending step samples every running request (a decode or a prompt's last chunk),
-        nobody waits, and no request holds its cache on finish (a ctx prefill), has forced tokens
-        left or reaches ``max_model_len``.
+        no waiting request could be admitted now (a full server still overlaps; one freed by the
+        pending step is admitted a step later), and no request holds its cache on finish (a ctx
+        prefill), has forced tokens left or reaches ``max_model_len``.
         The input tokens are the pending step's samples, fed on the device (``token_ids`` hold
         ``-1``). A request finishing with the pending token runs here too: its output is dropped
         and its cache freed once this step is updated (the device may still write it). ``None``
         when not possible; caches may stay extended by one token, which the next step needs.
         """
         out = self._pending
-        if out is None or self._ahead is not None or self.waiting or len(out.seqs) != len(self.running):
+        if out is None or self._ahead is not None or len(out.seqs) != len(self.running):
             return None
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and len(self.running) < self.max_num_seqs and self.cache.can_allocate(head.num_tokens):
+            return None  # a plain step admits it now
         requests = self._pending_requests
         ahead = SchedulerOutput()
         for seq in out.seqs:

@@ -245,3 +245,35 @@ def test_a_failing_launch_ahead_is_recovered_by_abort_all(tiny_checkpoints, monk
     assert llm.generate([PROMPTS[2]], greedy(5))[0].token_ids == LLM(
         tiny_checkpoints["kimi-k3-tiny"], cache=CacheConfig(tokens_per_block=4, max_num_seqs=4)
     ).generate([PROMPTS[2]], greedy(5))[0].token_ids
+
+
+def test_a_full_server_with_a_queue_still_overlaps(pair):
+    """Requests waiting for a sequence slot do not stop the overlap (a plain step could not admit
+    them either); each is admitted a step after a slot frees, and every token matches."""
+    plain, overlapped = pair
+    params = [greedy(n) for n in (7, 4, 9, 5, 6, 3)]
+    prompts = PROMPTS + PROMPTS[:2]
+    runs = []
+    for llm in (plain, overlapped):
+        engine = llm.engine
+        engine.scheduler.max_num_seqs = 2  # six requests through two slots: a queue all along
+        ahead_with_queue = [0]
+        original = type(engine.scheduler).schedule_ahead
+
+        def counting(self=engine.scheduler, original=original, seen=ahead_with_queue):
+            out = original(self)
+            seen[0] += out is not None and bool(self.waiting)
+            return out
+
+        engine.scheduler.schedule_ahead = counting
+        try:
+            reqs = [engine.add_request(f"q{i}", p, pp) for i, (p, pp) in enumerate(zip(prompts, params, strict=True))]
+            while engine.has_unfinished_requests():
+                engine.step()
+        finally:
+            engine.scheduler.max_num_seqs = 8
+            del engine.scheduler.schedule_ahead
+        runs.append(([r.output_token_ids for r in reqs], ahead_with_queue[0]))
+    assert runs[1][0] == runs[0][0]
+    assert runs[1][1] >= 5  # overlapped while others waited
+    assert_nothing_held(overlapped)
