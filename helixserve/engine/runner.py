@@ -134,19 +134,19 @@ class ModelRunner:
             logits = self.decode_graphs.run(out, input_tokens)
             if logits is not None:
                 return logits
+        # a decode step whose slots are a permuted range runs in slot order: the model updates the
+        # slots' KDA/conv state rows in place (a view of the pools) instead of gathering and
+        # scattering them; the logits go back to the scheduled order
         order = slot_order(out)
-        if order is None:
-            batch = build_forward_batch(out, self.device)
-            if input_tokens is not None:
-                batch.input_ids.copy_(input_tokens)
-            return self.model(batch, self.caches)
-        # the model updates the slots' KDA/conv state rows in place (a view of the pools) instead of
-        # gathering and scattering them; the logits go back to the scheduled order
-        by_slot = SchedulerOutput(seqs=[out.seqs[i] for i in order])
+        by_slot = out if order is None else SchedulerOutput(seqs=[out.seqs[i] for i in order])
         batch = build_forward_batch(by_slot, self.device)
         if input_tokens is not None:
-            batch.input_ids.copy_(input_tokens[torch.tensor(order, device=input_tokens.device)])
+            if order is not None:
+                input_tokens = input_tokens[torch.tensor(order, device=input_tokens.device)]
+            batch.input_ids.copy_(input_tokens)
         logits = self.model(batch, self.caches)
+        if order is None:
+            return logits
         inverse = [0] * len(order)
         for row, i in enumerate(order):
             inverse[i] = row

@@ -224,8 +224,7 @@ class Scheduler:
         out = self._pending
         if out is None or self._ahead is not None or len(out.seqs) != len(self.running):
             return None
-        head = self.waiting[0] if self.waiting else None
-        if head is not None and len(self.running) < self.max_num_seqs and self.cache.can_allocate(head.num_tokens):
+        if self.waiting and self._can_admit(self.waiting[0]):
             return None  # a plain step admits it now
         requests = self._pending_requests
         ahead = SchedulerOutput()
@@ -254,9 +253,9 @@ class Scheduler:
                 budget -= self._schedule_chunk(request, budget, out)
         if out.preempted_ids:
             return out
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
-            if not self.cache.can_allocate(request.num_tokens):
+            if not self._can_admit(request):
                 break  # back-pressure
             self.cache.allocate(request.request_id, request.num_tokens)
             self.waiting.popleft()
@@ -264,6 +263,10 @@ class Scheduler:
             self.running.append(request)
             budget -= self._schedule_chunk(request, budget, out)
         return out
+
+    def _can_admit(self, request: Request) -> bool:
+        """A free sequence slot and cache for the whole prompt of the head of ``waiting``."""
+        return len(self.running) < self.max_num_seqs and self.cache.can_allocate(request.num_tokens)
 
     @staticmethod
     def _is_decode(request: Request) -> bool:
@@ -327,9 +330,7 @@ class Scheduler:
         if output is not self._pending and output.seqs:
             raise ValueError("update_from_output() got an output that is not the pending step")
         # seqs of requests aborted (or aborted and re-added) since schedule() are skipped
-        requests, pending = self._requests, self._pending_requests
-        live = [(seq, request) for seq in output.seqs
-                if (request := requests.get(seq.request_id)) is not None and request is pending.get(seq.request_id)]
+        live = [(seq, self._requests[seq.request_id]) for seq in output.seqs if self._is_live(seq.request_id)]
         missing = [seq.request_id for seq, _ in live if seq.sample and seq.request_id not in sampled_token_ids]
         if missing:
             raise ValueError(f"no sampled token for requests {missing}")

@@ -168,8 +168,8 @@ class CacheManager:
     def try_extend(self, handle: CacheHandle, new_num_tokens: int) -> bool:
         """``extend`` if ``can_extend``; returns whether it did. A step that stays inside the
         handle's last logical block (most decode steps) only moves ``num_tokens``."""
-        tpb = self.tokens_per_block
-        if new_num_tokens >= handle.num_tokens and -(-new_num_tokens // tpb) == -(-handle.num_tokens // tpb):
+        if (new_num_tokens >= handle.num_tokens
+                and num_logical_blocks(new_num_tokens, handle.tokens_per_block) == handle.num_logical_blocks):
             self._own(handle)
             handle.num_tokens = new_num_tokens  # same logical blocks: same charge, same local blocks
             return True
