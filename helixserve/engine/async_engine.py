@@ -16,8 +16,9 @@ A request's stages here:
 5. Leaving the iterator early (client gone, task cancelled) aborts the request in the engine,
    which frees its cache; a ``hold_cache`` request that finished stays held until ``release()``.
 
-Failures never hang a reader: a step that raises fails every request in it with a 500 naming the
-exception (the loop goes on); ``shutdown()`` fails what is left with a 503.
+Failures never hang a reader: a step that fails ends the requests it concerns with a 500 naming the
+exception (the core reports them as error updates; a core whose ``step()`` raises instead has every
+unfinished request failed); the loop goes on. ``shutdown()`` fails what is left with a 503.
 """
 
 from __future__ import annotations
@@ -340,6 +341,8 @@ class AsyncEngine:
             error = InternalServerError(message, code="engine_error")
             self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
             return
+        if any(u.error is not None for u in updates):  # the core failed the step's requests itself
+            self.num_step_errors += 1
         self._dispatch(updates)
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
@@ -348,8 +351,8 @@ class AsyncEngine:
         for update in updates:
             rid, tokens, _, _ = batch.setdefault(update.request_id, (update.request_id, [], None, None))
             reason, error = update.status.finish_reason, None
-            if reason in _ERROR_STATUSES:  # failed inside the core (e.g. a KV transfer): no token
-                error = self._failure_error(rid, reason)
+            if reason in _ERROR_STATUSES:  # failed inside the core (a KV transfer, a step): no token
+                error = self._failure_error(rid, reason, update.error)
                 reason = None
             else:
                 tokens.append(update.token_id)
@@ -357,9 +360,12 @@ class AsyncEngine:
         if batch:
             self._call_soon(self._deliver, list(batch.values()))
 
-    def _failure_error(self, request_id: str, reason: str) -> OpenAIError:
+    def _failure_error(self, request_id: str, reason: str, step_error: str | None) -> OpenAIError:
         """The error of a request the core failed: the core's own (``failure_error(request_id)``,
-        e.g. which KV transfer failed and why) where it has one, else a generic 500."""
+        e.g. which KV transfer failed and why) where it has one, else a 500 naming the failed
+        step's exception (``step_error``) or a generic one."""
         explain = getattr(self._core, "failure_error", None)
         error = explain(request_id) if explain is not None else None
+        if error is None and step_error is not None:
+            return InternalServerError(step_error, code="engine_error")
         return error or InternalServerError(f"request {request_id} failed in the engine ({reason})")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
-from helixserve.engine.request import Request, SamplingParams
+from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, cache_spec_for
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.kernels.triton_common import has_fla
@@ -102,6 +102,7 @@ class EngineCore:
         overlap = scheduler.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.num_step_errors = 0
         logger.info("engine ready: %s, overlapped decoding %s", self.layout, self.overlap_decode)
 
     def add_request(
@@ -153,7 +154,7 @@ class EngineCore:
         for rid in request_ids:
             self.scheduler.abort(rid, error=error)
         self._in_flight = None
-        self.scheduler.discard_pending_step()
+        self.scheduler.fail_pending_step(error)
         self._forget(request_ids)
         return request_ids
 
@@ -205,7 +206,18 @@ class EngineCore:
         With overlapped decoding the next decode step is enqueued (``Scheduler.schedule_ahead``,
         fed the sampled tokens on the device) before this step's tokens are read back, so the
         device runs it while the host applies them; the next call starts from that step.
+
+        A step that raises (the model, a kernel, sampling) ends the requests it concerns (those
+        of the failed step and of a step enqueued ahead; every unfinished one when scheduling
+        itself failed) with ``FINISHED_ERROR`` updates whose ``error`` names the exception, frees
+        their caches and leaves the engine ready for the next step.
         """
+        try:
+            return self._step()
+        except Exception as exc:  # noqa: BLE001 - the failure is reported on the requests
+            return self._fail_step(exc)
+
+    def _step(self) -> list[RequestUpdate]:
         if self._in_flight is not None:
             (out, launched), self._in_flight = self._in_flight, None
         else:
@@ -220,6 +232,15 @@ class EngineCore:
         updates = self.scheduler.update_from_output(out, launched.result())
         self._forget([u.request_id for u in updates if u.is_finished])
         return updates
+
+    def _fail_step(self, exc: Exception) -> list[RequestUpdate]:
+        self.num_step_errors += 1
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        self._in_flight = None
+        request_ids = self.scheduler.fail_pending_step(message)
+        logger.error("%s; failed requests %s", message, request_ids, exc_info=exc)
+        self._forget(request_ids)
+        return [RequestUpdate(rid, -1, RequestStatus.FINISHED_ERROR, error=message) for rid in request_ids]
 
     def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -106,7 +106,9 @@ class DecodeGraphs:
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         if len(sampled) == n:
             return logits[:n]
-        return logits[torch.tensor(sampled, device=self.device)]
+        if not sampled:  # one-token prompt chunks that are not a prompt's last: no row to sample
+            return logits[:0]
+        return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)]
 
     def launch(self, size: int, width: int, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The GPU part of a step: copy the filled host buffers (``size`` rows, ``width`` table

@@ -26,6 +26,20 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+
+
+class GenerationError(RuntimeError):
+    """The engine failed some requests of a ``generate`` call (a failed step); ``results`` holds
+    every prompt's result, the failed ones with ``finish_reason == "error"`` and their ``error``.
+    The engine stays usable."""
+
+    def __init__(self, results: list[GenerationResult]) -> None:
+        failed = [r for r in results if r.finish_reason == "error"]
+        causes = "; ".join(dict.fromkeys(f"{r.error}" for r in failed))
+        super().__init__(f"{len(failed)} of {len(results)} requests failed "
+                         f"({', '.join(r.request_id for r in failed)}): {causes}")
+        self.results = results
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -75,7 +89,11 @@ class LLM:
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[GenerationResult]:
-        """Generate for every prompt (text or token ids); results in prompt order."""
+        """Generate for every prompt (text or token ids); results in prompt order.
+
+        Raises ``ValueError`` for a prompt that could never run (nothing runs then) and
+        :class:`GenerationError` when the engine failed some of them (the others ran to the end).
+        """
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
@@ -89,10 +107,14 @@ class LLM:
             for r in requests:
                 if not r.is_finished:
                     self.engine.abort(r.request_id)
-        return [self._result(r) for r in requests]
+        results = [self._result(r) for r in requests]
+        if any(r.finish_reason == "error" for r in results):
+            raise GenerationError(results)
+        return results
 
     def _result(self, r: Request) -> GenerationResult:
         text = ""
         if self.tokenizer is not None:
             text = truncate_at_stop(self.tokenizer.decode(r.output_token_ids), r.sampling_params.stop)
-        return GenerationResult(r.request_id, r.prompt_token_ids, list(r.output_token_ids), text, r.status.finish_reason)
+        return GenerationResult(r.request_id, r.prompt_token_ids, list(r.output_token_ids), text,
+                                r.status.finish_reason, r.error)

@@ -37,7 +37,9 @@ def cache_spec_for(
 
 
 def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu") -> ForwardBatch:
-    """Flatten the scheduled sequences; logits are wanted for the last row of sampled sequences."""
+    """Flatten the scheduled sequences; logits are wanted for the last row of sampled sequences:
+    ``logits_indices`` is ``None`` when that is every row (a decode step: no gather before the LM
+    head) and empty when it is no row (only unsampled prompt chunks: no LM head at all)."""
     input_ids: list[int] = []
     positions: list[int] = []
     cu_seqlens = [0]
@@ -53,8 +55,8 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
             logits_rows.append(cu_seqlens[-1] - 1)
         tables.append(list(s.block_table) + [-1] * (max_blocks - len(s.block_table)))
 
-    # None = every row (a decode step that samples every sequence): no gather before the LM head
-    if len(logits_rows) == len(input_ids):
+    is_every_row = 0 < len(logits_rows) == len(input_ids)
+    if is_every_row:
         logits_rows = []
     context_lens = [s.context_len for s in out.seqs]
     slots = [s.slot if s.slot is not None else 0 for s in out.seqs]
@@ -69,7 +71,7 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
         context_lens=context_t,
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(out.seqs), max_blocks),
         state_slots=slots_t,
-        logits_indices=logits_t if logits_rows else None,
+        logits_indices=None if is_every_row else logits_t,
         is_decode=bool(out.seqs) and all(s.num_tokens == 1 and s.context_len > 0 for s in out.seqs),
     )
 
@@ -160,6 +162,8 @@ class ModelRunner:
         if out.is_empty:
             return LaunchedStep([], None, None, None)
         logits = self.forward(out, input_tokens)
+        if not sampled_ids:  # only unsampled prompt chunks: the caches were written, nothing to draw
+            return LaunchedStep([], None, None, None)
         tokens = self.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids])
         if self.device.type != "cuda":
             return LaunchedStep(sampled_ids, tokens, tokens, None)

@@ -32,7 +32,6 @@ from helixserve.kvcache.manager import CacheManager
 
 __all__ = ["RequestUpdate", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
-
 _HOLDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
@@ -126,23 +125,26 @@ class Scheduler:
 
     def release(self, request_id: str) -> bool:
         """Free the cache of a held request; False when ``request_id`` is not held."""
-        request = self._held.pop(request_id, None)
-        if request is None:
+        if self._held.pop(request_id, None) is None:
             return False
         self.cache.free(request_id)
         return True
 
-    def discard_pending_step(self) -> None:
-        """Forget the scheduled step whose output will never come (the model raised).
-
-        Abort the step's requests first: their computed counts no longer match the cache.
-        """
-        live = [rid for rid in (*self._pending_requests, *self._ahead_requests) if self._is_live(rid)]
-        assert not live, f"abort the failed step's requests first: {live}"
+    def fail_pending_step(self, error: str) -> list[str]:
+        """Forget the scheduled step(s) whose output will never come (the model raised): their
+        live requests finish with ``error`` (their computed counts no longer match the cache), or
+        every unfinished one when none was scheduled (scheduling itself failed); their ids."""
+        if self._pending is not None:
+            request_ids = [rid for rid in self._pending_requests if self._is_live(rid)]
+        else:
+            request_ids = list(self._requests)
+        for rid in request_ids:
+            self.abort(rid, error=error)
         self._pending, self._pending_requests = None, {}
         self._ahead, self._ahead_requests = None, {}
         self._in_flight.clear()
         self._free_deferred()
+        return request_ids
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -329,7 +331,6 @@ class Scheduler:
         """
         if output is not self._pending and output.seqs:
             raise ValueError("update_from_output() got an output that is not the pending step")
-        # seqs of requests aborted (or aborted and re-added) since schedule() are skipped
         live = [(seq, self._requests[seq.request_id]) for seq in output.seqs if self._is_live(seq.request_id)]
         missing = [seq.request_id for seq, _ in live if seq.sample and seq.request_id not in sampled_token_ids]
         if missing:
@@ -359,11 +360,10 @@ class Scheduler:
             self.cache.free(request_id)
 
     def _free_deferred(self) -> None:
-        keep = [rid for rid in self._deferred_frees if rid in self._in_flight]
         for rid in self._deferred_frees:
             if rid not in self._in_flight:
                 self.cache.free(rid)
-        self._deferred_frees = keep
+        self._deferred_frees = [rid for rid in self._deferred_frees if rid in self._in_flight]
 
     def _is_live(self, request_id: str) -> bool:
         request = self._requests.get(request_id)

@@ -59,11 +59,13 @@ class SchedulerOutput:
 
 @dataclass(slots=True, frozen=True)
 class RequestUpdate:
-    """A sampled token of one request, and whether the request finished with it."""
+    """A sampled token of one request, and whether the request finished with it; a request that
+    failed carries no token (``-1``) and, when its engine step failed, ``error`` says why."""
 
     request_id: str
     token_id: int
     status: RequestStatus
+    error: str | None = None
 
     @property
     def is_finished(self) -> bool:

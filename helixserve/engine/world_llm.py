@@ -119,6 +119,7 @@ def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], param
     ids = [f"world-{i}" for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     reasons: dict[str, str | None] = {}
+    errors: dict[str, str | None] = {}
     for rid, prompt, p in zip(ids, prompts, params, strict=True):
         driver.add_request(rid, list(prompt), p)
     while driver.has_unfinished_requests():
@@ -127,10 +128,11 @@ def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], param
                 tokens[update.request_id].append(update.token_id)
             if update.is_finished:
                 reasons[update.request_id] = update.status.finish_reason
+                errors[update.request_id] = update.error
     results = []
     for rid, prompt, p in zip(ids, prompts, params, strict=True):
         text = truncate_at_stop(tokenizer.decode(tokens[rid]), p.stop) if tokenizer else ""
-        results.append(GenerationResult(rid, list(prompt), tokens[rid], text, reasons.get(rid)))
+        results.append(GenerationResult(rid, list(prompt), tokens[rid], text, reasons.get(rid), errors.get(rid)))
     return results
 
 

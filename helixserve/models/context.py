@@ -34,7 +34,8 @@ class ForwardBatch:
         block_tables: ``[B, max_blocks]`` int32, global logical block -> physical block, ``-1``
             when absent on this rank.
         state_slots: ``[B]`` int64, KDA state slot of each sequence.
-        logits_indices: rows whose logits are wanted (``None`` = every row).
+        logits_indices: rows whose logits are wanted (``None`` = every row; empty = no row, the
+            model skips its LM head and returns ``[0, vocab]``).
         is_decode: host-side hint that every sequence adds one token on top of cached context
             (``None`` = derive it from the tensors, a device sync; CUDA-graph steps set it).
     """
@@ -47,6 +48,11 @@ class ForwardBatch:
     state_slots: torch.Tensor
     logits_indices: torch.Tensor | None = None
     is_decode: bool | None = None
+
+    @property
+    def wants_no_logits(self) -> bool:
+        """No row is sampled this step (only prompt chunks that are not a prompt's last)."""
+        return self.logits_indices is not None and self.logits_indices.numel() == 0
 
     @property
     def num_seqs(self) -> int:

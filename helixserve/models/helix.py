@@ -203,7 +203,8 @@ class HelixKimiForCausalLM(KimiForCausalLM):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Logits ``[len(logits_indices) or T, vocab]`` float32, identical on every CP rank."""
+        """Logits ``[len(logits_indices) or T, vocab]`` float32, identical on every CP rank
+        (``[0, vocab]``, with no output gather and no LM head, when ``logits_indices`` is empty)."""
         T = batch.num_tokens
         if T == 0:
             raise ValueError("a forward needs at least one token; call empty_step() for an idle CP group")
@@ -223,6 +224,8 @@ class HelixKimiForCausalLM(KimiForCausalLM):
             mixer = lambda x, layer=layer: self._scatter(self._mixer(layer, self._gather(x, T), batch, caches))
             ffn = lambda x, layer=layer: self._moe(layer.block_sparse_moe, x, T)
             h, num_banked = _layer_step(layer, h, bank, num_banked, mixer, ffn)
+        if batch.wants_no_logits:  # the caches are written; every CP rank has the same batch
+            return h.new_zeros(0, self.cfg.vocab_size, dtype=torch.float32)
         with self._phase("residual"):
             if has_attn_res:
                 h = attn_res_mix(m.output_attn_res_norm, m.output_attn_res_proj, h, bank[:num_banked])

@@ -110,7 +110,8 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """``model(batch, caches) -> logits [len(logits_indices) or T, vocab]`` float32."""
+    """``model(batch, caches) -> logits [len(logits_indices) or T, vocab]`` float32 (``[0, vocab]``
+    without running the LM head when ``logits_indices`` is empty)."""
 
     def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -135,6 +136,8 @@ class KimiForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         with step_host_cache():  # the batch metadata is read on the host once, not once per layer
             hidden = self.model(batch, caches)
+        if batch.wants_no_logits:  # the caches are written; no row is sampled
+            return hidden.new_zeros(0, self.cfg.vocab_size, dtype=torch.float32)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         return self.lm_head(hidden).float()

@@ -35,6 +35,7 @@ from helixserve.parallel import CollectiveError, ParallelGroups
 
 logger = logging.getLogger(__name__)
 
+_FAILED = -1  # a sampled token that marks a failed sampling (token ids are >= 0)
 
 
 class RankEngine:
@@ -93,32 +94,51 @@ class RankEngine:
         return report
 
     def _run(self) -> list[RequestUpdate]:
+        """One scheduled step. A failure outside the model's forward ends the step's requests on
+        this CP group (error updates) and the world goes on: building the batch fails alike on
+        every rank of the group (same plan, same replica), which then still joins the world's MoE
+        all-to-alls with no rows; a failed sampling on the CP leader reaches the other ranks as
+        its token broadcast. A forward that raises stops the world (its collectives unmatched)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             self.model.empty_step()
             return []
-        if out.reset_slot_ids:
-            reset_slots(self.caches, out.reset_slot_ids)
-        logits = self.model(build_forward_batch(out, self.groups.device), self.caches)
+        try:
+            if out.reset_slot_ids:
+                reset_slots(self.caches, out.reset_slot_ids)
+            batch = build_forward_batch(out, self.groups.device)
+        except Exception as exc:  # noqa: BLE001 - reported on the step's requests
+            self.model.empty_step()
+            return self._fail_step(f"{type(exc).__name__}: {exc}")
+        logits = self.model(batch, self.caches)
         sampled_ids = [s.request_id for s in out.seqs if s.sample]
-        tokens = self.sampler(logits, sampled_ids, [self._params[r] for r in sampled_ids]) if sampled_ids else []
+        tokens, sample_error = self._sample(logits, sampled_ids)
         tokens = self._leader_tokens(tokens)
-        updates = self.scheduler.update_from_output(out, dict(zip(sampled_ids, tokens, strict=True)))
+        if _FAILED in tokens:
+            return self._fail_step(sample_error or "sampling failed on the CP leader")
+        try:
+            updates = self.scheduler.update_from_output(out, dict(zip(sampled_ids, tokens, strict=True)))
+        except Exception as exc:  # noqa: BLE001 - reported on the step's requests
+            return self._fail_step(f"{type(exc).__name__}: {exc}")
         self._forget([u.request_id for u in updates if u.is_finished])
         return updates
 
-    def _leader_tokens(self, tokens: list[int]) -> list[int]:
-        """Every CP rank sampled from the same logits; the CP leader's tokens are authoritative."""
-        if self.mapping.cp == 1 or not tokens:
-            return tokens
-        t = torch.tensor(tokens, dtype=torch.int64, device=self.groups.device)
-        leader = self.mapping.rank_of(self.mapping.dp_rank, 0)
+    def _sample(self, logits: torch.Tensor, sampled_ids: list[str]) -> tuple[list[int], str | None]:
+        """This rank's tokens, or ``_FAILED`` ones and the cause when sampling raised."""
+        if not sampled_ids:
+            return [], None
         try:
-            work = dist.broadcast(t, src=leader, group=self.groups.cp, async_op=True)
-            work.wait(timeout=self.groups.timeout) if self.groups.backend == "nccl" else work.wait()
-        except RuntimeError as exc:
-            raise CollectiveError(f"sampled-token broadcast failed on rank {self.mapping.rank}: {exc}") from exc
-        return t.tolist()
+            return self.sampler(logits, sampled_ids, [self._params[r] for r in sampled_ids]), None
+        except Exception as exc:  # noqa: BLE001 - the leader's failure is the group's
+            logger.error("rank %d: sampling failed", self.mapping.rank, exc_info=exc)
+            return [_FAILED] * len(sampled_ids), f"{type(exc).__name__}: {exc}"
+
+    def _fail_step(self, cause: str) -> list[RequestUpdate]:
+        message = f"engine step failed on gen rank {self.mapping.rank}: {cause}"
+        request_ids = self.scheduler.fail_pending_step(message)
+        logger.error("%s; failed requests %s", message, request_ids)
+        self._forget(request_ids)
+        return [RequestUpdate(rid, -1, RequestStatus.FINISHED_ERROR, error=message) for rid in request_ids]
 
     # -- commands
 
