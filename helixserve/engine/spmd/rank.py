@@ -140,6 +140,19 @@ class RankEngine:
         self._forget(request_ids)
         return [RequestUpdate(rid, -1, RequestStatus.FINISHED_ERROR, error=message) for rid in request_ids]
 
+    def _leader_tokens(self, tokens: list[int]) -> list[int]:
+        """Every CP rank sampled from the same logits; the CP leader's tokens are authoritative."""
+        if self.mapping.cp == 1 or not tokens:
+            return tokens
+        t = torch.tensor(tokens, dtype=torch.int64, device=self.groups.device)
+        leader = self.mapping.rank_of(self.mapping.dp_rank, 0)
+        try:
+            work = dist.broadcast(t, src=leader, group=self.groups.cp, async_op=True)
+            work.wait(timeout=self.groups.timeout) if self.groups.backend == "nccl" else work.wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"sampled-token broadcast failed on rank {self.mapping.rank}: {exc}") from exc
+        return t.tolist()
+
     # -- commands
 
     def _apply(self, commands: list[Command]) -> list[RequestUpdate]:
