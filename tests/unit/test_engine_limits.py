@@ -7,12 +7,16 @@ The reference is the same model with a budget no prompt here exceeds (every prom
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.async_engine import AsyncEngine
 from helixserve.engine.llm import LLM, GenerationError
 from helixserve.engine.request import RequestStatus, SamplingParams
+from helixserve.protocol import InternalServerError
 
 BUDGET = 32  # scheduler.max_num_batched_tokens
 TOKENS_PER_BLOCK = 4
@@ -156,3 +160,32 @@ def test_generate_raises_a_generation_error_and_stays_usable(model_dir, whole):
     assert result.finish_reason == "error" and "RuntimeError: injected fault" in result.error
     assert_nothing_held(llm)
     assert llm.generate([prompt], greedy())[0].token_ids == whole.generate([prompt], greedy())[0].token_ids
+
+
+def test_async_engine_fails_only_the_failed_steps_requests(model_dir, whole):
+    """Behind the server's ``AsyncEngine``: the request in the failed step gets a 500 naming the
+    fault; one waiting outside that step (one running slot) is served, then a new one."""
+    llm = chunked(model_dir)
+    llm.engine.scheduler.max_num_seqs = 1
+    llm.engine.runner.model = _FaultOnCall(llm.engine.runner.model, fail_on=2)  # victim's 2nd chunk
+    victim_prompt, waiting_prompt = _prompt(60, 2 * BUDGET + 3), _prompt(61, BUDGET + 1)
+
+    async def tokens(front: AsyncEngine, request_id: str, prompt: list[int]) -> list[int]:
+        return [t async for out in front.generate(request_id, prompt, greedy()) for t in out.token_ids]
+
+    async def main() -> tuple[list[int], list[int]]:
+        front = AsyncEngine(llm.engine, None, max_num_seqs=1, max_queue_len=2)
+        front.start()
+        victim = asyncio.ensure_future(tokens(front, "victim", victim_prompt))
+        waiting = asyncio.ensure_future(tokens(front, "waiting", waiting_prompt))
+        with pytest.raises(InternalServerError, match="engine step failed: RuntimeError: injected fault") as info:
+            await victim
+        assert info.value.code == "engine_error" and front.num_step_errors == 1
+        got = await waiting, await tokens(front, "after", victim_prompt)
+        await front.shutdown()
+        return got
+
+    waited, after = asyncio.run(main())
+    assert waited == whole.generate([waiting_prompt], greedy())[0].token_ids
+    assert after == whole.generate([victim_prompt], greedy())[0].token_ids
+    assert_nothing_held(llm)
