@@ -148,8 +148,9 @@ class EngineCore:
         return self.scheduler.release(request_id)
 
     def abort_all(self, error: str) -> list[str]:
-        """Fail every unfinished request with ``error`` and drop a half-done step (after the model
-        raised); returns their ids. Held caches stay held."""
+        """Fail every unfinished request with ``error`` and drop a step still in flight (shutdown);
+        returns their ids. Held caches stay held. (A failed step fails only its own requests:
+        see :meth:`step`.)"""
         request_ids = self.scheduler.unfinished_request_ids
         for rid in request_ids:
             self.scheduler.abort(rid, error=error)
