@@ -14,8 +14,14 @@ TORCH_FREE = [
     "kvcache/allocator.py",
     "kvcache/helix.py",
     "kvcache/manager.py",
+    "engine/admission.py",
+    "engine/cache_release.py",
+    "engine/lookahead.py",
+    "engine/preemption.py",
     "engine/request.py",
     "engine/scheduler.py",
+    "engine/scheduler_output.py",
+    "engine/step_rows.py",
     "engine/stop.py",
 ]
 _IMPORT_TORCH = re.compile(r"^\s*(import\s+torch\b|from\s+torch\b)", re.MULTILINE)

@@ -1,0 +1,61 @@
+"""Which requests may enter the scheduler, and when a waiting one is admitted (torch-free).
+
+- ``check_new_request``: a request for ``Scheduler.add_request`` that could never run (too long
+  for ``max_model_len``, more cache than the whole cache holds) raises ``ValueError`` at once.
+- ``check_prefilled_request``: a request for ``Scheduler.add_prefilled`` (its prompt already in
+  the cache through a KV transfer) needs its cache handle, a forced first token and a free slot.
+- ``can_admit``: the head of ``waiting`` is admitted FCFS when there is a free sequence slot and
+  cache for its whole prompt (back-pressure: the head waits, nobody jumps it).
+"""
+
+from __future__ import annotations
+
+from helixserve.engine.request import Request, RequestStatus
+from helixserve.kvcache.manager import CacheManager
+
+
+def check_new_request(request: Request, max_model_len: int, cache: CacheManager) -> None:
+    """Raises ``ValueError`` for a request that is not new or could never run."""
+    rid, params = request.request_id, request.sampling_params
+    if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+        raise ValueError(f"request {rid!r} must be new (WAITING, nothing computed)")
+    if not 1 <= request.num_tokens < max_model_len:
+        raise ValueError(
+            f"request {rid!r} has {request.num_tokens} tokens; need 1 <= tokens < "
+            f"max_model_len ({max_model_len}) to generate anything"
+        )
+    # the last token is sampled but never cached
+    max_cached = min(max_model_len, request.num_tokens + params.max_tokens) - 1
+    if not cache.can_ever_fit(max_cached):
+        raise ValueError(
+            f"request {rid!r} can need {max_cached} cached tokens; the whole cache holds "
+            f"fewer ({cache.stats().num_blocks} blocks of "
+            f"{cache.tokens_per_block} tokens, cp_size={cache.cp_size})"
+        )
+
+
+def check_prefilled_request(
+    request: Request, max_model_len: int, cache: CacheManager, num_running: int, max_num_seqs: int
+) -> None:
+    """Raises ``ValueError`` when a prefilled request cannot start decoding now: no cache handle,
+    no first token, no running slot, or limits it already breaks."""
+    rid, params = request.request_id, request.sampling_params
+    first = request.forced_output_token_ids
+    if not first or request.output_token_ids or request.status is not RequestStatus.WAITING:
+        raise ValueError(f"request {rid!r} must be new with >= 1 forced first token")
+    num_cached = request.num_prompt_tokens + len(first) - 1
+    if rid not in cache or cache.get(rid).num_tokens < num_cached:
+        raise ValueError(f"request {rid!r} has no cache handle covering its {num_cached} cached tokens")
+    if not has_free_slot(num_running, max_num_seqs):
+        raise ValueError(f"request {rid!r}: all {max_num_seqs} running slots are taken")
+    if len(first) >= params.max_tokens or request.num_prompt_tokens + len(first) >= max_model_len:
+        raise ValueError(f"request {rid!r} is already finished after its {len(first)} first tokens")
+
+
+def has_free_slot(num_running: int, max_num_seqs: int) -> bool:
+    return num_running < max_num_seqs
+
+
+def can_admit(request: Request, num_running: int, max_num_seqs: int, cache: CacheManager) -> bool:
+    """A free sequence slot and cache for the whole prompt of the head of ``waiting``."""
+    return has_free_slot(num_running, max_num_seqs) and cache.can_allocate(request.num_tokens)
