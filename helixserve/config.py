@@ -8,16 +8,19 @@ and the servers (ctx worker, gen worker, router) gathered in one :class:`Deploym
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from helixserve.transceiver.config import TransceiverConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 DEFAULT_KV_TRANSFER_TIMEOUT_MS = 10_000.0
+INTERNAL_SECRET_ENV = "HELIXSERVE_INTERNAL_SECRET"
+INTERNAL_SECRET_FILE_ENV = "HELIXSERVE_INTERNAL_SECRET_FILE"
 
 
 class _Strict(BaseModel):
@@ -129,6 +132,27 @@ class RouterConfig(_Strict):
     max_queue_len: int = Field(256, ge=0)  # requests waiting for an inflight slot; then 429
 
 
+class SecurityConfig(_Strict):
+    """Internal authentication between the deployment's own processes (README, "Security model").
+
+    ``internal_secret`` is shared by the router, the workers and the gRPC control plane; clients
+    never see it. It is never read from or written to the YAML (``exclude``): it comes from
+    ``HELIXSERVE_INTERNAL_SECRET``, else from the file named by ``HELIXSERVE_INTERNAL_SECRET_FILE``
+    or ``internal_secret_file`` (see :func:`resolve_security`); ``helixserve launch`` and the SLURM
+    launcher generate one, compose reads it from an env file. Without a secret a worker serves no
+    internal traffic (disaggregated requests, abort, release) unless ``allow_unauthenticated``
+    (a hand-started dev deployment on a trusted machine only).
+    """
+
+    internal_secret_file: Path | None = None
+    allow_unauthenticated: bool = False
+    internal_secret: SecretStr | None = Field(None, exclude=True, repr=False)
+
+    @property
+    def secret(self) -> str | None:
+        return self.internal_secret.get_secret_value() if self.internal_secret is not None else None
+
+
 class DeploymentConfig(_Strict):
     """One YAML file: the model, engine limits, every worker and the router."""
 
@@ -140,6 +164,7 @@ class DeploymentConfig(_Strict):
     ctx: list[CtxServerConfig] = Field(default_factory=lambda: [CtxServerConfig()], min_length=1)
     gen: list[GenServerConfig] = Field(default_factory=lambda: [GenServerConfig()], min_length=1)
     router: RouterConfig = RouterConfig()
+    security: SecurityConfig = SecurityConfig()
     # ctx senders and gen receivers; kv_transfer_timeout_ms must stay finite (validated there)
     transceiver: TransceiverConfig = Field(
         default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))
@@ -167,11 +192,41 @@ class DeploymentConfig(_Strict):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DeploymentConfig:
-        """Load and validate (a relative ``model.path`` is relative to the working directory)."""
-        return cls.model_validate(load_yaml(path))
+        """Load and validate (a relative ``model.path`` is relative to the working directory);
+        the internal secret comes from the environment (:func:`resolve_security`)."""
+        return resolve_security(cls.model_validate(load_yaml(path)))
+
+    def with_internal_secret(self, secret: str | None) -> DeploymentConfig:
+        """This config holding ``secret`` (``None`` or empty: none) in ``security`` and in the
+        transceiver config (the gRPC control plane's callers and servers read it there)."""
+        value = SecretStr(secret) if secret else None
+        security = self.security.model_copy(update={"internal_secret": value})
+        transceiver = self.transceiver.model_copy(update={"internal_secret": value})
+        return self.model_copy(update={"security": security, "transceiver": transceiver})
 
     def to_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+def resolve_security(deploy: DeploymentConfig, environ: Mapping[str, str] | None = None
+                     ) -> DeploymentConfig:
+    """Fill the internal secret: ``HELIXSERVE_INTERNAL_SECRET``, else the file named by
+    ``HELIXSERVE_INTERNAL_SECRET_FILE``, else ``security.internal_secret_file`` (surrounding
+    whitespace stripped); a config that already holds one keeps it. A named file that cannot be
+    read is a clear error (never a silent fallback to no authentication)."""
+    environ = os.environ if environ is None else environ
+    if deploy.security.internal_secret is not None:
+        return deploy
+    secret = environ.get(INTERNAL_SECRET_ENV, "").strip()
+    path = environ.get(INTERNAL_SECRET_FILE_ENV) or deploy.security.internal_secret_file
+    if not secret and path:
+        try:
+            secret = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the internal secret file {path}: {exc.strerror}") from None
+        if not secret:
+            raise ValueError(f"the internal secret file {path} is empty")
+    return deploy.with_internal_secret(secret or None)
 
 
 def load_yaml(path: str | Path) -> dict:

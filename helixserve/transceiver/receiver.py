@@ -78,7 +78,7 @@ class KVReceiver:
         self.plane = UcxxDataPlane(progress_thread=True, wakeup=self.poller.wakeup,
                                    wakeup_on_completion=config.wake_on_completion)
         self.retractor = Retractor(self.plane, self.clock, config.timeout_s)
-        self.clients = ControlClients(config.rpc_timeout_s)
+        self.clients = ControlClients(config.rpc_timeout_s, config)
         self.staging = staging_for(config)
         self.inbounds: dict[str, Inbound] = {}
         self._reported: set[str] = set()

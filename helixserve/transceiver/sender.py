@@ -121,7 +121,7 @@ class KVSender:
         self.plane = UcxxDataPlane(progress_thread=True, wakeup=self._wakeup,
                                    wakeup_on_completion=config.wake_on_completion)
         self.staging = staging_for(config)
-        self._server = ControlServer(self, host, port)
+        self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
         self._pickups: dict[str, _Pickup] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
