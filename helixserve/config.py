@@ -8,6 +8,7 @@ and the servers (ctx worker, gen worker, router) gathered in one :class:`Deploym
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -190,6 +191,11 @@ class DeploymentConfig(_Strict):
     def gen_urls(self) -> tuple[str, ...]:
         return self.router.gen_urls or tuple(w.url for w in self.gen)
 
+    @property
+    def ctx_transceivers(self) -> frozenset[tuple[str, int]]:
+        """``(transceiver_host, transceiver_port)`` of every ctx worker: all a gen may dial."""
+        return frozenset((w.transceiver_host, w.transceiver_port) for w in self.ctx)
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> DeploymentConfig:
         """Load and validate (a relative ``model.path`` is relative to the working directory);
@@ -227,6 +233,24 @@ def resolve_security(deploy: DeploymentConfig, environ: Mapping[str, str] | None
         if not secret:
             raise ValueError(f"the internal secret file {path} is empty")
     return deploy.with_internal_secret(secret or None)
+
+
+def ensure_internal_secret(deploy: DeploymentConfig) -> DeploymentConfig:
+    """For a launcher: the secret from the environment or file (:func:`resolve_security`), else a
+    fresh random one (``secrets.token_urlsafe``, 256 bits) for this deployment's life."""
+    deploy = resolve_security(deploy)
+    if deploy.security.internal_secret is None:
+        deploy = deploy.with_internal_secret(secrets.token_urlsafe(32))
+    return deploy
+
+
+def child_environment(deploy: DeploymentConfig) -> dict[str, str]:
+    """This process's environment plus the deployment's secret: what a launcher starts its
+    processes with (the secret never goes into a config file, a command line or a plan)."""
+    env = dict(os.environ)
+    if deploy.security.secret:
+        env[INTERNAL_SECRET_ENV] = deploy.security.secret
+    return env
 
 
 def load_yaml(path: str | Path) -> dict:
