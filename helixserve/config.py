@@ -7,10 +7,12 @@ and the servers (ctx worker, gen worker, router) gathered in one :class:`Deploym
 
 from __future__ import annotations
 
+import importlib
 import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Literal
 
 import yaml
@@ -280,6 +282,16 @@ def dist_env():  # -> helixserve.parallel.DistEnv | None
     from helixserve.parallel.groups import dist_env_from
 
     return dist_env_from(os.environ)
+
+
+def import_without_env_default(module: str, name: str, default: str) -> ModuleType:
+    """Import ``module``, which sets ``os.environ[name] = default`` when unset (ucxx does so with
+    ``UCX_MEMTYPE_CACHE=n``), then remove that default again; a value that was set before stays."""
+    was_set = name in os.environ
+    imported = importlib.import_module(module)
+    if not was_set and os.environ.get(name) == default:
+        del os.environ[name]
+    return imported
 
 
 KERNEL_BACKENDS = ("auto", "reference")

@@ -107,11 +107,17 @@ class UcxReceiverFactory:
 
     config: TransceiverConfig
     layout: KVLayout
+    ctx_hosts: tuple[str, ...] = ()  # the deployment's ctx transceivers (UCX's interface toward them)
 
     def __call__(self, mapping) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping)
         from helixserve.transceiver.receiver import KVReceiver
+        from helixserve.transceiver.ucxx_backend.devices import local_address_toward, net_devices_for
 
-        receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
+        config = self.config
+        if config.ucx_net_devices is None:  # this rank's interface on the route to the ctx workers
+            devices = net_devices_for(local_address_toward(self.ctx_hosts))
+            config = config.model_copy(update={"ucx_net_devices": devices})
+        receiver = KVReceiver(config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
                               gen_rank=mapping.rank)
         return PacedKVReceiver(receiver, self.config.poll_interval_s)
 
@@ -147,7 +153,7 @@ class UcxKVSource(KVSource):
         self.seconds_received = 0.0
 
     def receiver_factory(self) -> UcxReceiverFactory:
-        return UcxReceiverFactory(self.config, self.layout)
+        return UcxReceiverFactory(self.config, self.layout, tuple(sorted({h for h, _ in self.ctx_endpoints})))
 
     def generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
                  sampling: SamplingParams) -> AsyncIterator[RequestOutput]:

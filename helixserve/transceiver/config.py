@@ -67,6 +67,10 @@ class TransceiverConfig(BaseModel):
             leaving them to their ~1 ms / 0.5 ms ticks. Off by default: on the 2-core CPU box
             the per-completion Python work cost more than the tick latency it saves
             (bench/transceiver.py: 16k-token request 4.4-5.6 GB/s without, 3.4-4.3 GB/s with).
+        ucx_net_devices: ``UCX_NET_DEVICES`` of the data plane, e.g. ``"eth0,mlx5_0:1"``; UCX's
+            TCP transport listens on those interfaces only. None: the worker's own interface (ctx:
+            the one holding ``transceiver_host``; gen: the one routing to the ctx transceivers)
+            plus every RDMA port; ``"all"``: every device (UCX's default, listens everywhere).
         control_tls: TLS for the control plane (None: plaintext gRPC on a private network).
         internal_secret: the deployment's internal secret; every control-plane call carries it
             and the ctx's service answers only calls that do (None: the service answers anyone).
@@ -88,6 +92,7 @@ class TransceiverConfig(BaseModel):
     rpc_timeout_ms: float = 5000.0
     drain_timeout_ms: float = 2000.0
     wake_on_completion: bool = False
+    ucx_net_devices: str | None = None
     control_tls: ControlTLSConfig | None = None
     internal_secret: SecretStr | None = Field(None, exclude=True, repr=False)
 
