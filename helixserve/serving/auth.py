@@ -14,7 +14,10 @@ Clients reach only the router; a ctx or gen worker answers only the deployment's
 
 ``/health`` (liveness: orchestrators and the router's pools probe it) and ``/metrics``
 (Prometheus scrapers seldom send custom headers) stay open: both carry counters and gauges only,
-nothing of any request's content, ids or tokens.
+nothing of any request's content, ids or tokens. A caller that presents a *wrong* secret there
+gets 401 all the same: the router always presents its own (empty when it has none), so a router
+started with the wrong secret sees its workers as unhealthy, naming the cause, instead of relaying
+401s to its clients.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from helixserve.protocol import AuthenticationError, OpenAIError
 logger = logging.getLogger(__name__)
 
 INTERNAL_SECRET_HEADER = "X-Helixserve-Internal-Secret"
+INVALID_INTERNAL_SECRET = "invalid_internal_secret"  # the 401's error code
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 INTERNAL_PATHS = frozenset({"/v1/abort", "/v1/release"})  # router-only routes
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -58,8 +62,9 @@ class PermissionDeniedError(OpenAIError):
 
 
 def internal_headers(secret: str | None) -> dict[str, str]:
-    """What the router (and tests) send on every hop to a worker."""
-    return {INTERNAL_SECRET_HEADER: secret} if secret else {}
+    """What the router sends on every hop to a worker, health checks included (an empty value
+    when it has no secret: a worker that has one then answers 401, see the module docstring)."""
+    return {INTERNAL_SECRET_HEADER: secret or ""}
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -88,16 +93,19 @@ class InternalAuthMiddleware:
         self._allow_unauthenticated = security.allow_unauthenticated
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._secret is not None:
             given = _header(scope, INTERNAL_SECRET_HEADER.lower().encode())
-            if given is None or not hmac.compare_digest(given, self._secret):
+            is_open = scope["path"] in OPEN_PATHS and given is None
+            if not is_open and (given is None or not hmac.compare_digest(given, self._secret)):
                 err = AuthenticationError(
                     "this worker answers only the deployment's router: send the internal secret in "
                     f"the {INTERNAL_SECRET_HEADER} header (clients talk to the router)",
-                    code="invalid_internal_secret")
+                    code=INVALID_INTERNAL_SECRET)
                 return await JSONResponse(err.body(), err.status_code)(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self._allow_unauthenticated:
             return await self.app(scope, receive, send)

@@ -4,18 +4,22 @@ A caller without the internal secret gets 401 (OpenAI's error body) from every w
 ``/health`` and ``/metrics``, so it cannot take another request's answer, cancel it or release
 it; ctx request ids are unguessable; an error body tells nothing of another request's tokens; gen
 dials only the deployment's ctx transceivers; no process of the deployment listens on a wildcard
-address."""
+address; a router that lacks the secret reports its workers unhealthy, naming it."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from helixserve.config import INTERNAL_SECRET_ENV
 from helixserve.testing.servers import SECRET_HEADER
-from tests.e2e.conftest import MODEL, Deployment, http, wait_until
+from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, wait_until
 
 WILDCARDS = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0 and :: in /proc/net/tcp*
 
@@ -172,3 +176,30 @@ def test_no_listener_of_the_deployment_binds_a_wildcard_address(dep):
     loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
     others = {pid: [s for s in found if s[0] not in loopback] for pid, found in sockets.items()}
     assert not any(others.values()), f"listening beyond 127.0.0.1: {others}"
+
+
+@pytest.mark.parametrize("secret", ["", "not-the-deployments"], ids=["no-secret", "wrong-secret"])
+def test_a_router_without_the_deployments_secret_says_so_instead_of_relaying_401s(dep, tmp_path, secret):
+    (port,) = free_ports(1)
+    config = dep.config.model_copy(update={"router": dep.config.router.model_copy(update={"port": port})})
+    config.to_yaml(tmp_path / "router.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(tmp_path / "router.yaml")],
+                            cwd=REPO, start_new_session=True, env={**os.environ, INTERNAL_SECRET_ENV: secret})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def pools_checked() -> bool:
+            try:
+                status, ready = http("GET", f"{url}/ready", timeout=2)
+            except OSError:
+                return False
+            return status == 503 and all(w["error"] != "not checked yet" for w in ready["ctx"] + ready["gen"])
+        wait_until(pools_checked, 30, "the router's first health checks")
+        ready = http("GET", f"{url}/ready")[1]
+        for worker in ready["ctx"] + ready["gen"]:
+            assert not worker["healthy"] and "health check answered 401" in worker["error"], ready
+            assert "internal secret" in worker["error"]
+        status, err = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 503 and err["error"]["code"] == "no_healthy_ctx_worker", err
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -88,6 +88,10 @@ def test_with_a_secret_every_route_but_health_and_metrics_needs_it():
             assert response.status_code == 401 and _error(response)["code"] == "invalid_internal_secret"
         assert client.get("/stats", headers=headers).status_code == 401
     assert client.get("/health").status_code == client.get("/metrics").status_code == 200
+    # ... but a caller presenting a wrong secret (a misconfigured router) hears so there too
+    assert client.get("/health", headers={INTERNAL_SECRET_HEADER: ""}).status_code == 401
+    assert client.get("/metrics", headers={INTERNAL_SECRET_HEADER: "s3cre"}).status_code == 401
+    assert client.get("/health", headers={INTERNAL_SECRET_HEADER: "s3cret"}).status_code == 200
     ok = {INTERNAL_SECRET_HEADER: "s3cret"}
     assert client.post("/v1/completions", json=DISAGG, headers=ok).json() == {"echo": DISAGG}
     assert client.post("/v1/abort", headers=ok).status_code == client.get("/stats", headers=ok).status_code == 200
@@ -108,6 +112,7 @@ def test_without_a_secret_internal_traffic_is_refused_unless_allowed():
     for raw in (b"{not json", b"[" * 100_000):  # left to the route's own parser (it answers 400)
         assert client.post("/v1/completions", content=raw).json() == {"raw_bytes": len(raw)}
     assert client.post("/v1/completions", json={**PLAIN, "disaggregated_params": None}).status_code == 200
+    assert client.get("/health", headers={INTERNAL_SECRET_HEADER: ""}).status_code == 200  # a router without one
     dev = _app(SecurityConfig(allow_unauthenticated=True))
     assert dev.post("/v1/completions", json=DISAGG).json() == {"echo": DISAGG}
     assert dev.post("/v1/abort", json={}).status_code == 200
