@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
 
-from helixserve.testing.servers import free_ports, new_secret, secret_for, trust_workers  # noqa: E402
+from helixserve.config import INTERNAL_SECRET_ENV  # noqa: E402
+from helixserve.testing.servers import SECRET_HEADER, free_ports, new_secret, secret_for, trust_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kimi-k3-tiny"
@@ -69,7 +70,7 @@ class Servers:
     def start(self, timeout_s: float = 300.0) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "launch", "-c", str(self.config_file)],
                                         cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "HELIXSERVE_INTERNAL_SECRET": self.secret})
+                                        env={**os.environ, INTERNAL_SECRET_ENV: self.secret})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -122,7 +123,7 @@ async def _level(url: str, bodies: list[dict], concurrency: int, timeout_s: floa
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     secret = secret_for(url)
-    headers = {"X-Helixserve-Internal-Secret": secret} if secret else {}
+    headers = {SECRET_HEADER: secret} if secret else {}
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
         gate = asyncio.Semaphore(concurrency)
 

@@ -16,6 +16,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from helixserve.serving.auth import INTERNAL_SECRET_HEADER
+
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 right now (bound, read, released)."""
@@ -29,7 +31,7 @@ def free_ports(n: int) -> list[int]:
 
 
 _WORKER_SECRETS: dict[str, str] = {}  # worker base URL -> its deployment's internal secret
-SECRET_HEADER = "X-Helixserve-Internal-Secret"  # = helixserve.serving.auth.INTERNAL_SECRET_HEADER
+SECRET_HEADER = INTERNAL_SECRET_HEADER
 
 
 def new_secret() -> str:

@@ -66,7 +66,6 @@ class KVReceiver:
     def __init__(self, config: TransceiverConfig, layout: KVLayout, *, cp_rank: int = 0, cp_size: int = 1,
                  gen_rank: int = 0, clock: Clock | None = None) -> None:
         from helixserve.transceiver.ucxx_backend import UcxxDataPlane
-        from helixserve.transceiver.ucxx_backend.devices import ucx_net_devices
 
         check_layout(layout, layout, "gen", "gen")
         ShardSpec(layout, 1, cp_rank, cp_size)  # KDA heads divisible by cp_size
@@ -76,9 +75,7 @@ class KVReceiver:
         self.gen_rank = gen_rank
         self.clock: Clock = clock or MonotonicClock()
         self.poller = TransferPoller(clock=self.clock)
-        self.plane = UcxxDataPlane(progress_thread=True, wakeup=self.poller.wakeup,
-                                   wakeup_on_completion=config.wake_on_completion,
-                                   net_devices=ucx_net_devices(config.ucx_net_devices, None))
+        self.plane = UcxxDataPlane.for_transceiver(config, self.poller.wakeup)
         self.retractor = Retractor(self.plane, self.clock, config.timeout_s)
         self.clients = ControlClients(config.rpc_timeout_s, config)
         self.staging = staging_for(config)

@@ -108,7 +108,6 @@ class KVSender:
                  on_free: Callable[[str], None], *, host: str = "127.0.0.1", port: int = 0,
                  advertise_host: str | None = None, pickup_timeout_s: float | None = None) -> None:
         from helixserve.transceiver.ucxx_backend import UcxxDataPlane
-        from helixserve.transceiver.ucxx_backend.devices import ucx_net_devices
 
         check_layout(layout, layout, "ctx", "ctx")  # ctx_tp_size == 1 only
         check_caches(layout, caches, layout.num_kda_heads)
@@ -119,9 +118,7 @@ class KVSender:
         self.pickup_timeout_s = pickup_timeout_s or config.timeout_s
         self._wakeup = threading.Event()
         self.poller = TransferPoller(wakeup=self._wakeup)
-        self.plane = UcxxDataPlane(progress_thread=True, wakeup=self._wakeup,
-                                   wakeup_on_completion=config.wake_on_completion,
-                                   net_devices=ucx_net_devices(config.ucx_net_devices, host))
+        self.plane = UcxxDataPlane.for_transceiver(config, self._wakeup, host)
         self.staging = staging_for(config)
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host

@@ -19,7 +19,7 @@ import pytest
 
 from helixserve.config import DeploymentConfig
 from helixserve.config import INTERNAL_SECRET_ENV
-from helixserve.testing.servers import free_ports, http, new_secret, trust_workers, wait_until
+from helixserve.testing.servers import SECRET_HEADER, free_ports, http, new_secret, trust_workers, wait_until
 
 __all__ = ["MODEL", "REPO", "Deployment", "free_ports", "http", "metric", "wait_until"]
 
@@ -142,7 +142,7 @@ class Deployment:
     def client(self, url: str | None = None, api_key: str = "none", timeout: float = 60):  # noqa: ANN201
         import openai
 
-        internal = {} if url in (None, self.router_url) else {"X-Helixserve-Internal-Secret": self.secret}
+        internal = {} if url in (None, self.router_url) else {SECRET_HEADER: self.secret}
         return openai.OpenAI(base_url=f"{url or self.router_url}/v1", api_key=api_key,
                              max_retries=0, timeout=timeout, default_headers=internal)
 

@@ -64,8 +64,9 @@ def test_workers_answer_only_callers_holding_the_internal_secret(dep):
     routes = [("POST", "/v1/completions", plain), ("POST", "/v1/chat/completions", chat),
               ("POST", "/v1/completions", {**plain, "disaggregated_params": {"request_type": "context_only"}}),
               ("POST", "/v1/abort", {"request_id": "x"}), ("GET", "/v1/models", None), ("GET", "/stats", None)]
+    release = ("POST", "/v1/release", {"request_id": "x"})
     for url in (dep.ctx_url, dep.gen_url):
-        for method, path, body in [*routes, *([("POST", "/v1/release", {"request_id": "x"})] if url == dep.ctx_url else [])]:
+        for method, path, body in [*routes, *([release] if url == dep.ctx_url else [])]:
             for headers in ({}, {SECRET_HEADER: "guessed"}, {SECRET_HEADER: dep.secret + "x"}, {SECRET_HEADER: ""}):
                 status, answer = http(method, f"{url}{path}", body, headers=headers, internal=False)
                 _assert_openai_error(status, answer, 401)

@@ -249,6 +249,15 @@ class UcxxDataPlane(DataPlane):
         if is_notified:
             self._notifier = _CompletionNotifier(self)
 
+    @classmethod
+    def for_transceiver(cls, config: Any, wakeup: threading.Event, host: str | None = None) -> UcxxDataPlane:
+        """A KV sender's or receiver's plane: progress thread, wakeups per ``config``
+        (``TransceiverConfig``), network devices of ``config.ucx_net_devices`` for a worker at ``host``."""
+        from helixserve.transceiver.ucxx_backend.devices import ucx_net_devices
+
+        return cls(progress_thread=True, wakeup=wakeup, wakeup_on_completion=config.wake_on_completion,
+                   net_devices=ucx_net_devices(config.ucx_net_devices, host))
+
     @property
     def address(self) -> bytes:
         """This worker's UCX address, to hand to peers through the control plane."""
