@@ -176,15 +176,19 @@ class Orchestrator:
         return payload
 
     def worker_error(self, pool: WorkerPool, worker: WorkerState, status: int, payload: Any) -> OpenAIError:
-        """A worker's error answer for the client; a worker that refuses this router's internal
-        secret is this deployment's fault (503, the worker marked unhealthy), not the client's 401."""
+        """A worker's error answer for the client. A worker's 401 / 403 on a router hop is this
+        deployment's fault, not the client's: 503 naming the cause (a worker refusing this
+        router's internal secret is also marked unhealthy)."""
         error = payload.get("error") if isinstance(payload, dict) else None
-        if status == 401 and isinstance(error, dict) and error.get("code") == INVALID_INTERNAL_SECRET:
+        if status not in (401, 403) or not isinstance(error, dict):
+            return error_from_body(status, payload)
+        if error.get("code") == INVALID_INTERNAL_SECRET:
             cause = "it refuses this router's internal secret (HELIXSERVE_INTERNAL_SECRET differs)"
             pool.mark_failed(worker, cause)
-            return ServiceUnavailableError(f"{pool.role} worker {worker.url} cannot serve this router: {cause}",
-                                           code=f"{pool.role}_worker_failed")
-        return error_from_body(status, payload)
+        else:  # e.g. a worker without a secret, or gen refusing the ctx endpoint: the deployment's fault
+            cause = f"it answered {status}: {error.get('message')}"
+        return ServiceUnavailableError(f"{pool.role} worker {worker.url} cannot serve this router: {cause}",
+                                       code=f"{pool.role}_worker_failed")
 
     def _release_ctx(self, flight: Flight) -> None:
         """The gen worker has the request: free the ctx hold."""

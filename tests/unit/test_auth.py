@@ -116,3 +116,41 @@ def test_without_a_secret_internal_traffic_is_refused_unless_allowed():
     dev = _app(SecurityConfig(allow_unauthenticated=True))
     assert dev.post("/v1/completions", json=DISAGG).json() == {"echo": DISAGG}
     assert dev.post("/v1/abort", json={}).status_code == 200
+
+
+def test_a_worker_refusing_the_routers_hop_is_a_503_for_the_client_not_a_4xx():
+    """A real router app in front of a real (stand-in) worker on loopback that has no secret: the
+    worker's 403 on the context_only hop reaches the client as 503 naming the worker and cause."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from helixserve.config import RouterConfig
+    from helixserve.router.app import build_router_app
+    from helixserve.testing.servers import free_ports
+
+    worker = FastAPI()
+    install_internal_auth(worker, SecurityConfig())
+    worker.get("/health")(lambda: JSONResponse({"status": "ok"}))
+    worker.post("/v1/completions")(lambda: JSONResponse({"never": "reached"}))
+    port, = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(worker, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        router = build_router_app(RouterConfig(health_check_interval_s=0.05), (url,), (url,), "m", "s3cret")
+        with TestClient(router) as client:
+            deadline = time.monotonic() + 10
+            while client.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline, client.get("/ready").json()
+                time.sleep(0.05)
+            response = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2})
+        assert response.status_code == 503, response.json()
+        error = _error(response)
+        assert error["code"] == "ctx_worker_failed" and f"ctx worker {url} cannot serve this router" in error["message"]
+        assert "answered 403" in error["message"] and "no internal secret" in error["message"]
+    finally:
+        server.should_exit = True
+        thread.join(10)
