@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -32,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
 
-from helixserve.testing.servers import free_ports  # noqa: E402
+from helixserve.config import INTERNAL_SECRET_ENV  # noqa: E402
+from helixserve.testing.servers import SECRET_HEADER, free_ports, new_secret, secret_for, trust_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kimi-k3-tiny"
@@ -60,12 +62,15 @@ class Servers:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
         self.config_file = Path(self._tmp.name) / "deployment.yaml"
         self.config.to_yaml(self.config_file)
+        self.secret = new_secret()  # launch uses it (env) instead of making one: gen is asked directly too
+        trust_workers([self.ctx_url, self.gen_url], self.secret)
         self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "launch", "-c", str(self.config_file)],
-                                        cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+                                        cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, INTERNAL_SECRET_ENV: self.secret})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -117,7 +122,9 @@ async def _level(url: str, bodies: list[dict], concurrency: int, timeout_s: floa
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    secret = secret_for(url)
+    headers = {SECRET_HEADER: secret} if secret else {}
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
         gate = asyncio.Semaphore(concurrency)
 
         async def gated(body: dict) -> dict:

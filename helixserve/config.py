@@ -7,17 +7,23 @@ and the servers (ctx worker, gen worker, router) gathered in one :class:`Deploym
 
 from __future__ import annotations
 
+import importlib
 import os
+import secrets
+from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from helixserve.transceiver.config import TransceiverConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 DEFAULT_KV_TRANSFER_TIMEOUT_MS = 10_000.0
+INTERNAL_SECRET_ENV = "HELIXSERVE_INTERNAL_SECRET"
+INTERNAL_SECRET_FILE_ENV = "HELIXSERVE_INTERNAL_SECRET_FILE"
 
 
 class _Strict(BaseModel):
@@ -129,6 +135,27 @@ class RouterConfig(_Strict):
     max_queue_len: int = Field(256, ge=0)  # requests waiting for an inflight slot; then 429
 
 
+class SecurityConfig(_Strict):
+    """Internal authentication between the deployment's own processes (README, "Security model").
+
+    ``internal_secret`` is shared by the router, the workers and the gRPC control plane; clients
+    never see it. It is never read from or written to the YAML (``exclude``): it comes from
+    ``HELIXSERVE_INTERNAL_SECRET``, else from the file named by ``HELIXSERVE_INTERNAL_SECRET_FILE``
+    or ``internal_secret_file`` (see :func:`resolve_security`); ``helixserve launch`` and the SLURM
+    launcher generate one, compose reads it from an env file. Without a secret a worker serves no
+    internal traffic (disaggregated requests, abort, release) unless ``allow_unauthenticated``
+    (a hand-started dev deployment on a trusted machine only).
+    """
+
+    internal_secret_file: Path | None = None
+    allow_unauthenticated: bool = False
+    internal_secret: SecretStr | None = Field(None, exclude=True, repr=False)
+
+    @property
+    def secret(self) -> str | None:
+        return self.internal_secret.get_secret_value() if self.internal_secret is not None else None
+
+
 class DeploymentConfig(_Strict):
     """One YAML file: the model, engine limits, every worker and the router."""
 
@@ -140,6 +167,7 @@ class DeploymentConfig(_Strict):
     ctx: list[CtxServerConfig] = Field(default_factory=lambda: [CtxServerConfig()], min_length=1)
     gen: list[GenServerConfig] = Field(default_factory=lambda: [GenServerConfig()], min_length=1)
     router: RouterConfig = RouterConfig()
+    security: SecurityConfig = SecurityConfig()
     # ctx senders and gen receivers; kv_transfer_timeout_ms must stay finite (validated there)
     transceiver: TransceiverConfig = Field(
         default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))
@@ -165,13 +193,66 @@ class DeploymentConfig(_Strict):
     def gen_urls(self) -> tuple[str, ...]:
         return self.router.gen_urls or tuple(w.url for w in self.gen)
 
+    @property
+    def ctx_transceivers(self) -> frozenset[tuple[str, int]]:
+        """``(transceiver_host, transceiver_port)`` of every ctx worker: all a gen may dial."""
+        return frozenset((w.transceiver_host, w.transceiver_port) for w in self.ctx)
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> DeploymentConfig:
-        """Load and validate (a relative ``model.path`` is relative to the working directory)."""
-        return cls.model_validate(load_yaml(path))
+        """Load and validate (a relative ``model.path`` is relative to the working directory);
+        the internal secret comes from the environment (:func:`resolve_security`)."""
+        return resolve_security(cls.model_validate(load_yaml(path)))
+
+    def with_internal_secret(self, secret: str | None) -> DeploymentConfig:
+        """This config holding ``secret`` (``None`` or empty: none) in ``security`` and in the
+        transceiver config (the gRPC control plane's callers and servers read it there)."""
+        value = SecretStr(secret) if secret else None
+        security = self.security.model_copy(update={"internal_secret": value})
+        transceiver = self.transceiver.model_copy(update={"internal_secret": value})
+        return self.model_copy(update={"security": security, "transceiver": transceiver})
 
     def to_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+def resolve_security(deploy: DeploymentConfig, environ: Mapping[str, str] | None = None
+                     ) -> DeploymentConfig:
+    """Fill the internal secret: ``HELIXSERVE_INTERNAL_SECRET``, else the file named by
+    ``HELIXSERVE_INTERNAL_SECRET_FILE``, else ``security.internal_secret_file`` (surrounding
+    whitespace stripped); a config that already holds one keeps it. A named file that cannot be
+    read is a clear error (never a silent fallback to no authentication)."""
+    environ = os.environ if environ is None else environ
+    if deploy.security.internal_secret is not None:
+        return deploy
+    secret = environ.get(INTERNAL_SECRET_ENV, "").strip()
+    path = environ.get(INTERNAL_SECRET_FILE_ENV) or deploy.security.internal_secret_file
+    if not secret and path:
+        try:
+            secret = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the internal secret file {path}: {exc.strerror}") from None
+        if not secret:
+            raise ValueError(f"the internal secret file {path} is empty")
+    return deploy.with_internal_secret(secret or None)
+
+
+def ensure_internal_secret(deploy: DeploymentConfig) -> DeploymentConfig:
+    """For a launcher: the secret from the environment or file (:func:`resolve_security`), else a
+    fresh random one (``secrets.token_urlsafe``, 256 bits) for this deployment's life."""
+    deploy = resolve_security(deploy)
+    if deploy.security.internal_secret is None:
+        deploy = deploy.with_internal_secret(secrets.token_urlsafe(32))
+    return deploy
+
+
+def child_environment(deploy: DeploymentConfig) -> dict[str, str]:
+    """This process's environment plus the deployment's secret: what a launcher starts its
+    processes with (the secret never goes into a config file, a command line or a plan)."""
+    env = dict(os.environ)
+    if deploy.security.secret:
+        env[INTERNAL_SECRET_ENV] = deploy.security.secret
+    return env
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -201,6 +282,16 @@ def dist_env():  # -> helixserve.parallel.DistEnv | None
     from helixserve.parallel.groups import dist_env_from
 
     return dist_env_from(os.environ)
+
+
+def import_without_env_default(module: str, name: str, default: str) -> ModuleType:
+    """Import ``module``, which sets ``os.environ[name] = default`` when unset (ucxx does so with
+    ``UCX_MEMTYPE_CACHE=n``), then remove that default again; a value that was set before stays."""
+    was_set = name in os.environ
+    imported = importlib.import_module(module)
+    if not was_set and os.environ.get(name) == default:
+        del os.environ[name]
+    return imported
 
 
 KERNEL_BACKENDS = ("auto", "reference")

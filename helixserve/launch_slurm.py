@@ -12,7 +12,9 @@
 4. Start one ``srun`` step per ctx worker, per gen world (dp x cp tasks; ``MASTER_ADDR`` /
    ``MASTER_PORT`` name its rank 0; gloo on CPU, NCCL on GPU) and for the router, each running
    ``python -m helixserve.cli <role> --index I -c <job dir>/config.yaml``, the commands
-   ``helixserve launch`` runs. Logs go to ``<job dir>/logs/<step>.log``.
+   ``helixserve launch`` runs. Logs go to ``<job dir>/logs/<step>.log``. The deployment's
+   internal secret (``HELIXSERVE_INTERNAL_SECRET`` / ``_FILE`` of the job, else a fresh random
+   one) reaches every step through its environment (``srun --export=ALL``), never a file.
 5. Wait (bounded) for the router's ``/ready``; write its URL to ``<job dir>/ready``.
 6. Serve until a signal (``scancel``, the time limit via ``--signal``) or until a step exits,
    then stop every step: SIGTERM (srun forwards it to its tasks), a bounded grace, SIGKILL.
@@ -207,9 +209,10 @@ def plan_steps(deploy: DeploymentConfig, placement: Placement, hosts: list[str],
 class Job:
     """The running steps; :meth:`stop` is idempotent."""
 
-    def __init__(self, steps: list[Step], log_dir: Path) -> None:
+    def __init__(self, steps: list[Step], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.steps = steps
         self.log_dir = log_dir
+        self.env = env  # srun --export=ALL passes it on to every task (the internal secret)
         self.processes: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
@@ -217,7 +220,7 @@ class Job:
         for step in self.steps:
             with open(self.log_dir / f"{step.name}.log", "ab") as log:
                 self.processes[step.name] = subprocess.Popen(step.argv, stdout=log, stderr=subprocess.STDOUT,
-                                                             stdin=subprocess.DEVNULL)
+                                                             stdin=subprocess.DEVNULL, env=self.env)
             logger.info("started %s on %s: %s", step.name, ",".join(step.nodes), " ".join(step.argv))
 
     def exited(self) -> list[tuple[str, int]]:
@@ -317,7 +320,7 @@ def serve(job: Job, url: str, job_dir: Path, ready_timeout_s: float, stop_signal
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    from helixserve.config import slurm_env
+    from helixserve.config import child_environment, ensure_internal_secret, slurm_env
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -328,7 +331,9 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
     deploy, steps, job_dir = prepare(args, env)
-    job = Job(steps, job_dir / "logs")
+    # the job's internal secret: HELIXSERVE_INTERNAL_SECRET(_FILE) when the job has one, else made
+    # here; it reaches the steps through their environment only (not config.yaml nor plan.json)
+    job = Job(steps, job_dir / "logs", child_environment(ensure_internal_secret(deploy)))
     try:
         job.start()
         return serve(job, router_url(deploy), job_dir, args.ready_timeout, stop_signals)

@@ -24,9 +24,9 @@ unfinished request failed); the loop goes on. ``shutdown()`` fails what is left 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -121,7 +121,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name=engine_thread_name, daemon=True)
         self._is_accepting = False
         self._stats = core.stats()
-        self._ids = itertools.count()
         self.num_step_errors = 0
 
     # -- event-loop side -------------------------------------------------------------------
@@ -145,7 +144,9 @@ class AsyncEngine:
         return self._stats
 
     def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
+        """An id nobody can guess (128 random bits): a request's id names its cache to the KV
+        transfer, so it must not be derivable from another's (ids used to be sequential)."""
+        return f"{prefix}-{secrets.token_hex(16)}"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        *, hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),

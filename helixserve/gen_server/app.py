@@ -52,7 +52,8 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
     """
     if not server.runs_world:
         worker, _ = make_worker("gen", deploy, server.max_queue_len, server.device)
-        kv_source = make_kv_source(server.kv_source, worker.layout, deploy.transceiver, server.cp)
+        kv_source = make_kv_source(server.kv_source, worker.layout, deploy.transceiver, server.cp,
+                                   deploy.ctx_transceivers)
         return _app(worker, kv_source)
     options, layout, kv_source, factory = _world_parts(deploy, server)
     world = start_gen_world(deploy, server, options, factory, env)
@@ -79,7 +80,7 @@ def run_gen_rank(deploy: DeploymentConfig, server: GenServerConfig, env: DistEnv
 def _world_parts(deploy: DeploymentConfig, server: GenServerConfig):  # noqa: ANN202
     options = world_options(deploy, server)
     layout = world_layout(deploy, server, options)
-    kv_source = make_kv_source(server.kv_source, layout, deploy.transceiver, server.cp)
+    kv_source = make_kv_source(server.kv_source, layout, deploy.transceiver, server.cp, deploy.ctx_transceivers)
     factory = kv_source.receiver_factory() if isinstance(kv_source, UcxKVSource) else None
     return options, layout, kv_source, factory
 

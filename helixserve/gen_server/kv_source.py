@@ -33,6 +33,7 @@ from typing import ClassVar
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.engine.request import SamplingParams
 from helixserve.protocol import DisaggregatedParams, KVLayout, OpenAIError
+from helixserve.serving.auth import PermissionDeniedError
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.polling import TransferMetrics
 
@@ -106,11 +107,17 @@ class UcxReceiverFactory:
 
     config: TransceiverConfig
     layout: KVLayout
+    ctx_hosts: tuple[str, ...] = ()  # the deployment's ctx transceivers (UCX's interface toward them)
 
     def __call__(self, mapping) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping)
         from helixserve.transceiver.receiver import KVReceiver
+        from helixserve.transceiver.ucxx_backend.devices import local_address_toward, net_devices_for
 
-        receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
+        config = self.config
+        if config.ucx_net_devices is None:  # this rank's interface on the route to the ctx workers
+            devices = net_devices_for(local_address_toward(self.ctx_hosts))
+            config = config.model_copy(update={"ucx_net_devices": devices})
+        receiver = KVReceiver(config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
                               gen_rank=mapping.rank)
         return PacedKVReceiver(receiver, self.config.poll_interval_s)
 
@@ -124,27 +131,43 @@ class UcxKVSource(KVSource):
     cause, from :meth:`GenWorldCore.failure_error`). A request whose client left is aborted: each
     rank cancels its transfer (the ctx stops sending) and frees its blocks once nothing can write.
 
+    Only ctx endpoints of the deployment are dialled (``ctx_endpoints``: every ctx worker's
+    ``transceiver_host:transceiver_port``): a request naming another one is refused with 403
+    before anything is allocated or any connection is opened.
+
     Counts per request (whole CP group): completed / failed transfers, bytes (the shards' sizes)
     and seconds from admission to the prompt state ready on every rank.
     """
 
     name = "ucx"
 
-    def __init__(self, layout: KVLayout, config: TransceiverConfig, cp: int) -> None:
+    def __init__(self, layout: KVLayout, config: TransceiverConfig, cp: int,
+                 ctx_endpoints: frozenset[tuple[str, int]] = frozenset()) -> None:
         self.layout = layout
         self.config = config
         self.cp = cp
+        self.ctx_endpoints = ctx_endpoints
         self.num_completed = 0
         self.num_failed = 0
         self.bytes_received = 0
         self.seconds_received = 0.0
 
     def receiver_factory(self) -> UcxReceiverFactory:
-        return UcxReceiverFactory(self.config, self.layout)
+        return UcxReceiverFactory(self.config, self.layout, tuple(sorted({h for h, _ in self.ctx_endpoints})))
 
     def generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
                  sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self.check_endpoint(params)
         return self._generate(engine, request_id, params, sampling)
+
+    def check_endpoint(self, params: DisaggregatedParams) -> None:
+        """403 unless ``params.ctx_endpoint`` is one of the deployment's ctx transceivers."""
+        endpoint = params.ctx_endpoint
+        assert endpoint is not None  # validated by the protocol for generation_only
+        if (endpoint.host, endpoint.port) not in self.ctx_endpoints:
+            raise PermissionDeniedError(
+                f"ctx_endpoint {endpoint.host}:{endpoint.port} is not a ctx transceiver of this deployment",
+                param="disaggregated_params.ctx_endpoint", code="ctx_endpoint_not_allowed")
 
     async def _generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
                         sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -195,10 +218,12 @@ KV_SOURCES: dict[str, type[KVSource]] = {RecomputeKVSource.name: RecomputeKVSour
                                          UcxKVSource.name: UcxKVSource}
 
 
-def make_kv_source(name: str, layout: KVLayout, config: TransceiverConfig, cp: int) -> KVSource:
-    """The gen worker's source by its config name (``GenServerConfig.kv_source``)."""
+def make_kv_source(name: str, layout: KVLayout, config: TransceiverConfig, cp: int,
+                   ctx_endpoints: frozenset[tuple[str, int]] = frozenset()) -> KVSource:
+    """The gen worker's source by its config name (``GenServerConfig.kv_source``);
+    ``ctx_endpoints``: the only ctx transceivers a ``ucx`` source may dial."""
     if name == UcxKVSource.name:
-        return UcxKVSource(layout, config, cp)
+        return UcxKVSource(layout, config, cp, ctx_endpoints)
     if name == RecomputeKVSource.name:
         return RecomputeKVSource()
     raise ValueError(f"unknown kv_source {name!r}; choose one of {sorted(KV_SOURCES)}")

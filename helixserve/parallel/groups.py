@@ -8,7 +8,9 @@ Launch paths:
   a port derived from ``SLURM_JOB_ID``.
 - explicit: ``init_parallel(mapping, "tcp://host:port")`` (local spawned worlds, tests).
 
-This module reads no environment variables itself: ``config.py`` passes ``os.environ`` to
+Every listener binds the rendezvous host: rank 0's TCPStore listens on ``host`` of
+``tcp://host:port`` only (:func:`tcp_store`); gloo's pairs listen on the address the host
+resolves to. This module reads no environment variables itself: ``config.py`` passes ``os.environ`` to
 :func:`dist_env_from`. Every process group gets a timeout, so a missing or dead peer makes a
 collective raise instead of hanging (NCCL honours it through its async error handling).
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 import datetime
 import logging
 import re
+import socket
 from collections.abc import Mapping as EnvMapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -106,6 +110,27 @@ def dist_env_from(environ: EnvMapping[str, str]) -> DistEnv | None:
     return DistEnv(rank, world_size, local_rank, addr, port, launcher)
 
 
+def tcp_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The rendezvous store of a ``tcp://host:port`` world, listening on ``host`` only (None for
+    other schemes). torch's own ``tcp://`` rendezvous makes rank 0's TCPStore listen on every
+    interface (``::``) whatever the host; here rank 0 binds the socket itself and hands it over
+    (``master_listen_fd``; the store owns and closes it)."""
+    parsed = urlsplit(init_method)
+    if parsed.scheme != "tcp":
+        return None
+    host, port = parsed.hostname, parsed.port
+    if not host or port is None:
+        raise ValueError(f"init_method {init_method!r} must be tcp://host:port")
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=max(128, world_size))
+    except OSError as exc:
+        raise RuntimeError(f"rank 0 cannot listen for its world on {host}:{port}: {exc}") from exc
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
+
+
 @dataclass(slots=True)
 class ParallelGroups:
     """The process groups of one rank.
@@ -185,9 +210,11 @@ def init_parallel(
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     set_nccl_blocking_wait(timeout if backend == "nccl" and nccl_blocking_wait else None)
+    store = tcp_store(init_method, mapping.rank, mapping.world_size, timeout)
     dist.init_process_group(
         backend,
-        init_method=init_method,
+        init_method=None if store is not None else init_method,
+        store=store,
         rank=mapping.rank,
         world_size=mapping.world_size,
         timeout=timeout,

@@ -21,6 +21,7 @@ from helixserve.protocol import (AuthenticationError, ChatCompletionRequest, Com
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
+from helixserve.serving.auth import internal_headers
 from helixserve.serving.http import install_error_handlers, run_unless_disconnected
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,9 @@ class RouterService:
     """The router's state: pools, admission, metrics and (while running) the orchestrator."""
 
     def __init__(self, config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
-                 served_model: str) -> None:
+                 served_model: str, internal_secret: str | None = None) -> None:
         self.config = config
+        self.internal_secret = internal_secret  # sent on every hop to a worker
         self.served_model = served_model
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
@@ -83,7 +85,8 @@ class RouterService:
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=2 * config.max_inflight + 16,
                               max_keepalive_connections=config.max_inflight)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits,
+                                     headers=internal_headers(self.internal_secret)) as client:
             self.orchestrator = Orchestrator(self.ctx_pool, self.gen_pool, client, self.metrics)
             checker = asyncio.create_task(self._check_health(client))
             try:
@@ -157,8 +160,8 @@ class RouterService:
 
 
 def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
-                     served_model: str) -> FastAPI:
-    service = RouterService(config, ctx_urls, gen_urls, served_model)
+                     served_model: str, internal_secret: str | None = None) -> FastAPI:
+    service = RouterService(config, ctx_urls, gen_urls, served_model, internal_secret)
     app = FastAPI(title="helixserve router", lifespan=service.lifespan)
     install_error_handlers(app)
 
@@ -191,4 +194,5 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
 
 
 def build_router_app_from(deploy: DeploymentConfig) -> FastAPI:
-    return build_router_app(deploy.router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name)
+    return build_router_app(deploy.router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name,
+                            deploy.security.secret)

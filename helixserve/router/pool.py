@@ -82,10 +82,18 @@ class WorkerPool:
             self.mark_failed(worker, f"health check failed: {type(exc).__name__}: {exc}")
             return
         if response.status_code != 200:
-            self.mark_failed(worker, f"health check answered {response.status_code}: "
-                                     f"{stats.get('status') if isinstance(stats, dict) else stats}")
+            self.mark_failed(worker, f"health check answered {response.status_code}: {_cause(stats)}")
             return
         if not worker.is_healthy:
             logger.info("%s worker %s is healthy", self.role, worker.url)
         worker.is_healthy, worker.last_error = True, None
         worker.stats = stats if isinstance(stats, dict) else {}
+
+
+def _cause(answer: Any) -> Any:
+    """What a failed ``/health`` answer says: its status, or its OpenAI error message (a 401:
+    this router does not hold the worker's internal secret)."""
+    if not isinstance(answer, dict):
+        return answer
+    error = answer.get("error")
+    return answer.get("status") or (error.get("message") if isinstance(error, dict) else error)

@@ -33,6 +33,7 @@ from helixserve.protocol import (SSE_DONE, ChatCompletionRequest, CompletionRequ
                                  completion_usage_chunk, error_from_body, sse_error, sse_event)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool, WorkerState
+from helixserve.serving.auth import INVALID_INTERNAL_SECRET
 from helixserve.serving.http import REQUEST_ID_HEADER
 
 logger = logging.getLogger(__name__)
@@ -171,8 +172,23 @@ class Orchestrator:
         if response.status_code != 200:
             ctx.num_inflight -= 1
             flight.ctx = None  # the ctx worker failed it: nothing left there
-            raise flight.fail(error_from_body(response.status_code, payload))
+            raise flight.fail(self.worker_error(self.ctx_pool, ctx, response.status_code, payload))
         return payload
+
+    def worker_error(self, pool: WorkerPool, worker: WorkerState, status: int, payload: Any) -> OpenAIError:
+        """A worker's error answer for the client. A worker's 401 / 403 on a router hop is this
+        deployment's fault, not the client's: 503 naming the cause (a worker refusing this
+        router's internal secret is also marked unhealthy)."""
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if status not in (401, 403) or not isinstance(error, dict):
+            return error_from_body(status, payload)
+        if error.get("code") == INVALID_INTERNAL_SECRET:
+            cause = "it refuses this router's internal secret (HELIXSERVE_INTERNAL_SECRET differs)"
+            pool.mark_failed(worker, cause)
+        else:  # e.g. a worker without a secret, or gen refusing the ctx endpoint: the deployment's fault
+            cause = f"it answered {status}: {error.get('message')}"
+        return ServiceUnavailableError(f"{pool.role} worker {worker.url} cannot serve this router: {cause}",
+                                       code=f"{pool.role}_worker_failed")
 
     def _release_ctx(self, flight: Flight) -> None:
         """The gen worker has the request: free the ctx hold."""
@@ -196,7 +212,7 @@ class Orchestrator:
         if response.status_code != 200:
             self.metrics.handoff_failures.inc()
             await response.aread()
-            raise flight.fail(error_from_body(response.status_code, _json(response)))
+            raise flight.fail(self.worker_error(self.gen_pool, gen, response.status_code, _json(response)))
         self._release_ctx(flight)
         if not body.stream:
             payload = _json(response)

@@ -4,5 +4,6 @@
   (torch-free: the router uses it).
 - :mod:`.openai_serving`: OpenAI request -> engine inputs, engine outputs -> answers / SSE.
 - :mod:`.worker_app`: the FastAPI app of a worker; roles plug in their request handlers.
+- :mod:`.auth`: who may call a worker (the deployment's internal secret; torch-free).
 - :mod:`.loading`: build a worker's engine from a :class:`~helixserve.config.DeploymentConfig`.
 """

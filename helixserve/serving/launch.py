@@ -29,7 +29,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from helixserve.config import CacheConfig, DeploymentConfig, GenServerConfig
+from helixserve.config import (CacheConfig, DeploymentConfig, GenServerConfig, child_environment,
+                               ensure_internal_secret)
 
 DEFAULT_MODEL_DIR = Path("checkpoints/kimi-k3-tiny")
 DEFAULT_PRESET = "kimi-k3-tiny"
@@ -91,6 +92,7 @@ def start_processes(config_file: Path, deploy: DeploymentConfig, log_level: str)
     children = []
     for name, args in commands:
         process = subprocess.Popen([*base, *args, "-c", str(config_file)], cwd=_REPO_ROOT,
+                                   env=child_environment(deploy),  # the internal secret
                                    start_new_session=True, preexec_fn=_die_with_parent)
         children.append(Child(name, process))
     return children
@@ -148,7 +150,7 @@ def curl_example(url: str, deploy: DeploymentConfig) -> str:
 
 def launch(config: str | None, model: str | None = None, port: int | None = None,
            log_level: str = "WARNING", ready_timeout_s: float = 180.0) -> int:
-    deploy = resolve_deployment(config, model, port)
+    deploy = ensure_internal_secret(resolve_deployment(config, model, port))
     stop_signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))

@@ -66,4 +66,4 @@ def wrap_core(role: str, deploy: DeploymentConfig, core: EngineCoreLike, tokeniz
     limits = ServingLimits(served_model=deploy.model.name, max_model_len=max_model_len,
                            vocab_size=cfg.vocab_size, default_max_tokens=deploy.default_max_tokens)
     logger.info("%s worker limits: %s", role, limits)
-    return Worker(role, engine, tokenizer, limits, layout)
+    return Worker(role, engine, tokenizer, limits, layout, security=deploy.security)

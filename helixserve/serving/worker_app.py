@@ -29,6 +29,8 @@ from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequestError,
                                  KVLayout, ModelCard, ModelList, ModelNotFoundError, RequestType,
                                  ServiceUnavailableError, parse_model)
+from helixserve.config import SecurityConfig
+from helixserve.serving.auth import install_internal_auth
 from helixserve.serving.http import install_error_handlers, request_id_from, run_unless_disconnected
 from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
                                                collect_outputs, prepare, sse_stream)
@@ -72,6 +74,7 @@ class Worker:
     failure: Callable[[], str | None] = lambda: None  # why the worker cannot serve (None: it can)
     extra_stats: Callable[[], dict[str, Any]] = lambda: {}  # in /health and /stats (router reads)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # who may call (serving/auth.py)
 
     def __post_init__(self) -> None:
         self.requests = Counter("helixserve_worker_requests", "finished HTTP completion requests",
@@ -217,6 +220,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
 
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
     install_error_handlers(app)
+    install_internal_auth(app, worker.security)
 
     @app.post("/v1/completions")
     async def completions(http_request: Request) -> Response:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import math
+from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 MIB = 1 << 20
 
@@ -19,6 +20,25 @@ class TransceiverBackendKind(str, enum.Enum):
 
     UCXX = "ucxx"
     FAKE = "fake"
+
+
+class ControlTLSConfig(BaseModel):
+    """TLS for the gRPC control plane, with grpc's own credentials (PEM files).
+
+    The ctx worker's server presents ``cert_file`` / ``key_file``; gen ranks verify it against
+    ``ca_file`` (a self-signed certificate may be its own CA). ``server_name``: the name the
+    certificate was issued for when it is not the host gen dials (``ctx.transceiver_host``).
+    ``require_client_cert``: the server also asks gen ranks for a certificate signed by
+    ``ca_file``, and they present ``cert_file`` / ``key_file`` (mutual TLS, one key pair).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    server_name: str | None = None
+    require_client_cert: bool = False
 
 
 class TransceiverConfig(BaseModel):
@@ -47,6 +67,14 @@ class TransceiverConfig(BaseModel):
             leaving them to their ~1 ms / 0.5 ms ticks. Off by default: on the 2-core CPU box
             the per-completion Python work cost more than the tick latency it saves
             (bench/transceiver.py: 16k-token request 4.4-5.6 GB/s without, 3.4-4.3 GB/s with).
+        ucx_net_devices: ``UCX_NET_DEVICES`` of the data plane, e.g. ``"eth0,mlx5_0:1"``; UCX's
+            TCP transport listens on those interfaces only. None: the worker's own interface (ctx:
+            the one holding ``transceiver_host``; gen: the one routing to the ctx transceivers)
+            plus every RDMA port; ``"all"``: every device (UCX's default, listens everywhere).
+        control_tls: TLS for the control plane (None: plaintext gRPC on a private network).
+        internal_secret: the deployment's internal secret; every control-plane call carries it
+            and the ctx's service answers only calls that do (None: the service answers anyone).
+            Never in the YAML: ``helixserve.config.resolve_security`` fills it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -64,6 +92,9 @@ class TransceiverConfig(BaseModel):
     rpc_timeout_ms: float = 5000.0
     drain_timeout_ms: float = 2000.0
     wake_on_completion: bool = False
+    ucx_net_devices: str | None = None
+    control_tls: ControlTLSConfig | None = None
+    internal_secret: SecretStr | None = Field(None, exclude=True, repr=False)
 
     @field_validator("kv_transfer_timeout_ms", mode="before")
     @classmethod
@@ -114,6 +145,10 @@ class TransceiverConfig(BaseModel):
         if value <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {value}")
         return value
+
+    @property
+    def secret(self) -> str | None:
+        return self.internal_secret.get_secret_value() if self.internal_secret is not None else None
 
     @property
     def timeout_s(self) -> float:

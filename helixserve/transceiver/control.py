@@ -1,14 +1,18 @@
 """Control plane: the `KVTransfer` gRPC service on a ctx worker, and its client on gen ranks.
 
 The service negotiates transfers (RequestShard), stops them (Cancel) and confirms them
-(Acknowledge); the bytes move over UCX. Every client call carries a deadline (`timeout_s`, from
-`TransceiverConfig.rpc_timeout_ms` or the transfer's remaining time, whichever is shorter), so no
-caller ever waits on the control plane without bound. A handler that raises answers with an error
-reply instead of a gRPC failure, so the peer always gets a named cause.
+(Acknowledge); the bytes move over UCX. Every client call carries a deadline, so no caller ever
+waits on the control plane without bound: RequestShard the transfer's remaining time (its
+connection may use the whole `kv_transfer_timeout_ms` budget), Cancel and Acknowledge
+`TransceiverConfig.rpc_timeout_ms`. Calls wait for the channel to connect (`wait_for_ready`,
+retried with backoff) up to that deadline instead of failing at the first slow handshake; a call
+whose channel never connected fails as `UNAVAILABLE` naming the peer. A handler that raises
+answers with an error reply instead of a gRPC failure, so the peer always gets a named cause.
 
-Trust: the service is plain (insecure) gRPC and UCX does not validate the worker addresses it is
-handed (a malformed one can abort the process), so ctx and gen workers must share a trusted
-network, like their torch.distributed and UCX traffic.
+Trust (:mod:`.control_auth`): with the deployment's internal secret configured, the service
+answers only calls carrying it; TLS (grpc's credentials) is optional. UCX does not validate the
+worker addresses it is handed (a malformed one can abort the process), so the service must not
+be reachable from outside the deployment's private network either way.
 
 Stubs: `helixserve/protocol/transfer_pb2*.py` are generated from `transfer.proto` by
 `python -m helixserve.transceiver.control --regenerate` (grpcio-tools; the generated code needs
@@ -33,6 +37,9 @@ from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol import transfer_pb2_grpc as pb_grpc
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.transceiver.base import PayloadKind
+from helixserve.transceiver.config import TransceiverConfig
+from helixserve.transceiver.control_auth import (SecretInterceptor, call_metadata, channel_credentials,
+                                                 channel_options, server_credentials)
 
 logger = logging.getLogger(__name__)
 
@@ -99,18 +106,26 @@ class ControlServer:
     Args:
         handler: answers the three calls (thread-safe: several gRPC threads call it).
         host: interface to bind; port 0 picks a free one (see `port` after `start`).
+        config: its `internal_secret` (callers must carry it) and `control_tls`; None: neither.
     """
 
     def __init__(self, handler: TransferHandler, host: str = "127.0.0.1", port: int = 0,
-                 max_workers: int = 4) -> None:
+                 max_workers: int = 4, *, config: TransceiverConfig | None = None) -> None:
         self.host = host
         self.port = port
+        secret = config.secret if config is not None else None
+        self.tls = config.control_tls if config is not None else None
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-control"),
+                                   interceptors=[SecretInterceptor(secret)] if secret else None,
                                    options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(handler), self._server)
 
     def start(self) -> int:
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        address = f"{self.host}:{self.port}"
+        if self.tls is not None:
+            self.port = self._server.add_secure_port(address, server_credentials(self.tls))
+        else:
+            self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"cannot bind the KV transfer control plane to {self.host}")
         self._server.start()
@@ -125,37 +140,65 @@ def target(endpoint: TransceiverEndpoint) -> str:
 
 
 # a ctx worker that restarts on the same endpoint is reachable again within a second; each
-# channel has its own subchannels (gRPC shares them, backoff included, across equal channels)
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+# channel has its own subchannels (gRPC shares them, backoff included, across equal channels).
+# grpc.min_reconnect_backoff_ms is also the least time one connection attempt gets to finish its
+# HTTP/2 handshake: at 100 ms a loaded peer failed it ("connection attempt timed out before
+# receiving SETTINGS frame"); calls are bounded by their deadlines, not by this
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 20_000),
                    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
 
 
+SHARD_DEADLINE_MARGIN_S = 0.1  # RequestShard ends this much before its transfer's deadline
 ASYNC_CALL_THREADS = 4  # per client: concurrent *_async calls (each bounded by its deadline)
 
 
+class ControlUnreachableError(grpc.RpcError):
+    """A call whose channel never connected before its deadline (``code()``: ``UNAVAILABLE``)."""
+
+    def __init__(self, target_name: str, timeout_s: float) -> None:
+        super().__init__(f"could not connect to {target_name} within {timeout_s:.1f} s")
+        self._details = str(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
 class ControlClient:
-    """Calls one ctx worker's service; every call has a deadline (`timeout_s` at most).
+    """Calls one ctx worker's service; every call has a deadline (see the module docstring).
 
     The ``*_async`` calls run the blocking call on a small, long-lived thread pool and return a
     ``concurrent.futures.Future`` (``done`` / ``result`` / ``exception`` / ``cancel`` /
     ``add_done_callback``, as gRPC's futures): grpc's own ``.future()`` on a sync channel starts
     a channel spin thread for calls in flight, which costs about a millisecond per call when
     calls come one at a time (one request's RequestShard, then its Acknowledge).
+    ``config``: the internal secret every call carries and the TLS settings (None: neither).
     """
 
-    def __init__(self, endpoint: TransceiverEndpoint, timeout_s: float) -> None:
+    def __init__(self, endpoint: TransceiverEndpoint, timeout_s: float, *,
+                 config: TransceiverConfig | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"control-plane timeout must be > 0 s, got {timeout_s}")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target(endpoint), options=CHANNEL_OPTIONS)
+        tls = config.control_tls if config is not None else None
+        self._metadata = call_metadata(config.secret if config is not None else None)
+        if tls is not None:
+            self._channel = grpc.secure_channel(target(endpoint), channel_credentials(tls),
+                                                options=CHANNEL_OPTIONS + channel_options(tls))
+        else:
+            self._channel = grpc.insecure_channel(target(endpoint), options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVTransferStub(self._channel)
         self._pool = futures.ThreadPoolExecutor(ASYNC_CALL_THREADS, thread_name_prefix="kv-control-client")
         self.state = grpc.ChannelConnectivity.IDLE
+        self._has_connected = False
         self._channel.subscribe(self._on_state)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
         self.state = state
+        self._has_connected = self._has_connected or state is grpc.ChannelConnectivity.READY
 
     @property
     def is_failing(self) -> bool:
@@ -165,23 +208,40 @@ class ControlClient:
     def _deadline(self, timeout_s: float | None) -> float:
         return max(0.001, min(self.timeout_s, timeout_s if timeout_s is not None else self.timeout_s))
 
+    def _call(self, method, request, timeout_s: float):  # noqa: ANN001, ANN202 (a stub method)
+        try:
+            return method(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError as error:
+            is_deadline = getattr(error, "code", None) and error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            if is_deadline and not self._has_connected and self.state is not grpc.ChannelConnectivity.READY:
+                raise ControlUnreachableError(target(self.endpoint), timeout_s) from None
+            raise
+
+    def _shard_deadline(self, timeout_s: float | None) -> float:
+        """RequestShard's: the transfer's remaining time (its connect may use all of it), less a
+        margin so that a ctx never reached is reported as unreachable, not as a plain timeout."""
+        if timeout_s is None:
+            return self.timeout_s
+        margin = SHARD_DEADLINE_MARGIN_S if timeout_s > 2 * SHARD_DEADLINE_MARGIN_S else timeout_s / 2
+        return max(0.001, timeout_s - margin)
+
     def request_shard(self, request: pb.ShardRequest, timeout_s: float | None = None) -> pb.ShardReply:
-        return self._stub.RequestShard(request, timeout=self._deadline(timeout_s))
+        return self._call(self._stub.RequestShard, request, self._shard_deadline(timeout_s))
 
     def request_shard_async(self, request: pb.ShardRequest, timeout_s: float | None = None) -> futures.Future:
-        return self._pool.submit(self._stub.RequestShard, request, timeout=self._deadline(timeout_s))
+        return self._pool.submit(self._call, self._stub.RequestShard, request, self._shard_deadline(timeout_s))
 
     def cancel(self, request: pb.CancelRequest, timeout_s: float | None = None) -> pb.CancelReply:
-        return self._stub.Cancel(request, timeout=self._deadline(timeout_s))
+        return self._call(self._stub.Cancel, request, self._deadline(timeout_s))
 
     def cancel_async(self, request: pb.CancelRequest, timeout_s: float | None = None) -> futures.Future:
-        return self._pool.submit(self._stub.Cancel, request, timeout=self._deadline(timeout_s))
+        return self._pool.submit(self._call, self._stub.Cancel, request, self._deadline(timeout_s))
 
     def acknowledge(self, request: pb.AckRequest, timeout_s: float | None = None) -> pb.AckReply:
-        return self._stub.Acknowledge(request, timeout=self._deadline(timeout_s))
+        return self._call(self._stub.Acknowledge, request, self._deadline(timeout_s))
 
     def acknowledge_async(self, request: pb.AckRequest, timeout_s: float | None = None) -> futures.Future:
-        return self._pool.submit(self._stub.Acknowledge, request, timeout=self._deadline(timeout_s))
+        return self._pool.submit(self._call, self._stub.Acknowledge, request, self._deadline(timeout_s))
 
     def stop_watching(self) -> None:
         self._channel.unsubscribe(self._on_state)
@@ -198,8 +258,9 @@ class ControlClients:
     a restarted ctx worker is not refused for the rest of the old channel's reconnect backoff;
     the old one stays with the transfers that use it."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, config: TransceiverConfig | None = None) -> None:
         self.timeout_s = timeout_s
+        self.config = config
         self._clients: dict[str, ControlClient] = {}
         self._lock = threading.Lock()
 
@@ -210,7 +271,8 @@ class ControlClients:
                 client.stop_watching()  # left to its transfers (closed when unreferenced)
                 client = None
             if client is None:
-                client = self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s)
+                client = self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s,
+                                                                        config=self.config)
             return client
 
     def close(self) -> None:

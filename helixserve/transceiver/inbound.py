@@ -170,8 +170,13 @@ class Inbound:
         except ValueError as error:
             return self._fail(f"{self.ctx}: {error}")
         if num_tokens != self.plan.spec.num_tokens or first != list(self.params.first_gen_tokens):
-            self._fail(f"{self.ctx} sent prompt length {num_tokens} and first tokens {first}; the request "
-                       f"has {self.plan.spec.num_tokens} and {list(self.params.first_gen_tokens)}")
+            # the cause goes to the client: it must tell nothing of what ctx holds (its true first
+            # tokens belong to another request's answer); the details stay in this log
+            logger.warning("%s: %s holds prompt length %d, first tokens %s; the request has %d, %s",
+                           self.request_id, self.ctx, num_tokens, first, self.plan.spec.num_tokens,
+                           list(self.params.first_gen_tokens))
+            self._fail(f"{self.ctx} holds a different prefill under ctx_request_id "
+                       f"{self.params.ctx_request_id!r} than this request describes")
 
     def _finish(self) -> None:
         self.phase = Phase.DONE  # every receive completed: nothing can write any more

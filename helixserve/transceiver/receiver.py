@@ -75,10 +75,9 @@ class KVReceiver:
         self.gen_rank = gen_rank
         self.clock: Clock = clock or MonotonicClock()
         self.poller = TransferPoller(clock=self.clock)
-        self.plane = UcxxDataPlane(progress_thread=True, wakeup=self.poller.wakeup,
-                                   wakeup_on_completion=config.wake_on_completion)
+        self.plane = UcxxDataPlane.for_transceiver(config, self.poller.wakeup)
         self.retractor = Retractor(self.plane, self.clock, config.timeout_s)
-        self.clients = ControlClients(config.rpc_timeout_s)
+        self.clients = ControlClients(config.rpc_timeout_s, config)
         self.staging = staging_for(config)
         self.inbounds: dict[str, Inbound] = {}
         self._reported: set[str] = set()

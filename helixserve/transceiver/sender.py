@@ -118,10 +118,9 @@ class KVSender:
         self.pickup_timeout_s = pickup_timeout_s or config.timeout_s
         self._wakeup = threading.Event()
         self.poller = TransferPoller(wakeup=self._wakeup)
-        self.plane = UcxxDataPlane(progress_thread=True, wakeup=self._wakeup,
-                                   wakeup_on_completion=config.wake_on_completion)
+        self.plane = UcxxDataPlane.for_transceiver(config, self._wakeup, host)
         self.staging = staging_for(config)
-        self._server = ControlServer(self, host, port)
+        self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
         self._pickups: dict[str, _Pickup] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from helixserve.config import DeploymentConfig
-from helixserve.testing.servers import free_ports, http, wait_until
+from helixserve.config import INTERNAL_SECRET_ENV
+from helixserve.testing.servers import SECRET_HEADER, free_ports, http, new_secret, trust_workers, wait_until
 
 __all__ = ["MODEL", "REPO", "Deployment", "free_ports", "http", "metric", "wait_until"]
 
@@ -68,6 +69,9 @@ class Deployment:
         self.ctx_url, self.gen_url = self.config.ctx[0].url, self.config.gen[0].url
         self.baseline_url = self.config.gen[1].url if baseline_gen else None
         self.router_url = f"http://127.0.0.1:{router_port}"
+        # as `helixserve launch`: one internal secret, given to every process through its env
+        self.secret = new_secret()
+        trust_workers([self.ctx_url, self.gen_url, *([self.baseline_url] if baseline_gen else [])], self.secret)
         self.roles = ["ctx", "gen", *(["baseline"] if baseline_gen else []), "router"]
 
     def save(self) -> None:
@@ -84,7 +88,7 @@ class Deployment:
             [sys.executable, "-m", "helixserve.cli", "--log-level", "WARNING", *command,
              "-c", str(self.config_file), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, INTERNAL_SECRET_ENV: self.secret, **(env or {})})
 
     def start_all(self) -> Deployment:
         for role in self.roles:
@@ -138,8 +142,9 @@ class Deployment:
     def client(self, url: str | None = None, api_key: str = "none", timeout: float = 60):  # noqa: ANN201
         import openai
 
+        internal = {} if url in (None, self.router_url) else {SECRET_HEADER: self.secret}
         return openai.OpenAI(base_url=f"{url or self.router_url}/v1", api_key=api_key,
-                             max_retries=0, timeout=timeout)
+                             max_retries=0, timeout=timeout, default_headers=internal)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+from helixserve.testing.servers import SECRET_HEADER, secret_for
 from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
 TRANSFER_TIMEOUT_S = 3.0
@@ -62,7 +63,8 @@ def _decode_on_gen(dep: Deployment, params: dict, out: dict) -> None:
 def _open_stream(url: str, body: dict) -> httplib.HTTPConnection:
     parsed = urlparse(url)
     conn = httplib.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                               SECRET_HEADER: secret_for(url) or ""})
     return conn
 
 

@@ -32,6 +32,11 @@ def _descendants(pid: int) -> list[int]:
     return kids + [d for k in kids for d in _descendants(k)]
 
 
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
 def _is_running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -71,6 +76,12 @@ def test_launch_makes_the_tiny_model_serves_and_stops_everything(tmp_path):
         gen = next(c for c in children if "serve-gen" in Path(f"/proc/{c}/cmdline").read_text())
         assert http("GET", f"http://127.0.0.1:{gen_port}/health")[1]["world"]["cp"] == 2
         assert len(_descendants(gen)) >= 1  # the world's rank 1 (and its forkserver)
+        # launch made one internal secret and gave it to every child by its environment only
+        secrets = {_environ(c).get("HELIXSERVE_INTERNAL_SECRET") for c in children}
+        assert len(secrets) == 1 and None not in secrets and len(next(iter(secrets))) >= 40
+        assert all(next(iter(secrets)) not in Path(f"/proc/{c}/cmdline").read_text() for c in children)
+        for port in (ctx_port, gen_port):  # the workers answer only the router
+            assert http("GET", f"http://127.0.0.1:{port}/v1/models")[0] == 401
     finally:
         launcher.send_signal(signal.SIGINT)
         code = launcher.wait(60)

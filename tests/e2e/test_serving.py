@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client as httplib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+from helixserve.config import INTERNAL_SECRET_ENV
 from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
 
 # token-id prompts of 1..33 tokens: with tokens_per_block=4 they end inside and on block edges
@@ -275,7 +277,7 @@ def _extra_router(dep: Deployment, tmp_path, **router) -> tuple[str, subprocess.
     path = tmp_path / f"router-{port}.yaml"
     config.to_yaml(path)
     proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
-                            cwd=REPO, start_new_session=True)
+                            cwd=REPO, start_new_session=True, env={**os.environ, INTERNAL_SECRET_ENV: dep.secret})
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:

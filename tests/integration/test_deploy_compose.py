@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "deploy" / "compose.yaml"
 MOUNTED_CONFIG = "/etc/helixserve/config.yaml"
 HEALTHCHECK = REPO / "deploy" / "docker" / "healthcheck.py"
+INTERNAL_ENV, API_KEYS_ENV = "internal.env.example", "helixserve.env.example"
 
 
 def compose_services() -> dict[str, dict]:
@@ -169,11 +170,13 @@ def test_compose_health_ports_secrets_and_devices(profile: str) -> None:
             assert spec["ports"] == [f"${{HELIX_PORT:-8000}}:{deploy.router.port}"]
             workers = {n for n, s in services.items() if role_of(s) != "router"}
             assert spec["depends_on"] == {n: {"condition": "service_healthy"} for n in workers}
-            for env_file in spec["env_file"]:
-                assert default_path(env_file).is_file(), f"{name}: env_file {env_file} does not exist"
+            assert [default_path(f).name for f in spec["env_file"]] == [INTERNAL_ENV, API_KEYS_ENV]
         else:
             assert "ports" not in spec, f"{name} publishes a port; only the router may"
-            assert "env_file" not in spec, f"{name} gets the secrets; only the router needs them"
+            assert [default_path(f).name for f in spec["env_file"]] == [INTERNAL_ENV], \
+                f"{name} gets the router's API keys or no internal secret"
+        for env_file in spec["env_file"]:
+            assert default_path(env_file).is_file(), f"{name}: env_file {env_file} does not exist"
         devices = spec.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
         if profile == "gpu" and role != "router":
             assert devices and devices[0]["capabilities"] == ["gpu"], f"{name} reserves no GPU"

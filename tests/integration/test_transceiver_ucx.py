@@ -180,3 +180,48 @@ def test_transceiver_ucx_requests_posted_from_other_threads_complete():
         assert len(states) == 801 and set(states) == {TransferState.COMPLETED}
     finally:
         plane.close()
+
+
+_PLANE_PROBE = """
+import os, sys
+from pathlib import Path
+from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+from helixserve.transceiver.ucxx_backend.devices import net_devices_for
+kwargs = {"net_devices": net_devices_for("127.0.0.1")} if sys.argv[1] == "loopback" else {}
+a, b = UcxxDataPlane(progress_thread=True, **kwargs), UcxxDataPlane(progress_thread=True, **kwargs)
+b.connect_worker(a.address)
+inodes = {fd.readlink().name[8:-1] for fd in Path("/proc/self/fd").iterdir()
+          if fd.is_symlink() and fd.readlink().name.startswith("socket:[")}
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in Path(table).read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and f[9] in inodes:
+            print("LISTEN", f[1].split(":")[0])
+a.close(); b.close()
+"""
+
+
+def _probe_planes(mode: str) -> tuple[list[str], str]:
+    """Two planes in a fresh process (its environment as a deployment's: no UCX_* preset):
+    the addresses their UCX TCP transports listen on, and what UCX logged (on stdout and stderr)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _PLANE_PROBE, mode], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return ([line.split()[1] for line in done.stdout.splitlines() if line.startswith("LISTEN")],
+            done.stdout + done.stderr)
+
+
+def test_ucx_starts_without_warnings_and_listens_on_the_configured_interface_only():
+    """Finding 7 (UCX warned 'unused environment variable: UCX_MEMTYPE_CACHE' on every start) and
+    finding 3 (UCX listened beyond the configured host): with the loopback host, every TCP listener
+    of the data plane is on 127.0.0.1."""
+    listening, logged = _probe_planes("loopback")
+    assert "UCX  WARN" not in logged and "UCX_MEMTYPE_CACHE" not in logged, logged
+    assert listening and set(listening) == {"0100007F"}, listening

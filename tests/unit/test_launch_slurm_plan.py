@@ -110,3 +110,28 @@ def test_gpu_workers_see_only_their_step_gpus() -> None:
     assert (placed.ctx[0].device, placed.gen[0].device) == ("cuda", "cuda")
     steps = plan_steps(placed, placement, ["g1", "g2"], Path("/c.yaml"))
     assert ["--gpus-per-task=1" in s.argv for s in steps] == [True, True, False]
+
+
+def test_the_internal_secret_reaches_the_steps_by_environment_only(tmp_path: Path, monkeypatch) -> None:
+    """The launcher's secret (made when the job has none) is in every step's environment (srun
+    --export=ALL passes it on), never in the srun command lines, their exports or config.yaml."""
+    import sys
+
+    from helixserve.config import (INTERNAL_SECRET_ENV, INTERNAL_SECRET_FILE_ENV, child_environment,
+                                   ensure_internal_secret)
+    from helixserve.launch_slurm import Job, Step
+
+    monkeypatch.delenv(INTERNAL_SECRET_ENV, raising=False)
+    monkeypatch.delenv(INTERNAL_SECRET_FILE_ENV, raising=False)
+    deploy = ensure_internal_secret(place(deployment(), Placement().resolve(deployment(), 1), ["n1"]))
+    secret = deploy.security.secret
+    assert secret and len(secret) >= 40
+    steps = plan_steps(deploy, Placement().resolve(deploy, 1), ["n1"], tmp_path / "config.yaml")
+    assert all(secret not in " ".join(s.argv) and secret not in str(s.exports) for s in steps)
+    deploy.to_yaml(tmp_path / "config.yaml")
+    assert secret not in (tmp_path / "config.yaml").read_text()
+    probe = [sys.executable, "-c", f"import os; print(os.environ.get({INTERNAL_SECRET_ENV!r}))"]
+    job = Job([Step("ctx0", ["n1"], 1, probe)], tmp_path / "logs", child_environment(deploy))
+    job.start()
+    assert job.processes["ctx0"].wait(30) == 0
+    assert (tmp_path / "logs" / "ctx0.log").read_text().strip() == secret

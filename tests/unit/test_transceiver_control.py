@@ -1,8 +1,13 @@
-"""Control plane: generated stubs are current, every call has a deadline, handler errors come back
-as named replies, and a sender's message list is checked against ours."""
+"""Control plane: generated stubs are current, every call has a deadline, a connect is retried up
+to it (a slow or late peer is reached), handler errors come back as named replies, a sender's
+message list is checked against ours, only callers holding the internal secret are answered, and
+TLS (one-way and mutual) works with a self-signed certificate."""
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
 import threading
 import time
 
@@ -11,6 +16,8 @@ import pytest
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import TransceiverEndpoint
+from helixserve.testing.servers import free_ports
+from helixserve.transceiver.config import ControlTLSConfig, TransceiverConfig
 from helixserve.transceiver.control import (GENERATED, PROTO, ControlClient, ControlServer, check_payloads,
                                             generate_stubs)
 
@@ -57,9 +64,14 @@ def test_every_call_has_a_deadline(server):
     handler, client = server
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
-        client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=10.0)  # capped at 0.3 s
+        client.request_shard(pb.ShardRequest(ctx_request_id="r"))  # the client's 0.3 s
     assert error.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 1.5
+    start = time.monotonic()  # a transfer's RequestShard: its remaining time, not capped at 0.3 s
+    with pytest.raises(grpc.RpcError) as error:
+        client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=0.8)
+    assert error.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0.65 < time.monotonic() - start < 2.5  # (less a 0.1 s margin)
     future = client.request_shard_async(pb.ShardRequest(ctx_request_id="r"), timeout_s=0.1)
     assert future.exception(timeout=2.0).code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert client.cancel(pb.CancelRequest(ctx_request_id="r")).num_posted_messages == 3
@@ -72,11 +84,14 @@ def test_a_failing_handler_answers_with_a_named_error(server):
     assert not reply.accepted and "RuntimeError: kaput" in reply.error
 
 
-def test_unreachable_server_fails_fast_with_unavailable():
-    client = ControlClient(TransceiverEndpoint(host="127.0.0.1", port=1), timeout_s=2.0)
+def test_unreachable_server_is_retried_until_the_deadline_then_unavailable():
+    client = ControlClient(TransceiverEndpoint(host="127.0.0.1", port=1), timeout_s=0.6)
+    start = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
         client.cancel(pb.CancelRequest(ctx_request_id="r"))
+    assert time.monotonic() - start >= 0.55  # kept trying for the whole deadline
     assert error.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "could not connect to 127.0.0.1:1 within 0.6 s" in error.value.details()
     client.close()
 
 
@@ -97,3 +112,166 @@ def test_a_sender_plan_that_differs_from_ours_is_rejected():
     for theirs, cause in cases:
         with pytest.raises(ValueError, match=cause):
             check_payloads(ours, theirs)
+
+
+def test_a_server_that_comes_up_within_the_deadline_is_reached():
+    """A transfer's RequestShard may use its whole budget to connect (the ctx still starting)."""
+    (port,) = free_ports(1)
+    handler = _Handler()
+    handler.release.set()
+    client = ControlClient(TransceiverEndpoint(host="127.0.0.1", port=port), timeout_s=0.2)
+    future = client.request_shard_async(pb.ShardRequest(ctx_request_id="r"), timeout_s=10.0)
+    time.sleep(0.5)  # refused connections meanwhile
+    srv = ControlServer(handler, "127.0.0.1", port)
+    srv.start()
+    try:
+        assert future.result(timeout=12.0).accepted
+    finally:
+        client.close()
+        srv.stop(0.1)
+
+
+class _SlowProxy:
+    """Forwards one TCP port to another, holding each new connection ``delay_s`` first (a loaded
+    peer that is slow to send its HTTP/2 SETTINGS frame)."""
+
+    def __init__(self, upstream_port: int, delay_s: float) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.upstream_port, self.delay_s = upstream_port, delay_s
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        time.sleep(self.delay_s)
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        for src, dst in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_slow_handshake_within_the_deadline_is_not_a_failure(server):
+    """CI flake 'connection attempt timed out before receiving SETTINGS frame': a connect whose
+    handshake takes 400 ms (a loaded ctx) must still succeed inside a 3 s deadline."""
+    handler, direct = server
+    handler.release.set()
+    proxy = _SlowProxy(direct.endpoint.port, delay_s=0.4)
+    client = ControlClient(TransceiverEndpoint(host="127.0.0.1", port=proxy.port), timeout_s=3.0)
+    try:
+        assert client.cancel(pb.CancelRequest(ctx_request_id="r")).num_posted_messages == 3
+        assert client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=3.0).accepted
+    finally:
+        client.close()
+        proxy.close()
+
+
+class _CountingHandler(_Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.release.set()
+        self.num_calls = 0
+
+    def request_shard(self, request):
+        self.num_calls += 1
+        return super().request_shard(request)
+
+    def cancel_shard(self, request):
+        self.num_calls += 1
+        return super().cancel_shard(request)
+
+    def acknowledge(self, request):
+        self.num_calls += 1
+        return super().acknowledge(request)
+
+
+def _tx(**overrides) -> TransceiverConfig:
+    return TransceiverConfig(kv_transfer_timeout_ms=5000, **overrides)
+
+
+def _calls(client: ControlClient) -> list:
+    return [lambda: client.request_shard(pb.ShardRequest(ctx_request_id="r")),
+            lambda: client.cancel(pb.CancelRequest(ctx_request_id="r")),
+            lambda: client.acknowledge(pb.AckRequest(ctx_request_id="r"))]
+
+
+def test_the_service_answers_only_callers_holding_the_secret():
+    handler = _CountingHandler()
+    srv = ControlServer(handler, "127.0.0.1", 0, config=_tx(internal_secret="s3cret"))
+    endpoint = TransceiverEndpoint(host="127.0.0.1", port=srv.start())
+    strangers = [ControlClient(endpoint, 2.0), ControlClient(endpoint, 2.0, config=_tx(internal_secret="guess")),
+                 ControlClient(endpoint, 2.0, config=_tx(internal_secret="s3cret-but-longer"))]
+    insider = ControlClient(endpoint, 2.0, config=_tx(internal_secret="s3cret"))
+    try:
+        for stranger in strangers:
+            for call in _calls(stranger):
+                with pytest.raises(grpc.RpcError) as error:
+                    call()
+                assert error.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert "internal secret" in error.value.details()
+        assert handler.num_calls == 0  # refused before any handler ran
+        assert [bool(call()) for call in _calls(insider)] == [True, True, True]
+        assert handler.num_calls == 3
+    finally:
+        for client in (*strangers, insider):
+            client.close()
+        srv.stop(0.1)
+
+
+def _self_signed(tmp_path, name: str) -> tuple:
+    cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+                    "-addext", f"subjectAltName=IP:127.0.0.1,DNS:{name}", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.parametrize("is_mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_tls_control_plane_with_a_self_signed_certificate(tmp_path, is_mutual):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make the test certificate")
+    cert, key = _self_signed(tmp_path, "ctx-control")
+    tls = ControlTLSConfig(cert_file=cert, key_file=key, ca_file=cert, require_client_cert=is_mutual)
+    handler = _CountingHandler()
+    srv = ControlServer(handler, "127.0.0.1", 0, config=_tx(internal_secret="s3cret", control_tls=tls))
+    endpoint = TransceiverEndpoint(host="127.0.0.1", port=srv.start())
+    other_cert, other_key = _self_signed(tmp_path, "stranger")
+    clients = {
+        "ok": ControlClient(endpoint, 2.0, config=_tx(internal_secret="s3cret", control_tls=tls)),
+        "by-name": ControlClient(endpoint, 2.0, config=_tx(internal_secret="s3cret", control_tls=tls.model_copy(
+            update={"server_name": "ctx-control"}))),
+        "plaintext": ControlClient(endpoint, 1.0, config=_tx(internal_secret="s3cret")),
+        "no-secret": ControlClient(endpoint, 2.0, config=_tx(control_tls=tls)),
+        "other-ca": ControlClient(endpoint, 1.0, config=_tx(internal_secret="s3cret", control_tls=ControlTLSConfig(
+            cert_file=other_cert, key_file=other_key, ca_file=other_cert, require_client_cert=is_mutual))),
+    }
+    try:
+        assert all(bool(call()) for name in ("ok", "by-name") for call in _calls(clients[name]))
+        for name, code in (("plaintext", grpc.StatusCode.UNAVAILABLE), ("other-ca", grpc.StatusCode.UNAVAILABLE),
+                           ("no-secret", grpc.StatusCode.UNAUTHENTICATED)):
+            with pytest.raises(grpc.RpcError) as error:
+                clients[name].cancel(pb.CancelRequest(ctx_request_id="r"))
+            assert error.value.code() is code, name
+        assert handler.num_calls == 6
+    finally:
+        for client in clients.values():
+            client.close()
+        srv.stop(0.1)

@@ -286,13 +286,17 @@ def test_silent_ctx_times_out_on_every_rank_and_frees(ctx, monkeypatch):
 
 
 def test_unreachable_ctx_fails_with_the_peer_named():
-    gen = Gen(config(rpc_timeout_ms=500))
+    """The connect is retried for the transfer's whole budget, then named as unreachable."""
+    gen = Gen(config(rpc_timeout_ms=500, kv_transfer_timeout_ms=1500))
+    start = time.monotonic()
     params = DisaggregatedParams(request_type="generation_only", ctx_request_id="r1", first_gen_tokens=[7],
                                  prompt_token_ids=list(range(9)), layout=LAYOUT,
                                  ctx_endpoint=TransceiverEndpoint(host="127.0.0.1", port=1))
     gen.rx.begin("g1", params)
     out = drive([gen], lambda o: "g1" in o["freed"], timeout_s=5.0)
     assert "ctx worker 127.0.0.1:1" in out["failed"]["g1"][0] and "UNAVAILABLE" in out["failed"]["g1"][0]
+    assert "could not connect to 127.0.0.1:1 within 1.4 s" in out["failed"]["g1"][0]
+    assert time.monotonic() - start >= 1.3
     assert gen.used() == (2, 2)
 
 

@@ -74,6 +74,19 @@ PROGRESS_EPOLL_TIMEOUT_MS = 1
 NOTIFIER_PERIOD_NS = 50_000_000  # the notifier's longest wait: it checks for close at least this often
 
 
+def import_ucxx() -> Any:
+    """``ucxx._lib.libucxx``, lazily (only when this backend is chosen). Importing ucxx sets
+    ``UCX_MEMTYPE_CACHE=n`` (a CUDA workaround of older UCX releases); without CUDA, UCX 1.21 warns
+    on every start that the variable is unused, so there the default is removed again (a value
+    the user set stays). With CUDA it stays: the CUDA transports read it."""
+    if torch.cuda.is_available():
+        import ucxx._lib.libucxx as ucx_api
+        return ucx_api
+    from helixserve.config import import_without_env_default
+
+    return import_without_env_default("ucxx._lib.libucxx", "UCX_MEMTYPE_CACHE", "n")
+
+
 def _as_uint8(buffer: Any) -> Any:
     """A flat uint8 view that ucxx's Array accepts (host buffer protocol, or a torch tensor on
     CPU or CUDA). The view aliases the caller's memory: a receive writes in place."""
@@ -188,6 +201,8 @@ class UcxxDataPlane(DataPlane):
         error_handling: UCX endpoint peer-failure handling (forces tcp on one host).
         progress_thread: let ucxx's C++ thread progress the worker (see the module docstring).
         ucx_options: UCX settings for this context (e.g. {"TLS": "sm,self"}), without "UCX_".
+        net_devices: ``NET_DEVICES`` for this context (see :mod:`.devices`: TCP listens on those
+            interfaces only); None: UCX's default (every device) unless ``ucx_options`` sets it.
         wakeup: the event completions set (default: a new one), e.g. the owner's poller's.
         wakeup_on_completion: set `wakeup` on completions (needs `progress_thread`; default: with
             the progress thread; the transceiver passes `TransceiverConfig.wake_on_completion`).
@@ -202,8 +217,9 @@ class UcxxDataPlane(DataPlane):
         ucx_options: dict[str, str] | None = None,
         wakeup: threading.Event | None = None,
         wakeup_on_completion: bool | None = None,
+        net_devices: str | None = None,
     ) -> None:
-        import ucxx._lib.libucxx as ucx_api  # lazy: only when this backend is chosen
+        ucx_api = import_ucxx()
         from ucxx._lib.arr import Array
 
         if not 0 <= rank < 256 or chunk_bytes <= 0:
@@ -217,7 +233,10 @@ class UcxxDataPlane(DataPlane):
         if is_notified and not progress_thread:
             raise ValueError("wakeup_on_completion needs progress_thread=True")
         features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        self._context = ucx_api.UCXContext(config_dict=dict(ucx_options or {}), feature_flags=features)
+        options = dict(ucx_options or {})
+        if net_devices:
+            options.setdefault("NET_DEVICES", net_devices)
+        self._context = ucx_api.UCXContext(config_dict=options, feature_flags=features)
         self._worker = ucx_api.UCXWorker(self._context, enable_python_future=is_notified)
         self._address = self._worker.address.tobytes()
         self._endpoints: dict[Hashable, Any] = {}
@@ -229,6 +248,15 @@ class UcxxDataPlane(DataPlane):
             self._worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_TIMEOUT_MS)
         if is_notified:
             self._notifier = _CompletionNotifier(self)
+
+    @classmethod
+    def for_transceiver(cls, config: Any, wakeup: threading.Event, host: str | None = None) -> UcxxDataPlane:
+        """A KV sender's or receiver's plane: progress thread, wakeups per ``config``
+        (``TransceiverConfig``), network devices of ``config.ucx_net_devices`` for a worker at ``host``."""
+        from helixserve.transceiver.ucxx_backend.devices import ucx_net_devices
+
+        return cls(progress_thread=True, wakeup=wakeup, wakeup_on_completion=config.wake_on_completion,
+                   net_devices=ucx_net_devices(config.ucx_net_devices, host))
 
     @property
     def address(self) -> bytes:
