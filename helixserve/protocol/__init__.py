@@ -13,10 +13,12 @@ from helixserve.protocol.disagg import (DisaggregatedParams, KVLayout, RequestTy
 from helixserve.protocol.errors import (AuthenticationError, ContextLengthExceededError,
                                         GatewayTimeoutError, InternalServerError,
                                         InvalidRequestError, ModelNotFoundError, NotFoundError,
-                                        OpenAIError, QueueFullError, RateLimitError,
+                                        OpenAIError, PayloadTooLargeError, QueueFullError,
+                                        RateLimitError,
                                         RequestCancelledError, ServiceUnavailableError,
                                         UnsupportedParameterError, error_body, error_from_body,
-                                        parse_model, sse_error, validation_error_to_openai)
+                                        parse_json, parse_model, sse_error,
+                                        validation_error_to_openai)
 from helixserve.protocol.openai import (SSE_DONE, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, CompletionRequest,
                                         CompletionResponse, FinishReason, ModelCard, ModelList,
@@ -28,15 +30,16 @@ from helixserve.protocol.openai import (SSE_DONE, ChatCompletionChunk, ChatCompl
                                         to_openai_finish_reason)
 
 __all__ = [
-    "SSE_DONE", "AuthenticationError", "ChatCompletionChunk", "ChatCompletionRequest",
+    "AuthenticationError", "ChatCompletionChunk", "ChatCompletionRequest",
     "ChatCompletionResponse", "ChatMessage", "CompletionRequest", "CompletionResponse",
     "ContextLengthExceededError", "DisaggregatedParams", "FinishReason", "GatewayTimeoutError",
     "InternalServerError", "InvalidRequestError", "KVLayout", "ModelCard", "ModelList",
-    "ModelNotFoundError", "NotFoundError", "OpenAIError", "QueueFullError", "RateLimitError",
-    "RequestCancelledError", "RequestType", "ResponseMeta", "ServiceUnavailableError",
-    "StreamOptions", "TransceiverEndpoint", "UnsupportedParameterError", "Usage",
-    "chat_completion_chunk", "chat_completion_response", "chat_usage_chunk", "completion_chunk",
-    "completion_response", "completion_usage_chunk", "error_body", "error_from_body",
-    "new_chat_completion_id", "new_completion_id", "parse_model", "resolve_max_tokens",
-    "sse_error", "sse_event", "to_openai_finish_reason", "validation_error_to_openai",
+    "ModelNotFoundError", "NotFoundError", "OpenAIError", "PayloadTooLargeError", "QueueFullError",
+    "RateLimitError", "RequestCancelledError", "RequestType", "ResponseMeta", "SSE_DONE",
+    "ServiceUnavailableError", "StreamOptions", "TransceiverEndpoint", "UnsupportedParameterError",
+    "Usage", "chat_completion_chunk", "chat_completion_response", "chat_usage_chunk",
+    "completion_chunk", "completion_response", "completion_usage_chunk", "error_body",
+    "error_from_body", "new_chat_completion_id", "new_completion_id", "parse_json", "parse_model",
+    "resolve_max_tokens", "sse_error", "sse_event", "to_openai_finish_reason",
+    "validation_error_to_openai",
 ]

@@ -27,9 +27,9 @@ neutral-value tables, :func:`resolve_max_tokens`), :mod:`.openai_responses` (res
 their builders, SSE framing) and :mod:`.openai_common` (shared types, :class:`FinishReason`).
 """
 
-from helixserve.protocol.openai_common import (FinishReason, NonNegativeInt, OpenAIFinishReason,
-                                               PositiveInt, TokenId, param_error,
-                                               to_openai_finish_reason)
+from helixserve.protocol.openai_common import (FinishReason, IntegralInt, NonNegativeInt,
+                                               OpenAIFinishReason, PositiveInt, TokenId,
+                                               param_error, to_openai_finish_reason)
 from helixserve.protocol.openai_requests import (MAX_STOP_STRINGS, ChatCompletionRequest,
                                                  ChatMessage, CompletionRequest, StreamOptions,
                                                  resolve_max_tokens)
@@ -48,6 +48,7 @@ __all__ = [
     "MAX_STOP_STRINGS", "SSE_DONE", "AssistantMessage", "ChatChoice", "ChatChunkChoice",
     "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatDelta",
     "ChatMessage", "CompletionChoice", "CompletionRequest", "CompletionResponse", "FinishReason",
+    "IntegralInt",
     "ModelCard", "ModelList", "NonNegativeInt", "OpenAIFinishReason", "PositiveInt",
     "ResponseMeta", "StreamOptions", "TokenId", "Usage", "chat_completion_chunk",
     "chat_completion_response", "chat_usage_chunk", "completion_chunk", "completion_response",

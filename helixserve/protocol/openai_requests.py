@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
+from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr,
                       field_validator, model_validator)
 
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.protocol.errors import ContextLengthExceededError
-from helixserve.protocol.openai_common import PositiveInt, TokenId, param_error
+from helixserve.protocol.openai_common import IntegralInt, TokenId, param_error
+
+Count = Annotated[IntegralInt, Field(ge=1)]  # max_tokens and the like: >= 1, 76.0 reads as 76
 
 MAX_STOP_STRINGS = 4
 
@@ -64,11 +66,11 @@ class _GenerationRequest(BaseModel):
     _NEUTRAL: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = _COMMON_NEUTRAL
 
     model: Annotated[StrictStr, Field(min_length=1)]
-    max_tokens: PositiveInt | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Strict(), Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None
+    top_k: Annotated[IntegralInt, Field(ge=-1)] | None = None
+    seed: Annotated[IntegralInt, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = None
@@ -201,7 +203,7 @@ class ChatCompletionRequest(_GenerationRequest):
     _NEUTRAL: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = _CHAT_NEUTRAL
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: Count | None = None
 
     @model_validator(mode="after")
     def _check_max_tokens(self) -> Self:
