@@ -129,6 +129,16 @@ class RouterConfig(_Strict):
     max_queue_len: int = Field(256, ge=0)  # requests waiting for an inflight slot; then 429
 
 
+class LimitsConfig(_Strict):
+    """What one request may bring, checked by the router and every worker before the work it
+    would cost: a larger body is a 413 before it is parsed (``Content-Length``, or counted while a
+    chunked body is read); a longer prompt a 400 ``context_length_exceeded`` before it is
+    tokenized where its length or byte count proves it, else right after."""
+
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_prompt_tokens: int | None = Field(None, ge=1)  # None: the context length (max_model_len)
+
+
 class DeploymentConfig(_Strict):
     """One YAML file: the model, engine limits, every worker and the router."""
 
@@ -140,6 +150,7 @@ class DeploymentConfig(_Strict):
     ctx: list[CtxServerConfig] = Field(default_factory=lambda: [CtxServerConfig()], min_length=1)
     gen: list[GenServerConfig] = Field(default_factory=lambda: [GenServerConfig()], min_length=1)
     router: RouterConfig = RouterConfig()
+    limits: LimitsConfig = LimitsConfig()
     # ctx senders and gen receivers; kv_transfer_timeout_ms must stay finite (validated there)
     transceiver: TransceiverConfig = Field(
         default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))

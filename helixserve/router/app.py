@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 
@@ -14,14 +13,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from helixserve.config import DeploymentConfig, RouterConfig
+from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig
 from helixserve.protocol import (AuthenticationError, ChatCompletionRequest, CompletionRequest,
-                                 InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
-                                 OpenAIError, QueueFullError, parse_model)
+                                 ContextLengthExceededError, InvalidRequestError, ModelCard,
+                                 ModelList, ModelNotFoundError, QueueFullError,
+                                 parse_json, parse_model)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
-from helixserve.serving.http import install_error_handlers, run_unless_disconnected
+from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, OffLoop, install_error_handlers,
+                                    run_unless_disconnected)
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,16 @@ class RouterService:
     """The router's state: pools, admission, metrics and (while running) the orchestrator."""
 
     def __init__(self, config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
-                 served_model: str) -> None:
+                 served_model: str, limits: LimitsConfig = LimitsConfig(),
+                 max_model_len: int | None = None) -> None:
         self.config = config
         self.served_model = served_model
+        self.limits = limits
+        # what the router can check of a token-id prompt without the model (None: the workers)
+        known = [n for n in (limits.max_prompt_tokens, max_model_len) if n is not None]
+        self.max_prompt_tokens = min(known) if known else None
+        self.off_loop = OffLoop("router")
+        self.started_at = int(time.time())  # /v1/models "created": when the router started
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
         self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool])
@@ -90,6 +98,7 @@ class RouterService:
                 yield
             finally:
                 checker.cancel()
+                self.off_loop.shutdown()
 
     async def _check_health(self, client: httpx.AsyncClient) -> None:
         timeout_s = self.config.health_check_timeout_s
@@ -98,18 +107,33 @@ class RouterService:
                                  self.gen_pool.check(client, timeout_s))
             await asyncio.sleep(self.config.health_check_interval_s)
 
-    async def _admit(self, request: Request, cls: type) -> tuple:
-        _check_api_key(request, self.config.api_keys)
-        raw_bytes = await request.body()
-        body = parse_model(cls, raw_bytes)
-        raw = json.loads(raw_bytes)
+    def _parse(self, cls: type, raw_bytes: bytes) -> tuple:
+        """The body as a request model and as the JSON object forwarded to the workers (parsed
+        once: strict JSON, so whatever parses re-encodes for the next hop)."""
+        raw = parse_json(raw_bytes)
+        body = parse_model(cls, raw)
         if raw.get("disaggregated_params") is not None:
             raise InvalidRequestError("disaggregated_params is set by the router between its "
                                       "workers; clients may not send it",
                                       param="disaggregated_params")
+        prompt = getattr(body, "prompt", None)
+        limit = self.max_prompt_tokens
+        if isinstance(prompt, list) and limit is not None and len(prompt) > limit:
+            raise ContextLengthExceededError(f"The prompt has {len(prompt)} tokens; this server "
+                                             f"accepts at most {limit} prompt tokens.",
+                                             param="prompt")
+        return body, raw
+
+    async def _admit(self, request: Request, cls: type) -> tuple:
+        _check_api_key(request, self.config.api_keys)
+        raw_bytes = await request.body()
+        body, raw = await self.off_loop.run_if(len(raw_bytes) > OFF_LOOP_BYTES, self._parse, cls,
+                                               raw_bytes)
+        del raw_bytes
         if body.model != self.served_model:
             raise ModelNotFoundError(body.model)
-        await self.admission.acquire()
+        # a client that leaves while queued gives its place up at once
+        await run_unless_disconnected(request, self.admission.acquire())
         return body, raw
 
     async def completion(self, request: Request, cls: type, endpoint: str) -> Response:
@@ -117,8 +141,8 @@ class RouterService:
         metrics = self.metrics
         try:
             body, raw = await self._admit(request, cls)
-        except OpenAIError as err:  # refused before reaching a worker
-            metrics.requests.labels(endpoint, str(err.status_code)).inc()
+        except Exception as err:  # refused before reaching a worker
+            metrics.requests.labels(endpoint, str(getattr(err, "status_code", 500))).inc()
             raise
         metrics.queue_time.observe(time.monotonic() - t_arrival)
         metrics.running.inc()
@@ -140,7 +164,7 @@ class RouterService:
 
     def models(self, request: Request) -> Response:
         _check_api_key(request, self.config.api_keys)
-        card = ModelCard(id=self.served_model, created=0)
+        card = ModelCard(id=self.served_model, created=self.started_at)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     def ready(self) -> Response:
@@ -157,9 +181,11 @@ class RouterService:
 
 
 def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
-                     served_model: str) -> FastAPI:
-    service = RouterService(config, ctx_urls, gen_urls, served_model)
+                     served_model: str, limits: LimitsConfig = LimitsConfig(),
+                     max_model_len: int | None = None) -> FastAPI:
+    service = RouterService(config, ctx_urls, gen_urls, served_model, limits, max_model_len)
     app = FastAPI(title="helixserve router", lifespan=service.lifespan)
+    app.add_middleware(BodyLimit, max_body_bytes=limits.max_body_bytes)
     install_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -191,4 +217,5 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
 
 
 def build_router_app_from(deploy: DeploymentConfig) -> FastAPI:
-    return build_router_app(deploy.router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name)
+    return build_router_app(deploy.router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name,
+                            deploy.limits, deploy.cache.max_model_len)

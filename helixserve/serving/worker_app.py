@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,8 @@ from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequestError,
                                  KVLayout, ModelCard, ModelList, ModelNotFoundError, RequestType,
                                  ServiceUnavailableError, parse_model)
-from helixserve.serving.http import install_error_handlers, request_id_from, run_unless_disconnected
+from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, OffLoop, install_error_handlers,
+                                    request_id_from, run_unless_disconnected)
 from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
                                                collect_outputs, prepare, sse_stream)
 
@@ -81,6 +83,7 @@ class Worker:
         self.generation_tokens = Counter("helixserve_worker_generation_tokens",
                                          "tokens generated", ["role"], registry=self.registry)
         self.registry.register(_EngineCollector(self))
+        self.off_loop = OffLoop(self.role)
 
     def failure_cause(self) -> str | None:
         """Why this worker cannot serve now, or None."""
@@ -163,8 +166,28 @@ def aggregated_handler(worker: Worker) -> RequestHandler:
 
 async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
                             http_request: Request, cls: type) -> Response:
-    """Parse (400), check the model (404), pick the role's handler by request type, run it."""
-    body = parse_model(cls, await http_request.body())
+    """:func:`_complete`, counted in ``helixserve_worker_requests`` by status whatever the
+    outcome (a refused body too)."""
+    status = "500"
+    try:
+        response = await _complete(worker, handlers, http_request, cls)
+        status = str(response.status_code)
+        return response
+    except Exception as err:
+        status = str(getattr(err, "status_code", 500))
+        raise
+    finally:
+        worker.requests.labels(worker.role, status).inc()
+
+
+async def _complete(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
+                    http_request: Request, cls: type) -> Response:
+    """Parse (400/413), check the model (404), pick the role's handler by request type, tokenize
+    (a large body's parsing and tokenizing off the event loop), run it."""
+    raw = await http_request.body()
+    is_large = len(raw) > OFF_LOOP_BYTES
+    body = await worker.off_loop.run_if(is_large, parse_model, cls, raw)
+    del raw
     if body.model != worker.limits.served_model:
         raise ModelNotFoundError(body.model)
     params = body.disaggregated_params
@@ -179,17 +202,9 @@ async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None
         raise ServiceUnavailableError(f"{worker.role} worker cannot serve: {cause}",
                                       code=f"{worker.role}_worker_failed")
     request_id = request_id_from(http_request, worker.engine.new_request_id(worker.role))
-    prepared = prepare(request_id, body, worker.tokenizer, worker.limits)
-    status = "500"
-    try:
-        response = await handler(http_request, prepared)
-        status = str(response.status_code)
-        return response
-    except Exception as err:
-        status = str(getattr(err, "status_code", 500))
-        raise
-    finally:
-        worker.requests.labels(worker.role, status).inc()
+    prepared = await worker.off_loop.run_if(is_large or cls is ChatCompletionRequest, prepare,
+                                            request_id, body, worker.tokenizer, worker.limits)
+    return await handler(http_request, prepared)
 
 
 def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
@@ -209,6 +224,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
                     await stack.enter_async_context(hook())
                 yield
         finally:
+            worker.off_loop.shutdown()
             try:
                 await worker.engine.shutdown()
             finally:
@@ -216,7 +232,9 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
                     await asyncio.to_thread(fn)
 
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_body_bytes=worker.limits.max_body_bytes)
     install_error_handlers(app)
+    started_at = int(time.time())  # /v1/models "created": when this worker started
 
     @app.post("/v1/completions")
     async def completions(http_request: Request) -> Response:
@@ -228,7 +246,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=worker.limits.served_model, created=0)
+        card = ModelCard(id=worker.limits.served_model, created=started_at)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     @app.get("/health")
@@ -249,10 +267,13 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     @app.post("/v1/abort")
     async def abort(http_request: Request) -> Response:
         body = parse_model(AbortRequest, await http_request.body())
-        if worker.abort_override is None or not await worker.abort_override(body.request_id):
-            worker.engine.abort(body.request_id, f"request {body.request_id} was cancelled")
-        worker.on_abort(body.request_id)
-        return JSONResponse({"request_id": body.request_id, "aborted": True})
+        rid = body.request_id
+        is_aborted = worker.abort_override is not None and await worker.abort_override(rid)
+        if not is_aborted:
+            is_aborted = worker.engine.is_live(rid)
+            worker.engine.abort(rid, f"request {rid} was cancelled")
+        worker.on_abort(rid)
+        return JSONResponse({"request_id": rid, "aborted": is_aborted})
 
     app.state.worker = worker
     return app
