@@ -17,13 +17,30 @@ import json
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import from_json
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # ``PydanticCustomError`` kinds raised by helixserve's validators (never used by pydantic itself)
 OWN_ERROR_KINDS = frozenset({"invalid_value", "invalid_type", "unsupported_parameter"})
+
+
+class ErrorInfo(BaseModel):
+    """The inside of an error body (documents the shape; :func:`error_body` builds it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {...}}``: every 4xx / 5xx answer's body."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: ErrorInfo
 
 
 class OpenAIError(Exception):

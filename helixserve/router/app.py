@@ -14,17 +14,30 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig
-from helixserve.protocol import (AuthenticationError, ChatCompletionRequest, CompletionRequest,
+from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
+                                 ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                  ContextLengthExceededError, InvalidRequestError, ModelCard,
-                                 ModelList, ModelNotFoundError, QueueFullError,
-                                 parse_json, parse_model)
+                                 ModelList, ModelNotFoundError, QueueFullError, parse_json,
+                                 parse_model)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, OffLoop, install_error_handlers,
                                     run_unless_disconnected)
+from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
 
 logger = logging.getLogger(__name__)
+
+ROUTER_OPERATIONS = {
+    ("POST", "/v1/completions"): Operation(CompletionRequest, (CompletionResponse,), streams=True,
+                                           errors=(401, *GENERATION_ERRORS)),
+    ("POST", "/v1/chat/completions"): Operation(ChatCompletionRequest, (ChatCompletionResponse,),
+                                                streams=True, errors=(401, *GENERATION_ERRORS)),
+    ("GET", "/v1/models"): Operation(response=(ModelList,), errors=(401,)),
+    ("GET", "/health"): Operation(),
+    ("GET", "/ready"): Operation(errors=(503,), error_is_object=(503,)),
+    ("GET", "/metrics"): Operation(text=True),
+}
 
 
 class Admission:
@@ -187,6 +200,7 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
     app = FastAPI(title="helixserve router", lifespan=service.lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=limits.max_body_bytes)
     install_error_handlers(app)
+    install_openapi(app, ROUTER_OPERATIONS)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -27,11 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.models.tokenizer import HelixTokenizer
-from helixserve.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequestError,
-                                 KVLayout, ModelCard, ModelList, ModelNotFoundError, RequestType,
+from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                 CompletionResponse, InvalidRequestError, KVLayout, ModelCard,
+                                 ModelList, ModelNotFoundError, RequestType,
                                  ServiceUnavailableError, parse_model)
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, OffLoop, install_error_handlers,
                                     request_id_from, run_unless_disconnected)
+from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
 from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
                                                collect_outputs, prepare, sse_stream)
 
@@ -41,6 +43,29 @@ RequestHandler = Callable[[Request, PreparedRequest], Awaitable[Response]]
 class AbortRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(min_length=1, max_length=128)
+
+
+class AbortResponse(BaseModel):
+    """``aborted``: whether the request was live here (and is now cancelled)."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    aborted: bool
+
+
+# a ctx worker answers a context_only chat request with a text_completion object (its hop)
+_ANSWERS = (CompletionResponse, ChatCompletionResponse)
+WORKER_OPERATIONS = {
+    ("POST", "/v1/completions"): Operation(CompletionRequest, (CompletionResponse,), streams=True,
+                                           errors=GENERATION_ERRORS),
+    ("POST", "/v1/chat/completions"): Operation(ChatCompletionRequest, _ANSWERS, streams=True,
+                                                errors=GENERATION_ERRORS),
+    ("GET", "/v1/models"): Operation(response=(ModelList,)),
+    ("GET", "/health"): Operation(errors=(503,), error_is_object=(503,)),
+    ("GET", "/stats"): Operation(),
+    ("GET", "/metrics"): Operation(text=True),
+    ("POST", "/v1/abort"): Operation(AbortRequest, (AbortResponse,), errors=(400, 413)),
+}
 
 
 class _EngineCollector:
@@ -234,6 +259,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=worker.limits.max_body_bytes)
     install_error_handlers(app)
+    install_openapi(app, WORKER_OPERATIONS)
     started_at = int(time.time())  # /v1/models "created": when this worker started
 
     @app.post("/v1/completions")
@@ -273,7 +299,8 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
             is_aborted = worker.engine.is_live(rid)
             worker.engine.abort(rid, f"request {rid} was cancelled")
         worker.on_abort(rid)
-        return JSONResponse({"request_id": rid, "aborted": is_aborted})
+        return Response(AbortResponse(request_id=rid, aborted=is_aborted).model_dump_json(),
+                        media_type="application/json")
 
     app.state.worker = worker
     return app

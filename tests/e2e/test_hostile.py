@@ -149,7 +149,7 @@ def test_four_megabyte_prompts_leave_health_and_other_requests_answered(dep):
     """The 4 MB prompts are refused before tokenizing (their byte count proves they cannot fit),
     their parsing runs off the event loop: health checks and small requests go on meanwhile."""
     big_text = {"model": MODEL, "prompt": "a" * 4_000_000, "max_tokens": 2}
-    big_ids = {"model": MODEL, "prompt": [7] * 1_900_000, "max_tokens": 2}
+    big_ids = {"model": MODEL, "prompt": [7] * 1_300_000, "max_tokens": 2}  # 3.9 MB of JSON
     targets = [(dep.router_url, big_text), (dep.ctx_url, big_text), (dep.router_url, big_ids),
                (dep.ctx_url, big_ids), (dep.router_url, big_text), (dep.ctx_url, big_text)]
     done = threading.Event()
@@ -165,10 +165,12 @@ def test_four_megabyte_prompts_leave_health_and_other_requests_answered(dep):
 
     with ThreadPoolExecutor(len(targets) + 1) as pool:
         side = pool.submit(meanwhile)
-        bigs = [pool.submit(http, "POST", f"{url}/v1/completions", body, None, 120)
-                for url, body in targets]
-        answers = [f.result() for f in bigs]
-        done.set()
+        try:
+            bigs = [pool.submit(http, "POST", f"{url}/v1/completions", body, None, 120)
+                    for url, body in targets]
+            answers = [f.result() for f in bigs]
+        finally:
+            done.set()
         side.result()
     for status, answer in answers:
         _assert_openai_error(status, answer, 400, code="context_length_exceeded", param="prompt")
