@@ -26,7 +26,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # bodies up to this size are parsed (and their prompts tokenized) on the event loop; larger ones
 # in the :class:`OffLoop` pool, so one large request does not stall /health and everyone else
-OFF_LOOP_BYTES = 64 * 1024
+OFF_LOOP_BYTES = 16 * 1024
 
 
 class ClientDisconnected(RequestCancelledError):
