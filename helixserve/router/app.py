@@ -22,8 +22,8 @@ from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
-from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, OffLoop, install_error_handlers,
-                                    run_unless_disconnected)
+from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
+                                    install_error_handlers, run_unless_disconnected)
 from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
 
 logger = logging.getLogger(__name__)
@@ -199,6 +199,7 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
     service = RouterService(config, ctx_urls, gen_urls, served_model, limits, max_model_len)
     app = FastAPI(title="helixserve router", lifespan=service.lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(InternalErrors)
     install_error_handlers(app)
     install_openapi(app, ROUTER_OPERATIONS)
 

@@ -74,6 +74,37 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
+class InternalErrors:
+    """ASGI middleware: an unexpected exception before the answer started becomes a logged 500
+    with OpenAI's body on a connection that stays open (Starlette's outermost handler would
+    re-raise it after answering, and uvicorn would then drop the keep-alive connection). One
+    raised mid-stream still ends that stream's connection: there is no other way to end it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        is_started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal is_started
+            is_started = is_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            if is_started:
+                raise
+            logger.exception("unhandled error")
+            response = error_response(InternalServerError(
+                f"internal error: {type(err).__name__}: {err}"))
+            await response(scope, receive, send)
+
+
 class OffLoop:
     """A bounded thread pool for the CPU work a request brings (parsing a large body, tokenizing,
     rendering a chat), so the event loop keeps answering ``/health`` and other requests."""

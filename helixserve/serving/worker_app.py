@@ -31,8 +31,9 @@ from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  CompletionResponse, InvalidRequestError, KVLayout, ModelCard,
                                  ModelList, ModelNotFoundError, RequestType,
                                  ServiceUnavailableError, parse_model)
-from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, OffLoop, install_error_handlers,
-                                    request_id_from, run_unless_disconnected)
+from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
+                                    install_error_handlers, request_id_from,
+                                    run_unless_disconnected)
 from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
 from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
                                                collect_outputs, prepare, sse_stream)
@@ -258,6 +259,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
 
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=worker.limits.max_body_bytes)
+    app.add_middleware(InternalErrors)
     install_error_handlers(app)
     install_openapi(app, WORKER_OPERATIONS)
     started_at = int(time.time())  # /v1/models "created": when this worker started
