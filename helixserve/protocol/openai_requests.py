@@ -219,6 +219,21 @@ class ChatCompletionRequest(_GenerationRequest):
             else self.max_tokens
 
 
+def prompt_too_long(num_tokens: int, max_prompt_tokens: int, max_model_len: int | None,
+                    param: str = "prompt", at_least: bool = False) -> ContextLengthExceededError:
+    """The 400 for a prompt of ``num_tokens`` (``at_least``: a lower bound, counted before
+    tokenizing) over ``max_prompt_tokens``, worded by which limit it is: the context, or
+    ``limits.max_prompt_tokens`` below it."""
+    has = f"{'at least ' if at_least else ''}{num_tokens} tokens"
+    if max_model_len is not None and max_prompt_tokens >= max_model_len:
+        message = (f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                   f"has {has}.")
+    else:
+        message = (f"The prompt has {has}; this server accepts at most {max_prompt_tokens} "
+                   f"prompt tokens.")
+    return ContextLengthExceededError(message, param=param)
+
+
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
                        default: int | None = None, prompt_param: str = "prompt") -> int:
     """The completion length to run: ``requested``, else ``default``, else the rest of the context.

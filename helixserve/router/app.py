@@ -16,9 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig
 from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                                 ContextLengthExceededError, InvalidRequestError, ModelCard,
-                                 ModelList, ModelNotFoundError, QueueFullError, parse_json,
-                                 parse_model)
+                                 InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
+                                 QueueFullError, parse_json, parse_model, prompt_too_long)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
@@ -89,6 +88,7 @@ class RouterService:
         # what the router can check of a token-id prompt without the model (None: the workers)
         known = [n for n in (limits.max_prompt_tokens, max_model_len) if n is not None]
         self.max_prompt_tokens = min(known) if known else None
+        self.max_model_len = max_model_len
         self.off_loop = OffLoop("router")
         self.started_at = int(time.time())  # /v1/models "created": when the router started
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
@@ -132,9 +132,7 @@ class RouterService:
         prompt = getattr(body, "prompt", None)
         limit = self.max_prompt_tokens
         if isinstance(prompt, list) and limit is not None and len(prompt) > limit:
-            raise ContextLengthExceededError(f"The prompt has {len(prompt)} tokens; this server "
-                                             f"accepts at most {limit} prompt tokens.",
-                                             param="prompt")
+            raise prompt_too_long(len(prompt), limit, self.max_model_len)
         return body, raw
 
     async def _admit(self, request: Request, cls: type) -> tuple:

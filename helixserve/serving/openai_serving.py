@@ -2,8 +2,9 @@
 
 :func:`prepare` validates what pydantic cannot (prompt length vs ``limits.max_prompt_tokens`` and
 the context, token ids vs the vocabulary) and builds :class:`SamplingParams`; a prompt that cannot
-fit is refused before it is tokenized when its token count or its byte count proves it; :func:`collect` and :func:`sse_stream` turn a
-request's :class:`RequestOutput` s into the non-streamed answer or the SSE events.
+fit is refused before it is tokenized when its token count or its byte count proves it.
+:func:`collect` and :func:`sse_stream` turn a request's :class:`RequestOutput` s into the
+non-streamed answer or the SSE events.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from helixserve.engine.async_engine import RequestOutput
 from helixserve.engine.request import SamplingParams
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import (SSE_DONE, ChatCompletionRequest, CompletionRequest,
-                                 ContextLengthExceededError, DisaggregatedParams,
-                                 InvalidRequestError, OpenAIError,
+                                 DisaggregatedParams, InvalidRequestError, OpenAIError,
                                  ResponseMeta, Usage, chat_completion_chunk,
                                  chat_completion_response, chat_usage_chunk, completion_chunk,
-                                 completion_response, completion_usage_chunk, resolve_max_tokens,
-                                 sse_error, sse_event)
+                                 completion_response, completion_usage_chunk, prompt_too_long,
+                                 resolve_max_tokens, sse_error, sse_event)
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
@@ -61,9 +61,8 @@ def check_prompt_length(num_tokens: int, limits: ServingLimits, param: str,
                         at_least: bool = False) -> None:
     """400 ``context_length_exceeded`` for a prompt over ``limits.max_prompt_tokens``."""
     if num_tokens > limits.max_prompt_tokens:
-        raise ContextLengthExceededError(
-            f"The prompt has {'at least ' if at_least else ''}{num_tokens} tokens; this server "
-            f"accepts at most {limits.max_prompt_tokens} prompt tokens.", param=param)
+        raise prompt_too_long(num_tokens, limits.max_prompt_tokens, limits.max_model_len, param,
+                              at_least)
 
 
 def _encode(text: str, tokenizer: HelixTokenizer, limits: ServingLimits, param: str) -> list[int]:

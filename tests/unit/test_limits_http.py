@@ -74,7 +74,8 @@ def test_an_unexpected_error_is_a_500_and_the_connection_stays_open(server):
         response = conn.getresponse()
         body = json.loads(response.read())
         assert response.status == 500
-        assert body["error"]["code"] == "internal_error" and "injected fault" in body["error"]["message"]
+        assert body["error"]["code"] == "internal_error"
+        assert "injected fault" in body["error"]["message"]
         local = conn.sock.getsockname()
         conn.request("POST", "/echo", b"{}")
         response = conn.getresponse()
