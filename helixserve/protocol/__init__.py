@@ -27,7 +27,7 @@ from helixserve.protocol.openai import (SSE_DONE, ChatCompletionChunk, ChatCompl
                                         completion_chunk, completion_response,
                                         completion_usage_chunk, new_chat_completion_id,
                                         new_completion_id, prompt_too_long,
-                                        resolve_max_tokens, sse_event,
+                                        raw_prompt_length, resolve_max_tokens, sse_event,
                                         to_openai_finish_reason)
 
 __all__ = [
@@ -41,6 +41,6 @@ __all__ = [
     "TransceiverEndpoint", "UnsupportedParameterError", "Usage", "chat_completion_chunk",
     "chat_completion_response", "chat_usage_chunk", "completion_chunk", "completion_response",
     "completion_usage_chunk", "error_body", "error_from_body", "new_chat_completion_id",
-    "new_completion_id", "parse_json", "parse_model", "prompt_too_long", "resolve_max_tokens",
+    "new_completion_id", "parse_json", "parse_model", "prompt_too_long", "raw_prompt_length", "resolve_max_tokens",
     "sse_error", "sse_event", "to_openai_finish_reason", "validation_error_to_openai",
 ]

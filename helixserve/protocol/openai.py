@@ -32,7 +32,8 @@ from helixserve.protocol.openai_common import (FinishReason, IntegralInt, NonNeg
                                                param_error, to_openai_finish_reason)
 from helixserve.protocol.openai_requests import (MAX_STOP_STRINGS, ChatCompletionRequest,
                                                  ChatMessage, CompletionRequest, StreamOptions,
-                                                 prompt_too_long, resolve_max_tokens)
+                                                 prompt_too_long, raw_prompt_length,
+                                                 resolve_max_tokens)
 from helixserve.protocol.openai_responses import (SSE_DONE, AssistantMessage, ChatChoice,
                                                   ChatChunkChoice, ChatCompletionChunk,
                                                   ChatCompletionResponse, ChatDelta,
@@ -52,5 +53,5 @@ __all__ = [
     "ResponseMeta", "StreamOptions", "TokenId", "Usage", "chat_completion_chunk",
     "chat_completion_response", "chat_usage_chunk", "completion_chunk", "completion_response",
     "completion_usage_chunk", "new_chat_completion_id", "new_completion_id", "param_error",
-    "prompt_too_long", "resolve_max_tokens", "sse_event", "to_openai_finish_reason",
+    "prompt_too_long", "raw_prompt_length", "resolve_max_tokens", "sse_event", "to_openai_finish_reason",
 ]

@@ -219,6 +219,15 @@ class ChatCompletionRequest(_GenerationRequest):
             else self.max_tokens
 
 
+def raw_prompt_length(raw: Any) -> int | None:
+    """The length of a parsed (not yet validated) body's ``prompt`` when it is a token-id list,
+    else None: an over-long list is refused before the work of validating it."""
+    prompt = raw.get("prompt") if isinstance(raw, dict) else None
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return len(prompt)
+    return None
+
+
 def prompt_too_long(num_tokens: int, max_prompt_tokens: int, max_model_len: int | None,
                     param: str = "prompt", at_least: bool = False) -> ContextLengthExceededError:
     """The 400 for a prompt of ``num_tokens`` (``at_least``: a lower bound, counted before

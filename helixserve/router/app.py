@@ -17,7 +17,8 @@ from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig
 from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                  InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
-                                 QueueFullError, parse_json, parse_model, prompt_too_long)
+                                 QueueFullError, parse_json, parse_model, prompt_too_long,
+                                 raw_prompt_length)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
@@ -124,15 +125,14 @@ class RouterService:
         """The body as a request model and as the JSON object forwarded to the workers (parsed
         once: strict JSON, so whatever parses re-encodes for the next hop)."""
         raw = parse_json(raw_bytes)
+        limit, num_ids = self.max_prompt_tokens, raw_prompt_length(raw)
+        if limit is not None and num_ids is not None and num_ids > limit:
+            raise prompt_too_long(num_ids, limit, self.max_model_len)  # before validating it
         body = parse_model(cls, raw)
         if raw.get("disaggregated_params") is not None:
             raise InvalidRequestError("disaggregated_params is set by the router between its "
                                       "workers; clients may not send it",
                                       param="disaggregated_params")
-        prompt = getattr(body, "prompt", None)
-        limit = self.max_prompt_tokens
-        if isinstance(prompt, list) and limit is not None and len(prompt) > limit:
-            raise prompt_too_long(len(prompt), limit, self.max_model_len)
         return body, raw
 
     async def _admit(self, request: Request, cls: type) -> tuple:

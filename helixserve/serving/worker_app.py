@@ -30,7 +30,8 @@ from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, InvalidRequestError, KVLayout, ModelCard,
                                  ModelList, ModelNotFoundError, RequestType,
-                                 ServiceUnavailableError, parse_model)
+                                 ServiceUnavailableError, parse_json, parse_model,
+                                 prompt_too_long, raw_prompt_length)
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
                                     install_error_handlers, request_id_from,
                                     run_unless_disconnected)
@@ -210,10 +211,15 @@ async def _complete(worker: Worker, handlers: Mapping[RequestType | None, Reques
                     http_request: Request, cls: type) -> Response:
     """Parse (400/413), check the model (404), pick the role's handler by request type, tokenize
     (a large body's parsing and tokenizing off the event loop), run it."""
-    raw = await http_request.body()
-    is_large = len(raw) > OFF_LOOP_BYTES
+    raw_bytes = await http_request.body()
+    is_large = len(raw_bytes) > OFF_LOOP_BYTES
+    raw = await worker.off_loop.run_if(is_large, parse_json, raw_bytes)
+    del raw_bytes
+    limits = worker.limits
+    num_ids = raw_prompt_length(raw)
+    if num_ids is not None and num_ids > limits.max_prompt_tokens:
+        raise prompt_too_long(num_ids, limits.max_prompt_tokens, limits.max_model_len)
     body = await worker.off_loop.run_if(is_large, parse_model, cls, raw)
-    del raw
     if body.model != worker.limits.served_model:
         raise ModelNotFoundError(body.model)
     params = body.disaggregated_params

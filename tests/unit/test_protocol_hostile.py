@@ -10,7 +10,7 @@ import pytest
 
 from helixserve.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequestError,
                                  PayloadTooLargeError, QueueFullError, RateLimitError,
-                                 error_from_body, parse_json, parse_model)
+                                 error_from_body, parse_json, parse_model, raw_prompt_length)
 
 DEEP = 100_000
 
@@ -84,3 +84,10 @@ def test_payload_too_large_round_trips():
                                                           "invalid_request_error")
     back = error_from_body(413, err.body())
     assert isinstance(back, PayloadTooLargeError) and back.body() == err.body()
+
+
+def test_raw_prompt_length_reads_only_token_id_lists():
+    assert raw_prompt_length({"prompt": list(range(70))}) == 70
+    for raw in ({"prompt": "x" * 70}, {"prompt": [[1, 2, 3]]}, {"prompt": ["a", "b"]},
+                {"prompt": []}, {"prompt": [True]}, {}, [1, 2, 3], None):
+        assert raw_prompt_length(raw) is None, raw
