@@ -156,6 +156,16 @@ class SecurityConfig(_Strict):
         return self.internal_secret.get_secret_value() if self.internal_secret is not None else None
 
 
+class LimitsConfig(_Strict):
+    """What one request may bring, checked by the router and every worker before the work it
+    would cost: a larger body is a 413 before it is parsed (``Content-Length``, or counted while a
+    chunked body is read); a longer prompt a 400 ``context_length_exceeded`` before it is
+    tokenized where its length or byte count proves it, else right after."""
+
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_prompt_tokens: int | None = Field(None, ge=1)  # None: the context length (max_model_len)
+
+
 class DeploymentConfig(_Strict):
     """One YAML file: the model, engine limits, every worker and the router."""
 
@@ -168,6 +178,7 @@ class DeploymentConfig(_Strict):
     gen: list[GenServerConfig] = Field(default_factory=lambda: [GenServerConfig()], min_length=1)
     router: RouterConfig = RouterConfig()
     security: SecurityConfig = SecurityConfig()
+    limits: LimitsConfig = LimitsConfig()
     # ctx senders and gen receivers; kv_transfer_timeout_ms must stay finite (validated there)
     transceiver: TransceiverConfig = Field(
         default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))

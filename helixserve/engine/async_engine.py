@@ -143,6 +143,10 @@ class AsyncEngine:
         """The snapshot the engine thread published after its last step."""
         return self._stats
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` is admitted here and not finished."""
+        return request_id in self._streams
+
     def new_request_id(self, prefix: str = "req") -> str:
         """An id nobody can guess (128 random bits): a request's id names its cache to the KV
         transfer, so it must not be derivable from another's (ids used to be sequential)."""

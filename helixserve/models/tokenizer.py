@@ -103,7 +103,9 @@ class HelixTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a long prompt tokenized in a worker
+        # thread leaves the server's event loop running
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -121,7 +123,7 @@ class HelixTokenizer:
         )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self.encode(self.render_chat(messages))
 
 
 def load_tokenizer(model_dir: str | Path) -> HelixTokenizer:

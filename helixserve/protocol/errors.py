@@ -17,12 +17,30 @@ import json
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import from_json
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # ``PydanticCustomError`` kinds raised by helixserve's validators (never used by pydantic itself)
 OWN_ERROR_KINDS = frozenset({"invalid_value", "invalid_type", "unsupported_parameter"})
+
+
+class ErrorInfo(BaseModel):
+    """The inside of an error body (documents the shape; :func:`error_body` builds it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {...}}``: every 4xx / 5xx answer's body."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: ErrorInfo
 
 
 class OpenAIError(Exception):
@@ -31,15 +49,17 @@ class OpenAIError(Exception):
     status_code: int = 500
     error_type: str = "server_error"
     default_code: ClassVar[str | None] = None
+    default_headers: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None) -> None:
+                 error_type: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
         if error_type is not None:
             self.error_type = error_type
+        self.headers: dict[str, str] = {**self.default_headers, **(headers or {})}
 
     def body(self) -> dict[str, Any]:
         """The JSON body to send with ``status_code``."""
@@ -67,6 +87,13 @@ class ContextLengthExceededError(InvalidRequestError):
     """400: prompt (+ max_tokens) does not fit the model's context or the cache."""
 
     default_code = "context_length_exceeded"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """413: the request body is larger than the server accepts."""
+
+    status_code = 413
+    default_code = "request_too_large"
 
 
 class AuthenticationError(OpenAIError):
@@ -101,6 +128,7 @@ class RateLimitError(OpenAIError):
     status_code = 429
     error_type = "rate_limit_error"
     default_code = "rate_limit_exceeded"
+    default_headers: ClassVar[Mapping[str, str]] = {"Retry-After": "1"}
 
 
 class QueueFullError(RateLimitError):
@@ -143,7 +171,8 @@ class GatewayTimeoutError(OpenAIError):
 
 
 _BY_STATUS: dict[int, type[OpenAIError]] = {
-    400: InvalidRequestError, 401: AuthenticationError, 404: NotFoundError, 429: RateLimitError,
+    400: InvalidRequestError, 401: AuthenticationError, 404: NotFoundError,
+    413: PayloadTooLargeError, 429: RateLimitError,
     499: RequestCancelledError, 500: InternalServerError, 503: ServiceUnavailableError,
     504: GatewayTimeoutError,
 }
@@ -222,14 +251,21 @@ def validation_error_to_openai(exc: ValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for {name}: {msg}.", param=param, code=code)
 
 
+def parse_json(raw: bytes | str) -> Any:
+    """A request body as Python objects; 400 ``invalid_json`` for anything that is not strict JSON:
+    bad UTF-8, a lone surrogate escape (``"\\ud800"``, which no UTF-8 hop could re-encode),
+    ``NaN`` / ``Infinity``, or nesting deeper than the parser's recursion limit."""
+    try:
+        return from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc}",
+                                  code="invalid_json") from None
+
+
 def parse_model(cls: type[ModelT], raw: bytes | str | Mapping[str, Any]) -> ModelT:
     """Parse a request body into ``cls``; every failure is an :class:`InvalidRequestError` (400)."""
     if isinstance(raw, (bytes, bytearray, str)):
-        try:
-            raw = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequestError(f"The request body is not valid JSON: {exc}",
-                                      code="invalid_json") from None
+        raw = parse_json(bytes(raw) if isinstance(raw, bytearray) else raw)
     if not isinstance(raw, Mapping):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
     try:

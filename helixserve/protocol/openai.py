@@ -27,11 +27,12 @@ neutral-value tables, :func:`resolve_max_tokens`), :mod:`.openai_responses` (res
 their builders, SSE framing) and :mod:`.openai_common` (shared types, :class:`FinishReason`).
 """
 
-from helixserve.protocol.openai_common import (FinishReason, NonNegativeInt, OpenAIFinishReason,
-                                               PositiveInt, TokenId, param_error,
-                                               to_openai_finish_reason)
+from helixserve.protocol.openai_common import (FinishReason, IntegralInt, NonNegativeInt,
+                                               OpenAIFinishReason, PositiveInt, TokenId,
+                                               param_error, to_openai_finish_reason)
 from helixserve.protocol.openai_requests import (MAX_STOP_STRINGS, ChatCompletionRequest,
                                                  ChatMessage, CompletionRequest, StreamOptions,
+                                                 prompt_too_long, raw_prompt_length,
                                                  resolve_max_tokens)
 from helixserve.protocol.openai_responses import (SSE_DONE, AssistantMessage, ChatChoice,
                                                   ChatChunkChoice, ChatCompletionChunk,
@@ -48,9 +49,9 @@ __all__ = [
     "MAX_STOP_STRINGS", "SSE_DONE", "AssistantMessage", "ChatChoice", "ChatChunkChoice",
     "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatDelta",
     "ChatMessage", "CompletionChoice", "CompletionRequest", "CompletionResponse", "FinishReason",
-    "ModelCard", "ModelList", "NonNegativeInt", "OpenAIFinishReason", "PositiveInt",
+    "IntegralInt", "ModelCard", "ModelList", "NonNegativeInt", "OpenAIFinishReason", "PositiveInt",
     "ResponseMeta", "StreamOptions", "TokenId", "Usage", "chat_completion_chunk",
     "chat_completion_response", "chat_usage_chunk", "completion_chunk", "completion_response",
     "completion_usage_chunk", "new_chat_completion_id", "new_completion_id", "param_error",
-    "resolve_max_tokens", "sse_event", "to_openai_finish_reason",
+    "prompt_too_long", "raw_prompt_length", "resolve_max_tokens", "sse_event", "to_openai_finish_reason",
 ]

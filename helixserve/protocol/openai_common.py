@@ -6,14 +6,28 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt
+from pydantic import BeforeValidator, Field, StrictInt
 from pydantic_core import PydanticCustomError
 
 from helixserve.protocol.errors import RequestCancelledError
 
+
+
+def _integral(value: Any) -> Any:
+    """``76.0`` -> ``76`` (JSON has one number type; clients send integral floats); ``76.5`` is a
+    400 naming the value. Booleans and strings stay what they are (StrictInt refuses them)."""
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise param_error(f"expected an integer, got {value!r}", kind="integer_type")
+        return int(value)
+    return value
+
+
 TokenId = Annotated[StrictInt, Field(ge=0)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+# a request's integer parameter (max_tokens, top_k, seed): an integral float is accepted
+IntegralInt = Annotated[StrictInt, BeforeValidator(_integral)]
 OpenAIFinishReason = Literal["stop", "length"]
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
+from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr,
                       field_validator, model_validator)
 
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.protocol.errors import ContextLengthExceededError
-from helixserve.protocol.openai_common import PositiveInt, TokenId, param_error
+from helixserve.protocol.openai_common import IntegralInt, TokenId, param_error
+
+Count = Annotated[IntegralInt, Field(ge=1)]  # max_tokens and the like: >= 1, 76.0 reads as 76
 
 MAX_STOP_STRINGS = 4
 
@@ -64,11 +66,11 @@ class _GenerationRequest(BaseModel):
     _NEUTRAL: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = _COMMON_NEUTRAL
 
     model: Annotated[StrictStr, Field(min_length=1)]
-    max_tokens: PositiveInt | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Strict(), Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None
+    top_k: Annotated[IntegralInt, Field(ge=-1)] | None = None
+    seed: Annotated[IntegralInt, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = None
@@ -201,7 +203,7 @@ class ChatCompletionRequest(_GenerationRequest):
     _NEUTRAL: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = _CHAT_NEUTRAL
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: Count | None = None
 
     @model_validator(mode="after")
     def _check_max_tokens(self) -> Self:
@@ -215,6 +217,30 @@ class ChatCompletionRequest(_GenerationRequest):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+
+def raw_prompt_length(raw: Any) -> int | None:
+    """The length of a parsed (not yet validated) body's ``prompt`` when it is a token-id list,
+    else None: an over-long list is refused before the work of validating it."""
+    prompt = raw.get("prompt") if isinstance(raw, dict) else None
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return len(prompt)
+    return None
+
+
+def prompt_too_long(num_tokens: int, max_prompt_tokens: int, max_model_len: int | None,
+                    param: str = "prompt", at_least: bool = False) -> ContextLengthExceededError:
+    """The 400 for a prompt of ``num_tokens`` (``at_least``: a lower bound, counted before
+    tokenizing) over ``max_prompt_tokens``, worded by which limit it is: the context, or
+    ``limits.max_prompt_tokens`` below it."""
+    has = f"{'at least ' if at_least else ''}{num_tokens} tokens"
+    if max_model_len is not None and max_prompt_tokens >= max_model_len:
+        message = (f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                   f"has {has}.")
+    else:
+        message = (f"The prompt has {has}; this server accepts at most {max_prompt_tokens} "
+                   f"prompt tokens.")
+    return ContextLengthExceededError(message, param=param)
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,

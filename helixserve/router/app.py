@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 
@@ -14,17 +13,32 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from helixserve.config import DeploymentConfig, RouterConfig
-from helixserve.protocol import (AuthenticationError, ChatCompletionRequest, CompletionRequest,
+from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig
+from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
+                                 ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                  InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
-                                 OpenAIError, QueueFullError, parse_model)
+                                 QueueFullError, parse_json, parse_model, prompt_too_long,
+                                 raw_prompt_length)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
 from helixserve.serving.auth import internal_headers
-from helixserve.serving.http import install_error_handlers, run_unless_disconnected
+from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
+                                    install_error_handlers, run_unless_disconnected)
+from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
 
 logger = logging.getLogger(__name__)
+
+ROUTER_OPERATIONS = {
+    ("POST", "/v1/completions"): Operation(CompletionRequest, (CompletionResponse,), streams=True,
+                                           errors=(401, *GENERATION_ERRORS)),
+    ("POST", "/v1/chat/completions"): Operation(ChatCompletionRequest, (ChatCompletionResponse,),
+                                                streams=True, errors=(401, *GENERATION_ERRORS)),
+    ("GET", "/v1/models"): Operation(response=(ModelList,), errors=(401,)),
+    ("GET", "/health"): Operation(),
+    ("GET", "/ready"): Operation(errors=(503,), error_is_object=(503,)),
+    ("GET", "/metrics"): Operation(text=True),
+}
 
 
 class Admission:
@@ -68,10 +82,18 @@ class RouterService:
     """The router's state: pools, admission, metrics and (while running) the orchestrator."""
 
     def __init__(self, config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
-                 served_model: str, internal_secret: str | None = None) -> None:
+                 served_model: str, limits: LimitsConfig = LimitsConfig(),
+                 max_model_len: int | None = None, internal_secret: str | None = None) -> None:
         self.config = config
         self.internal_secret = internal_secret  # sent on every hop to a worker
         self.served_model = served_model
+        self.limits = limits
+        # what the router can check of a token-id prompt without the model (None: the workers)
+        known = [n for n in (limits.max_prompt_tokens, max_model_len) if n is not None]
+        self.max_prompt_tokens = min(known) if known else None
+        self.max_model_len = max_model_len
+        self.off_loop = OffLoop("router")
+        self.started_at = int(time.time())  # /v1/models "created": when the router started
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
         self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool])
@@ -93,6 +115,7 @@ class RouterService:
                 yield
             finally:
                 checker.cancel()
+                self.off_loop.shutdown()
 
     async def _check_health(self, client: httpx.AsyncClient) -> None:
         timeout_s = self.config.health_check_timeout_s
@@ -101,18 +124,30 @@ class RouterService:
                                  self.gen_pool.check(client, timeout_s))
             await asyncio.sleep(self.config.health_check_interval_s)
 
-    async def _admit(self, request: Request, cls: type) -> tuple:
-        _check_api_key(request, self.config.api_keys)
-        raw_bytes = await request.body()
-        body = parse_model(cls, raw_bytes)
-        raw = json.loads(raw_bytes)
+    def _parse(self, cls: type, raw_bytes: bytes) -> tuple:
+        """The body as a request model and as the JSON object forwarded to the workers (parsed
+        once: strict JSON, so whatever parses re-encodes for the next hop)."""
+        raw = parse_json(raw_bytes)
+        limit, num_ids = self.max_prompt_tokens, raw_prompt_length(raw)
+        if limit is not None and num_ids is not None and num_ids > limit:
+            raise prompt_too_long(num_ids, limit, self.max_model_len)  # before validating it
+        body = parse_model(cls, raw)
         if raw.get("disaggregated_params") is not None:
             raise InvalidRequestError("disaggregated_params is set by the router between its "
                                       "workers; clients may not send it",
                                       param="disaggregated_params")
+        return body, raw
+
+    async def _admit(self, request: Request, cls: type) -> tuple:
+        _check_api_key(request, self.config.api_keys)
+        raw_bytes = await request.body()
+        body, raw = await self.off_loop.run_if(len(raw_bytes) > OFF_LOOP_BYTES, self._parse, cls,
+                                               raw_bytes)
+        del raw_bytes
         if body.model != self.served_model:
             raise ModelNotFoundError(body.model)
-        await self.admission.acquire()
+        # a client that leaves while queued gives its place up at once
+        await run_unless_disconnected(request, self.admission.acquire())
         return body, raw
 
     async def completion(self, request: Request, cls: type, endpoint: str) -> Response:
@@ -120,8 +155,8 @@ class RouterService:
         metrics = self.metrics
         try:
             body, raw = await self._admit(request, cls)
-        except OpenAIError as err:  # refused before reaching a worker
-            metrics.requests.labels(endpoint, str(err.status_code)).inc()
+        except Exception as err:  # refused before reaching a worker
+            metrics.requests.labels(endpoint, str(getattr(err, "status_code", 500))).inc()
             raise
         metrics.queue_time.observe(time.monotonic() - t_arrival)
         metrics.running.inc()
@@ -143,7 +178,7 @@ class RouterService:
 
     def models(self, request: Request) -> Response:
         _check_api_key(request, self.config.api_keys)
-        card = ModelCard(id=self.served_model, created=0)
+        card = ModelCard(id=self.served_model, created=self.started_at)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     def ready(self) -> Response:
@@ -160,10 +195,15 @@ class RouterService:
 
 
 def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
-                     served_model: str, internal_secret: str | None = None) -> FastAPI:
-    service = RouterService(config, ctx_urls, gen_urls, served_model, internal_secret)
+                     served_model: str, limits: LimitsConfig = LimitsConfig(),
+                     max_model_len: int | None = None, internal_secret: str | None = None) -> FastAPI:
+    service = RouterService(config, ctx_urls, gen_urls, served_model, limits, max_model_len,
+                            internal_secret)
     app = FastAPI(title="helixserve router", lifespan=service.lifespan)
+    app.add_middleware(BodyLimit, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(InternalErrors)
     install_error_handlers(app)
+    install_openapi(app, ROUTER_OPERATIONS)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -195,4 +235,4 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
 
 def build_router_app_from(deploy: DeploymentConfig) -> FastAPI:
     return build_router_app(deploy.router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name,
-                            deploy.security.secret)
+                            deploy.limits, deploy.cache.max_model_len, deploy.security.secret)

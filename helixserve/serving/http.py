@@ -1,26 +1,32 @@
 """HTTP plumbing shared by the workers and the router (torch-free): OpenAI-shaped error handlers,
-client-disconnect detection, the ``X-Request-Id`` header, uvicorn start-up."""
+the body-size limit, a bounded pool for a request's CPU work, client-disconnect detection, the
+``X-Request-Id`` header, uvicorn start-up."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from helixserve.protocol import (InternalServerError, InvalidRequestError, NotFoundError,
-                                 OpenAIError, RequestCancelledError)
+                                 OpenAIError, PayloadTooLargeError, RequestCancelledError)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# bodies up to this size are parsed (and their prompts tokenized) on the event loop; larger ones
+# in the :class:`OffLoop` pool, so one large request does not stall /health and everyone else
+OFF_LOOP_BYTES = 16 * 1024
 
 
 class ClientDisconnected(RequestCancelledError):
@@ -28,7 +34,95 @@ class ClientDisconnected(RequestCancelledError):
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
+    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_body_bytes`` is refused with a 413 before it is
+    parsed. A declared ``Content-Length`` over the limit fails the app's first read of the body
+    (before any of it is kept); a chunked body fails the read that crosses the limit. The error
+    rises in the route, so its handler and the request metrics see it like any other 4xx."""
+
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        num_declared = int(declared) if declared is not None and declared.isdigit() else None
+        num_received = 0
+
+        def too_large(size: str) -> PayloadTooLargeError:
+            return PayloadTooLargeError(f"The request body is {size} bytes; this server accepts at "
+                                        f"most {limit} bytes (limits.max_body_bytes).")
+
+        async def limited_receive() -> dict:
+            nonlocal num_received
+            if num_declared is not None and num_declared > limit:
+                raise too_large(str(num_declared))
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > limit:
+                    raise too_large(f"more than {limit}")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception before the answer started becomes a logged 500
+    with OpenAI's body on a connection that stays open (Starlette's outermost handler would
+    re-raise it after answering, and uvicorn would then drop the keep-alive connection). One
+    raised mid-stream still ends that stream's connection: there is no other way to end it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        is_started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal is_started
+            is_started = is_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            if is_started:
+                raise
+            logger.exception("unhandled error")
+            response = error_response(InternalServerError(
+                f"internal error: {type(err).__name__}: {err}"))
+            await response(scope, receive, send)
+
+
+class OffLoop:
+    """A bounded thread pool for the CPU work a request brings (parsing a large body, tokenizing,
+    rendering a chat), so the event loop keeps answering ``/health`` and other requests."""
+
+    def __init__(self, name: str, max_workers: int = 4) -> None:
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=f"{name}-offloop")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args))
+
+    async def run_if(self, is_large: bool, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the pool when ``is_large``, else here (a thread hop costs more than
+        small work)."""
+        return await self.run(fn, *args) if is_large else fn(*args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -45,7 +139,7 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(NotFoundError(f"no route {err.detail!s}" if err.detail != "Not Found"
                                                 else "Not found: no such route", code="not_found"))
         kind = InvalidRequestError if err.status_code < 500 else InternalServerError
-        out = kind(str(err.detail))
+        out = kind(str(err.detail), headers=err.headers)  # e.g. 405's Allow
         out.status_code = err.status_code
         return error_response(out)
 

@@ -11,7 +11,7 @@ from helixserve.engine.llm import LLM
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
-from helixserve.serving.openai_serving import ServingLimits
+from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
 from helixserve.serving.worker_app import Worker
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,11 @@ def wrap_core(role: str, deploy: DeploymentConfig, core: EngineCoreLike, tokeniz
                          max_num_seqs=num_running_slots or deploy.cache.max_num_seqs,
                          max_queue_len=max_queue_len,
                          engine_thread_name=f"{role}-engine")
+    max_prompt_tokens = min(deploy.limits.max_prompt_tokens or max_model_len, max_model_len)
     limits = ServingLimits(served_model=deploy.model.name, max_model_len=max_model_len,
-                           vocab_size=cfg.vocab_size, default_max_tokens=deploy.default_max_tokens)
+                           vocab_size=cfg.vocab_size, default_max_tokens=deploy.default_max_tokens,
+                           max_prompt_tokens=max_prompt_tokens,
+                           max_body_bytes=deploy.limits.max_body_bytes,
+                           max_bytes_per_token=max_bytes_per_token(tokenizer))
     logger.info("%s worker limits: %s", role, limits)
     return Worker(role, engine, tokenizer, limits, layout, security=deploy.security)

@@ -1,8 +1,10 @@
 """OpenAI requests -> engine inputs, engine outputs -> OpenAI answers and SSE streams (workers).
 
-:func:`prepare` validates what pydantic cannot (prompt length vs the context, token ids vs the
-vocabulary) and builds :class:`SamplingParams`; :func:`collect` and :func:`sse_stream` turn a
-request's :class:`RequestOutput` s into the non-streamed answer or the SSE events.
+:func:`prepare` validates what pydantic cannot (prompt length vs ``limits.max_prompt_tokens`` and
+the context, token ids vs the vocabulary) and builds :class:`SamplingParams`; a prompt that cannot
+fit is refused before it is tokenized when its token count or its byte count proves it.
+:func:`collect` and :func:`sse_stream` turn a request's :class:`RequestOutput` s into the
+non-streamed answer or the SSE events.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from helixserve.protocol import (SSE_DONE, ChatCompletionRequest, CompletionRequ
                                  DisaggregatedParams, InvalidRequestError, OpenAIError,
                                  ResponseMeta, Usage, chat_completion_chunk,
                                  chat_completion_response, chat_usage_chunk, completion_chunk,
-                                 completion_response, completion_usage_chunk, resolve_max_tokens,
-                                 sse_error, sse_event)
+                                 completion_response, completion_usage_chunk, prompt_too_long,
+                                 resolve_max_tokens, sse_error, sse_event)
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
@@ -31,6 +33,47 @@ class ServingLimits:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int | None
+    max_prompt_tokens: int  # at most max_model_len
+    max_body_bytes: int
+    # the most prompt bytes one token can stand for, where the tokenizer proves a bound (None:
+    # no early refusal by byte count; the prompt is tokenized, then checked)
+    max_bytes_per_token: int | None = None
+
+
+def max_bytes_per_token(tokenizer: HelixTokenizer | None) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token covers, or None where none is proven.
+
+    Proven for a byte-level BPE without normalizer and unknown token: every input byte is one
+    character of exactly one token's string (added tokens match their content), so a text of
+    ``n`` bytes has at least ``ceil(n / bound)`` tokens. (Encoding the token strings as UTF-8
+    over-counts the byte alphabet's two-byte characters: a safe, looser bound.)"""
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizer.tokenizer if tokenizer is not None else None
+    if (tok is None or tok.normalizer is not None
+            or not isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel)
+            or not isinstance(tok.model, models.BPE) or tok.model.unk_token is not None):
+        return None
+    return max(len(t.encode()) for t in tok.get_vocab(with_added_tokens=True))
+
+
+def check_prompt_length(num_tokens: int, limits: ServingLimits, param: str,
+                        at_least: bool = False) -> None:
+    """400 ``context_length_exceeded`` for a prompt over ``limits.max_prompt_tokens``."""
+    if num_tokens > limits.max_prompt_tokens:
+        raise prompt_too_long(num_tokens, limits.max_prompt_tokens, limits.max_model_len, param,
+                              at_least)
+
+
+def _encode(text: str, tokenizer: HelixTokenizer, limits: ServingLimits, param: str) -> list[int]:
+    """Tokenize ``text`` unless its byte count alone proves it is too long."""
+    bound = limits.max_bytes_per_token
+    if bound is not None and len(text) > limits.max_prompt_tokens:  # bytes >= characters
+        num_bytes = len(text.encode("utf-8"))
+        check_prompt_length(-(-num_bytes // bound), limits, param, at_least=True)
+    ids = tokenizer.encode(text)
+    check_prompt_length(len(ids), limits, param)
+    return ids
 
 
 @dataclass(slots=True)
@@ -56,22 +99,27 @@ class PreparedRequest:
         return self.body.disaggregated_params
 
 
-def prompt_token_ids(body: GenerationRequest, tokenizer: HelixTokenizer | None) -> list[int]:
-    """The prompt as token ids: a generation_only request's ctx-given ids, else tokenized here."""
+def prompt_token_ids(body: GenerationRequest, tokenizer: HelixTokenizer | None,
+                     limits: ServingLimits) -> list[int]:
+    """The prompt as token ids: a generation_only request's ctx-given ids, else tokenized here;
+    400 when it is longer than ``limits.max_prompt_tokens``."""
     params = body.disaggregated_params
     if params is not None and params.is_generation_only:
-        return list(params.prompt_token_ids)
-    if isinstance(body, ChatCompletionRequest):
+        ids = list(params.prompt_token_ids)
+        check_prompt_length(len(ids), limits, "prompt")
+    elif isinstance(body, ChatCompletionRequest):
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: chat is not available",
                                       param="messages")
-        ids = tokenizer.encode_chat([m.model_dump() for m in body.messages])
+        text = tokenizer.render_chat([m.model_dump() for m in body.messages])
+        ids = _encode(text, tokenizer, limits, "messages")
     elif isinstance(body.prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids",
                                       param="prompt")
-        ids = tokenizer.encode(body.prompt)
+        ids = _encode(body.prompt, tokenizer, limits, "prompt")
     else:
+        check_prompt_length(len(body.prompt), limits, "prompt")
         ids = list(body.prompt)
     if not ids:
         raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
@@ -102,7 +150,7 @@ def sampling_params(body: GenerationRequest, num_prompt_tokens: int, limits: Ser
 
 def prepare(request_id: str, body: GenerationRequest, tokenizer: HelixTokenizer | None,
             limits: ServingLimits) -> PreparedRequest:
-    ids = prompt_token_ids(body, tokenizer)
+    ids = prompt_token_ids(body, tokenizer, limits)
     bad = [t for t in ids if t >= limits.vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token ids {bad[:8]} are outside the vocabulary "

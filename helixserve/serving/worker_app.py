@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +27,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.models.tokenizer import HelixTokenizer
-from helixserve.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequestError,
-                                 KVLayout, ModelCard, ModelList, ModelNotFoundError, RequestType,
-                                 ServiceUnavailableError, parse_model)
+from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                 CompletionResponse, InvalidRequestError, KVLayout, ModelCard,
+                                 ModelList, ModelNotFoundError, RequestType,
+                                 ServiceUnavailableError, parse_json, parse_model,
+                                 prompt_too_long, raw_prompt_length)
 from helixserve.config import SecurityConfig
 from helixserve.serving.auth import install_internal_auth
-from helixserve.serving.http import install_error_handlers, request_id_from, run_unless_disconnected
+from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
+                                    install_error_handlers, request_id_from,
+                                    run_unless_disconnected)
+from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
 from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
                                                collect_outputs, prepare, sse_stream)
 
@@ -41,6 +47,29 @@ RequestHandler = Callable[[Request, PreparedRequest], Awaitable[Response]]
 class AbortRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(min_length=1, max_length=128)
+
+
+class AbortResponse(BaseModel):
+    """``aborted``: whether the request was live here (and is now cancelled)."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    aborted: bool
+
+
+# a ctx worker answers a context_only chat request with a text_completion object (its hop)
+_ANSWERS = (CompletionResponse, ChatCompletionResponse)
+WORKER_OPERATIONS = {
+    ("POST", "/v1/completions"): Operation(CompletionRequest, (CompletionResponse,), streams=True,
+                                           errors=GENERATION_ERRORS),
+    ("POST", "/v1/chat/completions"): Operation(ChatCompletionRequest, _ANSWERS, streams=True,
+                                                errors=GENERATION_ERRORS),
+    ("GET", "/v1/models"): Operation(response=(ModelList,)),
+    ("GET", "/health"): Operation(errors=(503,), error_is_object=(503,)),
+    ("GET", "/stats"): Operation(),
+    ("GET", "/metrics"): Operation(text=True),
+    ("POST", "/v1/abort"): Operation(AbortRequest, (AbortResponse,), errors=(400, 413)),
+}
 
 
 class _EngineCollector:
@@ -84,6 +113,7 @@ class Worker:
         self.generation_tokens = Counter("helixserve_worker_generation_tokens",
                                          "tokens generated", ["role"], registry=self.registry)
         self.registry.register(_EngineCollector(self))
+        self.off_loop = OffLoop(self.role)
 
     def failure_cause(self) -> str | None:
         """Why this worker cannot serve now, or None."""
@@ -166,8 +196,33 @@ def aggregated_handler(worker: Worker) -> RequestHandler:
 
 async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
                             http_request: Request, cls: type) -> Response:
-    """Parse (400), check the model (404), pick the role's handler by request type, run it."""
-    body = parse_model(cls, await http_request.body())
+    """:func:`_complete`, counted in ``helixserve_worker_requests`` by status whatever the
+    outcome (a refused body too)."""
+    status = "500"
+    try:
+        response = await _complete(worker, handlers, http_request, cls)
+        status = str(response.status_code)
+        return response
+    except Exception as err:
+        status = str(getattr(err, "status_code", 500))
+        raise
+    finally:
+        worker.requests.labels(worker.role, status).inc()
+
+
+async def _complete(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
+                    http_request: Request, cls: type) -> Response:
+    """Parse (400/413), check the model (404), pick the role's handler by request type, tokenize
+    (a large body's parsing and tokenizing off the event loop), run it."""
+    raw_bytes = await http_request.body()
+    is_large = len(raw_bytes) > OFF_LOOP_BYTES
+    raw = await worker.off_loop.run_if(is_large, parse_json, raw_bytes)
+    del raw_bytes
+    limits = worker.limits
+    num_ids = raw_prompt_length(raw)
+    if num_ids is not None and num_ids > limits.max_prompt_tokens:
+        raise prompt_too_long(num_ids, limits.max_prompt_tokens, limits.max_model_len)
+    body = await worker.off_loop.run_if(is_large, parse_model, cls, raw)
     if body.model != worker.limits.served_model:
         raise ModelNotFoundError(body.model)
     params = body.disaggregated_params
@@ -182,17 +237,9 @@ async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None
         raise ServiceUnavailableError(f"{worker.role} worker cannot serve: {cause}",
                                       code=f"{worker.role}_worker_failed")
     request_id = request_id_from(http_request, worker.engine.new_request_id(worker.role))
-    prepared = prepare(request_id, body, worker.tokenizer, worker.limits)
-    status = "500"
-    try:
-        response = await handler(http_request, prepared)
-        status = str(response.status_code)
-        return response
-    except Exception as err:
-        status = str(getattr(err, "status_code", 500))
-        raise
-    finally:
-        worker.requests.labels(worker.role, status).inc()
+    prepared = await worker.off_loop.run_if(is_large or cls is ChatCompletionRequest, prepare,
+                                            request_id, body, worker.tokenizer, worker.limits)
+    return await handler(http_request, prepared)
 
 
 def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, RequestHandler],
@@ -212,6 +259,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
                     await stack.enter_async_context(hook())
                 yield
         finally:
+            worker.off_loop.shutdown()
             try:
                 await worker.engine.shutdown()
             finally:
@@ -219,8 +267,12 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
                     await asyncio.to_thread(fn)
 
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
+    install_internal_auth(app, worker.security)  # innermost: the body limit applies first
+    app.add_middleware(BodyLimit, max_body_bytes=worker.limits.max_body_bytes)
+    app.add_middleware(InternalErrors)
     install_error_handlers(app)
-    install_internal_auth(app, worker.security)
+    install_openapi(app, WORKER_OPERATIONS)
+    started_at = int(time.time())  # /v1/models "created": when this worker started
 
     @app.post("/v1/completions")
     async def completions(http_request: Request) -> Response:
@@ -232,7 +284,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=worker.limits.served_model, created=0)
+        card = ModelCard(id=worker.limits.served_model, created=started_at)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     @app.get("/health")
@@ -253,10 +305,14 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     @app.post("/v1/abort")
     async def abort(http_request: Request) -> Response:
         body = parse_model(AbortRequest, await http_request.body())
-        if worker.abort_override is None or not await worker.abort_override(body.request_id):
-            worker.engine.abort(body.request_id, f"request {body.request_id} was cancelled")
-        worker.on_abort(body.request_id)
-        return JSONResponse({"request_id": body.request_id, "aborted": True})
+        rid = body.request_id
+        is_aborted = worker.abort_override is not None and await worker.abort_override(rid)
+        if not is_aborted:
+            is_aborted = worker.engine.is_live(rid)
+            worker.engine.abort(rid, f"request {rid} was cancelled")
+        worker.on_abort(rid)
+        return Response(AbortResponse(request_id=rid, aborted=is_aborted).model_dump_json(),
+                        media_type="application/json")
 
     app.state.worker = worker
     return app

@@ -1,0 +1,297 @@
+"""Hostile and oversized requests against a served deployment (router -> ctx -> gen on loopback):
+every one gets a 4xx OpenAI error body, is counted, and leaves the keep-alive connection usable;
+a 4 MB prompt does not stall health checks or other requests; the limits hold at -1 / 0 / +1;
+429 says when to retry, 405 what is allowed; a client queued in the router that leaves gives up
+its place at once."""
+
+from __future__ import annotations
+
+import http.client as httplib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import pytest
+
+from helixserve.config import LimitsConfig
+from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
+
+MAX_PROMPT_TOKENS = 64  # of a 256-token context
+MAX_BODY_BYTES = 4 * 1024 * 1024  # the default
+DEEP = 100_000
+HOSTILE_BODIES = {
+    "lone_surrogate": b'{"model": "%s", "prompt": "\\ud800", "max_tokens": 2}' % MODEL.encode(),
+    "low_surrogate": b'{"model": "%s", "prompt": "a\\udc00b", "max_tokens": 2}' % MODEL.encode(),
+    "deep_nesting": (b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * DEEP + b"]" * DEEP
+                     + b"}"),
+    "deep_object": b'{"model": "%s", "user": ' % MODEL.encode() + b'{"a":' * DEEP + b"1"
+                   + b"}" * DEEP + b"}",
+    "nan": b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL.encode(),
+    "infinity": b'{"model": "%s", "prompt": "hi", "top_p": Infinity}' % MODEL.encode(),
+    "bad_utf8": b'{"model": "%s", "prompt": "\xff\xfe"}' % MODEL.encode(),
+    "not_an_object": b"[1, 2, 3]",
+    "huge_integer": b'{"model": "%s", "prompt": [1], "max_tokens": 1%s}' % (MODEL.encode(),
+                                                                         b"0" * 4000),
+    "fractional_top_k": b'{"model": "%s", "prompt": "hi", "top_k": 76.5}' % MODEL.encode(),
+}
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory, k3_tiny):
+    d = Deployment(tmp_path_factory.mktemp("hostile"), k3_tiny,
+                   limits=LimitsConfig(max_prompt_tokens=MAX_PROMPT_TOKENS))
+    try:
+        yield d.start_all()
+    finally:
+        d.stop()
+
+
+def _conn(url: str, timeout: float = 60) -> httplib.HTTPConnection:
+    parsed = urlparse(url)
+    return httplib.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+
+
+def _send(conn: httplib.HTTPConnection, method: str, path: str, body: bytes | None = None,
+          headers: dict | None = None) -> tuple[int, dict, object]:
+    conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    raw = response.read()
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        payload = raw.decode(errors="replace")
+    return response.status, dict(response.getheaders()), payload
+
+
+def _good(prompt: object = "ok", **extra: object) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                       **extra}).encode()
+
+
+def _counter(url: str, labels: str) -> float:
+    name = "helixserve_router_requests_total" if "endpoint" in labels \
+        else "helixserve_worker_requests_total"
+    return metric(url, f"{name}{{{labels}}}", default=0.0)
+
+
+def _assert_openai_error(status: int, payload: object, expected: int, code: str | None = None,
+                         param: str | None = None) -> dict:
+    assert status == expected, payload
+    assert isinstance(payload, dict) and set(payload) == {"error"}, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_BODIES))
+@pytest.mark.parametrize("role", ["router", "ctx", "gen"])
+def test_hostile_body_is_a_counted_4xx_and_the_connection_stays_usable(dep, role, name):
+    url = {"router": dep.router_url, "ctx": dep.ctx_url, "gen": dep.gen_url}[role]
+    labels = ('endpoint="/v1/completions",status="400"' if role == "router"
+              else f'role="{role}",status="400"')
+    before = _counter(url, labels)
+    conn = _conn(url)
+    try:
+        status, _, payload = _send(conn, "POST", "/v1/completions", HOSTILE_BODIES[name])
+        _assert_openai_error(status, payload, 400)
+        local = conn.sock.getsockname()
+        status, _, payload = _send(conn, "POST", "/v1/completions", _good())
+        assert status == 200, payload
+        assert conn.sock is not None and conn.sock.getsockname() == local  # same connection
+    finally:
+        conn.close()
+    assert _counter(url, labels) == before + 1
+
+
+def test_integral_float_top_k_is_accepted(dep):
+    status, answer = http("POST", f"{dep.router_url}/v1/completions",
+                          json.loads(_good(top_k=76.0, max_tokens=3.0)))
+    assert status == 200 and answer["usage"]["completion_tokens"] <= 3, answer
+    status, answer = http("POST", f"{dep.router_url}/v1/completions", json.loads(_good(top_k=76.5)))
+    error = _assert_openai_error(status, answer, 400, code="invalid_type", param="top_k")
+    assert "76.5" in error["message"]
+
+
+@pytest.mark.parametrize("role", ["router", "ctx", "gen"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_over_limit_body_is_413(dep, role, chunked):
+    url = {"router": dep.router_url, "ctx": dep.ctx_url, "gen": dep.gen_url}[role]
+    body = _good("x" * (MAX_BODY_BYTES + 1))
+    conn = _conn(url)
+    try:
+        if chunked:  # no Content-Length: the server counts what it reads
+            parts = (body[i:i + 65536] for i in range(0, len(body), 65536))
+            conn.request("POST", "/v1/completions", parts,
+                         {"Content-Type": "application/json"}, encode_chunked=True)
+        else:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = json.loads(response.read())
+    finally:
+        conn.close()
+    _assert_openai_error(response.status, payload, 413, code="request_too_large")
+    assert str(MAX_BODY_BYTES) in payload["error"]["message"]
+    assert http("POST", f"{url}/v1/completions", json.loads(_good()))[0] == 200
+
+
+def test_four_megabyte_prompts_leave_health_and_other_requests_answered(dep):
+    """The 4 MB prompts are refused before tokenizing (their byte count proves they cannot fit),
+    their parsing runs off the event loop: health checks and small requests go on meanwhile."""
+    big_text = {"model": MODEL, "prompt": "a" * 4_000_000, "max_tokens": 2}
+    big_ids = {"model": MODEL, "prompt": [7] * 1_300_000, "max_tokens": 2}  # 3.9 MB of JSON
+    targets = [(dep.router_url, big_text), (dep.ctx_url, big_text), (dep.router_url, big_ids),
+               (dep.ctx_url, big_ids), (dep.router_url, big_text), (dep.ctx_url, big_text)]
+    done = threading.Event()
+    small: list[tuple[int, object]] = []
+    health: list[int] = []
+
+    def meanwhile() -> None:
+        while not done.is_set() or not small:
+            for url in (dep.ctx_url, dep.router_url):
+                health.append(http("GET", f"{url}/health", timeout=30)[0])
+            small.append(http("POST", f"{dep.router_url}/v1/completions",
+                              json.loads(_good("small")), timeout=60))
+
+    with ThreadPoolExecutor(len(targets) + 1) as pool:
+        side = pool.submit(meanwhile)
+        try:
+            bigs = [pool.submit(http, "POST", f"{url}/v1/completions", body, None, 120)
+                    for url, body in targets]
+            answers = [f.result() for f in bigs]
+        finally:
+            done.set()
+        side.result()
+    for status, answer in answers:
+        _assert_openai_error(status, answer, 400, code="context_length_exceeded", param="prompt")
+    assert health and set(health) == {200}, health
+    assert small and all(status == 200 for status, _ in small), small
+
+
+@pytest.mark.parametrize("role", ["router", "ctx"])
+def test_max_prompt_tokens_at_the_limit(dep, role):
+    url = dep.router_url if role == "router" else dep.ctx_url
+    ids = list(range(40, 40 + MAX_PROMPT_TOKENS + 1))
+    for n in (MAX_PROMPT_TOKENS - 1, MAX_PROMPT_TOKENS):
+        status, answer = http("POST", f"{url}/v1/completions", json.loads(_good(ids[:n])))
+        assert status == 200 and answer["usage"]["prompt_tokens"] == n, answer
+        status, answer = http("POST", f"{url}/v1/completions", json.loads(_good("b" * n)))
+        assert status == 200 and answer["usage"]["prompt_tokens"] == n, answer  # a byte a token
+    for prompt in (ids, "b" * (MAX_PROMPT_TOKENS + 1)):
+        status, answer = http("POST", f"{url}/v1/completions", json.loads(_good(prompt)))
+        error = _assert_openai_error(status, answer, 400, code="context_length_exceeded",
+                                     param="prompt")
+        assert str(MAX_PROMPT_TOKENS) in error["message"]
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "c" * 5000}]}
+    status, answer = http("POST", f"{url}/v1/chat/completions", chat)
+    _assert_openai_error(status, answer, 400, code="context_length_exceeded", param="messages")
+
+
+@pytest.mark.parametrize("role", ["router", "ctx", "gen"])
+def test_405_names_the_allowed_methods(dep, role):
+    url = {"router": dep.router_url, "ctx": dep.ctx_url, "gen": dep.gen_url}[role]
+    conn = _conn(url)
+    try:
+        status, headers, payload = _send(conn, "GET", "/v1/completions")
+    finally:
+        conn.close()
+    _assert_openai_error(status, payload, 405)
+    assert headers.get("allow") == "POST", headers
+
+
+@pytest.mark.parametrize("role", ["ctx", "gen"])
+def test_abort_of_an_unknown_request_says_so(dep, role):
+    url = dep.ctx_url if role == "ctx" else dep.gen_url
+    status, answer = http("POST", f"{url}/v1/abort", {"request_id": "no-such-request"})
+    assert (status, answer) == (200, {"request_id": "no-such-request", "aborted": False})
+
+
+def test_models_created_is_the_start_time(dep):
+    now = time.time()
+    for url in (dep.router_url, dep.ctx_url, dep.gen_url):
+        status, answer = http("GET", f"{url}/v1/models")
+        assert status == 200
+        created = answer["data"][0]["created"]
+        assert now - 3600 < created <= now, answer
+
+
+def _router(dep: Deployment, tmp_path, **router: object) -> tuple[str, subprocess.Popen]:
+    (port,) = free_ports(1)
+    config = dep.config.model_copy(update={"router": dep.config.router.model_copy(
+        update={"port": port, **router})})
+    path = tmp_path / f"router-{port}.yaml"
+    config.to_yaml(path)
+    proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
+                            cwd=REPO, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return http("GET", f"{url}/ready", timeout=2)[0] == 200
+        except OSError:
+            return False
+    wait_until(ready, 60, "the extra router")
+    return url, proc
+
+
+def _leave(conn: httplib.HTTPConnection) -> None:
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+def test_429_has_retry_after_and_a_queued_client_that_leaves_frees_its_place(dep, tmp_path):
+    """One slot, one queue place. A holds the slot (its gen world is paused mid-decode), B takes
+    the queue place, C gets 429 with Retry-After; B leaves and its place is free at once: D
+    queues instead of getting 429, while A still holds the slot."""
+    url, proc = _router(dep, tmp_path, max_inflight=1, max_queue_len=1)
+    waiting = "helixserve_router_requests_waiting"
+    gen_group = dep.procs["gen"].pid
+    long_stream = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0,
+                   "ignore_eos": True, "stream": True}
+    a = _conn(url)
+    is_paused = False
+    try:
+        a.request("POST", "/v1/completions", json.dumps(long_stream),
+                  {"Content-Type": "application/json"})
+        response = a.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        os.killpg(gen_group, signal.SIGSTOP)  # A cannot finish: the slot stays taken
+        is_paused = True
+        b = _conn(url)
+        b.request("POST", "/v1/completions", _good(), {"Content-Type": "application/json"})
+        wait_until(lambda: metric(url, waiting) == 1, 10, "B queued")
+        c = _conn(url)
+        try:
+            status, headers, payload = _send(c, "POST", "/v1/completions", _good())
+        finally:
+            c.close()
+        _assert_openai_error(status, payload, 429)
+        assert int(headers.get("retry-after", "0")) >= 1, headers
+        _leave(b)
+        wait_until(lambda: metric(url, waiting) == 0, 10, "B's queue place freed")
+        d = _conn(url)
+        d.request("POST", "/v1/completions", _good(), {"Content-Type": "application/json"})
+        wait_until(lambda: metric(url, waiting) == 1, 10, "D queued (not refused)")
+        assert metric(url, "helixserve_router_requests_running") == 1  # A still holds the slot
+        _leave(d)
+        wait_until(lambda: metric(url, waiting) == 0, 10, "D's queue place freed")
+        counted = 'helixserve_router_requests_total{endpoint="/v1/completions",status="499"}'
+        assert metric(url, counted) == 2  # B and D
+    finally:
+        if is_paused:
+            os.killpg(gen_group, signal.SIGCONT)
+        a.close()
+        proc.terminate()
+        proc.wait(10)
+    wait_until(lambda: http("GET", f"{dep.router_url}/ready")[0] == 200, 30, "gen healthy again")
+    assert http("POST", f"{dep.router_url}/v1/completions", json.loads(_good()))[0] == 200
