@@ -20,7 +20,8 @@ from pydantic.json_schema import models_json_schema
 from helixserve.protocol import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
-_REASONS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
+_REASONS = {400: "Invalid request", 401: "Missing or wrong API key (router) or internal secret (worker)",
+            403: "This worker holds no internal secret: it serves no internal traffic", 404: "Unknown model",
             405: "Method not allowed", 413: "Request body too large",
             429: "At capacity; retry after Retry-After seconds",
             499: "Cancelled (the client went away)", 500: "Internal error",

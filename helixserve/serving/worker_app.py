@@ -59,16 +59,17 @@ class AbortResponse(BaseModel):
 
 # a ctx worker answers a context_only chat request with a text_completion object (its hop)
 _ANSWERS = (CompletionResponse, ChatCompletionResponse)
+_INTERNAL = (401, 403)  # no or a wrong internal secret; 403: this worker has none (serving/auth.py)
 WORKER_OPERATIONS = {
     ("POST", "/v1/completions"): Operation(CompletionRequest, (CompletionResponse,), streams=True,
-                                           errors=GENERATION_ERRORS),
+                                           errors=(*_INTERNAL, *GENERATION_ERRORS)),
     ("POST", "/v1/chat/completions"): Operation(ChatCompletionRequest, _ANSWERS, streams=True,
-                                                errors=GENERATION_ERRORS),
-    ("GET", "/v1/models"): Operation(response=(ModelList,)),
-    ("GET", "/health"): Operation(errors=(503,), error_is_object=(503,)),
-    ("GET", "/stats"): Operation(),
-    ("GET", "/metrics"): Operation(text=True),
-    ("POST", "/v1/abort"): Operation(AbortRequest, (AbortResponse,), errors=(400, 413)),
+                                                errors=(*_INTERNAL, *GENERATION_ERRORS)),
+    ("GET", "/v1/models"): Operation(response=(ModelList,), errors=_INTERNAL),
+    ("GET", "/health"): Operation(errors=(401, 503), error_is_object=(503,)),
+    ("GET", "/stats"): Operation(errors=_INTERNAL),
+    ("GET", "/metrics"): Operation(text=True, errors=(401,)),
+    ("POST", "/v1/abort"): Operation(AbortRequest, (AbortResponse,), errors=(*_INTERNAL, 400, 413)),
 }
 
 

@@ -21,7 +21,7 @@ from helixserve.config import DeploymentConfig
 from helixserve.config import INTERNAL_SECRET_ENV
 from helixserve.testing.servers import SECRET_HEADER, free_ports, http, new_secret, trust_workers, wait_until
 
-__all__ = ["MODEL", "REPO", "Deployment", "free_ports", "http", "metric", "wait_until"]
+__all__ = ["MODEL", "REPO", "SECRET_HEADER", "Deployment", "free_ports", "http", "metric", "wait_until"]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "kimi-k3-tiny"

@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                response_schema_conformance,
                                                status_code_conformance)
 
-from tests.e2e.conftest import MODEL, Deployment, http
+from tests.e2e.conftest import MODEL, SECRET_HEADER, Deployment, http
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
@@ -39,9 +39,10 @@ def dep(tmp_path_factory, k3_tiny):
         d.stop()
 
 
-def _run(url: str) -> list[str]:
-    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+def _run(url: str, headers: dict[str, str]) -> list[str]:
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=headers)
     session = requests.Session()
+    session.headers.update(headers)
     names = itertools.count()
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions",
@@ -68,7 +69,9 @@ def _run(url: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["router", "worker"])
 def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(dep, role):
-    url = dep.router_url if role == "router" else dep.baseline_url
-    seen = _run(url)
+    # a worker is called as the router calls it: with the deployment's internal secret
+    url, headers = ((dep.router_url, {}) if role == "router"
+                    else (dep.baseline_url, {SECRET_HEADER: dep.secret}))
+    seen = _run(url, headers)
     assert any(line.endswith(" 200") and "completions" in line for line in seen), seen
     assert http("GET", f"{url}/health")[0] == 200
