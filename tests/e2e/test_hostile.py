@@ -20,7 +20,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from helixserve.config import LimitsConfig
+from helixserve.config import INTERNAL_SECRET_ENV, LimitsConfig
+from helixserve.testing.servers import SECRET_HEADER, secret_for
 from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
 
 MAX_PROMPT_TOKENS = 64  # of a 256-token context
@@ -54,13 +55,19 @@ def dep(tmp_path_factory, k3_tiny):
 
 
 def _conn(url: str, timeout: float = 60) -> httplib.HTTPConnection:
+    """A keep-alive connection to ``url``; to a worker it presents the deployment's internal
+    secret, as the router does (the hostile body, not the caller, is under test)."""
     parsed = urlparse(url)
-    return httplib.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    conn = httplib.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    secret = secret_for(url)
+    conn.internal_headers = {SECRET_HEADER: secret} if secret else {}  # type: ignore[attr-defined]
+    return conn
 
 
 def _send(conn: httplib.HTTPConnection, method: str, path: str, body: bytes | None = None,
           headers: dict | None = None) -> tuple[int, dict, object]:
-    conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+    conn.request(method, path, body, {"Content-Type": "application/json",
+                                      **getattr(conn, "internal_headers", {}), **(headers or {})})
     response = conn.getresponse()
     raw = response.read()
     try:
@@ -133,9 +140,11 @@ def test_over_limit_body_is_413(dep, role, chunked):
         if chunked:  # no Content-Length: the server counts what it reads
             parts = (body[i:i + 65536] for i in range(0, len(body), 65536))
             conn.request("POST", "/v1/completions", parts,
-                         {"Content-Type": "application/json"}, encode_chunked=True)
+                         {"Content-Type": "application/json", **conn.internal_headers},
+                         encode_chunked=True)
         else:
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            conn.request("POST", "/v1/completions", body,
+                         {"Content-Type": "application/json", **conn.internal_headers})
         response = conn.getresponse()
         payload = json.loads(response.read())
     finally:
@@ -232,7 +241,8 @@ def _router(dep: Deployment, tmp_path, **router: object) -> tuple[str, subproces
     path = tmp_path / f"router-{port}.yaml"
     config.to_yaml(path)
     proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
-                            cwd=REPO, start_new_session=True)
+                            cwd=REPO, start_new_session=True,
+                            env={**os.environ, INTERNAL_SECRET_ENV: dep.secret})
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:

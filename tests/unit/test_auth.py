@@ -140,7 +140,8 @@ def test_a_worker_refusing_the_routers_hop_is_a_503_for_the_client_not_a_4xx():
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        router = build_router_app(RouterConfig(health_check_interval_s=0.05), (url,), (url,), "m", "s3cret")
+        router = build_router_app(RouterConfig(health_check_interval_s=0.05), (url,), (url,), "m",
+                                  internal_secret="s3cret")
         with TestClient(router) as client:
             deadline = time.monotonic() + 10
             while client.get("/ready").status_code != 200:
