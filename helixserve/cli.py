@@ -140,8 +140,13 @@ def _cmd_serve_gen(args: argparse.Namespace) -> int:
     if env is not None and env.rank != 0:
         run_gen_rank(deploy, server, env)
         return 0
-    serve(build_gen_app(deploy, server, env), server.host, server.port, args.log_level)
-    return 0
+    app = build_gen_app(deploy, server, env)
+    serve(app, server.host, server.port, args.log_level)
+    world = getattr(app.state, "world", None)
+    code = world.exit_code if world is not None else None
+    if code:  # its world failed for good: whatever started this worker should restart it
+        print(f"helixserve serve-gen: the gen world failed for good: {world.failure()}", file=sys.stderr)
+    return code or 0
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
