@@ -18,7 +18,8 @@ world rank 1 (SIGKILL: the gen worker restarts its world). Reported:
 - RSS per process at the start (after a warm-up) and the end, and the growth (psutil when
   installed, else /proc); a process that was restarted is a new one (its pid changes);
 - cache blocks and state slots left allocated on ctx and gen once the clients stopped (from the
-  workers' ``/stats``, after at most ``--settle`` seconds).
+  workers' ``/stats``, after at most ``--settle`` seconds; ``settled_after_s`` says how long
+  freeing everything took, e.g. a prefill whose gen died is freed by its pickup timeout).
 
     python bench/soak.py --quick --out bench/results/soak_quick.json
     python bench/soak.py --minutes 3 --clients 32 --out bench/results/soak.json
@@ -201,8 +202,11 @@ async def _soak(servers: Servers, args, began: float) -> tuple[list, list]:  # n
 
 
 def _left(servers: Servers, settle_s: float) -> dict:
-    """What is still allocated once nothing is in flight (waits up to ``settle_s``)."""
-    deadline = time.monotonic() + settle_s
+    """What is still allocated once the clients stopped, and how long it took to reach that
+    (at most ``settle_s``: a prefill whose gen never picked it up is freed after the ctx's
+    ``pickup_timeout_s``)."""
+    began = time.monotonic()
+    deadline = began + settle_s
     while True:
         ctx, gen = _get(f"{servers.ctx_url}/stats"), _get(f"{servers.gen_url}/stats")
         left = {"ctx_used_blocks": ctx["num_used_blocks"], "ctx_used_slots": ctx["num_used_slots"],
@@ -210,7 +214,7 @@ def _left(servers: Servers, settle_s: float) -> dict:
                 "gen_used_blocks": gen["num_used_blocks"], "gen_used_slots": gen["num_used_slots"],
                 "gen_live_requests": gen["num_live_requests"]}
         if not any(left.values()) or time.monotonic() > deadline:
-            return left
+            return {**left, "settled_after_s": time.monotonic() - began}
         time.sleep(0.5)
 
 
@@ -294,7 +298,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="length in seconds (overrides --minutes)")
     parser.add_argument("--clients", type=int, default=None, help="concurrent clients (default 32; quick: 6)")
     parser.add_argument("--error-pause", type=float, default=0.25, help="a client's pause after an error (s)")
-    parser.add_argument("--settle", type=float, default=15.0, help="longest wait for the workers to free all (s)")
+    parser.add_argument("--settle", type=float, default=45.0,
+                        help="longest wait for the workers to free all (s; > the ctx's pickup_timeout_s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     parser.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "bench-soak.log"),
                         help="where the servers' output goes")
