@@ -219,7 +219,7 @@ def _left(servers: Servers, settle_s: float) -> dict:
 
 
 def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
-    args.seconds = args.seconds or (25.0 if args.quick else 60.0 * args.minutes)
+    args.seconds = args.seconds or (20.0 if args.quick else 60.0 * args.minutes)
     args.clients = args.clients or (6 if args.quick else 32)
     servers = Servers(Path(args.model), Path(args.log))
     try:

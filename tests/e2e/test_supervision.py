@@ -79,7 +79,7 @@ def test_rank_killed_during_a_non_streamed_request_is_503_then_world_restarts(de
     thread = threading.Thread(target=lambda: out.update(
         answer=http("POST", f"{dep.router_url}{path}", _long_body(False, chat), timeout=60)))
     thread.start()
-    wait_until(lambda: _decoding(dep), 20, "the request to decode on gen")
+    wait_until(lambda: _decoding(dep), 60, "the request to decode on gen")
     assert metric(dep.gen_url, "helixserve_worker_cache_blocks_used") > 0
     began = time.monotonic()
     dead = _kill_rank1(dep)
@@ -112,7 +112,7 @@ def test_rank_killed_during_a_stream_ends_it_with_a_503_error_event_then_world_r
 
     reader = threading.Thread(target=read_events)
     reader.start()
-    wait_until(lambda: len(events) >= 2, 20, "the stream's first tokens")
+    wait_until(lambda: len(events) >= 2, 60, "the stream's first tokens")
     dead = _kill_rank1(dep)
     reader.join(FAIL_BOUND_S + 30)
     assert not reader.is_alive(), "the stream did not end"
