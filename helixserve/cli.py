@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -140,8 +141,17 @@ def _cmd_serve_gen(args: argparse.Namespace) -> int:
     if env is not None and env.rank != 0:
         run_gen_rank(deploy, server, env)
         return 0
-    serve(build_gen_app(deploy, server, env), server.host, server.port, args.log_level)
-    return 0
+    app = build_gen_app(deploy, server, env)
+    # uvicorn re-raises the SIGTERM it shut down for once it restored this handler: a no-op, so
+    # that this function returns (exit code 0, or 1 when the world failed for good and the worker
+    # stopped itself with that SIGTERM) instead of the process dying of the signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    serve(app, server.host, server.port, args.log_level)
+    world = getattr(app.state, "world", None)
+    code = world.exit_code if world is not None else None
+    if code:  # its world failed for good: whatever started this worker should restart it
+        print(f"helixserve serve-gen: the gen world failed for good: {world.failure()}", file=sys.stderr)
+    return code or 0
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -159,7 +169,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from helixserve.serving.launch import launch
 
     return launch(args.config, model=args.model, port=args.port, log_level=args.log_level,
-                  ready_timeout_s=args.ready_timeout)
+                  ready_timeout_s=args.ready_timeout, restart=args.restart, max_restarts=args.max_restarts)
 
 
 def _add_server_commands(sub) -> None:  # noqa: ANN001 (argparse's private subparsers type)
@@ -181,6 +191,10 @@ def _add_server_commands(sub) -> None:  # noqa: ANN001 (argparse's private subpa
     la.add_argument("--model", default=None, help="checkpoint directory (made if missing and tiny)")
     la.add_argument("--port", type=int, default=None, help="router port")
     la.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /ready")
+    la.add_argument("--no-restart", dest="restart", action="store_false", default=None,
+                    help="stop everything when a process exits (default: restart it, see launch.restart)")
+    la.add_argument("--max-restarts", type=int, default=None,
+                    help="restarts allowed per process within launch.restart.window_s (default: the config's)")
     la.set_defaults(func=_cmd_launch)
 
 

@@ -70,6 +70,17 @@ class EngineConfig(_Strict):
     seed: int = 0
 
 
+class RestartPolicy(_Strict):
+    """Bounded restarts of something that died: at most ``max_restarts`` within any
+    ``window_s`` seconds, the k-th of them after ``backoff_s * 2**(k-1)`` s (at most
+    ``max_backoff_s``); one more failure inside the window gives up (the owner exits non-zero)."""
+
+    max_restarts: int = Field(3, ge=0)
+    window_s: float = Field(300.0, gt=0)
+    backoff_s: float = Field(1.0, ge=0)
+    max_backoff_s: float = Field(30.0, ge=0)
+
+
 class CtxServerConfig(_Strict):
     """One context (prefill) worker: HTTP server over one engine; holds prefills for pickup."""
 
@@ -103,6 +114,9 @@ class GenServerConfig(_Strict):
     kv_source: Literal["ucx", "recompute"] = "ucx"
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:1")
     collective_timeout_s: float = Field(60.0, gt=0)  # a world collective waiting longer fails
+    # a gen world whose rank died (or whose collective failed) is restarted in place under this
+    # policy; past it, or when srun / torchrun started the ranks, the worker exits non-zero
+    world_restart: RestartPolicy = RestartPolicy()
 
     @property
     def world_size(self) -> int:
@@ -166,6 +180,15 @@ class LimitsConfig(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1)  # None: the context length (max_model_len)
 
 
+class LaunchConfig(_Strict):
+    """``helixserve launch``: a child process (worker or router) that exits is started again
+    under ``restart`` (``restart_children: false``: the first exit stops the deployment); one
+    that exits more often than the policy allows stops it with a non-zero exit code."""
+
+    restart_children: bool = True
+    restart: RestartPolicy = RestartPolicy(max_restarts=5)
+
+
 class DeploymentConfig(_Strict):
     """One YAML file: the model, engine limits, every worker and the router."""
 
@@ -179,6 +202,7 @@ class DeploymentConfig(_Strict):
     router: RouterConfig = RouterConfig()
     security: SecurityConfig = SecurityConfig()
     limits: LimitsConfig = LimitsConfig()
+    launch: LaunchConfig = LaunchConfig()
     # ctx senders and gen receivers; kv_transfer_timeout_ms must stay finite (validated there)
     transceiver: TransceiverConfig = Field(
         default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))

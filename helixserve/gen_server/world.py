@@ -12,7 +12,9 @@ Where the ranks come from:
 :class:`GenWorldCore` is rank 0's driver as the ``AsyncEngine``'s core, plus the world's liveness:
 a spawned rank that died, or a world that stopped (a collective failed or timed out), makes
 :meth:`GenWorld.failure` name the cause; the worker's ``/health`` then answers 503 with it, new
-requests fail with a 503 naming it, and requests in flight fail at the next world step.
+requests fail with a 503 naming it, and requests in flight fail at the next world step with a 503
+``gen_world_failed``. Then the world is restarted in place under ``GenServerConfig.world_restart``
+(:mod:`.supervisor`), or, past that policy or under srun / torchrun, the worker exits non-zero.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ import torch
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.engine.core import EngineStats
 from helixserve.engine.llm import resolve_dtype
-from helixserve.engine.request import SamplingParams
+from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.engine.spmd import WorldStoppedError
 from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, ServingWorldDriver, WorldOptions,
-                                         pick_backend, run_rank, start_local_world, start_rank0)
+                                         drive_to_completion, pick_backend, run_rank, start_local_world,
+                                         start_rank0)
+from helixserve.gen_server.supervisor import CLOSE_GRACE_S, GenWorld, WorldSupervisor
 from helixserve.kvcache.helix import num_local_blocks
 from helixserve.models.config import KimiModelConfig
 from helixserve.parallel import DistEnv, Mapping
@@ -65,60 +69,6 @@ def _device_index(device: str) -> int:
     return int(index) if index.isdigit() else 0
 
 
-@dataclass
-class GenWorld:
-    """Rank 0's driver, and the ranks spawned here (none when srun / torchrun started them)."""
-
-    driver: ServingWorldDriver
-    local: LocalWorld | None = None
-
-    def failure(self) -> str | None:
-        """Why the world cannot serve (dead spawned ranks first), or None."""
-        causes = [self.dead_ranks(), self.driver.failure and f"the gen world stopped: {self.driver.failure}"]
-        return "; ".join(c for c in causes if c) or None
-
-    def dead_ranks(self) -> str | None:
-        """The spawned ranks that exited, or None."""
-        if self.local is None:
-            return None
-        dead = [f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                for rank, proc in enumerate(self.local.processes, start=1) if not proc.is_alive()]
-        return "gen world " + ", ".join(dead) if dead else None
-
-    def describe(self) -> dict[str, Any]:
-        """The world's shape, its spawned ranks' pids (rank 0 and launcher-started ranks: None)
-        and its failure, for ``/health``."""
-        pids = [None] + ([p.pid for p in self.local.processes] if self.local else [])
-        mapping = self.driver.mapping
-        return {"dp": mapping.dp, "cp": mapping.cp, "rank_pids": pids, "failure": self.failure()}
-
-    def rank_gauges(self) -> list[tuple[str, str, dict[tuple[int, int], float]]]:
-        """``(name, help, {(dp_rank, cp_rank): value})`` of every rank's cache, as reported after
-        the last world step (the unlabelled ``cache_blocks_*`` / ``state_slots_*`` gauges are
-        their sums over every rank)."""
-        stats = self.driver.rank_stats()
-        fields = (("rank_cache_blocks_used", "MLA cache blocks in use on one gen rank", "num_used_blocks"),
-                  ("rank_cache_blocks_total", "MLA cache blocks of one gen rank", "num_blocks"),
-                  ("rank_state_slots_used", "KDA state slots in use on one gen rank", "num_used_slots"),
-                  ("rank_state_slots_total", "KDA state slots of one gen rank", "num_slots"))
-        return [(name, text, {key: float(getattr(s, attr)) for key, s in stats.items()})
-                for name, text, attr in fields]
-
-    def close(self) -> None:
-        """After the engine thread stopped: shut the ranks down, close rank 0's receiver."""
-        receiver = self.driver.rank.kv_receiver
-        if self.local is not None:
-            self.local.close()
-        else:
-            try:
-                self.driver.shutdown()
-            except Exception as exc:  # noqa: BLE001 - the world is going away anyway
-                logger.warning("gen world shutdown plan failed: %s", exc)
-            self.driver.rank.groups.destroy()
-        if receiver is not None:
-            receiver.close()
-
-
 @dataclass(slots=True)
 class _Deferred:
     request_id: str
@@ -133,6 +83,11 @@ class GenWorldCore:
     a 503 naming the cause once the world failed, and explaining failed transfers
     (:meth:`failure_error`).
 
+    When the world fails (a rank died, a collective failed), every request in it, or waiting
+    here, ends with a 503 ``gen_world_failed`` at the next step (its reader, streamed or not,
+    gets the error) and the world's gauges read zero until the supervisor's restarted world is
+    swapped in, between two steps.
+
     Received requests wait here (FIFO) until their shard's blocks and state slot fit in the cache
     (a rank allocates them as soon as the request reaches it, and refuses one that does not fit):
     with dp = 1 the check is exact (rank 0's accounting is its CP group's); with dp > 1 it uses
@@ -141,14 +96,21 @@ class GenWorldCore:
 
     def __init__(self, world: GenWorld) -> None:
         self.world = world
-        self.driver = world.driver
         self._deferred: dict[str, _Deferred] = {}
+        self._failed: dict[str, str] = {}  # in the failed world, not yet told -> the error message
+        self._world_errors: dict[str, str] = {}  # told, until failure_error() asks
         self._num_pending_slots = 0  # handed to the driver since its last step (not allocated yet)
         self._num_pending_blocks = 0
+
+    @property
+    def driver(self) -> ServingWorldDriver:
+        """The current world's driver (a restart replaces it)."""
+        return self.world.driver
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),
                     kv_ticket: Any = None) -> None:
+        self._supervise()
         cause = self.world.failure()
         if cause is not None:
             raise ServiceUnavailableError(f"gen worker cannot serve: {cause}", code="gen_world_failed")
@@ -207,25 +169,56 @@ class GenWorldCore:
         return deferred + self.driver.abort_all(error)
 
     def has_unfinished_requests(self) -> bool:
+        self._supervise()
+        if self._failed:
+            return True  # step() tells their readers
+        if self.world.failure() is not None:
+            return False
         return bool(self._deferred) or self.driver.has_unfinished_requests()
 
     def step(self) -> list[RequestUpdate]:
+        self._supervise()
+        if self._failed or self.world.failure() is not None:
+            return self._failed_updates()
         self._admit_deferred()
         try:
             updates = self.driver.step()
-            self._num_pending_blocks = self._num_pending_slots = 0  # allocated (or refused) now
-            return updates
-        except WorldStoppedError as exc:
-            dead = self.world.dead_ranks()
-            if dead is not None:
-                raise WorldStoppedError(f"{dead}: {exc}") from exc
-            raise
+        except WorldStoppedError:
+            self._supervise()  # the driver's failure is the world's now
+            return self._failed_updates()
+        self._num_pending_blocks = self._num_pending_slots = 0  # allocated (or refused) now
+        return updates
+
+    def _supervise(self) -> None:
+        """Swap in a restarted world; notice a failed one (its requests fail, its restart begins)."""
+        if self.world.take_restarted():
+            self._num_pending_blocks = self._num_pending_slots = 0
+            logger.warning("gen world restarted: serving again")
+        cause = self.world.notice_failure()
+        if cause is None:
+            return
+        message = f"the gen world failed while this request was in it: {cause}"
+        failed = list(self._deferred) + self.driver.abort_all(message)
+        self._deferred.clear()
+        self._failed.update(dict.fromkeys(failed, message))
+
+    def _failed_updates(self) -> list[RequestUpdate]:
+        updates = [RequestUpdate(rid, -1, RequestStatus.FINISHED_ERROR) for rid in self._failed]
+        self._world_errors.update(self._failed)
+        self._failed = {}
+        return updates
 
     def stats(self) -> EngineStats:
+        """The world's totals; all zero while it is failed (its ranks' caches are gone)."""
+        if self.world.failure() is not None:
+            return EngineStats(0, 0, 0, 0, 0, 0, 0)
         s = self.driver.stats()
         return replace(s, num_waiting=s.num_waiting + len(self._deferred))
 
     def failure_error(self, request_id: str) -> OpenAIError | None:
+        world_error = self._world_errors.pop(request_id, None)
+        if world_error is not None:
+            return ServiceUnavailableError(world_error, code="gen_world_failed")
         cause = self.driver.kv_failure(request_id)
         if cause is None:
             return None
@@ -245,14 +238,34 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
         driver = start_rank0(model_dir, mapping, env.init_method, options, kv_receiver_factory, HEARTBEAT_S,
                              env.local_rank, ServingWorldDriver)
         assert isinstance(driver, ServingWorldDriver)
-        return GenWorld(driver)
+        return GenWorld(driver, None, WorldSupervisor(server.world_restart, None))  # cannot restart
     device = server.device or deploy.model.device
     local_rank = _device_index(device) if server.world_size == 1 else 0
-    local = start_local_world(model_dir, dp=server.dp, cp=server.cp, options=options,
-                              kv_receiver_factory=kv_receiver_factory, heartbeat_s=HEARTBEAT_S,
-                              local_rank=local_rank, driver_cls=ServingWorldDriver)
+
+    def start() -> LocalWorld:
+        return start_local_world(model_dir, dp=server.dp, cp=server.cp, options=options,
+                                 kv_receiver_factory=kv_receiver_factory, heartbeat_s=HEARTBEAT_S,
+                                 local_rank=local_rank, driver_cls=ServingWorldDriver)
+
+    def restart() -> LocalWorld:  # warmed up: healthy again means serving at full speed again
+        local = start()
+        try:
+            warm_up(local.driver)
+        except BaseException:
+            local.driver.failure = local.driver.failure or "its warm-up failed"
+            local.close(grace_s=CLOSE_GRACE_S)
+            raise
+        return local
+
+    local = start()
     assert isinstance(local.driver, ServingWorldDriver)
-    return GenWorld(local.driver, local)
+    return GenWorld(local.driver, local, WorldSupervisor(server.world_restart, restart))
+
+
+def warm_up(driver: ServingWorldDriver) -> None:
+    """One greedy two-token request through every rank (the first forward of a fresh world is
+    slow); it frees everything it allocated."""
+    drive_to_completion(driver, [[1, 2, 3, 4]], [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)])
 
 
 def check_env(env: DistEnv, server: GenServerConfig) -> None:

@@ -10,7 +10,11 @@
    world ranks are its own child processes, in its group).
 3. Wait until the router's ``/ready`` answers 200, at most ``ready_timeout_s``; a process that
    exits first fails the launch, naming it and its exit code.
-4. Print the URL and a ``curl`` example, then wait for SIGINT/SIGTERM (or a process dying).
+4. Print the URL and a ``curl`` example, then wait for SIGINT/SIGTERM, supervising: a process
+   that exits is started again (its group's leftovers killed first) after the backoff of
+   ``launch.restart``, at most ``max_restarts`` times within ``window_s`` per process; one more
+   exit (or any exit with ``launch.restart_children: false`` / ``--no-restart``) stops the
+   deployment and ``launch`` exits 1.
 5. Stop: SIGTERM to every process group, wait up to 15 s, SIGKILL what is left.
 """
 
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from helixserve.config import (CacheConfig, DeploymentConfig, GenServerConfig, child_environment,
                                ensure_internal_secret)
+from helixserve.serving.restarts import RestartBudget
 
 DEFAULT_MODEL_DIR = Path("checkpoints/kimi-k3-tiny")
 DEFAULT_PRESET = "kimi-k3-tiny"
@@ -70,6 +75,17 @@ def resolve_deployment(config: str | Path | None, model: str | None, port: int |
                                             "router": router.model_dump()})
 
 
+def with_restart_overrides(deploy: DeploymentConfig, restart: bool | None, max_restarts: int | None
+                           ) -> DeploymentConfig:
+    """The ``launch`` section with the CLI's ``--no-restart`` / ``--max-restarts`` applied."""
+    section = deploy.launch.model_dump()
+    if restart is not None:
+        section["restart_children"] = restart
+    if max_restarts is not None:
+        section["restart"]["max_restarts"] = max_restarts
+    return DeploymentConfig.model_validate({**deploy.model_dump(), "launch": section})
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -79,23 +95,66 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Child:
+    """One started role: ``args`` start it again (its restarts counted in ``budget``)."""
+
     name: str
+    args: list[str]
     process: subprocess.Popen
+    budget: RestartBudget
+    restart_at: float | None = None  # it exited: when to start it again
+
+
+def child_commands(deploy: DeploymentConfig) -> list[tuple[str, list[str]]]:
+    """``(name, helixserve arguments)`` of every worker, then the router."""
+    commands = [(f"ctx[{i}] {w.url}", ["serve-ctx", "--index", str(i)]) for i, w in enumerate(deploy.ctx)]
+    commands += [(f"gen[{i}] {w.url}", ["serve-gen", "--index", str(i)]) for i, w in enumerate(deploy.gen)]
+    commands.append((f"router http://{deploy.router.host}:{deploy.router.port}", ["router"]))
+    return commands
+
+
+def spawn(args: list[str], config_file: Path, log_level: str, deploy: DeploymentConfig) -> subprocess.Popen:
+    """Start one child: ``python -m helixserve.cli ARGS -c FILE`` in its own process group, set
+    to receive SIGTERM if the launcher dies, the internal secret in its environment (every child,
+    first start and restarts, starts here)."""
+    command = [sys.executable, "-m", "helixserve.cli", "--log-level", log_level, *args, "-c", str(config_file)]
+    return subprocess.Popen(command, cwd=_REPO_ROOT, env=child_environment(deploy), start_new_session=True,
+                            preexec_fn=_die_with_parent)
 
 
 def start_processes(config_file: Path, deploy: DeploymentConfig, log_level: str) -> list[Child]:
     """Step 2: every worker, then the router."""
-    base = [sys.executable, "-m", "helixserve.cli", "--log-level", log_level]
-    commands = [(f"ctx[{i}] {w.url}", ["serve-ctx", "--index", str(i)]) for i, w in enumerate(deploy.ctx)]
-    commands += [(f"gen[{i}] {w.url}", ["serve-gen", "--index", str(i)]) for i, w in enumerate(deploy.gen)]
-    commands.append((f"router http://{deploy.router.host}:{deploy.router.port}", ["router"]))
-    children = []
-    for name, args in commands:
-        process = subprocess.Popen([*base, *args, "-c", str(config_file)], cwd=_REPO_ROOT,
-                                   env=child_environment(deploy),  # the internal secret
-                                   start_new_session=True, preexec_fn=_die_with_parent)
-        children.append(Child(name, process))
-    return children
+    return [Child(name, args, spawn(args, config_file, log_level, deploy), RestartBudget(deploy.launch.restart))
+            for name, args in child_commands(deploy)]
+
+
+def supervise(children: list[Child], deploy: DeploymentConfig, config_file: Path, log_level: str,
+              now: float | None = None) -> str | None:
+    """Step 4, once: start again each child whose backoff passed; note each that exited (its
+    process group's leftovers are killed, its restart is scheduled). Returns why the deployment
+    must stop (restarts off, or a child exceeded its restarts), else None."""
+    now = time.monotonic() if now is None else now
+    policy = deploy.launch.restart
+    for child in children:
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                print(f"restarting {child.name}", flush=True)
+                child.process, child.restart_at = spawn(child.args, config_file, log_level, deploy), None
+            continue
+        code = child.process.poll()
+        if code is None:
+            continue
+        _signal_group(child, signal.SIGKILL)  # what it left behind (e.g. a gen world's ranks)
+        if not deploy.launch.restart_children:
+            return f"{child.name} exited with code {code}; stopping (launch.restart_children is off)"
+        delay = child.budget.next_delay()
+        if delay is None:
+            return (f"{child.name} exited with code {code} and exceeded its restarts "
+                    f"(launch.restart.max_restarts={policy.max_restarts} within {policy.window_s:g} s); "
+                    f"stopping")
+        print(f"{child.name} exited with code {code}; restarting it in {delay:g} s "
+              f"({child.budget.describe()})", file=sys.stderr, flush=True)
+        child.restart_at = now + delay
+    return None
 
 
 def stop_processes(children: list[Child], timeout_s: float = 15.0) -> None:
@@ -149,8 +208,11 @@ def curl_example(url: str, deploy: DeploymentConfig) -> str:
 
 
 def launch(config: str | None, model: str | None = None, port: int | None = None,
-           log_level: str = "WARNING", ready_timeout_s: float = 180.0) -> int:
-    deploy = ensure_internal_secret(resolve_deployment(config, model, port))
+           log_level: str = "WARNING", ready_timeout_s: float = 180.0, restart: bool | None = None,
+           max_restarts: int | None = None) -> int:
+    """Steps 1-5; ``restart`` / ``max_restarts`` override the config's ``launch`` section."""
+    deploy = ensure_internal_secret(
+        with_restart_overrides(resolve_deployment(config, model, port), restart, max_restarts))
     stop_signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
@@ -165,10 +227,9 @@ def launch(config: str | None, model: str | None = None, port: int | None = None
             print(f"try:\n  {curl_example(url, deploy)}", flush=True)
             print("Ctrl-C stops everything.", flush=True)
             while not stop_signals:
-                dead = [c for c in children if c.process.poll() is not None]
-                if dead:
-                    print(f"{dead[0].name} exited with code {dead[0].process.returncode}; stopping",
-                          file=sys.stderr, flush=True)
+                why = supervise(children, deploy, config_file, log_level)
+                if why is not None:
+                    print(why, file=sys.stderr, flush=True)
                     return 1
                 time.sleep(0.3)
             return 0

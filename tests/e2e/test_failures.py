@@ -1,6 +1,6 @@
 """Workers and transfers that fail: a prefill never picked up, a silent or killed ctx during the KV
-pickup, a dead gen world rank, a killed gen worker; each fails within its bound with an error
-naming the cause, leaves nothing allocated, and the deployment recovers."""
+pickup, a dead gen world rank (its world restarts), a killed gen worker; each fails within its
+bound with an error naming the cause, leaves nothing allocated, and the deployment recovers."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+from helixserve.config import RestartPolicy
 from helixserve.testing.servers import SECRET_HEADER, secret_for
 from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
@@ -28,8 +29,9 @@ FAIL_BOUND_S = TRANSFER_TIMEOUT_S + 2 * 1.0 + 2.0
 def dep(tmp_path_factory, k3_tiny):
     d = Deployment(tmp_path_factory.mktemp("failures"), k3_tiny,
                    transceiver={"kv_transfer_timeout_ms": TRANSFER_TIMEOUT_S * 1000})
-    d.config = d.config.model_copy(update={"ctx": [d.config.ctx[0].model_copy(
-        update={"pickup_timeout_s": 1.0})]})
+    d.config = d.config.model_copy(update={
+        "ctx": [d.config.ctx[0].model_copy(update={"pickup_timeout_s": 3.0})],
+        "gen": [d.config.gen[0].model_copy(update={"world_restart": RestartPolicy(backoff_s=2.0)})]})
     d.save()
     try:
         yield d.start_all()
@@ -174,7 +176,7 @@ def test_ctx_killed_mid_pickup_fails_fast_then_router_recovers(dep):
     assert f'helixserve_router_worker_healthy{{role="ctx",url="{dep.ctx_url}"}} 1.0' in healthy
 
 
-def test_dead_world_rank_fails_requests_fast_then_restart_rejoins(dep):
+def test_dead_world_rank_fails_requests_fast_then_the_world_restarts(dep):
     stream = dep.client().completions.create(model=MODEL, prompt="long", max_tokens=200,
                                              temperature=0, stream=True,
                                              extra_body={"ignore_eos": True})
@@ -182,21 +184,23 @@ def test_dead_world_rank_fails_requests_fast_then_restart_rejoins(dep):
     (rank1,) = dep.rank_pids()
     t0 = time.monotonic()
     os.kill(rank1, signal.SIGKILL)
-    with pytest.raises(openai.APIError, match="generation world stopped"):
+    with pytest.raises(openai.APIError, match=f"gen world rank 1 \\(pid {rank1}\\) exited") as info:
         for _ in stream:
             pass
+    assert info.value.body["code"] == "gen_world_failed"
     assert time.monotonic() - t0 < 5
+    # the restart waits world_restart.backoff_s (2 s here): meanwhile the worker says why
     status, health = http("GET", f"{dep.gen_url}/health")
     assert status == 503 and f"gen world rank 1 (pid {rank1}) exited" in health["status"]
+    assert "restart" in health["status"]
     wait_until(lambda: http("GET", f"{dep.router_url}/ready")[0] == 503, 5, "the router to notice")
     t0 = time.monotonic()
     with pytest.raises(openai.InternalServerError, match=f"gen worker.*{dep.gen_url}.*rank 1") as info:
         _ask(dep)
     assert info.value.status_code == 503 and time.monotonic() - t0 < 3
     wait_until(dep_ctx_idle(dep), 5, "the ctx hold to be freed")
-    dep.kill("gen")
-    dep.start("gen")
-    dep.wait_ready()
+    dep.wait_ready()  # the gen worker restarted its world by itself
+    assert rank1 not in dep.rank_pids()
     assert _ask(dep) == "length"
 
 

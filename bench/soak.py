@@ -1,0 +1,315 @@
+"""Soak: N concurrent clients for M minutes against ``helixserve launch``, with a ctx worker kill
+and a gen world rank kill in the middle; requests by status, latency, RSS growth, blocks left.
+
+One deployment is started with ``helixserve launch`` from deploy/configs/local.yaml (free ports;
+launch's restart policy and the gen worker's world restarts at their defaults): one ctx worker
+and one gen world of dp 1 x cp 2 receiving the KV over UCX, the tiny K3 checkpoint on CPU.
+Each client loops until the end: a completion or a chat request, streamed or not (the four kinds
+in turn, seeded prompt and ``max_tokens``), through the router with httpx; after an error it
+pauses ``--error-pause`` seconds (so an outage counts tries, not a busy loop). At 1/3 of the run
+the ctx worker is killed (SIGKILL to its process group: ``launch`` starts it again), at 2/3 gen
+world rank 1 (SIGKILL: the gen worker restarts its world). Reported:
+
+- requests by kind and status (``200``; a worker's error code such as ``503 gen_world_failed``;
+  ``stream <code>`` for an error event after a stream started; ``transport`` for a connection
+  that failed);
+- p50 / p99 latency (whole request, streamed ones to their last event) of the successful ones;
+- each fault: when, and seconds until the router's ``/ready`` answered 200 again;
+- RSS per process at the start (after a warm-up) and the end, and the growth (psutil when
+  installed, else /proc); a process that was restarted is a new one (its pid changes);
+- cache blocks and state slots left allocated on ctx and gen once the clients stopped (from the
+  workers' ``/stats``, after at most ``--settle`` seconds; ``settled_after_s`` says how long
+  freeing everything took, e.g. a prefill whose gen died is freed by its pickup timeout).
+
+    python bench/soak.py --quick --out bench/results/soak_quick.json
+    python bench/soak.py --minutes 3 --clients 32 --out bench/results/soak.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+from serve import MODEL, REPO, Servers, _get, _pct  # noqa: E402
+
+KINDS = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
+WORDS = "helix prefill decode cache block rank world router stream token latent expert".split()
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _ppid_and_cmd(pid: int) -> tuple[int, str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1]), cmd
+
+
+def launch_children(launcher_pid: int) -> dict[str, int]:
+    """``{"ctx" | "gen" | "router": pid}`` of ``helixserve launch``'s children."""
+    roles = {"serve-ctx": "ctx", "serve-gen": "gen", " router ": "router"}
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (info := _ppid_and_cmd(int(entry.name))) and info[0] == launcher_pid:
+            for needle, role in roles.items():
+                if needle in info[1] + " ":
+                    found[role] = int(entry.name)
+    return found
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).memory_info().rss
+    except ImportError:
+        pass
+    except Exception:  # noqa: BLE001 - gone
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def processes(servers: Servers) -> dict[str, int]:
+    """Every serving process: launch's children and the gen world's spawned ranks."""
+    assert servers.process is not None
+    procs = launch_children(servers.process.pid)
+    try:
+        ranks = _get(f"{servers.gen_url}/health")["world"]["rank_pids"][1:]
+    except (OSError, KeyError, ValueError):
+        ranks = []
+    procs.update({f"gen rank {i}": pid for i, pid in enumerate(ranks, start=1)})
+    return procs
+
+
+# ---------------------------------------------------------------- clients
+
+
+def _body(rng: random.Random, kind: str, stream: bool) -> dict:
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
+    body = {"model": MODEL, "max_tokens": rng.randint(4, 24), "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    if kind == "chat":
+        return {**body, "messages": [{"role": "user", "content": text}]}
+    return {**body, "prompt": text}
+
+
+def _code(payload: object) -> str:
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return str(error.get("code")) if isinstance(error, dict) else "?"
+
+
+async def _request(client, url: str, kind: str, stream: bool, body: dict) -> str:  # noqa: ANN001
+    """The request's status label (see the module docstring)."""
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    if not stream:
+        response = await client.post(f"{url}{path}", json=body)
+        return "200" if response.status_code == 200 else f"{response.status_code} {_code(response.json())}"
+    async with client.stream("POST", f"{url}{path}", json=body) as response:
+        if response.status_code != 200:
+            return f"{response.status_code} {_code(json.loads(await response.aread()))}"
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                return "200"
+            if line.startswith("data: ") and '"error"' in line:
+                return f"stream {_code(json.loads(line[len('data: '):]))}"
+    return "stream ended without [DONE]"
+
+
+async def _client(index: int, url: str, end: float, records: list, error_pause_s: float,
+                  timeout_s: float) -> None:
+    import httpx
+
+    rng = random.Random(index)
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        turn = index
+        while time.monotonic() < end:
+            kind, stream = KINDS[turn % len(KINDS)]
+            turn += 1
+            began = time.monotonic()
+            try:
+                status = await _request(client, url, kind, stream, _body(rng, kind, stream))
+            except (httpx.HTTPError, ValueError) as exc:
+                status = f"transport {type(exc).__name__}"
+            records.append((kind + (" stream" if stream else ""), status, time.monotonic() - began, began))
+            if status != "200":
+                await asyncio.sleep(error_pause_s)
+
+
+# ---------------------------------------------------------------- faults
+
+
+def _ready(servers: Servers) -> bool:
+    try:
+        return bool(_get(f"{servers.router_url}/ready").get("ready"))
+    except (OSError, ValueError):
+        return False
+
+
+async def _fault(servers: Servers, name: str, at: float, faults: list) -> None:
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    procs = processes(servers)
+    target = procs.get("ctx" if name == "kill ctx" else "gen rank 1")
+    if target is None:
+        faults.append({"fault": name, "error": f"no process to kill among {procs}"})
+        return
+    killed = time.monotonic()
+    if name == "kill ctx":
+        os.killpg(target, signal.SIGKILL)
+    else:
+        os.kill(target, signal.SIGKILL)
+    record = {"fault": name, "pid": target, "at_s": None, "recovered_s": None}
+    faults.append(record)
+    await asyncio.sleep(1.0)  # the router's health checks (0.25 s) see it first
+    while time.monotonic() - killed < 120:
+        if await asyncio.to_thread(_ready, servers):
+            record["recovered_s"] = time.monotonic() - killed
+            return
+        await asyncio.sleep(0.2)
+
+
+async def _soak(servers: Servers, args, began: float) -> tuple[list, list]:  # noqa: ANN001
+    end = began + args.seconds
+    records: list = []
+    faults: list = []
+    tasks = [_client(i, servers.router_url, end, records, args.error_pause, args.timeout) for i in range(args.clients)]
+    tasks += [_fault(servers, "kill ctx", began + args.seconds / 3, faults),
+              _fault(servers, "kill gen rank 1", began + 2 * args.seconds / 3, faults)]
+    await asyncio.gather(*tasks)
+    for fault in faults:
+        fault["at_s"] = args.seconds / 3 if fault["fault"] == "kill ctx" else 2 * args.seconds / 3
+    return records, faults
+
+
+# ---------------------------------------------------------------- run and report
+
+
+def _left(servers: Servers, settle_s: float) -> dict:
+    """What is still allocated once the clients stopped, and how long it took to reach that
+    (at most ``settle_s``: a prefill whose gen never picked it up is freed after the ctx's
+    ``pickup_timeout_s``)."""
+    began = time.monotonic()
+    deadline = began + settle_s
+    while True:
+        ctx, gen = _get(f"{servers.ctx_url}/stats"), _get(f"{servers.gen_url}/stats")
+        left = {"ctx_used_blocks": ctx["num_used_blocks"], "ctx_used_slots": ctx["num_used_slots"],
+                "ctx_held": ctx["num_held"], "ctx_pickups_held": ctx.get("pickups_held"),
+                "gen_used_blocks": gen["num_used_blocks"], "gen_used_slots": gen["num_used_slots"],
+                "gen_live_requests": gen["num_live_requests"]}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {**left, "settled_after_s": time.monotonic() - began}
+        time.sleep(0.5)
+
+
+def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
+    args.seconds = args.seconds or (20.0 if args.quick else 60.0 * args.minutes)
+    args.clients = args.clients or (6 if args.quick else 32)
+    servers = Servers(Path(args.model), Path(args.log))
+    try:
+        servers.start()
+        warm = asyncio.run(_soak_warmup(servers, args))
+        rss_start = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
+        began = time.monotonic()
+        records, faults = asyncio.run(_soak(servers, args, began))
+        wall = time.monotonic() - began
+        left = _left(servers, args.settle)
+        rss_end = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
+    finally:
+        servers.stop()
+    return {"machine": machine_info(), "model": str(args.model), "seconds": args.seconds, "wall_s": wall,
+            "clients": args.clients, "warmup_requests": warm,
+            "deployment": "helixserve launch: 1 ctx + gen world dp 1 x cp 2 (kv_source ucx), CPU",
+            "statuses": _statuses(records), "latency": _latency(records), "faults": faults,
+            "rss": _rss(rss_start, rss_end), "left_allocated": left}
+
+
+async def _soak_warmup(servers: Servers, args) -> int:  # noqa: ANN001
+    """One request of each kind, unrecorded (first forwards are slow)."""
+    records: list = []
+    await asyncio.gather(*(_client(i, servers.router_url, time.monotonic() + 0.1, records, 0.0, args.timeout)
+                           for i in range(len(KINDS))))
+    return len(records)
+
+
+def _statuses(records: list) -> list[dict]:
+    counts = Counter((kind, status) for kind, status, _, _ in records)
+    return [{"kind": kind, "status": status, "requests": n} for (kind, status), n in sorted(counts.items())]
+
+
+def _latency(records: list) -> list[dict]:
+    rows = []
+    for kind in sorted({r[0] for r in records}) + ["all"]:
+        ok = [r[2] for r in records if r[1] == "200" and kind in ("all", r[0])]
+        total = sum(1 for r in records if kind in ("all", r[0]))
+        rows.append({"kind": kind, "requests": total, "ok": len(ok),
+                     "p50_ms": 1e3 * _pct(ok, 50) if ok else None, "p99_ms": 1e3 * _pct(ok, 99) if ok else None})
+    return rows
+
+
+def _rss(start: dict, end: dict) -> list[dict]:
+    rows = []
+    for name in sorted(set(start) | set(end)):
+        (pid0, rss0), (pid1, rss1) = start.get(name, (None, None)), end.get(name, (None, None))
+        rows.append({"process": name, "pid_start": pid0, "pid_end": pid1, "restarted": pid0 != pid1,
+                     "rss_start_mb": rss0 / 2**20 if rss0 else None, "rss_end_mb": rss1 / 2**20 if rss1 else None,
+                     "growth_mb": (rss1 - rss0) / 2**20 if rss0 and rss1 and pid0 == pid1 else None})
+    return rows
+
+
+def report(payload: dict) -> str:
+    parts = [markdown_table(["kind", "status", "requests"],
+                            [[r["kind"], r["status"], r["requests"]] for r in payload["statuses"]]),
+             markdown_table(["kind", "requests", "ok", "p50 ms", "p99 ms"],
+                            [[r["kind"], r["requests"], r["ok"], r["p50_ms"], r["p99_ms"]] for r in payload["latency"]]),
+             markdown_table(["fault", "at s", "pid", "router ready again after s"],
+                            [[f["fault"], f.get("at_s"), f.get("pid"), f.get("recovered_s") or f.get("error")]
+                             for f in payload["faults"]]),
+             markdown_table(["process", "pid start", "pid end", "RSS start MB", "RSS end MB", "growth MB"],
+                            [[r["process"], r["pid_start"], r["pid_end"], r["rss_start_mb"], r["rss_end_mb"],
+                              r["growth_mb"] if not r["restarted"] else "restarted"] for r in payload["rss"]]),
+             markdown_table(list(payload["left_allocated"]), [list(payload["left_allocated"].values())])]
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    import tempfile
+
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO / "checkpoints" / MODEL),
+                        help="checkpoint directory (a missing kimi-k3-tiny one is made)")
+    parser.add_argument("--minutes", type=float, default=3.0, help="length of the run (default 3)")
+    parser.add_argument("--seconds", type=float, default=None, help="length in seconds (overrides --minutes)")
+    parser.add_argument("--clients", type=int, default=None, help="concurrent clients (default 32; quick: 6)")
+    parser.add_argument("--error-pause", type=float, default=0.25, help="a client's pause after an error (s)")
+    parser.add_argument("--settle", type=float, default=45.0,
+                        help="longest wait for the workers to free all (s; > the ctx's pickup_timeout_s)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
+    parser.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "bench-soak.log"),
+                        help="where the servers' output goes")
+    args = parser.parse_args()
+    payload = run(args)
+    print(f"\n{payload['deployment']}; {payload['clients']} clients for {payload['seconds']:.0f} s "
+          f"(faults at 1/3 and 2/3)\n")
+    print(report(payload))
+    write_json(args.out, payload)
+
+
+if __name__ == "__main__":
+    main()
