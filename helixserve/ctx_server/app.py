@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from helixserve.config import CtxServerConfig, DeploymentConfig
 from helixserve.ctx_server.pickup import HeldPrefill, PickupRegistry
 from helixserve.ctx_server.transfer import CtxTransceiver
-from helixserve.protocol import (DisaggregatedParams, InternalServerError, RequestCancelledError,
-                                 RequestType, parse_model)
+from helixserve.protocol import (DisaggregatedParams, InternalServerError, InvalidRequestError,
+                                 RequestCancelledError, RequestType, parse_model)
 from helixserve.protocol.openai import CompletionChoice, CompletionResponse
 from helixserve.serving.http import run_unless_disconnected
 from helixserve.serving.loading import make_worker
@@ -40,6 +40,9 @@ class ContextOnlyHandler:
     async def __call__(self, http_request: Request, prepared: PreparedRequest) -> Response:
         rid, params = prepared.request_id, prepared.params
         engine = self.worker.engine
+        if self.registry.get(rid) is not None:  # refused before it can touch the holder's cache
+            raise InvalidRequestError(f"request id {rid!r} is already held here",
+                                      code="duplicate_request_id")
         outputs = engine.generate(rid, prepared.prompt_token_ids,
                                   params.model_copy(update={"max_tokens": 1}), hold_cache=True)
         held = self.registry.hold(rid, prepared.prompt_token_ids)

@@ -60,7 +60,10 @@ class PickupRegistry:
 
     def hold(self, request_id: str, prompt_token_ids: list[int]) -> HeldPrefill:
         """Register a request *before* its prefill runs (so no path can leave its cache held
-        without a deadline); :meth:`mark_ready` once the first token is known."""
+        without a deadline); :meth:`mark_ready` once the first token is known. ``ValueError`` if
+        the id is held already (the holder's entry is left as it is)."""
+        if request_id in self._held:
+            raise ValueError(f"request id {request_id!r} is already held here")
         held = HeldPrefill(request_id, list(prompt_token_ids), self.clock() + self.timeout_s)
         self._held[request_id] = held
         return held
