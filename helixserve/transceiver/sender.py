@@ -25,8 +25,8 @@ Cache safety (the engine thread runs concurrently): the sender reads the engine'
 from its own thread, in place, without a lock. That is safe because a held request's blocks and
 state slot stay allocated to it, so the engine neither writes nor reallocates them, until
 `on_free` runs; the sender never touches them after that. `on_free` is called on the sender
-thread and must be thread-safe (e.g. ``PickupRegistry.release_threadsafe``, which hands the release
-to the engine thread).
+thread and must be thread-safe (e.g. ``CtxRequests.post(SenderFreed(...))``, which hands the
+release to the engine thread).
 """
 
 from __future__ import annotations
