@@ -97,3 +97,26 @@ def test_duplicate_id_on_gen_does_not_touch_the_decoding_request(dep):
     status, released = http("POST", f"{dep.ctx_url}/v1/release", {"request_id": "dup-gen-b"})
     assert status == 200 and released["released"], released
     wait_until(dep.is_idle, 10, "nothing held on ctx or gen", state=lambda: dep.stats("ctx"))
+
+
+def test_two_pickups_of_one_prefill_never_break_each_other(dep):
+    """Two generation_only requests naming the same ctx request (sent at once): the ctx refuses
+    the second one's shards, and that refusal must not cancel the first one's transfer. Exactly
+    one answers, with the right text; the other fails with the refusal named. (A guard at the
+    served level: the tiny transfer usually ends before the refusal, so the old Cancel rarely
+    hit it here; test_transceiver_local.py pins the race deterministically.)"""
+    expected = _post(dep.gen_url, {**BODY, "prompt": PROMPT})[1]["choices"][0]["text"]
+    first = _prefill(dep, PROMPT, "dup-pickup")
+    results: dict[str, tuple[int, dict]] = {}
+    threads = [threading.Thread(target=lambda rid=rid: results.__setitem__(
+        rid, _post(dep.gen_url, _pickup_body(first, PROMPT), rid))) for rid in ("pick-a", "pick-b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    answers = sorted(results.values(), key=lambda r: r[0])
+    assert [status for status, _ in answers][0] == 200, answers
+    assert answers[0][1]["choices"][0]["text"] == expected
+    status, error = answers[1]
+    assert status in (503, 504) and "refused the transfer" in error["error"]["message"], answers
+    wait_until(dep.is_idle, 10, "nothing held on ctx or gen", state=lambda: dep.stats("ctx"))
