@@ -9,7 +9,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from helixserve.config import CtxServerConfig, DeploymentConfig
-from helixserve.ctx_server.pickup import HeldPrefill, PickupRegistry
+from helixserve.ctx_server.lifecycle import (CancelRequested, CtxState, Finished, ReleaseCause,
+                                             ReleaseRequested)
+from helixserve.ctx_server.pickup import CtxRequests
 from helixserve.ctx_server.transfer import CtxTransceiver
 from helixserve.protocol import (DisaggregatedParams, InternalServerError, RequestCancelledError,
                                  RequestType, parse_model)
@@ -24,39 +26,41 @@ logger = logging.getLogger(__name__)
 
 
 class ContextOnlyHandler:
-    """Stages 2-4: prefill and first token with the cache held, offered to the KV sender, then the
-    answer with params.
+    """States PREFILLING -> HELD -> SENDING (or RELEASED) of :mod:`.lifecycle`, then the answer
+    with params.
 
     The answer is always a ``text_completion`` object (also for chat: it is the router's internal
     hop). ``finish_reason`` null means "continue on a gen worker" and the cache is held; a
     request finished at its first token is answered with its final text and freed at once.
     """
 
-    def __init__(self, worker: Worker, registry: PickupRegistry, transceiver: CtxTransceiver) -> None:
+    def __init__(self, worker: Worker, requests: CtxRequests, transceiver: CtxTransceiver) -> None:
         self.worker = worker
-        self.registry = registry
+        self.requests = requests
         self.transceiver = transceiver
 
     async def __call__(self, http_request: Request, prepared: PreparedRequest) -> Response:
         rid, params = prepared.request_id, prepared.params
-        engine = self.worker.engine
-        outputs = engine.generate(rid, prepared.prompt_token_ids,
-                                  params.model_copy(update={"max_tokens": 1}), hold_cache=True)
-        held = self.registry.hold(rid, prepared.prompt_token_ids)
+        token, outputs = self.requests.generate(rid, prepared.prompt_token_ids,
+                                                params.model_copy(update={"max_tokens": 1}))
         try:
             done = await run_unless_disconnected(http_request, collect_outputs(outputs))
-        except BaseException:
-            self.registry.forget(rid)  # failed or cancelled: the engine freed it
+        except BaseException:  # refused, failed or cancelled: the engine freed it (or never had it)
+            self.requests.post(Finished(rid, token, ReleaseCause.FAILED))
             raise
         self.worker.prompt_tokens.labels(self.worker.role).inc(done.num_prompt_tokens)
         self.worker.generation_tokens.labels(self.worker.role).inc(done.num_output_tokens)
         is_finished = done.finish_reason == "stop" or params.max_tokens == 1
-        if is_finished:
-            self.registry.forget(rid)
-            await engine.release(rid)
-        else:
-            self.registry.mark_ready(rid, done.token_ids)
-            await self._offer(held, len(prepared.prompt_token_ids), done.token_ids)
+        offer = None if is_finished else self.transceiver.offer(
+            rid, len(prepared.prompt_token_ids), done.token_ids)
+        try:
+            state = await self.requests.prefilled(rid, token, done.token_ids, offer)
+        except Exception as exc:
+            logger.exception("offering ctx request %s to the KV sender failed", rid)
+            raise InternalServerError(f"the ctx worker's KV sender did not take request {rid}: "
+                                      f"{type(exc).__name__}: {exc}", code="kv_sender_failed") from None
+        if not is_finished and state is not CtxState.SENDING:  # the client left while prefilling
+            raise RequestCancelledError(f"request {rid} was cancelled")
         disagg = DisaggregatedParams(
             request_type=RequestType.CONTEXT_ONLY, ctx_request_id=rid,
             first_gen_tokens=done.token_ids, prompt_token_ids=prepared.prompt_token_ids,
@@ -67,62 +71,41 @@ class ContextOnlyHandler:
                                     disaggregated_params=disagg)
         return Response(answer.model_dump_json(), media_type="application/json")
 
-    async def _offer(self, held: HeldPrefill, num_prompt_tokens: int, first_gen_tokens: list[int]) -> None:
-        """Stage 3 -> the KV sender; from then on it frees the cache (see ``transfer``)."""
-        rid = held.request_id
-        try:
-            await self.transceiver.offer(rid, num_prompt_tokens, first_gen_tokens)
-        except Exception as exc:
-            self.registry.forget(rid)
-            await self.worker.engine.release(rid)
-            if held.is_cancelled:
-                raise RequestCancelledError(f"request {rid} was cancelled") from None
-            logger.exception("offering ctx request %s to the KV sender failed", rid)
-            raise InternalServerError(f"the ctx worker's KV sender did not take request {rid}: "
-                                      f"{type(exc).__name__}: {exc}", code="kv_sender_failed") from None
-        held.is_offered = True
-        if held.is_cancelled:  # the client left while it was offered
-            await self.transceiver.cancel(rid, "the client went away")
-            raise RequestCancelledError(f"request {rid} was cancelled")
-
 
 def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
     """Load the engine and build the app (the engine thread, then the KV sender, start with it)."""
     worker, core = make_worker("ctx", deploy, server.max_queue_len, server.device)
-    registry = PickupRegistry(worker.engine, server.pickup_timeout_s)
-    transceiver = CtxTransceiver(registry, core, worker.layout, deploy.transceiver, server)
+    requests = CtxRequests(worker.engine, server.pickup_timeout_s)
+    transceiver = CtxTransceiver(requests, core, worker.layout, deploy.transceiver, server)
     worker.extra_gauges = lambda: [
-        *registry.gauges(num_expired_by_sender=int(transceiver.stats()["kv_pickups_expired"])),
+        *requests.gauges(num_expired_by_sender=int(transceiver.stats()["kv_pickups_expired"])),
         *transceiver.gauges()]
     worker.extra_stats = transceiver.stats
-    worker.on_abort = registry.forget
 
     async def abort_offered(request_id: str) -> bool:
-        held = registry.get(request_id)
-        if held is None or not held.is_ready:
-            return False  # prefilling (or gone): the engine's abort frees it
-        held.is_cancelled = True
-        if held.is_offered:
+        moved = await requests.request(CancelRequested(request_id))
+        if moved.before in (None, CtxState.PREFILLING):
+            return False  # prefilling (or not a ctx request): the engine's abort frees it
+        if moved.before is CtxState.SENDING:
             await transceiver.cancel(request_id, "the client went away")
-        return True  # the sender frees it once no send can read it (or _offer does)
+        return True  # freed now (HELD), or by the sender once no send can read it
 
     worker.abort_override = abort_offered
     handlers = {
         None: aggregated_handler(worker),
-        RequestType.CONTEXT_ONLY: ContextOnlyHandler(worker, registry, transceiver),
+        RequestType.CONTEXT_ONLY: ContextOnlyHandler(worker, requests, transceiver),
     }
-    app = build_worker_app(worker, handlers, lifespan_hooks=(registry.running, transceiver.running))
+    app = build_worker_app(worker, handlers, lifespan_hooks=(requests.running, transceiver.running))
 
     @app.post("/v1/release")
     async def release(http_request: Request) -> Response:
         body = parse_model(AbortRequest, await http_request.body())
-        held = registry.get(body.request_id)
-        if held is not None and held.is_offered:
+        moved = await requests.request(ReleaseRequested(body.request_id))
+        if moved.before is CtxState.SENDING:
             transceiver.cancel_later(body.request_id, "released by the router")
-            return JSONResponse({"request_id": body.request_id, "released": True})
-        return JSONResponse({"request_id": body.request_id,
-                             "released": await registry.release(body.request_id)})
+        is_released = moved.before in (CtxState.HELD, CtxState.SENDING)
+        return JSONResponse({"request_id": body.request_id, "released": is_released})
 
-    app.state.pickups = registry
+    app.state.requests = requests
     app.state.transceiver = transceiver
     return app

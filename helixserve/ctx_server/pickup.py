@@ -1,122 +1,115 @@
-"""Stage 3 of the ctx worker: prefills whose cache stays allocated until the gen side picks it up.
+"""The ctx requests' life on the engine thread: :class:`CtxRequests` applies every event of
+:class:`~helixserve.ctx_server.lifecycle.CtxRequestLife` there, together with the engine
+operation it implies, so that the table and the scheduler's holds move as one.
 
-A request is registered (:meth:`PickupRegistry.hold`) *before* its prefill, marked ready with its
-first token(s) once prefilled, then offered to the ctx worker's KV sender
-(:mod:`helixserve.ctx_server.transfer`, ``is_offered``). From then on the sender owns its end: it
-frees the cache when every expected gen rank acknowledged, on cancel, or at its pickup deadline,
-and only when no send can still read the blocks; :meth:`PickupRegistry.freed` then releases the
-engine's hold. A hold never offered (no sender) is freed by :meth:`release` (the router's
-``POST /v1/release``) or, past ``now + timeout_s``, by :meth:`expire_due` (counted in
-``num_expired``): a hold is never unbounded.
+- :meth:`CtxRequests.generate`: admission (``Admitted`` then ``core.add_request`` with the cache
+  held on finish, in one engine-thread call; a duplicate id is refused before the engine sees it).
+- :meth:`CtxRequests.prefilled`: ``Prefilled``, then ``Finished`` (a request finished at its first
+  token) or the KV sender's hold and ``Offered``, in one engine-thread call.
+- :meth:`CtxRequests.request` / :meth:`post`: any other event, from the event loop (awaited) or
+  from any thread (the KV sender's ``on_free``, a failing handler; applied soon, in order).
+- A transition that leaves HELD or SENDING for RELEASED releases the engine's hold right there.
+- :meth:`running`: expires HELD entries past their deadline every ``interval_s`` and stops (frees)
+  whatever is left on exit. A hold is never unbounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
-from helixserve.engine.async_engine import AsyncEngine
+from helixserve.ctx_server.lifecycle import (Admitted, CtxRequestLife, CtxState, Event, Expired,
+                                             Finished, IllegalTransitionError, Offered, Prefilled,
+                                             ReleaseCause, Stopped, Transition)
+from helixserve.engine.async_engine import AsyncEngine, RequestOutput
+from helixserve.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class HeldPrefill:
-    request_id: str
-    prompt_token_ids: list[int]
-    deadline: float  # clock() time after which a ready hold's cache is freed
-    first_gen_tokens: list[int] = field(default_factory=list)  # empty while prefilling
-    is_offered: bool = False  # the KV sender holds it: it decides when the cache is freed
-    is_cancelled: bool = False  # the client left while it was being offered
-
-    @property
-    def is_ready(self) -> bool:
-        """Prefilled: the cache holds the whole prompt and the first token is known."""
-        return bool(self.first_gen_tokens)
+OfferFn = Callable[[Any], None]  # engine thread: hand the held request to the KV sender
 
 
-class PickupRegistry:
-    """Held prefills by request id (the engine's request id, sent as ``ctx_request_id``)."""
+class CtxRequests:
+    """Every ctx request's state (one :class:`CtxRequestLife`), moved on ``engine``'s thread."""
 
     def __init__(self, engine: AsyncEngine, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"pickup timeout must be > 0 s, got {timeout_s}")
         self.engine = engine
-        self.timeout_s = timeout_s  # for holds not offered to a sender
-        self.clock = clock
-        self._held: dict[str, HeldPrefill] = {}
+        self.life = CtxRequestLife(timeout_s, clock)
+        self._tokens = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.num_released = 0
-        self.num_expired = 0
+        self._tasks: set[asyncio.Task] = set()
 
     @property
-    def num_held(self) -> int:
-        return len(self._held)
+    def num_live(self) -> int:
+        return self.life.num_live
 
-    def hold(self, request_id: str, prompt_token_ids: list[int]) -> HeldPrefill:
-        """Register a request *before* its prefill runs (so no path can leave its cache held
-        without a deadline); :meth:`mark_ready` once the first token is known."""
-        held = HeldPrefill(request_id, list(prompt_token_ids), self.clock() + self.timeout_s)
-        self._held[request_id] = held
-        return held
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+                 ) -> tuple[int, AsyncIterator[RequestOutput]]:
+        """``(token, outputs)`` of a ``context_only`` prefill; the token names this admission in
+        later events. The outputs raise :class:`DuplicateRequestError` (400) for a live id."""
+        token, prompt = next(self._tokens), list(prompt_token_ids)
 
-    def mark_ready(self, request_id: str, first_gen_tokens: list[int]) -> None:
-        """The prefill finished and its cache is held: the pickup deadline starts now."""
-        held = self._held.get(request_id)
-        if held is not None:
-            held.first_gen_tokens = list(first_gen_tokens)
-            held.deadline = self.clock() + self.timeout_s
+        def start(core: Any) -> None:
+            self._apply(core, Admitted(request_id, token))
+            try:
+                core.add_request(request_id, prompt, params, hold_cache=True)
+            except BaseException:
+                self._apply(core, Finished(request_id, token, ReleaseCause.REFUSED))
+                raise
 
-    def get(self, request_id: str) -> HeldPrefill | None:
-        return self._held.get(request_id)
+        return token, self.engine.generate(request_id, prompt, params, hold_cache=True, start=start)
 
-    async def release(self, request_id: str) -> bool:
-        """Free a held cache (picked up or cancelled); False if not held here (any more)."""
-        if self._held.pop(request_id, None) is None:
-            return False
-        await self.engine.release(request_id)
-        self.num_released += 1
-        return True
+    async def prefilled(self, request_id: str, token: int, first_gen_tokens: Sequence[int],
+                        offer: OfferFn | None) -> CtxState:
+        """The prefill finished: SENDING once ``offer(core)`` handed it to the KV sender, or
+        RELEASED (``offer`` None: finished at its first token; or cancelled while prefilling).
+        If ``offer`` raises, the hold is freed and the error re-raised."""
 
-    async def freed(self, request_id: str) -> None:
-        """The KV sender freed an offered hold (acknowledged, cancelled or expired, and
-        quiesced): release the engine's hold, whatever the registry still knows of it."""
-        self._held.pop(request_id, None)
-        if await self.engine.release(request_id):
-            self.num_released += 1
+        def step(core: Any) -> CtxState:
+            moved = self._apply(core, Prefilled(request_id, token, tuple(first_gen_tokens)))
+            if moved.after is not CtxState.HELD:
+                return CtxState.RELEASED
+            if offer is None:
+                return self._apply(core, Finished(request_id, token, ReleaseCause.FINISHED)).after
+            try:
+                offer(core)
+            except Exception:
+                self._apply(core, Finished(request_id, token, ReleaseCause.OFFER_FAILED))
+                raise
+            return self._apply(core, Offered(request_id, token)).after
 
-    def release_threadsafe(self, request_id: str) -> None:
-        """:meth:`release` from another thread (the transceiver's control plane)."""
-        if self._loop is None:
-            raise RuntimeError("the pickup registry is not running")
-        asyncio.run_coroutine_threadsafe(self.release(request_id), self._loop)
+        return await self.engine.call(step)
 
-    def forget(self, request_id: str) -> None:
-        """The request was aborted (the engine freed its cache already)."""
-        self._held.pop(request_id, None)
+    async def request(self, event: Event) -> Transition:
+        """Apply ``event`` on the engine thread (from the event loop) and return its move."""
+        return await self.engine.call(lambda core: self._apply(core, event))
+
+    def post(self, event: Event) -> None:
+        """Apply ``event`` on the engine thread soon (any thread; in posting order per thread)."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._spawn, event)
+        except RuntimeError:  # the loop closed: running()'s exit stopped every entry
+            pass
 
     async def expire_due(self) -> list[str]:
-        """Free every prefilled hold past its deadline; returns their ids. (A request still
-        prefilling is its handler's to clean up: it forgets it on failure or cancel.)"""
-        now = self.clock()
-        due = [rid for rid, held in self._held.items()
-               if held.is_ready and not held.is_offered and held.deadline <= now]
-        for rid in due:
-            del self._held[rid]
-            if not await self.engine.release(rid):
-                continue  # freed otherwise meanwhile (aborted)
-            self.num_expired += 1
-            logger.warning("ctx request %s: not picked up within %.1f s, cache freed", rid,
-                           self.timeout_s)
-        return due
+        """Free every HELD entry past its deadline; returns their ids."""
+
+        def expire(core: Any) -> list[str]:
+            return [self._apply(core, Expired(rid)).request_id for rid in self.life.due()]
+
+        return await self.engine.call(expire)
 
     @contextlib.asynccontextmanager
-    async def running(self, interval_s: float = 0.5) -> AsyncIterator[PickupRegistry]:
+    async def running(self, interval_s: float = 0.5) -> AsyncIterator[CtxRequests]:
         """Expire holds every ``interval_s`` while the context is open; free all on exit."""
         self._loop = asyncio.get_running_loop()
 
@@ -130,15 +123,45 @@ class PickupRegistry:
             yield self
         finally:
             task.cancel()
-            for rid in list(self._held):
-                await self.release(rid)
+            for pending in list(self._tasks):
+                pending.cancel()
+            with contextlib.suppress(Exception):
+                await self.engine.call(lambda core: [self._apply(core, Stopped(rid))
+                                                     for rid in list(self.life.entries)])
             self._loop = None
 
     def gauges(self, num_expired_by_sender: int = 0) -> list[tuple[str, str, float]]:
         return [
-            ("pickups_held", "prefills holding their cache for pickup", self.num_held),
+            ("pickups_held", "ctx requests prefilling or holding their cache for pickup", self.num_live),
             ("pickups_released_total", "holds freed (picked up, cancelled or expired)",
-             self.num_released),
+             self.life.num_released),
             ("pickups_expired_total", "holds freed at the pickup deadline",
-             self.num_expired + num_expired_by_sender),
+             self.life.num_expired + num_expired_by_sender),
         ]
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _apply(self, core: Any, event: Event) -> Transition:
+        moved = self.life.apply(event)
+        if moved.frees_held_cache and not core.release(moved.request_id):
+            logger.error("ctx request %s: %s, but the engine held no cache for it", moved.request_id,
+                         moved.cause.value if moved.cause else "released")
+        if moved.cause is ReleaseCause.EXPIRED:
+            logger.warning("ctx request %s: not offered within %.1f s, cache freed", moved.request_id,
+                           self.life.timeout_s)
+        return moved
+
+    # -- event loop ------------------------------------------------------------------------
+
+    def _spawn(self, event: Event) -> None:
+        task = asyncio.get_running_loop().create_task(self._apply_posted(event))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _apply_posted(self, event: Event) -> None:
+        try:
+            await self.request(event)
+        except IllegalTransitionError as exc:
+            logger.error("%s", exc)
+        except Exception as exc:  # noqa: BLE001 - the engine stopped: running()'s exit frees all
+            logger.debug("ctx event %s not applied: %s", event, exc)

@@ -4,13 +4,14 @@
 on ``transceiver_host:transceiver_port``, UCX data plane) over the engine's cache for the app's
 lifetime:
 
-- :meth:`CtxTransceiver.offer`: a finished prefill (held by the engine and registered in the
-  :class:`~helixserve.ctx_server.pickup.PickupRegistry`) goes to the sender on the engine thread,
-  where its block ids and state slot are read; its pickup deadline starts there.
+- :meth:`CtxTransceiver.offer`: a finished prefill (HELD in the ctx requests' life,
+  :mod:`~helixserve.ctx_server.lifecycle`) goes to the sender on the engine thread, where its
+  block ids and state slot are read; its pickup deadline starts there (HELD -> SENDING).
 - The sender frees it once every expected gen rank acknowledged its shard, on cancel, or when the
   pickup deadline passed (counted as expired), and only once no send can still read its blocks (a
   hold whose send may still be in flight is quarantined, never freed under it). Its ``on_free``
-  hands the request to the event loop, where :meth:`PickupRegistry.freed` releases the engine's hold.
+  posts ``SenderFreed``: on the engine thread the request becomes RELEASED and the engine's hold
+  is released (:class:`~helixserve.ctx_server.pickup.CtxRequests`).
 - :meth:`CtxTransceiver.cancel`: the client left (``POST /v1/abort``); :meth:`cancel_later`: the
   router released the hold (``POST /v1/release``, sent once a gen worker answered; a gen worker
   that received the shards has acknowledged by then, one that recomputes never asks for them).
@@ -25,7 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from helixserve.config import CtxServerConfig
-from helixserve.ctx_server.pickup import PickupRegistry
+from helixserve.ctx_server.lifecycle import SenderFreed
+from helixserve.ctx_server.pickup import CtxRequests, OfferFn
 from helixserve.engine.core import EngineCore
 from helixserve.protocol import KVLayout, TransceiverEndpoint
 from helixserve.transceiver.config import TransceiverConfig
@@ -68,11 +70,11 @@ _GAUGES = [
 
 
 class CtxTransceiver:
-    """The ctx worker's KV sender over its pickup registry (see the module docstring)."""
+    """The ctx worker's KV sender over its ctx requests (see the module docstring)."""
 
-    def __init__(self, registry: PickupRegistry, core: EngineCore, layout: KVLayout,
+    def __init__(self, requests: CtxRequests, core: EngineCore, layout: KVLayout,
                  config: TransceiverConfig, server: CtxServerConfig) -> None:
-        self.registry = registry
+        self.requests = requests
         self.core = core
         self.layout = layout
         self.config = config
@@ -110,17 +112,18 @@ class CtxTransceiver:
             self.sender = None
             self._loop = None
 
-    async def offer(self, request_id: str, num_prompt_tokens: int, first_gen_tokens: list[int]) -> None:
-        """Hand a finished, held prefill to the sender (on the engine thread: it reads the
-        request's cache handle there). Raises if the engine no longer holds it (aborted)."""
-        sender = self.sender
-        assert sender is not None, "offer() before the sender started"
+    def offer(self, request_id: str, num_prompt_tokens: int, first_gen_tokens: list[int]) -> OfferFn:
+        """``offer(core)`` on the engine thread hands a finished, held prefill to the sender (it
+        reads the request's cache handle there); raises if the sender does not take it."""
 
         def hold(core: EngineCore) -> None:
+            sender = self.sender
+            if sender is None:
+                raise RuntimeError("the ctx KV sender is not running")
             handle = core.cache_manager.get(request_id)
             sender.hold(request_id, handle, num_prompt_tokens, first_gen_tokens)
 
-        await self.registry.engine.call(hold)
+        return hold
 
     async def cancel(self, request_id: str, reason: str) -> bool:
         """Stop serving a pickup; it is freed once quiesced. False if the sender does not hold it."""
@@ -145,17 +148,14 @@ class CtxTransceiver:
 
     def _on_free(self, request_id: str) -> None:
         """Sender thread: the request's cache may be freed now."""
+        self.requests.post(SenderFreed(request_id))
         loop = self._loop
         if loop is None:
             return
         try:
-            loop.call_soon_threadsafe(lambda: self._spawn(self._freed(request_id)))
-        except RuntimeError:  # the loop closed: the registry frees what is left on exit
+            loop.call_soon_threadsafe(lambda: self._spawn(self._refresh_stats()))
+        except RuntimeError:  # the loop closed: nothing left to refresh
             pass
-
-    async def _freed(self, request_id: str) -> None:
-        await self.registry.freed(request_id)
-        await self._refresh_stats()
 
     def _spawn(self, work) -> None:  # noqa: ANN001 (a coroutine)
         task = asyncio.get_running_loop().create_task(work)

@@ -15,7 +15,8 @@ A request's stages here:
    stop strings held back and cut) and yields :class:`RequestOutput` s; the last one has
    ``finish_reason``. These three live in :mod:`helixserve.engine.output_stream`.
 5. Leaving the iterator early (client gone, task cancelled) aborts the request in the engine,
-   which frees its cache; a ``hold_cache`` request that finished stays held until ``release()``.
+   which frees its cache (a request the core refused sends no abort: its id may be another
+   request's, e.g. a held prefill's); a ``hold_cache`` request that finished stays held until ``release()``.
 
 Failures never hang a reader: a step that fails ends the requests it concerns with a 500 naming the
 exception (the core reports them as error updates; a core whose ``step()`` raises instead has every
@@ -116,9 +117,13 @@ class AsyncEngine(EngineThread):
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, kwargs, admitted, start))
         detok = IncrementalDetokenizer(self._decode, params.stop)
         num_output = 0
-        is_finished = False
+        is_finished = is_refused = False
         try:
-            await admitted
+            try:
+                await admitted
+            except OpenAIError:
+                is_refused = True  # the core never took it: its id may be another request's
+                raise
             while not is_finished:
                 token_ids, finish_reason, error = await stream.take()
                 if error is not None:
@@ -131,7 +136,7 @@ class AsyncEngine(EngineThread):
                 yield RequestOutput(request_id, token_ids, text, len(prompt_token_ids), num_output,
                                     finish_reason)
         finally:
-            if not is_finished and self._forget(request_id, stream):
+            if self._forget(request_id, stream) and not (is_finished or is_refused):
                 self._inbox.put(_Abort(request_id))  # cancelled or left early: free the cache
 
     def abort(self, request_id: str, error: str | None = None) -> None:

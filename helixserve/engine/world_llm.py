@@ -29,7 +29,7 @@ from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.runner import cache_spec_for
 from helixserve.engine.scheduler import Scheduler
-from helixserve.engine.spmd import KVReceiver, RankEngine, WorldDriver, serve_rank
+from helixserve.engine.spmd import GenState, KVReceiver, RankEngine, WorldDriver, serve_rank
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
@@ -229,10 +229,10 @@ class ServingWorldDriver(WorldDriver):
         self._kv_failures: dict[str, str] = {}
 
     def _add_kv_decisions(self, plan) -> None:  # noqa: ANN001 (StepPlan)
-        for rid, polls in self._kv_polls.items():
-            errors = list(dict.fromkeys(e for e in polls.values() if e is not None))
+        for entry in self.life.in_state(GenState.RECEIVING):
+            errors = list(dict.fromkeys(e for e in entry.polls.values() if e is not None))
             if errors:
-                self._kv_failures[rid] = "; ".join(errors)
+                self._kv_failures[entry.request_id] = "; ".join(errors)
         while len(self._kv_failures) > self.max_kept_failures:  # never asked for (aborted)
             del self._kv_failures[next(iter(self._kv_failures))]
         super()._add_kv_decisions(plan)

@@ -27,4 +27,9 @@ The worker drives the SPMD helix world (:mod:`.world`) when dp x cp > 1 or ``kv_
 rank or a stopped world makes ``/health`` answer 503 naming it, and requests fail fast with it.
 Requests without ``disaggregated_params`` run aggregated here (prefill and decode): the baseline
 that disaggregated answers must equal.
+
+Once rank 0 assigned it a CP group, a request's state (awaiting cache -> receiving -> agreed ->
+decoding -> finished) lives in one table, :class:`~helixserve.engine.spmd.lifecycle.GenRequestLife`,
+moved on the engine thread. A ``generation_only`` whose id is alive here is refused (400
+``duplicate_request_id``) and touches nothing of the live one.
 """

@@ -5,7 +5,9 @@ the message's bytes are one run of the pools, else into a staging buffer scatter
 -> DONE (all landed, AUX checked, acknowledged). Giving up: DRAINING (Cancel sent; the messages
 the ctx says it already posted are still received, because an unmatched rendezvous send would
 pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `retract`; the
-endpoint to the ctx worker is shared by all requests and stays open).
+endpoint to the ctx worker is shared by all requests and stays open). A RequestShard the ctx
+refused goes straight to CLOSED: nothing was or will be sent for it, and a Cancel would stop the
+pickup for whichever rank holds it.
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ class Inbound:
             reply = self.future.result()
         except Exception as error:
             return self._fail(f"{self.ctx} did not answer RequestShard: {rpc_error_text(error)}")
-        if not reply.accepted:
-            return self._fail(f"{self.ctx} refused the transfer: {reply.error}")
+        if not reply.accepted:  # final (see KVSender.request_shard): no stream exists for us, so
+            # no Cancel: it would stop the pickup for the rank that holds it (e.g. a duplicate's)
+            return self.fail_unsent(f"{self.ctx} refused the transfer: {reply.error}")
         try:
             if not 1 <= reply.message_bytes <= self.plan.message_bytes:
                 raise ValueError(f"message_bytes {reply.message_bytes} outside [1, {self.plan.message_bytes}]")

@@ -25,8 +25,8 @@ Cache safety (the engine thread runs concurrently): the sender reads the engine'
 from its own thread, in place, without a lock. That is safe because a held request's blocks and
 state slot stay allocated to it, so the engine neither writes nor reallocates them, until
 `on_free` runs; the sender never touches them after that. `on_free` is called on the sender
-thread and must be thread-safe (e.g. ``PickupRegistry.release_threadsafe``, which hands the release
-to the engine thread).
+thread and must be thread-safe (e.g. ``CtxRequests.post(SenderFreed(...))``, which hands the
+release to the engine thread).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pydantic import ValidationError
 
 from helixserve.kvcache.manager import CacheHandle
+from helixserve.transceiver.answering import answer_within
 from helixserve.models.context import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
@@ -170,8 +171,16 @@ class KVSender:
     # -- gRPC handlers (gRPC threads) ---------------------------------------------------------
 
     def request_shard(self, request: pb.ShardRequest) -> pb.ShardReply:
+        """``accepted=False`` is final: no stream exists or will exist for this request, so the
+        gen rank closes without a Cancel (which would stop the pickup of whoever holds it)."""
+
+        def withdraw(reply: pb.ShardReply) -> None:  # the gen rank was told "busy": undo the accept
+            pickup = self._pickups.get(request.ctx_request_id)
+            if reply.accepted and pickup is not None:
+                self._stop_pickup(pickup, f"gen rank {request.gen_rank} was answered busy")
+
         return self._answer(self._do_request_shard, request, pb.ShardReply(accepted=False, error=(
-            f"ctx sender busy: no answer within {self.config.rpc_timeout_s:.1f}s")))
+            f"ctx sender busy: no answer within {self.config.rpc_timeout_s:.1f}s")), withdraw)
 
     def cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply:
         return self._answer(self._do_cancel_shard, request, pb.CancelReply(known=False))
@@ -179,31 +188,8 @@ class KVSender:
     def acknowledge(self, request: pb.AckRequest) -> pb.AckReply:
         return self._answer(self._do_acknowledge, request, pb.AckReply(known=False, error="ctx sender busy"))
 
-    def _answer(self, fn, request, busy_reply):
-        """``fn(request)`` on the sender thread, or ``busy_reply`` if it has not started within the
-        RPC timeout. A command the caller was already answered "busy" for never runs later (a late
-        accepted shard would send to a gen that gave up); one that started is waited for."""
-        lock, state = threading.Lock(), {"started": False, "abandoned": False}
-
-        def run_unless_abandoned(req):
-            with lock:
-                if state["abandoned"]:
-                    return busy_reply
-                state["started"] = True
-            return fn(req)
-
-        future = self._call(run_unless_abandoned, request)
-        try:
-            return future.result(timeout=self.config.rpc_timeout_s)
-        except TimeoutError:
-            with lock:
-                if not state["started"]:
-                    state["abandoned"] = True
-                    return busy_reply
-        try:  # running: bounded work whose answer is the truth
-            return future.result(timeout=self.config.rpc_timeout_s)
-        except TimeoutError:
-            return busy_reply
+    def _answer(self, fn, request, busy_reply, undo=None):  # noqa: ANN001, ANN202
+        return answer_within(self._call, fn, request, busy_reply, self.config.rpc_timeout_s, undo)
 
     def _call(self, fn: Callable, *args) -> Future:
         future: Future = Future()

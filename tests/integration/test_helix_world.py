@@ -124,7 +124,7 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
         for i, (prompt, params, arrives) in enumerate(REQUESTS):
             if arrives == step_no:
                 driver.add_request(f"r{i}", prompt, params)
-                owners[f"r{i}"] = driver._owner[f"r{i}"]
+                owners[f"r{i}"] = driver.life.get(f"r{i}").dp_rank
         if step_no == 1:
             driver.add_request(ABORTED, _prompt(9, 5), SamplingParams(max_tokens=50, temperature=0))
             driver.add_request(HELD, _prompt(10, 4), SamplingParams(max_tokens=2, temperature=0), hold_cache=True)

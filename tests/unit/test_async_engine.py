@@ -206,33 +206,6 @@ def test_call_runs_on_the_engine_thread_and_reports_errors(llm):
     asyncio.run(main())
 
 
-def test_pickup_registry_expires_only_prefilled_holds(llm):
-    from helixserve.ctx_server.pickup import PickupRegistry
-
-    async def main():
-        now = [0.0]
-        engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=1)
-        engine.start()
-        registry = PickupRegistry(engine, timeout_s=5.0, clock=lambda: now[0])
-        registry.hold("a", PROMPT)
-        async for out in engine.generate("a", PROMPT, greedy(1), hold_cache=True):
-            pass
-        registry.hold("slow", PROMPT)  # still "prefilling": never expired by the sweeper
-        now[0] = 4.0
-        registry.mark_ready("a", out.token_ids)  # the deadline starts when it is ready: t=9
-        now[0] = 8.0
-        assert await registry.expire_due() == []
-        now[0] = 9.0
-        assert await registry.expire_due() == ["a"] and registry.num_expired == 1
-        assert registry.get("slow") is not None and not await registry.release("a")
-        registry.forget("slow")
-        await asyncio.sleep(0.7)
-        assert engine.stats().num_used_blocks == 0 and engine.stats().num_held == 0
-        await engine.shutdown()
-
-    asyncio.run(main())
-
-
 def test_a_start_function_replaces_add_request(llm):
     ref = llm.generate([PROMPT], greedy(6))[0].token_ids
 

@@ -335,3 +335,24 @@ def test_a_pickup_answered_busy_never_starts_later(ctx):
     assert c.sender._pickups["r1"].outbounds == {}  # the abandoned command did not run
     assert client.request_shard(request).accepted  # and the pickup can still be made
     client.close()
+
+
+def test_a_refused_duplicate_pickup_leaves_the_live_one_alone(ctx):
+    """A second receiver asking for a cp_rank already picked up is refused, and its failure sends
+    no Cancel: the pickup goes on, the other cp_rank still gets its shard and the ctx frees it as
+    completed (issue 13: a rejected request never touches another's cache)."""
+    c = ctx()
+    params = c.hold("r1")
+    first, duplicate, second = Gen(config(), 0, 2), Gen(config(), 0, 2), Gen(config(), 1, 2)
+    first.rx.begin("g1", params)
+    assert drive([first], lambda o: "g1" in o["ready"] or o["failed"])["ready"] == {"g1": [0]}
+    duplicate.rx.begin("g2", params)
+    out = drive([duplicate], lambda o: "g2" in o["freed"])
+    assert "already picked this request up" in out["failed"]["g2"][0]
+    assert duplicate.used() == (2, 2)  # its shard's blocks and slot are freed (padding left)
+    second.rx.begin("g1", params)
+    out = drive([second], lambda o: "g1" in o["ready"] or o["failed"])
+    assert out["ready"] == {"g1": [0]}, out["failed"]
+    wait_for(lambda: c.freed == ["r1"])
+    stats = c.sender.stats()
+    assert stats.metrics.completed == 1 and stats.metrics.cancellations == 0

@@ -33,9 +33,14 @@ with ``forced_output_token_ids = first_gen_tokens``. Every rank of the chosen CP
 the prompt's cache shard and calls its :class:`KVReceiver`'s ``start(request_id, handle, caches,
 T)``; ranks report ``poll()`` results each step; rank 0 starts the request's decode on the whole
 group once every rank has its shard (or fails it everywhere when one rank's transfer failed).
+
+Rank 0 keeps each request's state in one table, :class:`GenRequestLife` (awaiting cache ->
+receiving -> agreed -> decoding -> finished, a ``hold_cache`` request held before finished),
+moved by typed events on the engine thread (:mod:`~helixserve.engine.spmd.lifecycle`).
 """
 
 from helixserve.engine.spmd.driver import WorldDriver
+from helixserve.engine.spmd.lifecycle import GenRequestLife, GenState, IllegalTransitionError
 from helixserve.engine.spmd.messages import (
     AbortCommand,
     AddCommand,
@@ -49,6 +54,7 @@ from helixserve.engine.spmd.messages import (
 from helixserve.engine.spmd.rank import RankEngine, serve_rank
 
 __all__ = [
-    "AbortCommand", "AddCommand", "KVDoneCommand", "KVReceiver", "RankEngine", "ReleaseCommand", "StepPlan",
-    "StepReport", "WorldDriver", "WorldStoppedError", "serve_rank",
+    "AbortCommand", "AddCommand", "GenRequestLife", "GenState", "IllegalTransitionError", "KVDoneCommand",
+    "KVReceiver", "RankEngine", "ReleaseCommand", "StepPlan", "StepReport", "WorldDriver", "WorldStoppedError",
+    "serve_rank",
 ]

@@ -1,4 +1,9 @@
-"""Rank 0 of a gen world: :class:`WorldDriver`, the request front and step driver."""
+"""Rank 0 of a gen world: :class:`WorldDriver`, the request front and step driver.
+
+Each request's state lives in one :class:`~helixserve.engine.spmd.lifecycle.GenRequestLife`
+(awaiting cache -> receiving -> agreed -> decoding -> finished, see there), moved by the
+driver's typed events on the engine thread; the driver keeps only the commands queued for the
+next plan and each CP group's load beside it."""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ from typing import Any
 from helixserve.engine.core import EngineStats
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
+from helixserve.engine.spmd.lifecycle import (Aborted, Added, Agreed, DecodingStarted, Dispatched,
+                                              Finished, GenRequestLife, GenState,
+                                              IllegalTransitionError, RankReported, Released)
 from helixserve.engine.spmd.messages import (
     AbortCommand,
     AddCommand,
@@ -43,12 +51,8 @@ class WorldDriver:
         self.mapping = rank.mapping
         self.heartbeat_s = heartbeat_s or rank.groups.timeout.total_seconds() / 4
         self._pending: list[list[Command]] = [[] for _ in range(self.mapping.dp)]
-        self._owner: dict[str, int] = {}  # live request -> dp_rank
-        self._held: dict[str, int] = {}  # finished hold_cache requests -> dp_rank, until release()
-        self._holdable: set[str] = set()
+        self.life = GenRequestLife()  # every request's state (the only record of it)
         self._load: list[int] = [0] * self.mapping.dp  # live tokens budget per CP group
-        self._cost: dict[str, int] = {}
-        self._kv_polls: dict[str, dict[int, str | None]] = {}  # awaiting request -> rank -> result
         # every rank's last report (keys fixed here, so other threads may read a copy at any time)
         self._rank_stats: dict[tuple[int, int], EngineStats] = {
             (d, c): rank.stats() for d in range(self.mapping.dp) for c in range(self.mapping.cp)}
@@ -68,40 +72,34 @@ class WorldDriver:
         ``KVReceiver.start``); ``forced_output_token_ids`` are then the ctx's first tokens.
         """
         self._check_alive()
-        if request_id in self._owner or request_id in self._held:
+        if request_id in self.life:
             raise ValueError(f"request id {request_id!r} is already in the world")
         self.rank.check_request(prompt_token_ids, params, forced_output_token_ids, has_kv=kv_ticket is not None)
         dp_rank = min(range(self.mapping.dp), key=lambda d: (self._load[d], d))
+        cost = len(prompt_token_ids) + params.max_tokens
+        self.life.apply(Added(request_id, dp_rank, cost, kv_ticket is not None, hold_cache))
         self._pending[dp_rank].append(AddCommand(request_id, list(prompt_token_ids), params, hold_cache,
                                                  tuple(forced_output_token_ids), kv_ticket))
-        self._owner[request_id] = dp_rank
-        self._cost[request_id] = len(prompt_token_ids) + params.max_tokens
-        self._load[dp_rank] += self._cost[request_id]
-        if kv_ticket is not None:
-            self._kv_polls[request_id] = {}
-        if hold_cache:
-            self._holdable.add(request_id)
+        self._load[dp_rank] += cost
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
-        dp_rank = self._owner.get(request_id)
-        if dp_rank is None:
-            dp_rank = self._held.pop(request_id, None)
-            if dp_rank is None:
-                return False
-        else:
-            self._finish(request_id)
-        self._pending[dp_rank].append(AbortCommand(request_id, error))
+        entry = self.life.get(request_id)
+        if entry is None:
+            return False
+        self._move(Aborted(request_id))
+        self._pending[entry.dp_rank].append(AbortCommand(request_id, error))
         return True
 
     def release(self, request_id: str) -> bool:
-        dp_rank = self._held.pop(request_id, None)
-        if dp_rank is None:
+        entry = self.life.get(request_id)
+        if entry is None or entry.state is not GenState.HELD:
             return False
-        self._pending[dp_rank].append(ReleaseCommand(request_id))
+        self._move(Released(request_id))
+        self._pending[entry.dp_rank].append(ReleaseCommand(request_id))
         return True
 
     def abort_all(self, error: str) -> list[str]:
-        request_ids = list(self._owner)
+        request_ids = self.life.live_ids()
         for rid in request_ids:
             self.abort(rid, error)
         return request_ids
@@ -110,13 +108,15 @@ class WorldDriver:
         if self.failure is not None or self.is_shut_down:
             return False
         idle_too_long = time.monotonic() - self._last_plan > self.heartbeat_s
-        return bool(self._owner) or any(self._pending) or idle_too_long
+        return bool(self.life.num_live) or any(self._pending) or idle_too_long
 
     def step(self) -> list[RequestUpdate]:
         """One world step; the new tokens of every CP group's requests."""
         self._check_alive()
-        plan = StepPlan(self._step_id, self._pending, run_model=bool(self._owner))
+        plan = StepPlan(self._step_id, self._pending, run_model=bool(self.life.num_live))
         self._pending = [[] for _ in range(self.mapping.dp)]
+        for entry in self.life.in_state(GenState.AWAITING_CACHE):  # its AddCommand is in this plan
+            self._move(Dispatched(entry.request_id))
         self._add_kv_decisions(plan)
         self._step_id += 1
         self._last_plan = time.monotonic()
@@ -166,38 +166,51 @@ class WorldDriver:
 
     # -- bookkeeping
 
-    def _finish(self, request_id: str, is_held: bool = False) -> None:
-        dp_rank = self._owner.pop(request_id)
-        self._load[dp_rank] -= self._cost.pop(request_id)
-        self._kv_polls.pop(request_id, None)
-        if request_id in self._holdable:
-            self._holdable.discard(request_id)
-            if is_held:
-                self._held[request_id] = dp_rank
+    def _move(self, event) -> tuple[GenState | None, GenState]:  # noqa: ANN001 (a lifecycle event)
+        entry = self.life.get(event.request_id)
+        before, after = self.life.apply(event)
+        if entry is not None and before is not None and before.is_live and not after.is_live:
+            self._load[entry.dp_rank] -= entry.cost
+        return before, after
 
     def _add_kv_decisions(self, plan: StepPlan) -> None:
         """Start (or fail) received requests whose every rank reported its transfer."""
-        cp = self.mapping.cp
-        for rid, polls in list(self._kv_polls.items()):
-            errors = [e for e in polls.values() if e is not None]
-            if errors or len(polls) == cp:
-                plan.commands[self._owner[rid]].append(KVDoneCommand(rid, "; ".join(errors) or None))
-                del self._kv_polls[rid]
+        for entry in self.life.in_state(GenState.RECEIVING):
+            is_decided, error = entry.verdict(self.mapping.cp)
+            if is_decided:
+                self._move(Agreed(entry.request_id))
+                plan.commands[entry.dp_rank].append(KVDoneCommand(entry.request_id, error))
                 plan.run_model = True
 
     def _absorb(self, reports: list[StepReport]) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         for report in reports:
             for rid, result in report.kv_polls.items():
-                if rid in self._kv_polls:
-                    self._kv_polls[rid][report.rank] = result
+                if self.life.state_of(rid) is GenState.RECEIVING:  # else: ended meanwhile (aborted)
+                    self._move_reported(RankReported(rid, report.rank, result))
             if report.stats is not None:
                 self._rank_stats[(report.dp_rank, report.cp_rank)] = report.stats
             for update in report.updates:
                 updates.append(update)
-                if update.is_finished and update.request_id in self._owner:
-                    self._finish(update.request_id, is_held=update.status in _HOLDABLE)
+                self._absorb_update(update)
         return updates
+
+    def _absorb_update(self, update: RequestUpdate) -> None:
+        state = self.life.state_of(update.request_id)
+        if state is None or not state.is_live:
+            return  # aborted meanwhile: its last tokens still go to the engine front
+        if update.is_finished:
+            self._move_reported(Finished(update.request_id, keeps_cache=update.status in _HOLDABLE))
+        elif state is GenState.AGREED:
+            self._move_reported(DecodingStarted(update.request_id))
+
+    def _move_reported(self, event) -> None:  # noqa: ANN001 (a lifecycle event)
+        """A move a rank's report asks for; one that contradicts our record is logged, never
+        allowed to stop the world."""
+        try:
+            self._move(event)
+        except IllegalTransitionError:
+            logger.exception("gen world: a rank's report ignored")
 
 
 _HOLDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
