@@ -41,7 +41,10 @@ MODEL = "kimi-k3-tiny"
 
 
 def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as response:
+    """GET a JSON page; a worker's is asked with its deployment's internal secret."""
+    secret = secret_for(url)
+    request = urllib.request.Request(url, headers={SECRET_HEADER: secret} if secret else {})
+    with urllib.request.urlopen(request, timeout=5) as response:
         return json.loads(response.read())
 
 
