@@ -29,7 +29,7 @@ import logging
 import math
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from helixserve.transceiver.clock import Clock, MonotonicClock

@@ -111,6 +111,27 @@ class Deployment:
             return baseline_up and up(f"{self.router_url}/ready")
         wait_until(ready, timeout, "the router's /ready", interval=0.3)
 
+    def extra_router(self, tmp_path: Path, timeout: float = 60, **router: Any) -> tuple[str, subprocess.Popen]:
+        """A second router over the same workers with ``router`` settings changed (a free port,
+        the deployment's secret); the caller terminates the process."""
+        (port,) = free_ports(1)
+        config = self.config.model_copy(update={"router": self.config.router.model_copy(
+            update={"port": port, **router})})
+        path = tmp_path / f"router-{port}.yaml"
+        config.to_yaml(path)
+        proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
+                                cwd=REPO, start_new_session=True,
+                                env={**os.environ, INTERNAL_SECRET_ENV: self.secret})
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return http("GET", f"{url}/ready", timeout=2)[0] == 200
+            except OSError:
+                return False
+        wait_until(ready, timeout, "the extra router")
+        return url, proc
+
     def log(self, role: str) -> str:
         path = self.log_dir / f"{role}.log"
         return path.read_text()[-3000:] if path.exists() else ""

@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +18,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from helixserve.config import INTERNAL_SECRET_ENV, LimitsConfig
+from helixserve.config import LimitsConfig
 from helixserve.testing.servers import SECRET_HEADER, secret_for
-from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
+from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
 MAX_PROMPT_TOKENS = 64  # of a 256-token context
 MAX_BODY_BYTES = 4 * 1024 * 1024  # the default
@@ -234,26 +232,6 @@ def test_models_created_is_the_start_time(dep):
         assert now - 3600 < created <= now, answer
 
 
-def _router(dep: Deployment, tmp_path, **router: object) -> tuple[str, subprocess.Popen]:
-    (port,) = free_ports(1)
-    config = dep.config.model_copy(update={"router": dep.config.router.model_copy(
-        update={"port": port, **router})})
-    path = tmp_path / f"router-{port}.yaml"
-    config.to_yaml(path)
-    proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
-                            cwd=REPO, start_new_session=True,
-                            env={**os.environ, INTERNAL_SECRET_ENV: dep.secret})
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return http("GET", f"{url}/ready", timeout=2)[0] == 200
-        except OSError:
-            return False
-    wait_until(ready, 60, "the extra router")
-    return url, proc
-
-
 def _leave(conn: httplib.HTTPConnection) -> None:
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
@@ -263,7 +241,7 @@ def test_429_has_retry_after_and_a_queued_client_that_leaves_frees_its_place(dep
     """One slot, one queue place. A holds the slot (its gen world is paused mid-decode), B takes
     the queue place, C gets 429 with Retry-After; B leaves and its place is free at once: D
     queues instead of getting 429, while A still holds the slot."""
-    url, proc = _router(dep, tmp_path, max_inflight=1, max_queue_len=1)
+    url, proc = dep.extra_router(tmp_path, max_inflight=1, max_queue_len=1)
     waiting = "helixserve_router_requests_waiting"
     gen_group = dep.procs["gen"].pid
     long_stream = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0,

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import http.client as httplib
 import json
-import os
 import socket
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import openai
 import pytest
 
-from helixserve.config import INTERNAL_SECRET_ENV
-from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, metric, wait_until
+from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
 # token-id prompts of 1..33 tokens: with tokens_per_block=4 they end inside and on block edges
 ID_PROMPTS = [[65], [72, 105, 33], [1, 2, 3, 4], [10, 20, 30, 40, 50], list(range(40, 49)),
@@ -270,27 +266,8 @@ def test_client_disconnect_before_the_answer_frees_cache(dep):
     assert metric(dep.gen_url, "helixserve_worker_generation_tokens_total", 0.0) == generated_before
 
 
-def _extra_router(dep: Deployment, tmp_path, **router) -> tuple[str, subprocess.Popen]:
-    (port,) = free_ports(1)
-    config = dep.config.model_copy(update={"router": dep.config.router.model_copy(
-        update={"port": port, **router})})
-    path = tmp_path / f"router-{port}.yaml"
-    config.to_yaml(path)
-    proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
-                            cwd=REPO, start_new_session=True, env={**os.environ, INTERNAL_SECRET_ENV: dep.secret})
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return http("GET", f"{url}/ready", timeout=2)[0] == 200
-        except OSError:
-            return False
-    wait_until(ready, 30, "the extra router")
-    return url, proc
-
-
 def test_full_router_queue_answers_429(dep, tmp_path):
-    url, proc = _extra_router(dep, tmp_path, max_inflight=1, max_queue_len=0)
+    url, proc = dep.extra_router(tmp_path, max_inflight=1, max_queue_len=0)
     try:
         body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True, "stream": True}
@@ -307,7 +284,7 @@ def test_full_router_queue_answers_429(dep, tmp_path):
 
 
 def test_api_key_required_when_configured(dep, tmp_path):
-    url, proc = _extra_router(dep, tmp_path, api_keys=("sekrit",))
+    url, proc = dep.extra_router(tmp_path, api_keys=("sekrit",))
     try:
         with pytest.raises(openai.AuthenticationError):
             dep.client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2)
