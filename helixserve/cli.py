@@ -190,7 +190,8 @@ def _add_server_commands(sub) -> None:  # noqa: ANN001 (argparse's private subpa
     la.add_argument("-c", "--config", default=None, help="deployment YAML (default: local tiny model)")
     la.add_argument("--model", default=None, help="checkpoint directory (made if missing and tiny)")
     la.add_argument("--port", type=int, default=None, help="router port")
-    la.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /ready")
+    la.add_argument("--ready-timeout", type=float, default=None,
+                    help="seconds to wait for /ready (default: the config's launch.ready_timeout_s)")
     la.add_argument("--no-restart", dest="restart", action="store_false", default=None,
                     help="stop everything when a process exits (default: restart it, see launch.restart)")
     la.add_argument("--max-restarts", type=int, default=None,

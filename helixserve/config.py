@@ -18,6 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from helixserve.config_env import DistEnv, SlurmEnv, dist_env_from, slurm_env_from
 from helixserve.transceiver.config import TransceiverConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -180,13 +181,29 @@ class LimitsConfig(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1)  # None: the context length (max_model_len)
 
 
+class SlurmJobConfig(_Strict):
+    """``python -m helixserve.launch_slurm`` (``--ready-timeout`` / ``--grace`` override these)."""
+
+    ready_timeout_s: float = Field(600.0, gt=0)  # the router's /ready, from the first srun step
+    stop_grace_s: float = Field(20.0, ge=0)  # between SIGTERM to every step and SIGKILL
+
+
 class LaunchConfig(_Strict):
     """``helixserve launch``: a child process (worker or router) that exits is started again
     under ``restart`` (``restart_children: false``: the first exit stops the deployment); one
-    that exits more often than the policy allows stops it with a non-zero exit code."""
+    that exits more often than the policy allows stops it with a non-zero exit code.
+
+    The launchers' waits live here (and nowhere else): ``ready_timeout_s`` for the router's
+    ``/ready`` (``helixserve launch --ready-timeout`` overrides it), ``stop_grace_s`` between
+    SIGTERM and SIGKILL when it stops its children, ``ready_probe_timeout_s`` for one ``/ready``
+    probe; ``slurm`` for the SLURM launcher."""
 
     restart_children: bool = True
     restart: RestartPolicy = RestartPolicy(max_restarts=5)
+    ready_timeout_s: float = Field(180.0, gt=0)
+    stop_grace_s: float = Field(15.0, ge=0)
+    ready_probe_timeout_s: float = Field(2.0, gt=0)
+    slurm: SlurmJobConfig = SlurmJobConfig()
 
 
 class DeploymentConfig(_Strict):
@@ -300,23 +317,17 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def slurm_env():  # -> helixserve.launch_slurm.SlurmEnv
-    """The SLURM allocation this process runs in (``SLURM_*`` variables), for the SLURM launcher."""
-    import os
-
-    from helixserve.launch_slurm import slurm_env_from
-
-    return slurm_env_from(os.environ)
+def slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
+    """The SLURM allocation this process runs in (``SLURM_*`` of ``environ``, default
+    ``os.environ``), for the SLURM launcher. Raises ``ValueError`` outside a job."""
+    return slurm_env_from(os.environ if environ is None else environ)
 
 
-def dist_env():  # -> helixserve.parallel.DistEnv | None
-    """The torchrun / srun rank of this process (``RANK`` / ``SLURM_PROCID`` ... variables), or
-    ``None`` when neither launched it; a gen worker under ``srun -n dp*cp`` is one world rank."""
-    import os
-
-    from helixserve.parallel.groups import dist_env_from
-
-    return dist_env_from(os.environ)
+def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv | None:
+    """The torchrun / srun rank of this process (``RANK`` / ``SLURM_PROCID`` ... of ``environ``,
+    default ``os.environ``), or ``None`` when neither launched it; a gen worker under
+    ``srun -n dp*cp`` is one world rank."""
+    return dist_env_from(os.environ if environ is None else environ)
 
 
 def import_without_env_default(module: str, name: str, default: str) -> ModuleType:

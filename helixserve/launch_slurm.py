@@ -1,6 +1,6 @@
 """Start a deployment inside a SLURM allocation (the body of ``deploy/slurm/helixserve.sbatch``).
 
-1. Read the allocation (:func:`slurm_env_from`): ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``
+1. Read the allocation (:func:`helixserve.config.slurm_env`, parsed in :mod:`helixserve.config_env`): ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``
    (expanded by ``scontrol show hostnames``), ``SLURM_PROCID`` / ``SLURM_NTASKS``: only task 0
    launches, any other task returns at once.
 2. Place the roles on nodes (:class:`Placement`, node indexes into the host list): by default
@@ -39,42 +39,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from helixserve.config import DeploymentConfig, load_yaml
+from helixserve.config import DeploymentConfig, child_environment, ensure_internal_secret, load_yaml, slurm_env
+from helixserve.config_env import SlurmEnv
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SlurmEnv:
-    """The allocation this process runs in, as SLURM's variables describe it."""
-
-    job_id: str
-    nodelist: str
-    procid: int = 0
-    ntasks: int = 1
-    submit_dir: str | None = None
-
-
-def slurm_env_from(environ: Mapping[str, str]) -> SlurmEnv:
-    """Parse ``SLURM_*`` variables (``helixserve.config.slurm_env`` passes ``os.environ``).
-
-    Raises:
-        ValueError: not inside a SLURM job, or a variable is malformed.
-    """
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if not job_id or not nodelist:
-        raise ValueError("not inside a SLURM job (SLURM_JOB_ID / SLURM_JOB_NODELIST unset); "
-                         "submit with `sbatch deploy/slurm/helixserve.sbatch` or run under salloc")
-    try:
-        procid = int(environ.get("SLURM_PROCID", "0"))
-        ntasks = int(environ.get("SLURM_NTASKS") or "1")  # unset when sbatch got no -n
-    except ValueError:
-        raise ValueError(f"SLURM_PROCID={environ.get('SLURM_PROCID')!r} / SLURM_NTASKS="
-                         f"{environ.get('SLURM_NTASKS')!r} must be integers") from None
-    if not 0 <= procid < ntasks:
-        raise ValueError(f"SLURM_PROCID={procid} is outside [0, SLURM_NTASKS={ntasks})")
-    return SlurmEnv(job_id, nodelist, procid, ntasks, environ.get("SLURM_SUBMIT_DIR"))
 
 
 def _scontrol(*args: str) -> str:
@@ -242,9 +210,9 @@ class Job:
                 process.wait()
 
 
-def is_ready(url: str) -> bool:
+def is_ready(url: str, probe_timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"{url}/ready", timeout=probe_timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -264,8 +232,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="router port (overrides router.port)")
     p.add_argument("--placement", default=None, help="placement YAML (see Placement)")
     p.add_argument("--job-dir", default=None, help="default: <submit dir>/helixserve-job-<job id>")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
-    p.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--ready-timeout", type=float, default=None,
+                   help="seconds to wait for /ready (default: launch.slurm.ready_timeout_s)")
+    p.add_argument("--grace", type=float, default=None,
+                   help="seconds between SIGTERM and SIGKILL (default: launch.slurm.stop_grace_s)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -294,7 +264,8 @@ def router_url(deploy: DeploymentConfig) -> str:
     return f"http://{deploy.router.host}:{deploy.router.port}"
 
 
-def serve(job: Job, url: str, job_dir: Path, ready_timeout_s: float, stop_signals: list[int]) -> int:
+def serve(job: Job, url: str, job_dir: Path, ready_timeout_s: float, stop_signals: list[int],
+          probe_timeout_s: float) -> int:
     """Steps 5-6 until a signal (0) or a failure (1); the caller stops the job."""
     deadline = time.monotonic() + ready_timeout_s
     ready = False
@@ -306,7 +277,7 @@ def serve(job: Job, url: str, job_dir: Path, ready_timeout_s: float, stop_signal
                   f"{'' if ready else ' before the router was ready'}; stopping. Its log:\n"
                   f"{log_tail(job.log_dir / f'{name}.log')}", file=sys.stderr, flush=True)
             return 1
-        if not ready and is_ready(url):
+        if not ready and is_ready(url, probe_timeout_s):
             ready = True
             (job_dir / "ready").write_text(url + "\n")
             print(f"helixserve-slurm: ready at {url} (job dir {job_dir})", flush=True)
@@ -320,25 +291,27 @@ def serve(job: Job, url: str, job_dir: Path, ready_timeout_s: float, stop_signal
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    from helixserve.config import child_environment, ensure_internal_secret, slurm_env
-
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    env = slurm_env_from(environ) if environ is not None else slurm_env()
+    env = slurm_env(environ)
     if env.procid != 0:
         return 0  # one launcher per job: task 0
     stop_signals: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
     deploy, steps, job_dir = prepare(args, env)
+    timeouts = deploy.launch.slurm
+    ready_timeout_s = timeouts.ready_timeout_s if args.ready_timeout is None else args.ready_timeout
+    stop_grace_s = timeouts.stop_grace_s if args.grace is None else args.grace
     # the job's internal secret: HELIXSERVE_INTERNAL_SECRET(_FILE) when the job has one, else made
     # here; it reaches the steps through their environment only (not config.yaml nor plan.json)
     job = Job(steps, job_dir / "logs", child_environment(ensure_internal_secret(deploy)))
     try:
         job.start()
-        return serve(job, router_url(deploy), job_dir, args.ready_timeout, stop_signals)
+        return serve(job, router_url(deploy), job_dir, ready_timeout_s, stop_signals,
+                     deploy.launch.ready_probe_timeout_s)
     finally:
-        job.stop(args.grace)
+        job.stop(stop_grace_s)
         (job_dir / "ready").unlink(missing_ok=True)
         print("helixserve-slurm: stopped", flush=True)
 

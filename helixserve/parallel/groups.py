@@ -10,104 +10,32 @@ Launch paths:
 
 Every listener binds the rendezvous host: rank 0's TCPStore listens on ``host`` of
 ``tcp://host:port`` only (:func:`tcp_store`); gloo's pairs listen on the address the host
-resolves to. This module reads no environment variables itself: ``config.py`` passes ``os.environ`` to
-:func:`dist_env_from`. Every process group gets a timeout, so a missing or dead peer makes a
-collective raise instead of hanging (NCCL honours it through its async error handling).
+resolves to. This module reads no environment variables: ``helixserve.config.dist_env`` parses
+them once (:mod:`helixserve.config_env`, re-exported here) and callers pass the :class:`DistEnv`.
+Every process group gets a timeout, so a missing or dead peer makes a collective raise instead
+of hanging (NCCL honours it through its async error handling); it has no default here: the
+caller passes its configured value (``GenServerConfig.collective_timeout_s``, ``WorldOptions``).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import re
 import socket
-from collections.abc import Mapping as EnvMapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
+from helixserve.config_env import DistEnv, dist_env_from, first_slurm_host
 from helixserve.parallel.collectives import set_nccl_blocking_wait
 from helixserve.parallel.mapping import Mapping
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True, slots=True)
-class DistEnv:
-    """Rank and rendezvous address as a launcher (torchrun or srun) describes them."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    launcher: str  # "torchrun" | "slurm"
-
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.master_addr}:{self.master_port}"
-
-
-def _int_var(environ: EnvMapping[str, str], name: str) -> int:
-    raw = environ[name]
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: ``"gpu[03-05,9],cpu1" -> "gpu03"``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, first = match.group(1), match.group(2)
-    return prefix + (first or "")
-
-
-def dist_env_from(environ: EnvMapping[str, str]) -> DistEnv | None:
-    """Parse torchrun or srun variables from ``environ``; ``None`` when neither launched us.
-
-    torchrun wins when both are present (torchrun inside an srun allocation).
-
-    Raises:
-        ValueError: a variable is not an integer, rank is outside the world, or the
-            rendezvous address cannot be determined.
-    """
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        launcher, rank_var, world_var, local_var = "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"
-    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        launcher, rank_var, world_var, local_var = "slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
-    else:
-        return None
-    rank, world_size = _int_var(environ, rank_var), _int_var(environ, world_var)
-    local_rank = _int_var(environ, local_var) if local_var in environ else 0
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"{rank_var}={rank} is outside [0, {world_var}={world_size})")
-
-    if "MASTER_ADDR" in environ:
-        addr = environ["MASTER_ADDR"]
-    elif launcher == "slurm" and ("SLURM_JOB_NODELIST" in environ or "SLURM_NODELIST" in environ):
-        addr = first_slurm_host(environ.get("SLURM_JOB_NODELIST") or environ["SLURM_NODELIST"])
-    elif world_size == 1:
-        addr = "127.0.0.1"
-    else:
-        raise ValueError(f"{launcher} world of {world_size} ranks but MASTER_ADDR is not set")
-    if "MASTER_PORT" in environ:
-        port = _int_var(environ, "MASTER_PORT")
-    elif launcher == "slurm" and "SLURM_JOB_ID" in environ:
-        port = 20000 + _int_var(environ, "SLURM_JOB_ID") % 20000
-    elif world_size == 1:
-        port = 29500
-    else:
-        raise ValueError(f"{launcher} world of {world_size} ranks but MASTER_PORT is not set")
-    if not 0 < port < 65536:
-        raise ValueError(f"MASTER_PORT={port} is not a valid TCP port")
-    return DistEnv(rank, world_size, local_rank, addr, port, launcher)
+__all__ = ["DistEnv", "ParallelGroups", "dist_env_from", "first_slurm_host", "init_from_env", "init_parallel",
+           "tcp_store"]
 
 
 def tcp_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
@@ -182,7 +110,7 @@ def init_parallel(
     *,
     backend: str | None = None,
     local_rank: int = 0,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float,
     nccl_blocking_wait: bool = True,
 ) -> ParallelGroups:
     """Join the world and create the CP and DP subgroups.
@@ -237,7 +165,7 @@ def init_from_env(
     mapping: Mapping,
     *,
     backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float,
     nccl_blocking_wait: bool = True,
 ) -> ParallelGroups:
     """:func:`init_parallel` for a launcher-described rank; checks it agrees with ``mapping``."""

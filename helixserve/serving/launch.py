@@ -157,8 +157,8 @@ def supervise(children: list[Child], deploy: DeploymentConfig, config_file: Path
     return None
 
 
-def stop_processes(children: list[Child], timeout_s: float = 15.0) -> None:
-    """Step 5."""
+def stop_processes(children: list[Child], timeout_s: float) -> None:
+    """Step 5: SIGTERM, up to ``timeout_s`` (``launch.stop_grace_s``), SIGKILL."""
     for child in children:
         _signal_group(child, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
@@ -178,18 +178,19 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         pass
 
 
-def _is_ready(url: str) -> bool:
+def _is_ready(url: str, probe_timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"{url}/ready", timeout=probe_timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
-def wait_ready(url: str, children: list[Child], timeout_s: float, should_stop) -> None:  # noqa: ANN001
+def wait_ready(url: str, children: list[Child], timeout_s: float, should_stop,  # noqa: ANN001
+               probe_timeout_s: float) -> None:
     """Step 3; raises ``RuntimeError`` naming a process that exited or the timeout."""
     deadline = time.monotonic() + timeout_s
-    while not _is_ready(url):
+    while not _is_ready(url, probe_timeout_s):
         for child in children:
             code = child.process.poll()
             if code is not None:
@@ -208,21 +209,24 @@ def curl_example(url: str, deploy: DeploymentConfig) -> str:
 
 
 def launch(config: str | None, model: str | None = None, port: int | None = None,
-           log_level: str = "WARNING", ready_timeout_s: float = 180.0, restart: bool | None = None,
+           log_level: str = "WARNING", ready_timeout_s: float | None = None, restart: bool | None = None,
            max_restarts: int | None = None) -> int:
-    """Steps 1-5; ``restart`` / ``max_restarts`` override the config's ``launch`` section."""
+    """Steps 1-5; ``ready_timeout_s`` / ``restart`` / ``max_restarts`` override the config's
+    ``launch`` section (``None``: the config's value)."""
     deploy = ensure_internal_secret(
         with_restart_overrides(resolve_deployment(config, model, port), restart, max_restarts))
     stop_signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
+    if ready_timeout_s is None:
+        ready_timeout_s = deploy.launch.ready_timeout_s
     url = f"http://{deploy.router.host}:{deploy.router.port}"
     with tempfile.TemporaryDirectory(prefix="helixserve-launch-") as tmp:
         config_file = Path(tmp) / "deployment.yaml"
         deploy.to_yaml(config_file)
         children = start_processes(config_file, deploy, log_level)
         try:
-            wait_ready(url, children, ready_timeout_s, lambda: bool(stop_signals))
+            wait_ready(url, children, ready_timeout_s, lambda: bool(stop_signals), deploy.launch.ready_probe_timeout_s)
             print(f"helixserve is ready at {url} (model {deploy.model.name!r})", flush=True)
             print(f"try:\n  {curl_example(url, deploy)}", flush=True)
             print("Ctrl-C stops everything.", flush=True)
@@ -239,5 +243,5 @@ def launch(config: str | None, model: str | None = None, port: int | None = None
             print(f"helixserve launch: {exc}", file=sys.stderr, flush=True)
             return 1
         finally:
-            stop_processes(children)
+            stop_processes(children, deploy.launch.stop_grace_s)
             print("stopped", flush=True)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from helixserve.config import DeploymentConfig
-from helixserve.launch_slurm import Placement, place, plan_steps, role_args, slurm_env_from
+from helixserve.config_env import slurm_env_from
+from helixserve.launch_slurm import Placement, place, plan_steps, role_args
 
 
 def deployment(num_ctx: int = 1, gens: tuple[tuple[int, int], ...] = ((1, 2),), device: str = "cpu"
