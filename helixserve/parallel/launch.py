@@ -61,14 +61,15 @@ def run_local_world(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout_s: float = 120.0,
+    timeout_s: float,
     grace_s: float = 10.0,
     num_threads: int | None = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, init_method, *args)`` on ``world_size`` local processes.
 
     Args:
-        timeout_s: wall-clock limit for the whole world.
+        timeout_s: wall-clock limit for the whole world (required: the caller's configured
+            bound, e.g. ``generate_many_on_world``'s; no second default here).
         grace_s: after the first failure, how long the other ranks get to finish (they usually
             fail on their own collective timeout) before they are killed.
         num_threads: ``torch.set_num_threads`` in each rank (None leaves torch's default).
