@@ -36,6 +36,9 @@ from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.plane import DataPlane, TransferHandle
 
 
+PRUNE_AT = 4096  # message ops tracked before the quiesced ones are dropped
+
+
 class FakeFault(enum.Enum):
     NONE = "none"  # completes `latency_s` after both sides are posted
     NEVER_COMPLETE = "never_complete"  # stays TRANSFERRING forever (quiesces on cancel)
@@ -247,6 +250,8 @@ class FakeFabric:
                             error=f"injected failure on src={src} dst={dst} tag={wire_tag:#x}")
         message = _Message(handle, flat, src, dst, wire_tag, is_send)
         with self._lock:
+            if len(self._messages) >= PRUNE_AT:
+                self._messages = [m for m in self._messages if not m.handle.is_quiesced()]
             self._messages.append(message)
             mine, theirs = (self._unexpected, self._waiting) if is_send else (self._waiting, self._unexpected)
             queue = theirs.get((dst, wire_tag))

@@ -17,6 +17,7 @@ from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.protocol.disagg import DisaggregatedParams
+from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
 from helixserve.transceiver.fake import FakeDataPlane, FakeFabric, FakeFault, install_fabric
 from helixserve.transceiver.layout import layout_for, wire_tag
@@ -116,7 +117,10 @@ def world(fabric):
 
     yield make
     for part in made:
-        part.close() if isinstance(part, KVReceiver) else part.stop()
+        if isinstance(part, KVReceiver):
+            part.close()
+        else:
+            part.stop()
 
 
 def poll_until(gens: list[Gen], request_id: str, timeout_s: float = 10.0) -> list[str | None]:
@@ -211,4 +215,28 @@ def test_a_failed_send_through_the_bounce_pool_gives_every_staging_buffer_back(w
     assert gen.rx.cancel("g1")
     wait_for(lambda: ctx.freed == ["r1"])
     wait_for(lambda: owner.staging.pool.free_bytes == capacity)
+    assert fabric.in_flight() == []
+
+
+def test_fake_messages_match_like_ucx_tags_in_posting_order_and_retract_ends_the_oldest(fabric):
+    a, b = fabric.plane(), fabric.plane()
+    to_b, to_a = a.connect_worker(b.address), b.connect_worker(a.address)
+    first, sink = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    r1, r2 = b.recv_message(to_a, 9, first), b.recv_message(to_a, 9, sink)  # the same tag twice
+    retraction = b.retract(9)  # ends r1 (the oldest), writes nothing
+    assert retraction.test() is TransferState.COMPLETED and r1.test() is TransferState.COMPLETED
+    assert torch.equal(first, torch.zeros(4, dtype=torch.uint8))
+    sent = a.send_message(to_b, 9, torch.arange(1, 5, dtype=torch.uint8))  # a late message: the sink takes it
+    assert sent.test() is TransferState.COMPLETED and r2.test() is TransferState.COMPLETED
+    assert sink.tolist() == [1, 2, 3, 4]
+    early = a.send_message(to_b, 10, torch.arange(8, dtype=torch.uint8))  # unexpected until posted
+    small = torch.zeros(4, dtype=torch.uint8)
+    truncated = b.recv_message(to_a, 10, small)
+    assert truncated.test() is TransferState.FAILED and "truncated" in truncated.error
+    assert early.test() is TransferState.FAILED and small.tolist() == [0] * 4
+    waiting = b.recv_message(to_a, 11, torch.zeros(1, dtype=torch.uint8))
+    b.close()  # closing a worker ends its posted receives
+    assert waiting.test() is TransferState.CANCELLED and waiting.is_quiesced()
+    with pytest.raises(ConnectionError):
+        a.connect_worker(b.address)
     assert fabric.in_flight() == []
