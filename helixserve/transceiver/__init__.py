@@ -3,8 +3,9 @@
 Core logic (backend-free): `base` (poll states, sessions, tasks, data-plane interface),
 `polling` (bounded local poll), `consensus` (one batched all-gather per check over the CP
 group), `bounce` (staging pool, fan-in scatter, untrusted-plan validation). Backends are picked
-by `TransceiverBackendKind` through `load_data_plane`, which imports them lazily: `ucxx_backend`
-(UCX via ucxx) and `fake` (in-process, fault injection for tests only).
+by `TransceiverConfig.backend` through `plane.open_data_plane` (the one factory; `plane` declares
+the `DataPlane` seam, all the sender and receiver use), which imports them lazily: `ucxx_backend`
+(UCX via ucxx) and `fake` (in-process: fault injection, the real sender and receiver in tests).
 
 Transfer path: `layout` (which bytes a receiver gets, the message plan, each side's memory map),
 `control` (the KVTransfer gRPC service and client), `sender` (ctx: `KVSender`, with
@@ -21,6 +22,7 @@ from helixserve.transceiver.base import (
     TransferSession,
     TransferState,
     load_data_plane,
+    open_data_plane,
 )
 from helixserve.transceiver.clock import Clock, FakeClock, MonotonicClock
 from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
@@ -45,4 +47,5 @@ __all__ = [
     "MonotonicClock", "PayloadKind", "PollResult", "ReadyRequest", "ReceiverSession", "SenderSession",
     "SenderStats", "TransceiverBackendKind", "TransceiverConfig", "TransferCheck", "TransferHandle",
     "TransferMetrics", "TransferPoller", "TransferSession", "TransferState", "layout_for", "load_data_plane",
+    "open_data_plane",
 ]

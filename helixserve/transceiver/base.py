@@ -1,10 +1,10 @@
-"""Transceiver core: poll states, transfer sessions and tasks, and the data-plane interface.
+"""Transceiver core: poll states, transfer sessions and tasks (the data-plane seam is `plane`).
 
 A **session** is one request's transfer on one rank: a `SenderSession` on a ctx rank, a
 `ReceiverSession` on a gen rank. It owns **tasks**, one per (peer rank, payload kind): MLA KV
 blocks, KDA recurrent state, conv state and aux data (first token, prompt length). Each task is
 driven by one `TransferHandle` of a `DataPlane` backend (ucxx in deployments, the in-process fake
-in fault-injection tests), picked by `TransceiverBackendKind` and imported lazily.
+in fault-injection tests); the seam itself and its factory `open_data_plane` live in `plane`.
 
 Session lifecycle (states are `TransferState`):
 
@@ -30,12 +30,14 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from helixserve.transceiver.clock import Clock, MonotonicClock
+from helixserve.transceiver.plane import DataPlane, TransferHandle, load_data_plane, open_data_plane
 
-if TYPE_CHECKING:
-    from helixserve.transceiver.config import TransceiverBackendKind
+__all__ = [  # the data-plane seam lives in `plane`; re-exported here for existing importers
+    "DataPlane", "PayloadKind", "ReceiverSession", "SenderSession", "TransceiverError", "TransferHandle",
+    "TransferSession", "TransferState", "TransferTask", "load_data_plane", "open_data_plane",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,46 +97,6 @@ def resolve_slice(slice_s: float | None) -> float:
     if slice_s is None or not math.isfinite(slice_s) or slice_s <= 0:
         return DEFAULT_SLICE_S
     return float(slice_s)
-
-
-class TransferHandle(ABC):
-    """One posted data-plane operation (a send or a receive of one task's bytes).
-
-    `test()` is non-blocking: it makes progress where the backend needs it and returns the
-    current state (PENDING/TRANSFERRING until it is terminal). `is_quiesced()` is True when the
-    backend can no longer touch the buffer (finished, or cancelled and acknowledged by UCX).
-    """
-
-    error: str | None = None
-
-    @abstractmethod
-    def test(self) -> TransferState: ...
-
-    @abstractmethod
-    def is_quiesced(self) -> bool: ...
-
-    @abstractmethod
-    def cancel(self) -> None:
-        """Ask the backend to abort; the handle quiesces later (check `is_quiesced`)."""
-
-
-class DataPlane(ABC):
-    """A backend that moves bytes between ranks by (peer, tag).
-
-    `wakeup` is set whenever an operation may have finished, so pollers can wait on it
-    instead of spinning. Buffers are contiguous host (or device) byte buffers.
-    """
-
-    wakeup: threading.Event
-
-    @abstractmethod
-    def post_send(self, peer: int, tag: int, buffer: memoryview) -> TransferHandle: ...
-
-    @abstractmethod
-    def post_recv(self, peer: int, tag: int, buffer: memoryview) -> TransferHandle: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -384,18 +346,3 @@ class SenderSession(TransferSession):
             f"request {self.request_id}: no acknowledgement from gen ranks {missing} within "
             f"{self.timeout_s * 1e3:.0f} ms (pending: {', '.join(self._missing()) or 'none'})"
         )
-
-
-def load_data_plane(kind: TransceiverBackendKind) -> type[DataPlane]:
-    """The DataPlane class for `kind`, imported lazily (ucxx is only needed when chosen)."""
-    from helixserve.transceiver.config import TransceiverBackendKind
-
-    if kind is TransceiverBackendKind.UCXX:
-        from helixserve.transceiver.ucxx_backend import UcxxDataPlane
-
-        return UcxxDataPlane
-    if kind is TransceiverBackendKind.FAKE:
-        from helixserve.transceiver.fake import FakeDataPlane
-
-        return FakeDataPlane
-    raise ValueError(f"unknown transceiver backend {kind!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from helixserve.kvcache.manager import CacheHandle
@@ -24,6 +25,7 @@ from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.control import check_payloads, payload_descriptors, rpc_error_text, target
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
+from helixserve.transceiver.plane import TransferHandle
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class Phase(enum.Enum):
 
 @dataclass(slots=True)
 class _Recv:
-    handle: object | None = None
+    handle: TransferHandle | None = None
     staging: object | None = None  # (buffer, reservation) when staged
     is_done: bool = False
 
@@ -54,7 +56,7 @@ class Inbound:
         self.caches = caches
         self.params = params
         self.tag_base = tag_base
-        self.peer = None  # the shared endpoint to the ctx worker, once its address is known
+        self.peer: Hashable | None = None  # the plane's shared endpoint to the ctx worker, once known
         self.ctx = f"ctx worker {target(params.ctx_endpoint)}"
         self.client = receiver.clients.get(params.ctx_endpoint)
         spec = ShardSpec(receiver.layout, len(params.prompt_token_ids), receiver.cp_rank, receiver.cp_size)

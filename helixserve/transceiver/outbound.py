@@ -10,18 +10,20 @@ never completes: its cache then stays quarantined, see `sender`).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.layout import ShardPlan, gather, wire_tag
+from helixserve.transceiver.plane import DataPlane, TransferHandle
 from helixserve.transceiver.stream import Staging
 
 
 @dataclass(slots=True)
 class _Sent:
-    handle: object | None = None
+    handle: TransferHandle | None = None
     staging: tuple | None = None  # (buffer, reservation) of a gathered message
     is_done: bool = False
 
@@ -29,7 +31,7 @@ class _Sent:
 class Outbound:
     """One receiver's shard stream of one request (touched by the sender thread only)."""
 
-    def __init__(self, request_id: str, cp_rank: int, plan: ShardPlan, peer: tuple[str, bytes], tag_base: int, who: str,
+    def __init__(self, request_id: str, cp_rank: int, plan: ShardPlan, peer: Hashable, tag_base: int, who: str,
                  staging: Staging, window_bytes: int) -> None:
         self.request_id = request_id
         self.cp_rank = cp_rank
@@ -52,7 +54,7 @@ class Outbound:
         pending = not self.is_stopped and self.error is None and self.num_posted < len(self.sent)
         return pending or bool(self.inflight)
 
-    def pump(self, plane) -> None:
+    def pump(self, plane: DataPlane) -> None:
         while not self.is_stopped and self.error is None and self.num_posted < len(self.sent):
             nbytes = self.plan.messages[self.num_posted].nbytes
             if self.inflight and self.inflight_bytes + nbytes > self.window_bytes:
@@ -63,7 +65,7 @@ class Outbound:
             self.inflight_bytes += nbytes
             self.num_posted += 1
 
-    def _post(self, plane, index: int) -> bool:
+    def _post(self, plane: DataPlane, index: int) -> bool:
         message = self.plan.messages[index]
         sent = self.sent[index]
         try:

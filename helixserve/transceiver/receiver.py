@@ -41,6 +41,7 @@ from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import ControlClients
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
+from helixserve.transceiver.plane import DataPlane, open_data_plane
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
 from helixserve.transceiver.retract import Retractor
 from helixserve.transceiver.stream import KindHandle, staging_for
@@ -65,8 +66,6 @@ class KVReceiver:
 
     def __init__(self, config: TransceiverConfig, layout: KVLayout, *, cp_rank: int = 0, cp_size: int = 1,
                  gen_rank: int = 0, clock: Clock | None = None) -> None:
-        from helixserve.transceiver.ucxx_backend import UcxxDataPlane
-
         check_layout(layout, layout, "gen", "gen")
         ShardSpec(layout, 1, cp_rank, cp_size)  # KDA heads divisible by cp_size
         self.config = config
@@ -75,7 +74,7 @@ class KVReceiver:
         self.gen_rank = gen_rank
         self.clock: Clock = clock or MonotonicClock()
         self.poller = TransferPoller(clock=self.clock)
-        self.plane = UcxxDataPlane.for_transceiver(config, self.poller.wakeup)
+        self.plane: DataPlane = open_data_plane(config, self.poller.wakeup)  # config.backend picks it
         self.retractor = Retractor(self.plane, self.clock, config.timeout_s)
         self.clients = ControlClients(config.rpc_timeout_s, config)
         self.staging = staging_for(config)

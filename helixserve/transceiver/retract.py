@@ -1,4 +1,5 @@
-"""Ending a gen rank's posted receives without closing the shared endpoint (see `ucxx_backend`).
+"""Ending a gen rank's posted receives without closing the shared endpoint (`DataPlane.retract`;
+see `ucxx_backend` for why UCX needs it).
 
 A receive into a request's blocks must end before those blocks are freed. When the request gives
 up, each of its still-posted receives is *retracted*: a 0-byte self-message with its tag
@@ -21,29 +22,30 @@ from dataclasses import dataclass
 import torch
 
 from helixserve.transceiver.clock import Clock
+from helixserve.transceiver.plane import DataPlane, TransferHandle
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _Sink:
-    handle: object
+    handle: TransferHandle
     scratch: torch.Tensor
     wire_tag: int
     expires_at: float
-    retraction: object | None = None
+    retraction: TransferHandle | None = None
 
 
 class Retractor:
     """Retracts receives and keeps the sinks of one receiver's data plane (engine thread only)."""
 
-    def __init__(self, plane, clock: Clock, sink_lifetime_s: float) -> None:  # noqa: ANN001 (UcxxDataPlane)
+    def __init__(self, plane: DataPlane, clock: Clock, sink_lifetime_s: float) -> None:
         self.plane = plane
         self.clock = clock
         self.sink_lifetime_s = sink_lifetime_s
         self.sinks: list[_Sink] = []
 
-    def retract(self, peer: Hashable | None, wire_tag: int, nbytes: int, may_still_arrive: bool) -> object:
+    def retract(self, peer: Hashable | None, wire_tag: int, nbytes: int, may_still_arrive: bool) -> TransferHandle:
         """End the posted receive of `wire_tag`; with `may_still_arrive`, absorb a late message."""
         if may_still_arrive and peer is not None:
             scratch = torch.empty(nbytes, dtype=torch.uint8)

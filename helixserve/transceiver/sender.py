@@ -52,6 +52,7 @@ from helixserve.transceiver.control import ControlServer, payload_descriptors
 from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardPlan, ShardSpec,
                                            check_caches, check_layout)
 from helixserve.transceiver.outbound import Outbound
+from helixserve.transceiver.plane import DataPlane, open_data_plane
 from helixserve.transceiver.polling import TransferMetrics, TransferPoller
 from helixserve.transceiver.stream import KindHandle, staging_for
 
@@ -108,8 +109,6 @@ class KVSender:
     def __init__(self, config: TransceiverConfig, layout: KVLayout, caches: ModelCaches,
                  on_free: Callable[[str], None], *, host: str = "127.0.0.1", port: int = 0,
                  advertise_host: str | None = None, pickup_timeout_s: float | None = None) -> None:
-        from helixserve.transceiver.ucxx_backend import UcxxDataPlane
-
         check_layout(layout, layout, "ctx", "ctx")  # ctx_tp_size == 1 only
         check_caches(layout, caches, layout.num_kda_heads)
         self.config = config
@@ -119,7 +118,7 @@ class KVSender:
         self.pickup_timeout_s = pickup_timeout_s or config.timeout_s
         self._wakeup = threading.Event()
         self.poller = TransferPoller(wakeup=self._wakeup)
-        self.plane = UcxxDataPlane.for_transceiver(config, self._wakeup, host)
+        self.plane: DataPlane = open_data_plane(config, self._wakeup, host)  # config.backend picks it
         self.staging = staging_for(config)
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host

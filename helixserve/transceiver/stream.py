@@ -13,7 +13,8 @@ from typing import Protocol
 
 import torch
 
-from helixserve.transceiver.base import PayloadKind, TransferHandle, TransferState
+from helixserve.transceiver.base import PayloadKind, TransferState
+from helixserve.transceiver.plane import TransferHandle
 from helixserve.transceiver.bounce import BouncePool, Reservation, bounce_pool_bytes
 from helixserve.transceiver.config import TransceiverConfig
 

@@ -62,7 +62,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from helixserve.transceiver.base import DataPlane, TransferHandle, TransferState
+from helixserve.transceiver.base import TransferState
+from helixserve.transceiver.plane import DataPlane, TransferHandle
 
 logger = logging.getLogger(__name__)
 
