@@ -29,7 +29,7 @@ from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.runner import cache_spec_for
 from helixserve.engine.scheduler import Scheduler
-from helixserve.engine.spmd import GenState, KVReceiver, RankEngine, WorldDriver, serve_rank
+from helixserve.engine.spmd import KVReceiver, RankEngine, WorldDriver, serve_rank
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
@@ -214,32 +214,6 @@ def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options:
         return serve_rank(engine)
     finally:
         engine.groups.destroy()
-
-
-class ServingWorldDriver(WorldDriver):
-    """A :class:`WorldDriver` that keeps why each received request failed (the transfer errors
-    its ranks reported), for :meth:`kv_failure`: a request's error update carries only its
-    status, and a server's client should read the cause (which ctx, which rank, timeout or not).
-    """
-
-    max_kept_failures = 4096
-
-    def __init__(self, rank: RankEngine, heartbeat_s: float | None = None) -> None:
-        super().__init__(rank, heartbeat_s)
-        self._kv_failures: dict[str, str] = {}
-
-    def _add_kv_decisions(self, plan) -> None:  # noqa: ANN001 (StepPlan)
-        for entry in self.life.in_state(GenState.RECEIVING):
-            errors = list(dict.fromkeys(e for e in entry.polls.values() if e is not None))
-            if errors:
-                self._kv_failures[entry.request_id] = "; ".join(errors)
-        while len(self._kv_failures) > self.max_kept_failures:  # never asked for (aborted)
-            del self._kv_failures[next(iter(self._kv_failures))]
-        super()._add_kv_decisions(plan)
-
-    def kv_failure(self, request_id: str) -> str | None:
-        """Why ``request_id``'s received KV failed (once), or None."""
-        return self._kv_failures.pop(request_id, None)
 
 
 def start_rank0(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),

@@ -11,9 +11,9 @@ A ``generation_only`` request passes these stages, each a named queue:
    request waits in :class:`~.world.GenWorldCore` until its shard fits, then rank 0 assigns it to
    a CP group (attention DP), every rank of that group allocates its shard and its receiver asks
    the ctx worker's KV sender for exactly that shard over UCX; each executor step polls (bounded)
-   and rank 0 starts the request once every rank of the group has its shard (consensus), or fails
-   it on every rank (503 / 504 naming the ctx worker, the rank and the cause) when one failed or
-   timed out. :class:`~.kv_source.RecomputeKVSource` (``recompute``) re-prefills instead: a
+   and the group's ranks agree (``transceiver.consensus``, one all-gather over the CP group): the
+   request starts once every rank of the group has its shard, or fails on every rank (503 / 504
+   naming the ctx worker, the rank and the cause) when one failed or timed out. :class:`~.kv_source.RecomputeKVSource` (``recompute``) re-prefills instead: a
    fallback, not the data path.
 3. **Decode** (the world's schedulers, ``running``): starts from ``first_gen_tokens`` (the ctx's
    sampled token is forced, so outputs equal an aggregated run's, seeded sampling included).
@@ -28,8 +28,8 @@ rank or a stopped world makes ``/health`` answer 503 naming it, and requests fai
 Requests without ``disaggregated_params`` run aggregated here (prefill and decode): the baseline
 that disaggregated answers must equal.
 
-Once rank 0 assigned it a CP group, a request's state (awaiting cache -> receiving -> agreed ->
-decoding -> finished) lives in one table, :class:`~helixserve.engine.spmd.lifecycle.GenRequestLife`,
+Once rank 0 assigned it a CP group, a request's state (awaiting cache -> receiving -> decoding ->
+finished) lives in one table, :class:`~helixserve.engine.spmd.lifecycle.GenRequestLife`,
 moved on the engine thread. A ``generation_only`` whose id is alive here is refused (400
 ``duplicate_request_id``) and touches nothing of the live one.
 """

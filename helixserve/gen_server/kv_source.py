@@ -125,9 +125,9 @@ class UcxReceiverFactory:
 class UcxKVSource(KVSource):
     """THE data path: the request goes to the gen world (``kv_ticket`` = its params); every rank
     of the CP group it lands on allocates its shard and its receiver asks the ctx sender for
-    exactly that shard, polled once per executor step (bounded); rank 0 starts decoding on the
-    whole group once every rank has its shard, and fails it on every rank when one rank's transfer
-    failed or timed out (the client gets a 503 / 504 naming the ctx worker, the rank and the
+    exactly that shard, polled once per executor step (bounded); the group's ranks agree through
+    ``transceiver.consensus``: decoding starts once every rank has its shard, and the request fails
+    on every rank when one rank's transfer failed or timed out (the client gets a 503 / 504 naming the ctx worker, the rank and the
     cause, from :meth:`GenWorldCore.failure_error`). A request whose client left is aborted: each
     rank cancels its transfer (the ctx stops sending) and frees its blocks once nothing can write.
 

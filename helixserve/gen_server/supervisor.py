@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from helixserve.config import RestartPolicy
-from helixserve.engine.world_llm import LocalWorld, ServingWorldDriver
+from helixserve.engine.spmd import WorldDriver
+from helixserve.engine.world_llm import LocalWorld
 from helixserve.serving.restarts import RestartBudget
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class GenWorld:
     one object that outlives restarts: after the world failed, :attr:`supervisor` closes it and
     starts a fresh one, which the engine thread swaps in (:meth:`take_restarted`)."""
 
-    def __init__(self, driver: ServingWorldDriver, local: LocalWorld | None = None,
+    def __init__(self, driver: WorldDriver, local: LocalWorld | None = None,
                  supervisor: WorldSupervisor | None = None) -> None:
         self.driver = driver
         self.local = local
@@ -183,7 +184,7 @@ class GenWorld:
         local = self.supervisor.take_ready()
         if local is None:
             return False
-        assert isinstance(local.driver, ServingWorldDriver)
+        assert isinstance(local.driver, WorldDriver)
         self.driver, self.local, self._is_failed = local.driver, local, False
         self.supervisor.status = None
         return True

@@ -32,8 +32,8 @@ from helixserve.engine.core import EngineStats
 from helixserve.engine.llm import resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
-from helixserve.engine.spmd import WorldStoppedError
-from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, ServingWorldDriver, WorldOptions,
+from helixserve.engine.spmd import WorldDriver, WorldStoppedError
+from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, WorldOptions,
                                          drive_to_completion, pick_backend, run_rank, start_local_world,
                                          start_rank0)
 from helixserve.gen_server.supervisor import CLOSE_GRACE_S, GenWorld, WorldSupervisor
@@ -103,7 +103,7 @@ class GenWorldCore:
         self._num_pending_blocks = 0
 
     @property
-    def driver(self) -> ServingWorldDriver:
+    def driver(self) -> WorldDriver:
         """The current world's driver (a restart replaces it)."""
         return self.world.driver
 
@@ -236,8 +236,8 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
         check_env(env, server)
         mapping = Mapping(env.world_size, env.rank, dp=server.dp, cp=server.cp)
         driver = start_rank0(model_dir, mapping, env.init_method, options, kv_receiver_factory, HEARTBEAT_S,
-                             env.local_rank, ServingWorldDriver)
-        assert isinstance(driver, ServingWorldDriver)
+                             env.local_rank, WorldDriver)
+        assert isinstance(driver, WorldDriver)
         return GenWorld(driver, None, WorldSupervisor(server.world_restart, None))  # cannot restart
     device = server.device or deploy.model.device
     local_rank = _device_index(device) if server.world_size == 1 else 0
@@ -245,7 +245,7 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
     def start() -> LocalWorld:
         return start_local_world(model_dir, dp=server.dp, cp=server.cp, options=options,
                                  kv_receiver_factory=kv_receiver_factory, heartbeat_s=HEARTBEAT_S,
-                                 local_rank=local_rank, driver_cls=ServingWorldDriver)
+                                 local_rank=local_rank, driver_cls=WorldDriver)
 
     def restart() -> LocalWorld:  # warmed up: healthy again means serving at full speed again
         local = start()
@@ -258,11 +258,11 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
         return local
 
     local = start()
-    assert isinstance(local.driver, ServingWorldDriver)
+    assert isinstance(local.driver, WorldDriver)
     return GenWorld(local.driver, local, WorldSupervisor(server.world_restart, restart))
 
 
-def warm_up(driver: ServingWorldDriver) -> None:
+def warm_up(driver: WorldDriver) -> None:
     """One greedy two-token request through every rank (the first forward of a fresh world is
     slow); it frees everything it allocated."""
     drive_to_completion(driver, [[1, 2, 3, 4]], [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)])

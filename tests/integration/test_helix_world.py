@@ -5,7 +5,9 @@
   held cache waits for release, idle worlds send heartbeat plans without running the model;
 - a request whose prompt KV "arrives" (a fake receiver writes each rank's shard: blocks
   b % cp == cp_rank, its KDA heads) decodes exactly like the single-process engine; a transfer
-  failing on one rank fails the request on the whole group;
+  failing on one rank fails the request on the whole group, agreed through the transceiver's
+  consensus (``transceiver.consensus.TransferConsensus``, the code the bounded_polling tests
+  exercise): the failing rank's cause reaches its CP leader only through that all-gather;
 - a rank that raises stops the world with an error, within the collective timeout;
 - ``helixserve generate --dp 2 --cp 2 --json`` prints what the single-process run prints.
 """
@@ -98,14 +100,22 @@ def _serving_world(rank: int, world_size: int, init_method: str, model_dir: str,
         engine = build_rank_engine(model_dir, groups, OPTIONS)
         engine.kv_receiver = _FakeReceiver(model_dir, mapping)
         if rank != 0:
-            return {"steps": serve_rank(engine), "stats": engine.stats()}
+            return {"steps": serve_rank(engine), "stats": engine.stats(), **_consensus_of(engine)}
         driver = WorldDriver(engine, heartbeat_s=0.2)
         try:
-            return _drive(driver, first_tokens)
+            return {**_drive(driver, first_tokens), **_consensus_of(engine)}
         finally:
             driver.shutdown()
     finally:
         groups.destroy()
+
+
+def _consensus_of(engine) -> dict:
+    from helixserve.transceiver.consensus import TransferConsensus
+
+    consensus = engine.consensus
+    return {"consensus_type": type(consensus) is TransferConsensus, "group_size": consensus.group_size,
+            "num_collectives": consensus.num_collectives}
 
 
 def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
@@ -131,6 +141,7 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
             for j, (prompt, params) in enumerate(zip(KV_PROMPTS, KV_PARAMS)):
                 driver.add_request(f"kv{j}", prompt, params, forced_output_token_ids=[first_tokens[j]],
                                    kv_ticket=(prompt, 3 if j == 1 else None))
+                owners[f"kv{j}"] = driver.life.get(f"kv{j}").dp_rank
         step()
     assert driver.abort(ABORTED) and not driver.abort(ABORTED)
     with pytest.raises(ValueError, match="already in the world"):
@@ -146,7 +157,8 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
     step()
     step_id = driver._step_id
     return {"tokens": tokens, "reasons": reasons, "owners": owners, "held_stats": held_stats,
-            "final_stats": driver.stats(), "steps": step_id}
+            "final_stats": driver.stats(), "steps": step_id,
+            "kv_failures": {f"kv{j}": driver.kv_failure(f"kv{j}") for j in range(len(KV_PROMPTS))}}
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +193,19 @@ def test_received_kv_decodes_like_single_process(serving) -> None:
         assert front["tokens"][f"kv{j}"] == kv_expected[j]
         assert front["reasons"][f"kv{j}"] == "length"
     assert front["reasons"]["kv1"] == "error" and "kv1" not in front["tokens"]
+
+
+def test_the_cp_group_agrees_through_the_transceiver_consensus(serving) -> None:
+    """kv1's transfer fails on rank 3 only; rank 0 hears its CP group (ranks 2, 3) only through the
+    group leader, rank 2, which learns rank 3's cause only through the consensus all-gather."""
+    results, _, _ = serving
+    front = results[0]
+    assert front["owners"]["kv1"] == 1  # the CP group of ranks 2 and 3
+    assert front["kv_failures"] == {"kv0": None, "kv1": "transfer failed on rank 3", "kv2": None}
+    assert all(r["consensus_type"] and r["group_size"] == 2 for r in results)
+    # the ranks of a CP group ran the same collectives (one per step while a transfer was open)
+    assert results[0]["num_collectives"] == results[1]["num_collectives"]
+    assert results[2]["num_collectives"] == results[3]["num_collectives"] > 0
 
 
 FAIL_TIMEOUT_S = 10

@@ -1,6 +1,6 @@
 """The gen world's request state machine (:mod:`helixserve.engine.spmd.lifecycle`): every legal
 move, illegal moves raising :class:`IllegalTransitionError` and changing nothing, duplicate ids,
-the CP group's verdict, and which states are live (count against their group's load)."""
+and which states are live (count against their group's load)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from helixserve.engine.spmd.lifecycle import (Aborted, Added, Agreed, DecodingStarted, Dispatched,
-                                              Finished, GenRequestLife, GenState,
-                                              IllegalTransitionError, RankReported, Released)
+from helixserve.engine.spmd.lifecycle import (Aborted, Added, DecodingStarted, Dispatched, Finished,
+                                              GenRequestLife, GenState, IllegalTransitionError, Released)
 
-A, RX, AG, D, H, F = (GenState.AWAITING_CACHE, GenState.RECEIVING, GenState.AGREED, GenState.DECODING,
-                      GenState.HELD, GenState.FINISHED)
-PATH = {A: [], RX: [Dispatched("r")], AG: [Dispatched("r"), Agreed("r")],
-        D: [Dispatched("r"), Agreed("r"), DecodingStarted("r")],
-        H: [Dispatched("r"), Agreed("r"), DecodingStarted("r"), Finished("r", keeps_cache=True)]}
+A, RX, D, H, F = (GenState.AWAITING_CACHE, GenState.RECEIVING, GenState.DECODING, GenState.HELD,
+                  GenState.FINISHED)
+PATH = {A: [], RX: [Dispatched("r")], D: [Dispatched("r"), DecodingStarted("r")],
+        H: [Dispatched("r"), DecodingStarted("r"), Finished("r", keeps_cache=True)]}
 
 
 def life_in(state: GenState, hold_cache: bool = True) -> GenRequestLife:
@@ -32,9 +30,7 @@ def life_in(state: GenState, hold_cache: bool = True) -> GenRequestLife:
 
 LEGAL = [
     (A, Dispatched("r"), RX), (A, Finished("r"), F), (A, Aborted("r"), F),
-    (RX, RankReported("r", 0, None), RX), (RX, Agreed("r"), AG), (RX, Finished("r"), F),
-    (RX, Aborted("r"), F),
-    (AG, DecodingStarted("r"), D), (AG, Finished("r"), F), (AG, Aborted("r"), F),
+    (RX, DecodingStarted("r"), D), (RX, Finished("r"), F), (RX, Aborted("r"), F),
     (D, Finished("r"), F), (D, Finished("r", keeps_cache=True), H), (D, Aborted("r"), F),
     (H, Released("r"), F), (H, Aborted("r"), F),
 ]
@@ -49,10 +45,9 @@ def test_legal_transitions(state, event, after):
 
 
 ILLEGAL = [
-    (A, Agreed("r")), (A, DecodingStarted("r")), (A, RankReported("r", 0, None)), (A, Released("r")),
-    (RX, Dispatched("r")), (RX, DecodingStarted("r")), (RX, Released("r")),
-    (AG, Dispatched("r")), (AG, Agreed("r")), (AG, RankReported("r", 0, None)), (AG, Released("r")),
-    (D, Dispatched("r")), (D, Agreed("r")), (D, DecodingStarted("r")), (D, Released("r")),
+    (A, DecodingStarted("r")), (A, Released("r")),
+    (RX, Dispatched("r")), (RX, Released("r")),
+    (D, Dispatched("r")), (D, DecodingStarted("r")), (D, Released("r")),
     (H, Finished("r")), (H, Dispatched("r")), (H, DecodingStarted("r")),
 ]
 
@@ -72,7 +67,7 @@ def test_an_unknown_request_cannot_move(event):
         GenRequestLife().apply(event)
 
 
-@pytest.mark.parametrize("state", [A, RX, AG, D, H])
+@pytest.mark.parametrize("state", [A, RX, D, H])
 def test_a_duplicate_id_is_refused_and_the_holder_is_untouched(state):
     life = life_in(state)
     before = life.get("r")
@@ -89,29 +84,14 @@ def test_a_request_without_kv_starts_decoding_and_an_id_is_free_once_finished():
     assert life.apply(Added("plain", dp_rank=0, cost=9, has_kv=True)) == (None, A)
 
 
-def test_the_group_verdict_waits_for_every_rank_or_the_first_error():
-    life = life_in(RX)
-    entry = life.get("r")
-    assert entry.verdict(cp=2) == (False, None)
-    life.apply(RankReported("r", 0, None))
-    assert entry.verdict(cp=2) == (False, None)
-    life.apply(RankReported("r", 1, None))
-    assert entry.verdict(cp=2) == (True, None)
-    with pytest.raises(IllegalTransitionError):  # each rank reports once
-        life.apply(RankReported("r", 1, "late"))
-    failed = life_in(RX)
-    failed.apply(RankReported("r", 1, "rank 1: timeout"))
-    assert failed.get("r").verdict(cp=4) == (True, "rank 1: timeout")
-
-
 def test_live_states_and_ids():
     life = GenRequestLife()
-    for i, state in enumerate((A, RX, AG, D, H)):
+    for i, state in enumerate((A, RX, D, H)):
         life.apply(Added(f"r{i}", dp_rank=0, cost=1, has_kv=True, hold_cache=True))
         for event in PATH[state]:
             life.apply(dataclasses.replace(event, request_id=f"r{i}"))
-    assert life.live_ids() == ["r0", "r1", "r2", "r3"] and life.num_live == 4
-    assert [e.request_id for e in life.in_state(H)] == ["r4"]
+    assert life.live_ids() == ["r0", "r1", "r2"] and life.num_live == 3
+    assert [e.request_id for e in life.in_state(H)] == ["r3"]
 
 
 def test_the_state_machine_imports_no_torch():

@@ -15,7 +15,8 @@ Roles:
 One world step on every rank::
 
     plan = broadcast(rank 0's plan)               # gloo control group, with the group timeout
-    apply this CP group's commands (add / abort / release / start or fail a received request)
+    apply this CP group's commands (add / abort / release)
+    agree on KV transfers with the CP group       # transceiver.consensus: one all-gather (cp > 1)
     out = scheduler.schedule()
     out empty -> model.empty_step()               # MoE all-to-alls with 0 rows: nobody waits
     else      -> forward, sample, CP leader's tokens broadcast over the CP group
@@ -31,11 +32,14 @@ once ``heartbeat_s`` passed without one).
 Requests whose prompt KV arrives from a ctx worker: ``WorldDriver.add_request(..., kv_ticket=T)``
 with ``forced_output_token_ids = first_gen_tokens``. Every rank of the chosen CP group allocates
 the prompt's cache shard and calls its :class:`KVReceiver`'s ``start(request_id, handle, caches,
-T)``; ranks report ``poll()`` results each step; rank 0 starts the request's decode on the whole
-group once every rank has its shard (or fails it everywhere when one rank's transfer failed).
+T)``. Each step every rank polls its receiver (bounded, local) and the ranks of the group agree on
+the outcomes through :class:`~helixserve.transceiver.consensus.TransferConsensus` (one batched
+all-gather of every rank's ``LocalStatus`` over the CP group, the code the ``bounded_polling``
+tests exercise): a request starts decoding on the whole group once every rank has its shard, and
+fails on every rank, with the first rank's cause, when any rank's transfer failed or timed out.
 
 Rank 0 keeps each request's state in one table, :class:`GenRequestLife` (awaiting cache ->
-receiving -> agreed -> decoding -> finished, a ``hold_cache`` request held before finished),
+receiving -> decoding -> finished, a ``hold_cache`` request held before finished),
 moved by typed events on the engine thread (:mod:`~helixserve.engine.spmd.lifecycle`).
 """
 
@@ -44,7 +48,6 @@ from helixserve.engine.spmd.lifecycle import GenRequestLife, GenState, IllegalTr
 from helixserve.engine.spmd.messages import (
     AbortCommand,
     AddCommand,
-    KVDoneCommand,
     KVReceiver,
     ReleaseCommand,
     StepPlan,
@@ -54,7 +57,7 @@ from helixserve.engine.spmd.messages import (
 from helixserve.engine.spmd.rank import RankEngine, serve_rank
 
 __all__ = [
-    "AbortCommand", "AddCommand", "GenRequestLife", "GenState", "IllegalTransitionError", "KVDoneCommand",
-    "KVReceiver", "RankEngine", "ReleaseCommand", "StepPlan", "StepReport", "WorldDriver", "WorldStoppedError",
+    "AbortCommand", "AddCommand", "GenRequestLife", "GenState", "IllegalTransitionError", "KVReceiver",
+    "RankEngine", "ReleaseCommand", "StepPlan", "StepReport", "WorldDriver", "WorldStoppedError",
     "serve_rank",
 ]

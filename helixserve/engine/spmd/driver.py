@@ -1,9 +1,12 @@
 """Rank 0 of a gen world: :class:`WorldDriver`, the request front and step driver.
 
 Each request's state lives in one :class:`~helixserve.engine.spmd.lifecycle.GenRequestLife`
-(awaiting cache -> receiving -> agreed -> decoding -> finished, see there), moved by the
-driver's typed events on the engine thread; the driver keeps only the commands queued for the
-next plan and each CP group's load beside it."""
+(awaiting cache -> receiving -> decoding -> finished, see there), moved by the driver's typed
+events on the engine thread; the driver keeps only the commands queued for the next plan, each CP
+group's load and the causes of failed KV transfers beside it. Transfer outcomes are agreed by the
+ranks of each CP group among themselves (``RankEngine._agree_kv``, through
+:mod:`helixserve.transceiver.consensus`); the driver hears the result in the group leader's
+updates (first tokens, or a failure with its cause)."""
 
 from __future__ import annotations
 
@@ -15,14 +18,12 @@ from typing import Any
 from helixserve.engine.core import EngineStats
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
-from helixserve.engine.spmd.lifecycle import (Aborted, Added, Agreed, DecodingStarted, Dispatched,
-                                              Finished, GenRequestLife, GenState,
-                                              IllegalTransitionError, RankReported, Released)
+from helixserve.engine.spmd.lifecycle import (Aborted, Added, DecodingStarted, Dispatched, Finished,
+                                              GenRequestLife, GenState, IllegalTransitionError, Released)
 from helixserve.engine.spmd.messages import (
     AbortCommand,
     AddCommand,
     Command,
-    KVDoneCommand,
     ReleaseCommand,
     StepPlan,
     StepReport,
@@ -35,7 +36,6 @@ from helixserve.engine.spmd.rank import RankEngine
 logger = logging.getLogger(__name__)
 
 
-
 class WorldDriver:
     """Rank 0's request front and step driver (an ``EngineCoreLike``; see the module docstring).
 
@@ -43,6 +43,8 @@ class WorldDriver:
         rank: rank 0's :class:`RankEngine`.
         heartbeat_s: longest idle gap between plans (default: a quarter of the group timeout).
     """
+
+    max_kept_failures = 4096  # causes of failed transfers nobody asked for (aborted meanwhile)
 
     def __init__(self, rank: RankEngine, heartbeat_s: float | None = None) -> None:
         if rank.mapping.rank != 0:
@@ -56,6 +58,7 @@ class WorldDriver:
         # every rank's last report (keys fixed here, so other threads may read a copy at any time)
         self._rank_stats: dict[tuple[int, int], EngineStats] = {
             (d, c): rank.stats() for d in range(self.mapping.dp) for c in range(self.mapping.cp)}
+        self._kv_failures: dict[str, str] = {}  # request id -> its CP group's agreed transfer error
         self._step_id = 0
         self._last_plan = time.monotonic()
         self.failure: str | None = None
@@ -117,7 +120,6 @@ class WorldDriver:
         self._pending = [[] for _ in range(self.mapping.dp)]
         for entry in self.life.in_state(GenState.AWAITING_CACHE):  # its AddCommand is in this plan
             self._move(Dispatched(entry.request_id))
-        self._add_kv_decisions(plan)
         self._step_id += 1
         self._last_plan = time.monotonic()
         try:
@@ -143,6 +145,10 @@ class WorldDriver:
         return EngineStats(
             *(total(leaders, f) for f in ("num_running", "num_waiting", "num_held")),
             *(total(list(s.values()), f) for f in ("num_blocks", "num_used_blocks", "num_slots", "num_used_slots")))
+
+    def kv_failure(self, request_id: str) -> str | None:
+        """Why ``request_id``'s received KV failed (once; the cause its CP group agreed on), or None."""
+        return self._kv_failures.pop(request_id, None)
 
     def rank_stats(self) -> dict[tuple[int, int], EngineStats]:
         """``(dp_rank, cp_rank) -> stats`` each rank reported after the last step (a copy; safe
@@ -173,36 +179,31 @@ class WorldDriver:
             self._load[entry.dp_rank] -= entry.cost
         return before, after
 
-    def _add_kv_decisions(self, plan: StepPlan) -> None:
-        """Start (or fail) received requests whose every rank reported its transfer."""
-        for entry in self.life.in_state(GenState.RECEIVING):
-            is_decided, error = entry.verdict(self.mapping.cp)
-            if is_decided:
-                self._move(Agreed(entry.request_id))
-                plan.commands[entry.dp_rank].append(KVDoneCommand(entry.request_id, error))
-                plan.run_model = True
-
     def _absorb(self, reports: list[StepReport]) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         for report in reports:
-            for rid, result in report.kv_polls.items():
-                if self.life.state_of(rid) is GenState.RECEIVING:  # else: ended meanwhile (aborted)
-                    self._move_reported(RankReported(rid, report.rank, result))
             if report.stats is not None:
                 self._rank_stats[(report.dp_rank, report.cp_rank)] = report.stats
             for update in report.updates:
-                updates.append(update)
-                self._absorb_update(update)
+                updates.append(self._absorb_update(update))
         return updates
 
-    def _absorb_update(self, update: RequestUpdate) -> None:
+    def _absorb_update(self, update: RequestUpdate) -> RequestUpdate:
         state = self.life.state_of(update.request_id)
         if state is None or not state.is_live:
-            return  # aborted meanwhile: its last tokens still go to the engine front
+            return update  # aborted meanwhile: its last tokens still go to the engine front
+        if state is GenState.RECEIVING and update.status is RequestStatus.FINISHED_ERROR and update.error:
+            # the transfer failed on some rank of the group: kept for kv_failure(); the update
+            # goes on without it (a failed transfer is not a failed engine step)
+            self._kv_failures[update.request_id] = update.error
+            while len(self._kv_failures) > self.max_kept_failures:
+                del self._kv_failures[next(iter(self._kv_failures))]
+            update = RequestUpdate(update.request_id, update.token_id, update.status)
         if update.is_finished:
             self._move_reported(Finished(update.request_id, keeps_cache=update.status in _HOLDABLE))
-        elif state is GenState.AGREED:
+        elif state is GenState.RECEIVING:
             self._move_reported(DecodingStarted(update.request_id))
+        return update
 
     def _move_reported(self, event) -> None:  # noqa: ANN001 (a lifecycle event)
         """A move a rank's report asks for; one that contradicts our record is logged, never

@@ -6,14 +6,16 @@ request through these states with typed events, and keeps no other record of whe
 1. **AWAITING_CACHE** (:class:`Added` with KV from a ctx worker): queued for its CP group; the
    next plan carries its ``AddCommand``.
 2. **RECEIVING** (:class:`Dispatched`): the plan went out; each rank of the group allocates its
-   shard and receives it. :class:`RankReported` records each rank's result.
-3. **AGREED** (:class:`Agreed`, once every rank reported or one failed): the verdict
-   (``KVDoneCommand``) goes to the ranks: decode, or fail on every rank.
-4. **DECODING** (:class:`DecodingStarted`: the group's first tokens; or :class:`Added` for a
-   request without KV, prefilled by the group): in its group's scheduler.
-5. **FINISHED** (terminal; the entry is dropped) on :class:`Finished` (the group finished or
-   failed it) or :class:`Aborted`; a ``hold_cache`` request finished by stop / length is
-   **HELD** first, until :class:`Released` (or :class:`Aborted`).
+   shard and receives it, and the group's ranks agree on the outcome among themselves, through
+   the transceiver's consensus (:class:`~helixserve.transceiver.consensus.TransferConsensus`,
+   one all-gather over the CP group per step): rank 0 only hears the group leader's result.
+3. **DECODING** (:class:`DecodingStarted`: the group's first tokens, once every rank of the group
+   had its shard; or :class:`Added` for a request without KV, prefilled by the group): in its
+   group's scheduler.
+4. **FINISHED** (terminal; the entry is dropped) on :class:`Finished` (the group finished or
+   failed it, a failed transfer on any rank included) or :class:`Aborted`; a ``hold_cache``
+   request finished by stop / length is **HELD** first, until :class:`Released` (or
+   :class:`Aborted`).
 
 Only AWAITING_CACHE .. DECODING are *live* (they count against their group's load). An event the
 state does not allow raises :class:`IllegalTransitionError` naming the request, its state and the
@@ -29,7 +31,6 @@ from dataclasses import dataclass, field
 class GenState(enum.Enum):
     AWAITING_CACHE = "awaiting cache"
     RECEIVING = "receiving"
-    AGREED = "agreed"
     DECODING = "decoding"
     HELD = "held"
     FINISHED = "finished"
@@ -63,18 +64,6 @@ class Dispatched:
 
 
 @dataclass(frozen=True, slots=True)
-class RankReported:
-    request_id: str
-    rank: int
-    error: str | None  # None: this rank has its shard
-
-
-@dataclass(frozen=True, slots=True)
-class Agreed:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
 class DecodingStarted:
     request_id: str
 
@@ -95,7 +84,7 @@ class Released:
     request_id: str
 
 
-Event = Added | Dispatched | RankReported | Agreed | DecodingStarted | Finished | Aborted | Released
+Event = Added | Dispatched | DecodingStarted | Finished | Aborted | Released
 
 
 @dataclass(slots=True)
@@ -105,12 +94,6 @@ class GenRequestState:
     cost: int
     hold_cache: bool
     state: GenState
-    polls: dict[int, str | None] = field(default_factory=dict)  # RECEIVING: rank -> result
-
-    def verdict(self, cp: int) -> tuple[bool, str | None]:
-        """``(is_decided, error)`` of a RECEIVING request whose group has ``cp`` ranks."""
-        errors = [e for e in self.polls.values() if e is not None]
-        return bool(errors) or len(self.polls) == cp, "; ".join(errors) or None
 
 
 @dataclass(slots=True)
@@ -165,15 +148,8 @@ class GenRequestLife:
         state = entry.state
         if isinstance(event, Dispatched):
             return GenState.RECEIVING if state is GenState.AWAITING_CACHE else None
-        if isinstance(event, RankReported):
-            if state is not GenState.RECEIVING or event.rank in entry.polls:
-                return None
-            entry.polls[event.rank] = event.error
-            return state
-        if isinstance(event, Agreed):
-            return GenState.AGREED if state is GenState.RECEIVING else None
         if isinstance(event, DecodingStarted):
-            return GenState.DECODING if state is GenState.AGREED else None
+            return GenState.DECODING if state is GenState.RECEIVING else None
         if isinstance(event, Finished):
             if not state.is_live:
                 return None

@@ -34,7 +34,9 @@ class KVReceiver(Protocol):
 
     def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches, ticket: Any) -> None: ...
     def poll(self) -> dict[str, str | None]:
-        """Transfers finished since the last poll: ``request_id -> None`` (ok) or an error message."""
+        """Transfers finished since the last poll: ``request_id -> None`` (ok) or an error message.
+        Local and bounded (no collective): the rank agrees on the outcomes with its CP group
+        through :class:`~helixserve.transceiver.consensus.TransferConsensus`."""
     def cancel(self, request_id: str) -> None: ...
 
 
@@ -62,15 +64,7 @@ class ReleaseCommand:
     request_id: str
 
 
-@dataclass(slots=True, frozen=True)
-class KVDoneCommand:
-    """Every rank of the group has the request's shard (``error`` None): start decoding; else fail."""
-
-    request_id: str
-    error: str | None = None
-
-
-Command = AddCommand | AbortCommand | ReleaseCommand | KVDoneCommand
+Command = AddCommand | AbortCommand | ReleaseCommand
 
 
 @dataclass(slots=True)
@@ -87,7 +81,6 @@ class StepReport:
     dp_rank: int
     cp_rank: int = 0
     updates: list[RequestUpdate] = field(default_factory=list)  # CP leaders only
-    kv_polls: dict[str, str | None] = field(default_factory=dict)
     stats: EngineStats | None = None  # every rank: its own cache shard's blocks and slots
 
 

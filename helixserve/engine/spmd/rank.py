@@ -18,9 +18,7 @@ from helixserve.engine.spmd.messages import (
     AbortCommand,
     AddCommand,
     Command,
-    KVDoneCommand,
     KVReceiver,
-    ReleaseCommand,
     StepPlan,
     StepReport,
     broadcast_plan,
@@ -32,6 +30,7 @@ from helixserve.kvcache.pools import reset_slots
 from helixserve.models.context import ModelCaches
 from helixserve.models.helix import HelixKimiForCausalLM
 from helixserve.parallel import CollectiveError, ParallelGroups
+from helixserve.transceiver.consensus import LocalStatus, TransferConsensus
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +47,11 @@ class RankEngine:
         self.cache_manager, self.scheduler = cache_manager, scheduler
         self.sampler = Sampler(groups.device, seed=seed)
         self.kv_receiver: KVReceiver | None = None
+        # agreement on transfer outcomes with the other ranks of this CP group (cp = 1: local)
+        self.consensus = TransferConsensus(groups.cp) if self.mapping.cp > 1 else TransferConsensus(is_local=True)
         self._params: dict[str, SamplingParams] = {}
-        self._awaiting_kv: dict[str, Request] = {}  # shard in flight
+        self._awaiting_kv: dict[str, Request] = {}  # shard in flight or not yet agreed (CP-group-uniform)
+        self._kv_outcomes: dict[str, str | None] = {}  # this rank's ended transfers: None ok, else error
         self._ready_kv: dict[str, Request] = {}  # shard complete on the whole group, FIFO
 
     # -- checks rank 0 runs before accepting a request (same rules as EngineCore/Scheduler)
@@ -83,8 +85,7 @@ class RankEngine:
     def step(self, plan: StepPlan) -> StepReport:
         report = StepReport(self.mapping.rank, self.mapping.dp_rank, self.mapping.cp_rank)
         report.updates += self._apply(plan.commands[self.mapping.dp_rank])
-        if self.kv_receiver is not None and self._awaiting_kv:
-            report.kv_polls = self.kv_receiver.poll()
+        report.updates += self._agree_kv()
         report.updates += self._start_ready()
         if plan.run_model:
             report.updates += self._run()
@@ -162,10 +163,8 @@ class RankEngine:
                 updates += self._add(cmd)
             elif isinstance(cmd, AbortCommand):
                 self._abort(cmd.request_id, cmd.error)
-            elif isinstance(cmd, ReleaseCommand):
-                self.scheduler.release(cmd.request_id)
             else:
-                updates += self._kv_done(cmd)
+                self.scheduler.release(cmd.request_id)
         return updates
 
     def _add(self, cmd: AddCommand) -> list[RequestUpdate]:
@@ -176,6 +175,7 @@ class RankEngine:
             if cmd.kv_ticket is None:
                 self.scheduler.add_request(request)
             else:
+                self.consensus.mark_active()  # every rank of the group applies this command now
                 self._add_awaiting_kv(request, cmd.kv_ticket)
         except ValueError as exc:  # rank 0 checked the same rules: should not happen
             logger.error("rank %d refused request %s: %s", self.mapping.rank, cmd.request_id, exc)
@@ -192,23 +192,51 @@ class RankEngine:
         self._awaiting_kv[request.request_id] = request
         self.kv_receiver.start(request.request_id, handle, self.caches, ticket)
 
-    def _kv_done(self, cmd: KVDoneCommand) -> list[RequestUpdate]:
-        request = self._awaiting_kv.pop(cmd.request_id, None)
-        if request is None:
+    def _agree_kv(self) -> list[RequestUpdate]:
+        """This step's transfer outcomes agreed over the CP group (one all-gather of every rank's
+        ``LocalStatus``, see :mod:`helixserve.transceiver.consensus`): a request starts decoding
+        only once every rank of the group has its shard; a failure (or timeout) on any rank fails
+        it on every rank, with the first rank's cause. ``_awaiting_kv`` is the same on every rank
+        of the group (moved only by the group's commands and by agreed outcomes), so every rank
+        enters the collective, or skips it, alike."""
+        if not self._awaiting_kv:
             return []
-        if cmd.error is not None:  # this rank's transfer, or another rank's, failed
-            if self.kv_receiver is not None:
-                self.kv_receiver.cancel(request.request_id)  # nothing writes into the handle after this
-            self.cache_manager.free(request.request_id)
-            self._forget([request.request_id])
-            return [RequestUpdate(request.request_id, -1, RequestStatus.FINISHED_ERROR)]
+        if self.kv_receiver is not None:
+            for request_id, error in self.kv_receiver.poll().items():
+                if request_id in self._awaiting_kv:
+                    self._kv_outcomes[request_id] = error
+        failed = {rid: error for rid, error in self._kv_outcomes.items() if error is not None}
+        status = LocalStatus.of(failed=failed, completed=[r for r, e in self._kv_outcomes.items() if e is None])
+        try:
+            agreed = self.consensus.check(status, failed)
+        except RuntimeError as exc:
+            raise CollectiveError(f"KV consensus failed on rank {self.mapping.rank}: {exc}") from exc
+        updates: list[RequestUpdate] = []
+        for request_id in [r for r in self._awaiting_kv if r in agreed.failed | agreed.cancelled]:
+            updates += self._fail_kv(request_id, agreed.errors.get(request_id)
+                                     or f"request {request_id}: KV transfer failed on its CP group")
+        for request_id in [r for r in self._awaiting_kv if r in agreed.ready]:
+            self._kv_ready(self._awaiting_kv.pop(request_id))
+            self._kv_outcomes.pop(request_id, None)
+        return updates
+
+    def _fail_kv(self, request_id: str, error: str) -> list[RequestUpdate]:
+        """This rank's transfer, or another rank's, failed: stop ours, free the shard."""
+        request = self._awaiting_kv.pop(request_id)
+        self._kv_outcomes.pop(request_id, None)
+        if self.kv_receiver is not None:
+            self.kv_receiver.cancel(request_id)  # nothing writes into the handle after this
+        self.cache_manager.free(request_id)
+        self._forget([request_id])
+        return [RequestUpdate(request.request_id, -1, RequestStatus.FINISHED_ERROR, error=error)]
+
+    def _kv_ready(self, request: Request) -> None:
         if request.sampling_params.seed is not None and not request.sampling_params.is_greedy:
             # the draws sampling the first tokens made on the ctx worker (outputs == aggregated run)
             generator = self.sampler._generator(request.request_id, request.sampling_params)  # noqa: SLF001
             for _ in request.forced_output_token_ids:
                 torch.empty(self.model.cfg.vocab_size, device=self.groups.device).exponential_(generator=generator)
         self._ready_kv[request.request_id] = request
-        return []
 
     def _start_ready(self) -> list[RequestUpdate]:
         """Received requests start decoding as running slots free up (same order on every CP rank)."""
@@ -222,6 +250,7 @@ class RankEngine:
         if request_id in self._awaiting_kv or request_id in self._ready_kv:
             if self._awaiting_kv.pop(request_id, None) is not None and self.kv_receiver is not None:
                 self.kv_receiver.cancel(request_id)
+            self._kv_outcomes.pop(request_id, None)
             self._ready_kv.pop(request_id, None)
             self.cache_manager.free(request_id)
         elif not self.scheduler.abort(request_id, error=error):
