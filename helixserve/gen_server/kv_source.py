@@ -11,7 +11,8 @@ prompt_token_ids, first_gen_tokens) and yields the request's outputs from this w
 - the outputs must start with ``first_gen_tokens`` (they count as generated tokens) and equal
   what an aggregated run of the same prompt and sampling would give;
 - a transfer failure or timeout must fail the stream with an engine error naming the cause
-  (``KVTransferError``; ``KVTransferTimeoutError`` for a timeout, a 504 to the client), and the request's cache must be freed;
+  (``KVTransferError``; ``KVTransferTimeoutError`` for a timeout, a 504 to the client), and
+  the request's cache must be freed;
 - closing the iterator early (client gone) must cancel the transfer and free the cache.
 
 A receiving source allocates the request's cache and drives its transfer, then starts decoding

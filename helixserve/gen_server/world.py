@@ -40,7 +40,8 @@ from helixserve.gen_server.supervisor import CLOSE_GRACE_S, GenWorld, WorldSuper
 from helixserve.kvcache.helix import num_local_blocks
 from helixserve.models.config import KimiModelConfig
 from helixserve.parallel import DistEnv, Mapping
-from helixserve.engine.errors import EngineError, EngineUnavailableError, KVTransferError, KVTransferTimeoutError
+from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTransferError,
+                                      KVTransferTimeoutError)
 from helixserve.protocol import KVLayout
 from helixserve.transceiver.layout import layout_for
 
