@@ -16,6 +16,7 @@ from helixserve.ctx_server.transfer import CtxTransceiver
 from helixserve.protocol import (DisaggregatedParams, InternalServerError, RequestCancelledError,
                                  RequestType, parse_model)
 from helixserve.protocol.openai import CompletionChoice, CompletionResponse
+from helixserve.serving.engine_errors import openai_outputs
 from helixserve.serving.http import run_unless_disconnected
 from helixserve.serving.loading import make_worker
 from helixserve.serving.openai_serving import PreparedRequest, collect_outputs
@@ -44,7 +45,7 @@ class ContextOnlyHandler:
         token, outputs = self.requests.generate(rid, prepared.prompt_token_ids,
                                                 params.model_copy(update={"max_tokens": 1}))
         try:
-            done = await run_unless_disconnected(http_request, collect_outputs(outputs))
+            done = await run_unless_disconnected(http_request, collect_outputs(openai_outputs(outputs)))
         except BaseException:  # refused, failed or cancelled: the engine freed it (or never had it)
             self.requests.post(Finished(rid, token, ReleaseCause.FAILED))
             raise

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from helixserve.protocol.errors import InvalidRequestError
+from helixserve.engine.errors import DuplicateRequestIdError
 
 
 class CtxState(enum.Enum):
@@ -65,10 +65,9 @@ class IllegalTransitionError(RuntimeError):
         self.request_id, self.state, self.event = request_id, state, event
 
 
-class DuplicateRequestError(InvalidRequestError):
-    """400: a request with this id is alive on this ctx worker."""
-
-    default_code = "duplicate_request_id"
+class DuplicateRequestError(DuplicateRequestIdError):
+    """A request with this id is alive on this ctx worker (a 400 ``duplicate_request_id`` to the
+    client, through ``serving.engine_errors``)."""
 
 
 # -- events ----------------------------------------------------------------------------------
@@ -195,7 +194,7 @@ class CtxRequestLife:
         entry = self.entries.get(rid)
         if isinstance(event, Admitted):
             if entry is not None:
-                raise DuplicateRequestError(f"request id {rid!r} is already {entry.state.value} here")
+                raise DuplicateRequestError(f"request id {rid!r} is already {entry.state.value} here", request_id=rid)
             self.entries[rid] = CtxRequestState(rid, event.token)
             return Transition(rid, None, CtxState.PREFILLING)
         if entry is None or getattr(event, "token", entry.token) != entry.token:

@@ -4,10 +4,10 @@ coroutines submit requests and read text deltas.
 A request's stages here:
 
 1. ``generate()`` admits it: at most ``max_num_seqs + max_queue_len`` live requests, else
-   :class:`QueueFullError` (429). An ADD command goes to the engine thread's inbox.
+   :class:`EngineQueueFullError`. An ADD command goes to the engine thread's inbox.
 2. The engine thread (:mod:`helixserve.engine.engine_thread`) drains its inbox (add / abort /
    release), then steps the core. An add the core refuses (``ValueError``: too long, bad ids)
-   comes back to ``generate()`` as a 400.
+   comes back to ``generate()`` as a :class:`RequestRejectedError`.
 3. After each step the new tokens of every request go to the event loop in one call; a request's
    :class:`RequestStream` merges tokens its reader has not taken yet (one pending item per
    request, so memory is bounded whatever the reader's speed).
@@ -18,9 +18,11 @@ A request's stages here:
    which frees its cache (a request the core refused sends no abort: its id may be another
    request's, e.g. a held prefill's); a ``hold_cache`` request that finished stays held until ``release()``.
 
-Failures never hang a reader: a step that fails ends the requests it concerns with a 500 naming the
-exception (the core reports them as error updates; a core whose ``step()`` raises instead has every
-unfinished request failed); the loop goes on. ``shutdown()`` fails what is left with a 503.
+Failures never hang a reader: a step that fails ends the requests it concerns with a
+:class:`StepFailedError` naming the exception (the core reports them as error updates; a core whose
+``step()`` raises instead has every unfinished request failed); the loop goes on. ``shutdown()``
+fails what is left with an :class:`EngineUnavailableError`. Every error is one of
+:mod:`helixserve.engine.errors`; the servers map them to HTTP (``serving.engine_errors``).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from helixserve.engine.engine_thread import (_STOP, EngineCoreLike, EngineThread
                                              _Release)
 from helixserve.engine.output_stream import IncrementalDetokenizer, RequestOutput, RequestStream
 from helixserve.engine.request import SamplingParams
-from helixserve.protocol.errors import (InvalidRequestError, OpenAIError, QueueFullError,
-                                        RequestCancelledError, ServiceUnavailableError)
+from helixserve.engine.errors import (DuplicateRequestIdError, EngineError, EngineQueueFullError,
+                                      EngineUnavailableError, RequestAbortedError)
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +109,12 @@ class AsyncEngine(EngineThread):
         source starting a request whose prompt state it put in the cache, e.g. through
         ``core.add_prefilled_request``); the updates it returns are this request's first outputs.
 
-        Raises :class:`QueueFullError` (429), :class:`InvalidRequestError` (400, the core refused
-        it), :class:`ServiceUnavailableError` (shutting down), :class:`InternalServerError` (the
-        engine failed) or :class:`RequestCancelledError` (aborted through :meth:`abort`).
+        Raises an :class:`EngineError`: :class:`EngineQueueFullError`, :class:`RequestRejectedError`
+        (the core refused it; :class:`DuplicateRequestIdError` for a live id),
+        :class:`EngineUnavailableError` (shutting down, or the core's own cause),
+        :class:`RequestFailedError` / :class:`StepFailedError` (the engine failed), a core's own
+        :class:`EngineError` (e.g. :class:`KVTransferError`) or :class:`RequestAbortedError`
+        (aborted through :meth:`abort`).
         """
         stream = self._admit(request_id)
         admitted = asyncio.get_running_loop().create_future()
@@ -121,7 +126,7 @@ class AsyncEngine(EngineThread):
         try:
             try:
                 await admitted
-            except OpenAIError:
+            except EngineError:
                 is_refused = True  # the core never took it: its id may be another request's
                 raise
             while not is_finished:
@@ -140,10 +145,11 @@ class AsyncEngine(EngineThread):
                 self._inbox.put(_Abort(request_id))  # cancelled or left early: free the cache
 
     def abort(self, request_id: str, error: str | None = None) -> None:
-        """Abort a request (a held one too); its reader gets :class:`RequestCancelledError`."""
+        """Abort a request (a held one too); its reader gets :class:`RequestAbortedError`."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.put([], None, RequestCancelledError(error or f"request {request_id} was aborted"))
+            stream.put([], None, RequestAbortedError(error or f"request {request_id} was aborted",
+                                                     request_id=request_id))
         self._inbox.put(_Abort(request_id, error))
 
     async def release(self, request_id: str) -> bool:
@@ -161,7 +167,7 @@ class AsyncEngine(EngineThread):
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Refuse new requests, let live ones finish for up to ``grace_s``, then stop the thread
-        and fail what is left with a 503."""
+        and fail what is left with an :class:`EngineUnavailableError`."""
         self._is_accepting = False
         deadline = asyncio.get_running_loop().time() + grace_s
         while self._streams and asyncio.get_running_loop().time() < deadline:
@@ -172,13 +178,12 @@ class AsyncEngine(EngineThread):
 
     def _admit(self, request_id: str) -> RequestStream:
         if not self.is_alive:
-            raise ServiceUnavailableError("the engine is not running (shutting down or failed)")
+            raise EngineUnavailableError("the engine is not running (shutting down or failed)")
         if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already running here",
-                                      code="duplicate_request_id")
+            raise DuplicateRequestIdError(f"request id {request_id!r} is already running here",
+                                          request_id=request_id)
         if len(self._streams) >= self.capacity:
-            raise QueueFullError(f"the engine queue is full ({len(self._streams)} requests running "
-                                 f"or waiting, capacity {self.capacity}); retry later")
+            raise EngineQueueFullError(len(self._streams), self.capacity)
         stream = self._streams[request_id] = RequestStream()
         return stream
 
@@ -189,7 +194,7 @@ class AsyncEngine(EngineThread):
         del self._streams[request_id]
         return True
 
-    def _deliver(self, batch: list[tuple[str, list[int], str | None, OpenAIError | None]]) -> None:
+    def _deliver(self, batch: list[tuple[str, list[int], str | None, EngineError | None]]) -> None:
         for request_id, token_ids, finish_reason, error in batch:
             stream = self._streams.get(request_id)
             if stream is not None:

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from helixserve.engine.core import EngineStats
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
-from helixserve.protocol.errors import (InternalServerError, InvalidRequestError, OpenAIError,
-                                        ServiceUnavailableError)
+from helixserve.engine.errors import (EngineError, EngineUnavailableError, RequestFailedError,
+                                      RequestRejectedError, StepFailedError)
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 class EngineCoreLike(Protocol):
     """What :class:`AsyncEngine` drives: :class:`EngineCore`, or a gen world's rank-0 driver.
 
-    Optional: ``failure_error(request_id) -> OpenAIError | None``, why a request the core
+    Optional: ``failure_error(request_id) -> EngineError | None``, why a request the core
     finished with an error status failed (asked once, when its error update is delivered);
-    ``add_request`` may raise an ``OpenAIError`` to refuse with that status (e.g. 503).
+    ``add_request`` may raise an :class:`EngineError` to refuse with that cause (e.g.
+    :class:`EngineUnavailableError`); a plain ``ValueError`` becomes a :class:`RequestRejectedError`.
     """
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -90,7 +91,7 @@ class EngineThread:
     _stats: EngineStats
     num_step_errors: int
 
-    def _deliver(self, batch: list[tuple[str, list[int], str | None, OpenAIError | None]]) -> None:
+    def _deliver(self, batch: list[tuple[str, list[int], str | None, EngineError | None]]) -> None:
         """Runs on the event loop: hand each request's tokens to its reader (AsyncEngine's)."""
         raise NotImplementedError
 
@@ -126,7 +127,7 @@ class EngineThread:
                 self._step()
             self._stats = self._core.stats()
         failed = self._core.abort_all("the server is shutting down")
-        error = ServiceUnavailableError("the server is shutting down")
+        error = EngineUnavailableError("the server is shutting down")
         self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
         self._drain_adds_after_stop(error)
 
@@ -140,7 +141,7 @@ class EngineThread:
             pass
         return commands
 
-    def _drain_adds_after_stop(self, error: OpenAIError) -> None:
+    def _drain_adds_after_stop(self, error: EngineError) -> None:
         for command in self._drain(block=False):
             if isinstance(command, _Add):
                 self._resolve(command.admitted, error=error)
@@ -158,13 +159,13 @@ class EngineThread:
                     updates = None
                 else:
                     updates = command.start(self._core)
-            except OpenAIError as exc:  # the core refused it with a status of its own (e.g. 503)
+            except EngineError as exc:  # the core refused it with a cause of its own
                 self._resolve(command.admitted, error=exc)
             except ValueError as exc:
-                self._resolve(command.admitted, error=InvalidRequestError(str(exc)))
+                self._resolve(command.admitted, error=RequestRejectedError(str(exc)))
             except Exception as exc:  # a start function failed unexpectedly
                 logger.exception("starting request %s failed", command.request_id)
-                self._resolve(command.admitted, error=InternalServerError(
+                self._resolve(command.admitted, error=RequestFailedError(
                     f"starting request {command.request_id} failed: {type(exc).__name__}: {exc}"))
             else:
                 self._resolve(command.admitted)
@@ -190,7 +191,7 @@ class EngineThread:
             logger.exception("engine step failed")
             message = f"engine step failed: {type(exc).__name__}: {exc}"
             failed = self._core.abort_all(message)
-            error = InternalServerError(message, code="engine_error")
+            error = StepFailedError(message)
             self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
             return
         if any(u.error is not None for u in updates):  # the core failed the step's requests itself
@@ -199,7 +200,7 @@ class EngineThread:
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         """Hand new tokens (and finishes) to the event loop, one call for all requests."""
-        batch: dict[str, tuple[str, list[int], str | None, OpenAIError | None]] = {}
+        batch: dict[str, tuple[str, list[int], str | None, EngineError | None]] = {}
         for update in updates:
             rid, tokens, _, _ = batch.setdefault(update.request_id, (update.request_id, [], None, None))
             reason, error = update.status.finish_reason, None
@@ -212,12 +213,12 @@ class EngineThread:
         if batch:
             self._call_soon(self._deliver, list(batch.values()))
 
-    def _failure_error(self, request_id: str, reason: str, step_error: str | None) -> OpenAIError:
+    def _failure_error(self, request_id: str, reason: str, step_error: str | None) -> EngineError:
         """The error of a request the core failed: the core's own (``failure_error(request_id)``,
-        e.g. which KV transfer failed and why) where it has one, else a 500 naming the failed
-        step's exception (``step_error``) or a generic one."""
+        e.g. which KV transfer failed and why) where it has one, else an error naming the failed
+        step's exception (``step_error``, a :class:`StepFailedError`) or a generic one."""
         explain = getattr(self._core, "failure_error", None)
         error = explain(request_id) if explain is not None else None
         if error is None and step_error is not None:
-            return InternalServerError(step_error, code="engine_error")
-        return error or InternalServerError(f"request {request_id} failed in the engine ({reason})")
+            return StepFailedError(step_error)
+        return error or RequestFailedError(f"request {request_id} failed in the engine ({reason})")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from helixserve.engine.stop import truncate_at_stop
-from helixserve.protocol.errors import OpenAIError
+from helixserve.engine.errors import EngineError
 
 _REPLACEMENT = "\ufffd"
 
@@ -66,16 +66,16 @@ class RequestStream:
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    error: OpenAIError | None = None
+    error: EngineError | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def put(self, token_ids: list[int], finish_reason: str | None, error: OpenAIError | None) -> None:
+    def put(self, token_ids: list[int], finish_reason: str | None, error: EngineError | None) -> None:
         self.token_ids.extend(token_ids)
         self.finish_reason = self.finish_reason or finish_reason
         self.error = self.error or error
         self.event.set()
 
-    async def take(self) -> tuple[list[int], str | None, OpenAIError | None]:
+    async def take(self) -> tuple[list[int], str | None, EngineError | None]:
         await self.event.wait()
         self.event.clear()
         token_ids, self.token_ids = self.token_ids, []

@@ -10,8 +10,9 @@ prompt_token_ids, first_gen_tokens) and yields the request's outputs from this w
 
 - the outputs must start with ``first_gen_tokens`` (they count as generated tokens) and equal
   what an aggregated run of the same prompt and sampling would give;
-- a transfer failure or timeout must fail the stream with an ``OpenAIError`` naming the cause
-  (``GatewayTimeoutError`` for a timeout), and the request's cache must be freed;
+- a transfer failure or timeout must fail the stream with an engine error naming the cause
+  (``KVTransferError``; ``KVTransferTimeoutError`` for a timeout, a 504 to the client), and
+  the request's cache must be freed;
 - closing the iterator early (client gone) must cancel the transfer and free the cache.
 
 A receiving source allocates the request's cache and drives its transfer, then starts decoding
@@ -32,7 +33,8 @@ from typing import ClassVar
 
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.engine.request import SamplingParams
-from helixserve.protocol import DisaggregatedParams, KVLayout, OpenAIError
+from helixserve.engine.errors import EngineError
+from helixserve.protocol import DisaggregatedParams, KVLayout
 from helixserve.serving.auth import PermissionDeniedError
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.polling import TransferMetrics
@@ -185,7 +187,7 @@ class UcxKVSource(KVSource):
                         is_received = True
                         self._count_received(len(prompt), time.monotonic() - began)
                     yield out
-        except OpenAIError as err:
+        except EngineError as err:
             if not is_received and err.code in KV_ERROR_CODES:
                 self.num_failed += 1
             raise

@@ -40,7 +40,9 @@ from helixserve.gen_server.supervisor import CLOSE_GRACE_S, GenWorld, WorldSuper
 from helixserve.kvcache.helix import num_local_blocks
 from helixserve.models.config import KimiModelConfig
 from helixserve.parallel import DistEnv, Mapping
-from helixserve.protocol import GatewayTimeoutError, KVLayout, OpenAIError, ServiceUnavailableError
+from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTransferError,
+                                      KVTransferTimeoutError)
+from helixserve.protocol import KVLayout
 from helixserve.transceiver.layout import layout_for
 
 logger = logging.getLogger(__name__)
@@ -113,7 +115,7 @@ class GenWorldCore:
         self._supervise()
         cause = self.world.failure()
         if cause is not None:
-            raise ServiceUnavailableError(f"gen worker cannot serve: {cause}", code="gen_world_failed")
+            raise EngineUnavailableError(f"gen worker cannot serve: {cause}", code="gen_world_failed")
         if kv_ticket is not None:
             self.driver.rank.check_request(prompt_token_ids, params, forced_output_token_ids, has_kv=True)
             self._deferred[request_id] = _Deferred(request_id, list(prompt_token_ids), params,
@@ -127,7 +129,7 @@ class GenWorldCore:
         try:
             self.driver.add_request(request_id, prompt_token_ids, params, **kwargs)
         except WorldStoppedError as exc:
-            raise ServiceUnavailableError(str(exc), code="gen_world_failed") from None
+            raise EngineUnavailableError(str(exc), code="gen_world_failed") from None
 
     def _admit_deferred(self) -> None:
         """Hand waiting received requests to the world, in order, while their shards fit."""
@@ -215,16 +217,16 @@ class GenWorldCore:
         s = self.driver.stats()
         return replace(s, num_waiting=s.num_waiting + len(self._deferred))
 
-    def failure_error(self, request_id: str) -> OpenAIError | None:
+    def failure_error(self, request_id: str) -> EngineError | None:
         world_error = self._world_errors.pop(request_id, None)
         if world_error is not None:
-            return ServiceUnavailableError(world_error, code="gen_world_failed")
+            return EngineUnavailableError(world_error, code="gen_world_failed")
         cause = self.driver.kv_failure(request_id)
         if cause is None:
             return None
         if "timed out" in cause or "deadline" in cause.lower():
-            return GatewayTimeoutError(cause, code="kv_transfer_timeout")
-        return ServiceUnavailableError(cause, code="kv_transfer_failed")
+            return KVTransferTimeoutError(cause)
+        return KVTransferError(cause)
 
 
 def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions,

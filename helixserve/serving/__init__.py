@@ -4,6 +4,8 @@
   (torch-free: the router uses it).
 - :mod:`.openai_serving`: OpenAI request -> engine inputs, engine outputs -> answers / SSE.
 - :mod:`.worker_app`: the FastAPI app of a worker; roles plug in their request handlers.
+- :mod:`.engine_errors`: the engine's errors (:mod:`helixserve.engine.errors`) as OpenAI/HTTP
+  errors, in one table.
 - :mod:`.auth`: who may call a worker (the deployment's internal secret; torch-free).
 - :mod:`.loading`: build a worker's engine from a :class:`~helixserve.config.DeploymentConfig`.
 """

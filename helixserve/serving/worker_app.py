@@ -26,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
+from helixserve.engine.errors import EngineError
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, InvalidRequestError, KVLayout, ModelCard,
@@ -34,6 +35,7 @@ from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  prompt_too_long, raw_prompt_length)
 from helixserve.config import SecurityConfig
 from helixserve.serving.auth import install_internal_auth
+from helixserve.serving.engine_errors import install_engine_error_handler, openai_outputs, to_openai_error
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
                                     install_error_handlers, request_id_from,
                                     run_unless_disconnected)
@@ -165,7 +167,7 @@ async def respond(worker: Worker, http_request: Request, prepared: PreparedReque
                   outputs: AsyncIterator[RequestOutput]) -> Response:
     """Send a request's outputs as one JSON answer, or as SSE when it asked to stream. A client
     that leaves aborts the request (the engine frees its cache)."""
-    outputs = _counted(worker, outputs)
+    outputs = _counted(worker, openai_outputs(outputs))
     if not prepared.is_stream:
         done = await run_unless_disconnected(http_request, collect_outputs(outputs))
         return Response(answer_json(prepared, done), media_type="application/json")
@@ -204,6 +206,10 @@ async def handle_completion(worker: Worker, handlers: Mapping[RequestType | None
         response = await _complete(worker, handlers, http_request, cls)
         status = str(response.status_code)
         return response
+    except EngineError as err:  # e.g. from AsyncEngine.call: the client gets its OpenAI error
+        openai_err = to_openai_error(err)
+        status = str(openai_err.status_code)
+        raise openai_err from err
     except Exception as err:
         status = str(getattr(err, "status_code", 500))
         raise
@@ -272,6 +278,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     app.add_middleware(BodyLimit, max_body_bytes=worker.limits.max_body_bytes)
     app.add_middleware(InternalErrors)
     install_error_handlers(app)
+    install_engine_error_handler(app)
     install_openapi(app, WORKER_OPERATIONS)
     started_at = int(time.time())  # /v1/models "created": when this worker started
 

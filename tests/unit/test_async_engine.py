@@ -12,8 +12,8 @@ from helixserve.engine.async_engine import AsyncEngine, IncrementalDetokenizer
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.models.tokenizer import build_byte_tokenizer
-from helixserve.protocol import (InternalServerError, InvalidRequestError, QueueFullError,
-                                 RequestCancelledError, ServiceUnavailableError)
+from helixserve.engine.errors import (EngineQueueFullError, EngineUnavailableError, RequestAbortedError,
+                                      RequestRejectedError, StepFailedError)
 
 PROMPT = list(range(30, 60))
 
@@ -118,9 +118,9 @@ def test_async_engine_matches_llm_and_frees_on_cancel(llm):
         stream = engine.generate("aborted", PROMPT, greedy(200))
         await anext(stream)
         engine.abort("aborted")
-        with pytest.raises(RequestCancelledError):
+        with pytest.raises(RequestAbortedError):
             await _collect(stream)
-        with pytest.raises(InvalidRequestError, match="out of range"):
+        with pytest.raises(RequestRejectedError, match="out of range"):
             await _collect(engine.generate("bad", [10**6], greedy(2)))
         await asyncio.sleep(0.7)  # the idle loop publishes fresh stats
         assert engine.stats().num_used_blocks == 0 and engine.num_live_requests == 0
@@ -136,7 +136,7 @@ def test_async_engine_bounds_admission(llm):
         live = [engine.generate(f"q{i}", PROMPT, greedy(50)) for i in range(3)]
         firsts = [asyncio.ensure_future(anext(g)) for g in live]
         await asyncio.sleep(0)
-        with pytest.raises(QueueFullError):
+        with pytest.raises(EngineQueueFullError):
             await anext(engine.generate("one-too-many", PROMPT, greedy(2)))
         await asyncio.gather(*firsts)
         for g in live:
@@ -162,7 +162,7 @@ def test_failing_step_fails_its_requests_and_the_loop_goes_on(llm, monkeypatch):
     async def main():
         engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=2)
         engine.start()
-        with pytest.raises(InternalServerError, match="kernel exploded"):
+        with pytest.raises(StepFailedError, match="kernel exploded"):
             await _collect(engine.generate("victim", PROMPT, greedy(5)))
         ids, _, reason = await _collect(engine.generate("after", PROMPT, greedy(4)))
         assert len(ids) == 4 and reason == "length" and engine.num_step_errors == 1
@@ -180,9 +180,9 @@ def test_shutdown_fails_live_requests_and_refuses_new_ones(llm):
         stream = engine.generate("long", PROMPT, greedy(200))
         await anext(stream)
         await engine.shutdown(grace_s=0.0)
-        with pytest.raises(ServiceUnavailableError):
+        with pytest.raises(EngineUnavailableError):
             await _collect(stream)
-        with pytest.raises(ServiceUnavailableError):
+        with pytest.raises(EngineUnavailableError):
             await anext(engine.generate("late", PROMPT, greedy(2)))
         assert not llm.engine.has_unfinished_requests()
         assert llm.engine.stats().num_used_blocks == 0
@@ -222,7 +222,7 @@ def test_a_start_function_replaces_add_request(llm):
         engine.start()
         ids, _, reason = await _collect(engine.generate("started", PROMPT, greedy(6), start=start))
         assert ids == ref and reason == "length"
-        with pytest.raises(InvalidRequestError, match="no cache handle"):
+        with pytest.raises(RequestRejectedError, match="no cache handle"):
             await _collect(engine.generate("refused", PROMPT, greedy(6), start=refuse))
         await engine.shutdown()
 

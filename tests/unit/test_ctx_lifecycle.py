@@ -19,7 +19,8 @@ from helixserve.ctx_server.pickup import CtxRequests
 from helixserve.engine.async_engine import AsyncEngine
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
-from helixserve.protocol import InvalidRequestError
+from helixserve.engine.errors import RequestRejectedError
+from helixserve.serving.engine_errors import to_openai_error
 
 P, H, S, R = CtxState.PREFILLING, CtxState.HELD, CtxState.SENDING, CtxState.RELEASED
 
@@ -104,7 +105,8 @@ def test_a_duplicate_id_is_refused_and_the_holder_is_untouched(state):
     before = life.get("a")
     with pytest.raises(DuplicateRequestError, match=f"already {state.value}") as err:
         life.apply(Admitted("a", 2))
-    assert err.value.status_code == 400 and err.value.code == "duplicate_request_id"
+    assert err.value.code == "duplicate_request_id" and err.value.request_id == "a"
+    assert to_openai_error(err.value).status_code == 400
     assert life.get("a") is before and before.token == 1 and life.state_of("a") is state
     # the refused request's own end (token 2) is stale: it cannot release the holder
     for stale in (Finished("a", 2, ReleaseCause.REFUSED), Prefilled("a", 2, (9,)), Offered("a", 2)):
@@ -206,7 +208,7 @@ def test_duplicates_of_a_held_prefill_leave_its_cache_alone(llm):
             assert held.num_held == 1 and held.num_used_blocks == 8
             with pytest.raises(DuplicateRequestError):
                 await _prefill(requests, "a")
-            with pytest.raises(InvalidRequestError, match="already in the scheduler"):
+            with pytest.raises(RequestRejectedError, match="already in the scheduler"):
                 async for _ in engine.generate("a", PROMPT[:5], greedy(3)):
                     pass
             await asyncio.sleep(0.2)  # an abort the refusals might have sent is applied by now

@@ -16,7 +16,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.async_engine import AsyncEngine
 from helixserve.engine.llm import LLM, GenerationError
 from helixserve.engine.request import RequestStatus, SamplingParams
-from helixserve.protocol import InternalServerError
+from helixserve.engine.errors import StepFailedError
 
 BUDGET = 32  # scheduler.max_num_batched_tokens
 TOKENS_PER_BLOCK = 4
@@ -178,7 +178,7 @@ def test_async_engine_fails_only_the_failed_steps_requests(model_dir, whole):
         front.start()
         victim = asyncio.ensure_future(tokens(front, "victim", victim_prompt))
         waiting = asyncio.ensure_future(tokens(front, "waiting", waiting_prompt))
-        with pytest.raises(InternalServerError, match="engine step failed: RuntimeError: injected fault") as info:
+        with pytest.raises(StepFailedError, match="engine step failed: RuntimeError: injected fault") as info:
             await victim
         assert info.value.code == "engine_error" and front.num_step_errors == 1
         got = await waiting, await tokens(front, "after", victim_prompt)

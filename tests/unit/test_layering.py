@@ -1,0 +1,114 @@
+"""Layers as the design draws them (issue 18): the engine raises its own errors (no import of the
+OpenAI protocol, nor of a server, anywhere under ``helixserve/engine``), the servers map them to
+HTTP, and the pieces the torch-free router uses import without torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helixserve.engine import errors as engine_errors
+from helixserve.serving.engine_errors import to_openai_error
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_MODULES = sorted((ROOT / "helixserve" / "engine").rglob("*.py"))
+# what engine/ may not import: the OpenAI protocol and everything above the engine
+FORBIDDEN = ("helixserve.protocol", "helixserve.serving", "helixserve.ctx_server", "helixserve.gen_server",
+             "helixserve.router")
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> list[str]:
+    """Every module ``path`` imports (``from x import y`` counts as ``x`` and ``x.y``), lazy
+    imports inside functions too; relative imports resolved against the package."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.append(base)
+            names.extend(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_engine_package_is_found():
+    rels = {p.relative_to(ROOT).as_posix() for p in ENGINE_MODULES}
+    assert {"helixserve/engine/async_engine.py", "helixserve/engine/engine_thread.py",
+            "helixserve/engine/errors.py"} <= rels
+
+
+@pytest.mark.parametrize("path", ENGINE_MODULES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_engine_module_imports_nothing_above_the_engine(path):
+    bad = [name for name in imported_modules(path)
+           if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_import_parser_sees_protocol_imports(tmp_path):
+    """The check above can fail: it catches each spelling of a protocol import."""
+    src = tmp_path / "helixserve" / "engine" / "bad.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("import helixserve.protocol.errors\n"
+                   "def f():\n    from helixserve.protocol import QueueFullError\n"
+                   "from helixserve import protocol\nfrom ..protocol import errors\n")
+    found = [n for n in imported_modules(src, tmp_path) if n.startswith("helixserve.protocol")]
+    assert sorted(found) == sorted(["helixserve.protocol.errors", "helixserve.protocol",
+                                    "helixserve.protocol.QueueFullError", "helixserve.protocol",
+                                    "helixserve.protocol", "helixserve.protocol.errors"])
+
+
+@pytest.mark.parametrize("module", ["helixserve.parallel.mapping", "helixserve.parallel",
+                                    "helixserve.serving.http", "helixserve.serving.auth",
+                                    "helixserve.engine.errors"])
+def test_imports_without_torch(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, f"importing {module} imports torch:\n{result.stderr[-2000:]}"
+
+
+# engine error -> (status, code) the client sees: exactly the answers of the servers before the
+# engine had its own errors
+MAPPED = [
+    (engine_errors.RequestRejectedError("prompt token 9 out of range"), 400, None),
+    (engine_errors.DuplicateRequestIdError("request id 'a' is already running here", request_id="a"),
+     400, "duplicate_request_id"),
+    (engine_errors.EngineQueueFullError(5, 4), 429, "queue_full"),
+    (engine_errors.RequestAbortedError("request a was aborted", request_id="a"), 499, "request_cancelled"),
+    (engine_errors.RequestFailedError("request a failed in the engine (error)"), 500, "internal_error"),
+    (engine_errors.StepFailedError("engine step failed: RuntimeError: boom"), 500, "engine_error"),
+    (engine_errors.EngineUnavailableError("the server is shutting down"), 503, "service_unavailable"),
+    (engine_errors.EngineUnavailableError("rank 1 died", code="gen_world_failed"), 503, "gen_world_failed"),
+    (engine_errors.KVTransferError("ctx refused"), 503, "kv_transfer_failed"),
+    (engine_errors.KVTransferTimeoutError("timed out after 5 s"), 504, "kv_transfer_timeout"),
+]
+
+
+@pytest.mark.parametrize(("err", "status", "code"), MAPPED, ids=lambda v: type(v).__name__
+                         if isinstance(v, Exception) else None)
+def test_engine_errors_map_to_the_openai_errors_clients_saw(err, status, code):
+    out = to_openai_error(err)
+    assert (out.status_code, out.code, out.message) == (status, code, err.message)
+    assert out.body()["error"]["code"] == code
+    if status == 429:
+        assert out.headers == {"Retry-After": "1"}
+
+
+def test_every_engine_error_class_has_a_mapping():
+    base = engine_errors.EngineError
+    classes = [c for c in vars(engine_errors).values()
+               if isinstance(c, type) and issubclass(c, base) and c is not base]
+    mapped = {type(err) for err, _, _ in MAPPED}
+    assert set(classes) == mapped, f"unmapped in this test: {set(classes) - mapped}"
+
+
+def test_a_refusal_is_still_a_value_error():
+    assert isinstance(engine_errors.RequestRejectedError("x"), ValueError)
+    assert isinstance(engine_errors.DuplicateRequestIdError("x", request_id="a"), ValueError)
