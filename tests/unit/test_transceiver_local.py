@@ -13,10 +13,6 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from helixserve.engine.runner import cache_spec_for  # noqa: E402
-from helixserve.kvcache.manager import CacheManager  # noqa: E402
-from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
-from helixserve.models.presets import get_preset  # noqa: E402
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint  # noqa: E402
 from helixserve.transceiver import sender as sender_module  # noqa: E402
@@ -24,56 +20,15 @@ from helixserve.transceiver.outbound import Outbound  # noqa: E402
 from helixserve.transceiver.config import TransceiverConfig  # noqa: E402
 from helixserve.transceiver.control import ControlClient  # noqa: E402
 from helixserve.transceiver.group import CPGroupReceiver  # noqa: E402
-from helixserve.transceiver.layout import LayoutMismatchError, layout_for  # noqa: E402
+from helixserve.transceiver.layout import LayoutMismatchError  # noqa: E402
 from helixserve.transceiver.receiver import KVReceiver  # noqa: E402
-from helixserve.transceiver.sender import KVSender  # noqa: E402
+from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools  # noqa: E402
 
-CFG = get_preset("kimi-k3-tiny")
-TPB = 4
-LAYOUT = layout_for(CFG, torch.float32, TPB, "kimi-k3-tiny")
-H, K = CFG.kda_num_heads, CFG.kda_head_dim
-NUM_TOKENS = 23  # 6 blocks, the last one partial
 
 
 def config(**overrides) -> TransceiverConfig:
     return TransceiverConfig(**{"kv_transfer_timeout_ms": 5000, "rpc_timeout_ms": 2000,
                                 "drain_timeout_ms": 1000, **overrides})
-
-
-class Ctx:
-    """A ctx worker without a model: random cache contents, real KVSender."""
-
-    def __init__(self, cfg: TransceiverConfig) -> None:
-        self.caches = allocate_model_caches(cache_spec_for(CFG, torch.float32, TPB), 32, 4)
-        for pools in (self.caches.mla_kv, self.caches.kda_state, self.caches.conv_state):
-            for pool in pools.values():
-                pool.copy_(torch.randn(pool.shape))
-        self.manager = CacheManager(32, 4, TPB)
-        self.manager.allocate("other", 9)  # the held request's blocks do not start at 0
-        self.freed: list[str] = []
-        self.sender = KVSender(cfg, LAYOUT, self.caches, self.freed.append)
-        self.endpoint = self.sender.start()
-
-    def hold(self, request_id: str, num_tokens: int = NUM_TOKENS, **kwargs) -> DisaggregatedParams:
-        handle = self.manager.allocate(request_id, num_tokens)
-        self.sender.hold(request_id, handle, num_tokens, [7], **kwargs)
-        return DisaggregatedParams(request_type="generation_only", ctx_request_id=request_id,
-                                   first_gen_tokens=[7], prompt_token_ids=list(range(1, num_tokens + 1)),
-                                   ctx_endpoint=self.endpoint, layout=LAYOUT)
-
-    def expected_shard(self, request_id: str, cp_rank: int, cp_size: int) -> dict:
-        handle, c = self.manager.get(request_id), self.caches
-        h0, h1 = cp_rank * H // cp_size, (cp_rank + 1) * H // cp_size
-        blocks = [handle.block_ids[b] for b in range(cp_rank, len(handle.block_ids), cp_size)]
-        return {
-            "mla": {i: c.mla_kv[i][blocks] for i in c.mla_kv},
-            "kda": {i: c.kda_state[i][handle.slot, h0:h1] for i in c.kda_state},
-            "conv": {i: torch.cat([c.conv_state[i][handle.slot, s * H * K + h0 * K: s * H * K + h1 * K]
-                                   for s in range(3)]) for i in c.conv_state},
-        }
-
-    def close(self) -> None:
-        self.sender.stop()
 
 
 _GENS: list = []
@@ -86,29 +41,15 @@ def _close_gens():
         _GENS.pop().rx.close()
 
 
-class Gen:
-    """One gen rank: own pools (H / cp heads), fragmented blocks, CPGroupReceiver (group of one)."""
+class Gen(GenPools):
+    """One gen rank: its pools and a CPGroupReceiver (group of one)."""
 
     def __init__(self, cfg: TransceiverConfig, cp_rank: int = 0, cp_size: int = 1, layout=LAYOUT) -> None:
-        spec = cache_spec_for(CFG, torch.float32, TPB, kda_num_heads=H // cp_size)
-        self.caches = allocate_model_caches(spec, 32, 4)
-        self.manager = CacheManager(32, 4, TPB, cp_rank, cp_size)
-        for name in ("a", "b", "c"):
-            self.manager.allocate(name, 4 * cp_size)
-        self.manager.free("b")  # a hole: this rank's blocks are not consecutive
+        super().__init__(cp_rank, cp_size)
         self.rx = CPGroupReceiver(KVReceiver(cfg, layout, cp_rank=cp_rank, cp_size=cp_size, gen_rank=cp_rank),
                                   self.manager, self.caches)
         _GENS.append(self)
 
-    def received(self, request_id: str) -> dict:
-        handle, c = self.manager.get(request_id), self.caches
-        return {"mla": {i: c.mla_kv[i][handle.block_ids] for i in c.mla_kv},
-                "kda": {i: c.kda_state[i][handle.slot] for i in c.kda_state},
-                "conv": {i: c.conv_state[i][handle.slot] for i in c.conv_state}}
-
-    def used(self) -> tuple[int, int]:
-        stats = self.manager.stats()
-        return stats.num_used_blocks, stats.num_used_slots
 
 
 def drive(gens: list[Gen], until: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
