@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from helixserve.parallel.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,6 @@ _PRELOAD = ["torch", "torch.distributed", "helixserve.parallel"]
 
 class LocalWorldError(RuntimeError):
     """One or more ranks of a local world failed, died, or the world ran past its timeout."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual small race applies)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _child(

@@ -16,18 +16,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from helixserve.parallel.ports import free_ports  # noqa: F401 - re-exported for the tests
 from helixserve.serving.auth import INTERNAL_SECRET_HEADER
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now (bound, read, released)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 _WORKER_SECRETS: dict[str, str] = {}  # worker base URL -> its deployment's internal secret
