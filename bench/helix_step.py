@@ -32,7 +32,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
 from _common import base_parser, machine_info, markdown_table, median, write_json  # noqa: E402
 
-from helixserve.engine.runner import cache_spec_for  # noqa: E402
+from helixserve.cache_layout import cache_spec_for  # noqa: E402
 from helixserve.kvcache import CacheManager  # noqa: E402
 from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402

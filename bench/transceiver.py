@@ -39,7 +39,7 @@ PRESET = "kimi-linear-48b"
 def _setup(max_tokens: int, message_mib: float, window_mib: float):
     import torch
 
-    from helixserve.engine.runner import cache_spec_for
+    from helixserve.cache_layout import cache_spec_for
     from helixserve.kvcache.manager import CacheManager
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
-from helixserve.engine.runner import LaunchedStep, ModelRunner, cache_spec_for
+from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.kernels.triton_common import has_fla
 from helixserve.kvcache.manager import CacheManager

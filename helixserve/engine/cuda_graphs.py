@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.engine.scheduler import SchedulerOutput
-from helixserve.models.context import ForwardBatch, ModelCaches
+from helixserve.models.context import ForwardBatch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _WARMUP_RUNS = 2

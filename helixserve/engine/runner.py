@@ -10,30 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.engine.cuda_graphs import DecodeGraphs
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.sampler import Sampler
 from helixserve.engine.scheduler import SchedulerOutput
-from helixserve.kvcache.pools import CacheSpec, reset_slots
-from helixserve.models.config import KimiModelConfig
-from helixserve.models.context import ForwardBatch, ModelCaches
-
-
-def cache_spec_for(
-    cfg: KimiModelConfig, dtype: torch.dtype, tokens_per_block: int, kda_num_heads: int | None = None
-) -> CacheSpec:
-    """The cache layout of ``cfg``; ``kda_num_heads`` overrides the head count (a rank's slice)."""
-    return CacheSpec(
-        mla_layer_ids=tuple(cfg.mla_layer_ids),
-        kda_layer_ids=tuple(cfg.kda_layer_ids),
-        kv_lora_rank=cfg.kv_lora_rank,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        kda_num_heads=kda_num_heads if kda_num_heads is not None else cfg.kda_num_heads,
-        kda_head_dim=cfg.kda_head_dim,
-        conv_kernel_size=cfg.conv_kernel_size,
-        dtype=dtype,
-        tokens_per_block=tokens_per_block,
-    )
+from helixserve.kvcache.pools import reset_slots
+from helixserve.models.context import ForwardBatch
 
 
 def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu") -> ForwardBatch:

@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 import torch
 
+from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
-from helixserve.engine.runner import cache_spec_for
 from helixserve.engine.scheduler import Scheduler
 from helixserve.engine.spmd import KVReceiver, RankEngine, WorldDriver, serve_rank
 from helixserve.engine.stop import truncate_at_stop

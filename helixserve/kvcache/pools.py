@@ -1,6 +1,6 @@
 """Cache tensor pools for one rank: MLA latent pages and KDA state/conv slots.
 
-Layouts (see :mod:`helixserve.models.context`), per layer id:
+Layouts (see :mod:`helixserve.cache_layout`), per layer id:
 
 - ``mla_kv[l]``:     ``[num_blocks, tokens_per_block, kv_lora_rank + qk_rope_head_dim]``, ``dtype``
 - ``kda_state[l]``:  ``[num_slots, kda_num_heads, kda_head_dim, kda_head_dim]`` float32 ([K, V])
@@ -16,11 +16,10 @@ the transceiver's UCX copies between processes run about 3x faster from 2 MiB pa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from helixserve.models.context import ModelCaches
+from helixserve.cache_layout import CacheSpec, ModelCaches
 
 _FP32_BYTES = 4
 _HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -65,50 +64,6 @@ def _allocate(
     arena = host_zeros((total,), torch.uint8)
     for (target, layer_id, shape, dtype), offset, nbytes in zip(pools, offsets, sizes, strict=True):
         target[layer_id] = arena[offset : offset + nbytes].view(dtype).view(shape)
-
-
-@dataclass(slots=True, frozen=True)
-class CacheSpec:
-    """What the cache pools of one rank look like. Layer ids are 0-based decoder layer indices."""
-
-    mla_layer_ids: tuple[int, ...]
-    kda_layer_ids: tuple[int, ...]
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    kda_num_heads: int
-    kda_head_dim: int
-    conv_kernel_size: int
-    dtype: torch.dtype
-    tokens_per_block: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mla_layer_ids", tuple(self.mla_layer_ids))
-        object.__setattr__(self, "kda_layer_ids", tuple(self.kda_layer_ids))
-        overlap = set(self.mla_layer_ids) & set(self.kda_layer_ids)
-        if overlap:
-            raise ValueError(f"layers {sorted(overlap)} are listed as both MLA and KDA")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch.dtype, got {self.dtype!r}")
-        positive = {"tokens_per_block": self.tokens_per_block}
-        if self.mla_layer_ids:
-            positive |= {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim}
-        if self.kda_layer_ids:
-            positive |= {
-                "kda_num_heads": self.kda_num_heads,
-                "kda_head_dim": self.kda_head_dim,
-                "conv_kernel_size": self.conv_kernel_size,
-            }
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-
-    @property
-    def mla_entry_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def conv_channels(self) -> int:
-        return 3 * self.kda_num_heads * self.kda_head_dim
 
 
 def bytes_per_block(spec: CacheSpec) -> int:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.context import ForwardBatch, ModelCaches
+from helixserve.models.context import ForwardBatch
 
 
 def allocate_caches(

@@ -1,23 +1,15 @@
-"""Per-step forward metadata and the cache tensors a model reads and writes.
+"""Per-step forward metadata a model reads.
 
 The runner builds one :class:`ForwardBatch` per step; the model never sees requests or queues.
 A batch is a set of sequences, each contributing ``seq_len`` new tokens (prefill chunk or one
 decode token), laid out flat (``[T]`` rows, ``cu_seqlens`` marking the boundaries).
 
-Cache layout (owned by ``helixserve.kvcache``, passed in as :class:`ModelCaches`):
-
-- MLA latent pool per MLA layer: ``[num_blocks, tokens_per_block, kv_lora_rank + qk_rope_head_dim]``
-  in the model dtype. ``block_tables[i, b]`` is the physical block that holds *global logical*
-  block ``b`` of sequence ``i``, or ``-1`` when that block is not held on this rank (helix CP
-  shards blocks round-robin; on a single process every used entry is ``>= 0``).
-- KDA recurrent state per KDA layer: ``[num_slots, H_local, K, V]`` float32 ([K, V] layout).
-- KDA conv state per KDA layer: ``[num_slots, 3 * H_local * K, W - 1]`` (sections ``[q | k | v]``),
-  the last ``W - 1`` inputs of the short convolutions, in the model dtype.
+The cache tensors come in as :class:`~helixserve.cache_layout.ModelCaches` (layouts there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -70,13 +62,3 @@ class ForwardBatch:
     def kv_lens(self) -> torch.Tensor:
         """Tokens of each sequence in the MLA cache once this step's tokens are written."""
         return self.context_lens + self.seq_lens
-
-
-@dataclass(slots=True)
-class ModelCaches:
-    """Cache tensors keyed by 0-based decoder layer index."""
-
-    tokens_per_block: int
-    mla_kv: dict[int, torch.Tensor] = field(default_factory=dict)
-    kda_state: dict[int, torch.Tensor] = field(default_factory=dict)
-    conv_state: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -37,9 +37,10 @@ import torch
 from torch import nn
 
 from helixserve import kernels
+from helixserve.cache_layout import ModelCaches
 from helixserve.models.attn_res import attn_res_mix
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.context import ForwardBatch, ModelCaches
+from helixserve.models.context import ForwardBatch
 from helixserve.models.kda import KimiDeltaAttention
 from helixserve.models.kimi import KimiDecoderLayer, KimiForCausalLM
 from helixserve.models.mla import MultiLatentAttention

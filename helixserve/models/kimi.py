@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.kernels._host import step_host_cache
 from helixserve.models.attn_res import AttnResProj, attn_res_mix
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.context import ForwardBatch, ModelCaches
+from helixserve.models.context import ForwardBatch
 from helixserve.models.kda import KimiDeltaAttention
 from helixserve.models.mla import MultiLatentAttention
 from helixserve.models.mlp import GatedMLP

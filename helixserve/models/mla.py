@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from helixserve import kernels
+from helixserve.cache_layout import ModelCaches
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.context import ForwardBatch, ModelCaches
+from helixserve.models.context import ForwardBatch
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
 from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear

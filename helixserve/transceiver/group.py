@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle, CacheManager
-from helixserve.models.context import ModelCaches
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.consensus import LocalStatus, TransferConsensus

@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
-from helixserve.models.context import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.transceiver.base import PayloadKind, TransferState

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from helixserve.cache_layout import ModelCaches, head_slice
 from helixserve.kvcache.helix import local_logical_blocks
-from helixserve.models.context import ModelCaches
 from helixserve.protocol.disagg import KVLayout
 from helixserve.transceiver.base import PayloadKind
 
@@ -83,16 +83,6 @@ def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: 
     if diffs:
         raise LayoutMismatchError(
             f"KV layout mismatch ({ours_name} != {theirs_name}): " + "; ".join(diffs))
-
-
-def head_slice(num_heads: int, cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """Heads ``[r*H/c, (r+1)*H/c)`` of CP rank `cp_rank`; H must be divisible by `cp_size`."""
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank={cp_rank} cp_size={cp_size}")
-    if num_heads % cp_size:
-        raise ValueError(f"{num_heads} KDA heads cannot be split over cp_size={cp_size}")
-    share = num_heads // cp_size
-    return cp_rank * share, (cp_rank + 1) * share
 
 
 def itemsize(name: str) -> int:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import itertools
 import logging
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
-from helixserve.models.context import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import DisaggregatedParams, KVLayout
 from helixserve.transceiver.base import ReceiverSession, TransferState

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.transceiver.answering import answer_within
-from helixserve.models.context import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import SenderSession, TransferState

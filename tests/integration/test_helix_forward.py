@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helixserve.engine.runner import cache_spec_for
+from helixserve.cache_layout import cache_spec_for
 from helixserve.kvcache import CacheManager, local_logical_blocks
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.checkpoint import load_model

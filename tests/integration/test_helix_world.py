@@ -20,13 +20,13 @@ import time
 import pytest
 import torch
 
+from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd import WorldDriver, WorldStoppedError, serve_rank
 from helixserve.engine.world_llm import WorldOptions, build_rank_engine, drive_to_completion
 from helixserve.kvcache.pools import allocate_model_caches
-from helixserve.engine.runner import cache_spec_for
 from helixserve.models.caches import SeqChunk, build_batch
 from helixserve.models.checkpoint import load_model
 from helixserve.parallel import LocalWorldError, Mapping, init_parallel, run_local_world

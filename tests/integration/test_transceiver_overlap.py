@@ -48,7 +48,7 @@ def _gen_config():
 
 
 def _layout_and_spec(cp_size: int = 1):
-    from helixserve.engine.runner import cache_spec_for
+    from helixserve.cache_layout import cache_spec_for
     from helixserve.models.presets import get_preset
     from helixserve.transceiver.layout import layout_for
 

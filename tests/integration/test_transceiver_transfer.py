@@ -136,7 +136,7 @@ def _ctx_main(checkpoints: dict, commands, results) -> None:
 def _victim_main(commands, results) -> None:
     """A ctx process without a model (random cache contents) that the test kills mid-transfer."""
     _quiet()
-    from helixserve.engine.runner import cache_spec_for
+    from helixserve.cache_layout import cache_spec_for
     from helixserve.kvcache.manager import CacheManager
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
@@ -226,7 +226,7 @@ def _gen_main(rank: int, init_method: str, checkpoints: dict, commands, results)
     _quiet()
     from helixserve.config import CacheConfig
     from helixserve.engine.llm import LLM
-    from helixserve.engine.runner import cache_spec_for
+    from helixserve.cache_layout import cache_spec_for
     from helixserve.kvcache.manager import CacheManager
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.config import KimiModelConfig

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import Request, SamplingParams
-from helixserve.engine.runner import cache_spec_for
 from helixserve.engine.scheduler import Scheduler
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import bytes_per_block, bytes_per_slot

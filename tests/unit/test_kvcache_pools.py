@@ -3,15 +3,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helixserve.cache_layout import CacheSpec, ModelCaches
 from helixserve.kvcache.pools import (
-    CacheSpec,
     allocate_model_caches,
     bytes_per_block,
     bytes_per_slot,
     reset_slots,
     size_from_budget,
 )
-from helixserve.models.context import ModelCaches
 
 
 def _spec(**kw):

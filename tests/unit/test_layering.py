@@ -74,6 +74,63 @@ def test_imports_without_torch(module):
     assert result.returncode == 0, f"importing {module} imports torch:\n{result.stderr[-2000:]}"
 
 
+
+def package_modules(*packages: str) -> list[Path]:
+    return sorted(p for pkg in packages for p in (ROOT / "helixserve" / pkg).rglob("*.py"))
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def imports_from(path: Path, prefixes: tuple[str, ...]) -> list[str]:
+    return [n for n in imported_modules(path) if any(n == f or n.startswith(f + ".") for f in prefixes)]
+
+
+# the cache layout: one leaf that models, kvcache and transceiver import (issue 18)
+LAYOUT_LEAF = ROOT / "helixserve" / "cache_layout.py"
+LAYOUT_NAMES = ("ModelCaches", "CacheSpec", "CacheGeometry", "cache_spec_for", "head_slice")
+
+
+@pytest.mark.parametrize("path", package_modules("models"), ids=rel)
+def test_models_import_nothing_from_kvcache_or_transceiver(path):
+    bad = imports_from(path, ("helixserve.kvcache", "helixserve.transceiver"))
+    assert not bad, f"{rel(path)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", package_modules("kvcache", "transceiver"), ids=rel)
+def test_kvcache_and_transceiver_import_no_model_module(path):
+    bad = imports_from(path, ("helixserve.models",))
+    assert not bad, f"{rel(path)} imports {bad} (the cache layout is helixserve.cache_layout)"
+
+
+def test_the_layout_leaf_imports_only_torch_and_the_standard_library():
+    tops = {n.split(".")[0] for n in imported_modules(LAYOUT_LEAF)}
+    assert tops <= set(sys.stdlib_module_names) | {"torch", "__future__"}, tops
+    code = ("import sys, helixserve.cache_layout; "
+            "print(sorted(m for m in sys.modules if m.startswith('helixserve.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['helixserve.cache_layout']"
+
+
+def test_the_cache_layout_is_defined_once_and_imported_from_the_leaf():
+    """No second definition and no re-export: every import of a layout name names the leaf."""
+    defined: dict[str, list[str]] = {}
+    wrong: list[str] = []
+    for path in sorted((ROOT / "helixserve").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py")) \
+            + sorted((ROOT / "bench").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in LAYOUT_NAMES \
+                    and rel(path).startswith("helixserve/"):
+                defined.setdefault(node.name, []).append(rel(path))
+            elif isinstance(node, ast.ImportFrom) and node.module != "helixserve.cache_layout" \
+                    and any(a.name in LAYOUT_NAMES for a in node.names) and node.module != "__future__":
+                wrong.append(f"{rel(path)}: from {node.module} import ...")
+    assert defined == {n: ["helixserve/cache_layout.py"] for n in LAYOUT_NAMES}, defined
+    assert not wrong, wrong
+
+
 # engine error -> (status, code) the client sees: exactly the answers of the servers before the
 # engine had its own errors
 MAPPED = [

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helixserve.cache_layout import head_slice
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
 import helixserve.transceiver.layout as layout_module
 from helixserve.transceiver.layout import (AUX_WORDS, SMALL_SEGMENT_UNITS, LayoutMismatchError, SegmentMemory,
-                                           ShardSpec, check_layout, decode_aux, encode_aux, head_slice, layout_for, plan_messages,
+                                           ShardSpec, check_layout, decode_aux, encode_aux, layout_for, plan_messages,
                                            shard_segments, wire_tag)
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from helixserve.engine.runner import cache_spec_for
+from helixserve.cache_layout import cache_spec_for
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset

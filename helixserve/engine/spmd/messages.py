@@ -8,11 +8,11 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.engine.core import EngineStats
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.kvcache.manager import CacheHandle
-from helixserve.models.context import ModelCaches
 from helixserve.parallel import CollectiveError, ParallelGroups
 
 

@@ -24,10 +24,10 @@ from helixserve.engine.spmd.messages import (
     broadcast_plan,
     gather_reports,
 )
+from helixserve.cache_layout import ModelCaches
 from helixserve.engine.stop import StopChecker
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import reset_slots
-from helixserve.models.context import ModelCaches
 from helixserve.models.helix import HelixKimiForCausalLM
 from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.consensus import LocalStatus, TransferConsensus
