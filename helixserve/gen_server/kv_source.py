@@ -113,14 +113,11 @@ class UcxReceiverFactory:
 
     def __call__(self, mapping) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping)
         from helixserve.transceiver.receiver import KVReceiver
-        from helixserve.transceiver.ucxx_backend.devices import local_address_toward, net_devices_for
 
-        config = self.config
-        if config.ucx_net_devices is None:  # this rank's interface on the route to the ctx workers
-            devices = net_devices_for(local_address_toward(self.ctx_hosts))
-            config = config.model_copy(update={"ucx_net_devices": devices})
-        receiver = KVReceiver(config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
-                              gen_rank=mapping.rank)
+        # the data plane comes from config.backend's factory (transceiver.plane), which may bind
+        # toward the ctx hosts (ucxx: this rank's interface on the route to them)
+        receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
+                              gen_rank=mapping.rank, peer_hosts=self.ctx_hosts)
         return PacedKVReceiver(receiver, self.config.poll_interval_s)
 
 

@@ -306,8 +306,9 @@ class FakeDataPlane(DataPlane):
         self._address = _address_of(rank)
 
     @classmethod
-    def for_transceiver(cls, config: Any, wakeup: threading.Event, host: str | None = None) -> FakeDataPlane:
-        """A new worker on the installed fabric (see `install_fabric`)."""
+    def for_transceiver(cls, config: Any, wakeup: threading.Event, host: str | None = None,
+                        peer_hosts: tuple[str, ...] = ()) -> FakeDataPlane:
+        """A new worker on the installed fabric (see `install_fabric`); hosts play no part."""
         return installed_fabric().plane(wakeup=wakeup)
 
     @property

@@ -3,8 +3,8 @@
 A `DataPlane` is one rank's endpoint of a tagged-message fabric (ucxx in deployments, the
 in-process fake in tests). The transfer path calls exactly these methods:
 
-- `for_transceiver(config, wakeup, host)`: the plane of a KV sender or receiver (built only
-  through `open_data_plane`, which picks the class by `TransceiverConfig.backend`);
+- `for_transceiver(config, wakeup, host, peer_hosts)`: the plane of a KV sender or receiver
+  (built only through `open_data_plane`, which picks the class by `TransceiverConfig.backend`);
 - `address`: this worker's address, handed to peers through the control plane;
 - `connect_worker(address)`: the shared, long-lived endpoint to a peer worker (its key);
 - `send_message` / `recv_message`: one message with a caller-built 64-bit wire tag; receives are
@@ -61,8 +61,10 @@ class DataPlane(ABC):
     @classmethod
     @abstractmethod
     def for_transceiver(cls, config: TransceiverConfig, wakeup: threading.Event,
-                        host: str | None = None) -> DataPlane:
-        """A KV sender's or receiver's plane; completions set `wakeup`; `host`: where it serves."""
+                        host: str | None = None, peer_hosts: tuple[str, ...] = ()) -> DataPlane:
+        """A KV sender's or receiver's plane; completions set `wakeup`; `host`: where it serves
+        (a sender); `peer_hosts`: the hosts it will reach (a receiver, which serves nowhere: a
+        backend that binds per network interface takes the one on the route to them)."""
 
     @property
     @abstractmethod
@@ -110,7 +112,8 @@ def load_data_plane(kind: TransceiverBackendKind) -> type[DataPlane]:
     raise ValueError(f"unknown transceiver backend {kind!r}")
 
 
-def open_data_plane(config: TransceiverConfig, wakeup: threading.Event, host: str | None = None) -> DataPlane:
+def open_data_plane(config: TransceiverConfig, wakeup: threading.Event, host: str | None = None,
+                    peer_hosts: tuple[str, ...] = ()) -> DataPlane:
     """THE way a KV sender or receiver gets its plane: the `config.backend` class's
-    `for_transceiver(config, wakeup, host)`."""
-    return load_data_plane(config.backend).for_transceiver(config, wakeup, host)
+    `for_transceiver(config, wakeup, host, peer_hosts)`."""
+    return load_data_plane(config.backend).for_transceiver(config, wakeup, host, tuple(peer_hosts))

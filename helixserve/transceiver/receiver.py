@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
@@ -62,10 +63,11 @@ class KVReceiver:
         layout: this rank's layout with *global* head counts (as a ctx worker advertises it).
         cp_rank / cp_size: this rank's place in its CP group (defines the shard).
         gen_rank: this rank's id in the gen world (errors, logs).
+        peer_hosts: the ctx transceivers' hosts it will reach (the data plane may bind toward them).
     """
 
     def __init__(self, config: TransceiverConfig, layout: KVLayout, *, cp_rank: int = 0, cp_size: int = 1,
-                 gen_rank: int = 0, clock: Clock | None = None) -> None:
+                 gen_rank: int = 0, clock: Clock | None = None, peer_hosts: Sequence[str] = ()) -> None:
         check_layout(layout, layout, "gen", "gen")
         ShardSpec(layout, 1, cp_rank, cp_size)  # KDA heads divisible by cp_size
         self.config = config
@@ -74,7 +76,8 @@ class KVReceiver:
         self.gen_rank = gen_rank
         self.clock: Clock = clock or MonotonicClock()
         self.poller = TransferPoller(clock=self.clock)
-        self.plane: DataPlane = open_data_plane(config, self.poller.wakeup)  # config.backend picks it
+        # config.backend picks it
+        self.plane: DataPlane = open_data_plane(config, self.poller.wakeup, peer_hosts=tuple(peer_hosts))
         self.retractor = Retractor(self.plane, self.clock, config.timeout_s)
         self.clients = ControlClients(config.rpc_timeout_s, config)
         self.staging = staging_for(config)

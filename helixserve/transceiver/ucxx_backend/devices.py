@@ -104,9 +104,12 @@ def net_devices_for(host: str | None) -> str | None:
     return ",".join([name, *rdma_devices()])
 
 
-def ucx_net_devices(configured: str | None, host: str | None) -> str | None:
+def ucx_net_devices(configured: str | None, host: str | None, peer_hosts: Iterable[str] = ()) -> str | None:
     """``TransceiverConfig.ucx_net_devices`` resolved for a worker at ``host``: ``"all"`` -> None
-    (UCX's default), a list as given, None -> :func:`net_devices_for` ``host``."""
+    (UCX's default), a list as given, None -> :func:`net_devices_for` ``host`` (``host`` None: this
+    machine's address on the route to ``peer_hosts``, :func:`local_address_toward`)."""
     if configured == ALL_DEVICES:
         return None
-    return configured or net_devices_for(host)
+    if configured:
+        return configured
+    return net_devices_for(host if host is not None else local_address_toward(peer_hosts))

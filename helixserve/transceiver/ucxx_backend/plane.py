@@ -251,13 +251,15 @@ class UcxxDataPlane(DataPlane):
             self._notifier = _CompletionNotifier(self)
 
     @classmethod
-    def for_transceiver(cls, config: Any, wakeup: threading.Event, host: str | None = None) -> UcxxDataPlane:
+    def for_transceiver(cls, config: Any, wakeup: threading.Event, host: str | None = None,
+                        peer_hosts: tuple[str, ...] = ()) -> UcxxDataPlane:
         """A KV sender's or receiver's plane: progress thread, wakeups per ``config``
-        (``TransceiverConfig``), network devices of ``config.ucx_net_devices`` for a worker at ``host``."""
+        (``TransceiverConfig``), network devices of ``config.ucx_net_devices`` for a worker at
+        ``host`` (a receiver: at its address on the route to ``peer_hosts``)."""
         from helixserve.transceiver.ucxx_backend.devices import ucx_net_devices
 
         return cls(progress_thread=True, wakeup=wakeup, wakeup_on_completion=config.wake_on_completion,
-                   net_devices=ucx_net_devices(config.ucx_net_devices, host))
+                   net_devices=ucx_net_devices(config.ucx_net_devices, host, peer_hosts))
 
     @property
     def address(self) -> bytes:
