@@ -35,11 +35,12 @@ from _common import base_parser, machine_info, markdown_table, median, write_jso
 from helixserve.cache_layout import cache_spec_for  # noqa: E402
 from helixserve.kvcache import CacheManager  # noqa: E402
 from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
+from helixserve.launch.processes import run_local_world  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402
 from helixserve.models.context import ForwardBatch  # noqa: E402
 from helixserve.models.helix import HelixKimiForCausalLM, PhaseTimer  # noqa: E402
 from helixserve.models.presets import PRESETS  # noqa: E402
-from helixserve.parallel import Mapping, init_parallel, run_local_world  # noqa: E402
+from helixserve.parallel import Mapping, init_parallel  # noqa: E402
 
 TPB = 16
 # K3 layer kinds (layer 0 dense, then MoE; KDA + MLA; attention residuals; latent MoE; SiTU)

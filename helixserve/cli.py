@@ -166,7 +166,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from helixserve.serving.launch import launch
+    from helixserve.launch.local import launch
 
     return launch(args.config, model=args.model, port=args.port, log_level=args.log_level,
                   ready_timeout_s=args.ready_timeout, restart=args.restart, max_restarts=args.max_restarts)

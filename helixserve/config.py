@@ -182,7 +182,7 @@ class LimitsConfig(_Strict):
 
 
 class SlurmJobConfig(_Strict):
-    """``python -m helixserve.launch_slurm`` (``--ready-timeout`` / ``--grace`` override these)."""
+    """``python -m helixserve.launch.slurm`` (``--ready-timeout`` / ``--grace`` override these)."""
 
     ready_timeout_s: float = Field(600.0, gt=0)  # the router's /ready, from the first srun step
     stop_grace_s: float = Field(20.0, ge=0)  # between SIGTERM to every step and SIGKILL

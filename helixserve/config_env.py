@@ -4,7 +4,7 @@ Two launchers describe a process through its environment:
 
 - SLURM's batch / step variables (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``, ``SLURM_PROCID``,
   ``SLURM_NTASKS``, ``SLURM_SUBMIT_DIR``): :func:`slurm_env_from` -> :class:`SlurmEnv`, what the
-  SLURM launcher (``helixserve.launch_slurm``) plans a job from.
+  SLURM launcher (``helixserve.launch.slurm``) plans a job from.
 - torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or
   srun's per-task ones (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, with
   ``SLURM_JOB_NODELIST`` / ``SLURM_JOB_ID`` for a missing address): :func:`dist_env_from` ->

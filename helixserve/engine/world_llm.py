@@ -33,10 +33,11 @@ from helixserve.engine.spmd import KVReceiver, RankEngine, WorldDriver, serve_ra
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
+from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer
-from helixserve.parallel import Mapping, ParallelGroups, init_parallel, run_local_world
-from helixserve.parallel.launch import free_port
+from helixserve.parallel import Mapping, ParallelGroups, init_parallel
+from helixserve.parallel.ports import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ requests with 503 meanwhile), the supervisor:
 
 1. closes the failed world: the surviving spawned ranks are killed after a short grace, rank 0
    leaves its process groups, its KV receiver is closed;
-2. waits the policy's backoff (:class:`~helixserve.serving.restarts.RestartBudget`) and starts a
+2. waits the policy's backoff (:class:`~helixserve.launch.restarts.RestartBudget`) and starts a
    fresh world (new rendezvous, ranks spawned again, shards loaded again, one warm-up request
    through every rank); a start that fails counts as a failure too;
 3. hands the new world to the engine thread (:meth:`take_ready`), which swaps it in: the worker
@@ -33,7 +33,7 @@ from typing import Any
 from helixserve.config import RestartPolicy
 from helixserve.engine.spmd import WorldDriver
 from helixserve.engine.world_llm import LocalWorld
-from helixserve.serving.restarts import RestartBudget
+from helixserve.launch.restarts import RestartBudget
 
 logger = logging.getLogger(__name__)
 

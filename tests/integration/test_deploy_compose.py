@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from helixserve.config import DeploymentConfig
-from helixserve.launch_slurm import role_args
+from helixserve.launch.slurm import role_args
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "deploy" / "compose.yaml"
@@ -58,7 +58,7 @@ def shared_config_file(spec: dict) -> Path:
 
 def launcher_args(deploy: DeploymentConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """The arguments `helixserve launch` gives each process (captured, not started)."""
-    from helixserve.serving import launch
+    from helixserve.launch import local as launch
 
     started: list[list[str]] = []
 
@@ -146,7 +146,7 @@ def test_compose_config_equals_the_launchers_config_but_for_the_network(profile:
 
 
 def test_compose_default_config_matches_launchs_built_in_default() -> None:
-    from helixserve.serving.launch import default_deployment
+    from helixserve.launch.local import default_deployment
 
     deploy = DeploymentConfig.from_yaml(shared_config_file(service_sets()["default"]["router"]))
     default = without_network(default_deployment())

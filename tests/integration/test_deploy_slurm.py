@@ -244,7 +244,7 @@ dist.destroy_process_group()
 def test_srun_starts_a_gen_worlds_ranks_with_its_rank0_rendezvous(slurm_cluster: Cluster, tmp_path: Path) -> None:
     """The gen step exactly as the launcher plans it (dp 1 x cp 2), running a gloo all_reduce."""
     from helixserve.config import DeploymentConfig
-    from helixserve.launch_slurm import Placement, node_addresses, place, plan_steps
+    from helixserve.launch.slurm import Placement, node_addresses, place, plan_steps
 
     hosts = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N").stdout.split()[:1]
     deploy = DeploymentConfig(model={"path": "/unused"}, gen=[{"dp": 1, "cp": 2}])

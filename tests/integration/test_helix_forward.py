@@ -22,12 +22,13 @@ import torch
 from helixserve.cache_layout import cache_spec_for
 from helixserve.kvcache import CacheManager, local_logical_blocks
 from helixserve.kvcache.pools import allocate_model_caches
+from helixserve.launch.processes import run_local_world
 from helixserve.models.checkpoint import load_model
 from helixserve.models.context import ForwardBatch
 from helixserve.models.helix import HelixConfigError, HelixKimiForCausalLM, check_helix_config
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.presets import get_preset
-from helixserve.parallel import Mapping, init_parallel, run_local_world
+from helixserve.parallel import Mapping, init_parallel
 
 TPB, NUM_BLOCKS, NUM_SLOTS = 4, 64, 8
 WORLDS = [(1, 2), (2, 1), (2, 2), (1, 4)]

@@ -27,9 +27,10 @@ from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd import WorldDriver, WorldStoppedError, serve_rank
 from helixserve.engine.world_llm import WorldOptions, build_rank_engine, drive_to_completion
 from helixserve.kvcache.pools import allocate_model_caches
+from helixserve.launch.processes import LocalWorldError, run_local_world
 from helixserve.models.caches import SeqChunk, build_batch
 from helixserve.models.checkpoint import load_model
-from helixserve.parallel import LocalWorldError, Mapping, init_parallel, run_local_world
+from helixserve.parallel import Mapping, init_parallel
 
 CACHE = CacheConfig(tokens_per_block=4, memory_budget_mib=4, max_num_seqs=6)
 OPTIONS = WorldOptions(cache=CACHE, timeout_s=30)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helixserve.launch.processes import run_local_world
 from helixserve.parallel import (
     Mapping,
     all_gather_counts,
@@ -16,7 +17,6 @@ from helixserve.parallel import (
     init_parallel,
     lse_all_to_all,
     reduce_scatter_rows,
-    run_local_world,
     split_rows,
 )
 

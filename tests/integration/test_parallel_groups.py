@@ -7,14 +7,13 @@ import time
 import pytest
 import torch
 
+from helixserve.launch.processes import LocalWorldError, run_local_world
 from helixserve.parallel import (
     CollectiveError,
-    LocalWorldError,
     Mapping,
     all_gather_rows,
     init_parallel,
     reduce_scatter_rows,
-    run_local_world,
 )
 
 COLLECTIVE_TIMEOUT_S = 2.0

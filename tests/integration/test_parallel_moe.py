@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helixserve.parallel import Mapping, init_parallel, moe_a2a, moe_dispatch, run_local_world
+from helixserve.launch.processes import run_local_world
+from helixserve.parallel import Mapping, init_parallel, moe_a2a, moe_dispatch
 
 NUM_EXPERTS, TOP_K, HIDDEN, OUT = 8, 3, 6, 5
 

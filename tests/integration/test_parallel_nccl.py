@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from helixserve.parallel import CollectiveError, Mapping, all_gather_rows, init_parallel, run_local_world
+from helixserve.launch.processes import run_local_world
+from helixserve.parallel import CollectiveError, Mapping, all_gather_rows, init_parallel
 from tests.integration.test_parallel_collectives import TOKEN_COUNTS, _lse_worker, _rows_worker
 from tests.integration.test_parallel_moe import _moe_worker
 

@@ -309,7 +309,7 @@ class Mailbox:
 
 class World(Mailbox):
     def __init__(self, checkpoints: dict) -> None:
-        from helixserve.parallel.launch import free_port
+        from helixserve.parallel.ports import free_port
 
         # forkserver with torch preloaded: five fresh interpreters importing torch on two cores take
         # ~15 s; forks of one that has it take ~2 s. (No UCX, gRPC or threads in the server.)

@@ -17,7 +17,8 @@ from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd import WorldDriver, serve_rank
 from helixserve.engine.world_llm import WorldOptions, build_rank_engine, drive_to_completion
-from helixserve.parallel import Mapping, init_parallel, run_local_world
+from helixserve.launch.processes import run_local_world
+from helixserve.parallel import Mapping, init_parallel
 
 PRESET = "kimi-k3-tiny"
 BUDGET = 32

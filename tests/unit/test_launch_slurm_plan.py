@@ -1,4 +1,4 @@
-"""helixserve.launch_slurm without a cluster: SLURM variables, placement defaults and errors,
+"""helixserve.launch.slurm without a cluster: SLURM variables, placement defaults and errors,
 resolved hosts, and the srun command lines of every step."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from helixserve.config import DeploymentConfig
 from helixserve.config_env import slurm_env_from
-from helixserve.launch_slurm import Placement, place, plan_steps, role_args
+from helixserve.launch.slurm import Placement, place, plan_steps, role_args
 
 
 def deployment(num_ctx: int = 1, gens: tuple[tuple[int, int], ...] = ((1, 2),), device: str = "cpu"
@@ -120,7 +120,7 @@ def test_the_internal_secret_reaches_the_steps_by_environment_only(tmp_path: Pat
 
     from helixserve.config import (INTERNAL_SECRET_ENV, INTERNAL_SECRET_FILE_ENV, child_environment,
                                    ensure_internal_secret)
-    from helixserve.launch_slurm import Job, Step
+    from helixserve.launch.slurm import Job, Step
 
     monkeypatch.delenv(INTERNAL_SECRET_ENV, raising=False)
     monkeypatch.delenv(INTERNAL_SECRET_FILE_ENV, raising=False)

@@ -67,7 +67,7 @@ def test_the_import_parser_sees_protocol_imports(tmp_path):
 
 @pytest.mark.parametrize("module", ["helixserve.parallel.mapping", "helixserve.parallel",
                                     "helixserve.serving.http", "helixserve.serving.auth",
-                                    "helixserve.engine.errors"])
+                                    "helixserve.engine.errors", "helixserve.launch.restarts"])
 def test_imports_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -129,6 +129,43 @@ def test_the_cache_layout_is_defined_once_and_imported_from_the_leaf():
                 wrong.append(f"{rel(path)}: from {node.module} import ...")
     assert defined == {n: ["helixserve/cache_layout.py"] for n in LAYOUT_NAMES}, defined
     assert not wrong, wrong
+
+
+
+# launch code sits in one package at the top: it may import servers, engine and config; below it,
+# only these import it, each with its reason (the issue moves them; they leave this list then)
+LAUNCH_IMPORTERS_ALLOWED = {
+    # issue 18 names engine/world_llm launch code; it is being rewritten (local worlds of processes)
+    "helixserve/engine/world_llm.py": "helixserve.launch.processes",
+    # a gen worker restarts its world under the same bounded-restart policy as `helixserve launch`
+    "helixserve/gen_server/supervisor.py": "helixserve.launch.restarts",
+}
+OLD_LAUNCH_MODULES = ("helixserve/serving/launch.py", "helixserve/serving/restarts.py", "helixserve/launch_slurm.py",
+                      "helixserve/parallel/launch.py")
+
+
+@pytest.mark.parametrize("path", [p for p in sorted((ROOT / "helixserve").rglob("*.py"))
+                                  if "helixserve/launch/" not in rel(p) and rel(p) != "helixserve/cli.py"], ids=rel)
+def test_nothing_below_the_launch_package_imports_it(path):
+    found = sorted(set(imports_from(path, ("helixserve.launch",))))
+    allowed = LAUNCH_IMPORTERS_ALLOWED.get(rel(path))
+    bad = [n for n in found if allowed is None or not (n == allowed or n.startswith(allowed + "."))]
+    assert not bad, f"{rel(path)} imports {bad}: launch code is the top layer"
+
+
+def test_the_launch_allow_list_is_still_needed():
+    stale = [p for p, mod in LAUNCH_IMPORTERS_ALLOWED.items()
+             if not any(n == mod or n.startswith(mod + ".") for n in imported_modules(ROOT / p))]
+    assert not stale, f"drop {stale} from LAUNCH_IMPORTERS_ALLOWED"
+
+
+def test_launch_code_is_in_one_package():
+    assert not [m for m in OLD_LAUNCH_MODULES if (ROOT / m).exists()]
+    assert {p.name for p in (ROOT / "helixserve" / "launch").glob("*.py")} == {
+        "__init__.py", "local.py", "processes.py", "restarts.py", "slurm.py"}
+    out = subprocess.run([sys.executable, "-m", "helixserve.launch.slurm", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "python -m helixserve.launch.slurm" in out.stdout, out.stderr[-2000:]
 
 
 # engine error -> (status, code) the client sees: exactly the answers of the servers before the

@@ -101,7 +101,7 @@ def test_config_resolves_the_launch_timeouts() -> None:
     """The launchers' waits default from the config (no second literal in the launchers)."""
     from helixserve.cli import build_parser
     from helixserve.config import DeploymentConfig
-    from helixserve.launch_slurm import parse_args
+    from helixserve.launch.slurm import parse_args
 
     deploy = DeploymentConfig(model={"path": "/m"})
     assert deploy.launch.ready_timeout_s == 180.0 and deploy.launch.slurm.ready_timeout_s == 600.0

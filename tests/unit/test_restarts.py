@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from helixserve.config import DeploymentConfig, RestartPolicy
-from helixserve.serving.launch import with_restart_overrides
-from helixserve.serving.restarts import RestartBudget
+from helixserve.launch.local import with_restart_overrides
+from helixserve.launch.restarts import RestartBudget
 
 
 class Clock:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from helixserve.config import (CacheConfig, DeploymentConfig, GenServerConfig, child_environment,
                                ensure_internal_secret)
-from helixserve.serving.restarts import RestartBudget
+from helixserve.launch.restarts import RestartBudget
 
 DEFAULT_MODEL_DIR = Path("checkpoints/kimi-k3-tiny")
 DEFAULT_PRESET = "kimi-k3-tiny"

@@ -226,7 +226,7 @@ def log_tail(path: Path, num_lines: int = 20) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m helixserve.launch_slurm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m helixserve.launch.slurm", description=__doc__.splitlines()[0])
     p.add_argument("-c", "--config", default=None, help="deployment YAML (default: helixserve launch's)")
     p.add_argument("--model", default=None, help="checkpoint directory (overrides model.path)")
     p.add_argument("--port", type=int, default=None, help="router port (overrides router.port)")
@@ -242,7 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare(args: argparse.Namespace, env: SlurmEnv) -> tuple[DeploymentConfig, list[Step], Path]:
     """Steps 1-3 and the step plan; writes config.yaml and plan.json into the job directory."""
-    from helixserve.serving.launch import resolve_deployment
+    from helixserve.launch.local import resolve_deployment
 
     job_dir = Path(args.job_dir or Path(env.submit_dir or ".") / f"helixserve-job-{env.job_id}").resolve()
     job_dir.mkdir(parents=True, exist_ok=True)
