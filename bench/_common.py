@@ -67,6 +67,7 @@ class DecodeRun:
     step_seconds: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     num_prefill_steps: int = 0  # steps until every request had its first token
+    drain_seconds: list[float] = field(default_factory=list)  # steps after the last token (work in flight)
 
     @property
     def decode_seconds(self) -> float:
@@ -120,7 +121,9 @@ def run_decode(engine: EngineLike, request_ids: Sequence[str], prompts: Sequence
     for _ in range(4):
         if not engine.has_unfinished_requests():
             break
+        start = time.perf_counter()
         engine.step()
+        run.drain_seconds.append(time.perf_counter() - start)
     return run
 
 
