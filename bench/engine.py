@@ -200,7 +200,8 @@ class Bench:
         ids = [f"bench-{side}-{next(self._ids)}" for _ in batch_prompts]
         run = run_decode(engine, ids, batch_prompts, params)
         assert run.num_prefill_steps == 1 and len(run.stamps) == n, (
-            f"expected one prefill step and {n - 1} decode steps, got {run.num_prefill_steps} and {len(run.stamps) - 1}")
+            f"expected one prefill step and {n - 1} decode steps, "
+            f"got {run.num_prefill_steps} and {len(run.stamps) - 1}")
         assert all(len(t) == n for t in run.tokens), [len(t) for t in run.tokens]
         self.last_tokens[side] = run.tokens
         return run.decode_seconds
