@@ -88,6 +88,9 @@ def decode_rate(engine: EngineLike, prompts: Sequence[list[int]], new_tokens: in
     finally:
         if spans is not None:
             spans.stop()
+    short = {rid: len(t) for rid, t in zip(ids, run.tokens) if len(t) != new_tokens}
+    if short:  # a failed step (an engine reports it on the requests, e.g. an eager decode step above)
+        raise RuntimeError(f"requests ended with fewer than {new_tokens} tokens: {short}")
     walls = sum(run.step_seconds[1:]) + sum(run.drain_seconds)
     tok_s = run.decode_tokens / walls
     return tok_s, (1 - spans.gpu_seconds() / walls) if spans is not None and spans.spans else None
