@@ -1,4 +1,5 @@
-"""Shared bench helpers: the common flags, timing (warm-up, then median), Markdown table, JSON out."""
+"""Shared bench helpers: the common flags, timing (warm-up, then median), decoding through an
+engine-like object (``EngineCore``, a gen world's driver), Markdown table, JSON out."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -39,6 +41,90 @@ def measure(fns: Sequence[Callable[[], float | None]], warmup: int, reps: int) -
             inner = fn()
             out.append(time.perf_counter() - start if inner is None else inner)
     return times
+
+
+class EngineLike(Protocol):
+    """What :func:`run_decode` drives: ``EngineCore`` and a gen world's ``WorldDriver`` both are."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any: ...
+
+    def step(self) -> Sequence[Any]: ...  # RequestUpdate: .request_id, .token_id, .is_finished
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """One batch decoded by :func:`run_decode`.
+
+    ``stamps`` / ``step_seconds`` / ``step_tokens``: for every step from the one that gave the
+    last of the batch its first token (the prefill's end) to the one that sampled the last token,
+    the ``perf_counter`` after it, its wall time and how many of the batch's tokens it sampled.
+    """
+
+    tokens: list[list[int]]  # per request, in prompt order
+    stamps: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    num_prefill_steps: int = 0  # steps until every request had its first token
+    drain_seconds: list[float] = field(default_factory=list)  # steps after the last token (work in flight)
+
+    @property
+    def decode_seconds(self) -> float:
+        """From the prefill's last sampled token to the last sampled token."""
+        return self.stamps[-1] - self.stamps[0]
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens sampled after the prefill's end (the first step's are the prefill's)."""
+        return sum(self.step_tokens[1:])
+
+
+def run_decode(engine: EngineLike, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Any,
+               on_decode_start: Callable[[], None] | None = None, max_idle_steps: int = 64) -> DecodeRun:
+    """Add one request per prompt, step ``engine`` until all of them finished; see :class:`DecodeRun`.
+
+    Stops when these requests finished, not when the engine is idle (a world's driver also steps
+    for heartbeats), then steps at most 4 more times while the engine says it has work (an
+    overlapped step still in flight). ``on_decode_start`` runs once every request has its first
+    token, before the first decode step. Raises ``RuntimeError`` after ``max_idle_steps``
+    consecutive steps that sampled none of these tokens.
+    """
+    index = {rid: i for i, rid in enumerate(request_ids)}
+    run = DecodeRun([[] for _ in request_ids])
+    for rid, prompt in zip(request_ids, prompts, strict=True):
+        engine.add_request(rid, list(prompt), params)
+    unfinished, idle, decoding = set(request_ids), 0, False
+    while unfinished:
+        start = time.perf_counter()
+        updates = [u for u in engine.step() if u.request_id in index]
+        end = time.perf_counter()
+        for u in updates:
+            if u.token_id >= 0:
+                run.tokens[index[u.request_id]].append(u.token_id)
+            if u.is_finished:
+                unfinished.discard(u.request_id)
+        idle = 0 if updates else idle + 1
+        if idle > max_idle_steps:
+            raise RuntimeError(f"{max_idle_steps} steps sampled no token of {sorted(unfinished)[:4]}")
+        if not decoding:
+            run.num_prefill_steps += 1
+            if all(run.tokens):  # this step gave the batch's last first token: the prefill's end
+                decoding = True
+                run.stamps, run.step_seconds, run.step_tokens = [end], [end - start], [len(updates)]
+                if on_decode_start is not None and unfinished:
+                    on_decode_start()
+            continue
+        run.stamps.append(end)
+        run.step_seconds.append(end - start)
+        run.step_tokens.append(sum(u.token_id >= 0 for u in updates))
+    for _ in range(4):
+        if not engine.has_unfinished_requests():
+            break
+        start = time.perf_counter()
+        engine.step()
+        run.drain_seconds.append(time.perf_counter() - start)
+    return run
 
 
 def median(values: Sequence[float]) -> float:

@@ -6,12 +6,18 @@ loop; transformers: ``generate``), timed from the first sampled token to the las
 prefill is not counted. Both run in this process with the same ``torch.set_num_threads``; each
 figure is the median of a few repetitions after a warm-up.
 
+World rows ("world decode bs1/bs8"): the same decode through a gen world of one (dp 1 x cp 1,
+``start_local_world``: this process is its only rank) on the same checkpoint, cache and scheduler
+config, prompts and threads, timed the same way (``_common.run_decode``) alternating with the
+single-process engine (``LLM``); ``ratio`` = world / single (target >= 0.95), and whether their
+greedy tokens are equal. ``--world-models`` picks the models that get them.
+
 Models: ``kimi-linear-tiny`` (the preset), ``kimi-linear-bench`` (built here: hidden 256, 8 layers =
 6 KDA + 2 MLA, 16 experts top-2), both as random-weight transformers models written with
 ``save_pretrained`` and loaded by helixserve; ``kimi-k3-tiny`` (our ``make_checkpoint``) has no
 transformers counterpart, so its rows carry our figures only.
 
-    python bench/engine.py [--quick] [--out FILE] [--threads N] [--models a,b]
+    python bench/engine.py [--quick] [--out FILE] [--threads N] [--models a,b] [--world-models a,b]
 """
 
 from __future__ import annotations
@@ -35,16 +41,18 @@ if not torch.cuda.is_available():
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
-from _common import base_parser, machine_info, markdown_table, measure, median, write_json  # noqa: E402
+from _common import base_parser, machine_info, markdown_table, measure, median, run_decode, write_json  # noqa: E402
 
 from helixserve.config import CacheConfig, SchedulerConfig  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
+from helixserve.engine.world_llm import LocalWorld, WorldOptions, start_local_world  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402
 from helixserve.models.presets import PRESETS, make_checkpoint  # noqa: E402
 from helixserve.testing.hf_reference import build_hf_reference  # noqa: E402
 
 TARGET_RATIO = 2.0
+TARGET_WORLD_RATIO = 0.95
 PREFILL_LEN = 512
 DECODE_PROMPT_LEN = 32
 
@@ -73,6 +81,23 @@ class Row:
     @property
     def ratio(self) -> float | None:
         return None if self.hf_tok_s is None else self.ours_tok_s / self.hf_tok_s
+
+
+@dataclass(slots=True)
+class WorldRow:
+    """A gen world of one against the single-process engine, measured alternately in this run."""
+
+    model: str
+    metric: str
+    world_tok_s: float
+    single_tok_s: float
+    world_seconds: list[float]
+    single_seconds: list[float]
+    tokens_match: str
+
+    @property
+    def ratio(self) -> float:
+        return self.world_tok_s / self.single_tok_s
 
 
 def build_hf_checkpoint(config: dict[str, Any], out: Path) -> torch.nn.Module:
@@ -118,8 +143,8 @@ class _StepClock:
 
 
 class Bench:
-    def __init__(self, name: str, llm: LLM, hf: torch.nn.Module | None, args) -> None:
-        self.name, self.llm, self.hf, self.args = name, llm, hf, args
+    def __init__(self, name: str, llm: LLM, hf: torch.nn.Module | None, args, world: LocalWorld | None = None) -> None:
+        self.name, self.llm, self.hf, self.args, self.world = name, llm, hf, args, world
         self._ids = itertools.count()
         self._seeds = itertools.count(1)
         self.last_tokens: dict[str, list[list[int]]] = {}
@@ -143,29 +168,43 @@ class Bench:
 
         return self._row("prefill bs1×512", PREFILL_LEN, *self._measure(ours, hf))
 
-    def decode(self, batch: int) -> Row:
+    def decode(self, batch: int) -> list[Row | WorldRow]:
+        """The engine's decode row against transformers, and against it the world's (if any);
+        all sides take turns in one measurement."""
         n = self.args.new_tokens
         batch_prompts = prompts(batch, DECODE_PROMPT_LEN, seed=1000 + batch)
-        ours, hf = self._measure(lambda: self._ours_decode(batch_prompts, n),
-                                 lambda: self._hf_decode(batch_prompts, n))
-        match = None
+        sides = {"ours": lambda: self._engine_decode("ours", self.llm.engine, batch_prompts, n)}
         if self.hf is not None:
-            a, b = self.last_tokens["ours"], self.last_tokens["hf"]
-            same = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-            match = f"{same}/{batch * n}"
-        return self._row(f"decode bs{batch}", batch * (n - 1), ours, hf, match)
+            sides["hf"] = lambda: self._hf_decode(batch_prompts, n)
+        if self.world is not None:
+            sides["world"] = lambda: self._engine_decode("world", self.world.driver, batch_prompts, n)
+        times = dict(zip(sides, measure(list(sides.values()), self.args.warmup, self.args.reps), strict=True))
+        tokens = batch * (n - 1)
+        rows: list[Row | WorldRow] = [self._row(f"decode bs{batch}", tokens, times["ours"], times.get("hf"),
+                                                self._match("ours", "hf") if self.hf is not None else None)]
+        if self.world is not None:
+            world, single = tokens / median(times["world"]), tokens / median(times["ours"])
+            rows.append(WorldRow(self.name, f"world decode bs{batch}", world, single, times["world"], times["ours"],
+                                 self._match("world", "ours")))
+        return rows
 
-    def _ours_decode(self, batch_prompts: list[list[int]], n: int) -> float:
-        engine = self.llm.engine
+    def _match(self, a: str, b: str) -> str:
+        """How many greedy tokens of the last ``a`` and ``b`` runs agree, position by position."""
+        ra, rb = self.last_tokens[a], self.last_tokens[b]
+        same = sum(x == y for ta, tb in zip(ra, rb, strict=True) for x, y in zip(ta, tb, strict=True))
+        return f"{same}/{sum(len(t) for t in ra)}"
+
+    def _engine_decode(self, side: str, engine, batch_prompts: list[list[int]], n: int) -> float:
+        """Decode seconds of one batch through an ``EngineCore`` or a world's driver."""
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        requests = [engine.add_request(f"bench-{next(self._ids)}", p, params) for p in batch_prompts]
-        stamps = []
-        while engine.has_unfinished_requests():
-            engine.step()
-            stamps.append(time.perf_counter())
-        assert len(stamps) == n, f"expected one prefill step and {n - 1} decode steps, got {len(stamps)}"
-        self.last_tokens["ours"] = [list(r.output_token_ids) for r in requests]
-        return stamps[-1] - stamps[0]
+        ids = [f"bench-{side}-{next(self._ids)}" for _ in batch_prompts]
+        run = run_decode(engine, ids, batch_prompts, params)
+        assert run.num_prefill_steps == 1 and len(run.stamps) == n, (
+            f"expected one prefill step and {n - 1} decode steps, "
+            f"got {run.num_prefill_steps} and {len(run.stamps) - 1}")
+        assert all(len(t) == n for t in run.tokens), [len(t) for t in run.tokens]
+        self.last_tokens[side] = run.tokens
+        return run.decode_seconds
 
     def _hf_decode(self, batch_prompts: list[list[int]], n: int) -> float:
         from transformers import LogitsProcessorList
@@ -184,24 +223,41 @@ class Bench:
         return Row(self.name, metric, tokens / median(ours), None if hf is None else tokens / median(hf), ours, hf, match)
 
 
+# budget far above what the bench needs, so no preemption; 512-token prompts in one chunk
+CACHE = CacheConfig(memory_budget_mib=512, max_num_seqs=16)
+SCHEDULER = SchedulerConfig(max_num_batched_tokens=2048)
+
+
 def load_llm(path: Path) -> LLM:
-    # budget far above what the bench needs, so no preemption; 512-token prompts in one chunk
-    return LLM(path, dtype="float32", cache=CacheConfig(memory_budget_mib=512, max_num_seqs=16),
-               scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+    return LLM(path, dtype="float32", cache=CACHE, scheduler=SCHEDULER)
 
 
-def run_model(name: str, workdir: Path, args) -> list[Row]:
+def load_world(path: Path) -> LocalWorld:
+    """A gen world of one (this process is its rank 0) with the single engine's settings."""
+    return start_local_world(path, dp=1, cp=1, options=WorldOptions(cache=CACHE, scheduler=SCHEDULER, dtype="float32"))
+
+
+def run_model(name: str, workdir: Path, args) -> list[Row | WorldRow]:
     path = workdir / name
     if name == "kimi-k3-tiny":
         make_checkpoint(name, path)
         hf = None
     else:
         hf = build_hf_checkpoint(KIMI_LINEAR_BENCH if name == "kimi-linear-bench" else PRESETS[name], path)
-    bench = Bench(name, load_llm(path), hf, args)
-    rows = [bench.prefill(), bench.decode(1), bench.decode(8)]
+    world = load_world(path) if name in args.world_models.split(",") else None
+    try:
+        bench = Bench(name, load_llm(path), hf, args, world)
+        rows = [bench.prefill(), *bench.decode(1), *bench.decode(8)]
+    finally:
+        if world is not None:
+            world.close()
     for row in rows:
-        print(f"  {row.metric:<16} ours {row.ours_tok_s:9.1f} tok/s   "
-              f"transformers {row.hf_tok_s or float('nan'):9.1f} tok/s", flush=True)
+        if isinstance(row, WorldRow):
+            print(f"  {row.metric:<22} world {row.world_tok_s:9.1f} tok/s   single {row.single_tok_s:9.1f} tok/s"
+                  f"   {row.ratio:.2f}x", flush=True)
+        else:
+            print(f"  {row.metric:<22} ours {row.ours_tok_s:9.1f} tok/s   "
+                  f"transformers {row.hf_tok_s or float('nan'):9.1f} tok/s", flush=True)
     return rows
 
 
@@ -209,6 +265,8 @@ def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     parser.add_argument("--models", default="kimi-linear-tiny,kimi-linear-bench,kimi-k3-tiny")
+    parser.add_argument("--world-models", default="kimi-linear-bench,kimi-k3-tiny",
+                        help="models of --models that also get world rows (a dp 1 x cp 1 gen world)")
     args = parser.parse_args()
     args.warmup, args.reps, args.new_tokens = (1, 3, 16) if args.quick else (1, 5, 64)
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -219,7 +277,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
 
     started = time.perf_counter()
-    rows: list[Row] = []
+    rows: list[Row | WorldRow] = []
     with tempfile.TemporaryDirectory(prefix="helix-bench-") as tmp:
         for name in args.models.split(","):
             print(f"{name}:", flush=True)
@@ -233,20 +291,31 @@ def main() -> None:
          None if r.ratio is None else f"{r.ratio:.2f}×",
          "n/a (no transformers K3)" if r.ratio is None else ("yes" if r.ratio >= TARGET_RATIO else "no"),
          r.tokens_match]
-        for r in rows
+        for r in rows if isinstance(r, Row)
+    ])
+    world_headers = ["model", "metric", "world tok/s", "single tok/s", "ratio", f"≥ {TARGET_WORLD_RATIO:g}×",
+                     "greedy tokens equal"]
+    world_table = markdown_table(world_headers, [
+        [r.model, r.metric, r.world_tok_s, r.single_tok_s, f"{r.ratio:.2f}×",
+         "yes" if r.ratio >= TARGET_WORLD_RATIO else "no", r.tokens_match]
+        for r in rows if isinstance(r, WorldRow)
     ])
     print()
     print(f"CPU, {info['cpu_count']} cores, torch {info['torch']}, {info['torch_threads']} threads; "
           f"`{info['command']}`; medians of {args.reps} after {args.warmup} warm-up; "
           f"decode: prompt {DECODE_PROMPT_LEN}, {args.new_tokens} new tokens, prefill not counted")
     print(table)
+    if world_table.count("\n") > 1:
+        print("\ngen world of one (dp 1 × cp 1, this process) vs the single-process engine, same run:")
+        print(world_table)
     print(f"\ntotal {elapsed:.1f} s")
     write_json(args.out, {
         "bench": "engine",
         "machine": info,
         "settings": {"quick": args.quick, "warmup": args.warmup, "reps": args.reps, "prefill_len": PREFILL_LEN,
                      "decode_prompt_len": DECODE_PROMPT_LEN, "new_tokens": args.new_tokens,
-                     "target_ratio": TARGET_RATIO, "kimi_linear_bench_config": KIMI_LINEAR_BENCH},
+                     "target_ratio": TARGET_RATIO, "target_world_ratio": TARGET_WORLD_RATIO,
+                     "world_models": args.world_models.split(","), "kimi_linear_bench_config": KIMI_LINEAR_BENCH},
         "transformers_kda_paths": transformers_kda_paths(),
         "results": [{**asdict(r), "ratio": r.ratio} for r in rows],
         "total_seconds": elapsed,

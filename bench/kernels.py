@@ -13,6 +13,10 @@
   (one 2048-token prompt), decode tok/s at batch 1 and 64 (CUDA graphs), and the share of a decode
   step's wall time (``EngineCore.step``) outside its GPU-busy span, from the CUDA-graph launch to
   the sampler's last kernel (target < 10 %).
+- The same engine as a gen world of one (dp 1 x cp 1, ``start_local_world``: this process its only
+  rank) against ``LLM`` on the same checkpoint and settings, in the same run: decode tok/s at batch
+  1 and 64 (64-token prompts, 128 new tokens), ratio world / single (target >= 0.95) and the host
+  share of a world step as above (target < 10 %; "world" rows).
 
 Timing: CUDA events, median of repetitions after warm-up, the two sides of a ratio alternating;
 each repetition is queued behind a ~1 ms GPU sleep, so the events time the GPU work and not the
@@ -38,6 +42,7 @@ import torch
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+from _decode_rate import decode_rate, find_runner  # noqa: E402
 
 from helixserve import kernels  # noqa: E402
 
@@ -268,6 +273,7 @@ def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
     from helixserve.config import CacheConfig, SchedulerConfig
     from helixserve.engine.llm import LLM
     from helixserve.engine.request import SamplingParams
+    from helixserve.engine.world_llm import WorldOptions
     from helixserve.models.presets import make_checkpoint
 
     preset = "kimi-k3-mid" if on_gpu else "kimi-k3-tiny"
@@ -276,10 +282,10 @@ def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
             checkpoint = make_checkpoint(preset, Path(tmp) / preset, dtype="bfloat16" if on_gpu else "float32")
         prompt_len = 2048 if on_gpu else 128
         max_batch = 64 if on_gpu else 4
-        llm = LLM(checkpoint, device="cuda" if on_gpu else "cpu",
-                  cache=CacheConfig(max_num_seqs=max_batch, memory_budget_mib=4096 if on_gpu else 256,
-                                    tokens_per_block=args.tokens_per_block),
-                  scheduler=SchedulerConfig(max_num_batched_tokens=prompt_len))
+        cache = CacheConfig(max_num_seqs=max_batch, memory_budget_mib=4096 if on_gpu else 256,
+                            tokens_per_block=args.tokens_per_block)
+        scheduler = SchedulerConfig(max_num_batched_tokens=prompt_len)
+        llm = LLM(checkpoint, device="cuda" if on_gpu else "cpu", cache=cache, scheduler=scheduler)
         gen = torch.Generator().manual_seed(0)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -289,62 +295,54 @@ def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
         (t,) = timer([prefill], 1, 3 if args.quick else 5)
         pages = f" (pages of {args.tokens_per_block})"
         row("engine", f"{preset} prefill bs1×{prompt_len}{pages}", prompt_len / t, None, "tok/s", "-")
+        runner = find_runner(llm.engine)
         for batch in (1, max_batch):
-            tok_s, outside = decode_rate(llm, batch, 16 if args.quick else 64, gen, on_gpu)
+            prompts = torch.randint(0, 256, (batch, 128), generator=gen).tolist()
+            tok_s, outside = decode_rate(llm.engine, prompts, 16 if args.quick else 64, f"kb-{batch}", runner)
             row("engine", f"{preset} decode bs{batch}{pages}", tok_s, None, "tok/s", "-",
                 note=f"outside GPU kernels {outside:.1%}" if outside is not None else "")
+        bench_world(args, on_gpu, preset, checkpoint, llm, (1, max_batch),
+                    WorldOptions(cache=cache, scheduler=scheduler, dtype="bfloat16" if on_gpu else "float32"))
 
 
-def decode_rate(llm, batch: int, new_tokens: int, gen: torch.Generator, on_gpu: bool) -> tuple[float, float | None]:
-    """Decode tok/s of ``batch`` requests (prefill excluded) and the share of step wall time outside
-    the GPU-busy span (graph launch to the sampler's last kernel; ``None`` without CUDA graphs)."""
-    from helixserve.engine.request import SamplingParams
+def bench_world(args, on_gpu: bool, preset: str, checkpoint: Path, llm, batches: tuple[int, ...], options) -> None:
+    """A gen world of one (dp 1 x cp 1, this process its only rank) against ``llm`` on the same
+    checkpoint and settings: decode tok/s of 64-token prompts (128 new tokens; 32 with --quick, 16
+    on CPU), the two sides alternating (median of 1 after a warm-up with --quick, else of 3); ratio
+    world / single (target >= 0.95) and each side's host share (target < 10 % for the world)."""
+    from helixserve.engine.world_llm import start_local_world
 
-    engine = llm.engine
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"kb-{batch}-{i}", torch.randint(0, 256, (128,), generator=gen).tolist(), params)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
-    # the GPU-busy span of a step: from the graph launch (after the host has filled its inputs)
-    # to the sampler's last kernel (enqueued before the host waits for the tokens)
-    spans: list[Any] = []
-    graphs, sampler = engine.runner.decode_graphs, engine.runner.sampler
-    patched = on_gpu and graphs is not None
-    if patched:
-        launch, sample_launch = graphs.launch, sampler.launch
-
-        def timed_launch(*a):
-            spans.append(torch.cuda.Event(enable_timing=True))
-            spans[-1].record()
-            return launch(*a)
-
-        def timed_sample(*a):
-            tokens = sample_launch(*a)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            if not spans or isinstance(spans[-1], tuple):
-                raise RuntimeError("a decode step ran eagerly (no graph launch before its sampling)")
-            spans[-1] = (spans[-1], end)
-            return tokens
-
-        graphs.launch, sampler.launch = timed_launch, timed_sample
-    walls, generated = [], 0
+    new_tokens = 16 if not on_gpu else 32 if args.quick else 128
+    reps = 1 if args.quick or not on_gpu else 3
+    gen = torch.Generator().manual_seed(18)
+    world = start_local_world(checkpoint, dp=1, cp=1, options=options)
     try:
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            generated += len(engine.step())
-            walls.append(time.perf_counter() - t0)
+        sides = {"single": llm.engine, "world": world.driver}
+        runners = {side: find_runner(engine) for side, engine in sides.items()}
+        for batch in batches:
+            prompts = torch.randint(0, 256, (batch, 64), generator=gen).tolist()
+            rates: dict[str, list[tuple[float, float | None]]] = {side: [] for side in sides}
+            for rep in range(1 + reps):  # the first round warms up (graph capture, allocator)
+                for side, engine in sides.items():
+                    rate = decode_rate(engine, prompts, new_tokens, f"kw-{side}-{batch}-{rep}", runners[side])
+                    if rep:
+                        rates[side].append(rate)
+            (single, single_out), (world_tok_s, world_out) = (_median_rate(rates[s]) for s in ("single", "world"))
+            note = "world step outside GPU kernels " + (
+                f"{world_out:.1%}" if world_out is not None
+                else "n/a (no CUDA-graph runner found)" if on_gpu else "n/a (CPU: no CUDA graphs)")
+            if single_out is not None:
+                note += f"; single {single_out:.1%}"
+            row("engine", f"{preset} world decode bs{batch}", world_tok_s, single, "tok/s", "single engine (LLM)",
+                f"{world_tok_s / single:.2f}×", note, ratio_value=world_tok_s / single,
+                world_outside=world_out, single_outside=single_out, new_tokens=new_tokens, prompt_len=64)
     finally:
-        if patched:
-            del graphs.launch, sampler.launch  # the instance attributes shadowing the methods
-    if not patched:
-        return generated / sum(walls), None
-    torch.cuda.synchronize()
-    # every step launched in the loop is also read back in it (it runs until nothing is in flight);
-    # a step enqueued ahead during the warm-up is read back here but not timed (conservative)
-    gpu = sum(s.elapsed_time(e) for s, e in spans) / 1e3
-    return generated / sum(walls), 1 - gpu / sum(walls)
+        world.close()
+
+
+def _median_rate(rates: list[tuple[float, float | None]]) -> tuple[float, float | None]:
+    shares = [o for _, o in rates if o is not None]
+    return statistics.median(r for r, _ in rates), statistics.median(shares) if shares else None
 
 
 def main() -> None:
