@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.admission import check_new_request
 from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, cache_spec_for
@@ -163,7 +164,8 @@ class EngineCore:
         logger.info("engine ready: %s, overlapped decoding %s", self.layout, self.overlap_decode)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      forced_output_token_ids: Sequence[int] = (), has_kv: bool = False) -> None:
+                      forced_output_token_ids: Sequence[int] = (), has_kv: bool = False,
+                      request_id: str = "request") -> None:
         """``ValueError`` for a request this engine could never run (what ``add_request`` checks
         first; a world's front checks with it before choosing the request's group)."""
         vocab = self.model_config.vocab_size
@@ -174,6 +176,10 @@ class EngineCore:
             raise ValueError(
                 f"{len(forced_output_token_ids)} forced output tokens exceed max_tokens={params.max_tokens}"
             )
+        check_new_request(Request(request_id, list(prompt_token_ids), params), self.scheduler.max_model_len,
+                          self.cache_manager)
+        if params.stop and self.scheduler.detokenize is None:
+            raise ValueError("request has stop strings but the engine has no tokenizer")
         if has_kv:
             if self.kv_intake is None:
                 raise ValueError("this engine receives no prompt caches (not a gen world)")
@@ -181,15 +187,6 @@ class EngineCore:
                 raise ValueError(
                     f"a request with received KV needs 1 <= len(first_gen_tokens) < max_tokens={params.max_tokens}, "
                     f"got {len(forced_output_token_ids)}")
-            max_len = self.scheduler.max_model_len
-            if not 1 <= len(prompt_token_ids) < max_len:
-                raise ValueError(f"request has {len(prompt_token_ids)} tokens; need 1 <= tokens < "
-                                 f"max_model_len ({max_len})")
-            max_cached = min(max_len, len(prompt_token_ids) + params.max_tokens) - 1
-            if not self.cache_manager.can_ever_fit(max_cached):
-                raise ValueError(f"request can need {max_cached} cached tokens; the cache of a CP group holds fewer")
-            if params.stop and self.scheduler.detokenize is None:
-                raise ValueError("request has stop strings but the engine has no tokenizer")
 
     def add_request(
         self,
@@ -209,7 +206,7 @@ class EngineCore:
         had drawn them). ``kv_ticket``: the prompt's cache comes from a ctx worker (passed to
         every rank's ``KVReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
         """
-        self.check_request(prompt_token_ids, params, forced_output_token_ids, has_kv=kv_ticket is not None)
+        self.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
         if self.kv_intake is not None and request_id in self.kv_intake:
             raise ValueError(f"request id {request_id!r} is already in the scheduler")
         if kv_ticket is not None:

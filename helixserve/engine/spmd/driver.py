@@ -91,7 +91,7 @@ class WorldDriver:
         self._check_alive()
         if request_id in self.life:
             raise ValueError(f"request id {request_id!r} is already in the world")
-        self.core.check_request(prompt_token_ids, params, forced_output_token_ids, has_kv=kv_ticket is not None)
+        self.core.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
         dp_rank = min(range(self.mapping.dp), key=lambda d: (self._load[d], d))
         cost = len(prompt_token_ids) + params.max_tokens
         self.life.apply(Added(request_id, dp_rank, cost, kv_ticket is not None, hold_cache))
