@@ -1,7 +1,21 @@
-"""Engine core: one process, one model, continuous batching.
+"""Engine core: one scheduler, one executor, continuous batching; the only engine.
 
-``step()`` is schedule -> run -> postprocess. Servers and the Python API drive it; it knows no
-HTTP and no transfers.
+``step()`` is schedule -> launch -> postprocess. Servers and the Python API drive it; it knows no
+HTTP. It runs in two places:
+
+- a single process (``LLM``, ctx workers, aggregated workers): the executor is the
+  :class:`~helixserve.engine.runner.ModelRunner` itself;
+- the leader of each CP group of a gen world (``groups`` given): the scheduler is the group's
+  only one, over the group's cache (every CP rank's allocator,
+  :class:`~helixserve.kvcache.group_cache.GroupCacheManager`), and the executor an
+  :class:`~helixserve.engine.spmd.executor.SPMDExecutor` that sends each step to the group's other
+  ranks before running it here. Requests whose prompt cache arrives from a ctx worker enter
+  through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
+
+A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
+and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
+run one forward per world step (the MoE all-to-alls pair them up), so overlapped decoding,
+which launches two steps in one, is off there.
 """
 
 from __future__ import annotations
@@ -12,16 +26,23 @@ from dataclasses import dataclass
 
 import torch
 
-from helixserve.cache_layout import cache_spec_for
+from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.admission import check_new_request
+from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from helixserve.engine.spmd.channel import GroupChannel
+from helixserve.engine.spmd.executor import SPMDExecutor
 from helixserve.kernels.triton_common import has_fla
+from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
+from helixserve.parallel import CollectiveError, ParallelGroups
+from helixserve.transceiver.consensus import TransferConsensus
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +72,28 @@ class CacheLayout:
     max_model_len: int
 
 
+def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1
+               ) -> tuple[CacheSpec, CacheLayout]:
+    """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
+    group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer."""
+    spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
+    num_blocks, num_slots = size_from_budget(spec, int(cache.memory_budget_mib * _MIB), cache.max_num_seqs)
+    max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
+                        num_blocks * cache.tokens_per_block * cp)
+    return spec, CacheLayout(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
+
+
+def allocate_rank_caches(spec: CacheSpec, layout: CacheLayout, device: torch.device | str) -> ModelCaches:
+    """The cache tensors; on CUDA one slot more than the manager hands out: the scratch slot of
+    padded CUDA-graph rows."""
+    return allocate_model_caches(spec, layout.num_blocks, layout.num_slots + int(torch.device(device).type == "cuda"),
+                                 device)
+
+
 class EngineCore:
-    """Owns the scheduler (queues, cache accounting) and the runner (tensors)."""
+    """Owns the scheduler (queues, cache accounting) and the executor (tensors); see the module
+    docstring. ``groups``: this process is the leader (``cp_rank == 0``) of a gen world's CP
+    group; ``kv_receiver``: its receiver of prompt caches from ctx workers."""
 
     def __init__(
         self,
@@ -64,29 +105,42 @@ class EngineCore:
         device: torch.device | str = "cpu",
         seed: int = 0,
         use_cuda_graphs: bool = True,
+        groups: ParallelGroups | None = None,
+        kv_receiver: KVReceiver | None = None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
-        spec = cache_spec_for(model_config, model.dtype, cache.tokens_per_block)
-        num_blocks, num_slots = size_from_budget(spec, int(cache.memory_budget_mib * _MIB), cache.max_num_seqs)
-        max_model_len = min(cache.max_model_len or model_config.max_position_embeddings, num_blocks * cache.tokens_per_block)
-        self.layout = CacheLayout(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
+        mapping = groups.mapping if groups is not None else None
+        if mapping is not None and mapping.cp_rank != 0:
+            raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
+        cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
+        spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
+        num_blocks, num_slots, max_model_len = self.layout.num_blocks, self.layout.num_slots, self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
-        # on CUDA one slot more than the manager hands out: the scratch slot of padded graph rows
-        caches = allocate_model_caches(spec, num_blocks, num_slots + int(is_cuda), device)
-        self.runner = ModelRunner(model, caches, device, seed=seed)
+        self.caches = allocate_rank_caches(spec, self.layout, device)
+        self.runner = ModelRunner(model, self.caches, device, seed=seed)
         # graphs need the fast kernels: the PyTorch references read metadata on the host and
-        # check slot ids (padded rows repeat the scratch slot), neither of which a graph can hold
-        if is_cuda and use_cuda_graphs and has_fla():
+        # check slot ids (padded rows repeat the scratch slot), neither of which a graph can hold;
+        # a world's collectives are not captured yet (one rank only)
+        if is_cuda and use_cuda_graphs and has_fla() and world_size == 1:
             self.runner.capture_decode_graphs(
                 min(cache.max_num_seqs, num_slots), -(-max_model_len // cache.tokens_per_block), num_slots
             )
         elif is_cuda and use_cuda_graphs:
-            logger.info("decode CUDA graphs off: the fast kernels (fla, Triton) are not in use")
-        self.cache_manager = CacheManager(
-            num_blocks, num_slots, cache.tokens_per_block,
-            has_mla=bool(spec.mla_layer_ids), has_kda=bool(spec.kda_layer_ids),
-        )
+            logger.info("decode CUDA graphs off: %s", "the fast kernels (fla, Triton) are not in use"
+                        if world_size == 1 else f"a world of {world_size} ranks")
+        has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
+        self.cache_manager: CacheManager | GroupCacheManager = (
+            CacheManager(num_blocks, num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
+            if cp == 1 else
+            GroupCacheManager(num_blocks, num_slots, cache.tokens_per_block, cp, has_mla=has_mla, has_kda=has_kda))
+        self.executor: ModelRunner | SPMDExecutor = self.runner
+        self.kv_intake: KVIntake | None = None
+        if groups is not None:
+            self.executor = SPMDExecutor(self.runner, self.cache_manager, GroupChannel(groups))
+            consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
+            self.transfers = RankTransfers(kv_receiver, self.caches, consensus)
+            self.kv_intake = KVIntake(self.cache_manager, self.transfers, self.executor if cp > 1 else None)
         eos = set(tokenizer.eos_token_ids) if tokenizer else set()
         if model_config.eos_token_id is not None:
             eos.add(model_config.eos_token_id)
@@ -102,9 +156,37 @@ class EngineCore:
         # overlapped decoding pays where the device runs ahead of the host: with CUDA graphs
         overlap = scheduler.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
+        if mapping is not None and mapping.dp > 1:
+            self.overlap_decode = False  # one forward per world step (see the module docstring)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_step_errors = 0
+        self._where = f" on gen rank {mapping.rank}" if mapping is not None else ""
         logger.info("engine ready: %s, overlapped decoding %s", self.layout, self.overlap_decode)
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      forced_output_token_ids: Sequence[int] = (), has_kv: bool = False,
+                      request_id: str = "request") -> None:
+        """``ValueError`` for a request this engine could never run (what ``add_request`` checks
+        first; a world's front checks with it before choosing the request's group)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (*prompt_token_ids, *forced_output_token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:8]}")
+        if len(forced_output_token_ids) > params.max_tokens:
+            raise ValueError(
+                f"{len(forced_output_token_ids)} forced output tokens exceed max_tokens={params.max_tokens}"
+            )
+        check_new_request(Request(request_id, list(prompt_token_ids), params), self.scheduler.max_model_len,
+                          self.cache_manager)
+        if params.stop and self.scheduler.detokenize is None:
+            raise ValueError("request has stop strings but the engine has no tokenizer")
+        if has_kv:
+            if self.kv_intake is None:
+                raise ValueError("this engine receives no prompt caches (not a gen world)")
+            if not 1 <= len(forced_output_token_ids) < params.max_tokens:
+                raise ValueError(
+                    f"a request with received KV needs 1 <= len(first_gen_tokens) < max_tokens={params.max_tokens}, "
+                    f"got {len(forced_output_token_ids)}")
 
     def add_request(
         self,
@@ -114,33 +196,37 @@ class EngineCore:
         *,
         hold_cache: bool = False,
         forced_output_token_ids: Sequence[int] = (),
+        kv_ticket: object = None,
     ) -> Request:
         """Queue a request; ``ValueError`` if it could never run (too long, bad ids).
 
         ``hold_cache``: on a stop/length finish keep the cache until :meth:`release` (a ctx
         prefill awaiting pickup). ``forced_output_token_ids``: the first outputs are these tokens
         instead of the sampled ones (sampling still runs, so a seeded generator advances as if it
-        had drawn them).
+        had drawn them). ``kv_ticket``: the prompt's cache comes from a ctx worker (passed to
+        every rank's ``KVReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
         """
-        vocab = self.model_config.vocab_size
-        bad = [t for t in (*prompt_token_ids, *forced_output_token_ids) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:8]}")
-        if len(forced_output_token_ids) > params.max_tokens:
-            raise ValueError(
-                f"{len(forced_output_token_ids)} forced output tokens exceed max_tokens={params.max_tokens}"
-            )
+        self.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
+        if self.kv_intake is not None and request_id in self.kv_intake:
+            raise ValueError(f"request id {request_id!r} is already in the scheduler")
+        if kv_ticket is not None:
+            self.scheduler.check_new_id(request_id)
         request = Request(
             request_id, list(prompt_token_ids), params, hold_cache_on_finish=hold_cache,
             forced_output_token_ids=list(forced_output_token_ids),
         )
-        self.scheduler.add_request(request)
+        if kv_ticket is not None:
+            assert self.kv_intake is not None  # check_request refused it otherwise
+            self.kv_intake.add(request, kv_ticket)
+        else:
+            self.scheduler.add_request(request)
         self._params[request_id] = params
         return request
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
         """Stop a request and free its cache (a held one too); False if unknown or already freed."""
-        aborted = self.scheduler.abort(request_id, error=error) or self.scheduler.release(request_id)
+        aborted = ((self.kv_intake is not None and self.kv_intake.abort(request_id))
+                   or self.scheduler.abort(request_id, error=error) or self.scheduler.release(request_id))
         self._forget([request_id])
         return aborted
 
@@ -153,18 +239,21 @@ class EngineCore:
         returns their ids. Held caches stay held. (A failed step fails only its own requests:
         see :meth:`step`.)"""
         request_ids = self.scheduler.unfinished_request_ids
+        if self.kv_intake is not None:
+            received = self.kv_intake.abort_all()
+            self._forget(received)
         for rid in request_ids:
             self.scheduler.abort(rid, error=error)
         self._in_flight = None
         self.scheduler.fail_pending_step(error)
         self._forget(request_ids)
-        return request_ids
+        return request_ids + (received if self.kv_intake is not None else [])
 
     def stats(self) -> EngineStats:
         cache = self.cache_manager.stats()
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + (self.kv_intake.num_waiting if self.kv_intake else 0),
             num_held=self.scheduler.num_held,
             num_blocks=cache.num_blocks,
             num_used_blocks=cache.num_used_blocks,
@@ -173,8 +262,10 @@ class EngineCore:
         )
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or an overlapped step still to be read back (its caches to free)."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Requests to run or to receive, or an overlapped step still to be read back (its caches
+        to free)."""
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or (self.kv_intake is not None and self.kv_intake.num_waiting > 0))
 
     def can_add_prefilled_request(self) -> bool:
         return self.scheduler.can_add_prefilled()
@@ -194,12 +285,17 @@ class EngineCore:
             raise ValueError(f"token ids out of range [0, {vocab}): {bad[:8]}")
         request = Request(request_id, list(prompt_token_ids), params,
                           forced_output_token_ids=list(first_token_ids))
-        updates = self.scheduler.add_prefilled(request)
+        updates = self._start_prefilled(request)
         self._params[request_id] = params
+        return updates
+
+    def _start_prefilled(self, request: Request) -> list[RequestUpdate]:
+        updates = self.scheduler.add_prefilled(request)
+        params = request.sampling_params
         if params.seed is not None and not params.is_greedy:
-            generator = self.runner.sampler._generator(request_id, params)  # noqa: SLF001
-            for _ in first_token_ids:  # the draws sampling the first tokens would have made
-                torch.empty(vocab, device=self.runner.device).exponential_(generator=generator)
+            generator = self.runner.sampler._generator(request.request_id, params)  # noqa: SLF001
+            for _ in request.forced_output_token_ids:  # the draws sampling the first tokens would have made
+                torch.empty(self.model_config.vocab_size, device=self.runner.device).exponential_(generator=generator)
         return updates
 
     def step(self) -> list[RequestUpdate]:
@@ -212,32 +308,44 @@ class EngineCore:
         A step that raises (the model, a kernel, sampling) ends the requests it concerns (those
         of the failed step and of a step enqueued ahead; every unfinished one when scheduling
         itself failed) with ``FINISHED_ERROR`` updates whose ``error`` names the exception, frees
-        their caches and leaves the engine ready for the next step.
+        their caches and leaves the engine ready for the next step. In a world, a failure that
+        leaves the ranks' collectives unmatched (a :class:`CollectiveError`: a forward or message
+        failed) is raised instead: the world has stopped.
+
+        Received requests (a gen world's) are admitted, agreed on and started first
+        (:class:`KVIntake`); their first tokens and transfer failures come with this step's.
         """
+        updates: list[RequestUpdate] = []
+        if self.kv_intake is not None:
+            updates = self.kv_intake.step(self.scheduler.can_add_prefilled, self._start_prefilled)
+            self._forget([u.request_id for u in updates if u.is_finished])
         try:
-            return self._step()
+            return updates + self._step()
+        except CollectiveError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the failure is reported on the requests
-            return self._fail_step(exc)
+            return updates + self._fail_step(exc)
 
     def _step(self) -> list[RequestUpdate]:
+        executor = self.executor
         if self._in_flight is not None:
             (out, launched), self._in_flight = self._in_flight, None
         else:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return []
-            launched = self.runner.launch(out, self._params)
+            launched = executor.launch(out, self._params)
         if self.overlap_decode:
             ahead = self.scheduler.schedule_ahead()
             if ahead is not None:
-                self._in_flight = (ahead, self.runner.launch(ahead, self._params, input_tokens=launched.tokens))
+                self._in_flight = (ahead, executor.launch(ahead, self._params, input_tokens=launched.tokens))
         updates = self.scheduler.update_from_output(out, launched.result())
         self._forget([u.request_id for u in updates if u.is_finished])
         return updates
 
     def _fail_step(self, exc: Exception) -> list[RequestUpdate]:
         self.num_step_errors += 1
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        message = f"engine step failed{self._where}: {type(exc).__name__}: {exc}"
         self._in_flight = None
         request_ids = self.scheduler.fail_pending_step(message)
         logger.error("%s; failed requests %s", message, request_ids, exc_info=exc)

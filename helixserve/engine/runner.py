@@ -75,6 +75,16 @@ def slot_order(out: SchedulerOutput) -> list[int] | None:
 
 
 @dataclass(slots=True)
+class PreparedStep:
+    """A step's batch (rows in slot order when that order differs), the state slots to zero
+    first, and the scheduled order of the logits rows (``None``: the batch's own)."""
+
+    batch: ForwardBatch
+    reset_slot_ids: list[int]
+    inverse: list[int] | None
+
+
+@dataclass(slots=True)
 class LaunchedStep:
     """A step enqueued on the device: ``tokens`` (device, one per id of ``sampled_ids``) feed an
     overlapped next step; ``result()`` waits for their copy to the host only (not for work
@@ -113,15 +123,21 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[num sampled seqs, vocab]`` fp32 for one step. ``input_tokens``: the input ids of
         a decode step (one per sequence, on the device) in place of the sequences' ``token_ids``."""
-        if out.reset_slot_ids:
-            reset_slots(self.caches, out.reset_slot_ids)
         if self.decode_graphs is not None:
+            if out.reset_slot_ids:
+                reset_slots(self.caches, out.reset_slot_ids)
             logits = self.decode_graphs.run(out, input_tokens)
             if logits is not None:
                 return logits
-        # a decode step whose slots are a permuted range runs in slot order: the model updates the
-        # slots' KDA/conv state rows in place (a view of the pools) instead of gathering and
-        # scattering them; the logits go back to the scheduled order
+        return self.run(self.prepare(out, input_tokens))
+
+    def prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> PreparedStep:
+        """The step's batch, built on the device (no model code runs: a failure here leaves the
+        caches and, in a world, the other ranks untouched).
+
+        A decode step whose slots are a permuted range runs in slot order: the model updates the
+        slots' KDA/conv state rows in place (a view of the pools) instead of gathering and
+        scattering them; the logits go back to the scheduled order."""
         order = slot_order(out)
         by_slot = out if order is None else SchedulerOutput(seqs=[out.seqs[i] for i in order])
         batch = build_forward_batch(by_slot, self.device)
@@ -129,25 +145,40 @@ class ModelRunner:
             if order is not None:
                 input_tokens = input_tokens[torch.tensor(order, device=input_tokens.device)]
             batch.input_ids.copy_(input_tokens)
-        logits = self.model(batch, self.caches)
-        if order is None:
+        inverse = None
+        if order is not None:
+            inverse = [0] * len(order)
+            for row, i in enumerate(order):
+                inverse[i] = row
+        return PreparedStep(batch, out.reset_slot_ids, inverse)
+
+    @torch.inference_mode()
+    def run(self, prepared: PreparedStep) -> torch.Tensor:
+        """Reset the fresh state slots and run the model on a prepared batch."""
+        if prepared.reset_slot_ids:
+            reset_slots(self.caches, prepared.reset_slot_ids)
+        logits = self.model(prepared.batch, self.caches)
+        if prepared.inverse is None:
             return logits
-        inverse = [0] * len(order)
-        for row, i in enumerate(order):
-            inverse[i] = row
-        return logits.index_select(0, torch.tensor(inverse, device=logits.device))
+        return logits.index_select(0, torch.tensor(prepared.inverse, device=logits.device))
 
     def launch(
         self, out: SchedulerOutput, params: Mapping[str, SamplingParams], input_tokens: torch.Tensor | None = None,
     ) -> LaunchedStep:
         """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for it."""
-        sampled_ids = [s.request_id for s in out.seqs if s.sample]
         if out.is_empty:
             return LaunchedStep([], None, None, None)
-        logits = self.forward(out, input_tokens)
+        return self.sample(out, self.forward(out, input_tokens), params)
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
+        """Sample ``out``'s sampled rows from ``logits`` and enqueue the tokens' copy to the host."""
+        sampled_ids = [s.request_id for s in out.seqs if s.sample]
         if not sampled_ids:  # only unsampled prompt chunks: the caches were written, nothing to draw
             return LaunchedStep([], None, None, None)
-        tokens = self.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids])
+        return self.launched(sampled_ids, self.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids]))
+
+    def launched(self, sampled_ids: list[str], tokens: torch.Tensor) -> LaunchedStep:
+        """``tokens`` (on the device) as a step whose copy to the host is enqueued."""
         if self.device.type != "cuda":
             return LaunchedStep(sampled_ids, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -79,13 +79,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ``ValueError`` for one that could never run."""
-        self._check_new_id(request.request_id)
+        self.check_new_id(request.request_id)
         check_new_request(request, self.max_model_len, self.cache)
         self._add_stop_checker(request)
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
-    def _check_new_id(self, request_id: str) -> None:
+    def check_new_id(self, request_id: str) -> None:
         if request_id in self._requests or self._releases.is_held(request_id):
             raise ValueError(f"request id {request_id!r} is already in the scheduler")
 
@@ -164,7 +164,7 @@ class Scheduler:
         """
         rid = request.request_id
         first = list(request.forced_output_token_ids)
-        self._check_new_id(rid)
+        self.check_new_id(rid)
         check_prefilled_request(request, self.max_model_len, self.cache, len(self.running), self.max_num_seqs)
         self._add_stop_checker(request)
         request.output_token_ids = first

@@ -1,14 +1,15 @@
 """Starting helix_a2a gen worlds: rank bootstrap, a server's world, the CLI's ``generate --dp --cp``.
 
-- :func:`build_rank_engine`: one rank's :class:`~helixserve.engine.spmd.RankEngine` from a
-  checkpoint (sharded load, cache shard sized like ``EngineCore``'s, scheduler replica).
+- :func:`build_rank`: one rank's part from a checkpoint (sharded load): a CP group's leader gets
+  the group's :class:`~helixserve.engine.core.EngineCore`, another rank a
+  :class:`~helixserve.engine.spmd.follower.Follower` (its cache shard, sized alike, and runner).
 - :func:`start_local_world`: a server process becomes rank 0 (its
-  :class:`~helixserve.engine.spmd.WorldDriver` goes to ``AsyncEngine``) and spawns ranks
+  :class:`~helixserve.engine.spmd.driver.WorldDriver` goes to ``AsyncEngine``) and spawns ranks
   1..world-1 as local processes; :func:`run_rank` is what those ranks (or srun/torchrun tasks of a
   multi-node world) run.
 - :func:`generate_on_world` / :func:`generate_many_on_world`: spawn dp x cp local processes (gloo
   on CPU; NCCL, one GPU per rank, when enough GPUs are present), run the prompts through rank 0's
-  :class:`~helixserve.engine.spmd.WorldDriver`, return results like ``LLM.generate``'s.
+  :class:`~helixserve.engine.spmd.driver.WorldDriver`, return results like ``LLM.generate``'s.
 """
 
 from __future__ import annotations
@@ -28,16 +29,20 @@ from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
-from helixserve.engine.scheduler import Scheduler
-from helixserve.engine.spmd import KVReceiver, RankEngine, WorldDriver, serve_rank
+from helixserve.engine.core import EngineCore, allocate_rank_caches, size_cache
+from helixserve.engine.kv_intake import KVReceiver, RankTransfers
+from helixserve.engine.runner import ModelRunner
+from helixserve.engine.spmd.channel import GroupChannel
+from helixserve.engine.spmd.driver import WorldDriver
+from helixserve.engine.spmd.follower import Follower, serve_follower
+from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
-from helixserve.kvcache.manager import CacheManager
-from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
 from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel
 from helixserve.parallel.ports import free_port
+from helixserve.transceiver.consensus import TransferConsensus
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class WorldOptions:
     seed: int = 0
     timeout_s: float = 120.0
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
+    use_cuda_graphs: bool = True  # a world of one on a GPU captures its decode steps
 
 
 # ``factory(mapping) -> KVReceiver`` for a rank (module-level / picklable for spawned ranks)
@@ -64,30 +70,35 @@ def _tokenizer(model_dir: Path) -> HelixTokenizer | None:
     return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
 
-def build_rank_engine(model_dir: str | Path, groups: ParallelGroups, options: WorldOptions = WorldOptions()) -> RankEngine:
-    """Load this rank's model shard and build its cache shard and scheduler replica."""
+RankPart = EngineCore | Follower
+
+
+def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOptions = WorldOptions(),
+               kv_receiver: KVReceiver | None = None) -> RankPart:
+    """Load this rank's model shard; a CP leader's EngineCore or a follower's parts (same cache sizes)."""
     model_dir = Path(model_dir)
     mapping = groups.mapping
     dtype = resolve_dtype(options.dtype, groups.device)
     model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device).bind(groups)
-    cfg, cache = model.cfg, options.cache
-    spec = cache_spec_for(cfg, dtype, cache.tokens_per_block, kda_num_heads=model.kda_num_local_heads)
-    num_blocks, num_slots = size_from_budget(spec, int(cache.memory_budget_mib * _MIB), cache.max_num_seqs)
-    # CP-group-uniform accounting: a group holds about cp times one rank's blocks
-    max_model_len = min(cache.max_model_len or cfg.max_position_embeddings, num_blocks * cache.tokens_per_block * mapping.cp)
-    caches = allocate_model_caches(spec, num_blocks, num_slots, groups.device)
-    manager = CacheManager(num_blocks, num_slots, cache.tokens_per_block, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
-                           has_mla=bool(spec.mla_layer_ids), has_kda=bool(spec.kda_layer_ids))
-    tokenizer = _tokenizer(model_dir)
-    eos = set(tokenizer.eos_token_ids) if tokenizer else set()
-    if cfg.eos_token_id is not None:
-        eos.add(cfg.eos_token_id)
-    scheduler = Scheduler(
-        manager, max_num_seqs=cache.max_num_seqs,
-        max_num_batched_tokens=max(options.scheduler.max_num_batched_tokens, cache.max_num_seqs),
-        max_model_len=max_model_len, eos_token_ids=eos, detokenize=tokenizer.decode if tokenizer else None,
-    )
-    return RankEngine(model, groups, caches, manager, scheduler, seed=options.seed)
+    if mapping.cp_rank == 0:
+        return EngineCore(model, model.cfg, _tokenizer(model_dir), options.cache, options.scheduler, groups.device,
+                          options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
+    caches = allocate_rank_caches(spec, layout, groups.device)
+    runner = ModelRunner(model, caches, groups.device, seed=options.seed)
+    return Follower(runner, GroupChannel(groups), RankTransfers(kv_receiver, caches, TransferConsensus(groups.cp_cpu)))
+
+
+def serve_rank(part: RankPart, dp: int) -> int:
+    """A rank != 0: a leader serves rank 0's plans, a follower its leader's messages; until
+    shutdown. Returns the steps run."""
+    if isinstance(part, Follower):
+        return serve_follower(part)
+    return serve_leader(part, dp)
+
+
+def groups_of(part: RankPart) -> ParallelGroups:
+    return part.channel.groups if isinstance(part, Follower) else part.executor.channel.groups  # type: ignore[union-attr]
 
 
 def pick_backend(world_size: int, backend: str | None = None) -> str:
@@ -102,10 +113,11 @@ def _world_main(rank: int, world_size: int, init_method: str, model_dir: str, dp
     groups = init_parallel(mapping, init_method, backend=pick_backend(world_size, options.backend),
                            local_rank=rank, timeout_s=options.timeout_s)
     try:
-        engine = build_rank_engine(model_dir, groups, options)
+        part = build_rank(model_dir, groups, options)
         if rank != 0:
-            return serve_rank(engine)
-        driver = WorldDriver(engine)
+            return serve_rank(part, dp)
+        assert isinstance(part, EngineCore)
+        driver = WorldDriver(part)
         try:
             return drive_to_completion(driver, prompts, params, _tokenizer(Path(model_dir)))
         finally:
@@ -188,33 +200,31 @@ def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: lis
 
 
 def _join(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions,
-          kv_receiver_factory: KVReceiverFactory | None, local_rank: int) -> RankEngine:
+          kv_receiver_factory: KVReceiverFactory | None, local_rank: int) -> RankPart:
     groups = init_parallel(mapping, init_method, backend=pick_backend(mapping.world_size, options.backend),
                            local_rank=local_rank, timeout_s=options.timeout_s)
     try:
-        engine = build_rank_engine(model_dir, groups, options)
-        if kv_receiver_factory is not None:
-            engine.kv_receiver = kv_receiver_factory(mapping)
+        receiver = kv_receiver_factory(mapping) if kv_receiver_factory is not None else None
+        return build_rank(model_dir, groups, options, receiver)
     except BaseException:
         groups.destroy()
         raise
-    return engine
 
 
 def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),
              kv_receiver_factory: KVReceiverFactory | None = None, local_rank: int | None = None) -> int:
-    """A rank != 0 of a gen world: join, load its shard, serve plans until shutdown; step count.
+    """A rank != 0 of a gen world: join, load its shard, serve until shutdown; step count.
 
     Raises when the world fails (the process should then exit so the other ranks fail fast).
     """
     if mapping.rank == 0:
         raise ValueError("rank 0 drives the world: use start_rank0 / start_local_world")
-    engine = _join(model_dir, mapping, init_method, options, kv_receiver_factory,
-                   mapping.rank if local_rank is None else local_rank)
+    part = _join(model_dir, mapping, init_method, options, kv_receiver_factory,
+                 mapping.rank if local_rank is None else local_rank)
     try:
-        return serve_rank(engine)
+        return serve_rank(part, mapping.dp)
     finally:
-        engine.groups.destroy()
+        groups_of(part).destroy()
 
 
 def start_rank0(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),
@@ -223,7 +233,9 @@ def start_rank0(model_dir: str | Path, mapping: Mapping, init_method: str, optio
     """Rank 0 joins the world (blocks until every rank did) and returns its driver."""
     if mapping.rank != 0:
         raise ValueError(f"start_rank0 on rank {mapping.rank}")
-    return driver_cls(_join(model_dir, mapping, init_method, options, kv_receiver_factory, local_rank), heartbeat_s)
+    core = _join(model_dir, mapping, init_method, options, kv_receiver_factory, local_rank)
+    assert isinstance(core, EngineCore)
+    return driver_cls(core, heartbeat_s)
 
 
 def _local_rank_main(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
@@ -258,7 +270,7 @@ class LocalWorld:
                 logger.warning("killing gen world rank process %d", proc.pid)
                 proc.kill()
                 proc.join()
-        self.driver.rank.groups.destroy()
+        self.driver.groups.destroy()
 
 
 def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: WorldOptions = WorldOptions(),

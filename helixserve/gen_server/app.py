@@ -60,8 +60,8 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
     try:
         driver = world.driver
         tokenizer = load_tokenizer(deploy.model.path) if (deploy.model.path / "tokenizer.json").is_file() else None
-        worker = wrap_core("gen", deploy, GenWorldCore(world), tokenizer, driver.rank.model.cfg, layout,
-                           driver.rank.scheduler.max_model_len, server.max_queue_len,
+        worker = wrap_core("gen", deploy, GenWorldCore(world), tokenizer, driver.core.model_config, layout,
+                           driver.core.scheduler.max_model_len, server.max_queue_len,
                            num_running_slots=server.dp * deploy.cache.max_num_seqs)
     except BaseException:
         world.close()

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helixserve.config import RestartPolicy
-from helixserve.engine.spmd import WorldDriver
+from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.world_llm import LocalWorld
 from helixserve.launch.restarts import RestartBudget
 
@@ -226,7 +226,7 @@ class GenWorld:
 
     def _close_incarnation(self) -> None:
         driver, local = self.driver, self.local
-        receiver = driver.rank.kv_receiver
+        receiver = driver.core.transfers.receiver
         try:
             if local is not None:
                 local.close(grace_s=CLOSE_GRACE_S if driver.failure else 10.0)
@@ -235,7 +235,7 @@ class GenWorld:
                     driver.shutdown()
                 except Exception as exc:  # noqa: BLE001 - the world is going away anyway
                     logger.warning("gen world shutdown plan failed: %s", exc)
-                driver.rank.groups.destroy()
+                driver.groups.destroy()
         finally:
             if receiver is not None:
                 receiver.close()

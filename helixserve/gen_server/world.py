@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,12 @@ from helixserve.engine.core import EngineStats
 from helixserve.engine.llm import resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
-from helixserve.engine.spmd import WorldDriver, WorldStoppedError
+from helixserve.engine.spmd.driver import WorldDriver
+from helixserve.engine.spmd.messages import WorldStoppedError
 from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, WorldOptions,
                                          drive_to_completion, pick_backend, run_rank, start_local_world,
                                          start_rank0)
 from helixserve.gen_server.supervisor import CLOSE_GRACE_S, GenWorld, WorldSupervisor
-from helixserve.kvcache.helix import num_local_blocks
 from helixserve.models.config import KimiModelConfig
 from helixserve.parallel import DistEnv, Mapping
 from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTransferError,
@@ -71,15 +70,6 @@ def _device_index(device: str) -> int:
     return int(index) if index.isdigit() else 0
 
 
-@dataclass(slots=True)
-class _Deferred:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    forced_output_token_ids: Sequence[int]
-    kv_ticket: Any
-
-
 class GenWorldCore:
     """The world's rank-0 driver as an ``EngineCoreLike`` (engine thread only), refusing work with
     a 503 naming the cause once the world failed, and explaining failed transfers
@@ -90,19 +80,14 @@ class GenWorldCore:
     gets the error) and the world's gauges read zero until the supervisor's restarted world is
     swapped in, between two steps.
 
-    Received requests wait here (FIFO) until their shard's blocks and state slot fit in the cache
-    (a rank allocates them as soon as the request reaches it, and refuses one that does not fit):
-    with dp = 1 the check is exact (rank 0's accounting is its CP group's); with dp > 1 it uses
-    the sum over DP groups, so a request can still meet a full group and fail.
+    Received requests wait in their CP group's KV intake (FIFO) until their shard's blocks and
+    state slot fit in the group's cache (:mod:`helixserve.engine.kv_intake`).
     """
 
     def __init__(self, world: GenWorld) -> None:
         self.world = world
-        self._deferred: dict[str, _Deferred] = {}
         self._failed: dict[str, str] = {}  # in the failed world, not yet told -> the error message
         self._world_errors: dict[str, str] = {}  # told, until failure_error() asks
-        self._num_pending_slots = 0  # handed to the driver since its last step (not allocated yet)
-        self._num_pending_blocks = 0
 
     @property
     def driver(self) -> WorldDriver:
@@ -116,14 +101,8 @@ class GenWorldCore:
         cause = self.world.failure()
         if cause is not None:
             raise EngineUnavailableError(f"gen worker cannot serve: {cause}", code="gen_world_failed")
-        if kv_ticket is not None:
-            self.driver.rank.check_request(prompt_token_ids, params, forced_output_token_ids, has_kv=True)
-            self._deferred[request_id] = _Deferred(request_id, list(prompt_token_ids), params,
-                                                   tuple(forced_output_token_ids), kv_ticket)
-            self._admit_deferred()
-            return
         self._add(request_id, prompt_token_ids, params, hold_cache=hold_cache,
-                  forced_output_token_ids=forced_output_token_ids)
+                  forced_output_token_ids=forced_output_token_ids, kv_ticket=kv_ticket)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any) -> None:
         try:
@@ -131,44 +110,14 @@ class GenWorldCore:
         except WorldStoppedError as exc:
             raise EngineUnavailableError(str(exc), code="gen_world_failed") from None
 
-    def _admit_deferred(self) -> None:
-        """Hand waiting received requests to the world, in order, while their shards fit."""
-        tokens_per_block, cp = self.driver.rank.cache_manager.tokens_per_block, self.driver.mapping.cp
-        needs_slot = bool(self.driver.rank.caches.kda_state)
-        while self._deferred:
-            request = next(iter(self._deferred.values()))
-            num_free_blocks, num_free_slots = self._free_capacity()
-            num_blocks = num_local_blocks(len(request.prompt_token_ids), tokens_per_block, 0, cp)
-            if (num_blocks + self._num_pending_blocks > num_free_blocks
-                    or (needs_slot and self._num_pending_slots + 1 > num_free_slots)):
-                return
-            del self._deferred[request.request_id]
-            self._add(request.request_id, request.prompt_token_ids, request.params,
-                      forced_output_token_ids=request.forced_output_token_ids, kv_ticket=request.kv_ticket)
-            self._num_pending_blocks += num_blocks
-            self._num_pending_slots += 1
-
-    def _free_capacity(self) -> tuple[int, int]:
-        """Free blocks (rank 0's share, the largest of a CP group) and state slots."""
-        if self.driver.mapping.dp == 1:
-            cache = self.driver.rank.cache_manager.stats()
-            return cache.num_free_blocks, cache.num_free_slots
-        leaders = [s for (_, cp_rank), s in self.driver.rank_stats().items() if cp_rank == 0]
-        return (sum(s.num_blocks - s.num_used_blocks for s in leaders),  # summed over DP groups
-                sum(s.num_slots - s.num_used_slots for s in leaders))  # (see the class docstring)
-
     def abort(self, request_id: str, error: str | None = None) -> bool:
-        if self._deferred.pop(request_id, None) is not None:
-            return True
         return self.driver.abort(request_id, error)
 
     def release(self, request_id: str) -> bool:
         return self.driver.release(request_id)
 
     def abort_all(self, error: str) -> list[str]:
-        deferred = list(self._deferred)
-        self._deferred.clear()
-        return deferred + self.driver.abort_all(error)
+        return self.driver.abort_all(error)
 
     def has_unfinished_requests(self) -> bool:
         self._supervise()
@@ -176,32 +125,27 @@ class GenWorldCore:
             return True  # step() tells their readers
         if self.world.failure() is not None:
             return False
-        return bool(self._deferred) or self.driver.has_unfinished_requests()
+        return self.driver.has_unfinished_requests()
 
     def step(self) -> list[RequestUpdate]:
         self._supervise()
         if self._failed or self.world.failure() is not None:
             return self._failed_updates()
-        self._admit_deferred()
         try:
-            updates = self.driver.step()
+            return self.driver.step()
         except WorldStoppedError:
             self._supervise()  # the driver's failure is the world's now
             return self._failed_updates()
-        self._num_pending_blocks = self._num_pending_slots = 0  # allocated (or refused) now
-        return updates
 
     def _supervise(self) -> None:
         """Swap in a restarted world; notice a failed one (its requests fail, its restart begins)."""
         if self.world.take_restarted():
-            self._num_pending_blocks = self._num_pending_slots = 0
             logger.warning("gen world restarted: serving again")
         cause = self.world.notice_failure()
         if cause is None:
             return
         message = f"the gen world failed while this request was in it: {cause}"
-        failed = list(self._deferred) + self.driver.abort_all(message)
-        self._deferred.clear()
+        failed = self.driver.abort_all(message)
         self._failed.update(dict.fromkeys(failed, message))
 
     def _failed_updates(self) -> list[RequestUpdate]:
@@ -214,8 +158,7 @@ class GenWorldCore:
         """The world's totals; all zero while it is failed (its ranks' caches are gone)."""
         if self.world.failure() is not None:
             return EngineStats(0, 0, 0, 0, 0, 0, 0)
-        s = self.driver.stats()
-        return replace(s, num_waiting=s.num_waiting + len(self._deferred))
+        return self.driver.stats()
 
     def failure_error(self, request_id: str) -> EngineError | None:
         world_error = self._world_errors.pop(request_id, None)

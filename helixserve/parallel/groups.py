@@ -72,6 +72,10 @@ class ParallelGroups:
         dp: this rank's DP group (same cp_rank across CP groups).
         ep: the expert-parallel group (= ``world``).
         cpu: a gloo group over all ranks for host-side control messages (= ``world`` on gloo).
+        cp_cpu: a gloo group over this rank's CP group, for its leader's step messages and the
+            transfer consensus (= ``cp`` on gloo).
+        leaders_cpu: a gloo group of the CP leaders (``cp_rank == 0``), for rank 0's step plans
+            and the leaders' reports; ``None`` on the other ranks.
         timeout: the timeout every group was created with.
     """
 
@@ -83,6 +87,8 @@ class ParallelGroups:
     dp: dist.ProcessGroup
     ep: dist.ProcessGroup
     cpu: dist.ProcessGroup
+    cp_cpu: dist.ProcessGroup
+    leaders_cpu: dist.ProcessGroup | None
     timeout: datetime.timedelta
 
     def destroy(self) -> None:
@@ -152,12 +158,16 @@ def init_parallel(
     cp = _new_groups(mapping.all_cp_groups(), mapping.cp_group_ranks, backend, timeout)
     dp = _new_groups(mapping.all_dp_groups(), mapping.dp_group_ranks, backend, timeout)
     cpu = world if backend == "gloo" else dist.new_group(timeout=timeout, backend="gloo")
+    cp_cpu = cp if backend == "gloo" else _new_groups(mapping.all_cp_groups(), mapping.cp_group_ranks, "gloo", timeout)
+    leaders = [group[0] for group in mapping.all_cp_groups()]
+    leaders_group = dist.new_group(leaders, timeout=timeout, backend="gloo")
+    leaders_cpu = leaders_group if mapping.rank in leaders else None
     logger.info(
         "rank %d/%d joined %s world (dp=%d cp=%d): cp group %s, dp group %s",
         mapping.rank, mapping.world_size, backend, mapping.dp, mapping.cp,
         mapping.cp_group_ranks, mapping.dp_group_ranks,
     )
-    return ParallelGroups(mapping, backend, device, world, cp, dp, world, cpu, timeout)
+    return ParallelGroups(mapping, backend, device, world, cp, dp, world, cpu, cp_cpu, leaders_cpu, timeout)
 
 
 def init_from_env(

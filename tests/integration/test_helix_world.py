@@ -1,8 +1,9 @@
-"""The SPMD generation world (gloo): WorldDriver on rank 0, serve_rank elsewhere.
+"""The SPMD generation world (gloo): WorldDriver on rank 0, CP leaders' EngineCore, followers.
 
 - requests arriving over time, spread over both CP groups of a 2 x 2 world, give the
   single-process engine's tokens (greedy and seeded sampling), an abort frees everything, a
-  held cache waits for release, idle worlds send heartbeat plans without running the model;
+  held cache waits for release, idle worlds send heartbeat plans without running the model, and
+  every rank runs the same number of forwards (real or empty: the MoE all-to-alls pair up);
 - a request whose prompt KV "arrives" (a fake receiver writes each rank's shard: blocks
   b % cp == cp_rank, its KDA heads) decodes exactly like the single-process engine; a transfer
   failing on one rank fails the request on the whole group, agreed through the transceiver's
@@ -24,8 +25,10 @@ from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.spmd import WorldDriver, WorldStoppedError, serve_rank
-from helixserve.engine.world_llm import WorldOptions, build_rank_engine, drive_to_completion
+from helixserve.engine.spmd.driver import WorldDriver
+from helixserve.engine.spmd.follower import Follower
+from helixserve.engine.spmd.messages import WorldStoppedError
+from helixserve.engine.world_llm import WorldOptions, build_rank, drive_to_completion, serve_rank
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.launch.processes import LocalWorldError, run_local_world
 from helixserve.models.caches import SeqChunk, build_batch
@@ -98,23 +101,26 @@ def _serving_world(rank: int, world_size: int, init_method: str, model_dir: str,
     mapping = Mapping(world_size, rank, dp=2, cp=2)
     groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=OPTIONS.timeout_s)
     try:
-        engine = build_rank_engine(model_dir, groups, OPTIONS)
-        engine.kv_receiver = _FakeReceiver(model_dir, mapping)
+        part = build_rank(model_dir, groups, OPTIONS, _FakeReceiver(model_dir, mapping))
         if rank != 0:
-            return {"steps": serve_rank(engine), "stats": engine.stats(), **_consensus_of(engine)}
-        driver = WorldDriver(engine, heartbeat_s=0.2)
+            return {"steps": serve_rank(part, mapping.dp), "forwards": _forwards(part), **_consensus_of(part)}
+        driver = WorldDriver(part, heartbeat_s=0.2)
         try:
-            return {**_drive(driver, first_tokens), **_consensus_of(engine)}
+            return {**_drive(driver, first_tokens), "forwards": _forwards(part), **_consensus_of(part)}
         finally:
             driver.shutdown()
     finally:
         groups.destroy()
 
 
-def _consensus_of(engine) -> dict:
+def _forwards(part) -> int:
+    return part.num_steps if isinstance(part, Follower) else part.executor.num_forwards
+
+
+def _consensus_of(part) -> dict:
     from helixserve.transceiver.consensus import TransferConsensus
 
-    consensus = engine.consensus
+    consensus = part.transfers.consensus
     return {"consensus_type": type(consensus) is TransferConsensus, "group_size": consensus.group_size,
             "num_collectives": consensus.num_collectives}
 
@@ -158,7 +164,7 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
     step()
     step_id = driver._step_id
     return {"tokens": tokens, "reasons": reasons, "owners": owners, "held_stats": held_stats,
-            "final_stats": driver.stats(), "steps": step_id,
+            "final_stats": driver.stats(), "rank_stats": driver.rank_stats(), "steps": step_id,
             "kv_failures": {f"kv{j}": driver.kv_failure(f"kv{j}") for j in range(len(KV_PROMPTS))}}
 
 
@@ -182,9 +188,11 @@ def test_world_requests_equal_single_process(serving) -> None:
     assert ABORTED not in front["reasons"] and len(front["tokens"][ABORTED]) < 50  # stopped mid-way
     assert front["held_stats"].num_held == 1 and front["final_stats"].num_held == 0
     assert front["final_stats"].num_used_blocks == 0 and front["final_stats"].num_used_slots == 0
-    for rank in (1, 2, 3):  # every rank ran every step (the heartbeat ones too) and freed all
-        assert results[rank]["steps"] == front["steps"]
-        assert results[rank]["stats"].num_used_blocks == 0 and results[rank]["stats"].num_used_slots == 0
+    assert results[2]["steps"] == front["steps"]  # group 1's leader ran every world step (heartbeats too)
+    assert len({r["forwards"] for r in results}) == 1 and front["forwards"] > 0  # forwards paired up
+    assert sorted(front["rank_stats"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for stats in front["rank_stats"].values():  # every rank's own blocks and slots are free again
+        assert stats.num_used_blocks == 0 and stats.num_used_slots == 0 and stats.num_blocks > 0
 
 
 def test_received_kv_decodes_like_single_process(serving) -> None:
@@ -215,10 +223,11 @@ FAIL_TIMEOUT_S = 10
 def _failing_world(rank: int, world_size: int, init_method: str, model_dir: str, report_path: str) -> str:
     mapping = Mapping(world_size, rank, dp=2, cp=2)
     groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=FAIL_TIMEOUT_S)
-    engine = build_rank_engine(model_dir, groups, OPTIONS)
-    if rank == 2:
+    part = build_rank(model_dir, groups, OPTIONS)
+    if rank == 2:  # group 1's leader
         calls = {"n": 0}
-        forward = engine.model.forward
+        model = part.runner.model
+        forward = model.forward
 
         def flaky(*args, **kwargs):
             calls["n"] += 1
@@ -226,10 +235,10 @@ def _failing_world(rank: int, world_size: int, init_method: str, model_dir: str,
                 raise RuntimeError("injected fault on rank 2")
             return forward(*args, **kwargs)
 
-        engine.model.forward = flaky
+        model.forward = flaky
     if rank != 0:
-        return str(serve_rank(engine))
-    driver = WorldDriver(engine)
+        return str(serve_rank(part, mapping.dp))
+    driver = WorldDriver(part)
     prompts = [_prompt(20 + i, 5) for i in range(4)]
     start = time.monotonic()
     try:

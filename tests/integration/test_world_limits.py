@@ -15,8 +15,8 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.spmd import WorldDriver, serve_rank
-from helixserve.engine.world_llm import WorldOptions, build_rank_engine, drive_to_completion
+from helixserve.engine.spmd.driver import WorldDriver
+from helixserve.engine.world_llm import WorldOptions, build_rank, drive_to_completion, serve_rank
 from helixserve.launch.processes import run_local_world
 from helixserve.parallel import Mapping, init_parallel
 
@@ -43,16 +43,16 @@ AFTER = _prompt(12, BUDGET + 1)
 
 
 class _FaultySampler:
-    """A rank's sampler whose next call raises (a fault injected, nothing else)."""
+    """A rank's sampler whose next launch raises (a fault injected, nothing else)."""
 
     def __init__(self, sampler) -> None:  # noqa: ANN001
         self.sampler, self.is_armed = sampler, True
 
-    def __call__(self, *args):  # noqa: ANN002, ANN204
+    def launch(self, *args):  # noqa: ANN002, ANN201
         if self.is_armed:
             self.is_armed = False
             raise RuntimeError(FAULT)
-        return self.sampler(*args)
+        return self.sampler.launch(*args)
 
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self.sampler, name)
@@ -65,10 +65,10 @@ def _result(results) -> list[tuple[list[int], str | None, str | None]]:  # noqa:
 def _limits_world(rank: int, world_size: int, init_method: str, model_dir: str) -> dict:
     groups = init_parallel(Mapping(world_size, rank, dp=1, cp=2), init_method, backend="gloo", timeout_s=30)
     try:
-        engine = build_rank_engine(model_dir, groups, OPTIONS)
+        part = build_rank(model_dir, groups, OPTIONS)
         if rank != 0:
-            return {"steps": serve_rank(engine), "stats": engine.stats()}
-        driver = WorldDriver(engine)
+            return {"steps": serve_rank(part, 1)}
+        driver = WorldDriver(part)
         try:
             out = {"alone": [_result(drive_to_completion(driver, [p], [greedy()]))[0] for p in PROMPTS],
                    "together": _result(drive_to_completion(driver, PROMPTS[::-1], [greedy()] * len(PROMPTS)))}
@@ -76,10 +76,11 @@ def _limits_world(rank: int, world_size: int, init_method: str, model_dir: str) 
                 driver.add_request("too-long", _prompt(9, MAX_MODEL_LEN), greedy())
             except ValueError as exc:
                 out["too_long"] = str(exc)
-            engine.sampler = _FaultySampler(engine.sampler)  # the CP leader's next sampling fails
+            part.runner.sampler = _FaultySampler(part.runner.sampler)  # the CP leader's next sampling fails
             out["fault"] = _result(drive_to_completion(driver, FAULT_PROMPTS, [greedy(12), greedy(12)]))
             out["after"] = _result(drive_to_completion(driver, [AFTER], [greedy()]))
             out["stats"] = driver.stats()
+            out["rank_stats"] = driver.rank_stats()
             return out
         finally:
             driver.shutdown()
@@ -113,19 +114,19 @@ def test_world_sampling_failure_fails_the_step_and_the_world_goes_on(limits, sin
         assert error == f"engine step failed on gen rank 0: RuntimeError: {FAULT}"
     assert front["after"] == [(single.generate([AFTER], greedy())[0].token_ids, "length", None)]
     assert front["stats"].num_used_blocks == front["stats"].num_used_slots == 0
-    assert limits[1]["stats"].num_used_blocks == limits[1]["stats"].num_used_slots == 0
+    assert [(s.num_used_blocks, s.num_used_slots) for s in front["rank_stats"].values()] == [(0, 0), (0, 0)]
 
 
 def _dp_fault_world(rank: int, world_size: int, init_method: str, model_dir: str) -> dict:
     """dp 2 x cp 1: rank 1's first batch fails to build; rank 0's group runs its forward beside
     it (rank 1 joins the MoE all-to-alls with no rows)."""
-    import helixserve.engine.spmd.rank as rank_module
+    import helixserve.engine.runner as runner_module
 
     groups = init_parallel(Mapping(world_size, rank, dp=2, cp=1), init_method, backend="gloo", timeout_s=30)
     try:
-        engine = build_rank_engine(model_dir, groups, OPTIONS)
+        part = build_rank(model_dir, groups, OPTIONS)
         if rank == 1:
-            build, calls = rank_module.build_forward_batch, [0]
+            build, calls = runner_module.build_forward_batch, [0]
 
             def faulty(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
                 calls[0] += 1
@@ -133,13 +134,14 @@ def _dp_fault_world(rank: int, world_size: int, init_method: str, model_dir: str
                     raise RuntimeError(FAULT)
                 return build(*args, **kwargs)
 
-            rank_module.build_forward_batch = faulty
-            return {"steps": serve_rank(engine), "stats": engine.stats()}
-        driver = WorldDriver(engine)
+            runner_module.build_forward_batch = faulty
+            return {"steps": serve_rank(part, 2)}
+        driver = WorldDriver(part)
         try:
             both = drive_to_completion(driver, FAULT_PROMPTS, [greedy(12), greedy(12)])
             after = drive_to_completion(driver, [AFTER, AFTER], [greedy()] * 2)  # one on each group
-            return {"both": _result(both), "after": _result(after), "stats": driver.stats()}
+            return {"both": _result(both), "after": _result(after), "stats": driver.stats(),
+                    "rank_stats": driver.rank_stats()}
         finally:
             driver.shutdown()
     finally:
@@ -156,4 +158,4 @@ def test_a_batch_failing_on_one_dp_group_fails_only_its_request(tiny_checkpoints
     after = single.generate([AFTER], greedy())[0].token_ids
     assert front["after"] == [(after, "length", None)] * 2  # both groups serve again
     assert front["stats"].num_used_blocks == front["stats"].num_used_slots == 0
-    assert results[1]["stats"].num_used_blocks == results[1]["stats"].num_used_slots == 0
+    assert [(s.num_used_blocks, s.num_used_slots) for s in front["rank_stats"].values()] == [(0, 0), (0, 0)]

@@ -1,12 +1,19 @@
-"""Rank 0 of a gen world: :class:`WorldDriver`, the request front and step driver.
+"""Rank 0 of a gen world: :class:`WorldDriver`, the request front and world-step driver.
+
+Rank 0 is also the leader of CP group 0: its :class:`~helixserve.engine.core.EngineCore` is that
+group's. The driver validates each request with that core's rules, assigns it to the
+least-loaded CP group (attention DP) and queues it as a command for that group's leader. A world
+step broadcasts the plan (every group's commands) to the other leaders (dp > 1; with dp = 1
+nothing is sent), runs group 0's :func:`~.leader.leader_step`, and gathers every leader's report
+(its updates, each CP rank's cache stats).
 
 Each request's state lives in one :class:`~helixserve.engine.spmd.lifecycle.GenRequestLife`
 (awaiting cache -> receiving -> decoding -> finished, see there), moved by the driver's typed
 events on the engine thread; the driver keeps only the commands queued for the next plan, each CP
 group's load and the causes of failed KV transfers beside it. Transfer outcomes are agreed by the
-ranks of each CP group among themselves (``RankEngine._agree_kv``, through
-:mod:`helixserve.transceiver.consensus`); the driver hears the result in the group leader's
-updates (first tokens, or a failure with its cause)."""
+ranks of each CP group among themselves (:class:`~helixserve.engine.kv_intake.RankTransfers`,
+through :mod:`helixserve.transceiver.consensus`); the driver hears the result in the group
+leader's updates (first tokens, or a failure with its cause)."""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from helixserve.engine.core import EngineStats
+from helixserve.engine.core import EngineCore, EngineStats
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.engine.spmd.lifecycle import (Aborted, Added, DecodingStarted, Dispatched, Finished,
@@ -31,7 +38,9 @@ from helixserve.engine.spmd.messages import (
     broadcast_plan,
     gather_reports,
 )
-from helixserve.engine.spmd.rank import RankEngine
+from helixserve.engine.spmd.executor import SPMDExecutor
+from helixserve.engine.spmd.leader import group_stats, leader_step
+from helixserve.parallel import ParallelGroups
 
 logger = logging.getLogger(__name__)
 
@@ -40,24 +49,29 @@ class WorldDriver:
     """Rank 0's request front and step driver (an ``EngineCoreLike``; see the module docstring).
 
     Args:
-        rank: rank 0's :class:`RankEngine`.
-        heartbeat_s: longest idle gap between plans (default: a quarter of the group timeout).
+        core: CP group 0's engine (built with rank 0's ``groups``).
+        heartbeat_s: longest idle gap between world steps (default: a quarter of the group timeout).
     """
 
     max_kept_failures = 4096  # causes of failed transfers nobody asked for (aborted meanwhile)
 
-    def __init__(self, rank: RankEngine, heartbeat_s: float | None = None) -> None:
-        if rank.mapping.rank != 0:
-            raise ValueError(f"the WorldDriver runs on rank 0, not rank {rank.mapping.rank}")
-        self.rank = rank
-        self.mapping = rank.mapping
-        self.heartbeat_s = heartbeat_s or rank.groups.timeout.total_seconds() / 4
+    def __init__(self, core: EngineCore, heartbeat_s: float | None = None) -> None:
+        executor = core.executor
+        if not isinstance(executor, SPMDExecutor):
+            raise ValueError("the WorldDriver drives a world's EngineCore (built with its groups)")
+        self.core = core
+        self.groups: ParallelGroups = executor.channel.groups
+        self.mapping = self.groups.mapping
+        if self.mapping.rank != 0:
+            raise ValueError(f"the WorldDriver runs on rank 0, not rank {self.mapping.rank}")
+        self.heartbeat_s = heartbeat_s or self.groups.timeout.total_seconds() / 4
         self._pending: list[list[Command]] = [[] for _ in range(self.mapping.dp)]
         self.life = GenRequestLife()  # every request's state (the only record of it)
         self._load: list[int] = [0] * self.mapping.dp  # live tokens budget per CP group
         # every rank's last report (keys fixed here, so other threads may read a copy at any time)
+        first = group_stats(core)[0]  # every group starts alike
         self._rank_stats: dict[tuple[int, int], EngineStats] = {
-            (d, c): rank.stats() for d in range(self.mapping.dp) for c in range(self.mapping.cp)}
+            (d, c): first for d in range(self.mapping.dp) for c in range(self.mapping.cp)}
         self._kv_failures: dict[str, str] = {}  # request id -> its CP group's agreed transfer error
         self._step_id = 0
         self._last_plan = time.monotonic()
@@ -77,7 +91,7 @@ class WorldDriver:
         self._check_alive()
         if request_id in self.life:
             raise ValueError(f"request id {request_id!r} is already in the world")
-        self.rank.check_request(prompt_token_ids, params, forced_output_token_ids, has_kv=kv_ticket is not None)
+        self.core.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
         dp_rank = min(range(self.mapping.dp), key=lambda d: (self._load[d], d))
         cost = len(prompt_token_ids) + params.max_tokens
         self.life.apply(Added(request_id, dp_rank, cost, kv_ticket is not None, hold_cache))
@@ -123,8 +137,10 @@ class WorldDriver:
         self._step_id += 1
         self._last_plan = time.monotonic()
         try:
-            broadcast_plan(plan, self.rank.groups)
-            reports = gather_reports(self.rank.step(plan), self.rank.groups)
+            if self.mapping.dp > 1:
+                broadcast_plan(plan, self.groups)
+            report = leader_step(self.core, plan.commands[0], plan.run_model, self.mapping.dp)
+            reports = gather_reports(report, self.groups) if self.mapping.dp > 1 else [report]
         except Exception as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
             logger.error("gen world stopped at step %d: %s", plan.step_id, self.failure)
@@ -162,7 +178,11 @@ class WorldDriver:
         if self.is_shut_down or self.failure is not None:
             return
         self.is_shut_down = True
-        broadcast_plan(StepPlan(self._step_id, [[] for _ in range(self.mapping.dp)], False, True), self.rank.groups)
+        if self.mapping.dp > 1:
+            broadcast_plan(StepPlan(self._step_id, [[] for _ in range(self.mapping.dp)], False, True), self.groups)
+        executor = self.core.executor
+        assert isinstance(executor, SPMDExecutor)
+        executor.shutdown()
 
     def _check_alive(self) -> None:
         if self.failure is not None:
@@ -182,8 +202,8 @@ class WorldDriver:
     def _absorb(self, reports: list[StepReport]) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         for report in reports:
-            if report.stats is not None:
-                self._rank_stats[(report.dp_rank, report.cp_rank)] = report.stats
+            for cp_rank, stats in enumerate(report.stats):
+                self._rank_stats[(report.dp_rank, cp_rank)] = stats
             for update in report.updates:
                 updates.append(self._absorb_update(update))
         return updates

@@ -1,10 +1,11 @@
-"""What rank 0 and the other ranks of a gen world exchange each step (pickled over the gloo
-control group), the KV-receiver seam, and the world's failure error."""
+"""What rank 0 and the other CP groups' leaders of a gen world exchange each world step (pickled
+over the leaders' gloo group; with dp = 1 nothing is exchanged), and the world's failure error.
+What a leader sends its own group's ranks is in :mod:`.channel`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
@@ -12,7 +13,6 @@ from helixserve.cache_layout import ModelCaches
 from helixserve.engine.core import EngineStats
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
-from helixserve.kvcache.manager import CacheHandle
 from helixserve.parallel import CollectiveError, ParallelGroups
 
 
@@ -22,22 +22,6 @@ class WorldStoppedError(ValueError):
     A ``ValueError`` so that an :class:`~helixserve.engine.async_engine.AsyncEngine` refuses new
     requests with an error instead of losing them; the server should stop (and restart the world).
     """
-
-
-class KVReceiver(Protocol):
-    """One rank's receiver of ctx-prefilled shards (the transceiver plugs in here).
-
-    ``start`` must fill exactly this rank's shard: the blocks of ``handle.block_ids`` (global
-    logical blocks ``cp_rank + k * cp``) in every MLA pool of ``caches``, and slot ``handle.slot``
-    of every KDA state / conv pool (this rank's heads, ``[q | k | v]`` conv sections).
-    """
-
-    def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches, ticket: Any) -> None: ...
-    def poll(self) -> dict[str, str | None]:
-        """Transfers finished since the last poll: ``request_id -> None`` (ok) or an error message.
-        Local and bounded (no collective): the rank agrees on the outcomes with its CP group
-        through :class:`~helixserve.transceiver.consensus.TransferConsensus`."""
-    def cancel(self, request_id: str) -> None: ...
 
 
 # ---------------------------------------------------------------- messages (pickled, gloo)
@@ -71,7 +55,7 @@ Command = AddCommand | AbortCommand | ReleaseCommand
 class StepPlan:
     step_id: int
     commands: list[list[Command]]  # per dp_rank
-    run_model: bool = True  # False: no request is live anywhere (heartbeat / cleanup)
+    run_model: bool = True  # every group runs a forward (or its empty step); False: none is live
     shutdown: bool = False
 
 
@@ -80,14 +64,15 @@ class StepReport:
     rank: int
     dp_rank: int
     cp_rank: int = 0
-    updates: list[RequestUpdate] = field(default_factory=list)  # CP leaders only
-    stats: EngineStats | None = None  # every rank: its own cache shard's blocks and slots
+    updates: list[RequestUpdate] = field(default_factory=list)
+    stats: list[EngineStats] = field(default_factory=list)  # per CP rank of the group: its own blocks and slots
 
 
 def broadcast_plan(plan: StepPlan | None, groups: ParallelGroups) -> StepPlan:
+    """Rank 0's plan to every CP leader (called by the leaders only)."""
     box = [plan]
     try:
-        dist.broadcast_object_list(box, src=0, group=groups.cpu)
+        dist.broadcast_object_list(box, src=0, group=groups.leaders_cpu)
     except RuntimeError as exc:
         raise CollectiveError(f"step plan broadcast failed on rank {groups.mapping.rank}: {exc}") from exc
     assert box[0] is not None
@@ -95,9 +80,10 @@ def broadcast_plan(plan: StepPlan | None, groups: ParallelGroups) -> StepPlan:
 
 
 def gather_reports(report: StepReport, groups: ParallelGroups) -> list[StepReport] | None:
-    out: list[Any] | None = [None] * groups.mapping.world_size if groups.mapping.rank == 0 else None
+    """Every CP leader's report to rank 0 (called by the leaders only)."""
+    out: list[Any] | None = [None] * groups.mapping.dp if groups.mapping.rank == 0 else None
     try:
-        dist.gather_object(report, out, dst=0, group=groups.cpu)
+        dist.gather_object(report, out, dst=0, group=groups.leaders_cpu)
     except RuntimeError as exc:
         raise CollectiveError(f"step report gather failed on rank {groups.mapping.rank}: {exc}") from exc
     return out

@@ -1,0 +1,89 @@
+"""The cache of a whole CP group, owned by its leader: one :class:`CacheManager` per CP rank
+(torch-free).
+
+A CP group's scheduler runs on its leader only; the other ranks hold cache tensors but no
+allocator. :class:`GroupCacheManager` keeps the block and slot allocators of every rank of the
+group and applies each allocate / extend / free to all of them, so the leader knows every rank's
+physical blocks (``handle_on(cp_rank, request_id)``) and sends each rank its own block tables
+with the step. Capacity is CP-group-uniform (see :mod:`.manager`): every rank answers each
+``can_*`` alike, so the group's answers are rank 0's; the handles the scheduler sees are rank 0's.
+Slots come out identical on every rank (same allocator, same calls).
+"""
+
+from __future__ import annotations
+
+from helixserve.kvcache.errors import AllocationError
+from helixserve.kvcache.manager import CacheHandle, CacheManager, CacheStats
+
+
+class GroupCacheManager:
+    """The ``CacheManager`` interface over ``cp_size`` per-rank managers (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, num_slots: int, tokens_per_block: int, cp_size: int,
+                 has_mla: bool = True, has_kda: bool = True) -> None:
+        if cp_size < 1:
+            raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+        self.ranks = [CacheManager(num_blocks, num_slots, tokens_per_block, cp_rank=r, cp_size=cp_size,
+                                   has_mla=has_mla, has_kda=has_kda) for r in range(cp_size)]
+        self.tokens_per_block = tokens_per_block
+        self.cp_size = cp_size
+        self.has_mla, self.has_kda = has_mla, has_kda
+
+    @property
+    def _leader(self) -> CacheManager:
+        return self.ranks[0]
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self._leader.can_ever_fit(num_tokens)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self._leader.can_allocate(num_tokens)
+
+    def allocate(self, request_id: str, num_tokens: int) -> CacheHandle:
+        handles = [m.allocate(request_id, num_tokens) for m in self.ranks]
+        return handles[0]
+
+    def can_extend(self, handle: CacheHandle, new_num_tokens: int) -> bool:
+        return self._leader.can_extend(handle, new_num_tokens)
+
+    def try_extend(self, handle: CacheHandle, new_num_tokens: int) -> bool:
+        if not self._leader.try_extend(handle, new_num_tokens):
+            return False
+        for manager in self.ranks[1:]:
+            if not manager.try_extend(manager.get(handle.request_id), new_num_tokens):
+                raise AllocationError(f"CP rank {manager.cp_rank} could not extend request "
+                                      f"{handle.request_id!r} that rank 0 extended (accounting drifted)")
+        return True
+
+    def extend(self, handle: CacheHandle, new_num_tokens: int) -> None:
+        self._leader.extend(handle, new_num_tokens)
+        for manager in self.ranks[1:]:
+            manager.extend(manager.get(handle.request_id), new_num_tokens)
+
+    def free(self, request_id: str) -> None:
+        for manager in self.ranks:
+            manager.free(request_id)
+
+    def get(self, request_id: str) -> CacheHandle:
+        return self._leader.get(request_id)
+
+    def handle_on(self, cp_rank: int, request_id: str) -> CacheHandle:
+        """CP rank ``cp_rank``'s handle of ``request_id`` (its own physical blocks)."""
+        return self.ranks[cp_rank].get(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._leader
+
+    @property
+    def num_requests(self) -> int:
+        return self._leader.num_requests
+
+    def stats(self) -> CacheStats:
+        """The group's totals: blocks and slots summed over its ranks (each holds its own)."""
+        parts = [m.stats() for m in self.ranks]
+        return CacheStats(*(sum(getattr(p, f) for p in parts) for f in CacheStats.__dataclass_fields__
+                            if f != "num_requests"), num_requests=parts[0].num_requests)
+
+    def rank_stats(self) -> list[CacheStats]:
+        """Each CP rank's own blocks and slots, in CP rank order."""
+        return [m.stats() for m in self.ranks]
