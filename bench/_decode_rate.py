@@ -19,10 +19,10 @@ from _common import EngineLike, run_decode
 def find_runner(engine: Any) -> Any | None:
     """The CUDA-graph ``ModelRunner`` an engine-like object steps, if one is reachable.
 
-    ``EngineCore.runner``; for a world's driver, its rank engine's runner (``driver.rank.runner``,
-    or ``driver.engine.runner``). ``None`` when none has ``decode_graphs`` and ``sampler``.
+    ``EngineCore.runner``; for a world's driver, its group-0 EngineCore's (``driver.core.runner``).
+    ``None`` when none has ``decode_graphs`` and ``sampler``.
     """
-    for path in (("runner",), ("rank", "runner"), ("engine", "runner")):
+    for path in (("runner",), ("core", "runner")):
         obj = engine
         for name in path:
             obj = getattr(obj, name, None)
