@@ -52,6 +52,7 @@ REQUESTS = [  # (prompt, params, arrives before step)
     (_prompt(5, 11), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), 3),
 ]
 ABORTED = "late-abort"
+KV_ABORTED = "kv-aborted"
 HELD = "held"
 KV_PROMPTS = [_prompt(6, 10), _prompt(7, 5), _prompt(8, 7)]  # the second fails on rank 3
 KV_PARAMS = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 2 + [
@@ -65,6 +66,7 @@ class _FakeReceiver:
         self.ref = load_model(model_dir)
         self.mapping = mapping
         self.pending: dict[str, list] = {}
+        self.cancelled: list[str] = []
 
     def start(self, request_id, handle, caches, ticket) -> None:
         prompt, fail_on_rank = ticket
@@ -94,6 +96,7 @@ class _FakeReceiver:
         return done
 
     def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
         self.pending.pop(request_id, None)
 
 
@@ -103,10 +106,12 @@ def _serving_world(rank: int, world_size: int, init_method: str, model_dir: str,
     try:
         part = build_rank(model_dir, groups, OPTIONS, _FakeReceiver(model_dir, mapping))
         if rank != 0:
-            return {"steps": serve_rank(part, mapping.dp), "forwards": _forwards(part), **_consensus_of(part)}
+            return {"steps": serve_rank(part, mapping.dp), "forwards": _forwards(part), **_consensus_of(part),
+                    "cancelled": part.transfers.receiver.cancelled}
         driver = WorldDriver(part, heartbeat_s=0.2)
         try:
-            return {**_drive(driver, first_tokens), "forwards": _forwards(part), **_consensus_of(part)}
+            return {**_drive(driver, first_tokens), "forwards": _forwards(part), **_consensus_of(part),
+                    "cancelled": part.transfers.receiver.cancelled}
         finally:
             driver.shutdown()
     finally:
@@ -159,6 +164,14 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
         step()
     held_stats = driver.stats()
     assert driver.release(HELD) and not driver.release(HELD)
+    # alone in an idle world: a reception aborted mid-way is cancelled on every rank of its group
+    driver.add_request(KV_ABORTED, KV_PROMPTS[0], KV_PARAMS[0], forced_output_token_ids=[first_tokens[0]],
+                       kv_ticket=(KV_PROMPTS[0], None))
+    owners[KV_ABORTED] = driver.life.get(KV_ABORTED).dp_rank
+    step()  # the group allocates and starts receiving (it arrives after two polls)
+    assert driver.abort(KV_ABORTED)
+    step()
+    assert driver.stats().num_used_blocks == 0
     time.sleep(0.3)  # idle: the next has_unfinished_requests() asks for a heartbeat step
     assert driver.has_unfinished_requests()
     step()
@@ -202,6 +215,14 @@ def test_received_kv_decodes_like_single_process(serving) -> None:
         assert front["tokens"][f"kv{j}"] == kv_expected[j]
         assert front["reasons"][f"kv{j}"] == "length"
     assert front["reasons"]["kv1"] == "error" and "kv1" not in front["tokens"]
+
+
+def test_an_aborted_reception_is_cancelled_on_every_rank_of_its_group(serving) -> None:
+    results, _, _ = serving
+    group = results[0]["owners"][KV_ABORTED]
+    for rank in (2 * group, 2 * group + 1):
+        assert results[rank]["cancelled"] == [KV_ABORTED], rank
+    assert KV_ABORTED not in results[0]["tokens"] and results[0]["reasons"].get(KV_ABORTED) in (None, "abort")
 
 
 def test_the_cp_group_agrees_through_the_transceiver_consensus(serving) -> None:
@@ -328,3 +349,19 @@ def test_async_engine_drives_a_local_world(tiny_checkpoints) -> None:
     finally:
         world.close()
     assert [p.exitcode for p in world.processes] == [0]
+
+
+def test_a_world_of_one_is_the_single_engine(tiny_checkpoints) -> None:
+    """dp 1 x cp 1: the same EngineCore, runner and forward as ``LLM`` (greedy, seeded sampling,
+    chunked prefill of a prompt past the step budget): the same tokens and finish reasons."""
+    from helixserve.config import SchedulerConfig
+    from helixserve.engine.world_llm import generate_many_on_world
+
+    model = str(tiny_checkpoints[PRESET])
+    scheduler = SchedulerConfig(max_num_batched_tokens=16)
+    prompts = [p for p, _, _ in REQUESTS] + [_prompt(30, 40)]  # 40 tokens: three prefill chunks
+    params = [p for _, p, _ in REQUESTS] + [SamplingParams(max_tokens=6, temperature=0.7, seed=2, ignore_eos=True)]
+    want = LLM(model, cache=CACHE, scheduler=scheduler).generate(prompts, params)
+    got = generate_many_on_world(model, prompts, params, dp=1, cp=1,
+                                 options=WorldOptions(cache=CACHE, scheduler=scheduler, timeout_s=30))
+    assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in want]

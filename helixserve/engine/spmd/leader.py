@@ -58,8 +58,7 @@ def leader_step(core: EngineCore, commands: list[Command], run_model: bool, dp: 
     assert isinstance(executor, SPMDExecutor)
     forwards, messages = executor.num_forwards, executor.num_messages
     updates = apply_commands(core, commands)
-    if core.has_unfinished_requests():
-        updates += core.step()
+    updates += core.step()  # also with nothing to run: an abort's cancels still go to the ranks
     if dp > 1 and run_model and executor.num_forwards == forwards:
         executor.idle_step()
     if executor.num_messages == messages:
