@@ -24,7 +24,8 @@ from helixserve.kvcache import CacheManager, local_logical_blocks
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.checkpoint import load_model
 from helixserve.models.context import ForwardBatch
-from helixserve.models.helix import HelixConfigError, HelixKimiForCausalLM, check_helix_config
+from helixserve.models.kimi import KimiForCausalLM
+from helixserve.models.sharding import HelixConfigError, check_helix_config
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.presets import get_preset
 from helixserve.parallel import Mapping, init_parallel, run_local_world
@@ -118,7 +119,7 @@ def _check_state(helix: _Side, ref: _Side, rids: list[str], mapping: Mapping) ->
     return err, blocks_ok
 
 
-def _scenario(model: HelixKimiForCausalLM, ref_model, mapping: Mapping) -> list[dict]:
+def _scenario(model: KimiForCausalLM, ref_model, mapping: Mapping) -> list[dict]:
     cfg = ref_model.cfg
     helix = _Side(model, mapping.cp_rank, mapping.cp, cfg.kda_num_heads // mapping.cp)
     ref = _Side(ref_model, 0, 1, cfg.kda_num_heads)

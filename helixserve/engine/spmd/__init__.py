@@ -4,7 +4,7 @@ Roles:
 
 - :class:`RankEngine` (every rank): a replica of its CP group's scheduler (CP-group-uniform cache
   accounting, so every rank of the group makes the same decisions), its own cache shard (MLA
-  blocks ``b % cp == cp_rank``, KDA state of its heads) and its :class:`HelixKimiForCausalLM`.
+  blocks ``b % cp == cp_rank``, KDA state of its heads) and its :class:`KimiForCausalLM`.
 - :class:`WorldDriver` (rank 0): the request front, an
   :class:`~helixserve.engine.async_engine.EngineCoreLike`. It validates requests, assigns each to
   the least-loaded CP group (attention DP), and each :meth:`WorldDriver.step` broadcasts one

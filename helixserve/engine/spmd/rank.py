@@ -28,7 +28,7 @@ from helixserve.engine.stop import StopChecker
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import reset_slots
 from helixserve.models.context import ModelCaches
-from helixserve.models.helix import HelixKimiForCausalLM
+from helixserve.models.kimi import KimiForCausalLM
 from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.consensus import LocalStatus, TransferConsensus
 
@@ -40,7 +40,7 @@ _FAILED = -1  # a sampled token that marks a failed sampling (token ids are >= 0
 class RankEngine:
     """One rank's scheduler replica, cache shard, model and sampler (see the module docstring)."""
 
-    def __init__(self, model: HelixKimiForCausalLM, groups: ParallelGroups, caches: ModelCaches,
+    def __init__(self, model: KimiForCausalLM, groups: ParallelGroups, caches: ModelCaches,
                  cache_manager: CacheManager, scheduler: Scheduler, seed: int = 0) -> None:
         self.model, self.groups, self.caches = model, groups, caches
         self.mapping = groups.mapping
