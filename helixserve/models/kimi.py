@@ -125,7 +125,7 @@ class KimiModel(nn.Module):
         for layer in self.layers:
             if layer.layer_idx == first_sliced:
                 h, bank = hooks.slice_rows(h, bank, num_banked)
-            h, num_banked = layer(h, bank, num_banked, batch, caches, hooks)
+            h, num_banked = layer.forward(h, bank, num_banked, batch, caches, hooks)  # no per-layer Module.__call__
         with NO_PHASE if hooks is None else hooks.phase("residual"):
             if bank is not None:
                 h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked])
