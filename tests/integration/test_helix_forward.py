@@ -256,7 +256,7 @@ def test_load_rejects_indivisible_world_before_reading(tiny_checkpoints) -> None
 @pytest.mark.parametrize("preset", PRESETS)
 def test_sharded_load_equals_slicing_the_full_model(tiny_checkpoints, tmp_path, preset: str) -> None:
     """Lazy per-rank reads (get_slice, local experts only) == slicing a full load; also for a
-    checkpoint layout that takes the read-whole fallback (fused conv1d names)."""
+    checkpoint layout that takes the read-whole fallback (fused conv1d names); (2, 1): cp = 1 keeps MLA's kv_b_proj."""
     from safetensors.torch import load_file, save_file
 
     from helixserve.models.helix_load import shard_state_dict
@@ -273,7 +273,7 @@ def test_sharded_load_equals_slicing_the_full_model(tiny_checkpoints, tmp_path, 
         base = name.removesuffix(".q_conv1d.weight")
         tensors[f"{base}.conv1d.weight"] = torch.cat([tensors.pop(f"{base}.{p}_conv1d.weight") for p in "qkv"])
     save_file(tensors, fused / "model.safetensors")
-    cases = [(2, 2, rank, path) for rank in range(4)] + [(1, 4, 3, path), (2, 2, 1, fused)]
+    cases = [(2, 2, rank, path) for rank in range(4)] + [(1, 4, 3, path), (2, 1, 1, path), (2, 2, 1, fused)]
     for dp, cp, rank, source in cases:
         mapping = Mapping(dp * cp, rank, dp=dp, cp=cp)
         want = shard_state_dict(full, get_preset(preset), mapping).state_dict()
