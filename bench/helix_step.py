@@ -38,7 +38,8 @@ from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
 from helixserve.launch.processes import run_local_world  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402
 from helixserve.models.context import ForwardBatch  # noqa: E402
-from helixserve.models.helix import HelixKimiForCausalLM, PhaseTimer  # noqa: E402
+from helixserve.models.helix_hooks import PhaseTimer  # noqa: E402
+from helixserve.models.kimi import KimiForCausalLM  # noqa: E402
 from helixserve.models.presets import PRESETS  # noqa: E402
 from helixserve.parallel import Mapping, init_parallel  # noqa: E402
 
@@ -106,7 +107,7 @@ def _rank(rank: int, world_size: int, init_method: str, args: dict[str, Any]) ->
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = KimiModelConfig.model_validate({**CONFIGS[args["config"]], **args["override"]})
     with torch.device("meta"):
-        model = HelixKimiForCausalLM(cfg, mapping, dtype)
+        model = KimiForCausalLM(cfg, dtype, mapping)
     model = model.to_empty(device=device).eval().requires_grad_(False)
     _fill_random(model, seed=0)
     model.bind(groups)

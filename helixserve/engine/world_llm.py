@@ -178,7 +178,7 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
 def _check_fits_world(model_dir: Path, dp: int, cp: int) -> None:
     """Start-up errors (indivisible heads / experts, layer order) before spawning anything."""
     from helixserve.models.config import KimiModelConfig
-    from helixserve.models.helix import check_helix_config
+    from helixserve.models.sharding import check_helix_config
 
     check_helix_config(KimiModelConfig.from_pretrained(model_dir), Mapping(dp * cp, 0, dp=dp, cp=cp))
 

@@ -1,10 +1,13 @@
-"""Load one rank's shard of a Kimi checkpoint for :class:`~helixserve.models.helix.HelixKimiForCausalLM`.
+"""Load one rank's shard of a Kimi checkpoint into :class:`~helixserve.models.kimi.KimiForCausalLM`
+built for the rank's :class:`~helixserve.parallel.Mapping` (the slices :mod:`.sharding` lays out).
 
 A rank materializes only what it runs: its KDA heads (``[r*H/cp, (r+1)*H/cp)``: q/k/v/g/f_b rows,
-conv kernels, dt_bias, A_log, b_proj rows, o_proj columns), its MLA value heads (``w_uv``, gate
-rows, o_proj columns; ``w_uk`` of every head, which the absorbed query needs) and its experts
-(``[rank*E/world, (rank+1)*E/world)``); everything else (embeddings, norms, routers, shared
-experts, the dense MLP, the LM head) is replicated.
+conv kernels, dt_bias, A_log, b_proj rows, o_proj columns), its MLA value heads at ``cp > 1``
+(``w_uv``, gate rows, o_proj columns; ``w_uk`` of every head, which the absorbed query needs; at
+``cp == 1`` the whole ``kv_b_proj``) and its experts (``[rank*E/world, (rank+1)*E/world)``);
+everything else (embeddings, norms, routers, shared experts, the dense MLP, the LM head) is
+replicated. A world of one loads the whole model and, on the CPU, packs it like
+:func:`~helixserve.models.checkpoint.load_model` (the single-process model).
 
 Checkpoints in the original tensor names (``save_checkpoint``'s output and the published
 layouts, MXFP4 experts included) are read lazily: per-head rows / columns through safetensors'
@@ -33,9 +36,10 @@ from helixserve.models.checkpoint import (
     to_internal,
 )
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.helix import HelixKimiForCausalLM, MoeMode
+from helixserve.models.helix_hooks import MoeMode
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.mxfp4 import dequantize_mxfp4
+from helixserve.models.packing import pack_for_cpu
 from helixserve.parallel import Mapping
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|block_sparse_moe)\.(.+)$")
@@ -52,16 +56,16 @@ ExpertReader = Callable[[str, range], tuple[torch.Tensor, torch.Tensor]]
 def load_helix_model(
     model_dir: str | Path, mapping: Mapping, dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu", moe_mode: MoeMode = "sliced",
-) -> HelixKimiForCausalLM:
-    """This rank's :class:`HelixKimiForCausalLM` (unbound: call ``bind(groups)``).
+) -> KimiForCausalLM:
+    """This rank's :class:`KimiForCausalLM` (unbound: call ``bind(groups)``).
 
-    Raises :class:`~helixserve.models.helix.HelixConfigError` before reading any weight when the
+    Raises :class:`~helixserve.models.sharding.HelixConfigError` before reading any weight when the
     model does not fit ``mapping``, and :class:`CheckpointError` for missing / mis-shaped tensors.
     """
     cfg = KimiModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = HelixKimiForCausalLM(cfg, mapping, dtype, moe_mode)
-        full = KimiForCausalLM(cfg, dtype)
+        model = KimiForCausalLM(cfg, dtype, mapping, moe_mode)
+        full = KimiForCausalLM(cfg, dtype)  # the checkpoint holds the unsharded shapes
     expected = expected_shapes(full)
     lazy = _LazyCheckpoint(Path(model_dir), cfg)
     if lazy.matches(expected):
@@ -77,10 +81,10 @@ def load_helix_model(
 def shard_state_dict(
     state: dict[str, torch.Tensor], cfg: KimiModelConfig, mapping: Mapping, dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu", moe_mode: MoeMode = "sliced",
-) -> HelixKimiForCausalLM:
+) -> KimiForCausalLM:
     """This rank's model from a full single-process ``state_dict`` (stacked experts; tests, benches)."""
     with torch.device("meta"):
-        model = HelixKimiForCausalLM(cfg, mapping, dtype, moe_mode)
+        model = KimiForCausalLM(cfg, dtype, mapping, moe_mode)
     reader, expert_reader = _dict_readers(state)
     return _materialize(model, reader, expert_reader, dtype, device)
 
@@ -89,9 +93,9 @@ def shard_state_dict(
 
 
 def _materialize(
-    model: HelixKimiForCausalLM, read: Reader, read_experts: ExpertReader, dtype: torch.dtype,
+    model: KimiForCausalLM, read: Reader, read_experts: ExpertReader, dtype: torch.dtype,
     device: str | torch.device,
-) -> HelixKimiForCausalLM:
+) -> KimiForCausalLM:
     cfg, mapping = model.cfg, model.mapping
     params = dict(model.named_parameters(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
@@ -113,10 +117,11 @@ def _materialize(
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return pack_for_cpu(model) if mapping.world_size == 1 else model
 
 
-def _read_param(name: str, model: HelixKimiForCausalLM, read: Reader) -> torch.Tensor:
+def _read_param(name: str, model: KimiForCausalLM, read: Reader) -> torch.Tensor:
     cfg, mapping = model.cfg, model.mapping
     m = _LAYER_RE.match(name)
     if m is None or m.group(2) != "self_attn":

@@ -1,4 +1,5 @@
-"""Kimi Linear / Kimi K3 decoder and causal LM.
+"""Kimi Linear / Kimi K3 decoder and causal LM: the one model forward, for one process or one rank
+of a ``dp x cp`` helix_a2a world.
 
 Layer ``i`` mixes with KDA when ``(i + 1) in kda_layers`` and with MLA otherwise; its FFN is a MoE
 when ``i >= first_k_dense_replace and i % moe_layer_freq == 0`` and a dense gated MLP otherwise.
@@ -14,11 +15,19 @@ Residual stream: plain pre-norm, or (``attn_res_block_size`` set, K3) block atte
     x = AttnRes(prefix, bank);  prefix = prefix + ffn(post_attention_layernorm(x))
 
 and after the last layer ``h = AttnRes(prefix, bank)`` (output site), then ``norm`` and ``lm_head``.
+
+Who owns what: the model takes a :class:`~helixserve.parallel.Mapping` (default: a world of one).
+:mod:`helixserve.models.sharding` decides each layer's rank-local modules (KDA heads, MLA value
+heads, experts); :class:`~helixserve.models.helix_hooks.HelixHooks` (``model.helix``) moves rows
+and runs the collectives around each mixer and MoE, the row slicing at the first MoE layer and the
+gather before the LM head. At a world of one the layers call their modules directly (the hooks
+would be identities) and the model is the single-process model: same names, shapes and ops.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,23 +37,29 @@ from helixserve.kernels._host import step_host_cache
 from helixserve.models.attn_res import AttnResProj, attn_res_mix
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
-from helixserve.models.kda import KimiDeltaAttention
-from helixserve.models.mla import MultiLatentAttention
+from helixserve.models.helix_hooks import NO_PHASE, HelixHooks, MoeMode, PhaseTimer
 from helixserve.models.mlp import GatedMLP
 from helixserve.models.moe import KimiMoE
 from helixserve.models.norm import RMSNorm
+from helixserve.models.sharding import build_mixer, check_helix_config, num_local_experts
+from helixserve.parallel.mapping import Mapping
+
+if TYPE_CHECKING:
+    from helixserve.parallel.groups import ParallelGroups
+
+WORLD_OF_ONE = Mapping(1, 0, dp=1, cp=1)
 
 
 class KimiDecoderLayer(nn.Module):
-    def __init__(self, cfg: KimiModelConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: KimiModelConfig, layer_idx: int, dtype: torch.dtype | None = None,
+                 mapping: Mapping = WORLD_OF_ONE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.is_kda = cfg.is_kda_layer(layer_idx)
         self.is_moe = cfg.is_moe_layer(layer_idx)
-        mixer_cls = KimiDeltaAttention if self.is_kda else MultiLatentAttention
-        self.self_attn = mixer_cls(cfg, layer_idx, dtype)
+        self.self_attn = build_mixer(cfg, layer_idx, mapping, dtype)
         if self.is_moe:
-            self.block_sparse_moe = KimiMoE(cfg, dtype)
+            self.block_sparse_moe = KimiMoE(cfg, dtype, num_local_experts(cfg, mapping))
         else:
             self.mlp = GatedMLP(cfg, cfg.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -64,60 +79,88 @@ class KimiDecoderLayer(nn.Module):
     def starts_block(self) -> bool:
         return self.attn_res_block_size is not None and self.layer_idx % self.attn_res_block_size == 0
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Plain pre-norm residual block."""
-        h = h + self.self_attn(self.input_layernorm(h), batch, caches)
-        return h + self.ffn(self.post_attention_layernorm(h))
-
-    def forward_attn_res(
-        self, prefix: torch.Tensor, bank: torch.Tensor, num_banked: int, batch: ForwardBatch, caches: ModelCaches
+    def forward(
+        self, h: torch.Tensor, bank: torch.Tensor | None, num_banked: int, batch: ForwardBatch, caches: ModelCaches,
+        hooks: HelixHooks | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """Block attention-residual step; ``bank [max_blocks, M, D]`` holds ``num_banked`` snapshots."""
+        """One layer on the rank's rows ``h``; ``bank [max_blocks, M, D]`` holds ``num_banked``
+        AttnRes snapshots (``None``: plain pre-norm residual). ``hooks`` (a world of more than
+        one rank, or a phase timer) wrap the mixer and the FFN; ``None`` calls them directly."""
+        if bank is None:
+            x = self.input_layernorm(h)
+            h = h + (self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches))
+            x = self.post_attention_layernorm(h)
+            return h + (self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)), num_banked
+        prefix = h
         x = attn_res_mix(self.self_attention_res_norm, self.self_attention_res_proj, prefix, bank[:num_banked])
         keep_prefix = not self.starts_block
         if self.starts_block:
             bank[num_banked] = prefix
             num_banked += 1
-        a = self.self_attn(self.input_layernorm(x), batch, caches)
+        x = self.input_layernorm(x)
+        a = self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches)
         prefix = prefix + a if keep_prefix else a
         x = attn_res_mix(self.mlp_res_norm, self.mlp_res_proj, prefix, bank[:num_banked])
-        return prefix + self.ffn(self.post_attention_layernorm(x)), num_banked
+        x = self.post_attention_layernorm(x)
+        return prefix + (self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)), num_banked
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None, mapping: Mapping = WORLD_OF_ONE) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(KimiDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(KimiDecoderLayer(cfg, i, dtype, mapping) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.attn_res_block_size is not None:
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.output_attn_res_proj = AttnResProj(cfg.hidden_size, dtype)
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Final normed hidden states ``[T, hidden]``."""
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, hooks: HelixHooks | None = None) -> torch.Tensor:
+        """Final normed hidden states of the rank's rows: ``[T, hidden]``, or ``[c, hidden]`` with
+        ``hooks`` slicing rows over the CP group from its first MoE layer on."""
         h = self.embed_tokens(batch.input_ids)
-        if self.cfg.attn_res_block_size is None:
-            for layer in self.layers:
-                h = layer(h, batch, caches)
-            return self.norm(h)
-        bank = h.new_empty(self.cfg.num_attn_res_blocks, *h.shape)
+        bank = h.new_empty(self.cfg.num_attn_res_blocks, *h.shape) if self.cfg.attn_res_block_size is not None else None
         num_banked = 0
+        first_sliced = -1 if hooks is None else hooks.first_sliced_layer
         for layer in self.layers:
-            h, num_banked = layer.forward_attn_res(h, bank, num_banked, batch, caches)
-        h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked])
-        return self.norm(h)
+            if layer.layer_idx == first_sliced:
+                h, bank = hooks.slice_rows(h, bank, num_banked)
+            h, num_banked = layer.forward(h, bank, num_banked, batch, caches, hooks)  # no per-layer Module.__call__
+        with NO_PHASE if hooks is None else hooks.phase("residual"):
+            if bank is not None:
+                h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked])
+            return self.norm(h)
 
 
 class KimiForCausalLM(nn.Module):
     """``model(batch, caches) -> logits [len(logits_indices) or T, vocab]`` float32 (``[0, vocab]``
-    without running the LM head when ``logits_indices`` is empty)."""
+    without running the LM head when ``logits_indices`` is empty), identical on every CP rank.
 
-    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
+    ``mapping`` places the model in a ``dp x cp`` world (default: a world of one, the
+    single-process model). A rank of a larger world holds its slice (:mod:`.sharding`; build it on
+    the meta device and load it with :func:`helixserve.models.helix_load.load_helix_model` or
+    :func:`~helixserve.models.helix_load.shard_state_dict`), and needs :meth:`bind` with its
+    process groups before the first forward; its idle steps call :meth:`empty_step`.
+
+    Args:
+        moe_mode: ``"sliced"`` (each CP rank routes its c rows) or ``"replicated"`` (each CP rank
+            routes all T rows and keeps its slice of the result; the benchmark baseline).
+
+    Raises:
+        HelixConfigError: the model does not fit a world of more than one rank.
+    """
+
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None, mapping: Mapping | None = None,
+                 moe_mode: MoeMode = "sliced") -> None:
         super().__init__()
+        mapping = WORLD_OF_ONE if mapping is None else mapping
+        if mapping.world_size > 1:
+            check_helix_config(cfg, mapping)
         self.cfg = cfg
-        self.model = KimiModel(cfg, dtype)
+        self.mapping = mapping
+        self.helix = HelixHooks(cfg, mapping, moe_mode)
+        self.model = KimiModel(cfg, dtype, mapping)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -134,11 +177,53 @@ class KimiForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    # ---- the world this rank sits in
+
+    def bind(self, groups: ParallelGroups) -> KimiForCausalLM:
+        """Attach this rank's process groups (``groups.mapping`` must be the model's)."""
+        self.helix.bind(groups)
+        return self
+
+    @property
+    def kda_num_local_heads(self) -> int:
+        return self.cfg.kda_num_heads // self.mapping.cp
+
+    @property
+    def moe_mode(self) -> MoeMode:
+        return self.helix.moe_mode
+
+    @moe_mode.setter
+    def moe_mode(self, mode: MoeMode) -> None:
+        self.helix.moe_mode = mode
+
+    @property
+    def timer(self) -> PhaseTimer | None:
+        """Per-phase wall time of the forward when set (benchmarks; the hooks run at any world size)."""
+        return self.helix.timer
+
+    @timer.setter
+    def timer(self, timer: PhaseTimer | None) -> None:
+        self.helix.timer = timer
+
+    # ---- forward
+
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        helix = self.helix
+        hooks = None if helix.is_world_of_one and helix.timer is None else helix
+        if hooks is not None and not helix.is_world_of_one and batch.num_tokens == 0:
+            raise ValueError("a forward needs at least one token; call empty_step() for an idle CP group")
         with step_host_cache():  # the batch metadata is read on the host once, not once per layer
-            hidden = self.model(batch, caches)
-        if batch.wants_no_logits:  # the caches are written; no row is sampled
+            hidden = self.model(batch, caches, hooks)
+        if batch.wants_no_logits:  # the caches are written; no row is sampled (same batch on every CP rank)
             return hidden.new_zeros(0, self.cfg.vocab_size, dtype=torch.float32)
-        if batch.logits_indices is not None:
-            hidden = hidden[batch.logits_indices]
-        return self.lm_head(hidden).float()
+        if hooks is not None:
+            hidden = hooks.gather(hidden, batch.num_tokens)
+        with NO_PHASE if hooks is None else hooks.phase("lm_head"):
+            if batch.logits_indices is not None:
+                hidden = hidden[batch.logits_indices]
+            return self.lm_head(hidden).float()
+
+    def empty_step(self) -> None:
+        """An idle CP group's step: every MoE layer's world all-to-all with zero rows (a no-op at a
+        world of one)."""
+        self.helix.empty_step(self.model.layers, self.dtype, self.lm_head.weight.device)

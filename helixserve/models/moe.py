@@ -6,8 +6,9 @@ stacked per layer: ``w13 [E, 2I, De]`` (gate rows, then up rows) and ``w2 [E, De
 MoE runs the experts in ``De = routed_expert_hidden_size``: ``x -> routed_expert_down_proj -> experts
 -> sum -> routed_expert_norm -> routed_expert_up_proj``. Shared experts see the full ``x``.
 
-Split into :meth:`route`, :meth:`routed` and :meth:`finish` so expert parallelism can dispatch the
-expert input and sum partial expert outputs (before the latent norm) in between.
+Split into :meth:`route`, :meth:`routed` and :meth:`finish` so expert parallelism
+(:mod:`helixserve.models.helix_hooks`) can dispatch the expert input and sum partial expert outputs
+(before the latent norm) in between; an expert-parallel rank holds only its ``num_local_experts``.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None, num_experts: int | None = None) -> None:
+        """``num_experts``: experts held here (default all; an expert-parallel rank passes its share)."""
         super().__init__()
-        E, I, De = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_dim
+        E = cfg.num_experts if num_experts is None else num_experts
+        I, De = cfg.moe_intermediate_size, cfg.expert_dim
         self.w13 = nn.Parameter(torch.zeros(E, 2 * I, De, dtype=dtype))
         self.w2 = nn.Parameter(torch.zeros(E, De, I, dtype=dtype))
 
 
 class KimiMoE(nn.Module):
-    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None = None, num_local_experts: int | None = None) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_token
         self.renormalize = cfg.moe_renormalize
@@ -50,7 +53,7 @@ class KimiMoE(nn.Module):
         self.situ_beta = cfg.activation_situ_beta
         self.situ_linear_beta = cfg.activation_situ_linear_beta
         self.gate = Router(cfg, dtype)
-        self.experts = RoutedExperts(cfg, dtype)
+        self.experts = RoutedExperts(cfg, dtype, num_local_experts)
         self.is_latent = cfg.routed_expert_hidden_size is not None
         if self.is_latent:
             self.routed_expert_down_proj = linear(cfg.hidden_size, cfg.expert_dim, dtype)

@@ -15,7 +15,7 @@ are non-persistent buffers):
   at a time, are stored column-major once.
 
 Each layer class says what it fuses in its ``pack()`` method, which also packs its submodules;
-:func:`pack_for_cpu` calls the outermost ones. The rank-sharded helix models are not packed (their
+:func:`pack_for_cpu` calls the outermost ones. The rank-sharded models of a larger world are not packed (their
 layers keep ``in_proj = None`` and run the per-projection path). After ``model.to(...)`` the views,
 the fused weights and their copies are separate tensors with equal values; pack after moving.
 """

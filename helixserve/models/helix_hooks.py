@@ -1,0 +1,236 @@
+"""The helix_a2a hooks of the Kimi forward: how one rank of a ``dp x cp`` world joins its slices.
+
+:class:`~helixserve.models.kimi.KimiForCausalLM` owns one :class:`HelixHooks`; the decoder layers
+call it around their mixer and FFN. At a world of one the model does not call the hooks at all
+(unless a :class:`PhaseTimer` is set); every row movement is also an identity whenever ``cp == 1``.
+
+A CP group holds the same T rows (its requests' new tokens). Per decoder layer::
+
+    mixer input   all T rows (all-gathered from the row slices, or full rows in the dense region)
+      KDA         this rank's H/cp heads and their state slots; o_proj partial sums   [T, D]
+      MLA         all heads' absorbed queries over the locally held KV blocks (round-robin
+                  ownership, ``-1`` entries elsewhere) -> (o_lat, lse) partials; all-to-all over
+                  heads; exact LSE combine; this rank's value heads, gate rows, o_proj columns
+    o_proj sums   reduce-scattered: CP rank r keeps rows [r*c, (r+1)*c), c = ceil(T/cp)
+    residual      AttnRes bank/prefix, norms and the MoE on those c rows; the MoE dispatches
+                  only the rank's valid rows to the experts' owners (all-to-all over the world)
+
+Layers before the first MoE layer (the dense region) keep all T rows: their mixer partials are
+summed with reduce-scatter + all-gather; :meth:`HelixHooks.slice_rows` then cuts the residual
+stream (and the AttnRes bank) to the rank's c rows. The final norm runs on the slices; the LM head
+on the gathered full rows, so every CP rank computes the same logits. A CP group with no work in a
+step calls :meth:`HelixHooks.empty_step`: the MoE all-to-alls with zero rows (its experts still
+serve the other groups' rows).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from helixserve import kernels
+from helixserve.models.config import KimiModelConfig
+from helixserve.cache_layout import ModelCaches
+from helixserve.models.context import ForwardBatch
+from helixserve.models.kda import KimiDeltaAttention
+from helixserve.models.moe import KimiMoE
+from helixserve.models.sharding import HeadShardedMLA
+from helixserve.parallel import (
+    Mapping,
+    ParallelGroups,
+    all_gather_rows,
+    lse_all_to_all,
+    moe_a2a,
+    pad_rows,
+    reduce_scatter_rows,
+    rows_for_rank,
+    split_rows,
+)
+
+if TYPE_CHECKING:
+    from helixserve.models.kimi import KimiDecoderLayer
+
+MoeMode = Literal["sliced", "replicated"]
+NO_PHASE: AbstractContextManager[None] = nullcontext()
+
+
+class PhaseTimer:
+    """Wall time per named phase (synchronizing CUDA around each), for benchmarks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] += time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+class HelixHooks:
+    """Row movement and collectives of one world rank (see the module docstring).
+
+    Args:
+        moe_mode: ``"sliced"`` (each CP rank routes its c rows) or ``"replicated"`` (each CP rank
+            routes all T rows and keeps its slice of the result; the benchmark baseline).
+    """
+
+    def __init__(self, cfg: KimiModelConfig, mapping: Mapping, moe_mode: MoeMode = "sliced") -> None:
+        self.cfg = cfg
+        self.mapping = mapping
+        self.moe_mode = moe_mode
+        self.is_world_of_one = mapping.world_size == 1
+        self.first_sliced_layer = cfg.moe_layer_ids[0] if cfg.moe_layer_ids else cfg.num_hidden_layers
+        self.groups: ParallelGroups | None = None
+        self.timer: PhaseTimer | None = None
+
+    @property
+    def moe_mode(self) -> MoeMode:
+        return self._moe_mode
+
+    @moe_mode.setter
+    def moe_mode(self, mode: MoeMode) -> None:
+        if mode not in ("sliced", "replicated"):
+            raise ValueError(f"moe_mode must be 'sliced' or 'replicated', got {mode!r}")
+        self._moe_mode = mode
+
+    def bind(self, groups: ParallelGroups) -> None:
+        if groups.mapping != self.mapping:
+            raise ValueError(f"groups are for {groups.mapping}, the model for {self.mapping}")
+        self.groups = groups
+
+    @property
+    def _groups(self) -> ParallelGroups:
+        if self.groups is None:
+            raise RuntimeError("KimiForCausalLM.bind(groups) was not called (a world of more than one rank needs it)")
+        return self.groups
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return self.timer(name) if self.timer is not None else NO_PHASE
+
+    # ---- CP-group row movement (identities when cp == 1)
+
+    def gather(self, x_local: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Row slices ``[c, ...]`` of the CP group -> the full ``[T, ...]`` rows."""
+        if self.mapping.cp == 1:
+            return x_local
+        with self.phase("cp_gather"):
+            return all_gather_rows(x_local, num_tokens, self._groups.cp)
+
+    def scatter(self, x_full: torch.Tensor) -> torch.Tensor:
+        """Partial sums ``[T, ...]`` -> this rank's rows of their sum over the CP group ``[c, ...]``."""
+        if self.mapping.cp == 1:
+            return x_full
+        with self.phase("cp_reduce_scatter"):
+            return reduce_scatter_rows(x_full, self._groups.cp)
+
+    def slice_rows(self, h: torch.Tensor, bank: torch.Tensor | None, num_banked: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Full rows (and the AttnRes bank ``[K, T, D]``) -> this rank's ``c`` rows, at the first MoE layer."""
+        if self.mapping.cp == 1:
+            return h, bank
+        cp, cp_rank = self.mapping.cp, self.mapping.cp_rank
+        h_local = split_rows(h, cp, cp_rank)
+        if bank is None:
+            return h_local, None
+        bank_local = bank.new_zeros(bank.shape[0], h_local.shape[0], *bank.shape[2:])
+        if num_banked:
+            bank_local[:num_banked] = split_rows(bank[:num_banked].transpose(0, 1), cp, cp_rank).transpose(0, 1)
+        return h_local, bank_local
+
+    # ---- the layer hooks
+
+    def mixer(self, layer: KimiDecoderLayer, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Mixer of one layer on the rank's rows ``x`` (all T in the dense region, else c) -> the
+        mixer output on the same rows (head-sharded partials summed over the CP group)."""
+        num_tokens = batch.num_tokens
+        is_sliced = layer.layer_idx >= self.first_sliced_layer
+        if is_sliced:
+            x = self.gather(x, num_tokens)
+        out = self.scatter(self._mixer_partial(layer.self_attn, x, batch, caches))
+        return out if is_sliced else self.gather(out, num_tokens)
+
+    def _mixer_partial(self, attn: nn.Module, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Head-sharded mixer on all T rows -> o_proj partial sums ``[T, D]`` (the output at cp = 1)."""
+        if isinstance(attn, KimiDeltaAttention):
+            with self.phase("kda"):
+                return attn(x, batch, caches)
+        if not isinstance(attn, HeadShardedMLA):  # cp == 1: all heads here
+            with self.phase("mla_attend"):
+                return attn(x, batch, caches)
+        with self.phase("mla_attend"):
+            kernels.mla_write_kv(
+                caches.mla_kv[attn.layer_idx], batch.block_tables, batch.cu_seqlens, batch.positions, attn.latent(x)
+            )
+            o_lat, lse = attn.attend(attn.absorbed_query(x), batch, caches)
+        with self.phase("cp_lse_a2a"):
+            o_parts, lse_parts = lse_all_to_all(o_lat, lse, self._groups.cp)
+        with self.phase("mla_attend"):
+            o_lat, _ = kernels.lse_combine(o_parts, lse_parts)
+        with self.phase("mla_output"):
+            return attn.output(o_lat, x)
+
+    def ffn(self, layer: KimiDecoderLayer, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """FFN of one layer on the rank's rows (normed): the dense MLP in place, the MoE expert-parallel."""
+        if not layer.is_moe:
+            return layer.ffn(x)
+        if self.is_world_of_one:
+            with self.phase("moe_local"):
+                return layer.ffn(x)
+        return self._moe(layer.block_sparse_moe, x, num_tokens)
+
+    def _moe(self, moe: KimiMoE, x_local: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """MoE of this rank's row slice ``[c, D]`` (normed); padding rows come back as zeros."""
+        cp, cp_rank = self.mapping.cp, self.mapping.cp_rank
+        if self.moe_mode == "replicated":
+            x = self.gather(x_local, num_tokens)
+        else:
+            x = x_local if cp == 1 else x_local[: rows_for_rank(num_tokens, cp, cp_rank).num_valid]
+        with self.phase("moe_local"):
+            expert_in, weights, ids = moe.route(x)
+        routed = self._routed_experts(moe, expert_in, weights, ids)
+        with self.phase("moe_local"):
+            y = moe.finish(routed, x)
+        if cp == 1:
+            return y
+        if self.moe_mode == "replicated":
+            return split_rows(y, cp, cp_rank)
+        return pad_rows(y, x_local.shape[0])
+
+    def _routed_experts(self, moe: KimiMoE, expert_in: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert-parallel weighted expert sum over the world (``[n, De]``)."""
+        def expert_fn(x_recv: torch.Tensor, local_ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            with self.phase("moe_experts"):
+                return moe.routed(x_recv, w[:, None], local_ids[:, None])
+
+        with self.phase("moe_a2a"):
+            return moe_a2a(expert_in, ids, weights, expert_fn, num_experts=self.cfg.num_experts, group=self._groups.ep)
+
+    @torch.no_grad()
+    def empty_step(self, layers: Sequence[KimiDecoderLayer], dtype: torch.dtype, device: torch.device) -> None:
+        """Take part in every MoE layer's world all-to-all with zero rows (an idle CP group);
+        nothing to join at a world of one."""
+        if self.is_world_of_one:
+            return
+        top_k = self.cfg.num_experts_per_token
+        for layer in layers:
+            if not layer.is_moe:
+                continue
+            expert_in = torch.zeros(0, self.cfg.expert_dim, dtype=dtype, device=device)
+            ids = torch.zeros(0, top_k, dtype=torch.int64, device=device)
+            weights = torch.zeros(0, top_k, dtype=torch.float32, device=device)
+            self._routed_experts(layer.block_sparse_moe, expert_in, weights, ids)
