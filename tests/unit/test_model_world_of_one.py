@@ -190,7 +190,7 @@ def test_a_rank_of_a_larger_world_refuses_bad_use() -> None:
     with pytest.raises(ValueError, match="moe_mode must be"):
         KimiForCausalLM(cfg, mapping=mapping, moe_mode="both")
     cpu = torch.device("cpu")
-    other = ParallelGroups(Mapping(2, 0, dp=2, cp=1), "gloo", cpu, None, None, None, None, None,
+    other = ParallelGroups(Mapping(2, 0, dp=2, cp=1), "gloo", cpu, None, None, None, None, None, None, None,
                            datetime.timedelta(seconds=1))
     with pytest.raises(ValueError, match="groups are for"):
         model.bind(other)
