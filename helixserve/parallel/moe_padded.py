@@ -64,9 +64,8 @@ class PaddedMoeDispatch:
         recv_counts: ``[ep]`` int64 (device), rows each rank sent here (> capacity: overflow).
         send_counts: ``[ep]`` int64 (device), rows this rank sent to each rank.
         overflow: ``[]`` bool (device), some rank's dispatch did not fit (same on every rank).
-        back_index: ``[ep * c]`` int64, per (destination r, row t) pair in r-major order, the
-            returned slot ``r * capacity + pos`` (0 where the row was not sent).
-        back_mask: ``[ep * c]`` bool, the pairs that were sent.
+        origin_rows: ``[ep * capacity]`` int64, the local row each sent slot carried (c for an
+            unused slot), in send order: where the combine adds each returned slot.
         num_rows: c, this rank's row count.
         capacity: row slots per destination.
         slots_per_row: S.
@@ -79,8 +78,7 @@ class PaddedMoeDispatch:
     recv_counts: torch.Tensor
     send_counts: torch.Tensor
     overflow: torch.Tensor
-    back_index: torch.Tensor
-    back_mask: torch.Tensor
+    origin_rows: torch.Tensor
     num_rows: int
     capacity: int
     slots_per_row: int
@@ -192,8 +190,7 @@ def moe_dispatch_padded(
         recv_counts=recv_counts,
         send_counts=send_counts,
         overflow=any_overflow,
-        back_index=torch.where(row_fits, row_slot, 0).t().reshape(-1),
-        back_mask=row_fits.t().reshape(-1),
+        origin_rows=src_row[: ep * cap],
         num_rows=num_rows,
         capacity=cap,
         slots_per_row=num_slots,
@@ -213,16 +210,15 @@ def moe_combine_padded(y: torch.Tensor, dispatch: PaddedMoeDispatch, group: Grou
         raise ValueError(f"expert output has {y.shape[0]} rows, dispatch delivered {dispatch.x.shape[0]}")
     acc_dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
     num_slot_rows = y.shape[0] // dispatch.slots_per_row
-    mask = dispatch.valid.view(-1, *([1] * (y.dim() - 1)))
-    y_kept = torch.where(mask, y.to(acc_dtype), 0.0)
-    per_row = torch.zeros((num_slot_rows, *y.shape[1:]), dtype=acc_dtype, device=y.device)
+    # per slot row, its assignments' outputs in slot order; masked slots go to a trash row (an
+    # inf/nan from a masked slot never reaches a sum)
     row_of_slot = torch.arange(num_slot_rows, device=y.device).repeat_interleave(dispatch.slots_per_row)
-    per_row.index_add_(0, row_of_slot, y_kept)
-    back = all_to_all_equal(per_row.to(y.dtype), group)
-    contrib = torch.where(dispatch.back_mask.view(-1, *([1] * (y.dim() - 1))),
-                          back.index_select(0, dispatch.back_index).to(acc_dtype), 0.0)
-    ep = back.shape[0] // dispatch.capacity
-    origin = torch.arange(dispatch.num_rows, device=y.device).repeat(ep)  # r-major, as back_index
-    out = torch.zeros((dispatch.num_rows, *y.shape[1:]), dtype=acc_dtype, device=y.device)
-    out.index_add_(0, origin, contrib)
-    return out.to(y.dtype)
+    row_of_slot = torch.where(dispatch.valid, row_of_slot, num_slot_rows)
+    per_row = torch.zeros((num_slot_rows + 1, *y.shape[1:]), dtype=acc_dtype, device=y.device)
+    per_row.index_add_(0, row_of_slot, y.to(acc_dtype))
+    back = all_to_all_equal(per_row[:-1].to(y.dtype), group)
+    # returned slots in send order (destination rank, then row): each origin row's sum runs over
+    # ranks in rank order, as the host path's; unused slots go to the trash row c
+    out = torch.zeros((dispatch.num_rows + 1, *y.shape[1:]), dtype=acc_dtype, device=y.device)
+    out.index_add_(0, dispatch.origin_rows, back.to(acc_dtype))
+    return out[:-1].to(y.dtype)
