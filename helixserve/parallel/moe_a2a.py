@@ -162,8 +162,9 @@ def moe_a2a(
             An int: the padded device path of :mod:`.moe_padded` (no host read, static shapes, a
             CUDA graph can hold it), ``capacity`` row slots per destination, the same on every
             rank; ``max rows per rank`` is exact and never overflows. ``expert_fn`` then gets
-            ``ep * capacity * S`` slots, masked ones with id 0 and weight 0 (their outputs are
-            dropped).
+            ``ep * capacity * S`` slots, masked ones with weight 0 and the out-of-range id
+            ``experts_per_rank`` (``moe_experts`` skips it; a custom ``expert_fn`` must too), and
+            their outputs are dropped.
         overflow: padded path only: a 0-dim bool device flag ORed with this layer's overflow
             (allows capacity < rows); check it after the step with ``raise_if_overflow``.
     Returns:

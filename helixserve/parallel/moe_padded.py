@@ -10,8 +10,10 @@ the step, and every tensor's shape depends only on (rows, capacity, top_k, ep). 
               (local expert id, weight); unused slots carry id -1 (masked); one extra slot row per
               destination carries the true send count and the sender's overflow flag
               (rows a2a + slots a2a, both equal splits)
-    expert_fn: over ``ep * capacity * S`` assignment slots; masked slots have id 0, weight 0,
-              and their outputs are zeroed before the sum (an inf/nan there cannot leak)
+    expert_fn: over ``ep * capacity * S`` assignment slots; masked slots have id
+              ``experts_per_rank`` (outside the local range: ``moe_experts`` skips them, so its
+              grouped GEMM does no work for them) and weight 0, and their outputs never reach a
+              sum (an inf/nan there cannot leak)
     combine:  per slot row, its S outputs summed in fp32 (slot order), sent back (equal splits),
               then added to the origin rows in rank order with device-side indices
 
@@ -58,7 +60,8 @@ class PaddedMoeDispatch:
     Attributes:
         x: ``[ep * capacity * S, D]`` assignment slots: each received row slot repeated S times
             (source rank 0's slots first); unused slots are zero rows.
-        local_expert_ids: ``[ep * capacity * S]`` int64, 0 on masked slots.
+        local_expert_ids: ``[ep * capacity * S]`` int64, ``experts_per_rank`` (out of the local
+            range) on masked slots.
         weights: ``[ep * capacity * S]`` (dtype of ``topk_weights``), 0 on masked slots.
         valid: ``[ep * capacity * S]`` bool, the slots that hold an assignment.
         recv_counts: ``[ep]`` int64 (device), rows each rank sent here (> capacity: overflow).
@@ -184,7 +187,7 @@ def moe_dispatch_padded(
     expanded = recv_x[:, None].expand(ep * cap, num_slots, *recv_x.shape[1:])
     return PaddedMoeDispatch(
         x=expanded.reshape(ep * cap * num_slots, *recv_x.shape[1:]),
-        local_expert_ids=torch.where(valid, recv_ids, 0.0).long(),
+        local_expert_ids=torch.where(valid, recv_ids, float(per_rank)).long(),
         weights=weights,
         valid=valid,
         recv_counts=recv_counts,

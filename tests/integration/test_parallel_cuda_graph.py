@@ -31,7 +31,11 @@ def _graph_worker(rank: int, world_size: int, init_method: str) -> dict[str, obj
     groups = init_parallel(Mapping(1, 0, cp=1), init_method, backend="nccl", local_rank=0, timeout_s=60)
     dev = groups.device
     w = torch.randn(EXPERTS, HIDDEN, OUT, generator=torch.Generator().manual_seed(7)).to(dev)
-    fn = lambda x, i, wt: torch.einsum("rd,rdo->ro", x, w[i]) * wt[:, None]  # noqa: E731
+    def fn(x: torch.Tensor, ids: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+        # padded path: masked slots carry the out-of-range id EXPERTS (ep = 1)
+        y = torch.einsum("rd,rdo->ro", x, w[ids.clamp(max=EXPERTS - 1)]) * wt[:, None]
+        return torch.where((ids < EXPERTS)[:, None], y, 0.0)
+
     static = _inputs(0, dev)
     flag = torch.zeros((), dtype=torch.bool, device=dev)
     gathered = torch.empty(ROWS, OUT, device=dev)
@@ -88,3 +92,42 @@ def _graph_worker(rank: int, world_size: int, init_method: str) -> dict[str, obj
 def test_cuda_graph_holds_the_padded_helix_collectives() -> None:
     assert run_local_world(_graph_worker, 1, timeout_s=300) == [{"host_split_synced": True, "replays": 3,
                                                                  "overflow": False}]
+
+
+def _kernel_graph_worker(rank: int, world_size: int, init_method: str) -> int:
+    """The model's expert callback (the kernels' bf16 grouped GEMM) inside the captured padded layer."""
+    from helixserve.kernels.moe.experts import moe_experts
+
+    groups = init_parallel(Mapping(1, 0, cp=1), init_method, backend="nccl", local_rank=0, timeout_s=60)
+    dev = groups.device
+    gen = torch.Generator().manual_seed(11)
+    w13 = (torch.randn(EXPERTS, 64, HIDDEN, generator=gen) / HIDDEN**0.5).to(dev, torch.bfloat16)
+    w2 = (torch.randn(EXPERTS, HIDDEN, 32, generator=gen) / 6).to(dev, torch.bfloat16)
+    fn = lambda x, ids, wt: moe_experts(x, ids[:, None], wt[:, None], w13, w2)  # noqa: E731
+    static = {k: v.to(torch.bfloat16) if k == "x" else v for k, v in _inputs(0, dev).items()}
+    try:
+        layer = lambda: moe_a2a(static["x"], static["ids"], static["weights"], fn, num_experts=EXPERTS,  # noqa: E731
+                                group=groups.ep, capacity=ROWS)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer()
+        replays = 0
+        for seed in (4, 5):
+            for name, value in _inputs(seed, dev).items():
+                static[name].copy_(value)
+            graph.replay()
+            ref = moe_a2a(static["x"], static["ids"], static["weights"], fn, num_experts=EXPERTS, group=groups.ep)
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            replays += 1
+        return replays
+    finally:
+        groups.destroy()
+
+
+def test_cuda_graph_holds_the_padded_layer_with_the_grouped_expert_kernel() -> None:
+    assert run_local_world(_kernel_graph_worker, 1, timeout_s=300) == [2]

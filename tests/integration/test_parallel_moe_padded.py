@@ -45,7 +45,9 @@ def _expert_fn(w_local: torch.Tensor, calls: list[int]):
     def fn(x_recv: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         calls.append(x_recv.shape[0])
         assert local_ids.dtype == torch.int64 and x_recv.shape[0] == local_ids.shape[0] == weights.shape[0]
-        return torch.einsum("rd,rdo->ro", x_recv, w_local[local_ids]) * weights[:, None]
+        is_local = (local_ids < len(w_local))[:, None]  # padded path: masked slots are out of range
+        y = torch.einsum("rd,rdo->ro", x_recv, w_local[local_ids.clamp(max=len(w_local) - 1)]) * weights[:, None]
+        return torch.where(is_local, y, float("nan"))  # a masked slot's output must never reach a sum
     return fn
 
 
@@ -174,3 +176,34 @@ def _no_host_read_worker(rank: int, world_size: int, init_method: str) -> str:
 
 def test_padded_moe_reads_nothing_on_the_host() -> None:
     assert run_local_world(_no_host_read_worker, 2, timeout_s=60) == ["ok"] * 2
+
+
+def _kernel_worker(rank: int, world_size: int, init_method: str) -> int:
+    """The kernels' grouped experts as expert_fn (the lambda of moe_a2a's docstring): masked slots'
+    out-of-range ids are skipped by the kernel, so both paths give the same layer output."""
+    from helixserve.kernels.moe.experts import moe_experts
+
+    groups = init_parallel(Mapping(world_size, rank, cp=world_size), init_method, backend="gloo", timeout_s=20)
+    checks = 0
+    try:
+        for num_experts, top_k, rows_per_rank in ((8, 3, [5, 0]), (4, 3, [7, 3]), (8, 2, [40, 33])):
+            gen = torch.Generator().manual_seed(num_experts * 100 + sum(rows_per_rank))
+            per_rank = num_experts // world_size
+            w13 = torch.randn(num_experts, 2 * 16, HIDDEN, generator=gen) / HIDDEN**0.5
+            w2 = torch.randn(num_experts, HIDDEN, 16, generator=gen) / 4
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            fn = lambda x, ids, w: moe_experts(x, ids[:, None], w[:, None], w13[mine], w2[mine])  # noqa: E731
+            x = torch.randn(rows_per_rank[rank], HIDDEN, generator=torch.Generator().manual_seed(rank))
+            weights, ids = torch.randn(x.shape[0], num_experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+            ref = moe_a2a(x, ids, weights, fn, num_experts=num_experts, group=groups.ep)
+            out = moe_a2a(x, ids, weights, fn, num_experts=num_experts, group=groups.ep, capacity=max(rows_per_rank))
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+            assert out.shape == (x.shape[0], HIDDEN) and torch.isfinite(out).all()
+            checks += 1
+        return checks
+    finally:
+        groups.destroy()
+
+
+def test_padded_moe_with_the_grouped_expert_kernel() -> None:
+    assert run_local_world(_kernel_worker, 2, timeout_s=60) == [3, 3]
