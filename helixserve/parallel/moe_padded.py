@@ -23,13 +23,17 @@ Capacity (rows per destination, the same on every rank): a row travels at most o
 so a rank sends at most c rows (its row count) to any one rank; ``capacity = max rows per rank``
 (``ceil(T_max / cp)``) is exact: it never overflows and all rows routed to one rank fill it. The
 expert side then sees ``ep * capacity * S`` assignment slots, ``S = min(top_k, experts_per_rank)``
-(the distinct experts of one row on one rank): ``capacity * S`` is the exact bound on the
-(row, expert) assignments one rank receives from one rank.
+(the distinct experts of one row on one rank; ``top_k`` without an overflow flag, see below):
+``capacity * S`` is the exact bound on the (row, expert) assignments one rank receives from one
+rank. The price of static shapes: at balanced routing about 1/ep of the slots hold an assignment
+(masked slots cost the grouped GEMM nothing, but they are copied and summed).
 
 Overflow is impossible by construction or flagged on the device, never silently dropped:
 
 - without an ``overflow`` flag: ``capacity >= rows`` is required (checked on host-known shapes)
-  and ``S = top_k``, so nothing can overflow, even a row listing one expert twice;
+  and ``S = top_k``, so nothing can overflow, even a row listing one expert twice (expert ids
+  >= num_experts, a caller bug the host path rejects with a host read, are dropped like
+  negative ids: pass a flag to catch them);
 - with ``overflow`` (a 0-dim bool tensor on the device, ORed in place): ``capacity < rows`` is
   allowed (balanced routing, less traffic) and ``S = min(top_k, experts_per_rank)``; rows or
   assignments that do not fit, and expert ids >= num_experts, set the flag on every rank (flags
