@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from helixserve.parallel.collectives import Group, all_to_all_rows, exchange_split_sizes, group_size
+from helixserve.parallel.moe_padded import experts_per_rank, moe_combine_padded, moe_dispatch_padded
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,6 @@ class MoeDispatch:
     send_counts: list[int]
     origin_rows: torch.Tensor
     num_rows: int
-
-
-def experts_per_rank(num_experts: int, ep: int) -> int:
-    if num_experts < 1 or num_experts % ep != 0:
-        raise ValueError(f"num_experts={num_experts} is not divisible by ep={ep} (world size)")
-    return num_experts // ep
 
 
 def moe_dispatch(
@@ -148,6 +143,8 @@ def moe_a2a(
     *,
     num_experts: int,
     group: Group,
+    capacity: int | None = None,
+    overflow: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-expert output of this rank's rows, experts spread over the EP group.
 
@@ -161,9 +158,25 @@ def moe_a2a(
         x: ``[c, D]`` this rank's (token-sliced) rows; c may be 0.
         topk_ids: ``[c, k]`` global expert ids (negative = dropped).
         topk_weights: ``[c, k]`` routing weights.
+        capacity: None: the host-split path (split sizes read on the host, one sync per layer).
+            An int: the padded device path of :mod:`.moe_padded` (no host read, static shapes, a
+            CUDA graph can hold it), ``capacity`` row slots per destination, the same on every
+            rank; ``max rows per rank`` is exact and never overflows. ``expert_fn`` then gets
+            ``ep * capacity * S`` slots, masked ones with weight 0 and the out-of-range id
+            ``experts_per_rank`` (``moe_experts`` skips it; a custom ``expert_fn`` must too), and
+            their outputs are dropped.
+        overflow: padded path only: a 0-dim bool device flag ORed with this layer's overflow
+            (allows capacity < rows); check it after the step with ``raise_if_overflow``.
     Returns:
-        ``[c, D_out]`` sum over k of the weighted expert outputs.
+        ``[c, D_out]`` sum over k of the weighted expert outputs (the same bits on both paths).
     """
+    if capacity is not None:
+        padded = moe_dispatch_padded(x, topk_ids, topk_weights, num_experts, group, capacity=capacity,
+                                     overflow=overflow)
+        y = expert_fn(padded.x, padded.local_expert_ids, padded.weights)
+        return moe_combine_padded(y, padded, group)
+    if overflow is not None:
+        raise ValueError("overflow is a flag of the padded path: pass capacity too")
     dispatch = moe_dispatch(x, topk_ids, topk_weights, num_experts, group)
     y = expert_fn(dispatch.x, dispatch.local_expert_ids, dispatch.weights)
     return moe_combine(y, dispatch, group)
