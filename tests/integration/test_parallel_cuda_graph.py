@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helixserve.launch.processes import run_local_world
 from helixserve.parallel import (Mapping, all_gather_rows, init_parallel, lse_all_to_all, lse_buffers, moe_a2a,
-                                 reduce_scatter_rows, run_local_world)
+                                 reduce_scatter_rows)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

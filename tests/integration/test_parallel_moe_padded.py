@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helixserve.parallel import (Mapping, MoeCapacityError, init_parallel, moe_a2a, moe_dispatch,
-                                 moe_dispatch_padded, raise_if_overflow, run_local_world)
+from helixserve.launch.processes import run_local_world
+from helixserve.parallel import (Mapping, MoeCapacityError, init_parallel, moe_a2a, moe_dispatch, moe_dispatch_padded, raise_if_overflow)
 from tests.integration.host_sync_guard import HostReadError, no_host_reads
 
 HIDDEN, OUT = 6, 5

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helixserve.parallel import (Mapping, all_gather_rows, all_to_all_equal, init_parallel, lse_all_to_all,
-                                 lse_buffers, reduce_scatter_rows, row_chunk, run_local_world, split_rows)
+from helixserve.launch.processes import run_local_world
+from helixserve.parallel import (Mapping, all_gather_rows, all_to_all_equal, init_parallel, lse_all_to_all, lse_buffers, reduce_scatter_rows, row_chunk, split_rows)
 from tests.integration.host_sync_guard import no_host_reads
 
 
