@@ -45,6 +45,10 @@ from helixserve.engine.errors import (DuplicateRequestIdError, EngineError, Engi
 
 logger = logging.getLogger(__name__)
 
+# internal waits of shutdown (the bound on live requests is the caller's ``grace_s``)
+DRAIN_TICK_S = 0.05  # how often a shutdown checks whether the live requests finished
+THREAD_JOIN_S = 30.0  # the engine thread finishes the step in progress (a stuck step: logged, left)
+
 
 class AsyncEngine(EngineThread):
     """Runs ``core`` in a thread named ``engine_thread_name``; see the module docstring.
@@ -165,16 +169,17 @@ class AsyncEngine(EngineThread):
         self._inbox.put(_Call(fn, result))
         return await result
 
-    async def shutdown(self, grace_s: float = 5.0) -> None:
-        """Refuse new requests, let live ones finish for up to ``grace_s``, then stop the thread
-        and fail what is left with an :class:`EngineUnavailableError`."""
+    async def shutdown(self, grace_s: float) -> None:
+        """Refuse new requests, let live ones finish for up to ``grace_s`` (a server's
+        ``shutdown.requests_grace_s``), then stop the thread and fail what is left with an
+        :class:`EngineUnavailableError`."""
         self._is_accepting = False
         deadline = asyncio.get_running_loop().time() + grace_s
         while self._streams and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(DRAIN_TICK_S)
         self._inbox.put(_STOP)
         if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, 30.0)
+            await asyncio.to_thread(self._thread.join, THREAD_JOIN_S)
 
     def _admit(self, request_id: str) -> RequestStream:
         if not self.is_alive:
