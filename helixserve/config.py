@@ -2,7 +2,10 @@
 
 Only this module reads the environment. Roles: the model to load, the caches, the single-process
 engine, the KV transceiver (:class:`~helixserve.transceiver.config.TransceiverConfig`, torch-free)
-and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`.
+and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`;
+process lifecycles (restarts, shutdown, the launchers' and offline worlds' waits) in
+:mod:`helixserve.config_lifecycle`, re-exported here. Every wait's default is set once, here or
+there (``tests/unit/test_layering_timeouts.py`` checks that none is written elsewhere).
 """
 
 from __future__ import annotations

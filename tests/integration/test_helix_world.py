@@ -341,7 +341,7 @@ def test_async_engine_drives_a_local_world(tiny_checkpoints) -> None:
             got = list(await asyncio.gather(run(0), run(1)))
             await asyncio.sleep(12.0)  # idle for longer than the 10 s timeout
             got.append(await run(2))
-            await engine.shutdown(grace_s=5.0)
+            await engine.shutdown()
             return got
 
         assert asyncio.run(serve()) == want
