@@ -122,7 +122,8 @@ def _cmd_serve_ctx(args: argparse.Namespace) -> int:
 
     deploy = _load_deployment(args)
     server = _worker_config(deploy, "ctx", args)
-    serve(build_ctx_app(deploy, server), server.host, server.port, args.log_level)
+    serve(build_ctx_app(deploy, server), server.host, server.port, args.log_level,
+          deploy.shutdown.connections_grace_s)
     return 0
 
 
@@ -146,7 +147,7 @@ def _cmd_serve_gen(args: argparse.Namespace) -> int:
     # that this function returns (exit code 0, or 1 when the world failed for good and the worker
     # stopped itself with that SIGTERM) instead of the process dying of the signal
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    serve(app, server.host, server.port, args.log_level)
+    serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s)
     world = getattr(app.state, "world", None)
     code = world.exit_code if world is not None else None
     if code:  # its world failed for good: whatever started this worker should restart it
@@ -161,7 +162,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
     deploy = _load_deployment(args)
     if args.port:
         deploy = deploy.model_copy(update={"router": deploy.router.model_copy(update={"port": args.port})})
-    serve(build_router_app_from(deploy), deploy.router.host, deploy.router.port, args.log_level)
+    serve(build_router_app_from(deploy), deploy.router.host, deploy.router.port, args.log_level,
+          deploy.shutdown.connections_grace_s)
     return 0
 
 

@@ -2,7 +2,10 @@
 
 Only this module reads the environment. Roles: the model to load, the caches, the single-process
 engine, the KV transceiver (:class:`~helixserve.transceiver.config.TransceiverConfig`, torch-free)
-and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`.
+and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`;
+process lifecycles (restarts, shutdown, the launchers' and offline worlds' waits) in
+:mod:`helixserve.config_lifecycle`, re-exported here. Every wait's default is set once, here or
+there (``tests/unit/test_layering_timeouts.py`` checks that none is written elsewhere).
 """
 
 from __future__ import annotations
@@ -16,19 +19,19 @@ from types import ModuleType
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from helixserve.config_env import DistEnv, SlurmEnv, dist_env_from, slurm_env_from
-from helixserve.transceiver.config import TransceiverConfig
+from helixserve.config_lifecycle import (LaunchConfig, RestartPolicy, ShutdownConfig,  # noqa: F401 (re-exported)
+                                         SlurmJobConfig, Strict, WorldRunConfig)
+from helixserve.transceiver.config import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
-DEFAULT_KV_TRANSFER_TIMEOUT_MS = 10_000.0
 INTERNAL_SECRET_ENV = "HELIXSERVE_INTERNAL_SECRET"
 INTERNAL_SECRET_FILE_ENV = "HELIXSERVE_INTERNAL_SECRET_FILE"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = Strict
 
 
 class ModelSpec(_Strict):
@@ -71,17 +74,6 @@ class EngineConfig(_Strict):
     seed: int = 0
 
 
-class RestartPolicy(_Strict):
-    """Bounded restarts of something that died: at most ``max_restarts`` within any
-    ``window_s`` seconds, the k-th of them after ``backoff_s * 2**(k-1)`` s (at most
-    ``max_backoff_s``); one more failure inside the window gives up (the owner exits non-zero)."""
-
-    max_restarts: int = Field(3, ge=0)
-    window_s: float = Field(300.0, gt=0)
-    backoff_s: float = Field(1.0, ge=0)
-    max_backoff_s: float = Field(30.0, ge=0)
-
-
 class CtxServerConfig(_Strict):
     """One context (prefill) worker: HTTP server over one engine; holds prefills for pickup."""
 
@@ -89,6 +81,8 @@ class CtxServerConfig(_Strict):
     port: int = Field(8100, ge=1, le=65535)
     max_queue_len: int = Field(64, ge=0)  # requests waiting beyond the running slots; then 429
     pickup_timeout_s: float = Field(30.0, gt=0)  # a held prefill not picked up by then is freed
+    release_grace_s: float = Field(1.0, gt=0, description=(
+        "a router's release of a picked-up prefill waits this long for the gen ranks' acknowledgements"))
     transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
     transceiver_port: int = Field(18100, ge=1, le=65535)
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
@@ -118,6 +112,14 @@ class GenServerConfig(_Strict):
     # a gen world whose rank died (or whose collective failed) is restarted in place under this
     # policy; past it, or when srun / torchrun started the ranks, the worker exits non-zero
     world_restart: RestartPolicy = RestartPolicy()
+    heartbeat_s: float = Field(2.0, gt=0, description=(
+        "longest idle gap between world steps: a dead srun rank shows within it"))
+    world_stop_grace_s: float = Field(10.0, gt=0, description=(
+        "a healthy world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
+    failed_world_grace_s: float = Field(2.0, gt=0, description=(
+        "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
+    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
+        "a worker shutting down waits this long for a world restart in progress"))
 
     @property
     def world_size(self) -> int:
@@ -146,6 +148,8 @@ class RouterConfig(_Strict):
     health_check_timeout_s: float = Field(2.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)  # longest a worker may take to answer / stream
+    control_timeout_s: float = Field(5.0, gt=0, description=(
+        "one /v1/abort or /v1/release call from the router to a worker"))
     max_inflight: int = Field(128, ge=1)  # requests forwarded to workers at once
     max_queue_len: int = Field(256, ge=0)  # requests waiting for an inflight slot; then 429
 
@@ -181,31 +185,6 @@ class LimitsConfig(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1)  # None: the context length (max_model_len)
 
 
-class SlurmJobConfig(_Strict):
-    """``python -m helixserve.launch.slurm`` (``--ready-timeout`` / ``--grace`` override these)."""
-
-    ready_timeout_s: float = Field(600.0, gt=0)  # the router's /ready, from the first srun step
-    stop_grace_s: float = Field(20.0, ge=0)  # between SIGTERM to every step and SIGKILL
-
-
-class LaunchConfig(_Strict):
-    """``helixserve launch``: a child process (worker or router) that exits is started again
-    under ``restart`` (``restart_children: false``: the first exit stops the deployment); one
-    that exits more often than the policy allows stops it with a non-zero exit code.
-
-    The launchers' waits live here (and nowhere else): ``ready_timeout_s`` for the router's
-    ``/ready`` (``helixserve launch --ready-timeout`` overrides it), ``stop_grace_s`` between
-    SIGTERM and SIGKILL when it stops its children, ``ready_probe_timeout_s`` for one ``/ready``
-    probe; ``slurm`` for the SLURM launcher."""
-
-    restart_children: bool = True
-    restart: RestartPolicy = RestartPolicy(max_restarts=5)
-    ready_timeout_s: float = Field(180.0, gt=0)
-    stop_grace_s: float = Field(15.0, ge=0)
-    ready_probe_timeout_s: float = Field(2.0, gt=0)
-    slurm: SlurmJobConfig = SlurmJobConfig()
-
-
 class DeploymentConfig(_Strict):
     """One YAML file: the model, engine limits, every worker and the router."""
 
@@ -220,6 +199,7 @@ class DeploymentConfig(_Strict):
     security: SecurityConfig = SecurityConfig()
     limits: LimitsConfig = LimitsConfig()
     launch: LaunchConfig = LaunchConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
     # ctx senders and gen receivers; kv_transfer_timeout_ms must stay finite (validated there)
     transceiver: TransceiverConfig = Field(
         default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))

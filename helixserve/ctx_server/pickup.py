@@ -31,6 +31,10 @@ from helixserve.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# internal tick: how often held prefills are checked against their deadline (the deadline itself is
+# ctx[].pickup_timeout_s; a hold is freed at most one tick after it)
+EXPIRY_TICK_S = 0.5
+
 OfferFn = Callable[[Any], None]  # engine thread: hand the held request to the KV sender
 
 
@@ -109,7 +113,7 @@ class CtxRequests:
         return await self.engine.call(expire)
 
     @contextlib.asynccontextmanager
-    async def running(self, interval_s: float = 0.5) -> AsyncIterator[CtxRequests]:
+    async def running(self, interval_s: float = EXPIRY_TICK_S) -> AsyncIterator[CtxRequests]:
         """Expire holds every ``interval_s`` while the context is open; free all on exit."""
         self._loop = asyncio.get_running_loop()
 

@@ -35,8 +35,8 @@ from helixserve.transceiver.polling import TransferMetrics
 
 logger = logging.getLogger(__name__)
 
+# internal: how often the /metrics snapshot of the sender is refreshed (a gauge's staleness, no wait)
 STATS_INTERVAL_S = 0.5
-RELEASE_GRACE_S = 1.0  # a router release waits this long for the gen ranks' acknowledgements
 
 
 @dataclass(slots=True)
@@ -131,9 +131,10 @@ class CtxTransceiver:
             return False
         return await asyncio.to_thread(self.sender.cancel, request_id, reason)
 
-    def cancel_later(self, request_id: str, reason: str, delay_s: float = RELEASE_GRACE_S) -> None:
+    def cancel_later(self, request_id: str, reason: str) -> None:
+        """Cancel after ``ctx[].release_grace_s`` (a router release: the gen ranks may still ack)."""
         async def later() -> None:
-            await asyncio.sleep(delay_s)
+            await asyncio.sleep(self.server.release_grace_s)
             await self.cancel(request_id, reason)
         self._spawn(later())
 

@@ -35,6 +35,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from helixserve.config import ShutdownConfig
 from helixserve.engine.core import EngineStats
 from helixserve.engine.engine_thread import (_STOP, EngineCoreLike, EngineThread, StartFn, _Abort, _Add, _Call,
                                              _Release)
@@ -44,6 +45,11 @@ from helixserve.engine.errors import (DuplicateRequestIdError, EngineError, Engi
                                       EngineUnavailableError, RequestAbortedError)
 
 logger = logging.getLogger(__name__)
+
+_SHUTDOWN = ShutdownConfig()  # the default of shutdown()'s grace (config.py)
+# internal waits of shutdown (the bound on live requests is the caller's ``grace_s``)
+DRAIN_TICK_S = 0.05  # how often a shutdown checks whether the live requests finished
+THREAD_JOIN_S = 30.0  # the engine thread finishes the step in progress (a stuck step: logged, left)
 
 
 class AsyncEngine(EngineThread):
@@ -165,16 +171,17 @@ class AsyncEngine(EngineThread):
         self._inbox.put(_Call(fn, result))
         return await result
 
-    async def shutdown(self, grace_s: float = 5.0) -> None:
-        """Refuse new requests, let live ones finish for up to ``grace_s``, then stop the thread
-        and fail what is left with an :class:`EngineUnavailableError`."""
+    async def shutdown(self, grace_s: float = _SHUTDOWN.requests_grace_s) -> None:
+        """Refuse new requests, let live ones finish for up to ``grace_s`` (a server passes its
+        ``shutdown.requests_grace_s``; the default is that field's), then stop the thread and fail what is left with an
+        :class:`EngineUnavailableError`."""
         self._is_accepting = False
         deadline = asyncio.get_running_loop().time() + grace_s
         while self._streams and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(DRAIN_TICK_S)
         self._inbox.put(_STOP)
         if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, 30.0)
+            await asyncio.to_thread(self._thread.join, THREAD_JOIN_S)
 
     def _admit(self, request_id: str) -> RequestStream:
         if not self.is_alive:

@@ -78,6 +78,9 @@ class _Call:
 
 
 _STOP = object()
+# internal tick: an idle engine thread's longest wait for a command (a command wakes it at once;
+# the tick only bounds how late it notices a state change that posts nothing)
+INBOX_TICK_S = 0.5
 _ERROR_STATUSES = ("abort", "error")
 
 
@@ -134,7 +137,7 @@ class EngineThread:
     def _drain(self, block: bool) -> list[Any]:
         commands = []
         try:
-            commands.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+            commands.append(self._inbox.get(timeout=INBOX_TICK_S) if block else self._inbox.get_nowait())
             while True:
                 commands.append(self._inbox.get_nowait())
         except queue.Empty:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from helixserve.cache_layout import cache_spec_for
-from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
 from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.core import EngineCore, allocate_rank_caches, size_cache
@@ -47,17 +47,22 @@ from helixserve.transceiver.consensus import TransferConsensus
 logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
+_OFFLINE = WorldRunConfig()  # the waits' defaults (config.py); a gen worker passes its own
 
 
 @dataclass(slots=True, frozen=True)
 class WorldOptions:
-    """How to build each rank (defaults match the single-process ``LLM``)."""
+    """How to build each rank (defaults match the single-process ``LLM``; the waits default to
+    :class:`~helixserve.config.WorldRunConfig`'s: ``timeout_s`` per collective, ``run_timeout_s``
+    for a whole offline run, ``stop_grace_s`` for the spawned ranks to exit)."""
 
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     dtype: str | None = None
     seed: int = 0
-    timeout_s: float = 120.0
+    timeout_s: float = _OFFLINE.collective_timeout_s
+    run_timeout_s: float = _OFFLINE.run_timeout_s
+    stop_grace_s: float = _OFFLINE.stop_grace_s
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
     use_cuda_graphs: bool = True  # a world of one on a GPU captures its decode steps
 
@@ -151,8 +156,9 @@ def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], param
 
 def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[int]],
                            params: SamplingParams | Sequence[SamplingParams], *, dp: int, cp: int,
-                           options: WorldOptions = WorldOptions(), timeout_s: float = 600.0) -> list[GenerationResult]:
-    """Run every prompt on a fresh local dp x cp world; results in prompt order."""
+                           options: WorldOptions = WorldOptions()) -> list[GenerationResult]:
+    """Run every prompt on a fresh local dp x cp world (bounded by ``options.run_timeout_s``);
+    results in prompt order."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}")
@@ -171,7 +177,7 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
     params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
     _check_fits_world(model_dir, dp, cp)
     results = run_local_world(_world_main, dp * cp, str(model_dir), dp, cp, encoded, params_list, options,
-                              timeout_s=timeout_s)
+                              timeout_s=options.run_timeout_s, grace_s=options.stop_grace_s)
     return results[0]
 
 
@@ -254,12 +260,15 @@ class LocalWorld:
 
     driver: WorldDriver
     processes: list[mp.process.BaseProcess]
+    stop_grace_s: float  # WorldOptions.stop_grace_s: close()'s default
 
     def is_alive(self) -> bool:
         return self.driver.failure is None and all(p.is_alive() for p in self.processes)
 
-    def close(self, grace_s: float = 10.0) -> None:
-        """Shut the ranks down (or kill them after ``grace_s``) and leave the process groups."""
+    def close(self, grace_s: float | None = None) -> None:
+        """Shut the ranks down (or kill them after ``grace_s``, default ``stop_grace_s``) and
+        leave the process groups."""
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         try:
             self.driver.shutdown()
         except Exception as exc:  # noqa: BLE001 - the world is going away anyway
@@ -300,4 +309,4 @@ def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: World
         for proc in processes:
             proc.kill()
         raise
-    return LocalWorld(driver, processes)
+    return LocalWorld(driver, processes, options.stop_grace_s)

@@ -30,15 +30,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from helixserve.config import RestartPolicy
+from helixserve.config import GenServerConfig
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.world_llm import LocalWorld
 from helixserve.launch.restarts import RestartBudget
 
 logger = logging.getLogger(__name__)
 
-CLOSE_GRACE_S = 2.0  # how long the failed world's surviving ranks get to exit before SIGKILL
-JOIN_TIMEOUT_S = 60.0  # closing the worker waits this long for a restart in progress
+# internal: a collective fails as soon as a peer's socket closes, a moment before the dead rank's
+# exit shows; the failure's cause waits this long for it (only to name the rank; nothing hangs on it)
+DEAD_RANK_WAIT_S = 1.0
+DEAD_RANK_TICK_S = 0.02
 
 
 def stop_this_process() -> None:
@@ -47,12 +49,15 @@ def stop_this_process() -> None:
 
 
 class WorldSupervisor:
-    """Restarts of one gen worker's world under ``policy``; ``start`` builds a fresh local world
-    (None: the ranks are external, the world cannot be restarted here)."""
+    """Restarts of one gen worker's world under ``server.world_restart``; ``start`` builds a
+    fresh local world (None: the ranks are external, the world cannot be restarted here). The
+    world's waits come from ``server`` (``world_stop_grace_s``, ``failed_world_grace_s``,
+    ``restart_join_timeout_s``)."""
 
-    def __init__(self, policy: RestartPolicy, start: Callable[[], LocalWorld] | None,
+    def __init__(self, server: GenServerConfig, start: Callable[[], LocalWorld] | None,
                  on_give_up: Callable[[], None] = stop_this_process) -> None:
-        self.policy = policy
+        self.server = server
+        self.policy = policy = server.world_restart
         self._start = start
         self._on_give_up = on_give_up
         self.budget = RestartBudget(policy)
@@ -83,7 +88,7 @@ class WorldSupervisor:
         """Stop restarting; close a world started but not taken (the worker is shutting down)."""
         self._stopping.set()
         if self._thread is not None:
-            self._thread.join(JOIN_TIMEOUT_S)
+            self._thread.join(self.server.restart_join_timeout_s)
         world, self._ready = self._ready, None
         if world is not None:
             world.close()
@@ -132,11 +137,10 @@ class GenWorld:
     one object that outlives restarts: after the world failed, :attr:`supervisor` closes it and
     starts a fresh one, which the engine thread swaps in (:meth:`take_restarted`)."""
 
-    def __init__(self, driver: WorldDriver, local: LocalWorld | None = None,
-                 supervisor: WorldSupervisor | None = None) -> None:
+    def __init__(self, driver: WorldDriver, local: LocalWorld | None, supervisor: WorldSupervisor) -> None:
         self.driver = driver
         self.local = local
-        self.supervisor = supervisor or WorldSupervisor(RestartPolicy(max_restarts=0), None, lambda: None)
+        self.supervisor = supervisor
         self._is_failed = False  # this incarnation's failure was noticed (its requests failed)
 
     @property
@@ -170,14 +174,14 @@ class GenWorld:
         self.supervisor.begin(cause, self._close_incarnation)
         return cause
 
-    def _await_dead_ranks(self, timeout_s: float = 1.0) -> None:
+    def _await_dead_ranks(self, timeout_s: float = DEAD_RANK_WAIT_S) -> None:
         """A collective fails as soon as a peer's socket closes, a moment before the dead rank's
         exit can be seen: wait (bounded) for one to show, so that the cause names it."""
         if self.local is None or self.dead_ranks() is not None:
             return
         deadline = time.monotonic() + timeout_s
         while self.dead_ranks() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(DEAD_RANK_TICK_S)
 
     def take_restarted(self) -> bool:
         """Engine thread: swap in the world the supervisor restarted, if one is ready."""
@@ -229,7 +233,8 @@ class GenWorld:
         receiver = driver.core.transfers.receiver
         try:
             if local is not None:
-                local.close(grace_s=CLOSE_GRACE_S if driver.failure else 10.0)
+                server = self.supervisor.server
+                local.close(grace_s=server.failed_world_grace_s if driver.failure else server.world_stop_grace_s)
             else:
                 try:
                     driver.shutdown()

@@ -36,7 +36,7 @@ from helixserve.engine.spmd.messages import WorldStoppedError
 from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, WorldOptions,
                                          drive_to_completion, pick_backend, run_rank, start_local_world,
                                          start_rank0)
-from helixserve.gen_server.supervisor import CLOSE_GRACE_S, GenWorld, WorldSupervisor
+from helixserve.gen_server.supervisor import GenWorld, WorldSupervisor
 from helixserve.models.config import KimiModelConfig
 from helixserve.parallel import DistEnv, Mapping
 from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTransferError,
@@ -46,13 +46,11 @@ from helixserve.transceiver.layout import layout_for
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_S = 2.0  # longest idle gap between world steps (a dead srun rank shows within it)
-
-
 def world_options(deploy: DeploymentConfig, server: GenServerConfig) -> WorldOptions:
     device = server.device or deploy.model.device
     return WorldOptions(cache=deploy.cache, scheduler=deploy.scheduler, dtype=deploy.model.dtype,
                         seed=deploy.seed, timeout_s=server.collective_timeout_s,
+                        stop_grace_s=server.world_stop_grace_s,
                         backend="gloo" if device == "cpu" else None)
 
 
@@ -180,16 +178,16 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
     if env is not None and env.world_size > 1:
         check_env(env, server)
         mapping = Mapping(env.world_size, env.rank, dp=server.dp, cp=server.cp)
-        driver = start_rank0(model_dir, mapping, env.init_method, options, kv_receiver_factory, HEARTBEAT_S,
+        driver = start_rank0(model_dir, mapping, env.init_method, options, kv_receiver_factory, server.heartbeat_s,
                              env.local_rank, WorldDriver)
         assert isinstance(driver, WorldDriver)
-        return GenWorld(driver, None, WorldSupervisor(server.world_restart, None))  # cannot restart
+        return GenWorld(driver, None, WorldSupervisor(server, None))  # cannot restart
     device = server.device or deploy.model.device
     local_rank = _device_index(device) if server.world_size == 1 else 0
 
     def start() -> LocalWorld:
         return start_local_world(model_dir, dp=server.dp, cp=server.cp, options=options,
-                                 kv_receiver_factory=kv_receiver_factory, heartbeat_s=HEARTBEAT_S,
+                                 kv_receiver_factory=kv_receiver_factory, heartbeat_s=server.heartbeat_s,
                                  local_rank=local_rank, driver_cls=WorldDriver)
 
     def restart() -> LocalWorld:  # warmed up: healthy again means serving at full speed again
@@ -198,13 +196,13 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
             warm_up(local.driver)
         except BaseException:
             local.driver.failure = local.driver.failure or "its warm-up failed"
-            local.close(grace_s=CLOSE_GRACE_S)
+            local.close(grace_s=server.failed_world_grace_s)
             raise
         return local
 
     local = start()
     assert isinstance(local.driver, WorldDriver)
-    return GenWorld(local.driver, local, WorldSupervisor(server.world_restart, restart))
+    return GenWorld(local.driver, local, WorldSupervisor(server, restart))
 
 
 def warm_up(driver: WorldDriver) -> None:

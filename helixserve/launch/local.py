@@ -40,6 +40,9 @@ from helixserve.launch.restarts import RestartBudget
 DEFAULT_MODEL_DIR = Path("checkpoints/kimi-k3-tiny")
 DEFAULT_PRESET = "kimi-k3-tiny"
 _PR_SET_PDEATHSIG = 1
+# internal tick: how often the launcher checks its children and the router's /ready (the waits'
+# bounds are launch.ready_timeout_s / stop_grace_s)
+SUPERVISE_TICK_S = 0.3
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -199,7 +202,7 @@ def wait_ready(url: str, children: list[Child], timeout_s: float, should_stop,  
             raise KeyboardInterrupt
         if time.monotonic() > deadline:
             raise RuntimeError(f"the router at {url} was not ready within {timeout_s:.0f} s")
-        time.sleep(0.3)
+        time.sleep(SUPERVISE_TICK_S)
 
 
 def curl_example(url: str, deploy: DeploymentConfig) -> str:
@@ -235,7 +238,7 @@ def launch(config: str | None, model: str | None = None, port: int | None = None
                 if why is not None:
                     print(why, file=sys.stderr, flush=True)
                     return 1
-                time.sleep(0.3)
+                time.sleep(SUPERVISE_TICK_S)
             return 0
         except KeyboardInterrupt:
             return 0

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from helixserve.config import WorldRunConfig
 from helixserve.parallel.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,19 @@ def _child(
         results.put((rank, False, traceback.format_exc()))
 
 
+# internal waits of the parent (none bounds the world: ``timeout_s`` / ``grace_s`` do)
+RESULT_TICK_S = 0.1  # longest wait for a rank's result before checking for dead processes
+LATE_RESULT_WAIT_S = 1.0  # a rank that exited gets this long for its queued result to arrive
+JOIN_S = 5.0  # joining a finished rank at the end
+JOIN_FAILED_S = 0.5  # ... after a failure (a rank still running is killed sooner)
+
+
 def run_local_world(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     timeout_s: float,
-    grace_s: float = 10.0,
+    grace_s: float = WorldRunConfig().stop_grace_s,
     num_threads: int | None = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, init_method, *args)`` on ``world_size`` local processes.
@@ -65,7 +73,8 @@ def run_local_world(
         timeout_s: wall-clock limit for the whole world (required: the caller's configured
             bound, e.g. ``generate_many_on_world``'s; no second default here).
         grace_s: after the first failure, how long the other ranks get to finish (they usually
-            fail on their own collective timeout) before they are killed.
+            fail on their own collective timeout) before they are killed (default:
+            ``WorldRunConfig.stop_grace_s``).
         num_threads: ``torch.set_num_threads`` in each rank (None leaves torch's default).
     Returns:
         ``fn``'s return values, in rank order.
@@ -93,13 +102,13 @@ def run_local_world(
                 failures.update({r: f"still running after timeout_s={timeout_s}" for r in missing})
                 break
             try:
-                rank, ok, value = results.get(timeout=0.1)
+                rank, ok, value = results.get(timeout=RESULT_TICK_S)
             except queue.Empty:
                 for rank, proc in enumerate(procs):
                     if proc.exitcode is not None and rank not in outputs and rank not in failures:
                         # give a just-finished rank's message a moment to arrive
                         try:
-                            r, ok, value = results.get(timeout=1.0)
+                            r, ok, value = results.get(timeout=LATE_RESULT_WAIT_S)
                             (outputs if ok else failures)[r] = value
                         except queue.Empty:
                             failures[rank] = f"process died with exit code {proc.exitcode}"
@@ -109,7 +118,7 @@ def run_local_world(
                 deadline = min(deadline, time.monotonic() + grace_s)
     finally:
         for proc in procs:
-            proc.join(timeout=0.5 if failures else 5.0)
+            proc.join(timeout=JOIN_FAILED_S if failures else JOIN_S)
             if proc.is_alive():
                 logger.warning("killing local rank process %d", proc.pid)
                 proc.kill()

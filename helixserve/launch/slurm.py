@@ -44,23 +44,29 @@ from helixserve.config_env import SlurmEnv
 
 logger = logging.getLogger(__name__)
 
+# internal tick: how often the job checks its steps and the router's /ready (the bounds are
+# launch.slurm.ready_timeout_s / stop_grace_s)
+SUPERVISE_TICK_S = 0.5
 
-def _scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], check=True, text=True, capture_output=True, timeout=30).stdout
+
+def _scontrol(timeout_s: float, *args: str) -> str:
+    return subprocess.run(["scontrol", *args], check=True, text=True, capture_output=True,
+                          timeout=timeout_s).stdout
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """``"n[01-02],gpu7"`` -> ``["n01", "n02", "gpu7"]``, by ``scontrol show hostnames``."""
-    hosts = _scontrol("show", "hostnames", nodelist).split()
+def expand_nodelist(nodelist: str, timeout_s: float) -> list[str]:
+    """``"n[01-02],gpu7"`` -> ``["n01", "n02", "gpu7"]``, by ``scontrol show hostnames``
+    (``timeout_s``: ``launch.slurm.scontrol_timeout_s``)."""
+    hosts = _scontrol(timeout_s, "show", "hostnames", nodelist).split()
     if not hosts:
         raise ValueError(f"`scontrol show hostnames {nodelist}` listed no hosts")
     return hosts
 
 
-def node_addresses(hosts: list[str]) -> list[str]:
+def node_addresses(hosts: list[str], timeout_s: float) -> list[str]:
     """Each node's ``NodeAddr`` (how SLURM itself reaches it; the name when it has none)."""
     found: dict[str, str] = {}
-    for line in _scontrol("-o", "show", "node", ",".join(hosts)).splitlines():
+    for line in _scontrol(timeout_s, "-o", "show", "node", ",".join(hosts)).splitlines():
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
         if "NodeName" in fields:
             found[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
@@ -246,10 +252,11 @@ def prepare(args: argparse.Namespace, env: SlurmEnv) -> tuple[DeploymentConfig, 
 
     job_dir = Path(args.job_dir or Path(env.submit_dir or ".") / f"helixserve-job-{env.job_id}").resolve()
     job_dir.mkdir(parents=True, exist_ok=True)
-    hosts = expand_nodelist(env.nodelist)
     deploy = resolve_deployment(args.config, args.model, args.port)
+    scontrol_timeout_s = deploy.launch.slurm.scontrol_timeout_s
+    hosts = expand_nodelist(env.nodelist, scontrol_timeout_s)
     placement = Placement.from_yaml(args.placement).resolve(deploy, len(hosts))
-    addresses = node_addresses(hosts) if placement.address == "node_addr" else hosts
+    addresses = node_addresses(hosts, scontrol_timeout_s) if placement.address == "node_addr" else hosts
     deploy = place(deploy, placement, addresses)
     config_file = job_dir / "config.yaml"
     deploy.to_yaml(config_file)
@@ -285,7 +292,7 @@ def serve(job: Job, url: str, job_dir: Path, ready_timeout_s: float, stop_signal
             print(f"helixserve-slurm: the router at {url} was not ready within {ready_timeout_s:.0f} s; "
                   f"logs in {job.log_dir}", file=sys.stderr, flush=True)
             return 1
-        time.sleep(0.5)
+        time.sleep(SUPERVISE_TICK_S)
     print(f"helixserve-slurm: signal {stop_signals[0]}; stopping", flush=True)
     return 0
 

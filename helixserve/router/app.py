@@ -109,7 +109,8 @@ class RouterService:
                               max_keepalive_connections=config.max_inflight)
         async with httpx.AsyncClient(timeout=timeout, limits=limits,
                                      headers=internal_headers(self.internal_secret)) as client:
-            self.orchestrator = Orchestrator(self.ctx_pool, self.gen_pool, client, self.metrics)
+            self.orchestrator = Orchestrator(self.ctx_pool, self.gen_pool, client, self.metrics,
+                                             config.control_timeout_s)
             checker = asyncio.create_task(self._check_health(client))
             try:
                 yield

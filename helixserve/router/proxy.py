@@ -110,8 +110,9 @@ class Orchestrator:
     """ctx -> gen orchestration over two pools and one shared HTTP client."""
 
     def __init__(self, ctx_pool: WorkerPool, gen_pool: WorkerPool, client: httpx.AsyncClient,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, control_timeout_s: float) -> None:
         self.ctx_pool, self.gen_pool = ctx_pool, gen_pool
+        self.control_timeout_s = control_timeout_s  # RouterConfig.control_timeout_s
         self.client = client
         self.metrics = metrics
         self._background: set[asyncio.Task] = set()
@@ -124,7 +125,7 @@ class Orchestrator:
     async def post_quietly(self, worker: WorkerState, path: str, request_id: str) -> None:
         try:
             await self.client.post(f"{worker.url}{path}", json={"request_id": request_id},
-                                   timeout=5.0)
+                                   timeout=self.control_timeout_s)
         except httpx.HTTPError as exc:
             logger.info("%s %s%s failed: %s", request_id, worker.url, path, exc)
 

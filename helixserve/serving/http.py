@@ -189,10 +189,11 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected("the client disconnected before the answer was ready")
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    """Run ``app`` with uvicorn until SIGINT/SIGTERM (which run its shutdown)."""
+def serve(app: FastAPI, host: str, port: int, log_level: str, connections_grace_s: float) -> None:
+    """Run ``app`` with uvicorn until SIGINT/SIGTERM (which run its shutdown; open connections
+    get ``connections_grace_s``, the deployment's ``shutdown.connections_grace_s``)."""
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                            timeout_graceful_shutdown=10, access_log=False)
+                            timeout_graceful_shutdown=connections_grace_s, access_log=False)
     uvicorn.Server(config).run()

@@ -70,4 +70,5 @@ def wrap_core(role: str, deploy: DeploymentConfig, core: EngineCoreLike, tokeniz
                            max_body_bytes=deploy.limits.max_body_bytes,
                            max_bytes_per_token=max_bytes_per_token(tokenizer))
     logger.info("%s worker limits: %s", role, limits)
-    return Worker(role, engine, tokenizer, limits, layout, security=deploy.security)
+    return Worker(role, engine, tokenizer, limits, layout, security=deploy.security,
+                  shutdown=deploy.shutdown)

@@ -33,7 +33,7 @@ from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  ModelList, ModelNotFoundError, RequestType,
                                  ServiceUnavailableError, parse_json, parse_model,
                                  prompt_too_long, raw_prompt_length)
-from helixserve.config import SecurityConfig
+from helixserve.config import SecurityConfig, ShutdownConfig
 from helixserve.serving.auth import install_internal_auth
 from helixserve.serving.engine_errors import install_engine_error_handler, openai_outputs, to_openai_error
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
@@ -107,6 +107,7 @@ class Worker:
     extra_stats: Callable[[], dict[str, Any]] = lambda: {}  # in /health and /stats (router reads)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     security: SecurityConfig = field(default_factory=SecurityConfig)  # who may call (serving/auth.py)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)  # how long live requests get
 
     def __post_init__(self) -> None:
         self.requests = Counter("helixserve_worker_requests", "finished HTTP completion requests",
@@ -268,7 +269,7 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
         finally:
             worker.off_loop.shutdown()
             try:
-                await worker.engine.shutdown()
+                await worker.engine.shutdown(worker.shutdown.requests_grace_s)
             finally:
                 for fn in after_shutdown:
                     await asyncio.to_thread(fn)

@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from helixserve.transceiver.clock import Clock, MonotonicClock
+from helixserve.transceiver.config import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
 from helixserve.transceiver.plane import DataPlane, TransferHandle, load_data_plane, open_data_plane
 
 __all__ = [  # the data-plane seam lives in `plane`; re-exported here for existing importers
@@ -41,8 +42,9 @@ __all__ = [  # the data-plane seam lives in `plane`; re-exported here for existi
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 60.0  # finite fallback for a missing / invalid overall timeout
-DEFAULT_SLICE_S = 0.05  # finite fallback for a missing / non-positive blocking slice
+# finite fallbacks for a missing / invalid overall timeout or blocking slice: the config's defaults
+DEFAULT_TIMEOUT_S = DEFAULT_KV_TRANSFER_TIMEOUT_MS / 1000.0
+DEFAULT_SLICE_S = TransceiverConfig.model_fields["slice_ms"].default / 1000.0
 
 
 class TransferState(enum.Enum):

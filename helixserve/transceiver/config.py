@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 MIB = 1 << 20
+DEFAULT_KV_TRANSFER_TIMEOUT_MS = 10_000.0  # a deployment's transfer deadline when its YAML sets none
 
 
 class TransceiverBackendKind(str, enum.Enum):
@@ -86,7 +87,7 @@ class TransceiverConfig(BaseModel):
     kv_transfer_poll_interval_ms: float = 1.0
     bounce_size_bytes: int | None = None
     chunk_bytes: int = 32 * MIB
-    slice_ms: float = 50.0
+    slice_ms: float = Field(50.0, description="longest single blocking wait inside a deadline, ms")
     message_bytes: int = 16 * MIB
     send_window_bytes: int = 64 * MIB
     rpc_timeout_ms: float = 5000.0

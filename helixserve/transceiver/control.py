@@ -43,6 +43,10 @@ from helixserve.transceiver.control_auth import (SecretInterceptor, call_metadat
 
 logger = logging.getLogger(__name__)
 
+# internal: a stopping control server finishes the calls in flight for this long (the process is
+# shutting down; every call is bounded by its own deadline anyway)
+SERVER_STOP_GRACE_S = 1.0
+
 PROTO = Path(__file__).resolve().parents[1] / "protocol" / "transfer.proto"
 GENERATED = ("transfer_pb2.py", "transfer_pb2.pyi", "transfer_pb2_grpc.py")
 
@@ -131,7 +135,7 @@ class ControlServer:
         self._server.start()
         return self.port
 
-    def stop(self, grace_s: float = 1.0) -> None:
+    def stop(self, grace_s: float = SERVER_STOP_GRACE_S) -> None:
         self._server.stop(grace_s).wait(grace_s + 1.0)
 
 
@@ -148,7 +152,9 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconn
                    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
 
 
-SHARD_DEADLINE_MARGIN_S = 0.1  # RequestShard ends this much before its transfer's deadline
+# internal: RequestShard ends this much before its transfer's deadline (the reply must still
+# arrive within the receiver's own deadline); a fraction of any sane kv_transfer_timeout_ms
+SHARD_DEADLINE_MARGIN_S = 0.1
 ASYNC_CALL_THREADS = 4  # per client: concurrent *_async calls (each bounded by its deadline)
 
 

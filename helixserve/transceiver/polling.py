@@ -29,6 +29,7 @@ from helixserve.transceiver.clock import Clock, MonotonicClock
 
 logger = logging.getLogger(__name__)
 
+# internal tick: a poller's longest wait between two sweeps (a completion's wakeup ends it earlier)
 DEFAULT_TICK_S = 0.001
 
 

@@ -43,13 +43,15 @@ from helixserve.transceiver.control import ControlClients
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
 from helixserve.transceiver.plane import DataPlane, open_data_plane
-from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
+from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
 from helixserve.transceiver.retract import Retractor
 from helixserve.transceiver.stream import KindHandle, staging_for
 
 logger = logging.getLogger(__name__)
 
-RETRACT_WAIT_S = 1.0  # a retraction is a local 0-byte message: it ends in microseconds
+# internal: a retraction is a local 0-byte message that ends in microseconds; this only bounds a
+# broken plane (the request already failed, drain_timeout_ms bounded the wait before it)
+RETRACT_WAIT_S = 1.0
 
 
 class KVReceiver:
@@ -141,14 +143,14 @@ class KVReceiver:
                                           self.config.drain_timeout_s + self.config.rpc_timeout_s)
         while not session.is_quiesced and self.clock.monotonic() < limit:
             self.progress()
-            self.clock.wait(None, 0.001)
+            self.clock.wait(None, DEFAULT_TICK_S)
         if not session.is_quiesced:
             inbound = self.inbounds[request_id]
             if inbound.phase is not Phase.CLOSED:
                 inbound._close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
             limit = self.clock.monotonic() + RETRACT_WAIT_S
             while not session.is_quiesced and self.clock.monotonic() < limit:
-                self.clock.wait(None, 0.001)
+                self.clock.wait(None, DEFAULT_TICK_S)
         if not session.is_quiesced:
             logger.error("request %s: transfer not quiesced after cancel; a late write may land", request_id)
         self.forget(request_id, force=True)

@@ -48,7 +48,7 @@ from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import SenderSession, TransferState
 from helixserve.transceiver.config import TransceiverConfig
-from helixserve.transceiver.control import ControlServer, payload_descriptors
+from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer, payload_descriptors
 from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardPlan, ShardSpec,
                                            check_caches, check_layout)
 from helixserve.transceiver.outbound import Outbound
@@ -59,8 +59,10 @@ from helixserve.transceiver.stream import KindHandle, staging_for
 logger = logging.getLogger(__name__)
 
 MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
-ACTIVE_TICK_S = 0.0005  # sender-thread wait while messages are in flight or queued
-IDLE_TICK_S = 0.01
+# internal ticks of the sender thread's wait (a completion or a gRPC call wakes it earlier)
+ACTIVE_TICK_S = 0.0005  # while messages are in flight or queued
+IDLE_TICK_S = 0.01  # while nothing is in flight
+STOP_JOIN_S = 5.0  # internal: a stopping sender waits this long for its thread (shutdown only)
 
 
 class PickupSession(SenderSession):
@@ -158,9 +160,9 @@ class KVSender:
     def stats(self) -> SenderStats:
         return self._call(self._do_stats).result(timeout=self.config.rpc_timeout_s)
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = STOP_JOIN_S) -> None:
         """Stop serving: free what is quiesced, leave the rest (logged), close UCX and gRPC."""
-        self._server.stop(grace_s=min(1.0, timeout_s))
+        self._server.stop(grace_s=min(SERVER_STOP_GRACE_S, timeout_s))
         self._is_stopping = True
         self._wakeup.set()
         if self._thread.is_alive():

@@ -252,7 +252,7 @@ def test_srun_starts_a_gen_worlds_ranks_with_its_rank0_rendezvous(slurm_cluster:
     old_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = slurm_cluster.env["SLURM_CONF"]  # node_addresses asks scontrol
     try:
-        placed = place(deploy, placement, node_addresses(hosts))
+        placed = place(deploy, placement, node_addresses(hosts, deploy.launch.slurm.scontrol_timeout_s))
     finally:
         os.environ.pop("SLURM_CONF") if old_conf is None else os.environ.update(SLURM_CONF=old_conf)
     gen = next(s for s in plan_steps(placed, placement, hosts, tmp_path / "c.yaml") if s.name == "gen0")

@@ -71,7 +71,8 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 MAX_TAG = (1 << 40) - 1
 MAX_WIRE_TAG = (1 << 64) - 1
 MAX_CHUNKS = 1 << 16
-PROGRESS_EPOLL_TIMEOUT_MS = 1
+PROGRESS_EPOLL_TIMEOUT_MS = 1  # internal tick: one progress wait of the UCX worker's epoll
+NOTIFIER_STOP_S = 1.0  # internal: closing the plane waits this long for the notifier thread
 NOTIFIER_PERIOD_NS = 50_000_000  # the notifier's longest wait: it checks for close at least this often
 
 
@@ -184,7 +185,7 @@ class _CompletionNotifier:
         except Exception:  # the pollers' ticks still bound every wait
             logger.exception("UCX completion notifier stopped; pollers fall back to their ticks")
 
-    def stop(self, timeout_s: float = 1.0) -> None:
+    def stop(self, timeout_s: float = NOTIFIER_STOP_S) -> None:
         self._is_stopping = True
         self._worker.stop_request_notifier_thread()
         self._thread.join(timeout_s)
