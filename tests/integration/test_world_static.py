@@ -9,6 +9,7 @@
 - A static-mode MoE layer (route, padded dispatch, the kernels' expert sum, combine, finish)
   reads nothing on the host, on a rank with rows and on an idle rank alike; the default mode
   fails the same guard; both give the same output.
+- In a world > 1, EngineCore and the followers capture decode CUDA graphs only in static mode.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ import pytest
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
-from helixserve.engine.core import step_token_budget
+from helixserve.engine.core import decode_graphs_off_reason, step_token_budget
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower
 from helixserve.engine.world_llm import WorldOptions, build_rank, drive_to_completion, serve_rank, uses_static_moe
+from helixserve.kernels.triton_common import has_fla
 from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_hooks import static_moe_capacity
 from helixserve.models.helix_load import load_helix_model
+from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.packing import relayout
+from helixserve.models.presets import get_preset
 from helixserve.parallel import Mapping, init_parallel
 from tests.integration.host_sync_guard import HostReadError, no_host_reads
 
@@ -116,6 +120,22 @@ def test_static_mode_defaults_and_checks() -> None:
     assert static_moe_capacity(BUDGET + 1, 2, "replicated") == BUDGET + 1  # each CP rank routes all T rows
     with pytest.raises(ValueError, match="max_step_tokens=0"):
         static_moe_capacity(0, 2)
+
+
+def test_a_world_captures_decode_graphs_only_in_static_mode() -> None:
+    """EngineCore and the followers ask decode_graphs_off_reason alike; in a world > 1 the answer
+    is yes only with the static helix step (and CUDA, graphs asked for, the fast kernels)."""
+    with torch.device("meta"):
+        model = KimiForCausalLM(get_preset(PRESET), mapping=Mapping(2, 0, dp=1, cp=2))
+    assert decode_graphs_off_reason(model, "cpu", True, 2) == "not on CUDA"
+    assert decode_graphs_off_reason(model, "cuda", False, 2) == "not asked for"
+    no_fla = None if has_fla() else "the fast kernels (fla, Triton) are not in use"
+    off = decode_graphs_off_reason(model, "cuda", True, 2)
+    assert off == (no_fla or "a world of 2 ranks without the static helix step (WorldOptions.static_moe)")
+    model.helix.set_static(BUDGET)
+    assert decode_graphs_off_reason(model, "cuda", True, 2) == no_fla
+    model.helix.set_static(None)
+    assert not model.helix.is_static and model.helix.moe_capacity is None
 
 
 ROWS = (5, 0)  # rank 0 routes 5 rows, rank 1 idles (its empty step)
