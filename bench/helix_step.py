@@ -158,7 +158,7 @@ def _rank(rank: int, world_size: int, init_method: str, args: dict[str, Any]) ->
 
 
 def _modes(args: dict[str, Any], num_seqs: int) -> dict[str, tuple[str, int | None]]:
-    """name -> (moe_mode, static step budget or None); the first is the ratio's denominator."""
+    """name -> (moe_mode, static step budget or None)."""
     if not args["static"]:
         return {"sliced": ("sliced", None), "replicated": ("replicated", None)}
     return {"host": ("sliced", None), "static-T": ("sliced", num_seqs), f"static-{args['budget']}": ("sliced", args["budget"])}
@@ -193,7 +193,10 @@ def main() -> None:
         for mode in modes:
             p = dict(phases[mode])
             p["moe_comm"] = p.get("moe_a2a", 0.0) - p.get("moe_experts", 0.0)
-            ratio = None if mode == modes[0] else step[mode] / step[modes[0]]
+            if opts["static"]:  # mode / host
+                ratio = None if mode == modes[0] else step[mode] / step[modes[0]]
+            else:  # sliced / replicated, on the sliced row
+                ratio = step["sliced"] / step["replicated"] if mode == "sliced" else None
             rows.append({"T": num_seqs, "mode": mode, "step_ms": step[mode] * 1e3, "ratio": ratio,
                          "phases_ms": {k: v * 1e3 for k, v in sorted(p.items())}})
             table.append([num_seqs, mode, step[mode] * 1e3,
@@ -201,7 +204,7 @@ def main() -> None:
                                                            "cp_reduce_scatter", "moe_local", "moe_experts", "moe_comm")),
                           ratio])
     headers = ["T", "MoE", "step ms", "kda", "mla", "lse a2a", "gather", "red-scat", "moe local", "experts",
-               "moe a2a", f"ratio (/{list(_modes(opts, 1))[0]})"]
+               "moe a2a", "mode/host" if opts["static"] else "sliced/repl"]
     print(f"dp={args.dp} cp={args.cp} device={args.device} config={opts['config']} context={args.context} "
           f"(phase columns: ms on rank 0, synchronizing timer; collective phases include waiting for the slower rank)")
     print(markdown_table(headers, table))

@@ -162,6 +162,11 @@ def _no_host_read_worker(rank: int, world_size: int, init_method: str, model_dir
             out["capacity"] = hooks.moe_capacity
             with no_host_reads():
                 static = hooks.ffn(layer, x, ROWS[rank]) if ROWS[rank] else hooks.empty_step([layer], x.dtype, x.device)
+            if ROWS[rank]:  # capacity - 1: refused before any collective (no peer waits on it)
+                hooks.set_static(ROWS[rank] - 1)
+                with pytest.raises(ValueError, match=f"{ROWS[rank]} MoE rows on rank 0 exceed the static capacity "
+                                                     f"{ROWS[rank] - 1}"):
+                    hooks.ffn(layer, x, ROWS[rank])
         if ROWS[rank]:
             out["max_diff"] = (static - default).abs().max().item()
             out["shape"] = tuple(static.shape) == (ROWS[rank], model.cfg.hidden_size)
