@@ -15,9 +15,9 @@ separate repetitions with a synchronizing timer (rank 0). ``ratio = sliced / rep
 
 ``--static`` compares the static helix step instead (``HelixHooks.set_static``, what a CUDA graph
 of a world step holds: padded MoE all-to-all, no host read) with the default host-split step, both
-sliced: ``host``; ``static-T`` with the step budget equal to T (capacity ceil(T / cp): the least
-any world can have); ``static-B`` with ``--budget B`` (a world's ``max_num_batched_tokens``: every
-step pays its capacity). ``ratio = mode / host``, eager (on the CPU the padded path is expected
+sliced: ``host``; ``static-T`` with capacity ceil(T / cp) (what a dp 1 world uses: each step's
+exact capacity); ``static-B`` with the capacity of ``--budget B`` (a dp > 1 world's
+``max_num_batched_tokens``: every step pays it). ``ratio = mode / host``, eager (on the CPU the padded path is expected
 slower; its win is a captured step on GPUs).
 
     python bench/helix_step.py [--quick] [--out FILE] [--dp 1 --cp 2] [--tokens 8,64,512]
@@ -131,9 +131,9 @@ def _rank(rank: int, world_size: int, init_method: str, args: dict[str, Any]) ->
         times: dict[str, list[float]] = {name: [] for name in modes}
         phases: dict[str, dict[str, float]] = {}
 
-        def use(name: str) -> None:
+        def use(name: str) -> None:  # static-B: B's capacity on every step (what dp > 1 pays)
             model.moe_mode, budget = modes[name]
-            model.helix.set_static(budget)
+            model.helix.set_static(budget, per_step=False if budget is not None else None)
 
         for rep in range(args["warmup"] + args["reps"]):
             for mode in modes:

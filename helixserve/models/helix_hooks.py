@@ -114,17 +114,24 @@ class HelixHooks:
         moe_mode: ``"sliced"`` (each CP rank routes its c rows) or ``"replicated"`` (each CP rank
             routes all T rows and keeps its slice of the result; the benchmark baseline).
 
-    Static mode (:meth:`set_static`) is a world-wide setting, not a per-step choice: the padded
-    all-to-all's shapes (``ep * capacity`` row slots per MoE layer) must match on every rank of
-    the world, and in one world step the DP groups run different batches (group A decodes 8 rows
-    while group B prefills 2,048, or idles with 0), which no rank knows of the others without an
-    extra collective. So every step, decode, prefill, mixed or empty, takes the padded path with
-    the one capacity that no step can overflow, :func:`static_moe_capacity` of the step budget.
-    The cost: every MoE layer of every step moves ``ep * capacity`` rows (and ``ep * capacity * S``
-    assignment slots through the expert kernel, masked ones skipped by the grouped GEMM) however
-    few rows it has: a decode step of 8 rows with a 2,048-token budget at cp 1 moves 256 times the
-    rows it needs. Worth it where the steps are CUDA graphs (no host sync, no per-step launch
-    cost); eagerly on the CPU it is slower (``bench/helix_step.py --static``).
+    Static mode (:meth:`set_static`) is a world-wide setting: every step, decode, prefill, mixed
+    or empty, takes the padded path, and the padded all-to-all's shapes (``ep * capacity`` row
+    slots per MoE layer) must match on every rank of the world. The capacity:
+
+    - dp 1 (the world is one CP group): per step, :func:`static_moe_capacity` of the step's own T,
+      exact; T is the same on every rank (one batch), so the ranks agree without a word, and a
+      decode graph of n padded rows holds the capacity of n.
+    - dp > 1: one capacity for every step, :func:`static_moe_capacity` of the step budget. In one
+      world step the DP groups run different batches (group A decodes 8 rows while group B
+      prefills 2,048, or idles with 0) and no rank knows the others' without an extra
+      collective, so only the bound no step can overflow is world-uniform. The cost: every MoE
+      layer of every step moves ``ep * capacity`` rows (and ``ep * capacity * S`` assignment
+      slots through the expert kernel, masked ones skipped by the grouped GEMM) however few rows
+      it has: a decode step of 8 rows with a 2,048-token budget at cp 1 moves 256 times the rows
+      it needs. Worth it where the steps are CUDA graphs (no host sync, no per-step launch cost);
+      eagerly on the CPU it is slower (``bench/helix_step.py --static``). (A per-step capacity
+      for dp > 1 would need the leaders to agree on the largest T after scheduling: one small
+      host collective per world step.)
     """
 
     def __init__(self, cfg: KimiModelConfig, mapping: Mapping, moe_mode: MoeMode = "sliced") -> None:
@@ -136,20 +143,26 @@ class HelixHooks:
         self.groups: ParallelGroups | None = None
         self.timer: PhaseTimer | None = None
         self.max_step_tokens: int | None = None  # set: static mode (see set_static)
+        self.per_step = False
         self.lse_rows = 0
         self._lse_store: dict[tuple[torch.dtype, torch.dtype, int, int, torch.device], LseBuffers] = {}
 
     # ---- static mode
 
-    def set_static(self, max_step_tokens: int | None, lse_rows: int | None = None) -> None:
+    def set_static(self, max_step_tokens: int | None, lse_rows: int | None = None, per_step: bool | None = None) -> None:
         """Static mode on for a world whose steps have at most ``max_step_tokens`` rows (the
         step token budget), or off (``None``). Every rank of the world must set it alike before
-        its first step (see the class docstring). ``lse_rows``: the LSE all-to-all of steps of up
-        to that many rows (default ``max_step_tokens``; the decode graphs' largest batch is
-        enough) runs in buffers allocated once, shared by every MLA layer; larger steps allocate."""
+        its first step (see the class docstring). ``per_step``: the capacity from each step's T
+        (default: at dp 1, the only case where every rank knows every step's T) instead of from
+        the budget. ``lse_rows``: the LSE all-to-all of steps of up to that many rows (default
+        ``max_step_tokens``; the decode graphs' largest batch is enough) runs in buffers allocated
+        once, shared by every MLA layer; larger steps allocate."""
         if max_step_tokens is not None:
             static_moe_capacity(max_step_tokens, self.mapping.cp)  # checks the numbers
+        if per_step and self.mapping.dp > 1:
+            raise ValueError(f"a per-step MoE capacity needs dp == 1 (the DP groups' T differ), got dp={self.mapping.dp}")
         self.max_step_tokens = max_step_tokens
+        self.per_step = self.mapping.dp == 1 if per_step is None else per_step
         self.lse_rows = 0 if max_step_tokens is None else (max_step_tokens if lse_rows is None else lse_rows)
         self._lse_store.clear()
 
@@ -157,12 +170,13 @@ class HelixHooks:
     def is_static(self) -> bool:
         return self.max_step_tokens is not None
 
-    @property
-    def moe_capacity(self) -> int | None:
-        """Row slots per destination of the padded MoE all-to-all (``None``: the host-split path)."""
+    def moe_capacity(self, num_tokens: int) -> int | None:
+        """Row slots per destination of the padded MoE all-to-all in a step of ``num_tokens`` rows
+        (``None``: the host-split path)."""
         if self.max_step_tokens is None:
             return None
-        return static_moe_capacity(self.max_step_tokens, self.mapping.cp, self.moe_mode)
+        rows = num_tokens if self.per_step else self.max_step_tokens
+        return static_moe_capacity(max(rows, 1), self.mapping.cp, self.moe_mode)
 
     def _lse_buffers(self, o: torch.Tensor, lse: torch.Tensor) -> LseBuffers | None:
         """Views of this step's size into the preallocated LSE all-to-all buffers (None: allocate)."""
@@ -289,7 +303,7 @@ class HelixHooks:
             x = x_local if cp == 1 else x_local[: rows_for_rank(num_tokens, cp, cp_rank).num_valid]
         with self.phase("moe_local"):
             expert_in, weights, ids = moe.route(x)
-        routed = self._routed_experts(moe, expert_in, weights, ids)
+        routed = self._routed_experts(moe, expert_in, weights, ids, num_tokens)
         with self.phase("moe_local"):
             y = moe.finish(routed, x)
         if cp == 1:
@@ -298,16 +312,18 @@ class HelixHooks:
             return split_rows(y, cp, cp_rank)
         return pad_rows(y, x_local.shape[0])
 
-    def _routed_experts(self, moe: KimiMoE, expert_in: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Expert-parallel weighted expert sum over the world (``[n, De]``)."""
+    def _routed_experts(self, moe: KimiMoE, expert_in: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        num_tokens: int) -> torch.Tensor:
+        """Expert-parallel weighted expert sum over the world (``[n, De]``) in a step of T rows."""
         def expert_fn(x_recv: torch.Tensor, local_ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             with self.phase("moe_experts"):
                 return moe.routed(x_recv, w[:, None], local_ids[:, None])
 
-        capacity = self.moe_capacity
+        capacity = self.moe_capacity(num_tokens)
         if capacity is not None and expert_in.shape[0] > capacity:
             raise ValueError(f"{expert_in.shape[0]} MoE rows on rank {self.mapping.rank} exceed the static capacity "
-                             f"{capacity} (step budget {self.max_step_tokens} tokens, cp={self.mapping.cp})")
+                             f"{capacity} (a step of {num_tokens} tokens, budget {self.max_step_tokens}, "
+                             f"cp={self.mapping.cp})")
         with self.phase("moe_a2a"):
             return moe_a2a(expert_in, ids, weights, expert_fn, num_experts=self.cfg.num_experts, group=self._groups.ep,
                            capacity=capacity)
@@ -325,4 +341,4 @@ class HelixHooks:
             expert_in = torch.zeros(0, self.cfg.expert_dim, dtype=dtype, device=device)
             ids = torch.zeros(0, top_k, dtype=torch.int64, device=device)
             weights = torch.zeros(0, top_k, dtype=torch.float32, device=device)
-            self._routed_experts(layer.block_sparse_moe, expert_in, weights, ids)
+            self._routed_experts(layer.block_sparse_moe, expert_in, weights, ids, 0)

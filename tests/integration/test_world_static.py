@@ -4,8 +4,9 @@
   single-process ``LLM`` at dp x cp = 1 x 2, 2 x 1 and 2 x 2: a prompt longer than the step's
   token budget (chunked prefill), prompts at the budget's edges, and an idle DP group (one group
   prefills or decodes while the other has finished: its empty steps join the padded all-to-alls
-  with the same world-wide capacity). Every rank reports the one capacity, ceil(budget / cp), and
-  that its MLA layers' LSE all-to-alls ran in the preallocated buffers.
+  with the same world-wide capacity). Every rank reports the same capacity rule (dp 1: each
+  step's exact ceil(T / cp); dp > 1: ceil(budget / cp) on every step) and that its MLA layers'
+  LSE all-to-alls ran in the preallocated buffers.
 - A static-mode MoE layer (route, padded dispatch, the kernels' expert sum, combine, finish)
   reads nothing on the host, on a rank with rows and on an idle rank alike; the default mode
   fails the same guard; both give the same output.
@@ -60,7 +61,7 @@ def _options(static: bool) -> WorldOptions:
 
 def _rank_report(part) -> dict:  # noqa: ANN001
     helix = part.runner.model.helix
-    return {"capacity": helix.moe_capacity, "lse_buffers": len(helix._lse_store),
+    return {"capacity": helix.moe_capacity(1), "per_step": helix.per_step, "lse_buffers": len(helix._lse_store),
             "forwards": part.num_steps if isinstance(part, Follower) else part.executor.num_forwards}
 
 
@@ -98,9 +99,10 @@ def test_static_world_equals_default_world_and_single_process(tiny_checkpoints, 
     default = run_local_world(_world, dp * cp, model_dir, dp, cp, False, timeout_s=300)
     assert static[0]["tokens"] == default[0]["tokens"] == single
     assert set(static[0]["reasons"]) == {"length"}
-    capacity = static_moe_capacity(step_token_budget(CACHE, SCHEDULER), cp)
-    assert capacity == -(-BUDGET // cp)
-    assert [r["capacity"] for r in static] == [capacity] * (dp * cp)  # one capacity, world-wide
+    # dp 1: each step's exact capacity (one of 1 row: 1); dp > 1: the budget's, world-wide
+    capacity = 1 if dp == 1 else static_moe_capacity(step_token_budget(CACHE, SCHEDULER), cp)
+    assert dp == 1 or capacity == -(-BUDGET // cp)
+    assert [(r["capacity"], r["per_step"]) for r in static] == [(capacity, dp == 1)] * (dp * cp)
     assert [r["capacity"] for r in default] == [None] * (dp * cp)
     # every rank ran the same number of forwards (real or empty), in both modes
     assert len({r["forwards"] for r in static}) == 1 and len({r["forwards"] for r in default}) == 1
@@ -134,8 +136,17 @@ def test_a_world_captures_decode_graphs_only_in_static_mode() -> None:
     assert off == (no_fla or "a world of 2 ranks without the static helix step (WorldOptions.static_moe)")
     model.helix.set_static(BUDGET)
     assert decode_graphs_off_reason(model, "cuda", True, 2) == no_fla
+    assert [model.helix.moe_capacity(t) for t in (0, 1, 5, BUDGET)] == [1, 1, 3, BUDGET // 2]  # dp 1: per step
+    model.helix.set_static(BUDGET, per_step=False)
+    assert [model.helix.moe_capacity(t) for t in (0, 5)] == [BUDGET // 2] * 2
     model.helix.set_static(None)
-    assert not model.helix.is_static and model.helix.moe_capacity is None
+    assert not model.helix.is_static and model.helix.moe_capacity(5) is None
+    with torch.device("meta"):
+        dp2 = KimiForCausalLM(get_preset(PRESET), mapping=Mapping(2, 0, dp=2, cp=1))
+    dp2.helix.set_static(BUDGET)
+    assert [dp2.helix.moe_capacity(t) for t in (0, 5)] == [BUDGET] * 2  # dp 2: the budget's, every step
+    with pytest.raises(ValueError, match="per-step MoE capacity needs dp == 1"):
+        dp2.helix.set_static(BUDGET, per_step=True)
 
 
 ROWS = (5, 0)  # rank 0 routes 5 rows, rank 1 idles (its empty step)
@@ -159,7 +170,7 @@ def _no_host_read_worker(rank: int, world_size: int, init_method: str, model_dir
             with pytest.raises(HostReadError), no_host_reads():  # the guard is real: the host split fails it
                 hooks.ffn(layer, x, ROWS[rank]) if ROWS[rank] else hooks.empty_step([layer], x.dtype, x.device)
             hooks.set_static(max(ROWS))
-            out["capacity"] = hooks.moe_capacity
+            out["capacity"] = hooks.moe_capacity(ROWS[rank])
             with no_host_reads():
                 static = hooks.ffn(layer, x, ROWS[rank]) if ROWS[rank] else hooks.empty_step([layer], x.dtype, x.device)
             if ROWS[rank]:  # capacity - 1: refused before any collective (no peer waits on it)
