@@ -62,9 +62,10 @@ class WorldOptions:
     timeout_s: float = 120.0
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
     use_cuda_graphs: bool = True  # decode steps on a GPU are CUDA graphs (a world > 1: with static_moe)
-    # the static helix step (HelixHooks.set_static): padded MoE all-to-all with one world-wide
-    # capacity, no host read; None: on exactly when a world of more than one rank captures decode
-    # CUDA graphs (CUDA, use_cuda_graphs, the fast kernels), off on the CPU (slower eagerly)
+    # the static helix step (HelixHooks.set_static): padded MoE all-to-all (capacity: each step's
+    # at dp 1, the step budget's at dp > 1), no host read; None: on exactly when a world of more
+    # than one rank captures decode CUDA graphs (CUDA, use_cuda_graphs, the fast kernels), off on
+    # the CPU (slower eagerly at dp > 1)
     static_moe: bool | None = None
 
 
@@ -96,7 +97,7 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     mapping = groups.mapping
     dtype = resolve_dtype(options.dtype, groups.device)
     model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device).bind(groups)
-    if uses_static_moe(options, mapping, groups.device):  # every rank alike: one world-wide capacity
+    if uses_static_moe(options, mapping, groups.device):  # every rank alike: the same capacities
         model.helix.set_static(step_token_budget(options.cache, options.scheduler), lse_rows=options.cache.max_num_seqs)
     if mapping.cp_rank == 0:
         return EngineCore(model, model.cfg, _tokenizer(model_dir), options.cache, options.scheduler, groups.device,
