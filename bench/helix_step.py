@@ -13,8 +13,15 @@ A step's time is the slowest rank's (median over repetitions); the phase breakdo
 separate repetitions with a synchronizing timer (rank 0). ``ratio = sliced / replicated``
 (BENCHMARKS.md target: <= 0.9 at T >= 64 on GPUs).
 
+``--static`` compares the static helix step instead (``HelixHooks.set_static``, what a CUDA graph
+of a world step holds: padded MoE all-to-all, no host read) with the default host-split step, both
+sliced: ``host``; ``static-T`` with capacity ceil(T / cp) (what a dp 1 world uses: each step's
+exact capacity); ``static-B`` with the capacity of ``--budget B`` (a dp > 1 world's
+``max_num_batched_tokens``: every step pays it). ``ratio = mode / host``, eager (on the CPU the padded path is expected
+slower; its win is a captured step on GPUs).
+
     python bench/helix_step.py [--quick] [--out FILE] [--dp 1 --cp 2] [--tokens 8,64,512]
-        [--device cpu|cuda] [--config cpu|gpu] [--override JSON]
+        [--device cpu|cuda] [--config cpu|gpu] [--override JSON] [--static [--budget 2048]]
 """
 
 from __future__ import annotations
@@ -120,11 +127,17 @@ def _rank(rank: int, world_size: int, init_method: str, args: dict[str, Any]) ->
         for pool in caches.mla_kv.values():
             pool.normal_()
         batch = _decode_batch(CacheManager(blocks, num_seqs, TPB, mapping.cp_rank, mapping.cp), num_seqs, args["context"], device)
-        times: dict[str, list[float]] = {"sliced": [], "replicated": []}
+        modes = _modes(args, num_seqs)
+        times: dict[str, list[float]] = {name: [] for name in modes}
         phases: dict[str, dict[str, float]] = {}
+
+        def use(name: str) -> None:  # static-B: B's capacity on every step (what dp > 1 pays)
+            model.moe_mode, budget = modes[name]
+            model.helix.set_static(budget, per_step=False if budget is not None else None)
+
         for rep in range(args["warmup"] + args["reps"]):
-            for mode in ("sliced", "replicated"):
-                model.moe_mode = mode
+            for mode in modes:
+                use(mode)
                 torch.distributed.barrier(groups.cpu)
                 sync()
                 start = time.perf_counter()
@@ -132,8 +145,9 @@ def _rank(rank: int, world_size: int, init_method: str, args: dict[str, Any]) ->
                 sync()
                 if rep >= args["warmup"]:
                     times[mode].append(time.perf_counter() - start)
-        for mode in ("sliced", "replicated"):  # phase breakdown (synchronizing timer)
-            model.moe_mode, model.timer = mode, PhaseTimer(device)
+        for mode in modes:  # phase breakdown (synchronizing timer)
+            use(mode)
+            model.timer = PhaseTimer(device)
             for _ in range(max(1, args["reps"] // 2)):
                 model(batch, caches)
             phases[mode] = {k: v / max(1, args["reps"] // 2) for k, v in model.timer.seconds.items()}
@@ -141,6 +155,13 @@ def _rank(rank: int, world_size: int, init_method: str, args: dict[str, Any]) ->
         out["rows"].append({"T": num_seqs, "times": times, "phases": phases})
     groups.destroy()
     return out
+
+
+def _modes(args: dict[str, Any], num_seqs: int) -> dict[str, tuple[str, int | None]]:
+    """name -> (moe_mode, static step budget or None)."""
+    if not args["static"]:
+        return {"sliced": ("sliced", None), "replicated": ("replicated", None)}
+    return {"host": ("sliced", None), "static-T": ("sliced", num_seqs), f"static-{args['budget']}": ("sliced", args["budget"])}
 
 
 def main() -> None:
@@ -153,29 +174,37 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default=None, help="default: cpu on CPU, gpu on CUDA")
     parser.add_argument("--override", type=json.loads, default={}, help="JSON dict of config fields to change")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
+    parser.add_argument("--static", action="store_true", help="static helix step vs host split (see above)")
+    parser.add_argument("--budget", type=int, default=2048, help="--static: the world's step token budget")
     args = parser.parse_args()
     tokens = [int(t) for t in (args.tokens or ("8,64" if args.quick else "8,64,512")).split(",")]
     world = args.dp * args.cp
     opts = {"dp": args.dp, "cp": args.cp, "tokens": tokens, "context": args.context, "device": args.device,
             "config": args.config or ("gpu" if args.device == "cuda" else "cpu"), "override": args.override,
-            "warmup": 1 if args.quick else 3, "reps": 3 if args.quick else 10}
+            "warmup": 1 if args.quick else 3, "reps": 3 if args.quick else 10, "static": args.static,
+            "budget": args.budget}
     per_rank = run_local_world(_rank, world, opts, timeout_s=3600, num_threads=args.threads)
     table, rows = [], []
     for i, num_seqs in enumerate(tokens):
+        modes = list(_modes(opts, num_seqs))
         step = {m: median([max(r["rows"][i]["times"][m][k] for r in per_rank)
-                           for k in range(opts["reps"])]) for m in ("sliced", "replicated")}
+                           for k in range(opts["reps"])]) for m in modes}
         phases = per_rank[0]["rows"][i]["phases"]
-        for mode in ("sliced", "replicated"):
+        for mode in modes:
             p = dict(phases[mode])
             p["moe_comm"] = p.get("moe_a2a", 0.0) - p.get("moe_experts", 0.0)
-            rows.append({"T": num_seqs, "mode": mode, "step_ms": step[mode] * 1e3,
+            if opts["static"]:  # mode / host
+                ratio = None if mode == modes[0] else step[mode] / step[modes[0]]
+            else:  # sliced / replicated, on the sliced row
+                ratio = step["sliced"] / step["replicated"] if mode == "sliced" else None
+            rows.append({"T": num_seqs, "mode": mode, "step_ms": step[mode] * 1e3, "ratio": ratio,
                          "phases_ms": {k: v * 1e3 for k, v in sorted(p.items())}})
             table.append([num_seqs, mode, step[mode] * 1e3,
                           *(p.get(k, 0.0) * 1e3 for k in ("kda", "mla_attend", "cp_lse_a2a", "cp_gather",
                                                            "cp_reduce_scatter", "moe_local", "moe_experts", "moe_comm")),
-                          step["sliced"] / step["replicated"] if mode == "sliced" else None])
+                          ratio])
     headers = ["T", "MoE", "step ms", "kda", "mla", "lse a2a", "gather", "red-scat", "moe local", "experts",
-               "moe a2a", "sliced/repl"]
+               "moe a2a", "mode/host" if opts["static"] else "sliced/repl"]
     print(f"dp={args.dp} cp={args.cp} device={args.device} config={opts['config']} context={args.context} "
           f"(phase columns: ms on rank 0, synchronizing timer; collective phases include waiting for the slower rank)")
     print(markdown_table(headers, table))

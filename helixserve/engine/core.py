@@ -90,6 +90,39 @@ def allocate_rank_caches(spec: CacheSpec, layout: CacheLayout, device: torch.dev
                                  device)
 
 
+def step_token_budget(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
+    """The most rows any step has: the scheduler's token budget, at least ``max_num_seqs`` (so
+    every running decode fits one step; a decode graph's padded batch too)."""
+    return max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
+
+
+def decode_graph_shape(cache: CacheConfig, layout: CacheLayout) -> tuple[int, int, int]:
+    """``(max_batch, max_blocks, scratch_slot)`` of a rank's decode CUDA graphs: the same on every
+    rank of a world (each sizes its cache alike), so every rank captures the same graphs."""
+    return min(cache.max_num_seqs, layout.num_slots), -(-layout.max_model_len // cache.tokens_per_block), layout.num_slots
+
+
+def decode_graphs_off_reason(model: torch.nn.Module, device: torch.device | str, use_cuda_graphs: bool,
+                             world_size: int) -> str | None:
+    """Why this rank captures no decode CUDA graphs (``None``: it captures them).
+
+    Graphs need the fast kernels: the PyTorch references read metadata on the host and check slot
+    ids (padded rows repeat the scratch slot), neither of which a graph can hold. In a world of
+    more than one rank they need the hooks' static mode (no host read in the MoE all-to-all, the
+    same shapes on every rank), which every rank of the world sets alike, so every rank captures
+    (and replays) the same graphs, their collectives in the same order."""
+    if not use_cuda_graphs:
+        return "not asked for"
+    if torch.device(device).type != "cuda":
+        return "not on CUDA"
+    if not has_fla():
+        return "the fast kernels (fla, Triton) are not in use"
+    helix = getattr(model, "helix", None)
+    if world_size > 1 and not (helix is not None and helix.is_static):
+        return f"a world of {world_size} ranks without the static helix step (WorldOptions.static_moe)"
+    return None
+
+
 class EngineCore:
     """Owns the scheduler (queues, cache accounting) and the executor (tensors); see the module
     docstring. ``groups``: this process is the leader (``cp_rank == 0``) of a gen world's CP
@@ -119,16 +152,11 @@ class EngineCore:
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)
         self.runner = ModelRunner(model, self.caches, device, seed=seed)
-        # graphs need the fast kernels: the PyTorch references read metadata on the host and
-        # check slot ids (padded rows repeat the scratch slot), neither of which a graph can hold;
-        # a world's collectives are not captured yet (one rank only)
-        if is_cuda and use_cuda_graphs and has_fla() and world_size == 1:
-            self.runner.capture_decode_graphs(
-                min(cache.max_num_seqs, num_slots), -(-max_model_len // cache.tokens_per_block), num_slots
-            )
+        graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size)
+        if graphs_off is None:
+            self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
         elif is_cuda and use_cuda_graphs:
-            logger.info("decode CUDA graphs off: %s", "the fast kernels (fla, Triton) are not in use"
-                        if world_size == 1 else f"a world of {world_size} ranks")
+            logger.info("decode CUDA graphs off: %s", graphs_off)
         has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
         self.cache_manager: CacheManager | GroupCacheManager = (
             CacheManager(num_blocks, num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
@@ -147,7 +175,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cache_manager,
             max_num_seqs=cache.max_num_seqs,
-            max_num_batched_tokens=max(scheduler.max_num_batched_tokens, cache.max_num_seqs),
+            max_num_batched_tokens=step_token_budget(cache, scheduler),
             max_model_len=max_model_len,
             eos_token_ids=eos,
             detokenize=tokenizer.decode if tokenizer else None,

@@ -75,17 +75,23 @@ class DecodeGraphs:
             self._graphs[n] = (graph, logits)
         torch.cuda.synchronize(self.device)
 
+    def fits(self, out: SchedulerOutput) -> bool:
+        """A pure decode step of at most the largest captured size, its tables within
+        ``max_blocks`` (what :meth:`run` replays). In a world every rank of a CP group answers
+        alike: same sequences, and each rank's share of a table is no wider than the whole."""
+        seqs = out.seqs
+        return (0 < len(seqs) <= self.sizes[-1] and all(s.num_tokens == 1 and s.context_len > 0 for s in seqs)
+                and max(len(s.block_table) for s in seqs) <= self.max_blocks)
+
     def run(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``[num sampled seqs, vocab]`` of a decode step, or ``None`` to run it eagerly.
         ``input_tokens``: the step's input ids on the device (an overlapped step's, whose
         ``token_ids`` are placeholders), copied in after the host buffers."""
+        if not self.fits(out):
+            return None
         seqs = out.seqs
         n = len(seqs)
-        if n == 0 or n > self.sizes[-1] or any(s.num_tokens != 1 or s.context_len == 0 for s in seqs):
-            return None
         width = max(len(s.block_table) for s in seqs)
-        if width > self.max_blocks:
-            return None
         size = next(s for s in self.sizes if s >= n)
         self._copied.synchronize()  # the last step's copies have left the host buffers
         ints = self._host_ints.numpy()

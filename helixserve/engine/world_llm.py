@@ -29,7 +29,8 @@ from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
 from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
-from helixserve.engine.core import EngineCore, allocate_rank_caches, size_cache
+from helixserve.engine.core import (EngineCore, allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
+                                    size_cache, step_token_budget)
 from helixserve.engine.kv_intake import KVReceiver, RankTransfers
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import GroupChannel
@@ -37,6 +38,7 @@ from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower, serve_follower
 from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
+from helixserve.kernels.triton_common import has_fla
 from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer
@@ -64,7 +66,22 @@ class WorldOptions:
     run_timeout_s: float = _OFFLINE.run_timeout_s
     stop_grace_s: float = _OFFLINE.stop_grace_s
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
-    use_cuda_graphs: bool = True  # a world of one on a GPU captures its decode steps
+    use_cuda_graphs: bool = True  # decode steps on a GPU are CUDA graphs (a world > 1: with static_moe)
+    # the static helix step (HelixHooks.set_static): padded MoE all-to-all (capacity: each step's
+    # at dp 1, the step budget's at dp > 1), no host read; None: on exactly when a world of more
+    # than one rank captures decode CUDA graphs (CUDA, use_cuda_graphs, the fast kernels), off on
+    # the CPU (slower eagerly at dp > 1)
+    static_moe: bool | None = None
+
+
+def uses_static_moe(options: WorldOptions, mapping: Mapping, device: torch.device) -> bool:
+    """Whether this world's ranks run the static helix step (the same answer on every rank: it
+    depends on the world's options and device kind only)."""
+    if mapping.world_size == 1:  # the model calls no hook: nothing to make static
+        return False
+    if options.static_moe is not None:
+        return options.static_moe
+    return device.type == "cuda" and options.use_cuda_graphs and has_fla()
 
 
 # ``factory(mapping) -> KVReceiver`` for a rank (module-level / picklable for spawned ranks)
@@ -85,12 +102,18 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     mapping = groups.mapping
     dtype = resolve_dtype(options.dtype, groups.device)
     model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device).bind(groups)
+    if uses_static_moe(options, mapping, groups.device):  # every rank alike: the same capacities
+        model.helix.set_static(step_token_budget(options.cache, options.scheduler), lse_rows=options.cache.max_num_seqs)
     if mapping.cp_rank == 0:
         return EngineCore(model, model.cfg, _tokenizer(model_dir), options.cache, options.scheduler, groups.device,
                           options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver)
     spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
+    # the leaders capture in EngineCore, with the same shapes and at the same time: every rank's
+    # graphs hold the same collectives in the same order
+    if decode_graphs_off_reason(model, groups.device, options.use_cuda_graphs, mapping.world_size) is None:
+        runner.capture_decode_graphs(*decode_graph_shape(options.cache, layout))
     return Follower(runner, GroupChannel(groups), RankTransfers(kv_receiver, caches, TransferConsensus(groups.cp_cpu)))
 
 

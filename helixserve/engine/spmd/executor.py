@@ -61,17 +61,25 @@ class SPMDExecutor:
                input_tokens: torch.Tensor | None = None) -> LaunchedStep:
         if out.is_empty:
             return self.runner.launch(out, params)
+        graphs = self.runner.decode_graphs
         if self.world_size == 1:
             self.num_forwards += 1
             logits = self.runner.forward(out, input_tokens)
+        elif graphs is not None and graphs.fits(out):
+            # a captured decode step (static helix step): every rank of the group replays the
+            # graph of the same size (the followers' runner.forward decides alike)
+            self._send_launch(out, input_tokens)
+            self.num_forwards += 1
+            try:
+                logits = self.runner.forward(out, input_tokens)
+            except Exception as exc:
+                raise CollectiveError(f"forward failed on rank {self.channel.mapping.rank}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
         else:
             # built before anything is sent: a batch that fails to build fails this group's
             # step only (the world's front then runs the group's empty step)
             prepared = self.runner.prepare(out, input_tokens)
-            if not self.channel.is_alone:
-                use_previous = input_tokens is not None
-                self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous)
-                                     for r in range(1, self.cp)])
+            self._send_launch(out, input_tokens)
             self.num_forwards += 1
             try:
                 logits = self.runner.run(prepared)
@@ -87,6 +95,11 @@ class SPMDExecutor:
             self.channel.broadcast_tokens(torch.full((len(sampled_ids),), -1, dtype=torch.int64, device=self.device))
             raise
         return self.runner.launched(sampled_ids, self.channel.broadcast_tokens(tokens))
+
+    def _send_launch(self, out: SchedulerOutput, input_tokens: torch.Tensor | None) -> None:
+        if not self.channel.is_alone:
+            use_previous = input_tokens is not None
+            self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous) for r in range(1, self.cp)])
 
     def idle_step(self) -> None:
         """An idle DP group's step: the MoE all-to-alls with no rows, on every rank of the group."""
