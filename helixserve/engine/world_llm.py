@@ -38,7 +38,6 @@ from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower, serve_follower
 from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
-from helixserve.kernels.triton_common import has_fla
 from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer
@@ -68,20 +67,17 @@ class WorldOptions:
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
     use_cuda_graphs: bool = True  # decode steps on a GPU are CUDA graphs (a world > 1: with static_moe)
     # the static helix step (HelixHooks.set_static): padded MoE all-to-all (capacity: each step's
-    # at dp 1, the step budget's at dp > 1), no host read; None: on exactly when a world of more
-    # than one rank captures decode CUDA graphs (CUDA, use_cuda_graphs, the fast kernels), off on
-    # the CPU (slower eagerly at dp > 1)
-    static_moe: bool | None = None
+    # at dp 1, the step budget's at dp > 1), no host read; with it, a world of more than one rank
+    # on CUDA captures its decode steps as CUDA graphs. Opt-in: that capture has not run on GPUs
+    # yet (the two-GPU issue checks it), and eagerly the padded path is slower on the CPU
+    static_moe: bool = False
 
 
 def uses_static_moe(options: WorldOptions, mapping: Mapping, device: torch.device) -> bool:
     """Whether this world's ranks run the static helix step (the same answer on every rank: it
     depends on the world's options and device kind only)."""
-    if mapping.world_size == 1:  # the model calls no hook: nothing to make static
-        return False
-    if options.static_moe is not None:
-        return options.static_moe
-    return device.type == "cuda" and options.use_cuda_graphs and has_fla()
+    del device  # the same answer on every device kind (see WorldOptions.static_moe)
+    return mapping.world_size > 1 and options.static_moe  # a world of one calls no hook
 
 
 # ``factory(mapping) -> KVReceiver`` for a rank (module-level / picklable for spawned ranks)

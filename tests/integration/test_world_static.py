@@ -117,7 +117,7 @@ def test_static_mode_defaults_and_checks() -> None:
     assert not uses_static_moe(WorldOptions(), two, cpu)  # off on the CPU by default (slower eagerly)
     assert uses_static_moe(WorldOptions(static_moe=True), two, cpu)
     assert not uses_static_moe(WorldOptions(static_moe=True), one, cpu)  # a world of one calls no hook
-    assert not uses_static_moe(WorldOptions(use_cuda_graphs=False), two, torch.device("cuda", 0))
+    assert not uses_static_moe(WorldOptions(), two, torch.device("cuda", 0))  # opt-in until run on GPUs
     assert static_moe_capacity(BUDGET + 1, 2) == BUDGET // 2 + 1
     assert static_moe_capacity(BUDGET + 1, 2, "replicated") == BUDGET + 1  # each CP rank routes all T rows
     with pytest.raises(ValueError, match="max_step_tokens=0"):
