@@ -138,4 +138,7 @@ class RankMemory:
 
 
 def gib(num_bytes: int) -> str:
-    return f"{num_bytes / GIB:.2f} GiB"
+    """``num_bytes`` for a message: GiB, MiB, or bytes when smaller."""
+    if abs(num_bytes) >= GIB:
+        return f"{num_bytes / GIB:.2f} GiB"
+    return f"{num_bytes / MIB:.1f} MiB" if abs(num_bytes) >= MIB else f"{num_bytes} B"
