@@ -146,6 +146,8 @@ def smallest_layout(cfg: KimiModelConfig, role: str, gpu_bytes: int, t: PlanTarg
     """The plan with the fewest GPUs that fits (``None``: none up to ``max_world_size``); among
     layouts of that many GPUs, the one holding the most sequences, then the smaller ``cp``."""
     for n in range(1, max_world_size + 1):
+        if n > 1 and cfg.moe_layer_ids and cfg.num_experts % n:
+            continue  # experts are partitioned over the whole world
         fitting = [p for dp, cp in layouts(cfg, role, n) if (p := plan_filled(cfg, role, dp, cp, gpu_bytes, t)).fits]
         if fitting:
             return max(fitting, key=lambda p: (p.sequences, -p.memory.cp))
