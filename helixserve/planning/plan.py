@@ -21,7 +21,6 @@ from helixserve.kvcache.helix import num_local_blocks
 from helixserve.kvcache.sizing import pools_from_budget
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import (
-    LOGITS_BUFFERS,
     MIB,
     PoolBytes,
     RankMemory,
@@ -111,27 +110,34 @@ def plan_configured(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes
 
 
 def plan_filled(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: int, t: PlanTarget) -> RolePlan:
-    """``role`` on ``dp x cp`` with pools filling what the GPU has left: as many sequences of
-    ``context_len`` tokens as fit (with their logits buffers), in whole MiB of budget."""
+    """``role`` on ``dp x cp`` with pools filling what the GPU has left: the most sequences of
+    ``context_len`` tokens that fit with their activations (logits rows; the scheduler's token
+    budget is at least ``max_num_seqs``), in whole MiB of cache budget."""
     problems = _check(cfg, role, dp, cp, t)
     block, slot = pool_unit_bytes(cfg, t.itemsize, t.tokens_per_block, cp)
     per_seq = slot + num_local_blocks(t.context_len, t.tokens_per_block, 0, cp) * block
-    base = _memory(cfg, role, dp, cp, gpu_bytes, t, PoolBytes(block, slot, 0, 0, scratch_slots=1), 0)
-    avail = gpu_bytes - base.total_bytes  # after weights, batched-token activations, graphs, scratch slot
-    logits_per_seq = LOGITS_BUFFERS * cfg.vocab_size * 4
-    n = max(0, avail // (per_seq + logits_per_seq)) if avail > 0 else 0
-    while n > 0:
-        budget_mib = (avail - n * logits_per_seq) // MIB
-        if budget_mib > 0 and budget_mib * MIB // per_seq >= n:
-            break
-        n -= 1
-    if n == 0:
-        memory = _memory(cfg, role, dp, cp, gpu_bytes, t, PoolBytes(block, slot, 0, 0, scratch_slots=1), 1)
-        return RolePlan(memory, 0, t.sequences_needed(role), 0, 0, problems)
-    num_blocks, num_slots = pools_from_budget(block, slot, budget_mib * MIB, n)
-    memory = _memory(cfg, role, dp, cp, gpu_bytes, t, PoolBytes(block, slot, num_blocks, num_slots, 1), n)
-    seqs = memory.pools.sequences_at(t.context_len, t.tokens_per_block, cp)
-    return RolePlan(memory, seqs, t.sequences_needed(role), budget_mib, n, problems)
+    empty = PoolBytes(block, slot, 0, 0, scratch_slots=1)
+
+    def with_sequences(n: int) -> RolePlan | None:
+        """The plan holding ``n`` sequences with the smallest whole-MiB budget, if it fits."""
+        budget_mib = -(-(n * per_seq) // MIB)
+        num_blocks, num_slots = pools_from_budget(block, slot, budget_mib * MIB, n)
+        memory = _memory(cfg, role, dp, cp, gpu_bytes, t, PoolBytes(block, slot, num_blocks, num_slots, 1), n)
+        if not memory.fits:
+            return None
+        return RolePlan(memory, memory.pools.sequences_at(t.context_len, t.tokens_per_block, cp),
+                        t.sequences_needed(role), budget_mib, n, problems)
+
+    low, high = 0, gpu_bytes // max(1, per_seq)  # with_sequences(high + 1) cannot fit
+    while low < high:  # the largest n that fits (fitting is monotone in n)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if with_sequences(mid) is not None else (low, mid - 1)
+    if low == 0:
+        return RolePlan(_memory(cfg, role, dp, cp, gpu_bytes, t, empty, 1), 0, t.sequences_needed(role), 0, 0,
+                        problems)
+    best = with_sequences(low)
+    assert best is not None
+    return best
 
 
 def layouts(cfg: KimiModelConfig, role: str, world_size: int) -> list[tuple[int, int]]:

@@ -64,6 +64,15 @@ def test_a_deployment_config_is_planned_as_the_servers_size_it(tmp_path, tiny_ch
     assert plan["gpu_memory_gib"] == 2.0 and plan["model"] == "kimi-k3-tiny"
 
 
+def test_a_checkpoint_directory_is_planned_from_its_config(tiny_checkpoints, capsys):
+    model = tiny_checkpoints["kimi-linear-tiny"]
+    assert main(["plan", "--model", str(model), "--gpu-memory-gib", "2", "--context-len", "4096", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    best = smallest_layout(get_preset("kimi-linear-tiny"), "gen", 2 * GIB, PlanTarget(context_len=4096, batch=16))
+    assert (plan["model"], plan["gen_gpus"], plan["ctx_gpus"]) == ("kimi-linear-tiny", 1, 1)
+    assert plan["roles"]["gen"]["sequences_at_context"] == best.sequences > 16
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--preset", "kimi-k3"], "give --gpu-memory-gib"),
     (["--gpu-memory-gib", "141"], "give --preset NAME, --model DIR or -c CONFIG"),
