@@ -197,3 +197,19 @@ def test_planning_imports_without_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("preset", "gpu", "context_len"), [("kimi-linear-48b", H200, 131072),
+                                                           ("kimi-linear-tiny", 2 * GIB, 4096)])
+def test_filled_pools_hold_the_most_sequences_that_fit(preset, gpu, context_len):
+    """One sequence more (its pages, slot and activations) overflows the GPU; for the tiny model
+    the count passes max_num_batched_tokens, so the scheduler's token budget grows with it."""
+    cfg, t = get_preset(preset), PlanTarget(context_len=context_len, batch=1)
+    best = plan_filled(cfg, "gen", 1, 1, gpu, t)
+    block, slot = pool_unit_bytes(cfg, 2, 16)
+    per_seq = slot + -(-context_len // 16) * block
+    n = best.max_num_seqs
+    assert best.fits and best.sequences == n and best.memory.total_bytes <= gpu
+    more = plan_configured(cfg, "gen", 1, 1, gpu, t, -(-(n + 1) * per_seq // MIB), n + 1)
+    assert more.sequences == n + 1 and not more.memory.fits
+    assert (n > 2048) is (preset == "kimi-linear-tiny")
