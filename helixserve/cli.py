@@ -1,8 +1,8 @@
 """The ``helixserve`` command.
 
-Subcommands: ``make-checkpoint`` (write a preset checkpoint), ``generate`` (run the engine on a
-prompt), ``serve-ctx`` / ``serve-gen`` (one worker), ``router`` (the front door) and ``launch``
-(router + workers on this machine from one YAML). Heavy imports happen inside each subcommand so
+Subcommands: ``make-checkpoint`` (write a preset checkpoint), ``plan`` (GPUs and memory per role),
+``generate`` (run the engine on a prompt), ``serve-ctx`` / ``serve-gen`` (one worker), ``router``
+(the front door) and ``launch`` (router + workers on this machine from one YAML). Heavy imports happen inside each subcommand so
 ``helixserve --help`` stays fast.
 """
 
@@ -64,6 +64,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from helixserve.planning.report import run, table
+
+    plan = run(args)
+    print(json.dumps(plan, indent=2) if args.json else table(plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="helixserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -94,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)
     _add_server_commands(sub)
+    from helixserve.planning.report import add_arguments
+
+    plan = sub.add_parser("plan", help="GPUs and memory per role for a model (no GPU needed)")
+    add_arguments(plan)
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 

@@ -54,6 +54,9 @@ class CacheConfig(_Strict):
     memory_budget_mib: float = Field(256.0, gt=0)
     max_num_seqs: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)  # None: the model's max positions
+    # one GPU's memory: a rank whose weights + pools + activations + graph pools exceed it refuses
+    # to start (None: on CUDA the device's total memory, on the CPU no check)
+    gpu_memory_gib: float | None = Field(None, gt=0)
 
 
 class SchedulerConfig(_Strict):

@@ -30,6 +30,7 @@ from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.admission import check_new_request
 from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
+from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
@@ -38,15 +39,14 @@ from helixserve.engine.spmd.executor import SPMDExecutor
 from helixserve.kernels.triton_common import has_fla
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheManager
-from helixserve.kvcache.pools import allocate_model_caches, size_from_budget
+from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
+from helixserve.planning.memory import engine_pool_sizes
 from helixserve.transceiver.consensus import TransferConsensus
 
 logger = logging.getLogger(__name__)
-
-_MIB = 1 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,7 +77,8 @@ def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheCo
     """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
     group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
-    num_blocks, num_slots = size_from_budget(spec, int(cache.memory_budget_mib * _MIB), cache.max_num_seqs)
+    num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
+                                              cache.memory_budget_mib, cache.max_num_seqs, cp)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
                         num_blocks * cache.tokens_per_block * cp)
     return spec, CacheLayout(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
@@ -148,6 +149,7 @@ class EngineCore:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
+        check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
         num_blocks, num_slots, max_model_len = self.layout.num_blocks, self.layout.num_slots, self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from helixserve.cache_layout import CacheSpec, ModelCaches
+from helixserve.kvcache.sizing import kda_slot_bytes, mla_block_bytes, pools_from_budget
 
-_FP32_BYTES = 4
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 
 
@@ -67,39 +67,25 @@ def _allocate(
 
 
 def bytes_per_block(spec: CacheSpec) -> int:
-    """Bytes one physical block costs over all MLA layers."""
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
-    return len(spec.mla_layer_ids) * spec.tokens_per_block * spec.mla_entry_dim * itemsize
+    """Bytes one physical block costs over all MLA layers (:func:`.sizing.mla_block_bytes`)."""
+    return mla_block_bytes(len(spec.mla_layer_ids), spec.tokens_per_block, spec.mla_entry_dim, _itemsize(spec.dtype))
 
 
 def bytes_per_slot(spec: CacheSpec) -> int:
-    """Bytes one state slot costs over all KDA layers (fp32 state + conv state)."""
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
-    state = spec.kda_num_heads * spec.kda_head_dim * spec.kda_head_dim * _FP32_BYTES
-    conv = spec.conv_channels * (spec.conv_kernel_size - 1) * itemsize
-    return len(spec.kda_layer_ids) * (state + conv)
+    """Bytes one state slot costs over all KDA layers, fp32 state + conv state (:func:`.sizing.kda_slot_bytes`)."""
+    return kda_slot_bytes(len(spec.kda_layer_ids), spec.kda_num_heads, spec.kda_head_dim, spec.conv_kernel_size,
+                          _itemsize(spec.dtype))
 
 
 def size_from_budget(spec: CacheSpec, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
-    """``(num_blocks, num_slots)`` for a memory budget: ``max_num_seqs`` slots, the rest blocks.
+    """``(num_blocks, num_slots)`` for a memory budget: ``max_num_seqs`` slots, the rest blocks
+    (:func:`.sizing.pools_from_budget`; ``ValueError`` when the budget cannot hold the slots plus
+    one block per sequence; a model without MLA layers gets ``num_blocks = 0``)."""
+    return pools_from_budget(bytes_per_block(spec), bytes_per_slot(spec), budget_bytes, max_num_seqs)
 
-    Raises ``ValueError`` when the budget cannot hold the slots plus one block per sequence.
-    A model without MLA layers gets ``num_blocks = 0``.
-    """
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    slot_bytes = bytes_per_slot(spec) * max_num_seqs
-    block_bytes = bytes_per_block(spec)
-    left = budget_bytes - slot_bytes
-    num_blocks = left // block_bytes if block_bytes else 0
-    min_blocks = max_num_seqs if block_bytes else 0
-    if left < 0 or num_blocks < min_blocks:
-        raise ValueError(
-            f"cache budget {budget_bytes} B too small: {max_num_seqs} slots take {slot_bytes} B "
-            f"({bytes_per_slot(spec)} B each) and {max_num_seqs} blocks (one per sequence) need "
-            f"{min_blocks * block_bytes} B more ({block_bytes} B each)"
-        )
-    return num_blocks, max_num_seqs
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def allocate_model_caches(

@@ -159,6 +159,24 @@ class KimiModelConfig(BaseModel):
     def weight_prefix(self) -> str:
         return K3_WEIGHT_PREFIX if self.model_type == "kimi_k3" else ""
 
+    def helix_layout_problems(self, dp: int, cp: int) -> list[str]:
+        """Why this model cannot be laid out on a ``dp x cp`` helix_a2a world (empty: it can)."""
+        problems, world = [], dp * cp
+        if self.kda_layer_ids and self.kda_num_heads % cp:
+            problems.append(f"KDA num_heads={self.kda_num_heads} is not divisible by cp={cp} (KDA heads are sharded over the CP group)")
+        if self.mla_layer_ids and self.num_attention_heads % cp:
+            problems.append(f"MLA num_attention_heads={self.num_attention_heads} is not divisible by cp={cp} "
+                            "(the helix all-to-all splits heads over the CP group)")
+        if self.moe_layer_ids and self.num_experts % world:
+            problems.append(f"num_experts={self.num_experts} is not divisible by the world size {world} = dp {dp} x cp {cp} "
+                            "(experts are partitioned over the whole world)")
+        moe_ids = self.moe_layer_ids
+        dense_after = [i for i in range(moe_ids[0], self.num_hidden_layers) if not self.is_moe_layer(i)] if moe_ids else []
+        if dense_after:
+            problems.append(f"layers {dense_after} are not MoE but come after the first MoE layer {moe_ids[0]}: helix_a2a "
+                            "token-slices the residual stream from the first MoE layer on and needs every later layer to be MoE")
+        return problems
+
     # ---- derived dims ----
 
     @property

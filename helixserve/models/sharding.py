@@ -35,30 +35,9 @@ class HelixConfigError(ValueError):
 
 def check_helix_config(cfg: KimiModelConfig, mapping: Mapping) -> None:
     """Raise :class:`HelixConfigError` listing every reason ``cfg`` does not fit ``mapping``."""
-    problems = []
-    cp, world = mapping.cp, mapping.world_size
-    if cfg.kda_layer_ids and cfg.kda_num_heads % cp:
-        problems.append(f"KDA num_heads={cfg.kda_num_heads} is not divisible by cp={cp} (KDA heads are sharded over the CP group)")
-    if cfg.mla_layer_ids and cfg.num_attention_heads % cp:
-        problems.append(
-            f"MLA num_attention_heads={cfg.num_attention_heads} is not divisible by cp={cp} "
-            "(the helix all-to-all splits heads over the CP group)"
-        )
-    if cfg.moe_layer_ids and cfg.num_experts % world:
-        problems.append(
-            f"num_experts={cfg.num_experts} is not divisible by the world size {world} = dp {mapping.dp} x cp {cp} "
-            "(experts are partitioned over the whole world)"
-        )
-    moe_ids = cfg.moe_layer_ids
-    if moe_ids:
-        dense_after = [i for i in range(moe_ids[0], cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
-        if dense_after:
-            problems.append(
-                f"layers {dense_after} are not MoE but come after the first MoE layer {moe_ids[0]}: helix_a2a "
-                "token-slices the residual stream from the first MoE layer on and needs every later layer to be MoE"
-            )
+    problems = cfg.helix_layout_problems(mapping.dp, mapping.cp)
     if problems:
-        raise HelixConfigError(f"{cfg.model_type} model does not fit dp={mapping.dp} cp={cp}: " + "; ".join(problems))
+        raise HelixConfigError(f"{cfg.model_type} model does not fit dp={mapping.dp} cp={mapping.cp}: " + "; ".join(problems))
 
 
 class HeadShardedMLA(MultiLatentAttention):

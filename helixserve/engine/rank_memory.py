@@ -1,0 +1,37 @@
+"""Start-up memory check of one engine rank (the arithmetic is :mod:`helixserve.planning.memory`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.planning.memory import GIB, PoolBytes, pool_unit_bytes, rank_memory
+
+
+class _Sizes(Protocol):
+    num_blocks: int
+    num_slots: int
+
+
+def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: SchedulerConfig, layout: _Sizes,
+                      device: torch.device | str, dp: int = 1, cp: int = 1, use_cuda_graphs: bool = True) -> None:
+    """Refuse a rank whose weights + pools + activations + graph pools exceed one GPU
+    (:class:`~helixserve.planning.memory.DeploymentDoesNotFitError` naming the shortfall):
+    ``cache.gpu_memory_gib``, else on CUDA the device's total memory; on the CPU without it,
+    no check. The same arithmetic as ``helixserve plan``."""
+    is_cuda = torch.device(device).type == "cuda"
+    if cache.gpu_memory_gib is not None:
+        gpu_bytes = int(cache.gpu_memory_gib * GIB)
+    elif is_cuda:
+        gpu_bytes = torch.cuda.mem_get_info(torch.device(device))[1]
+    else:
+        return
+    is_packed = any(t.dtype == torch.uint8 for t in (*model.parameters(), *model.buffers()))
+    cfg, itemsize = model.cfg, model.dtype.itemsize
+    pools = PoolBytes(*pool_unit_bytes(cfg, itemsize, cache.tokens_per_block, cp), layout.num_blocks,
+                      layout.num_slots, scratch_slots=int(is_cuda))
+    batched = max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
+    rank_memory(cfg, "gen world" if dp * cp > 1 else "engine", dp, cp, itemsize, pools, batched, cache.max_num_seqs,
+                is_cuda and use_cuda_graphs, gpu_bytes, "mxfp4" if is_packed else "dense").check()

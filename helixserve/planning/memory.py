@@ -1,0 +1,144 @@
+"""One rank's GPU memory: weights + KV/state pools + activations + CUDA-graph pools (torch-free).
+
+- **Weights**: :func:`~helixserve.planning.weights.rank_weight_bytes` (format and sharding).
+- **Pools** (:mod:`helixserve.kvcache.sizing`): ``num_blocks`` MLA latent pages and ``num_slots``
+  KDA state slots, plus ``scratch_slots`` (one on CUDA: the padded CUDA-graph rows' slot). A rank
+  of a CP group holds the blocks ``b % cp == cp_rank`` of each sequence (round-robin), so a
+  sequence of ``L`` tokens needs ``ceil(ceil(L / tokens_per_block) / cp)`` blocks on CP rank 0
+  (the fullest) and one slot on every rank.
+- **Activations**: a stated bound, ``max_num_batched_tokens * hidden_size * ACTIVATION_FACTOR``
+  values of the model dtype (the widest step: K3's MoE expands a token to top-k x 2 x 3072 =
+  98,304 values, ~14 x hidden; its dense layer to 2 x 33,792; attention-residual banks hold 8 x
+  hidden) plus fp32 logits and sampling buffers, ``2 x max_num_seqs x vocab x 4`` bytes.
+- **CUDA graphs**: a stated allowance, ``CUDA_GRAPH_POOL_BYTES`` per GPU where decode steps are
+  captured.
+
+The servers size their pools with :func:`engine_pool_sizes` (from ``cache.memory_budget_mib``)
+and check the total with :meth:`RankMemory.check` before allocating anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helixserve.kvcache.helix import num_local_blocks
+from helixserve.kvcache.sizing import kda_slot_bytes, mla_block_bytes, pools_from_budget
+from helixserve.models.config import KimiModelConfig
+from helixserve.planning.weights import WeightBytes, rank_weight_bytes
+
+MIB = 1 << 20
+GIB = 1 << 30
+ACTIVATION_FACTOR = 32
+LOGITS_BUFFERS = 2
+CUDA_GRAPH_POOL_BYTES = 1 * GIB
+
+
+class DeploymentDoesNotFitError(ValueError):
+    """A rank's weights, pools, activations and graph pools exceed its GPU memory; the message
+    names every term and the shortfall (``shortfall_bytes``)."""
+
+    def __init__(self, message: str, shortfall_bytes: int) -> None:
+        super().__init__(message)
+        self.shortfall_bytes = shortfall_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBytes:
+    """One rank's cache pools: unit costs and counts."""
+
+    block_bytes: int
+    slot_bytes: int
+    num_blocks: int
+    num_slots: int
+    scratch_slots: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes + (self.num_slots + self.scratch_slots) * self.slot_bytes
+
+    def sequences_at(self, context_len: int, tokens_per_block: int, cp: int) -> int:
+        """Sequences of ``context_len`` tokens these pools hold at once (CP rank 0's share)."""
+        blocks = num_local_blocks(context_len, tokens_per_block, 0, cp) if self.block_bytes else 0
+        return min(self.num_slots, self.num_blocks // blocks) if blocks else self.num_slots
+
+
+def pool_unit_bytes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, cp: int = 1) -> tuple[int, int]:
+    """``(block_bytes, slot_bytes)`` of a rank holding ``H / cp`` KDA heads."""
+    block = mla_block_bytes(len(cfg.mla_layer_ids), tokens_per_block, cfg.mla_latent_dim, itemsize)
+    slot = kda_slot_bytes(len(cfg.kda_layer_ids), cfg.kda_num_heads // cp, cfg.kda_head_dim, cfg.conv_kernel_size,
+                          itemsize)
+    return block, slot
+
+
+def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, memory_budget_mib: float,
+                      max_num_seqs: int, cp: int = 1) -> tuple[int, int]:
+    """``(num_blocks, num_slots)`` the engine allocates for ``cache.memory_budget_mib``."""
+    block, slot = pool_unit_bytes(cfg, itemsize, tokens_per_block, cp)
+    return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs)
+
+
+def activation_bytes(cfg: KimiModelConfig, itemsize: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The stated activation bound (module docstring)."""
+    hidden = max_num_batched_tokens * cfg.hidden_size * ACTIVATION_FACTOR * itemsize
+    return hidden + LOGITS_BUFFERS * max_num_seqs * cfg.vocab_size * 4
+
+
+def rank_memory(cfg: KimiModelConfig, role: str, dp: int, cp: int, itemsize: int, pools: PoolBytes,
+                max_num_batched_tokens: int, max_num_seqs: int, cuda_graphs: bool, gpu_bytes: int | None,
+                expert_format: str | None = None) -> RankMemory:
+    """One rank's memory with these pools (the planner's and the engine's)."""
+    weights = rank_weight_bytes(cfg, itemsize, dp, cp, expert_format)
+    activations = activation_bytes(cfg, itemsize, max_num_batched_tokens, max_num_seqs)
+    return RankMemory(role, dp, cp, weights, pools, activations, CUDA_GRAPH_POOL_BYTES if cuda_graphs else 0,
+                      gpu_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """What one GPU of a role holds; ``gpu_bytes`` ``None``: no limit known (CPU)."""
+
+    role: str
+    dp: int
+    cp: int
+    weights: WeightBytes
+    pools: PoolBytes
+    activation_bytes: int
+    graph_bytes: int
+    gpu_bytes: int | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights.total_bytes + self.pools.total_bytes + self.activation_bytes + self.graph_bytes
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return 0 if self.gpu_bytes is None else max(0, self.total_bytes - self.gpu_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.shortfall_bytes == 0
+
+    def describe(self) -> str:
+        w = self.weights
+        return (f"weights {gib(w.total_bytes)} (dense {gib(w.dense_bytes)} + fp32 {gib(w.fp32_bytes)} + routed "
+                f"experts {gib(w.expert_bytes)} as {w.expert_format}) + KV/state pools {gib(self.pools.total_bytes)} "
+                f"+ activations {gib(self.activation_bytes)} + CUDA graphs {gib(self.graph_bytes)} "
+                f"= {gib(self.total_bytes)}")
+
+    def check(self) -> None:
+        """Raise :class:`DeploymentDoesNotFitError` naming the shortfall when this does not fit."""
+        if self.fits:
+            return
+        assert self.gpu_bytes is not None
+        what = ("the weights alone exceed the GPU memory" if self.weights.total_bytes > self.gpu_bytes
+                else "lower cache.memory_budget_mib / max_num_seqs / max_num_batched_tokens, or shard over more GPUs")
+        raise DeploymentDoesNotFitError(
+            f"{self.role} rank (dp {self.dp} x cp {self.cp}) does not fit {gib(self.gpu_bytes)} of GPU memory: "
+            f"{self.describe()}; short by {gib(self.shortfall_bytes)} ({what})", self.shortfall_bytes)
+
+
+def gib(num_bytes: int) -> str:
+    """``num_bytes`` for a message: GiB, MiB, or bytes when smaller."""
+    if abs(num_bytes) >= GIB:
+        return f"{num_bytes / GIB:.2f} GiB"
+    return f"{num_bytes / MIB:.1f} MiB" if abs(num_bytes) >= MIB else f"{num_bytes} B"

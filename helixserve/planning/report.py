@@ -1,0 +1,150 @@
+"""``helixserve plan``: the plans as one JSON object or a table (torch-free).
+
+JSON (``--json``): ``ctx_gpus`` / ``gen_gpus`` (the smallest layouts' GPU counts, ``null`` when
+none fits), ``roles.{ctx,gen}`` (that layout, per-GPU bytes, sequences at the context length,
+the cache settings to configure), and with ``-c CONFIG`` ``config.{ctx,gen}``: the config's own
+layouts with its cache settings, sized as the servers size them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from helixserve.kvcache.sizing import dtype_bytes
+from helixserve.models.config import KimiModelConfig
+from helixserve.planning.memory import GIB, RankMemory
+from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, plan_configured, smallest_layout
+
+
+CTX_WORLD_NOTE = ("one GPU cannot hold the model: a ctx worker needs this world, and serve-ctx "
+                  "runs one process today")
+
+
+def role_json(plan: RolePlan | None) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    m: RankMemory = plan.memory
+    w = m.weights
+    return {
+        "dp": m.dp, "cp": m.cp, "num_gpus": plan.num_gpus, "fits": plan.fits,
+        "sequences_at_context": plan.sequences, "sequences_per_group": plan.sequences_per_group,
+        "sequences_needed": plan.sequences_needed, "problems": list(plan.problems),
+        "per_rank": {
+            "weights_bytes": w.total_bytes, "weights_dense_bytes": w.dense_bytes, "weights_fp32_bytes": w.fp32_bytes,
+            "weights_routed_experts_bytes": w.expert_bytes, "routed_expert_format": w.expert_format,
+            "params": dict(w.params),
+            "pool_bytes": m.pools.total_bytes, "num_blocks": m.pools.num_blocks, "num_slots": m.pools.num_slots,
+            "block_bytes": m.pools.block_bytes, "slot_bytes": m.pools.slot_bytes,
+            "activation_bytes": m.activation_bytes, "cuda_graph_bytes": m.graph_bytes,
+            "total_bytes": m.total_bytes, "shortfall_bytes": m.shortfall_bytes,
+        },
+        "cache_config": {"memory_budget_mib": plan.memory_budget_mib, "max_num_seqs": plan.max_num_seqs},
+    }
+
+
+def build_plan(cfg: KimiModelConfig, name: str, gpu_memory_gib: float, t: PlanTarget,
+               configured: dict[str, tuple[int, int, float, int]] | None = None) -> dict[str, Any]:
+    """The JSON object; ``configured``: role -> (dp, cp, memory_budget_mib, max_num_seqs)."""
+    gpu_bytes = int(gpu_memory_gib * GIB)
+    best = {role: smallest_layout(cfg, role, gpu_bytes, t) for role in ROLES}
+    out: dict[str, Any] = {
+        "model": name, "gpu_memory_gib": float(gpu_memory_gib), "context_len": t.context_len, "batch": t.batch,
+        "ctx_batch": t.ctx_batch, "tokens_per_block": t.tokens_per_block,
+        "max_num_batched_tokens": t.max_num_batched_tokens, "bytes_per_value": t.itemsize,
+        "ctx_gpus": best["ctx"].num_gpus if best["ctx"] else None,
+        "gen_gpus": best["gen"].num_gpus if best["gen"] else None,
+        "roles": {role: role_json(plan) for role, plan in best.items()},
+    }
+    ctx = best["ctx"]
+    if ctx is not None and ctx.num_gpus > 1:
+        out["roles"]["ctx"]["note"] = CTX_WORLD_NOTE
+    if configured:
+        out["config"] = {role: role_json(plan_configured(cfg, role, dp, cp, gpu_bytes, t, budget, seqs))
+                         for role, (dp, cp, budget, seqs) in configured.items()}
+    return out
+
+
+def _g(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f}"
+
+
+def table(plan: dict[str, Any]) -> str:
+    """The plan as a Markdown table (the README shows it)."""
+    lines = [f"{plan['model']} on {plan['gpu_memory_gib']:g} GiB GPUs: {plan['context_len']:,}-token context, "
+             f"batch {plan['batch']} (gen) / {plan['ctx_batch']} (ctx); GiB per GPU",
+             "",
+             "| role | layout | GPUs | weights (dense + fp32 + experts) | KV/state pools | activations | graphs "
+             "| total | seqs at context | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    sections = [("", plan["roles"])] + ([("config ", plan["config"])] if "config" in plan else [])
+    for prefix, roles in sections:
+        for role in ROLES:
+            r = roles.get(role)
+            if r is None:
+                if role in roles:
+                    lines.append(f"| {prefix}{role} | none up to the largest world | - | - | - | - | - | - | - | no |")
+                continue
+            p = r["per_rank"]
+            weights = (f"{_g(p['weights_bytes'])} ({_g(p['weights_dense_bytes'])} + {_g(p['weights_fp32_bytes'])} "
+                       f"+ {_g(p['weights_routed_experts_bytes'])} {p['routed_expert_format']})")
+            lines.append(
+                f"| {prefix}{role} | dp {r['dp']} x cp {r['cp']} | {r['num_gpus']} | {weights} | {_g(p['pool_bytes'])} "
+                f"| {_g(p['activation_bytes'])} | {_g(p['cuda_graph_bytes'])} | {_g(p['total_bytes'])} "
+                f"| {r['sequences_at_context']} | {'yes' if r['fits'] else 'no'} |")
+    if plan["roles"].get("ctx") and plan["roles"]["ctx"].get("note"):
+        lines += ["", f"ctx: {plan['roles']['ctx']['note']}."]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """``helixserve plan`` from its parsed arguments (see :func:`add_arguments`)."""
+    configured = None
+    t_kwargs: dict[str, Any] = {}
+    gpu_gib = args.gpu_memory_gib
+    if args.config:
+        from helixserve.config import DeploymentConfig
+
+        deploy = DeploymentConfig.from_yaml(args.config)
+        cache, gen = deploy.cache, deploy.gen[0]
+        gpu_gib = gpu_gib if gpu_gib is not None else cache.gpu_memory_gib
+        t_kwargs = {"tokens_per_block": cache.tokens_per_block,
+                    "max_num_batched_tokens": deploy.scheduler.max_num_batched_tokens}
+        configured = {"ctx": (1, 1, cache.memory_budget_mib, cache.max_num_seqs),
+                      "gen": (gen.dp, gen.cp, cache.memory_budget_mib, cache.max_num_seqs)}
+        model_dir = args.model or (None if args.preset else deploy.model.path)
+    else:
+        model_dir = args.model
+    if args.preset:
+        from helixserve.models.presets import get_preset
+
+        cfg, name = get_preset(args.preset), args.preset
+    elif model_dir:
+        cfg, name = KimiModelConfig.from_pretrained(model_dir), Path(model_dir).name
+    else:
+        raise ValueError("give --preset NAME, --model DIR or -c CONFIG")
+    if gpu_gib is None:
+        raise ValueError("give --gpu-memory-gib (or cache.gpu_memory_gib in the config)")
+    if gpu_gib <= 0 or args.context_len < 1 or args.batch < 1 or args.ctx_batch < 1:
+        raise ValueError("--gpu-memory-gib, --context-len, --batch and --ctx-batch must be positive")
+    t_kwargs.setdefault("tokens_per_block", args.tokens_per_block)
+    t_kwargs.setdefault("max_num_batched_tokens", args.max_num_batched_tokens)
+    target = PlanTarget(context_len=args.context_len, batch=args.batch, ctx_batch=args.ctx_batch,
+                        itemsize=dtype_bytes(args.dtype), **t_kwargs)
+    return build_plan(cfg, name, gpu_gib, target, configured)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a named model config (kimi-k3, kimi-linear-48b, ...)")
+    src.add_argument("--model", help="checkpoint directory (its config.json)")
+    p.add_argument("-c", "--config", help="deployment YAML: plan its layouts and cache settings too")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, GiB")
+    p.add_argument("--context-len", type=int, default=32768, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=16, help="sequences decoding at once on the gen world")
+    p.add_argument("--ctx-batch", type=int, default=1, help="prefilled sequences a ctx worker holds at once")
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
