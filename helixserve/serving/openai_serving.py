@@ -41,20 +41,10 @@ class ServingLimits:
 
 
 def max_bytes_per_token(tokenizer: HelixTokenizer | None) -> int | None:
-    """An upper bound on the UTF-8 bytes of text one token covers, or None where none is proven.
-
-    Proven for a byte-level BPE without normalizer and unknown token: every input byte is one
-    character of exactly one token's string (added tokens match their content), so a text of
-    ``n`` bytes has at least ``ceil(n / bound)`` tokens. (Encoding the token strings as UTF-8
-    over-counts the byte alphabet's two-byte characters: a safe, looser bound.)"""
-    from tokenizers import models, pre_tokenizers
-
-    tok = tokenizer.tokenizer if tokenizer is not None else None
-    if (tok is None or tok.normalizer is not None
-            or not isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel)
-            or not isinstance(tok.model, models.BPE) or tok.model.unk_token is not None):
-        return None
-    return max(len(t.encode()) for t in tok.get_vocab(with_added_tokens=True))
+    """An upper bound on the UTF-8 bytes of text one token covers, or None where none is proven
+    (see each backend's ``max_bytes_per_token``): a text of ``n`` bytes has at least
+    ``ceil(n / bound)`` tokens."""
+    return tokenizer.max_bytes_per_token() if tokenizer is not None else None
 
 
 def check_prompt_length(num_tokens: int, limits: ServingLimits, param: str,
