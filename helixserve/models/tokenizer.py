@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from helixserve.models.generation_config import GENERATION_CONFIG
+
 logger = logging.getLogger(__name__)
 
 NUM_BYTES = 256
@@ -47,7 +49,6 @@ IM_END = "<|im_end|>"
 TOKENIZER_JSON = "tokenizer.json"
 TIKTOKEN_MODEL = "tiktoken.model"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # Kimi-style chat format: <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>

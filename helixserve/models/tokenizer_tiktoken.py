@@ -26,13 +26,13 @@ import tiktoken
 
 from helixserve.models.tokenizer import (
     BOS_ID,
+    CHAT_TEMPLATE_FILE,
+    EOS_ID,
+    GENERATION_CONFIG,
     NUM_BYTES,
     SPECIAL_TOKENS,
     TIKTOKEN_MODEL,
     TOKENIZER_CONFIG,
-    GENERATION_CONFIG,
-    CHAT_TEMPLATE_FILE,
-    EOS_ID,
     HelixTokenizer,
     TokenizerError,
     read_json_file,
