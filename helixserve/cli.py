@@ -31,7 +31,7 @@ def _parse_ids(text: str) -> list[int]:
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from helixserve.models.presets import make_checkpoint
 
-    make_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    make_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer=args.tokenizer)
     print(f"wrote {args.preset} checkpoint to {args.out}")
     return 0
 
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    mk.add_argument("--tokenizer", choices=["hf", "kimi"], default="hf",
+                    help="hf: tokenizer.json; kimi: tiktoken.model + tokenizer_config.json + "
+                         "chat_template.jinja + generation_config.json, as Moonshot publishes")
     mk.set_defaults(func=_cmd_make_checkpoint)
 
     gen = sub.add_parser("generate", help="generate from a prompt with the built-in engine")

@@ -14,7 +14,7 @@ from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.models.checkpoint import load_model
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.tokenizer import load_tokenizer
+from helixserve.models.tokenizer import load_tokenizer_or_none, no_tokenizer_message
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,7 +70,7 @@ class LLM:
             raise FileNotFoundError(f"no config.json in {self.model_dir}")
         dev = torch.device(device)
         self.model_config = KimiModelConfig.from_pretrained(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = load_tokenizer_or_none(self.model_dir)
         model = load_model(self.model_dir, dtype=resolve_dtype(dtype, dev), device=dev)
         self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed)
         self._ids = itertools.count()
@@ -78,7 +78,7 @@ class LLM:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer.json: pass token ids")
+                raise ValueError(no_tokenizer_message(self.model_dir))
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)

@@ -40,7 +40,7 @@ from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_load import load_helix_model
-from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer
+from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel
 from helixserve.parallel.ports import free_port
 from helixserve.transceiver.consensus import TransferConsensus
@@ -85,7 +85,7 @@ KVReceiverFactory = Callable[[Mapping], KVReceiver]
 
 
 def _tokenizer(model_dir: Path) -> HelixTokenizer | None:
-    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    return load_tokenizer_or_none(model_dir)
 
 
 RankPart = EngineCore | Follower
@@ -188,7 +188,7 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
     for prompt in prompts:
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise ValueError(f"{model_dir} has no tokenizer.json: pass token ids")
+                raise ValueError(no_tokenizer_message(model_dir))
             prompt = tokenizer.encode(prompt)
         if not prompt:
             raise ValueError("prompt is empty")

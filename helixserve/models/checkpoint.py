@@ -16,6 +16,7 @@ Every check failure raises :class:`CheckpointError` naming the tensors and shape
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,8 @@ from safetensors.torch import save_file
 
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+logger = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 FP32_SUFFIXES = (".A_log", ".dt_bias", ".e_score_correction_bias")
@@ -52,26 +55,34 @@ def _shard_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json found")
 
 
-def iter_checkpoint_keys(model_dir: str | Path, cfg: KimiModelConfig) -> Iterator[tuple[Path, Any, str, str]]:
+def iter_checkpoint_keys(model_dir: str | Path, cfg: KimiModelConfig,
+                         log_skipped: bool = True) -> Iterator[tuple[Path, Any, str, str]]:
     """``(shard path, open shard, stored key, name)`` of every language-model tensor of ``model_dir``;
     ``name`` is the key without the K3 ``language_model.`` prefix. The shard stays open (for
-    ``get_tensor`` / ``get_slice``) until the next shard's keys start."""
+    ``get_tensor`` / ``get_slice``) until the next shard's keys start. ``vision_tower.*`` /
+    ``mm_projector.*`` are skipped, with one log line (``log_skipped``) once all keys were read."""
     prefix = cfg.weight_prefix
+    skipped = 0
     for path in _shard_files(Path(model_dir)):
         if not path.is_file():
             raise CheckpointError(f"shard {path.name} listed in the index is missing from {model_dir}")
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key.startswith(SKIPPED_PREFIXES):
+                    skipped += 1
                     continue
                 if prefix and not key.startswith(prefix):
                     raise CheckpointError(f"unexpected tensor {key!r}: K3 weights must start with {prefix!r}")
                 yield path, f, key, key[len(prefix):]
+    if skipped and log_skipped:
+        logger.info("%s: skipped %d vision_tower.* / mm_projector.* tensors (text serving)", model_dir, skipped)
 
 
-def read_checkpoint_tensors(model_dir: str | Path, cfg: KimiModelConfig) -> dict[str, torch.Tensor]:
+def read_checkpoint_tensors(model_dir: str | Path, cfg: KimiModelConfig,
+                            log_skipped: bool = True) -> dict[str, torch.Tensor]:
     """Every language-model tensor of ``model_dir``, with the K3 ``language_model.`` prefix removed."""
-    return {name: f.get_tensor(key) for _, f, key, name in iter_checkpoint_keys(model_dir, cfg)}
+    keys = iter_checkpoint_keys(model_dir, cfg, log_skipped)
+    return {name: f.get_tensor(key) for _, f, key, name in keys}
 
 
 # ---------------------------------------------------------------- canonical (original-name) form
@@ -202,8 +213,10 @@ def load_model(
     fused input projections, column-major storage; same names, shapes and values)."""
     from helixserve.models.kimi import KimiForCausalLM
     from helixserve.models.packing import pack_for_cpu
+    from helixserve.models.quantization import check_checkpoint_quantization
 
     cfg = KimiModelConfig.from_pretrained(model_dir)
+    check_checkpoint_quantization(model_dir, cfg)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=dtype)
     canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg), cfg)

@@ -40,6 +40,7 @@ from helixserve.models.helix_hooks import MoeMode
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.mxfp4 import dequantize_mxfp4
 from helixserve.models.packing import pack_for_cpu
+from helixserve.models.quantization import check_checkpoint_quantization
 from helixserve.parallel import Mapping
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|block_sparse_moe)\.(.+)$")
@@ -63,6 +64,7 @@ def load_helix_model(
     model does not fit ``mapping``, and :class:`CheckpointError` for missing / mis-shaped tensors.
     """
     cfg = KimiModelConfig.from_pretrained(model_dir)
+    check_checkpoint_quantization(model_dir, cfg)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype, mapping, moe_mode)
         full = KimiForCausalLM(cfg, dtype)  # the checkpoint holds the unsharded shapes
@@ -72,7 +74,7 @@ def load_helix_model(
         lazy.check_shapes(expected)
         reader, expert_reader = lazy.read, lazy.read_experts
     else:  # another accepted layout: read whole, canonicalize, check, slice in memory
-        canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg), cfg)
+        canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg, log_skipped=False), cfg)
         check_tensors(canonical, expected)
         reader, expert_reader = _dict_readers(to_internal(canonical, cfg))
     return _materialize(model, reader, expert_reader, dtype, device)

@@ -146,16 +146,33 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(dequantize_mxfp4(*quantize_mxfp4(p.float())).to(p.dtype))
 
 
-def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
-    """Random-weight checkpoint of ``preset``: config.json, model.safetensors, tokenizer files."""
+TOKENIZER_LAYOUTS = ("hf", "kimi")
+
+
+def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
+                    tokenizer: str = "hf") -> Path:
+    """Random-weight checkpoint of ``preset``: config.json, model.safetensors, tokenizer files.
+
+    ``tokenizer``: ``"hf"`` writes ``tokenizer.json`` (byte-level); ``"kimi"`` writes the layout
+    Moonshot publishes (``tiktoken.model``, ``tokenizer_config.json`` with
+    ``added_tokens_decoder``, ``chat_template.jinja``, ``generation_config.json``)."""
     from helixserve.models.checkpoint import save_checkpoint
     from helixserve.models.kimi import KimiForCausalLM
-    from helixserve.models.tokenizer import write_tokenizer_files
+    from helixserve.models.tokenizer_hf import write_tokenizer_files
+    from helixserve.models.tokenizer_tiktoken import tiny_ranks, write_kimi_tokenizer_files
 
+    if tokenizer not in TOKENIZER_LAYOUTS:
+        raise ValueError(f"unknown tokenizer layout {tokenizer!r}; choose one of {list(TOKENIZER_LAYOUTS)}")
     cfg = get_preset(preset)
+    if tokenizer == "kimi" and max(tiny_ranks().values()) >= cfg.vocab_size:
+        raise ValueError(f"the tiny kimi tokenizer needs vocab_size > {max(tiny_ranks().values())}, "
+                         f"preset {preset!r} has {cfg.vocab_size}")
     torch_dtype = getattr(torch, dtype)
     model = KimiForCausalLM(cfg, dtype=torch.float32)
     init_random_weights(model, seed)
     out = save_checkpoint(model, cfg, out_dir, torch_dtype)
-    write_tokenizer_files(out)
+    if tokenizer == "kimi":
+        write_kimi_tokenizer_files(out, cfg.max_position_embeddings)
+    else:
+        write_tokenizer_files(out)
     return out

@@ -1,21 +1,33 @@
-"""Tokenizer: HF ``tokenizers`` files in a checkpoint directory, plus a chat template.
+"""Tokenizer interface, the checkpoint files it loads from, and the chat template.
 
-The tiny presets ship a byte-level tokenizer: ids 0..255 are the 256 bytes (GPT-2 byte-to-unicode
-alphabet, no merges, so every UTF-8 string round-trips), followed by special tokens. Any checkpoint
-directory with a ``tokenizer.json`` loads through :func:`load_tokenizer`; its chat template comes
-from ``tokenizer_config.json`` (``chat_template``, Jinja) when present, else the Kimi-style default
-below.
+Two layouts of a checkpoint directory load through :func:`load_tokenizer` into one
+:class:`HelixTokenizer` interface:
+
+- ``tokenizer.json`` (HF ``tokenizers``; :mod:`helixserve.models.tokenizer_hf`);
+- ``tiktoken.model`` without ``tokenizer.json``, as Moonshot publishes Kimi models: base64 token +
+  rank lines, read with the ``tiktoken`` library and Kimi's split pattern
+  (:mod:`helixserve.models.tokenizer_tiktoken`). The checkpoint's own Python is never run.
+
+Either way ``tokenizer_config.json`` (special tokens, ``bos_token`` / ``eos_token``, maybe
+``chat_template``) and ``generation_config.json`` (``bos_token_id`` / ``eos_token_id``, an int or
+a list) complete it. The chat template is ``chat_template.jinja``, else ``tokenizer_config.json``'s
+``chat_template``, else :data:`DEFAULT_CHAT_TEMPLATE`; it renders in Jinja's sandbox, as
+transformers renders it (``trim_blocks``, ``lstrip_blocks``).
+
+The tiny presets' vocabulary (either layout): ids 0..255 are the 256 bytes, then
+:data:`SPECIAL_TOKENS` at 256..263; the ``kimi`` layout adds a few merges after them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from helixserve.models.generation_config import GENERATION_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +46,11 @@ TINY_VOCAB_SIZE = 512
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 IM_END = "<|im_end|>"
 
+TOKENIZER_JSON = "tokenizer.json"
+TIKTOKEN_MODEL = "tiktoken.model"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
 # Kimi-style chat format: <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}"
@@ -41,108 +58,191 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
 )
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
 
 
 class TokenizerError(ValueError):
     """A checkpoint's tokenizer files are missing or invalid."""
 
 
-def _byte_alphabet() -> list[str]:
-    """The GPT-2 byte -> printable unicode mapping, indexed by byte value.
+class HelixTokenizer(ABC):
+    """Encode/decode and chat rendering for one checkpoint (either backend)."""
 
-    Printable Latin-1 bytes map to themselves; the others map to code points 256, 257, ... in
-    byte order. This is the alphabet ``pre_tokenizers.ByteLevel`` emits.
-    """
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    alphabet, extra = [], 0
-    for b in range(NUM_BYTES):
-        if b in printable:
-            alphabet.append(chr(b))
-        else:
-            alphabet.append(chr(NUM_BYTES + extra))
-            extra += 1
-    return alphabet
-
-
-def build_byte_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer: ids 0..255 are bytes, then :data:`SPECIAL_TOKENS`."""
-    vocab = {ch: i for i, ch in enumerate(_byte_alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return tok
-
-
-def write_tokenizer_files(out_dir: str | Path) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for the byte-level tokenizer."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    build_byte_tokenizer().save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[0],
-        "eos_token": SPECIAL_TOKENS[1],
-        "pad_token": SPECIAL_TOKENS[2],
-        "chat_template": DEFAULT_CHAT_TEMPLATE,
-        "model_max_length": 1 << 20,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-@dataclass
-class HelixTokenizer:
-    """Encode/decode and chat rendering for one checkpoint."""
-
-    tokenizer: Tokenizer
-    chat_template: str
-    eos_token_ids: list[int]
+    def __init__(self, chat_template: str, eos_token_ids: list[int], bos_token_id: int | None,
+                 special_tokens: dict[str, str] | None = None) -> None:
+        self.chat_template = chat_template
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        # bos_token / eos_token / ... strings, given to the chat template as transformers does
+        self.special_tokens = dict(special_tokens or {})
 
     @property
+    @abstractmethod
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+        """One past the largest id this tokenizer knows."""
 
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
-        # encode_batch releases the GIL (encode holds it): a long prompt tokenized in a worker
-        # thread leaves the server's event loop running
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        """Token ids of ``text``; special tokens written in it are their ids."""
 
+    @abstractmethod
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``token_ids``: incomplete UTF-8 becomes U+FFFD, unknown ids are dropped."""
+
+    @abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a whole token (a special token's content), or None."""
+
+    @abstractmethod
+    def max_bytes_per_token(self) -> int | None:
+        """An upper bound on the UTF-8 bytes of input text one token covers (None: not proven)."""
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render chat ``messages`` (``role``/``content`` dicts) with the chat template."""
-        import jinja2
-
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
         for m in messages:
-            if m.get("role") not in {"system", "user", "assistant"}:
+            if m.get("role") not in CHAT_ROLES:
                 raise ValueError(f"unsupported chat role {m.get('role')!r}")
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt
-        )
+        return _compiled_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            documents=None, **self.special_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.render_chat(messages))
 
 
-def load_tokenizer(model_dir: str | Path) -> HelixTokenizer:
-    """Load ``tokenizer.json`` (+ optional ``tokenizer_config.json``) from ``model_dir``."""
-    path = Path(model_dir)
-    tok_file = path / "tokenizer.json"
-    if not tok_file.is_file():
-        raise TokenizerError(f"no tokenizer.json in {path}")
-    tok = Tokenizer.from_file(str(tok_file))
-    config: dict[str, Any] = {}
-    cfg_file = path / "tokenizer_config.json"
-    if cfg_file.is_file():
-        config = json.loads(cfg_file.read_text())
-    template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
-    eos_ids = []
-    for name in (config.get("eos_token"), IM_END):
-        if isinstance(name, dict):
-            name = name.get("content")
-        tid = tok.token_to_id(name) if isinstance(name, str) else None
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compiled_template(source: str) -> Any:
+    """``source`` compiled once in Jinja's immutable sandbox (a checkpoint's template is data)."""
+    if source not in _TEMPLATES:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False,
+                                            extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
+
+
+# ---------------------------------------------------------------- checkpoint metadata
+
+
+def read_json_file(path: Path) -> dict[str, Any]:
+    """A JSON object file, ``{}`` when absent; :class:`TokenizerError` naming it when malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def token_content(value: Any) -> str | None:
+    """``bos_token`` / ``eos_token`` as written in tokenizer_config.json: a string or an
+    AddedToken dict (``{"content": ...}``)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def resolve_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str:
+    """``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``, else ours."""
+    jinja_file = model_dir / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # transformers' named templates: [{"name", "template"}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else DEFAULT_CHAT_TEMPLATE
+
+
+def _ids(value: Any, field: str, path: Path) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TokenizerError(f"{path}: {field} must be a token id or a list of them, got {value!r}")
+    return list(values)
+
+
+def resolve_special_ids(model_dir: Path, tokenizer_config: dict[str, Any],
+                        token_to_id: Callable[[str], int | None]) -> tuple[int | None, list[int]]:
+    """``(bos id, eos ids)`` from tokenizer_config.json's ``bos_token`` / ``eos_token`` and
+    generation_config.json's ``bos_token_id`` / ``eos_token_id``; ``<|im_end|>`` (the end of an
+    assistant turn) is an eos id wherever the vocabulary has it."""
+    gen_path = model_dir / GENERATION_CONFIG
+    gen = read_json_file(gen_path)
+    eos_ids: list[int] = []
+    for name in (token_content(tokenizer_config.get("eos_token")), IM_END):
+        tid = token_to_id(name) if name else None
         if tid is not None and tid not in eos_ids:
             eos_ids.append(tid)
-    return HelixTokenizer(tokenizer=tok, chat_template=template, eos_token_ids=eos_ids)
+    for tid in _ids(gen.get("eos_token_id"), "eos_token_id", gen_path):
+        if tid not in eos_ids:
+            eos_ids.append(tid)
+    bos_name = token_content(tokenizer_config.get("bos_token"))
+    bos_id = token_to_id(bos_name) if bos_name else None
+    gen_bos = _ids(gen.get("bos_token_id"), "bos_token_id", gen_path)
+    if bos_id is None and gen_bos:
+        bos_id = gen_bos[0]
+    return bos_id, eos_ids
+
+
+def template_special_tokens(tokenizer_config: dict[str, Any]) -> dict[str, str]:
+    """``bos_token`` / ``eos_token`` / ``pad_token`` / ``unk_token`` strings for the template."""
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        content = token_content(tokenizer_config.get(key))
+        if content is not None:
+            out[key] = content
+    return out
+
+
+# ---------------------------------------------------------------- loading
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds a tokenizer either backend loads."""
+    path = Path(model_dir)
+    return (path / TOKENIZER_JSON).is_file() or (path / TIKTOKEN_MODEL).is_file()
+
+
+def load_tokenizer(model_dir: str | Path) -> HelixTokenizer:
+    """The tokenizer of ``model_dir``: ``tokenizer.json`` if present, else ``tiktoken.model``."""
+    path = Path(model_dir)
+    if (path / TOKENIZER_JSON).is_file():
+        from helixserve.models.tokenizer_hf import load_hf_tokenizer
+
+        return load_hf_tokenizer(path)
+    if (path / TIKTOKEN_MODEL).is_file():
+        from helixserve.models.tokenizer_tiktoken import load_tiktoken_tokenizer
+
+        return load_tiktoken_tokenizer(path)
+    raise TokenizerError(f"no {TOKENIZER_JSON} or {TIKTOKEN_MODEL} in {path}")
+
+
+def load_tokenizer_or_none(model_dir: str | Path) -> HelixTokenizer | None:
+    """:func:`load_tokenizer`, or None when ``model_dir`` has no tokenizer (token ids only)."""
+    return load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+
+
+def no_tokenizer_message(model_dir: str | Path) -> str:
+    return f"{model_dir} has no {TOKENIZER_JSON} or {TIKTOKEN_MODEL}: pass token ids"
+
+
+def __getattr__(name: str) -> Any:
+    # the byte-level tokenizer's builders moved to tokenizer_hf; older imports keep working
+    if name in ("build_byte_tokenizer", "write_tokenizer_files"):
+        from helixserve.models import tokenizer_hf
+
+        return getattr(tokenizer_hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

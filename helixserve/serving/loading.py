@@ -9,6 +9,7 @@ from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.generation_config import load_generation_defaults
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
@@ -68,7 +69,8 @@ def wrap_core(role: str, deploy: DeploymentConfig, core: EngineCoreLike, tokeniz
                            vocab_size=cfg.vocab_size, default_max_tokens=deploy.default_max_tokens,
                            max_prompt_tokens=max_prompt_tokens,
                            max_body_bytes=deploy.limits.max_body_bytes,
-                           max_bytes_per_token=max_bytes_per_token(tokenizer))
+                           max_bytes_per_token=max_bytes_per_token(tokenizer),
+                           generation_defaults=load_generation_defaults(deploy.model.path))
     logger.info("%s worker limits: %s", role, limits)
     return Worker(role, engine, tokenizer, limits, layout, security=deploy.security,
                   shutdown=deploy.shutdown)

@@ -10,10 +10,11 @@ non-streamed answer or the SSE events.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from helixserve.engine.async_engine import RequestOutput
 from helixserve.engine.request import SamplingParams
+from helixserve.models.generation_config import GenerationDefaults
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import (SSE_DONE, ChatCompletionRequest, CompletionRequest,
                                  DisaggregatedParams, InvalidRequestError, OpenAIError,
@@ -38,23 +39,15 @@ class ServingLimits:
     # the most prompt bytes one token can stand for, where the tokenizer proves a bound (None:
     # no early refusal by byte count; the prompt is tokenized, then checked)
     max_bytes_per_token: int | None = None
+    # the checkpoint's generation_config.json defaults, for what a request leaves unset
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def max_bytes_per_token(tokenizer: HelixTokenizer | None) -> int | None:
-    """An upper bound on the UTF-8 bytes of text one token covers, or None where none is proven.
-
-    Proven for a byte-level BPE without normalizer and unknown token: every input byte is one
-    character of exactly one token's string (added tokens match their content), so a text of
-    ``n`` bytes has at least ``ceil(n / bound)`` tokens. (Encoding the token strings as UTF-8
-    over-counts the byte alphabet's two-byte characters: a safe, looser bound.)"""
-    from tokenizers import models, pre_tokenizers
-
-    tok = tokenizer.tokenizer if tokenizer is not None else None
-    if (tok is None or tok.normalizer is not None
-            or not isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel)
-            or not isinstance(tok.model, models.BPE) or tok.model.unk_token is not None):
-        return None
-    return max(len(t.encode()) for t in tok.get_vocab(with_added_tokens=True))
+    """An upper bound on the UTF-8 bytes of text one token covers, or None where none is proven
+    (see each backend's ``max_bytes_per_token``): a text of ``n`` bytes has at least
+    ``ceil(n / bound)`` tokens."""
+    return tokenizer.max_bytes_per_token() if tokenizer is not None else None
 
 
 def check_prompt_length(num_tokens: int, limits: ServingLimits, param: str,
@@ -128,24 +121,32 @@ def prompt_token_ids(body: GenerationRequest, tokenizer: HelixTokenizer | None,
 
 def sampling_params(body: GenerationRequest, num_prompt_tokens: int, limits: ServingLimits
                     ) -> SamplingParams:
-    """OpenAI defaults (temperature 1, top_p 1); 400 when the prompt leaves no room."""
+    """What the request sets, else the model's ``generation_config.json``, else OpenAI's defaults
+    (temperature 1, top_p 1, top_k off) and the server's ``default_max_tokens``; 400 when the
+    prompt leaves no room."""
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    model = limits.generation_defaults
+    default_max = model.max_tokens if model.max_tokens is not None else limits.default_max_tokens
     max_tokens = resolve_max_tokens(body.max_new_tokens, num_prompt_tokens, limits.max_model_len,
-                                    limits.default_max_tokens, prompt_param=prompt_param)
+                                    default_max, prompt_param=prompt_param)
     bad = [t for t in body.stop_token_ids or () if t >= limits.vocab_size]
     if bad:
         raise InvalidRequestError(f"stop_token_ids {bad[:8]} are outside the vocabulary "
                                   f"[0, {limits.vocab_size})", param="stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        temperature=_first_set(body.temperature, model.temperature, 1.0),
+        top_p=_first_set(body.top_p, model.top_p, 1.0),
+        top_k=_first_set(body.top_k, model.top_k, 0),
         seed=body.seed,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         stop=tuple(body.stop_strings),
         ignore_eos=bool(body.ignore_eos),
     )
+
+
+def _first_set(*values: float | int | None) -> float | int:
+    return next(v for v in values if v is not None)
 
 
 def prepare(request_id: str, body: GenerationRequest, tokenizer: HelixTokenizer | None,

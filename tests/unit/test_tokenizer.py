@@ -71,3 +71,10 @@ def test_custom_chat_template_from_config(tmp_path):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path):
+    write_tokenizer_files(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}\n  ({{ m['content'] }})\n{% endfor %}")  # trim/lstrip blocks as transformers
+    assert load_tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}]) == "  (x)\n"
