@@ -92,6 +92,8 @@ class CtxServerConfig(_Strict):
     transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
     transceiver_port: int = Field(18100, ge=1, le=65535)
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
+    # one short request through the engine before /ready answers 200 (serving/warm_up.py)
+    warm_up: bool = True
 
     @property
     def url(self) -> str:
@@ -118,6 +120,8 @@ class GenServerConfig(_Strict):
     # a gen world whose rank died (or whose collective failed) is restarted in place under this
     # policy; past it, or when srun / torchrun started the ranks, the worker exits non-zero
     world_restart: RestartPolicy = RestartPolicy()
+    # one short request through the engine (the world) before /ready answers 200 (serving/warm_up.py)
+    warm_up: bool = True
 
     @property
     def world_size(self) -> int:
