@@ -53,11 +53,18 @@ class WarmUpState(enum.Enum):
 def warm_up_request(limits: ServingLimits, tokens_per_block: int, max_num_batched_tokens: int
                     ) -> tuple[list[int], SamplingParams]:
     """The warm-up's prompt ids and sampling params: ``max(page, chunk) + 1`` prompt tokens,
-    clipped so that prompt + decode steps fit the context length."""
+    clipped so that prompt + decode steps fit the context length (``limits``)."""
+    return warm_up_prompt(limits.max_model_len, limits.max_prompt_tokens, limits.vocab_size,
+                          tokens_per_block, max_num_batched_tokens)
+
+
+def warm_up_prompt(max_model_len: int, max_prompt_tokens: int, vocab: int, tokens_per_block: int,
+                   max_num_batched_tokens: int) -> tuple[list[int], SamplingParams]:
+    """:func:`warm_up_request` from the bare numbers (a restarted gen world's driver has no
+    serving limits)."""
     wanted = max(tokens_per_block, max_num_batched_tokens) + 1
-    room = min(limits.max_prompt_tokens, limits.max_model_len - NUM_DECODE_STEPS - 1)
+    room = min(max_prompt_tokens, max_model_len - NUM_DECODE_STEPS - 1)
     num_tokens = max(1, min(wanted, room))
-    vocab = limits.vocab_size
     prompt = [1 + (i * _PRIME) % (vocab - 1) for i in range(num_tokens)] if vocab > 1 else [0] * num_tokens
     return prompt, SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
 
