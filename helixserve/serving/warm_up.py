@@ -145,9 +145,8 @@ class WarmUp:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure means this worker cannot serve
-            kind = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-            self.cause = f"{kind} (after {time.perf_counter() - began:.1f} s)" if isinstance(
-                exc, TimeoutError) else kind
+            is_timeout = isinstance(exc, TimeoutError)
+            self.cause = f"it took over {self.timeout_s:g} s" if is_timeout else f"{type(exc).__name__}: {exc}"
             self.state = WarmUpState.FAILED
             logger.error("%s worker: %s; stopping (exit code 1)", self.role, self.failure())
             self.on_failure()

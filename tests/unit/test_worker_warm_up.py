@@ -146,6 +146,21 @@ def test_a_failed_warm_up_is_a_503_naming_it_and_stops_the_worker(tiny_checkpoin
         assert body["num_used_blocks"] == body["num_used_slots"] == 0
 
 
+def test_a_warm_up_past_its_bound_fails_and_frees_its_request(tiny_checkpoints):
+    app, port = _build("gen", _deploy(tiny_checkpoints["kimi-k3-tiny"]))
+    worker = app.state.worker
+    stopped = threading.Event()
+    worker.warm_up.on_failure, worker.warm_up.timeout_s = stopped.set, 0.5
+    gate, _ = _hold_steps(app)  # never opened before the bound
+    with _serving(app, port) as url:
+        wait_until(stopped.is_set, 30, "the warm-up to time out")
+        gate.set()
+        status, body = http("GET", f"{url}/ready")
+        assert status == 503 and body["status"] == "its warm-up failed: it took over 0.5 s", body
+        wait_until(lambda: http("GET", f"{url}/stats")[1]["num_used_blocks"] == 0, 10, "the request freed")
+        assert http("GET", f"{url}/stats")[1]["num_live_requests"] == 0
+
+
 def test_warm_up_off_is_ready_at_once(tiny_checkpoints):
     deploy = _deploy(tiny_checkpoints["kimi-k3-tiny"])
     deploy = deploy.model_copy(update={"gen": [deploy.gen[0].model_copy(update={"warm_up": False})]})
