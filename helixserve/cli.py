@@ -138,9 +138,19 @@ def _cmd_serve_ctx(args: argparse.Namespace) -> int:
 
     deploy = _load_deployment(args)
     server = _worker_config(deploy, "ctx", args)
-    serve(build_ctx_app(deploy, server), server.host, server.port, args.log_level,
-          deploy.shutdown.connections_grace_s)
-    return 0
+    app = build_ctx_app(deploy, server)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # see _cmd_serve_gen
+    serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s)
+    return _warm_up_exit_code("serve-ctx", app)
+
+
+def _warm_up_exit_code(command: str, app) -> int:  # noqa: ANN001 (a FastAPI app)
+    """1 (the cause on stderr) when the worker stopped itself because its warm-up failed."""
+    worker = app.state.worker
+    if not worker.exit_code:
+        return 0
+    print(f"helixserve {command}: the worker stopped: {worker.warm_up.failure()}", file=sys.stderr)
+    return worker.exit_code
 
 
 def _cmd_serve_gen(args: argparse.Namespace) -> int:
@@ -160,15 +170,16 @@ def _cmd_serve_gen(args: argparse.Namespace) -> int:
         return 0
     app = build_gen_app(deploy, server, env)
     # uvicorn re-raises the SIGTERM it shut down for once it restored this handler: a no-op, so
-    # that this function returns (exit code 0, or 1 when the world failed for good and the worker
-    # stopped itself with that SIGTERM) instead of the process dying of the signal
+    # that this function returns (exit code 0, or 1 when the world failed for good or the warm-up
+    # failed, and the worker stopped itself with that SIGTERM) instead of dying of the signal
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s)
     world = getattr(app.state, "world", None)
     code = world.exit_code if world is not None else None
     if code:  # its world failed for good: whatever started this worker should restart it
         print(f"helixserve serve-gen: the gen world failed for good: {world.failure()}", file=sys.stderr)
-    return code or 0
+        return code
+    return _warm_up_exit_code("serve-gen", app)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:

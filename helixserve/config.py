@@ -89,6 +89,8 @@ class CtxServerConfig(_Strict):
     transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
     transceiver_port: int = Field(18100, ge=1, le=65535)
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
+    # one short request through the engine before /ready answers 200 (serving/warm_up.py)
+    warm_up: bool = True
 
     @property
     def url(self) -> str:
@@ -123,6 +125,8 @@ class GenServerConfig(_Strict):
         "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
     restart_join_timeout_s: float = Field(60.0, gt=0, description=(
         "a worker shutting down waits this long for a world restart in progress"))
+    # one short request through the engine (the world) before /ready answers 200 (serving/warm_up.py)
+    warm_up: bool = True
 
     @property
     def world_size(self) -> int:

@@ -20,6 +20,7 @@ from helixserve.serving.engine_errors import openai_outputs
 from helixserve.serving.http import run_unless_disconnected
 from helixserve.serving.loading import make_worker
 from helixserve.serving.openai_serving import PreparedRequest, collect_outputs
+from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import (AbortRequest, Worker, aggregated_handler,
                                            build_worker_app)
 
@@ -92,6 +93,8 @@ def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
         return True  # freed now (HELD), or by the sender once no send can read it
 
     worker.abort_override = abort_offered
+    # a context_only prefill's way: held at its finish, then released (as a pickup would)
+    worker.warm_up = WarmUp.for_deployment("ctx", deploy, server.warm_up, hold_cache=True)
     handlers = {
         None: aggregated_handler(worker),
         RequestType.CONTEXT_ONLY: ContextOnlyHandler(worker, requests, transceiver),

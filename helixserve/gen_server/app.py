@@ -18,6 +18,7 @@ from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
 from helixserve.serving.loading import make_worker, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
+from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
         worker, _ = make_worker("gen", deploy, server.max_queue_len, server.device)
         kv_source = make_kv_source(server.kv_source, worker.layout, deploy.transceiver, server.cp,
                                    deploy.ctx_transceivers)
-        return _app(worker, kv_source)
+        return _app(worker, kv_source, deploy, server)
     options, layout, kv_source, factory = _world_parts(deploy, server)
     world = start_gen_world(deploy, server, options, factory, env)
     try:
@@ -68,7 +69,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
         raise
     worker.failure = world.failure
     logger.info("gen worker drives a dp=%d x cp=%d world (kv_source %s)", server.dp, server.cp, server.kv_source)
-    return _app(worker, kv_source, world)
+    return _app(worker, kv_source, deploy, server, world)
 
 
 def run_gen_rank(deploy: DeploymentConfig, server: GenServerConfig, env: DistEnv) -> int:
@@ -102,7 +103,11 @@ class _RankCacheCollector:
             yield gauge
 
 
-def _app(worker: Worker, kv_source: KVSource, world: GenWorld | None = None) -> FastAPI:
+def _app(worker: Worker, kv_source: KVSource, deploy: DeploymentConfig, server: GenServerConfig,
+         world: GenWorld | None = None) -> FastAPI:
+    # through the engine: a world's driver runs it on every rank (prefill, then decode steps)
+    worker.warm_up = WarmUp.for_deployment("gen", deploy, server.warm_up,
+                                           num_requests=server.dp if world is not None else 1)
     worker.extra_gauges = kv_source.gauges
     worker.extra_stats = kv_source.stats if world is None else lambda: {**kv_source.stats(),
                                                                          "world": world.describe()}

@@ -131,6 +131,26 @@ def place(deploy: DeploymentConfig, placement: Placement, hosts: list[str]) -> D
     return DeploymentConfig.model_validate(data)
 
 
+def shared_gpu_steps(deploy: DeploymentConfig, placement: Placement) -> frozenset[str]:
+    """The steps of single-process GPU workers that name one GPU (the same ``cuda:N``) on one
+    node, e.g. ctx and gen of deploy/configs/gpu1.yaml; ``deploy`` before :func:`place`. Their
+    steps share the GPU (``srun --overlap``: steps share every resource, GPUs included)."""
+    assert placement.ctx is not None and placement.gen is not None, "resolve the placement first"
+    keys: dict[str, tuple[int, str]] = {}
+    for i, (worker, node) in enumerate(zip(deploy.ctx, placement.ctx)):
+        if on_gpu(deploy, worker.device):
+            keys[f"ctx{i}"] = (node, _cuda_index(worker.device or deploy.model.device))
+    for j, (worker, nodes) in enumerate(zip(deploy.gen, placement.gen)):
+        if on_gpu(deploy, worker.device) and worker.world_size == 1:
+            keys[f"gen{j}"] = (nodes[0], _cuda_index(worker.device or deploy.model.device))
+    values = list(keys.values())
+    return frozenset(name for name, key in keys.items() if values.count(key) > 1)
+
+
+def _cuda_index(device: str) -> str:
+    return device.partition(":")[2] or "0"
+
+
 def role_args(deploy: DeploymentConfig) -> list[tuple[str, list[str]]]:
     """(step name, ``helixserve`` arguments before ``-c FILE``) per process, as launch runs them."""
     steps = [(f"ctx{i}", ["serve-ctx", "--index", str(i)]) for i in range(len(deploy.ctx))]
@@ -150,8 +170,10 @@ class Step:
 
 
 def plan_steps(deploy: DeploymentConfig, placement: Placement, hosts: list[str], config_file: Path,
-               python: str = sys.executable, log_level: str = "WARNING") -> list[Step]:
-    """Step 4's srun command lines (router last), for a ``deploy`` already through :func:`place`."""
+               python: str = sys.executable, log_level: str = "WARNING",
+               shared_gpu: frozenset[str] = frozenset()) -> list[Step]:
+    """Step 4's srun command lines (router last), for a ``deploy`` already through :func:`place`;
+    ``shared_gpu``: steps that share their GPU (:func:`shared_gpu_steps`)."""
     assert placement.ctx is not None and placement.gen is not None, "resolve the placement first"
     gpu_steps = [on_gpu(deploy, w.device) for w in (*deploy.ctx, *deploy.gen)] + [False]
     node_sets = ([[hosts[n]] for n in placement.ctx] + [[hosts[n] for n in nodes] for nodes in placement.gen]
@@ -172,6 +194,8 @@ def plan_steps(deploy: DeploymentConfig, placement: Placement, hosts: list[str],
             # exclusive CPUs and GPUs per step; every task of a node sees the step's GPUs there,
             # so rank r uses cuda:SLURM_LOCALID
             srun += [f"--cpus-per-task={placement.cpus_per_task}", "--gpus-per-task=1", "--gpu-bind=none"]
+            if name in shared_gpu:  # one GPU for several steps (sbatch --gpus-per-node=1)
+                srun.append("--overlap")
         else:
             # CPU steps (and the router) share the job's CPUs, even more tasks than CPUs
             srun += ["--overlap", "--overcommit"]
@@ -257,10 +281,11 @@ def prepare(args: argparse.Namespace, env: SlurmEnv) -> tuple[DeploymentConfig, 
     hosts = expand_nodelist(env.nodelist, scontrol_timeout_s)
     placement = Placement.from_yaml(args.placement).resolve(deploy, len(hosts))
     addresses = node_addresses(hosts, scontrol_timeout_s) if placement.address == "node_addr" else hosts
+    shared_gpu = shared_gpu_steps(deploy, placement)
     deploy = place(deploy, placement, addresses)
     config_file = job_dir / "config.yaml"
     deploy.to_yaml(config_file)
-    steps = plan_steps(deploy, placement, hosts, config_file, log_level=args.log_level)
+    steps = plan_steps(deploy, placement, hosts, config_file, log_level=args.log_level, shared_gpu=shared_gpu)
     plan = {"job_id": env.job_id, "hosts": hosts, "addresses": addresses, "placement": placement.model_dump(),
             "router_url": router_url(deploy), "steps": [asdict(s) for s in steps]}
     (job_dir / "plan.json").write_text(json.dumps(plan, indent=2))

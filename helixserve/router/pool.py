@@ -1,6 +1,7 @@
 """Worker pools: which ctx / gen workers are healthy, how loaded, and which one gets a request.
 
-A worker starts unknown (not healthy) and becomes healthy when its ``GET /health`` answers 200.
+A worker starts unknown (not healthy) and becomes healthy when its ``GET /ready`` answers 200
+(alive and warmed up: ``/health`` is liveness only, 200 while the worker still warms up).
 A failed health check, or a request that could not reach it, marks it unhealthy with the cause;
 the next passing health check brings it back (rejoin).
 """
@@ -29,7 +30,7 @@ class WorkerState:
     is_healthy: bool = False
     num_inflight: int = 0  # requests this router has on it now
     last_error: str | None = "not checked yet"
-    stats: dict[str, Any] = field(default_factory=dict)  # the worker's last /health answer
+    stats: dict[str, Any] = field(default_factory=dict)  # the worker's last /ready answer
 
     def describe(self) -> str:
         return f"{self.url} ({'healthy' if self.is_healthy else self.last_error})"
@@ -76,7 +77,7 @@ class WorkerPool:
     async def _check_one(self, client: httpx.AsyncClient, worker: WorkerState, timeout_s: float
                          ) -> None:
         try:
-            response = await client.get(f"{worker.url}/health", timeout=timeout_s)
+            response = await client.get(f"{worker.url}/ready", timeout=timeout_s)
             stats = response.json()
         except (httpx.HTTPError, ValueError) as exc:
             self.mark_failed(worker, f"health check failed: {type(exc).__name__}: {exc}")
@@ -91,7 +92,7 @@ class WorkerPool:
 
 
 def _cause(answer: Any) -> Any:
-    """What a failed ``/health`` answer says: its status, or its OpenAI error message (a 401:
+    """What a failed ``/ready`` answer says: its status, or its OpenAI error message (a 401:
     this router does not hold the worker's internal secret)."""
     if not isinstance(answer, dict):
         return answer

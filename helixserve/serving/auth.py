@@ -3,8 +3,8 @@
 Clients reach only the router; a ctx or gen worker answers only the deployment's own processes:
 
 - **A secret is configured** (``security.internal_secret``; ``helixserve launch``, the SLURM
-  launcher and compose's env file provide it): every route except ``/health`` and ``/metrics``
-  needs the header ``X-Helixserve-Internal-Secret: <secret>`` (compared in constant time), else
+  launcher and compose's env file provide it): every route except ``/health``, ``/ready`` and
+  ``/metrics`` needs the header ``X-Helixserve-Internal-Secret: <secret>`` (compared in constant time), else
   401 with OpenAI's error body. So ``disaggregated_params`` (which name another worker's cache)
   are honoured only from callers holding the secret: the router.
 - **No secret** (a hand-started worker): plain requests are served, but nothing internal is —
@@ -12,9 +12,9 @@ Clients reach only the router; a ctx or gen worker answers only the deployment's
   the fix — unless ``security.allow_unauthenticated: true`` (a dev machine that nobody else
   reaches), which lets everything through.
 
-``/health`` (liveness: orchestrators and the router's pools probe it) and ``/metrics``
-(Prometheus scrapers seldom send custom headers) stay open: both carry counters and gauges only,
-nothing of any request's content, ids or tokens. A caller that presents a *wrong* secret there
+``/health`` (liveness: orchestrators probe it), ``/ready`` (readiness: the router's pools and
+compose's healthcheck probe it) and ``/metrics`` (Prometheus scrapers seldom send custom
+headers) stay open: they carry counters and gauges only, nothing of any request's content, ids or tokens. A caller that presents a *wrong* secret there
 gets 401 all the same: the router always presents its own (empty when it has none), so a router
 started with the wrong secret sees its workers as unhealthy, naming the cause, instead of relaying
 401s to its clients.
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 INTERNAL_SECRET_HEADER = "X-Helixserve-Internal-Secret"
 INVALID_INTERNAL_SECRET = "invalid_internal_secret"  # the 401's error code
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 INTERNAL_PATHS = frozenset({"/v1/abort", "/v1/release"})  # router-only routes
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 NO_SECRET_HINT = ("set the deployment's internal secret (HELIXSERVE_INTERNAL_SECRET or "

@@ -1,8 +1,10 @@
 """The HTTP app both workers share; each role plugs in its request handlers.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream or not), ``GET /v1/models``,
-``GET /health`` (503 naming the cause once the engine stopped or the role reports a failure, e.g.
-a dead gen world rank), ``GET /stats`` (engine counters as JSON), ``GET /metrics`` (Prometheus),
+``GET /health`` (liveness: 503 naming the cause once the engine stopped, its warm-up failed or
+the role reports a failure, e.g. a dead gen world rank), ``GET /ready`` (200 once the warm-up of
+:mod:`helixserve.serving.warm_up` finished and the worker is healthy; 503 ``warming up`` before:
+the router routes to ready workers only, and completions are refused meanwhile), ``GET /stats`` (engine counters as JSON), ``GET /metrics`` (Prometheus),
 ``POST /v1/abort`` (``{"request_id"}``: the router cancels).
 
 A completion request is parsed (400s), checked against the served model (404), routed by its
@@ -42,6 +44,7 @@ from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, 
 from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
 from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
                                                collect_outputs, prepare, sse_stream)
+from helixserve.serving.warm_up import WarmUp
 
 RequestHandler = Callable[[Request, PreparedRequest], Awaitable[Response]]
 
@@ -69,6 +72,7 @@ WORKER_OPERATIONS = {
                                                 errors=(*_INTERNAL, *GENERATION_ERRORS)),
     ("GET", "/v1/models"): Operation(response=(ModelList,), errors=_INTERNAL),
     ("GET", "/health"): Operation(errors=(401, 503), error_is_object=(503,)),
+    ("GET", "/ready"): Operation(errors=(401, 503), error_is_object=(503,)),
     ("GET", "/stats"): Operation(errors=_INTERNAL),
     ("GET", "/metrics"): Operation(text=True, errors=(401,)),
     ("POST", "/v1/abort"): Operation(AbortRequest, (AbortResponse,), errors=(*_INTERNAL, 400, 413)),
@@ -108,6 +112,7 @@ class Worker:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     security: SecurityConfig = field(default_factory=SecurityConfig)  # who may call (serving/auth.py)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)  # how long live requests get
+    warm_up: WarmUp | None = None  # run by the lifespan before /ready (None: ready at once)
 
     def __post_init__(self) -> None:
         self.requests = Counter("helixserve_worker_requests", "finished HTTP completion requests",
@@ -123,7 +128,20 @@ class Worker:
         """Why this worker cannot serve now, or None."""
         if not self.engine.is_alive:
             return f"the {self.role} engine is not running"
-        return self.failure()
+        warm_up_failure = self.warm_up.failure() if self.warm_up is not None else None
+        return warm_up_failure or self.failure()
+
+    def not_ready_cause(self) -> str | None:
+        """Why ``/ready`` answers 503 (not healthy, or still warming up), or None."""
+        cause = self.failure_cause()
+        if cause is None and self.warm_up is not None:
+            cause = self.warm_up.not_ready_cause()
+        return cause
+
+    @property
+    def exit_code(self) -> int | None:
+        """1 once the warm-up failed (the worker's command exits with it), else None."""
+        return self.warm_up.exit_code if self.warm_up is not None else None
 
     def stats(self) -> dict[str, Any]:
         s = self.engine.stats()
@@ -134,6 +152,7 @@ class Worker:
             "num_waiting": s.num_waiting, "num_held": s.num_held, "num_blocks": s.num_blocks,
             "num_used_blocks": s.num_used_blocks, "num_slots": s.num_slots,
             "num_used_slots": s.num_used_slots, "capacity": self.engine.capacity,
+            "warm_up": self.warm_up.describe() if self.warm_up is not None else None,
             **self.extra_stats(),
         }
 
@@ -244,6 +263,9 @@ async def _complete(worker: Worker, handlers: Mapping[RequestType | None, Reques
     if cause is not None:
         raise ServiceUnavailableError(f"{worker.role} worker cannot serve: {cause}",
                                       code=f"{worker.role}_worker_failed")
+    if worker.not_ready_cause() is not None:  # its warm-up runs: it owns the engine until done
+        raise ServiceUnavailableError(f"{worker.role} worker is not ready: warming up",
+                                      code=f"{worker.role}_worker_warming_up")
     request_id = request_id_from(http_request, worker.engine.new_request_id(worker.role))
     prepared = await worker.off_loop.run_if(is_large or cls is ChatCompletionRequest, prepare,
                                             request_id, body, worker.tokenizer, worker.limits)
@@ -256,7 +278,8 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     """The app; ``handlers`` maps a request type (``None``: no disaggregated_params) to the
     role's handler; ``lifespan_hooks`` are async context managers entered after the engine starts;
     ``after_shutdown`` run (in order, in a thread) once the engine thread stopped (e.g. closing
-    the gen world the engine drove)."""
+    the gen world the engine drove). The worker's warm-up starts once the hooks are in and runs
+    while the server answers (``/ready`` 503 until it is done)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -265,6 +288,9 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
             async with contextlib.AsyncExitStack() as stack:
                 for hook in lifespan_hooks:
                     await stack.enter_async_context(hook())
+                if worker.warm_up is not None:
+                    worker.warm_up.start(worker.engine, worker.limits)
+                    stack.push_async_callback(worker.warm_up.stop)
                 yield
         finally:
             worker.off_loop.shutdown()
@@ -300,6 +326,13 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
     async def health() -> Response:
         stats = worker.stats()
         cause = worker.failure_cause()
+        return JSONResponse({**stats, "status": "ok" if cause is None else cause},
+                            status_code=200 if cause is None else 503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        stats = worker.stats()
+        cause = worker.not_ready_cause()
         return JSONResponse({**stats, "status": "ok" if cause is None else cause},
                             status_code=200 if cause is None else 503)
 

@@ -107,7 +107,7 @@ class Deployment:
             for role, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise AssertionError(f"{role} exited with {proc.returncode}:\n{self.log(role)}")
-            baseline_up = self.baseline_url is None or up(f"{self.baseline_url}/health")
+            baseline_up = self.baseline_url is None or up(f"{self.baseline_url}/ready")
             return baseline_up and up(f"{self.router_url}/ready")
         wait_until(ready, timeout, "the router's /ready", interval=0.3)
 

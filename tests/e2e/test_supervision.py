@@ -142,7 +142,7 @@ def test_gen_worker_exits_nonzero_once_its_restarts_are_spent(tmp_path, k3_tiny)
     d.save()
     try:
         d.start("gen")
-        wait_until(lambda: _up(f"{d.gen_url}/health"), 120, "the gen worker", interval=0.3)
+        wait_until(lambda: _up(f"{d.gen_url}/ready"), 120, "the gen worker", interval=0.3)
         _kill_rank1(d)
         assert d.procs["gen"].wait(60) == 1
         assert "not restarted" in d.log("gen") and "max_restarts=0" in d.log("gen")

@@ -145,6 +145,40 @@ def test_compose_config_equals_the_launchers_config_but_for_the_network(profile:
     assert {w.host for w in (*deploy.ctx, *deploy.gen)} | {deploy.router.host} == {"0.0.0.0"}
 
 
+def test_compose_one_device_config_equals_gpu1_but_for_the_network() -> None:
+    """docker/config.gpu1.yaml, the `gpu` profile on one GPU (HELIX_GPU_CONFIG), is configs/gpu1.yaml."""
+    deploy = DeploymentConfig.from_yaml(COMPOSE.parent / "docker" / "config.gpu1.yaml")
+    launched = DeploymentConfig.from_yaml(REPO / "deploy" / "configs" / "gpu1.yaml")
+    assert without_network(deploy) == without_network(launched)
+    assert {w.host for w in (*deploy.ctx, *deploy.gen)} | {deploy.router.host} == {"0.0.0.0"}
+    gpu_services = service_sets()["gpu"]
+    mounted = next(v for v in gpu_services["ctx-gpu"]["volumes"] if v.endswith(f":{MOUNTED_CONFIG}:ro"))
+    assert mounted.startswith("${HELIX_GPU_CONFIG:-"), "the gpu profile's config cannot be chosen"
+    assert deploy.ctx_urls == ("http://ctx-gpu:8100",) and deploy.gen_urls == ("http://gen-gpu:8200",)
+    assert all(w.transceiver_host == "ctx-gpu" for w in deploy.ctx)
+
+
+@pytest.mark.parametrize("config, devices", [
+    ("configs/gpu1.yaml", ("cuda:0", "cuda:0")), ("configs/gpu2.yaml", ("cuda:0", "cuda:1")),
+    ("docker/config.gpu.yaml", ("cuda:0", "cuda:0")), ("docker/config.gpu1.yaml", ("cuda:0", "cuda:0"))],
+    ids=["one_device", "two_devices", "compose_two_devices", "compose_one_device"])
+def test_cuda_configs_move_the_kv_over_ucx_to_a_gen_world_and_warm_up(config: str, devices: tuple[str, str]) -> None:
+    deploy = DeploymentConfig.from_yaml(REPO / "deploy" / config)
+    assert deploy.model.device.startswith("cuda") and deploy.cache.tokens_per_block == 64
+    assert (deploy.ctx[0].device, deploy.gen[0].device) == devices
+    for gen in deploy.gen:
+        assert gen.kv_source == "ucx" and gen.runs_world and gen.world_size == 1  # one GPU per world
+    assert all(w.warm_up for w in (*deploy.ctx, *deploy.gen))
+    if config.startswith("configs/"):  # ctx and gen on one host: loopback
+        assert {w.host for w in (*deploy.ctx, *deploy.gen)} == {"127.0.0.1"}
+
+
+def test_compose_cuda_profile_shares_the_hosts_ipc_namespace() -> None:
+    """UCX's cuda_ipc between the ctx and gen containers needs one IPC namespace."""
+    for name, spec in service_sets()["gpu"].items():
+        assert spec.get("ipc") == "host", f"{name} has its own IPC namespace"
+
+
 def test_compose_default_config_matches_launchs_built_in_default() -> None:
     from helixserve.launch.local import default_deployment
 
@@ -164,8 +198,8 @@ def test_compose_health_ports_secrets_and_devices(profile: str) -> None:
     for name, spec in services.items():
         role = role_of(spec)
         test = spec["healthcheck"]["test"]
-        path = "/ready" if role == "router" else "/health"
-        assert test[-1] == f"http://127.0.0.1:{ports[role]}{path}", f"{name} checks {test[-1]}"
+        # a worker is healthy once ready: loaded and warmed up (its /health is liveness only)
+        assert test[-1] == f"http://127.0.0.1:{ports[role]}/ready", f"{name} checks {test[-1]}"
         if role == "router":
             assert spec["ports"] == [f"${{HELIX_PORT:-8000}}:{deploy.router.port}"]
             workers = {n for n, s in services.items() if role_of(s) != "router"}

@@ -118,7 +118,28 @@ def test_dockerfile_runs_as_non_root_with_health_check_and_pinned_torch() -> Non
     assert args.get("TORCH_VERSION") == "2.13.0"
     assert args.get("TORCH_INDEX_URL", "").endswith("/whl/cpu"), "the default image is the CPU build"
     assert "torch==2.13.0" in (REPO / "pyproject.toml").read_text(), "pyproject and the image pin different torch"
-    assert any(k == "RUN" and "pip install ." in a for k, a in steps), "the package is installed from the repo"
+    assert any(k == "RUN" and 'pip install ".${PIP_EXTRAS}"' in a for k, a in steps), \
+        "the package is installed from the repo"
+    assert args.get("PIP_EXTRAS") == '""', "the default image installs no extras"
+
+
+def test_compose_builds_the_cuda_image_with_the_gpu_extra() -> None:
+    """The `gpu` profile's build arguments are ARGs of the Dockerfile; its image has the `gpu`
+    extra of pyproject (fla + Triton: the kernels its warm-up compiles)."""
+    import tomllib
+
+    import yaml
+
+    services = yaml.safe_load((REPO / "deploy" / "compose.yaml").read_text())["services"]
+    declared = {a.split("=", 1)[0] for k, a in instructions(DOCKERFILE) if k == "ARG"}
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("ctx-gpu", "gen-gpu", "router-gpu"):
+        build = services[name]["build"]
+        assert set(build["args"]) <= declared, f"{name} passes build args the Dockerfile lacks"
+        assert build["args"]["PIP_EXTRAS"] == "[gpu]" and "gpu" in extras
+        assert build["args"]["TORCH_INDEX_URL"].endswith("/whl/cu128")
+    for name in ("ctx", "gen", "router"):
+        assert "args" not in services[name]["build"], f"{name}: the CPU image takes the defaults"
 
 
 def test_dockerignore_matcher_follows_docker_rules() -> None:

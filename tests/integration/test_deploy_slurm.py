@@ -270,3 +270,37 @@ def test_srun_starts_a_gen_worlds_ranks_with_its_rank0_rendezvous(slurm_cluster:
     address = f"tcp://{placed.gen[0].host}:{placement.rdzv_port}"
     assert lines == [f"0: rank 0/2 at {address}: sum 3", f"1: rank 1/2 at {address}: sum 3"], lines
     assert_nothing_left(job_id)
+
+
+# ids avoid the word "gpu": conftest skips tests with that keyword when CUDA is missing
+@pytest.mark.parametrize("config, shared", [("gpu1.yaml", {"ctx0", "gen0"}), ("gpu2.yaml", set())],
+                         ids=["one_device", "two_devices"])
+def test_the_sbatch_cuda_configs_plan_steps_that_share_or_split_the_devices(
+        config: str, shared: set[str], tiny_checkpoints: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/configs/gpu1.yaml and gpu2.yaml through the launcher's own preparation (no cluster:
+    the one-node host list is given): both load, move the KV over UCX, and their ctx and gen steps
+    each get a GPU; gpu1's two steps share one (srun --overlap), gpu2's do not."""
+    import json
+
+    from helixserve.config import DeploymentConfig
+    from helixserve.config_env import slurm_env_from
+    from helixserve.launch import slurm
+
+    path = REPO / "deploy" / "configs" / config
+    assert all(g.kv_source == "ucx" for g in DeploymentConfig.from_yaml(path).gen)
+    monkeypatch.setattr(slurm, "expand_nodelist", lambda nodelist: ["g1"])  # scontrol needs a cluster
+    placement = tmp_path / "placement.yaml"
+    placement.write_text("address: hostname\ncpus_per_task: 4\n")
+    args = slurm.parse_args(["-c", str(path), "--model", str(tiny_checkpoints["kimi-k3-tiny"]),
+                             "--placement", str(placement), "--job-dir", str(tmp_path / "job")])
+    deploy, steps, job_dir = slurm.prepare(args, slurm_env_from({"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "g1"}))
+    assert (deploy.ctx[0].device, deploy.gen[0].device) == ("cuda", "cuda")  # each step sees its own GPUs
+    assert deploy.gen[0].kv_source == "ucx"
+    planned = {s["name"]: s["argv"] for s in json.loads((job_dir / "plan.json").read_text())["steps"]}
+    assert planned == {s.name: s.argv for s in steps}
+    for name in ("ctx0", "gen0"):
+        assert "--gpus-per-task=1" in planned[name] and "--cpus-per-task=4" in planned[name]
+        assert ("--overlap" in planned[name]) == (name in shared), planned[name]
+    assert not any("gpu" in a for a in planned["router"])
+    assert DeploymentConfig.from_yaml(job_dir / "config.yaml").gen[0].kv_source == "ucx"

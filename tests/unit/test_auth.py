@@ -132,7 +132,7 @@ def test_a_worker_refusing_the_routers_hop_is_a_503_for_the_client_not_a_4xx():
 
     worker = FastAPI()
     install_internal_auth(worker, SecurityConfig())
-    worker.get("/health")(lambda: JSONResponse({"status": "ok"}))
+    worker.get("/ready")(lambda: JSONResponse({"status": "ok"}))  # what the router's pools probe
     worker.post("/v1/completions")(lambda: JSONResponse({"never": "reached"}))
     port, = free_ports(1)
     server = uvicorn.Server(uvicorn.Config(worker, host="127.0.0.1", port=port, log_level="warning"))

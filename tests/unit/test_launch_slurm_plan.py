@@ -136,3 +136,27 @@ def test_the_internal_secret_reaches_the_steps_by_environment_only(tmp_path: Pat
     job.start()
     assert job.processes["ctx0"].wait(30) == 0
     assert (tmp_path / "logs" / "ctx0.log").read_text().strip() == secret
+
+
+def test_single_process_workers_naming_one_device_on_one_node_share_its_steps_device() -> None:
+    from helixserve.launch.slurm import shared_gpu_steps
+
+    def workers(ctx_device: str, gen_device: str, cp: int = 1) -> DeploymentConfig:
+        return DeploymentConfig(model={"path": "/m", "device": "cpu"},
+                                ctx=[{"port": 8100, "device": ctx_device}, {"port": 8101, "transceiver_port": 18101}],
+                                gen=[{"port": 8200, "device": gen_device, "dp": 1, "cp": cp}])
+
+    same = workers("cuda:0", "cuda:0")
+    assert shared_gpu_steps(same, Placement().resolve(same, 1)) == {"ctx0", "gen0"}
+    assert shared_gpu_steps(same, Placement().resolve(same, 2)) == set()  # gen on node 1
+    bare = workers("cuda", "cuda:0")  # "cuda" is cuda:0
+    assert shared_gpu_steps(bare, Placement().resolve(bare, 1)) == {"ctx0", "gen0"}
+    apart = workers("cuda:0", "cuda:1")
+    assert shared_gpu_steps(apart, Placement().resolve(apart, 1)) == set()
+    world = workers("cuda:0", "cuda:0", cp=2)  # a world's ranks take cuda:SLURM_LOCALID
+    assert shared_gpu_steps(world, Placement().resolve(world, 1)) == set()
+    placement = Placement().resolve(same, 1)
+    steps = plan_steps(place(same, placement, ["n1"]), placement, ["n1"], Path("/c.yaml"),
+                       shared_gpu=shared_gpu_steps(same, placement))
+    assert ["--overlap" in s.argv for s in steps] == [True, True, True, True]  # ctx1 and router: CPU
+    assert ["--gpus-per-task=1" in s.argv for s in steps] == [True, False, True, False]

@@ -1,0 +1,174 @@
+"""A worker's warm-up: one short greedy request through its real engine path before ``/ready``.
+
+1. The app's lifespan starts the engine and the role's hooks, then :meth:`WarmUp.start` runs the
+   warm-up as a task while uvicorn serves: ``/health`` answers 200 (alive), ``/ready`` 503
+   ``warming up`` (the router sends nothing to a worker that is not ready).
+2. The request (:func:`warm_up_request`): a prompt one token longer than the larger of a cache
+   page and the prefill chunk budget (so the prefill runs over a page boundary and, where the
+   context length allows, in two chunks), then :data:`NUM_DECODE_STEPS` greedy decode steps. It
+   goes through the worker's ``AsyncEngine`` (a gen world: every rank, through its driver); a
+   ctx worker holds its cache at the finish and releases it, as a pickup would. Kernels compile
+   (Triton, fla) and first-step costs are paid here, not by the first client.
+3. The warm-up checks that it left nothing allocated (blocks, slots, held requests).
+4. Done: ``/ready`` 200. Failed: ``/health`` and ``/ready`` 503 naming the cause, and the worker
+   stops itself (SIGTERM: uvicorn's graceful shutdown); its command exits 1 naming the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from helixserve.config import DeploymentConfig
+from helixserve.engine.async_engine import AsyncEngine
+from helixserve.engine.request import SamplingParams
+from helixserve.serving.openai_serving import ServingLimits
+
+logger = logging.getLogger(__name__)
+
+NUM_DECODE_STEPS = 4
+WARM_UP_TIMEOUT_S = 600.0  # a warm-up taking longer fails (the worker exits)
+_PRIME = 7919  # spreads the prompt's ids over the vocabulary, deterministically
+
+
+def stop_this_process() -> None:
+    """Ask this process to shut down the way Ctrl-C / ``docker stop`` would."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class WarmUpState(enum.Enum):
+    PENDING = "pending"  # the server starts
+    WARMING = "warming up"
+    DONE = "done"
+    FAILED = "failed"
+    OFF = "off"  # warm_up: false
+
+
+def warm_up_request(limits: ServingLimits, tokens_per_block: int, max_num_batched_tokens: int
+                    ) -> tuple[list[int], SamplingParams]:
+    """The warm-up's prompt ids and sampling params: ``max(page, chunk) + 1`` prompt tokens,
+    clipped so that prompt + decode steps fit the context length (``limits``)."""
+    return warm_up_prompt(limits.max_model_len, limits.max_prompt_tokens, limits.vocab_size,
+                          tokens_per_block, max_num_batched_tokens)
+
+
+def warm_up_prompt(max_model_len: int, max_prompt_tokens: int, vocab: int, tokens_per_block: int,
+                   max_num_batched_tokens: int) -> tuple[list[int], SamplingParams]:
+    """:func:`warm_up_request` from the bare numbers (a restarted gen world's driver has no
+    serving limits)."""
+    wanted = max(tokens_per_block, max_num_batched_tokens) + 1
+    room = min(max_prompt_tokens, max_model_len - NUM_DECODE_STEPS - 1)
+    num_tokens = max(1, min(wanted, room))
+    prompt = [1 + (i * _PRIME) % (vocab - 1) for i in range(num_tokens)] if vocab > 1 else [0] * num_tokens
+    return prompt, SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+
+
+class WarmUp:
+    """One worker's warm-up and its outcome (``/ready`` and ``/health`` read :meth:`failure` and
+    :meth:`not_ready_cause`). ``is_enabled`` False: ready as soon as the server is."""
+
+    def __init__(self, role: str, is_enabled: bool = True, hold_cache: bool = False,
+                 tokens_per_block: int = 16, max_num_batched_tokens: int = 2048, num_requests: int = 1,
+                 on_failure: Callable[[], None] = stop_this_process,
+                 timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+        self.role = role
+        self.num_requests = num_requests  # at once: a gen world of dp groups gets one per group
+        self.hold_cache = hold_cache  # a ctx worker: held at the finish, then released
+        self.tokens_per_block = tokens_per_block
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.on_failure = on_failure
+        self.timeout_s = timeout_s
+        self.state = WarmUpState.PENDING if is_enabled else WarmUpState.OFF
+        self.cause: str | None = None  # why it failed
+        self.seconds: float | None = None
+        self.num_prompt_tokens = 0
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def for_deployment(cls, role: str, deploy: DeploymentConfig, is_enabled: bool,
+                       hold_cache: bool = False, num_requests: int = 1) -> WarmUp:
+        """Sized by the deployment's page and prefill chunk budget (``EngineCore`` raises the
+        budget to ``max_num_seqs``)."""
+        chunk = max(deploy.scheduler.max_num_batched_tokens, deploy.cache.max_num_seqs)
+        return cls(role, is_enabled, hold_cache, deploy.cache.tokens_per_block, chunk, num_requests)
+
+    @property
+    def exit_code(self) -> int | None:
+        """1 once the warm-up failed (the worker's command exits with it), else None."""
+        return 1 if self.state is WarmUpState.FAILED else None
+
+    def failure(self) -> str | None:
+        """Why the worker cannot serve because of its warm-up (it failed), or None."""
+        return f"its warm-up failed: {self.cause}" if self.state is WarmUpState.FAILED else None
+
+    def not_ready_cause(self) -> str | None:
+        """Why ``/ready`` answers 503 because of the warm-up, or None."""
+        if self.state in (WarmUpState.PENDING, WarmUpState.WARMING):
+            return "warming up"
+        return self.failure()
+
+    def describe(self) -> dict[str, Any]:
+        return {"state": self.state.value, "seconds": self.seconds,
+                "num_prompt_tokens": self.num_prompt_tokens, "cause": self.cause}
+
+    def start(self, engine: AsyncEngine, limits: ServingLimits) -> None:
+        """On the event loop, once the engine runs: warm up in a task (no-op when off)."""
+        if self.state is not WarmUpState.PENDING:
+            return
+        self.state = WarmUpState.WARMING
+        self._task = asyncio.get_running_loop().create_task(self._run(engine, limits),
+                                                            name=f"{self.role}-warm-up")
+
+    async def stop(self) -> None:
+        """Cancel a warm-up still running (the worker is shutting down)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self, engine: AsyncEngine, limits: ServingLimits) -> None:
+        prompt, params = warm_up_request(limits, self.tokens_per_block, self.max_num_batched_tokens)
+        self.num_prompt_tokens = len(prompt)
+        began = time.perf_counter()
+        logger.info("%s worker warming up: %d request(s) of %d prompt tokens, %d decode steps",
+                    self.role, self.num_requests, len(prompt), NUM_DECODE_STEPS)
+        try:
+            await asyncio.wait_for(self._requests(engine, prompt, params), self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure means this worker cannot serve
+            is_timeout = isinstance(exc, TimeoutError)
+            self.cause = f"it took over {self.timeout_s:g} s" if is_timeout else f"{type(exc).__name__}: {exc}"
+            self.state = WarmUpState.FAILED
+            logger.error("%s worker: %s; stopping (exit code 1)", self.role, self.failure())
+            self.on_failure()
+            return
+        self.seconds = time.perf_counter() - began
+        self.state = WarmUpState.DONE
+        logger.info("%s worker warmed up in %.2f s: ready", self.role, self.seconds)
+
+    async def _requests(self, engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
+        await asyncio.gather(*(self._request(engine, prompt, params) for _ in range(self.num_requests)))
+        stats = await engine.call(lambda core: core.stats())
+        left = {name: getattr(stats, name) for name in ("num_running", "num_waiting", "num_held",
+                                                         "num_used_blocks", "num_used_slots")}
+        if any(left.values()):
+            raise RuntimeError(f"the warm-up left cache allocated: {left}")
+
+    async def _request(self, engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
+        rid = engine.new_request_id(f"{self.role}-warm-up")
+        num_tokens = 0
+        async for out in engine.generate(rid, prompt, params, hold_cache=self.hold_cache):
+            num_tokens = out.num_output_tokens
+        if num_tokens < 1:
+            raise RuntimeError("the warm-up request generated no token")
+        if self.hold_cache and not await engine.release(rid):
+            raise RuntimeError(f"the warm-up request {rid} was not held at its finish")
