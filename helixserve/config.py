@@ -91,6 +91,8 @@ class CtxServerConfig(_Strict):
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
     # one short request through the engine before /ready answers 200 (serving/warm_up.py)
     warm_up: bool = True
+    warm_up_timeout_s: float = Field(600.0, gt=0, description=(
+        "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
 
     @property
     def url(self) -> str:
@@ -127,6 +129,8 @@ class GenServerConfig(_Strict):
         "a worker shutting down waits this long for a world restart in progress"))
     # one short request through the engine (the world) before /ready answers 200 (serving/warm_up.py)
     warm_up: bool = True
+    warm_up_timeout_s: float = Field(600.0, gt=0, description=(
+        "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
 
     @property
     def world_size(self) -> int:

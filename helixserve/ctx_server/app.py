@@ -94,7 +94,8 @@ def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
 
     worker.abort_override = abort_offered
     # a context_only prefill's way: held at its finish, then released (as a pickup would)
-    worker.warm_up = WarmUp.for_deployment("ctx", deploy, server.warm_up, hold_cache=True)
+    worker.warm_up = WarmUp.for_deployment("ctx", deploy, server.warm_up, server.warm_up_timeout_s,
+                                           hold_cache=True)
     handlers = {
         None: aggregated_handler(worker),
         RequestType.CONTEXT_ONLY: ContextOnlyHandler(worker, requests, transceiver),

@@ -106,7 +106,7 @@ class _RankCacheCollector:
 def _app(worker: Worker, kv_source: KVSource, deploy: DeploymentConfig, server: GenServerConfig,
          world: GenWorld | None = None) -> FastAPI:
     # through the engine: a world's driver runs it on every rank (prefill, then decode steps)
-    worker.warm_up = WarmUp.for_deployment("gen", deploy, server.warm_up,
+    worker.warm_up = WarmUp.for_deployment("gen", deploy, server.warm_up, server.warm_up_timeout_s,
                                            num_requests=server.dp if world is not None else 1)
     worker.extra_gauges = kv_source.gauges
     worker.extra_stats = kv_source.stats if world is None else lambda: {**kv_source.stats(),

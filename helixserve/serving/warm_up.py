@@ -33,7 +33,6 @@ from helixserve.serving.openai_serving import ServingLimits
 logger = logging.getLogger(__name__)
 
 NUM_DECODE_STEPS = 4
-WARM_UP_TIMEOUT_S = 600.0  # a warm-up taking longer fails (the worker exits)
 _PRIME = 7919  # spreads the prompt's ids over the vocabulary, deterministically
 
 
@@ -76,7 +75,7 @@ class WarmUp:
     def __init__(self, role: str, is_enabled: bool = True, hold_cache: bool = False,
                  tokens_per_block: int = 16, max_num_batched_tokens: int = 2048, num_requests: int = 1,
                  on_failure: Callable[[], None] = stop_this_process,
-                 timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+                 *, timeout_s: float) -> None:
         self.role = role
         self.num_requests = num_requests  # at once: a gen world of dp groups gets one per group
         self.hold_cache = hold_cache  # a ctx worker: held at the finish, then released
@@ -91,12 +90,13 @@ class WarmUp:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    def for_deployment(cls, role: str, deploy: DeploymentConfig, is_enabled: bool,
+    def for_deployment(cls, role: str, deploy: DeploymentConfig, is_enabled: bool, timeout_s: float,
                        hold_cache: bool = False, num_requests: int = 1) -> WarmUp:
         """Sized by the deployment's page and prefill chunk budget (``EngineCore`` raises the
         budget to ``max_num_seqs``)."""
         chunk = max(deploy.scheduler.max_num_batched_tokens, deploy.cache.max_num_seqs)
-        return cls(role, is_enabled, hold_cache, deploy.cache.tokens_per_block, chunk, num_requests)
+        return cls(role, is_enabled, hold_cache, deploy.cache.tokens_per_block, chunk, num_requests,
+                   timeout_s=timeout_s)
 
     @property
     def exit_code(self) -> int | None:

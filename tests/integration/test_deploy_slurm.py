@@ -289,7 +289,7 @@ def test_the_sbatch_cuda_configs_plan_steps_that_share_or_split_the_devices(
 
     path = REPO / "deploy" / "configs" / config
     assert all(g.kv_source == "ucx" for g in DeploymentConfig.from_yaml(path).gen)
-    monkeypatch.setattr(slurm, "expand_nodelist", lambda nodelist: ["g1"])  # scontrol needs a cluster
+    monkeypatch.setattr(slurm, "expand_nodelist", lambda nodelist, timeout_s: ["g1"])  # scontrol needs a cluster
     placement = tmp_path / "placement.yaml"
     placement.write_text("address: hostname\ncpus_per_task: 4\n")
     args = slurm.parse_args(["-c", str(path), "--model", str(tiny_checkpoints["kimi-k3-tiny"]),
