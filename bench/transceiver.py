@@ -6,7 +6,10 @@ length the whole request (7 MLA layers of blocks, 20 KDA layers of fp32 state an
 AUX) moves from begin() to "ready" on the gen side: control RPC, plan check, every message,
 scatter. In the same run, between the same two processes and the same ucxx setup (progress
 thread, no endpoint error handling): a raw ucxx tag send of ONE contiguous buffer of the same
-size. Where available, also a NIXL WRITE of one buffer (nixl-cu12, UCX backend, DRAM; pass
+size, and the same bytes as raw ucxx sends of the request's own message sizes (all posted at
+once, no control plane): the gap between the two raw rows is what the split into messages costs,
+the gap between helixserve and the second is the per-request overhead (control round trip,
+planning, posting from Python). Where available, also a NIXL WRITE of one buffer (nixl-cu12, UCX backend, DRAM; pass
 ``--nixl-path`` to a ``pip install --target`` dir) and ``ucx_perftest -t tag_bw`` (from the libucx
 wheel). GB/s = 1e9 bytes/s, median of ``--reps`` after one warm-up.
 
@@ -86,6 +89,11 @@ def _ctx_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
             while not handle.is_quiesced():
                 time.sleep(0.0002)
             outbox.put("sent")
+        elif cmd[0] == "raw_messages":
+            handles = [plane.send_message("gen", tag, raw[start : start + n]) for tag, start, n in cmd[1]]
+            while not all(h.is_quiesced() for h in handles):
+                time.sleep(0.0002)
+            outbox.put("sent")
     sender.stop()
     plane.close()
 
@@ -123,16 +131,32 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
             elapsed = time.perf_counter() - start
             manager.free(rid)
             outbox.put((elapsed, rx.receiver.metrics.bytes_transferred))
-        elif cmd[0] == "raw":
-            handle = plane.recv_message("ctx", cmd[2], raw[: cmd[1]])
+        elif cmd[0] in ("raw", "raw_messages"):
+            pieces = [(cmd[2], 0, cmd[1])] if cmd[0] == "raw" else cmd[1]
+            handles = [plane.recv_message("ctx", tag, raw[start : start + n]) for tag, start, n in pieces]
             outbox.put("posted")
             assert inbox.get() == ("go",)
             start = time.perf_counter()
-            while handle.test() is TransferState.TRANSFERRING:
+            while any(h.test() is TransferState.TRANSFERRING for h in handles):
                 time.sleep(0.0002)
             outbox.put(time.perf_counter() - start)
     rx.close()
     plane.close()
+
+
+def _message_pieces(num_tokens: int, message_mib: float, first_tag: int) -> list[tuple[int, int, int]]:
+    """(wire tag, offset, nbytes) of one request's messages (cp 1), back to back in one buffer."""
+    import torch
+
+    from helixserve.models.presets import get_preset
+    from helixserve.transceiver.layout import ShardSpec, layout_for, plan_messages, shard_segments
+
+    layout = layout_for(get_preset(PRESET), torch.bfloat16, TPB, PRESET)
+    messages = plan_messages(shard_segments(ShardSpec(layout, num_tokens)), int(message_mib * 2**20))
+    starts = [0]
+    for m in messages[:-1]:
+        starts.append(starts[-1] + m.nbytes)
+    return [(first_tag + m.index, start, m.nbytes) for m, start in zip(messages, starts, strict=True)]
 
 
 def _payload_bytes(caches) -> int:
@@ -154,9 +178,9 @@ def bench_ucx(token_counts: list[int], reps: int, message_mib: float, window_mib
     gen_address = gen_out.get(timeout=120)
     ctx_in.put(("connect", gen_address)), gen_in.put(("connect", ctx_address))
     assert (ctx_out.get(timeout=30), gen_out.get(timeout=30)) == ("connected", "connected")
-    out, serial = {}, iter(range(10**6))
+    out, serial, nbytes = {}, iter(range(10**6)), 0  # nbytes: the gen's running byte count
     for num_tokens in token_counts:
-        transfer, raw, nbytes = [], [], 0
+        transfer, raw, raw_messages = [], [], []
         for rep in range(reps + 1):
             rid = f"r{next(serial)}"
             ctx_in.put(("hold", rid, num_tokens))
@@ -172,10 +196,20 @@ def bench_ucx(token_counts: list[int], reps: int, message_mib: float, window_mib
             gen_in.put(("go",))
             raw_s = gen_out.get(timeout=120)
             assert ctx_out.get(timeout=60) == "sent"
+            pieces = _message_pieces(num_tokens, message_mib, (1 << 40) + (next(serial) << 12))
+            assert sum(n for _, _, n in pieces) == payload, (num_tokens, payload)
+            gen_in.put(("raw_messages", pieces))
+            assert gen_out.get(timeout=60) == "posted"
+            ctx_in.put(("raw_messages", pieces))
+            gen_in.put(("go",))
+            raw_messages_s = gen_out.get(timeout=120)
+            assert ctx_out.get(timeout=60) == "sent"
             if rep:  # the first round warms up
                 transfer.append(elapsed)
                 raw.append(raw_s)
-        out[num_tokens] = {"bytes": payload, "transfer_s": transfer, "raw_ucxx_s": raw}
+                raw_messages.append(raw_messages_s)
+        out[num_tokens] = {"bytes": payload, "transfer_s": transfer, "raw_ucxx_s": raw,
+                           "raw_ucxx_messages_s": raw_messages, "num_messages": len(pieces)}
     for inbox in (ctx_in, gen_in):
         inbox.put(("stop",))
     for proc in procs:
@@ -306,7 +340,8 @@ def main() -> None:
     rows, records = [], []
     for num_tokens, r in ucx.items():
         gbps = {"helixserve": r["bytes"] / statistics.median(r["transfer_s"]) / 1e9,
-                "raw ucxx": r["bytes"] / statistics.median(r["raw_ucxx_s"]) / 1e9}
+                "raw ucxx": r["bytes"] / statistics.median(r["raw_ucxx_s"]) / 1e9,
+                "raw ucxx, same messages": r["bytes"] / statistics.median(r["raw_ucxx_messages_s"]) / 1e9}
         nixl = None if nixl_skip else bench_nixl(r["bytes"], reps, args.nixl_path, 15 if args.quick else 180)
         if nixl is None and not nixl_skip:
             nixl_skip = f"the NIXL write of {r['bytes']} bytes gave no result; not tried again"
@@ -314,10 +349,16 @@ def main() -> None:
         gbps["NIXL write"] = r["bytes"] / statistics.median(nixl) / 1e9 if nixl else None
         gbps["ucx_perftest"] = bench_perftest(r["bytes"], max(reps, 3), 20 if args.quick else 300)
         best = max(v for k, v in gbps.items() if k != "helixserve" and v)
-        rows.append([num_tokens, r["bytes"] / 2**20, *gbps.values(), gbps["helixserve"] / best])
-        records.append({"tokens": num_tokens, "bytes": r["bytes"], "gbps": gbps, "ratio_vs_best_peer":
-                        gbps["helixserve"] / best, "transfer_s": r["transfer_s"], "raw_ucxx_s": r["raw_ucxx_s"]})
-    headers = ["prompt tokens", "MiB", "helixserve GB/s", "raw ucxx GB/s", "NIXL write GB/s", "ucx_perftest GB/s",
+        # paired per round (each helixserve transfer is followed by its raw send): robust to load drift
+        paired = statistics.median(raw_s / ours for ours, raw_s in zip(r["transfer_s"], r["raw_ucxx_s"]))
+        rows.append([num_tokens, r["bytes"] / 2**20, r["num_messages"], *gbps.values(), paired,
+                     gbps["helixserve"] / best])
+        records.append({"tokens": num_tokens, "bytes": r["bytes"], "num_messages": r["num_messages"], "gbps": gbps,
+                        "vs_raw_ucxx": paired, "ratio_vs_best_peer": gbps["helixserve"] / best,
+                        "transfer_s": r["transfer_s"], "raw_ucxx_s": r["raw_ucxx_s"],
+                        "raw_ucxx_messages_s": r["raw_ucxx_messages_s"]})
+    headers = ["prompt tokens", "MiB", "messages", "helixserve GB/s", "raw ucxx GB/s", "raw ucxx, same messages GB/s",
+               "NIXL write GB/s", "ucx_perftest GB/s", "helixserve / raw ucxx (paired median)",
                "helixserve / best peer"]
     print(f"\n{PRESET} request (bf16 KV, fp32 KDA state), ctx -> gen, 2 processes, one host\n")
     print(markdown_table(headers, rows))

@@ -37,6 +37,7 @@ from helixserve.transceiver.plane import DataPlane, TransferHandle
 
 
 PRUNE_AT = 4096  # message ops tracked before the quiesced ones are dropped
+ANY_SOURCE = -1  # src of a receive posted on the worker (recv_message(None, ...)): fault keys by src skip it
 
 
 class FakeFault(enum.Enum):
@@ -278,6 +279,8 @@ class FakeFabric:
         elif FakeFault.FAIL in faults:  # a broken link fails both sides
             for side in (send.handle, recv.handle):
                 side.fault = FakeFault.FAIL
+            if recv.src == ANY_SOURCE:  # a receive posted on the worker names the link it matched
+                recv.handle._error = send.handle._error
         elif faults == (FakeFault.NONE, FakeFault.NONE):
             delivery = _Delivery(send.buffer, recv.buffer)
             for side in (send.handle, recv.handle):
@@ -321,8 +324,9 @@ class FakeDataPlane(DataPlane):
     def send_message(self, peer: Hashable, wire_tag: int, buffer: Any) -> TransferHandle:
         return self.fabric._post_message(self.rank, self._peer_rank(peer), wire_tag, buffer, is_send=True)
 
-    def recv_message(self, peer: Hashable, wire_tag: int, buffer: Any) -> TransferHandle:
-        return self.fabric._post_message(self._peer_rank(peer), self.rank, wire_tag, buffer, is_send=False)
+    def recv_message(self, peer: Hashable | None, wire_tag: int, buffer: Any) -> TransferHandle:
+        src = ANY_SOURCE if peer is None else self._peer_rank(peer)  # matching is by (dst, tag) anyway
+        return self.fabric._post_message(src, self.rank, wire_tag, buffer, is_send=False)
 
     def retract(self, wire_tag: int) -> TransferHandle:
         return self.fabric._post_message(self.rank, self.rank, wire_tag, torch.empty(0, dtype=torch.uint8),

@@ -1,13 +1,16 @@
 """One request's shard stream into a gen rank (owned by the engine thread; see `receiver`).
 
-Phases: REQUESTING (RequestShard in flight) -> RECEIVING (every receive posted: in place when
-the message's bytes are one run of the pools, else into a staging buffer scattered on arrival)
--> DONE (all landed, AUX checked, acknowledged). Giving up: DRAINING (Cancel sent; the messages
+Phases: REQUESTING (RequestShard in flight; every receive is already posted, on the worker, right
+after the request went out: in place when the message's bytes are one run of the pools, else into
+a staging buffer scattered on arrival; the receiver's plan is the stream's cut, since the ctx cuts
+with exactly the receiver's ``max_message_bytes``, so the ctx's first send finds its receive
+waiting and the request costs one control round trip, overlapped with the data) -> RECEIVING (the
+ctx's reply checked against the posted plan) -> DONE (all landed, AUX checked, acknowledged). Giving up: DRAINING (Cancel sent; the messages
 the ctx says it already posted are still received, because an unmatched rendezvous send would
 pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `retract`; the
 endpoint to the ctx worker is shared by all requests and stays open). A RequestShard the ctx
-refused goes straight to CLOSED: nothing was or will be sent for it, and a Cancel would stop the
-pickup for whichever rank holds it.
+refused goes straight to CLOSED (its posted receives retracted): nothing was or will be sent for
+it, and a Cancel would stop the pickup for whichever rank holds it.
 """
 
 from __future__ import annotations
@@ -83,15 +86,16 @@ class Inbound:
             dst_block_ids=handle.block_ids, dst_slot=-1 if handle.slot is None else handle.slot)
         self.future = self.client.request_shard_async(req, timeout_s=deadline_s)
         self.future.add_done_callback(lambda _: self.r.poller.wakeup.set())
+        self._replan(self.plan.message_bytes)
+        self._post(len(self.recvs))  # while the request travels (maps our memory on the way)
 
     def advance(self) -> None:
         """Non-blocking progress of whatever phase the stream is in."""
         if self.phase is Phase.REQUESTING and self.future.done():
             self._on_reply()
-        if self.phase in (Phase.RECEIVING, Phase.DRAINING):
-            self._post(len(self.recvs) if self.phase is Phase.RECEIVING else self.num_to_drain)
-        if self.phase is not Phase.REQUESTING:
-            self._collect()
+        if self.phase in (Phase.REQUESTING, Phase.RECEIVING, Phase.DRAINING):
+            self._post(self.num_to_drain if self.phase is Phase.DRAINING else len(self.recvs))
+        self._collect()
         if self.phase is Phase.RECEIVING and all(r.is_done for r in self.recvs) and self.error is None:
             self._finish()
         if self.phase is Phase.DRAINING:
@@ -106,9 +110,8 @@ class Inbound:
             # no Cancel: it would stop the pickup for the rank that holds it (e.g. a duplicate's)
             return self.fail_unsent(f"{self.ctx} refused the transfer: {reply.error}")
         try:
-            if not 1 <= reply.message_bytes <= self.plan.message_bytes:
-                raise ValueError(f"message_bytes {reply.message_bytes} outside [1, {self.plan.message_bytes}]")
-            self._replan(reply.message_bytes)
+            if reply.message_bytes != self.plan.message_bytes:  # our receives are posted with our cut
+                raise ValueError(f"message_bytes {reply.message_bytes} != the {self.plan.message_bytes} asked for")
             check_payloads(payload_descriptors(self.plan.messages, self.plan.kinds), reply.payloads)
             self.peer = self.r.plane.connect_worker(bytes(reply.ucx_worker_address))
         except Exception as error:
@@ -139,7 +142,7 @@ class Inbound:
                     if recv.staging is None:
                         return  # staging full: post the rest on a later poll
                     buffer = recv.staging[0]
-                recv.handle = self.r.plane.recv_message(self.peer, wire_tag(self.tag_base, index), buffer)
+                recv.handle = self.r.plane.recv_message(None, wire_tag(self.tag_base, index), buffer)
             except Exception as error:
                 if recv.staging is not None:
                     self.r.staging.release(recv.staging[1], recv.staging[0])
@@ -158,12 +161,13 @@ class Inbound:
                 return
             self._pending.popleft()
             recv.is_done = True
-            if state is TransferState.COMPLETED and self.phase is Phase.RECEIVING:
+            is_live = self.phase in (Phase.REQUESTING, Phase.RECEIVING)
+            if state is TransferState.COMPLETED and is_live:
                 if recv.staging is not None:
                     scatter(recv.staging[0], self.plan.spans(self.plan.messages[index]))
                 if self.plan.messages[index].kind is PayloadKind.AUX:
                     self._check_aux()
-            elif state is not TransferState.COMPLETED and self.error is None and self.phase is Phase.RECEIVING:
+            elif state is not TransferState.COMPLETED and self.error is None and is_live:
                 self._fail(f"receiving message {index} from {self.ctx} failed: {recv.handle.error}")
             if recv.staging is not None:
                 self.r.staging.release(recv.staging[1], recv.staging[0])
@@ -240,7 +244,7 @@ class Inbound:
             recv = self.recvs[index]
             if recv.handle.test().is_terminal:
                 continue
-            self.r.retractor.retract(self.peer, wire_tag(self.tag_base, index), self.plan.messages[index].nbytes,
+            self.r.retractor.retract(None, wire_tag(self.tag_base, index), self.plan.messages[index].nbytes,
                                      may_still_arrive=index < limit)
         self.phase = Phase.CLOSED
         self._collect()
@@ -262,6 +266,7 @@ class Inbound:
         return done and not self._pending and all(r.handle is None or r.handle.is_quiesced() for r in self.recvs)
 
     def fail_unsent(self, error: str) -> None:
-        """Fail before anything was requested: nothing can arrive, so it is closed at once."""
+        """Fail where nothing was or will be sent (never requested, or refused): closed at once,
+        its posted receives retracted (no sink: no message can come)."""
         self._fail(error)
-        self.phase = Phase.CLOSED
+        self._close(may_still_send=0)

@@ -238,6 +238,7 @@ def _memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, a
     lay = spec.layout
     k = lay.kda_head_dim
     out = []
+    block_runs: dict[tuple, SegmentMemory] = {}  # every MLA layer's pool of one shape: the same runs
     for seg in segments:
         if seg.kind is PayloadKind.AUX:
             out.append(SegmentMemory.of(aux, [0], seg.unit_bytes))
@@ -245,8 +246,17 @@ def _memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, a
         if seg.kind is PayloadKind.KV_BLOCKS:
             pool = _checked(caches.mla_kv, seg.layer_id, lay.kv_dtype,
                             (lay.tokens_per_block, lay.kv_lora_rank + lay.qk_rope_head_dim))
-            row = pool.stride(0) * pool.element_size()
-            out.append(SegmentMemory.of(pool, np.asarray(physical_blocks, dtype=np.int64) * row, seg.unit_bytes))
+            key = (tuple(pool.shape), pool.stride(), pool.element_size(), seg.unit_bytes)
+            shared = block_runs.get(key)
+            if shared is None and pool.is_contiguous():
+                row = pool.stride(0) * pool.element_size()
+                offsets = np.asarray(physical_blocks, dtype=np.int64) * row
+                shared = block_runs[key] = SegmentMemory.of(pool, offsets, seg.unit_bytes)
+                out.append(shared)
+            elif shared is None:
+                out.append(SegmentMemory.of(pool, [], seg.unit_bytes))  # raises: not contiguous
+            else:
+                out.append(SegmentMemory(pool.reshape(-1).view(torch.uint8), shared.runs, shared.starts))
             continue
         if slot is None:
             raise ValueError(f"KDA layer {seg.layer_id} needs a state slot")

@@ -8,7 +8,8 @@ in-process fake in tests). The transfer path calls exactly these methods:
 - `address`: this worker's address, handed to peers through the control plane;
 - `connect_worker(address)`: the shared, long-lived endpoint to a peer worker (its key);
 - `send_message` / `recv_message`: one message with a caller-built 64-bit wire tag; receives are
-  matched by the *worker* in posting order, whatever endpoint posted them;
+  matched by the *worker* in posting order, whatever endpoint posted them, so a receive may be
+  posted with ``peer=None`` (on the worker itself) before the sender's address is known;
 - `retract(wire_tag)`: end this worker's oldest posted receive of `wire_tag` without writing it;
 - `close()`: close every endpoint (posted receives end).
 
@@ -80,8 +81,9 @@ class DataPlane(ABC):
         """Send `buffer` as exactly one message tagged `wire_tag` to `peer` (a `connect_worker` key)."""
 
     @abstractmethod
-    def recv_message(self, peer: Hashable, wire_tag: int, buffer: Any) -> TransferHandle:
-        """Receive exactly one message tagged `wire_tag` into `buffer`."""
+    def recv_message(self, peer: Hashable | None, wire_tag: int, buffer: Any) -> TransferHandle:
+        """Receive exactly one message tagged `wire_tag` into `buffer` (`peer` None: posted on the
+        worker, matched whichever worker sends it)."""
 
     @abstractmethod
     def retract(self, wire_tag: int) -> TransferHandle:

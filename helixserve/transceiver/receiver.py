@@ -6,11 +6,11 @@ callers that want the receiver to allocate and to agree over the CP group itself
 
 1. `start(request_id, handle, caches, ticket)`: the ticket (``DisaggregatedParams``) is checked
    (generation_only, layout equal to ours) and RequestShard goes to the ctx worker
-   asynchronously, with a deadline; the request's overall deadline is anchored now. Our memory
-   map is built while the ctx answers. Problems are reported by `poll`, never raised.
-2. The ctx's message list is checked against our own plan (an untrusted plan is refused), then
-   every receive is posted (see `inbound`); ucxx's own thread moves the bytes straight into the
-   pools (or staging), so transfers progress while the engine computes.
+   asynchronously, with a deadline; the request's overall deadline is anchored now. Every
+   receive is posted while the ctx answers (see `inbound`): ucxx's own thread moves the bytes
+   straight into the pools (or staging) as the ctx sends, so transfers progress while the engine
+   computes. Problems are reported by `poll`, never raised.
+2. The ctx's message list is checked against our own plan (an untrusted plan is refused).
 3. `poll()` (bounded, non-blocking by default) returns the transfers that ended: ``None`` for a
    complete one (the handle is the caller's again: start decoding), or an error naming the ctx
    worker and the cause (refused, unreachable, UCX error, AUX mismatch, timeout). A complete
@@ -111,8 +111,7 @@ class KVReceiver:
             check_layout(self.layout, ticket.layout, "gen", inbound.ctx)
         except ValueError as error:
             return inbound.fail_unsent(str(error))
-        inbound.request(session.remaining())
-        inbound.plan.prepare()  # map our memory while the ctx answers
+        inbound.request(session.remaining())  # and posts every receive while the ctx answers
 
     def poll(self, wait_num: int | None = 0, interval_s: float = 0.0) -> dict[str, str | None]:
         """Bounded local poll; transfers that ended since the last call: ``id -> None`` (complete:

@@ -47,7 +47,7 @@ class Retractor:
 
     def retract(self, peer: Hashable | None, wire_tag: int, nbytes: int, may_still_arrive: bool) -> TransferHandle:
         """End the posted receive of `wire_tag`; with `may_still_arrive`, absorb a late message."""
-        if may_still_arrive and peer is not None:
+        if may_still_arrive:  # (peer None: the sink is posted on the worker, see DataPlane.recv_message)
             scratch = torch.empty(nbytes, dtype=torch.uint8)
             handle = self.plane.recv_message(peer, wire_tag, scratch)
             self.sinks.append(_Sink(handle, scratch, wire_tag, self.clock.monotonic() + self.sink_lifetime_s))

@@ -335,7 +335,7 @@ class KVSender:
         except (ValueError, ValidationError) as error:
             logger.warning("refused %s's pickup of %s: %s", who, request.ctx_request_id, error)
             return pb.ShardReply(accepted=False, error=str(error))
-        message_bytes = min(self.config.message_bytes, request.max_message_bytes)
+        message_bytes = request.max_message_bytes  # the receiver's cut: its receives are posted with it
         plan = ShardPlan.for_sender(spec, self.caches, pickup.block_ids, pickup.slot,
                                     pickup.first_tokens, message_bytes)
         # One long-lived endpoint per gen worker, shared by its requests (tags tell them apart):
@@ -382,4 +382,8 @@ class KVSender:
         if request.tag_base > MAX_TAG_BASE or request.max_message_bytes < 1:
             raise ValueError(f"{who}: tag_base {request.tag_base} or max_message_bytes "
                              f"{request.max_message_bytes} out of range")
+        if request.max_message_bytes > self.config.message_bytes:  # its receives are already posted
+            raise ValueError(f"{who} cuts the stream into messages of {request.max_message_bytes} bytes, more "
+                             f"than this ctx's message_bytes {self.config.message_bytes}: configure "
+                             "the same transceiver.message_bytes on both sides")
         return ShardSpec(self.layout, pickup.num_prompt_tokens, request.cp_rank, request.cp_size)

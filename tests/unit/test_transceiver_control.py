@@ -95,6 +95,21 @@ def test_unreachable_server_is_retried_until_the_deadline_then_unavailable():
     client.close()
 
 
+def test_request_shard_async_starts_at_once_maps_unreachable_and_cancels_its_call():
+    """RequestShard runs as grpc's own call future (started on the calling thread): a never
+    reached ctx still fails as UNAVAILABLE by name, and cancelling the future cancels the call."""
+    client = ControlClient(TransceiverEndpoint(host="127.0.0.1", port=1), timeout_s=5.0)
+    start = time.monotonic()
+    future = client.request_shard_async(pb.ShardRequest(ctx_request_id="r"), timeout_s=0.7)  # 0.6 s less margin
+    error = future.exception(timeout=5.0)
+    assert time.monotonic() - start >= 0.55
+    assert error.code() is grpc.StatusCode.UNAVAILABLE and "could not connect to 127.0.0.1:1" in error.details()
+    pending = client.request_shard_async(pb.ShardRequest(ctx_request_id="r"), timeout_s=5.0)
+    assert pending.cancel() and pending.cancelled()
+    assert pending._grpc_call.cancelled()  # noqa: SLF001 (the call itself stopped)
+    client.close()
+
+
 def _descriptor(kind, first, sizes):
     return pb.PayloadDescriptor(kind=kind, first_message=first, message_nbytes=sizes)
 

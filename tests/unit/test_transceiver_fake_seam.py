@@ -147,6 +147,60 @@ def test_a_failed_send_fails_the_receivers_request_by_name_and_frees_everything(
     assert not gen.rx.retractor.sinks
 
 
+def test_every_receive_is_posted_before_the_ctx_answers_one_round_trip(world, fabric, monkeypatch):
+    """The receiver posts its whole stream (on its worker) right after RequestShard went out, so the
+    ctx's sends find their receives waiting; the reply is only checked against them."""
+    from helixserve.transceiver.sender import KVSender
+
+    answer = threading.Event()
+    original = KVSender.request_shard
+
+    def held_back(self, request):  # the ctx's handler waits: the reply cannot have arrived yet
+        assert answer.wait(5.0)
+        return original(self, request)
+
+    monkeypatch.setattr(KVSender, "request_shard", held_back)
+    ctx, (gen,) = world(config(message_bytes=1000))
+    gen.start("g1", ctx.hold("r1"))
+    inbound = gen.rx.inbounds["g1"]
+    num_messages = len(inbound.plan.messages)
+    assert num_messages > 10 and inbound.phase.value == "requesting"
+    assert list(inbound._pending) == list(range(num_messages))  # noqa: SLF001
+    assert len([op for op in fabric.in_flight() if op.startswith("recv ")]) == num_messages
+    answer.set()
+    assert poll_until([gen], "g1") == [None]
+    got, want = gen.received("g1"), ctx.expected_shard("r1", 0, 1)
+    assert all(torch.equal(got["mla"][i].view(torch.uint8), want["mla"][i].view(torch.uint8)) for i in want["mla"])
+    wait_for(lambda: ctx.freed == ["r1"])
+    assert fabric.in_flight() == []
+
+
+@pytest.mark.parametrize("gen_bytes", [999, 1000, 1001])
+def test_the_ctx_cuts_with_the_receivers_message_size_or_refuses_a_larger_one(fabric, gen_bytes):
+    """Receives are posted with the receiver's cut before the ctx answers, so the ctx cuts with
+    exactly it; one above its own ``message_bytes`` is refused by name, and the receives posted
+    for it are retracted (nothing left in flight, no sink: nothing can come)."""
+    ctx = Ctx(config(message_bytes=1000))
+    gen = Gen(config(message_bytes=gen_bytes))
+    try:
+        gen.start("g1", ctx.hold("r1"))
+        (outcome,) = poll_until([gen], "g1")
+        if gen_bytes <= 1000:
+            assert outcome is None
+            wait_for(lambda: ctx.freed == ["r1"])
+        else:
+            assert outcome is not None and "refused the transfer" in outcome
+            assert "messages of 1001 bytes, more than this ctx's message_bytes 1000" in outcome
+            assert gen.rx.cancel("g1")
+            gen.manager.free("g1")
+            assert gen.used() == gen.baseline and not gen.rx.retractor.sinks
+            assert ctx.sender.stats().num_held == 1  # refused: still held for a correct request
+        wait_for(lambda: fabric.in_flight() == [])
+    finally:
+        gen.rx.close()
+        ctx.close()
+
+
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_a_failed_send_through_the_bounce_pool_gives_every_staging_buffer_back(world, fabric, side):
     cfg = config(message_bytes=1000, send_window_bytes=2000, bounce_size_bytes=1 << 20, chunk_bytes=1 << 20)

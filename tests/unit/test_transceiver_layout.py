@@ -130,3 +130,26 @@ def test_small_segments_map_like_the_numpy_path(seed, monkeypatch):
     total = count * unit
     for start, size in ((0, total), (total // 3, total - total // 3), (total - 1, 1)):
         assert [s.tolist() for s in few.spans(start, size)] == [s.tolist() for s in many.spans(start, size)]
+
+
+def test_every_mla_layer_maps_the_blocks_once_and_reads_its_own_pool():
+    """The block runs are computed once per request and shared by the MLA layers (same pool
+    shape); each layer's spans still read that layer's pool, byte-exact, fragmented blocks too."""
+    from helixserve.cache_layout import cache_spec_for
+    from helixserve.kvcache.pools import allocate_model_caches
+    from helixserve.transceiver.layout import ShardPlan
+
+    caches = allocate_model_caches(cache_spec_for(CFG, torch.float32, 4), 16, 2)
+    for layer, pool in caches.mla_kv.items():
+        pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view(pool.shape) + 1000 * layer)
+    blocks = [9, 10, 2, 3, 4, 15]  # runs 9-10, 2-4, 15
+    plan = ShardPlan.for_sender(ShardSpec(LAYOUT, 23), caches, blocks, 0, [1], 1 << 20)
+    kv = [(seg, mem) for seg, mem in zip(plan.segments, plan.memory) if seg.kind is PayloadKind.KV_BLOCKS]
+    assert [seg.layer_id for seg, _ in kv] == [3, 5]
+    assert kv[0][1].runs is kv[1][1].runs and len(kv[0][1].runs) == 3
+    for seg, mem in kv:
+        got = torch.cat(mem.spans(0, seg.nbytes)).view(torch.float32)
+        assert torch.equal(got, caches.mla_kv[seg.layer_id][blocks].reshape(-1))
+    caches.mla_kv[5] = caches.mla_kv[5].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, strided
+    with pytest.raises(ValueError, match="must be contiguous"):
+        ShardPlan.for_sender(ShardSpec(LAYOUT, 23), caches, blocks, 0, [1], 1 << 20).prepare()

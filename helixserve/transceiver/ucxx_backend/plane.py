@@ -323,8 +323,10 @@ class UcxxDataPlane(DataPlane):
         """Send `buffer` as exactly one message with tag `wire_tag` (no chunking)."""
         return self._post_one(peer, wire_tag, buffer, is_send=True)
 
-    def recv_message(self, peer: Hashable, wire_tag: int, buffer: Any) -> UcxxHandle:
-        """Receive exactly one message with tag `wire_tag` into `buffer` (sizes must match)."""
+    def recv_message(self, peer: Hashable | None, wire_tag: int, buffer: Any) -> UcxxHandle:
+        """Receive exactly one message with tag `wire_tag` into `buffer` (sizes must match).
+        `peer` None: posted on the worker (UCX matches tags per worker, whoever sends), so it can
+        be posted before the sender's address is known; closing an endpoint does not end it."""
         return self._post_one(peer, wire_tag, buffer, is_send=False)
 
     def _endpoint(self, peer: Hashable) -> Any:
@@ -333,8 +335,8 @@ class UcxxDataPlane(DataPlane):
             raise ValueError(f"rank {self.rank}: no UCX endpoint to peer {peer!r}; connect() first")
         return endpoint
 
-    def _post_one(self, peer: Hashable, wire_tag: int, buffer: Any, is_send: bool) -> UcxxHandle:
-        endpoint = self._endpoint(peer)
+    def _post_one(self, peer: Hashable | None, wire_tag: int, buffer: Any, is_send: bool) -> UcxxHandle:
+        endpoint = self._worker if peer is None and not is_send else self._endpoint(peer)
         if self._notifier is not None:
             self._notifier.ensure_loop()
         if not 0 <= wire_tag <= MAX_WIRE_TAG:
@@ -374,6 +376,8 @@ class UcxxDataPlane(DataPlane):
     def close(self) -> None:
         for peer in list(self._endpoints):
             self.close_peer(peer)
+        with self._lock:  # receives posted on the worker (peer None) end here
+            self._worker.cancel_inflight_requests()
         if self._notifier is not None:
             self._notifier.stop()
             self._notifier = None
