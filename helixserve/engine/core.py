@@ -26,24 +26,22 @@ from dataclasses import dataclass
 
 import torch
 
-from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.admission import check_new_request
 from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
 from helixserve.engine.rank_memory import check_rank_memory
+from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
+                                          decode_graphs_off_reason, size_cache, step_token_budget)
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.executor import SPMDExecutor
-from helixserve.kernels.triton_common import has_fla
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheManager
-from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
-from helixserve.planning.memory import engine_pool_sizes
 from helixserve.transceiver.consensus import TransferConsensus
 
 logger = logging.getLogger(__name__)
@@ -60,68 +58,6 @@ class EngineStats:
     num_used_blocks: int
     num_slots: int
     num_used_slots: int
-
-
-@dataclass(slots=True, frozen=True)
-class CacheLayout:
-    """Derived once at start-up from the cache config and the model."""
-
-    num_blocks: int
-    num_slots: int
-    tokens_per_block: int
-    max_model_len: int
-
-
-def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1
-               ) -> tuple[CacheSpec, CacheLayout]:
-    """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
-    group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer."""
-    spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
-    num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
-                                              cache.memory_budget_mib, cache.max_num_seqs, cp)
-    max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
-                        num_blocks * cache.tokens_per_block * cp)
-    return spec, CacheLayout(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
-
-
-def allocate_rank_caches(spec: CacheSpec, layout: CacheLayout, device: torch.device | str) -> ModelCaches:
-    """The cache tensors; on CUDA one slot more than the manager hands out: the scratch slot of
-    padded CUDA-graph rows."""
-    return allocate_model_caches(spec, layout.num_blocks, layout.num_slots + int(torch.device(device).type == "cuda"),
-                                 device)
-
-
-def step_token_budget(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
-    """The most rows any step has: the scheduler's token budget, at least ``max_num_seqs`` (so
-    every running decode fits one step; a decode graph's padded batch too)."""
-    return max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
-
-
-def decode_graph_shape(cache: CacheConfig, layout: CacheLayout) -> tuple[int, int, int]:
-    """``(max_batch, max_blocks, scratch_slot)`` of a rank's decode CUDA graphs: the same on every
-    rank of a world (each sizes its cache alike), so every rank captures the same graphs."""
-    return min(cache.max_num_seqs, layout.num_slots), -(-layout.max_model_len // cache.tokens_per_block), layout.num_slots
-
-
-def decode_graphs_off_reason(model: torch.nn.Module, device: torch.device | str, use_cuda_graphs: bool,
-                             world_size: int) -> str | None:
-    """Why this rank captures no decode CUDA graphs (``None``: it captures them).
-
-    Graphs need the fast kernels: the PyTorch references read metadata on the host and check slot
-    ids (padded rows repeat the scratch slot), neither of which a graph can hold. In a world of
-    more than one rank they need the hooks' static mode (no host read in the MoE all-to-all, the
-    same shapes on every rank), which every rank of the world sets alike, so every rank captures
-    (and replays) the same graphs, their collectives in the same order."""
-    if not use_cuda_graphs:
-        return "not asked for"
-    if torch.device(device).type != "cuda":
-        return "not on CUDA"
-    if not has_fla():
-        return "the fast kernels (fla, Triton) are not in use"
-    helix = getattr(model, "helix", None)
-    if world_size > 1 and not (helix is not None and helix.is_static):
-        return f"a world of {world_size} ranks without the static helix step (WorldOptions.static_moe)"
-    return None
 
 
 class EngineCore:

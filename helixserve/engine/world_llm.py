@@ -29,8 +29,9 @@ from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
 from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
-from helixserve.engine.core import (EngineCore, allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
-                                    size_cache, step_token_budget)
+from helixserve.engine.core import EngineCore
+from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
+                                          size_cache, step_token_budget)
 from helixserve.engine.kv_intake import KVReceiver, RankTransfers
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import GroupChannel

@@ -1,6 +1,6 @@
 """Cache pool byte arithmetic (torch-free): what one MLA block and one KDA state slot cost, and
 how many of each a byte budget holds. :mod:`helixserve.kvcache.pools` (the tensors),
-:func:`helixserve.engine.core.size_cache` (the servers) and ``helixserve plan``
+:func:`helixserve.engine.rank_setup.size_cache` (the servers) and ``helixserve plan``
 (:mod:`helixserve.planning`) all size their pools here.
 
 Per rank, with ``L_mla`` MLA and ``L_kda`` KDA layers and ``b`` bytes per model-dtype value:

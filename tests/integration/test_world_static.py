@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
-from helixserve.engine.core import decode_graphs_off_reason, step_token_budget
+from helixserve.engine.rank_setup import decode_graphs_off_reason, step_token_budget
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver

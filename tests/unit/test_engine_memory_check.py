@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
-from helixserve.engine.core import allocate_rank_caches, size_cache
+from helixserve.engine.rank_setup import allocate_rank_caches, size_cache
 from helixserve.engine.llm import LLM
 from helixserve.models.presets import get_preset
 from helixserve.planning.memory import DeploymentDoesNotFitError
