@@ -85,10 +85,6 @@ def uses_static_moe(options: WorldOptions, mapping: Mapping, device: torch.devic
 KVReceiverFactory = Callable[[Mapping], KVReceiver]
 
 
-def _tokenizer(model_dir: Path) -> HelixTokenizer | None:
-    return load_tokenizer_or_none(model_dir)
-
-
 RankPart = EngineCore | Follower
 
 
@@ -102,7 +98,7 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     if uses_static_moe(options, mapping, groups.device):  # every rank alike: the same capacities
         model.helix.set_static(step_token_budget(options.cache, options.scheduler), lse_rows=options.cache.max_num_seqs)
     if mapping.cp_rank == 0:
-        return EngineCore(model, model.cfg, _tokenizer(model_dir), options.cache, options.scheduler, groups.device,
+        return EngineCore(model, model.cfg, load_tokenizer_or_none(model_dir), options.cache, options.scheduler, groups.device,
                           options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver)
     spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
     caches = allocate_rank_caches(spec, layout, groups.device)
@@ -144,7 +140,7 @@ def _world_main(rank: int, world_size: int, init_method: str, model_dir: str, dp
         assert isinstance(part, EngineCore)
         driver = WorldDriver(part)
         try:
-            return drive_to_completion(driver, prompts, params, _tokenizer(Path(model_dir)))
+            return drive_to_completion(driver, prompts, params, load_tokenizer_or_none(model_dir))
         finally:
             driver.shutdown()
     finally:
@@ -184,7 +180,7 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
         raise FileNotFoundError(f"no config.json in {model_dir}")
     if dp < 1 or cp < 1:
         raise ValueError(f"dp={dp} and cp={cp} must be >= 1")
-    tokenizer = _tokenizer(model_dir)
+    tokenizer = load_tokenizer_or_none(model_dir)
     encoded = []
     for prompt in prompts:
         if isinstance(prompt, str):

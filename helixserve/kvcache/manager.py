@@ -237,6 +237,11 @@ class CacheManager:
             num_requests=len(self._handles),
         )
 
+    def rank_stats(self) -> list[CacheStats]:
+        """Each CP rank's own blocks and slots (this manager is one rank's): ``[stats()]``, as
+        :meth:`~helixserve.kvcache.group_cache.GroupCacheManager.rank_stats` gives a group's."""
+        return [self.stats()]
+
     def _own(self, handle: CacheHandle) -> None:
         if self._handles.get(handle.request_id) is not handle:
             raise AllocationError(f"handle of request {handle.request_id!r} is not live here")

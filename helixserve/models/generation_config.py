@@ -39,15 +39,22 @@ class GenerationDefaults(BaseModel):
             raise ValueError(f"{source}: {bad}") from exc
 
 
+def read_json_object(path: Path, error: type[ValueError] = ValueError) -> dict[str, Any]:
+    """A JSON object file, ``{}`` when absent; ``error`` naming the file when it is malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
     """``model_dir``'s ``generation_config.json`` defaults; none when the file is absent."""
     path = Path(model_dir) / GENERATION_CONFIG
     if not path.is_file():
         return GenerationDefaults()
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return GenerationDefaults.from_generation_config(raw, str(path))
+    return GenerationDefaults.from_generation_config(read_json_object(path), str(path))

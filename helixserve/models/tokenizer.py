@@ -20,14 +20,13 @@ The tiny presets' vocabulary (either layout): ids 0..255 are the 256 bytes, then
 
 from __future__ import annotations
 
-import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from helixserve.models.generation_config import GENERATION_CONFIG
+from helixserve.models.generation_config import GENERATION_CONFIG, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -134,15 +133,7 @@ def _compiled_template(source: str) -> Any:
 
 def read_json_file(path: Path) -> dict[str, Any]:
     """A JSON object file, ``{}`` when absent; :class:`TokenizerError` naming it when malformed."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, TokenizerError)
 
 
 def token_content(value: Any) -> str | None:

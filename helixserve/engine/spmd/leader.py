@@ -46,10 +46,8 @@ def apply_commands(core: EngineCore, commands: list[Command]) -> list[RequestUpd
 def group_stats(core: EngineCore) -> list[EngineStats]:
     """Each CP rank's stats: the group's request counts, the rank's own blocks and slots."""
     total = core.stats()
-    manager = core.cache_manager
-    per_rank = manager.rank_stats() if hasattr(manager, "rank_stats") else [manager.stats()]
     return [EngineStats(total.num_running, total.num_waiting, total.num_held, c.num_blocks, c.num_used_blocks,
-                        c.num_slots, c.num_used_slots) for c in per_rank]
+                        c.num_slots, c.num_used_slots) for c in core.cache_manager.rank_stats()]
 
 
 def leader_step(core: EngineCore, commands: list[Command], run_model: bool, dp: int) -> StepReport:
