@@ -65,24 +65,16 @@ class SPMDExecutor:
         if self.world_size == 1:
             self.num_forwards += 1
             logits = self.runner.forward(out, input_tokens)
-        elif graphs is not None and graphs.fits(out):
-            # a captured decode step (static helix step): every rank of the group replays the
-            # graph of the same size (the followers' runner.forward decides alike)
-            self._send_launch(out, input_tokens)
-            self.num_forwards += 1
-            try:
-                logits = self.runner.forward(out, input_tokens)
-            except Exception as exc:
-                raise CollectiveError(f"forward failed on rank {self.channel.mapping.rank}: "
-                                      f"{type(exc).__name__}: {exc}") from exc
         else:
-            # built before anything is sent: a batch that fails to build fails this group's
-            # step only (the world's front then runs the group's empty step)
-            prepared = self.runner.prepare(out, input_tokens)
+            # a captured decode step (static helix step) replays on every rank of the group (the
+            # followers' runner.forward decides alike); any other batch is built before anything
+            # is sent: one that fails to build fails this group's step only (the world's front
+            # then runs the group's empty step)
+            prepared = None if graphs is not None and graphs.fits(out) else self.runner.prepare(out, input_tokens)
             self._send_launch(out, input_tokens)
             self.num_forwards += 1
             try:
-                logits = self.runner.run(prepared)
+                logits = self.runner.forward(out, input_tokens) if prepared is None else self.runner.run(prepared)
             except Exception as exc:  # the ranks' collectives are unmatched now
                 raise CollectiveError(f"forward failed on rank {self.channel.mapping.rank}: "
                                       f"{type(exc).__name__}: {exc}") from exc
