@@ -141,6 +141,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
 

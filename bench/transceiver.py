@@ -330,7 +330,11 @@ def main() -> None:
     parser.add_argument("--message-mib", type=float, default=16.0, help="TransceiverConfig.message_bytes in MiB")
     parser.add_argument("--window-mib", type=float, default=64.0, help="TransceiverConfig.send_window_bytes in MiB")
     parser.add_argument("--nixl-path", default=None, help="directory holding nixl_cu12 (pip install --target)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: pools on the GPU, helixserve vs raw ucxx vs a device copy (bench/_transceiver_cuda.py)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        return main_cuda(args)
     token_counts = [512, 2048] if args.quick else [4096, 16384, 32768]
     reps = args.reps or (5 if args.quick else 7)
     ucx = bench_ucx(token_counts, reps, args.message_mib, args.window_mib)
@@ -366,6 +370,16 @@ def main() -> None:
                           "message_bytes": int(args.message_mib * 2**20),
                           "send_window_bytes": int(args.window_mib * 2**20),
                           "nixl_skipped": nixl_skip, "machine": machine_info(), "results": records})
+
+
+def main_cuda(args) -> None:
+    import _transceiver_cuda
+
+    headers, rows, records = _transceiver_cuda.run(args.quick, args.reps)
+    print("\none request ctx -> gen, 2 processes on one GPU (pools on the device, 64-token pages)\n")
+    print(markdown_table(headers, rows))
+    write_json(args.out, {"bench": "transceiver", "device": "cuda", "tokens_per_block": _transceiver_cuda.TPB,
+                          "machine": machine_info(), "results": records})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,11 @@ class KVTransferStub:
                 request_serializer=helixserve_dot_protocol_dot_transfer__pb2.AckRequest.SerializeToString,
                 response_deserializer=helixserve_dot_protocol_dot_transfer__pb2.AckReply.FromString,
                 _registered_method=True)
+        self.DescribePools = channel.unary_unary(
+                '/helixserve.transfer.KVTransfer/DescribePools',
+                request_serializer=helixserve_dot_protocol_dot_transfer__pb2.PoolsRequest.SerializeToString,
+                response_deserializer=helixserve_dot_protocol_dot_transfer__pb2.PoolsReply.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -72,6 +77,12 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribePools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Acknowledge,
                     request_deserializer=helixserve_dot_protocol_dot_transfer__pb2.AckRequest.FromString,
                     response_serializer=helixserve_dot_protocol_dot_transfer__pb2.AckReply.SerializeToString,
+            ),
+            'DescribePools': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribePools,
+                    request_deserializer=helixserve_dot_protocol_dot_transfer__pb2.PoolsRequest.FromString,
+                    response_serializer=helixserve_dot_protocol_dot_transfer__pb2.PoolsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class KVTransfer:
             '/helixserve.transfer.KVTransfer/Acknowledge',
             helixserve_dot_protocol_dot_transfer__pb2.AckRequest.SerializeToString,
             helixserve_dot_protocol_dot_transfer__pb2.AckReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribePools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helixserve.transfer.KVTransfer/DescribePools',
+            helixserve_dot_protocol_dot_transfer__pb2.PoolsRequest.SerializeToString,
+            helixserve_dot_protocol_dot_transfer__pb2.PoolsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,10 @@ class TransceiverConfig(BaseModel):
             TCP transport listens on those interfaces only. None: the worker's own interface (ctx:
             the one holding ``transceiver_host``; gen: the one routing to the ctx transceivers)
             plus every RDMA port; ``"all"``: every device (UCX's default, listens everywhere).
+        cuda_ipc: gen ranks copy shards straight out of the ctx's device pools where both sides'
+            caches are on GPUs of one host (CUDA IPC handles exchanged once per ctx worker, one
+            batched copy kernel per request, no UCX messages; see `cuda_ipc`). Elsewhere, or off,
+            shards travel as UCX tagged messages (cuda_ipc / RDMA / tcp as UCX picks).
         control_tls: TLS for the control plane (None: plaintext gRPC on a private network).
         internal_secret: the deployment's internal secret; every control-plane call carries it
             and the ctx's service answers only calls that do (None: the service answers anyone).
@@ -94,6 +98,7 @@ class TransceiverConfig(BaseModel):
     drain_timeout_ms: float = 2000.0
     wake_on_completion: bool = False
     ucx_net_devices: str | None = None
+    cuda_ipc: bool = True
     control_tls: ControlTLSConfig | None = None
     internal_secret: SecretStr | None = Field(None, exclude=True, repr=False)
 

@@ -1,7 +1,8 @@
 """Control plane: the `KVTransfer` gRPC service on a ctx worker, and its client on gen ranks.
 
 The service negotiates transfers (RequestShard), stops them (Cancel) and confirms them
-(Acknowledge); the bytes move over UCX. Every client call carries a deadline, so no caller ever
+(Acknowledge); the bytes move over UCX, or are copied by the receiver out of the pools it opened
+once through DescribePools (CUDA IPC, see `cuda_ipc`). Every client call carries a deadline, so no caller ever
 waits on the control plane without bound: RequestShard the transfer's remaining time (its
 connection may use the whole `kv_transfer_timeout_ms` budget), Cancel and Acknowledge
 `TransceiverConfig.rpc_timeout_ms`. Calls wait for the channel to connect (`wait_for_ready`,
@@ -65,6 +66,7 @@ class TransferHandler(Protocol):
     def request_shard(self, request: pb.ShardRequest) -> pb.ShardReply: ...
     def cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply: ...
     def acknowledge(self, request: pb.AckRequest) -> pb.AckReply: ...
+    def describe_pools(self, request: pb.PoolsRequest) -> pb.PoolsReply: ...
 
 
 class _Servicer(pb_grpc.KVTransferServicer):
@@ -102,6 +104,13 @@ class _Servicer(pb_grpc.KVTransferServicer):
         except Exception as error:
             logger.exception("Acknowledge %s failed", request.ctx_request_id)
             return pb.AckReply(known=False, error=f"{type(error).__name__}: {error}")
+
+    def DescribePools(self, request, context):  # noqa: N802
+        try:
+            return self.handler.describe_pools(request)
+        except Exception as error:
+            logger.exception("DescribePools for gen rank %d failed", request.gen_rank)
+            return pb.PoolsReply(supported=False, reason=f"ctx sender error: {type(error).__name__}: {error}")
 
 
 class ControlServer:
@@ -285,6 +294,9 @@ class ControlClient:
 
     def acknowledge_async(self, request: pb.AckRequest, timeout_s: float | None = None) -> futures.Future:
         return self._pool.submit(self._call, self._stub.Acknowledge, request, self._deadline(timeout_s))
+
+    def describe_pools_async(self, request: pb.PoolsRequest, timeout_s: float | None = None) -> futures.Future:
+        return self._pool.submit(self._call, self._stub.DescribePools, request, self._deadline(timeout_s))
 
     def stop_watching(self) -> None:
         self._channel.unsubscribe(self._on_state)

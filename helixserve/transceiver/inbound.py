@@ -11,6 +11,12 @@ pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `re
 endpoint to the ctx worker is shared by all requests and stays open). A RequestShard the ctx
 refused goes straight to CLOSED (its posted receives retracted): nothing was or will be sent for
 it, and a Cancel would stop the pickup for whichever rank holds it.
+
+Pulled (`pull`, `cuda_ipc`): when this rank holds the ctx's opened pools, RequestShard names their
+epoch and no receive is posted; a ctx that answers with `pull` sends nothing: the shard is copied
+out of its pools by one batched kernel (PULLING), then acknowledged (DONE). A ctx that answers
+with the tagged stream instead (it restarted: another epoch) gets the receives posted then. Giving
+up while PULLING first waits (bounded) for the launched copy, so nothing writes once it returns.
 """
 
 from __future__ import annotations
@@ -21,14 +27,18 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import torch
+
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.control import check_payloads, payload_descriptors, rpc_error_text, target
+from helixserve.transceiver.cuda_ipc import RemotePools, caches_device
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
 from helixserve.transceiver.plane import TransferHandle
+from helixserve.transceiver.pull import Pull
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +46,7 @@ logger = logging.getLogger(__name__)
 class Phase(enum.Enum):
     REQUESTING = "requesting"  # RequestShard in flight
     RECEIVING = "receiving"  # receives posted
+    PULLING = "pulling"  # the copy out of the ctx's pools is launched
     DONE = "done"  # every message landed
     DRAINING = "draining"  # gave up: waiting for the Cancel reply / the already-posted messages
     CLOSED = "closed"  # receives retracted: nothing can write once they ended
@@ -73,6 +84,8 @@ class Inbound:
         self.drain_end: float | None = None
         self.num_to_drain = 0
         self._kind_indices: dict[PayloadKind, list[int]] = {}
+        self.pools: RemotePools | None = None  # asked to pull from these
+        self.pull: Pull | None = None
 
     # -- requesting ---------------------------------------------------------------------------
     def request(self, deadline_s: float) -> None:
@@ -84,6 +97,10 @@ class Inbound:
             tag_base=self.tag_base, num_prompt_tokens=self.plan.spec.num_tokens,
             max_message_bytes=self.plan.message_bytes, deadline_ms=int(deadline_s * 1e3),
             dst_block_ids=handle.block_ids, dst_slot=-1 if handle.slot is None else handle.slot)
+        device = caches_device(self.caches)
+        if device is not None and device.type == "cuda":
+            self.pools = self.r.pools.get(target(self.params.ctx_endpoint), self.client, device)
+            req.pull_epoch = self.pools.epoch if self.pools is not None else 0
         self.future = self.client.request_shard_async(req, timeout_s=deadline_s)
         self.future.add_done_callback(lambda _: self.r.poller.wakeup.set())
         self._replan(self.plan.message_bytes)
@@ -98,6 +115,8 @@ class Inbound:
         self._collect()
         if self.phase is Phase.RECEIVING and all(r.is_done for r in self.recvs) and self.error is None:
             self._finish()
+        if self.phase is Phase.PULLING and self.pull.is_done() and self.error is None:
+            self._finish()
         if self.phase is Phase.DRAINING:
             self._drain()
 
@@ -109,6 +128,11 @@ class Inbound:
         if not reply.accepted:  # final (see KVSender.request_shard): no stream exists for us, so
             # no Cancel: it would stop the pickup for the rank that holds it (e.g. a duplicate's)
             return self.fail_unsent(f"{self.ctx} refused the transfer: {reply.error}")
+        if reply.HasField("pull"):
+            return self._start_pull(reply.pull)
+        if self.pools is not None:  # it chose the tagged stream: it restarted, describe it again
+            self.r.pools.forget(target(self.params.ctx_endpoint))
+            self.pools = None
         try:
             if reply.message_bytes != self.plan.message_bytes:  # our receives are posted with our cut
                 raise ValueError(f"message_bytes {reply.message_bytes} != the {self.plan.message_bytes} asked for")
@@ -127,8 +151,28 @@ class Inbound:
         self._pending: deque[int] = deque()  # posted, not landed yet, in post order
         self._kind_indices = {k: [m.index for m in self.plan.kind_messages(k)] for k in self.plan.kinds}
 
+    # -- pulling ------------------------------------------------------------------------------
+    def _start_pull(self, shard: pb.PullShard) -> None:
+        try:
+            if self.pools is None:
+                raise ValueError("it answered with a pull this rank did not ask for")
+            self._check_aux(torch.tensor(list(shard.aux), dtype=torch.int64))
+            if self.error is not None:
+                return self.stop("the ctx holds another prefill")
+            slot = None if shard.src_slot < 0 else int(shard.src_slot)
+            theirs = ShardPlan.for_sender(self.plan.spec, self.pools.caches, list(shard.src_block_ids), slot,
+                                          list(self.params.first_gen_tokens), self.plan.message_bytes)
+            self.pull = Pull(theirs, self.plan, self.r.copy_stream(caches_device(self.caches)))
+            self.r.num_pulled += 1
+        except Exception as error:
+            self._fail(f"{self.ctx}'s pull shard is unusable: {type(error).__name__}: {error}")
+            return self.stop("unusable pull shard")  # it accepted: it keeps the blocks until told
+        self.phase = Phase.PULLING
+
     # -- receiving ----------------------------------------------------------------------------
     def _post(self, limit: int) -> None:
+        if self.pools is not None:
+            return  # asked to pull: nothing is sent to this rank
         for index in range(min(limit, len(self.recvs))):
             recv = self.recvs[index]
             if recv.handle is not None:
@@ -138,7 +182,7 @@ class Inbound:
                 spans = self.plan.spans(message)
                 buffer = spans[0]
                 if len(spans) > 1:
-                    recv.staging = self.r.staging.try_acquire(self.request_id, message.nbytes)
+                    recv.staging = self.r.staging.try_acquire(self.request_id, message.nbytes, spans[0].device)
                     if recv.staging is None:
                         return  # staging full: post the rest on a later poll
                     buffer = recv.staging[0]
@@ -166,16 +210,16 @@ class Inbound:
                 if recv.staging is not None:
                     scatter(recv.staging[0], self.plan.spans(self.plan.messages[index]))
                 if self.plan.messages[index].kind is PayloadKind.AUX:
-                    self._check_aux()
+                    self._check_aux(self.plan.aux)
             elif state is not TransferState.COMPLETED and self.error is None and is_live:
                 self._fail(f"receiving message {index} from {self.ctx} failed: {recv.handle.error}")
             if recv.staging is not None:
                 self.r.staging.release(recv.staging[1], recv.staging[0])
                 recv.staging = None
 
-    def _check_aux(self) -> None:
+    def _check_aux(self, aux: torch.Tensor) -> None:
         try:
-            num_tokens, first = decode_aux(self.plan.aux)
+            num_tokens, first = decode_aux(aux)
         except ValueError as error:
             return self._fail(f"{self.ctx}: {error}")
         if num_tokens != self.plan.spec.num_tokens or first != list(self.params.first_gen_tokens):
@@ -201,6 +245,9 @@ class Inbound:
             return self._close()  # complete here, failed elsewhere: nothing in flight
         if self.phase in (Phase.DRAINING, Phase.CLOSED):
             return
+        if self.pull is not None and not self.pull.wait(self.r.config.drain_timeout_s):
+            logger.error("request %s: the copy out of %s's pools did not end within %.1f s", self.request_id,
+                         self.ctx, self.r.config.drain_timeout_s)
         if self.phase is Phase.REQUESTING and self.future is not None:
             self.future.cancel()
         self.phase = Phase.DRAINING
@@ -219,6 +266,8 @@ class Inbound:
                             rpc_error_text(error))
                 return self._close(may_still_send=None)
             self.num_to_drain = reply.num_posted_messages if reply.known else 0
+            if self.num_to_drain:
+                self.pools = None  # it chose the tagged stream after all: drain what it posted
             try:
                 if self.num_to_drain and not self.recvs:  # never saw the RequestShard reply
                     if not 1 <= reply.message_bytes <= self.plan.message_bytes:
@@ -254,6 +303,8 @@ class Inbound:
         self.advance()
         if self.error is not None:
             return TransferState.FAILED
+        if self.phase is Phase.DONE and self.pull is not None:
+            return TransferState.COMPLETED
         if self.phase in (Phase.RECEIVING, Phase.DONE) and self.recvs and all(
                 self.recvs[i].is_done for i in self._kind_indices[kind]):
             return TransferState.COMPLETED  # (the last one to land closes the stream first)
@@ -262,7 +313,7 @@ class Inbound:
     def is_quiesced(self) -> bool:
         if self.phase is Phase.CLOSED:
             self._collect()  # releases the staging of retracted receives as they end
-        done = self.phase in (Phase.DONE, Phase.CLOSED)
+        done = self.phase in (Phase.DONE, Phase.CLOSED) and (self.pull is None or self.pull.is_done())
         return done and not self._pending and all(r.handle is None or r.handle.is_quiesced() for r in self.recvs)
 
     def fail_unsent(self, error: str) -> None:

@@ -72,7 +72,7 @@ class Outbound:
             spans = self.plan.spans(message)
             buffer = spans[0]
             if len(spans) > 1:
-                staged = self.staging.try_acquire(self.request_id, message.nbytes)
+                staged = self.staging.try_acquire(self.request_id, message.nbytes, spans[0].device)
                 if staged is None:
                     return False  # bounce pool full: retry on a later tick
                 sent.staging = staged
@@ -117,6 +117,46 @@ class Outbound:
 
     def is_quiesced(self) -> bool:
         return all(self.sent[i].handle.is_quiesced() for i in self.inflight)
+
+    def stop(self, reason: str) -> None:
+        self.is_stopped = True
+
+
+class PulledShard:
+    """One receiver's shard that it copies out of our pools itself (`pull`): nothing is sent.
+
+    The cache must stay held while the receiver may still read it: until that receiver
+    acknowledged or cancelled (it does either only after its copy ended), or, if it never does,
+    until `release_at` (its own deadline, as its RequestShard stated it, plus the drain time).
+    The session's acknowledgements decide success, as for a tagged stream.
+    """
+
+    has_work = False
+    num_posted = 0
+    error: str | None = None
+
+    def __init__(self, plan: ShardPlan, release_at: float, clock) -> None:  # noqa: ANN001 (a Clock)
+        self.plan = plan
+        self.release_at = release_at
+        self.clock = clock
+        self.is_released = False
+        self.is_stopped = False
+
+    def pump(self, plane: DataPlane) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+    def release(self) -> None:
+        """The receiver said it no longer reads (its Ack or Cancel)."""
+        self.is_released = True
+
+    def kind_state(self, kind: PayloadKind) -> TransferState:
+        return TransferState.COMPLETED  # nothing to send; the acknowledgement completes the session
+
+    def is_quiesced(self) -> bool:
+        return self.is_released or self.clock.monotonic() >= self.release_at
 
     def stop(self, reason: str) -> None:
         self.is_stopped = True

@@ -32,6 +32,8 @@ import itertools
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
@@ -40,6 +42,7 @@ from helixserve.transceiver.base import ReceiverSession, TransferState
 from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import ControlClients
+from helixserve.transceiver.cuda_ipc import PoolDirectory
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
 from helixserve.transceiver.plane import DataPlane, open_data_plane
@@ -83,6 +86,9 @@ class KVReceiver:
         self.retractor = Retractor(self.plane, self.clock, config.timeout_s)
         self.clients = ControlClients(config.rpc_timeout_s, config)
         self.staging = staging_for(config)
+        self.pools = PoolDirectory(gen_rank, layout, enabled=config.cuda_ipc)
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.num_pulled = 0  # shards copied out of a ctx's pools (cuda_ipc), not sent
         self.inbounds: dict[str, Inbound] = {}
         self._reported: set[str] = set()
         self._acks: list = []
@@ -211,6 +217,12 @@ class KVReceiver:
             if inbound.phase is Phase.DRAINING:
                 inbound.advance()
         self._acks = [f for f in self._acks if not f.done()]
+
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream pulled shards are copied on (one per device, made on first use)."""
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.cuda.Stream(device)
+        return self._copy_streams[device]
 
     def send_ack(self, inbound: Inbound, success: bool, error: str) -> None:
         ack = pb.AckRequest(ctx_request_id=inbound.params.ctx_request_id, cp_rank=inbound.plan.spec.cp_rank,

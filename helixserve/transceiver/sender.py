@@ -17,6 +17,11 @@ Lifecycle of one held request (a `_Pickup`):
    and the request is forgotten. Until then it is *quarantined*: a UCX rendezvous send whose
    receiver died is never matched and cannot be cancelled, so those blocks are never reused.
 
+Pulled shards (`cuda_ipc`): a gen rank on this host that opened our pools (DescribePools) asks
+with their epoch; its shard is then a `PulledShard`: nothing is sent, the reply carries the block
+table, slot and AUX words, and the blocks stay held until that rank acknowledged or cancelled
+(it copies first), or its stated deadline plus the drain time passed.
+
 Threads: one sender thread owns every pickup and stream; all state changes happen there. gRPC
 handler threads and the engine thread only enqueue commands and wait (bounded) for the answer.
 ucxx's own thread progresses the UCX worker.
@@ -49,16 +54,17 @@ from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import SenderSession, TransferState
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer, payload_descriptors
-from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardPlan, ShardSpec,
-                                           check_caches, check_layout)
-from helixserve.transceiver.outbound import Outbound
+from helixserve.transceiver.clock import MonotonicClock
+from helixserve.transceiver.cuda_ipc import PoolExport
+from helixserve.transceiver.layout import ShardPlan, check_caches, check_layout
+from helixserve.transceiver.outbound import Outbound, PulledShard
 from helixserve.transceiver.plane import DataPlane, open_data_plane
 from helixserve.transceiver.polling import TransferMetrics, TransferPoller
+from helixserve.transceiver.shard_request import check_shard_request
 from helixserve.transceiver.stream import KindHandle, staging_for
 
 logger = logging.getLogger(__name__)
 
-MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
 # internal ticks of the sender thread's wait (a completion or a gRPC call wakes it earlier)
 ACTIVE_TICK_S = 0.0005  # while messages are in flight or queued
 IDLE_TICK_S = 0.01  # while nothing is in flight
@@ -83,7 +89,7 @@ class _Pickup:
     num_prompt_tokens: int
     first_tokens: list[int]
     cp_size: int | None = None
-    outbounds: dict[int, Outbound] = field(default_factory=dict)
+    outbounds: dict[int, Outbound | PulledShard] = field(default_factory=dict)
     is_quarantine_logged: bool = False
 
 
@@ -122,6 +128,8 @@ class KVSender:
         self.poller = TransferPoller(wakeup=self._wakeup)
         self.plane: DataPlane = open_data_plane(config, self._wakeup, host)  # config.backend picks it
         self.staging = staging_for(config)
+        self._export = PoolExport(caches, enabled=config.cuda_ipc)
+        self._clock = MonotonicClock()
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
         self._pickups: dict[str, _Pickup] = {}
@@ -188,6 +196,10 @@ class KVSender:
 
     def acknowledge(self, request: pb.AckRequest) -> pb.AckReply:
         return self._answer(self._do_acknowledge, request, pb.AckReply(known=False, error="ctx sender busy"))
+
+    def describe_pools(self, request: pb.PoolsRequest) -> pb.PoolsReply:
+        """DescribePools (gRPC thread): the pools as CUDA IPC handles, or why not (`cuda_ipc`)."""
+        return self._export.describe(request)
 
     def _answer(self, fn, request, busy_reply, undo=None):  # noqa: ANN001, ANN202
         return answer_within(self._call, fn, request, busy_reply, self.config.rpc_timeout_s, undo)
@@ -305,7 +317,9 @@ class KVSender:
         self._stop_pickup(pickup, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) "
                                   f"cancelled: {request.reason}")
         outbound = pickup.outbounds.get(request.cp_rank)
-        if outbound is None:
+        if isinstance(outbound, PulledShard):
+            outbound.release()  # the receiver cancels only once its copy ended
+        if outbound is None or isinstance(outbound, PulledShard):
             return pb.CancelReply(known=True, num_posted_messages=0)
         return pb.CancelReply(known=True, num_posted_messages=outbound.num_posted,
                               message_bytes=outbound.plan.message_bytes, ucx_worker_address=self.plane.address)
@@ -314,6 +328,9 @@ class KVSender:
         pickup = self._pickups.get(request.ctx_request_id)
         if pickup is None:
             return pb.AckReply(known=False, error=f"ctx request {request.ctx_request_id} is not held here")
+        pulled = pickup.outbounds.get(request.cp_rank)
+        if isinstance(pulled, PulledShard):
+            pulled.release()  # the receiver acknowledges only once its copy ended
         if not request.success:
             self._stop_pickup(pickup, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) gave up: "
                                       f"{request.error}")
@@ -331,13 +348,18 @@ class KVSender:
             if pickup is None:
                 raise ValueError(f"ctx request {request.ctx_request_id} is not held here (never held, "
                                  "already picked up and freed, cancelled, or expired)")
-            spec = self._check_request(pickup, request, who)
+            spec = check_shard_request(pickup, request, who, self.layout, self.config.message_bytes)
         except (ValueError, ValidationError) as error:
             logger.warning("refused %s's pickup of %s: %s", who, request.ctx_request_id, error)
             return pb.ShardReply(accepted=False, error=str(error))
         message_bytes = request.max_message_bytes  # the receiver's cut: its receives are posted with it
         plan = ShardPlan.for_sender(spec, self.caches, pickup.block_ids, pickup.slot,
                                     pickup.first_tokens, message_bytes)
+        if self._export.names(request.pull_epoch):
+            release_at = self._clock.monotonic() + request.deadline_ms / 1e3 + self.config.drain_timeout_s
+            return self._accept(pickup, request, plan, PulledShard(plan, release_at, self._clock), pull=pb.PullShard(
+                src_block_ids=pickup.block_ids, src_slot=-1 if pickup.slot is None else pickup.slot,
+                aux=plan.aux.tolist()))
         # One long-lived endpoint per gen worker, shared by its requests (tags tell them apart):
         # per-request endpoints between the same two workers get paired arbitrarily by UCX, and
         # closing one cancelled another request's transfer.
@@ -348,6 +370,10 @@ class KVSender:
                                                        f"{type(error).__name__}: {error}")
         outbound = Outbound(request.ctx_request_id, request.cp_rank, plan, peer, request.tag_base, who,
                             self.staging, self.config.send_window_bytes)
+        return self._accept(pickup, request, plan, outbound)
+
+    def _accept(self, pickup: _Pickup, request: pb.ShardRequest, plan: ShardPlan, outbound: Outbound | PulledShard,
+                pull: pb.PullShard | None = None) -> pb.ShardReply:
         session = pickup.session
         pickup.cp_size = request.cp_size
         session.expected_acks = set(range(request.cp_size))
@@ -355,35 +381,6 @@ class KVSender:
             session.add_task(request.cp_rank, kind, sum(m.nbytes for m in plan.kind_messages(kind)))
             session.attach(request.cp_rank, kind, KindHandle(outbound, kind))
         pickup.outbounds[request.cp_rank] = outbound
-        return pb.ShardReply(accepted=True, ucx_worker_address=self.plane.address, message_bytes=message_bytes,
-                             payloads=payload_descriptors(plan.messages, plan.kinds))
+        return pb.ShardReply(accepted=True, ucx_worker_address=self.plane.address, message_bytes=plan.message_bytes,
+                             payloads=payload_descriptors(plan.messages, plan.kinds), pull=pull)
 
-    def _check_request(self, pickup: _Pickup, request: pb.ShardRequest, who: str) -> ShardSpec:
-        state = pickup.session.state
-        if state.is_settled:
-            raise ValueError(f"ctx request {request.ctx_request_id} is {state.value}: {pickup.session.error}")
-        try:
-            theirs = KVLayout.model_validate_json(request.layout_json)
-        except ValidationError as error:
-            raise ValueError(f"malformed KV layout from {who}: {error}") from None
-        try:
-            check_layout(self.layout, theirs, "ctx", who)
-        except LayoutMismatchError as error:
-            raise ValueError(str(error)) from None
-        if request.num_prompt_tokens != pickup.num_prompt_tokens:
-            raise ValueError(f"{who} expects {request.num_prompt_tokens} prompt tokens, the ctx request "
-                             f"has {pickup.num_prompt_tokens}")
-        if pickup.cp_size not in (None, request.cp_size):
-            raise ValueError(f"{who}: request already picked up with cp_size {pickup.cp_size}")
-        if request.cp_rank in pickup.outbounds:
-            raise ValueError(f"{who}: cp_rank {request.cp_rank} already picked this request up")
-        if not MIN_ADDRESS_BYTES <= len(request.ucx_worker_address) <= MAX_ADDRESS_BYTES:
-            raise ValueError(f"{who}: malformed UCX worker address ({len(request.ucx_worker_address)} bytes)")
-        if request.tag_base > MAX_TAG_BASE or request.max_message_bytes < 1:
-            raise ValueError(f"{who}: tag_base {request.tag_base} or max_message_bytes "
-                             f"{request.max_message_bytes} out of range")
-        if request.max_message_bytes > self.config.message_bytes:  # its receives are already posted
-            raise ValueError(f"{who} cuts the stream into messages of {request.max_message_bytes} bytes, more "
-                             f"than this ctx's message_bytes {self.config.message_bytes}: configure "
-                             "the same transceiver.message_bytes on both sides")
-        return ShardSpec(self.layout, pickup.num_prompt_tokens, request.cp_rank, request.cp_size)

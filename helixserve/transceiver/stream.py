@@ -53,21 +53,26 @@ class Staging:
 
     With a `BouncePool` buffers are first-fit regions of it (a full pool makes the caller retry
     later, never overwrite); without one (bouncing off) buffers are plain tensors, a few of which
-    are kept for reuse (a fresh one would page-fault on every gather).
+    are kept for reuse (a fresh one would page-fault on every gather). A message of device memory
+    is staged on its own device (the pool is host memory): a cache on a GPU never bounces through
+    the host.
     """
 
     MAX_SPARE = 8
 
     def __init__(self, pool: BouncePool | None) -> None:
         self.pool = pool
-        self._spare: list[torch.Tensor] = []
+        self._spare: dict[torch.device, list[torch.Tensor]] = {}
 
-    def try_acquire(self, owner: str, nbytes: int) -> tuple[torch.Tensor, Reservation | None] | None:
-        if self.pool is None:
-            for i, spare in enumerate(self._spare):
-                if spare.numel() >= nbytes:
-                    return self._spare.pop(i)[:nbytes], None
-            return torch.empty(nbytes, dtype=torch.uint8), None
+    def try_acquire(self, owner: str, nbytes: int,
+                    device: torch.device | None = None) -> tuple[torch.Tensor, Reservation | None] | None:
+        device = torch.device("cpu") if device is None else device
+        if self.pool is None or device.type != "cpu":
+            spare = self._spare.setdefault(device, [])
+            for i, buffer in enumerate(spare):
+                if buffer.numel() >= nbytes:
+                    return spare.pop(i)[:nbytes], None
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
         if nbytes > self.pool.capacity_bytes:
             raise ValueError(f"request {owner}: a {nbytes}-byte message exceeds the "
                              f"{self.pool.capacity_bytes}-byte bounce pool; lower message_bytes")
@@ -77,11 +82,13 @@ class Staging:
         return self.pool.view(reservation)[:nbytes], reservation
 
     def release(self, reservation: Reservation | None, buffer: torch.Tensor | None = None) -> None:
-        """Give a buffer back (`reservation` with a pool; `buffer`, optionally, without one)."""
+        """Give a buffer back (`reservation` from the pool; `buffer`, optionally, otherwise)."""
         if reservation is not None and self.pool is not None:
             self.pool.release(reservation)
-        elif buffer is not None and self.pool is None and len(self._spare) < self.MAX_SPARE:
-            self._spare.append(buffer if buffer._base is None else buffer._base)
+        elif buffer is not None and reservation is None:
+            spare = self._spare.setdefault(buffer.device, [])
+            if len(spare) < self.MAX_SPARE:
+                spare.append(buffer if buffer._base is None else buffer._base)
 
     def quarantine(self, reservation: Reservation | None, reason: str) -> None:
         if reservation is not None and self.pool is not None:

@@ -227,3 +227,29 @@ def test_moe_expert_paths_without_host_sync(path):
         ref = _moe_experts_torch(x, ids, weights, w13, w2, offset, "situ", 4.0, 25.0)
         out = fn(x, ids, weights, w13, w2, offset, act)
         assert_close(f"{path} offset={offset}", ref.float(), out.float(), 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("word", [8, 4, 2, 1])
+def test_batched_copy(interp, word, monkeypatch):
+    """Pieces of every alignment (the widest word that divides them all), split into chunks
+    (a small CHUNK_BYTES), between several tensors: byte-equal to the piece-by-piece reference."""
+    import numpy as np
+
+    from helixserve.kernels.copy import triton_batched
+    from helixserve.kernels.copy.batched import batched_copy_reference
+
+    monkeypatch.setattr(triton_batched, "CHUNK_BYTES", 256)
+    gen = torch.Generator().manual_seed(word)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (4096, 1000)]
+    dsts = [torch.zeros(5000, dtype=torch.uint8), torch.zeros(600, dtype=torch.uint8)]
+    table = np.asarray([[0, 0, 0, 0, 1024], [1, 8 * word, 0, 2048, 40 * word], [0, 2048, 1, 0, 512],
+                        [0, 3000, 0, 4096, 900 // word * word], [1, 0, 0, 1200, 0]])
+    table[:, [1, 3, 4]] = table[:, [1, 3, 4]] // word * word
+    table[0, 1] = word  # the first piece starts at an odd multiple of the word
+    assert triton_batched.word_bytes(table[:, [1, 3]], table[:, 4]) == word
+    want = [d.clone() for d in dsts]
+    batched_copy_reference(srcs, want, table)
+    triton_batched.batched_copy(srcs, dsts, table)
+    for w, d in zip(want, dsts):
+        assert torch.equal(w, d)

@@ -35,6 +35,8 @@ INTERNAL = {
         "shutdown only; every gRPC call is bounded by its own deadline (rpc_timeout_ms)",
     ("helixserve/transceiver/control.py", "SHARD_DEADLINE_MARGIN_S"):
         "a margin under the configured transfer deadline, not a wait of its own",
+    ("helixserve/transceiver/pull.py", "WAIT_TICK_S"):
+        "how often a bounded wait for a launched copy polls its event (drain_timeout_ms bounds it)",
     ("helixserve/transceiver/receiver.py", "RETRACT_WAIT_S"):
         "a local 0-byte retraction after drain_timeout_ms already ran out; bounds a broken plane",
     ("helixserve/transceiver/ucxx_backend/plane.py", "PROGRESS_EPOLL_TIMEOUT_MS"): "one UCX progress wait",

@@ -1,0 +1,216 @@
+"""`bench/transceiver.py --device cuda`: one request's KV + KDA state between two processes on one GPU.
+
+Pools on the GPU in both processes (ctx: a KVSender; gen: KVReceivers behind CPGroupReceiver,
+cp = 1, 64-token pages, bf16 KV, fp32 KDA state). Per request shape, in the same run and between
+the same two processes: helixserve's transfer as it serves (begin() to "ready": RequestShard, the
+copy out of the ctx's pools over CUDA IPC, the acknowledgement), the same request over the tagged
+UCX stream (``cuda_ipc: false``, what a gen on another host uses), a raw ucxx tag send of ONE device
+buffer of the same size (UCX's cuda_ipc; receive posted first, as the CPU bench), and a
+device-to-device copy of the same bytes in one process (``Tensor.copy_``, the ceiling). Times are
+medians of ``reps`` after one warm-up round; GB/s = 1e9 bytes/s.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+TPB = 64
+SHAPES = [("kimi-k3-mid", 512), ("kimi-k3-mid", 4096), ("kimi-linear-48b", 4096), ("kimi-linear-48b", 32768)]
+QUICK_SHAPES = [("kimi-k3-mid", 512), ("kimi-linear-48b", 4096)]
+
+
+def _setup(preset: str, max_tokens: int, cuda_ipc: bool = True):
+    import torch
+
+    from helixserve.cache_layout import cache_spec_for
+    from helixserve.kvcache.manager import CacheManager
+    from helixserve.kvcache.pools import allocate_model_caches
+    from helixserve.models.presets import get_preset
+    from helixserve.transceiver.config import TransceiverConfig
+    from helixserve.transceiver.layout import layout_for
+
+    cfg = get_preset(preset)
+    num_blocks = -(-max_tokens // TPB) * 2 + 2
+    caches = allocate_model_caches(cache_spec_for(cfg, torch.bfloat16, TPB), num_blocks, 2, device="cuda")
+    for pools in (caches.mla_kv, caches.kda_state, caches.conv_state):
+        for layer_id, pool in pools.items():
+            pool.copy_(torch.randn(pool.shape, dtype=torch.float32, device="cuda").to(pool.dtype) + layer_id)
+    config = TransceiverConfig(kv_transfer_timeout_ms=60_000, cuda_ipc=cuda_ipc)
+    return config, layout_for(cfg, torch.bfloat16, TPB, preset), caches, CacheManager(num_blocks, 2, TPB)
+
+
+def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
+    import torch
+
+    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+
+    config, layout, caches, manager = _setup(preset, max_tokens)
+    freed = mp.SimpleQueue()
+    sender = KVSender(config, layout, caches, freed.put)
+    plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
+    raw = torch.ones(sum(p.numel() * p.element_size() for d in (caches.mla_kv, caches.kda_state, caches.conv_state)
+                         for p in d.values()), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    outbox.put((sender.start().model_dump(), plane.address))
+    while (cmd := inbox.get())[0] != "stop":
+        if cmd[0] == "hold":
+            _, rid, num_tokens = cmd
+            while not manager.can_allocate(num_tokens):  # the previous pickup is freed on its ack
+                manager.free(freed.get())
+            sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
+            outbox.put("held")
+        elif cmd[0] == "connect":
+            plane.connect("gen", cmd[1])
+            outbox.put("connected")
+        elif cmd[0] == "raw":
+            handle = plane.send_message("gen", cmd[2], raw[: cmd[1]])
+            while not handle.is_quiesced():
+                time.sleep(0.00005)
+            outbox.put("sent")
+    sender.stop()
+    plane.close()
+
+
+def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
+    import torch
+
+    from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint
+    from helixserve.transceiver.base import TransferState
+    from helixserve.transceiver.control import target
+    from helixserve.transceiver.group import CPGroupReceiver
+    from helixserve.transceiver.receiver import KVReceiver
+    from helixserve.transceiver.ucxx_backend import UcxxDataPlane
+
+    config, layout, caches, manager = _setup(preset, max_tokens)
+    tagged_config = config.model_copy(update={"cuda_ipc": False})
+    receivers = {"pull": CPGroupReceiver(KVReceiver(config, layout), manager, caches),
+                 "tagged": CPGroupReceiver(KVReceiver(tagged_config, layout), manager, caches)}
+    plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
+    total = sum(p.numel() * p.element_size() for d in (caches.mla_kv, caches.kda_state, caches.conv_state)
+                for p in d.values())
+    raw = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    copy_src, copy_dst = torch.ones_like(raw), torch.zeros_like(raw)
+    outbox.put(plane.address)
+    while (cmd := inbox.get())[0] != "stop":
+        if cmd[0] == "connect":
+            plane.connect("ctx", cmd[1])
+            outbox.put("connected")
+        elif cmd[0] == "prime":  # the pull receiver opens the ctx's pools before anything is timed
+            endpoint = TransceiverEndpoint.model_validate(cmd[1])
+            receiver = receivers["pull"].receiver
+            end, pools = time.monotonic() + 30, None
+            while pools is None and time.monotonic() < end:
+                pools = receiver.pools.get(target(endpoint), receiver.clients.get(endpoint), torch.device("cuda", 0))
+                time.sleep(0.01)
+            outbox.put(pools is not None)
+        elif cmd[0] == "transfer":
+            _, mode, rid, num_tokens, endpoint = cmd
+            rx = receivers[mode]
+            params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
+                                         prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout)
+            before = rx.receiver.metrics.bytes_transferred
+            start = time.perf_counter()
+            rx.begin(rid, params)
+            check = rx.check()
+            while not check.ready:
+                assert not check.failed, check.failed
+                rx.receiver.progress(wait_num=1, interval_s=0.0005)
+                check = rx.check()
+            elapsed = time.perf_counter() - start
+            manager.free(rid)
+            outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before))
+        elif cmd[0] == "raw":
+            handle = plane.recv_message("ctx", cmd[2], raw[: cmd[1]])
+            outbox.put("posted")
+            assert inbox.get() == ("go",)
+            start = time.perf_counter()
+            while handle.test() is TransferState.TRANSFERRING:
+                time.sleep(0.00005)
+            outbox.put(time.perf_counter() - start)
+        elif cmd[0] == "copy":
+            times = []
+            for _ in range(cmd[2] + 1):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                copy_dst[: cmd[1]].copy_(copy_src[: cmd[1]])
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            outbox.put(times[1:])
+    for rx in receivers.values():
+        rx.close()
+    plane.close()
+
+
+def bench_preset(preset: str, token_counts: list[int], reps: int) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    (ctx_in, ctx_out), (gen_in, gen_out) = (ctx.Queue(), ctx.Queue()), (ctx.Queue(), ctx.Queue())
+    setup = (preset, max(token_counts))
+    procs = [ctx.Process(target=_ctx_main, args=(*setup, ctx_in, ctx_out)),
+             ctx.Process(target=_gen_main, args=(*setup, gen_in, gen_out))]
+    for proc in procs:
+        proc.start()
+    try:
+        endpoint, ctx_address = ctx_out.get(timeout=300)
+        gen_address = gen_out.get(timeout=300)
+        ctx_in.put(("connect", gen_address)), gen_in.put(("connect", ctx_address))
+        assert (ctx_out.get(timeout=60), gen_out.get(timeout=60)) == ("connected", "connected")
+        gen_in.put(("prime", endpoint))
+        pulls = gen_out.get(timeout=60)
+        serial = iter(range(10**6))
+        records = []
+        for num_tokens in token_counts:
+            times: dict[str, list[float]] = {"pull": [], "tagged": [], "raw": []}
+            payload = 0
+            for rep in range(reps + 1):
+                for mode in ("pull", "tagged"):
+                    rid = f"r{next(serial)}"
+                    ctx_in.put(("hold", rid, num_tokens))
+                    assert ctx_out.get(timeout=60) == "held"
+                    gen_in.put(("transfer", mode, rid, num_tokens, endpoint))
+                    elapsed, payload = gen_out.get(timeout=120)
+                    if rep:
+                        times[mode].append(elapsed)
+                tag = next(serial)
+                gen_in.put(("raw", payload, tag))
+                assert gen_out.get(timeout=60) == "posted"
+                ctx_in.put(("raw", payload, tag))
+                gen_in.put(("go",))
+                raw_s = gen_out.get(timeout=120)
+                assert ctx_out.get(timeout=60) == "sent"
+                if rep:
+                    times["raw"].append(raw_s)
+            gen_in.put(("copy", payload, reps))
+            copy_s = gen_out.get(timeout=120)
+            med = {k: statistics.median(v) for k, v in times.items()} | {"copy": statistics.median(copy_s)}
+            records.append({
+                "preset": preset, "tokens": num_tokens, "bytes": payload, "mib": payload / 2**20,
+                "pulled_over_cuda_ipc": pulls,
+                "gbps": {k: payload / v / 1e9 for k, v in med.items()},
+                "latency_ms": {k: v * 1e3 for k, v in med.items()},
+                "ratio": med["copy"] / med["pull"], "vs_raw_ucxx": med["raw"] / med["pull"],
+                "tagged_vs_raw_ucxx": med["raw"] / med["tagged"],
+                "times_s": times | {"copy": copy_s}})
+        return records
+    finally:
+        for inbox in (ctx_in, gen_in):
+            inbox.put(("stop",))
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def run(quick: bool, reps: int | None) -> tuple[list[str], list[list], list[dict]]:
+    shapes = QUICK_SHAPES if quick else SHAPES
+    reps = reps or (3 if quick else 7)
+    records = []
+    for preset in dict.fromkeys(p for p, _ in shapes):
+        records += bench_preset(preset, [t for p, t in shapes if p == preset], reps)
+    headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "tagged UCX GB/s", "raw ucxx GB/s",
+               "device copy GB/s", "ours / device copy", "ours / raw ucxx"]
+    rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["pull"], r["latency_ms"]["pull"], r["gbps"]["tagged"],
+             r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"], r["vs_raw_ucxx"]] for r in records]
+    return headers, rows, records

@@ -1,0 +1,1 @@
+"""Batched byte copies between cache tensors (the KV transfer's device path)."""

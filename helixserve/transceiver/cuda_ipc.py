@@ -1,0 +1,217 @@
+"""CUDA IPC: a ctx worker's device cache pools, opened once by the gen ranks of the same host.
+
+Between processes of one host the fastest path for a shard is a one-sided copy: the receiver maps
+the sender's pools into its own address space once and copies each request's bytes device to
+device, out of the ctx's blocks straight into its own, with one batched kernel
+(:func:`helixserve.kernels.copy.batched.batched_copy`). No bounce buffer, no UCX message, no
+rendezvous round trip: a request costs its RequestShard (which the tagged path pays too) and the
+copy, at device-copy speed on one GPU or over NVLink between peers.
+
+Why our own and not UCX RMA: ucxx's Python API has tag, stream and active messages but no memory
+registration, remote keys or put/get; NIXL has them but is not part of the GPU install. The
+handles are torch's own (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``, the fields
+``torch.multiprocessing`` sends between processes), carried field by field in the control plane's
+``PoolsReply`` (never pickled). Across hosts, or where a handle does not open (another host, a
+GPU this process cannot see, no peer access, containers without ``ipc: host``), the receiver
+keeps using the tagged UCX stream.
+
+- ctx (:class:`PoolExport`): ``describe`` answers DescribePools: the pools' storages (one per
+  CUDA allocation), each cache tensor as (storage, byte offset, shape, dtype), the GPU's UUID and
+  an ``epoch`` naming this export; ``supported=False`` with the reason when the caches are not on
+  a GPU or the caller is on another host.
+- gen (:class:`PoolDirectory`): per ctx endpoint, DescribePools once (asynchronously; requests
+  use the tagged stream until it answered), then :func:`open_pools` checks the tensors against
+  the layout and opens them. A ctx that answers a pull request with the tagged stream (a new
+  epoch: it restarted) is forgotten and described again.
+
+Trust: the ctx is a member of the deployment (the control plane is authenticated); its tensor
+list is still checked against the layout and its storages' sizes before use.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helixserve.cache_layout import ModelCaches
+from helixserve.protocol import transfer_pb2 as pb
+from helixserve.protocol.disagg import KVLayout
+from helixserve.transceiver.layout import _DTYPES, check_caches, dtype_name
+
+logger = logging.getLogger(__name__)
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_KIND_FIELDS = {pb.IpcTensor.MLA_KV: "mla_kv", pb.IpcTensor.KDA_STATE: "kda_state",
+                pb.IpcTensor.CONV_STATE: "conv_state"}
+
+
+class IpcOpenError(RuntimeError):
+    """The ctx's pools cannot be opened here (named cause); the tagged stream is used instead."""
+
+
+def host_id() -> str:
+    """This host's boot id: processes (and containers) of one host share it."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_device_of(uuid: str) -> int | None:
+    """The index of the visible GPU with this UUID, or None."""
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", index)) == uuid:
+            return index
+    return None
+
+
+def caches_device(caches: ModelCaches) -> torch.device | None:
+    """The one device every cache tensor lives on (None when there is none or several)."""
+    devices = {t.device for pools in (caches.mla_kv, caches.kda_state, caches.conv_state) for t in pools.values()}
+    return devices.pop() if len(devices) == 1 else None
+
+
+class PoolExport:
+    """The ctx side: what DescribePools answers (built once, on first call)."""
+
+    def __init__(self, caches: ModelCaches, enabled: bool = True) -> None:
+        self.caches = caches
+        self.enabled = enabled
+        self.epoch = secrets.randbits(63) | 1  # never 0 (0 = "no pull" on the wire)
+        self._reply: pb.PoolsReply | None = None
+        self._lock = threading.Lock()  # gRPC threads
+
+    def names(self, epoch: int) -> bool:
+        """`epoch` is this export's and the pools were handed out (a pull may be answered)."""
+        return self._reply is not None and epoch == self.epoch
+
+    def describe(self, request: pb.PoolsRequest) -> pb.PoolsReply:
+        if not self.enabled:
+            return pb.PoolsReply(supported=False, reason="cuda_ipc is off on this ctx worker")
+        device = caches_device(self.caches)
+        if device is None or device.type != "cuda":
+            return pb.PoolsReply(supported=False, reason=f"the ctx's caches are on {device or 'several devices'}")
+        if not request.host_id or request.host_id != host_id():
+            return pb.PoolsReply(supported=False, reason="the receiver is on another host")
+        with self._lock:
+            if self._reply is None:
+                self._reply = self._export(device)
+            return self._reply
+
+    def _export(self, device: torch.device) -> pb.PoolsReply:
+        reply = pb.PoolsReply(supported=True, epoch=self.epoch, device_uuid=device_uuid(device))
+        storages: dict[tuple[bytes, int], int] = {}
+        for kind, name in _KIND_FIELDS.items():
+            for layer_id, tensor in sorted(getattr(self.caches, name).items()):
+                storage = tensor.untyped_storage()
+                (_, handle, size, offset, ref_handle, ref_offset, event_handle,
+                 event_sync) = storage._share_cuda_()
+                key = (bytes(handle), int(offset))
+                if key not in storages:
+                    storages[key] = len(reply.storages)
+                    reply.storages.append(pb.IpcStorage(
+                        handle=handle, size_bytes=size, offset_bytes=offset, ref_counter_handle=ref_handle,
+                        ref_counter_offset=ref_offset, event_handle=event_handle or b"",
+                        event_sync_required=bool(event_sync)))
+                reply.tensors.append(pb.IpcTensor(
+                    kind=kind, layer_id=layer_id, storage=storages[key],
+                    byte_offset=tensor.storage_offset() * tensor.element_size(), shape=list(tensor.shape),
+                    dtype=dtype_name(tensor.dtype)))
+        return reply
+
+
+@dataclass(slots=True)
+class RemotePools:
+    """A ctx's pools opened in this process (views on its memory; read only by convention)."""
+
+    epoch: int
+    caches: ModelCaches
+    storages: list[torch.UntypedStorage]  # keeps the mappings open
+
+
+def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> RemotePools:
+    """Open a DescribePools answer for copies onto `device`; IpcOpenError naming the cause."""
+    if not reply.supported:
+        raise IpcOpenError(reply.reason or "the ctx does not export its pools")
+    index = local_device_of(reply.device_uuid)
+    if index is None:
+        raise IpcOpenError(f"the ctx's GPU {reply.device_uuid} is not visible here")
+    if index != device.index and not torch.cuda.can_device_access_peer(device.index, index):
+        raise IpcOpenError(f"cuda:{device.index} has no peer access to the ctx's GPU (cuda:{index})")
+    try:
+        storages = [torch.UntypedStorage._new_shared_cuda(
+            index, s.handle, s.size_bytes, s.offset_bytes, s.ref_counter_handle, s.ref_counter_offset,
+            s.event_handle or None, s.event_sync_required) for s in reply.storages]
+    except Exception as error:  # noqa: BLE001 (any failure: use the tagged stream)
+        raise IpcOpenError(f"opening the ctx's CUDA IPC handles failed: {type(error).__name__}: {error}") from None
+    caches = ModelCaches(layout.tokens_per_block)
+    for t in reply.tensors:
+        if t.kind not in _KIND_FIELDS or t.storage >= len(storages) or t.dtype not in _DTYPES:
+            raise IpcOpenError(f"malformed pool entry for layer {t.layer_id}")
+        dtype = _DTYPES[t.dtype]
+        numel = 1
+        for dim in t.shape:
+            numel *= int(dim)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        storage = storages[t.storage]
+        if t.byte_offset + nbytes > storage.nbytes() or t.byte_offset % torch.empty((), dtype=dtype).element_size():
+            raise IpcOpenError(f"layer {t.layer_id}'s pool does not fit its {storage.nbytes()}-byte storage")
+        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+        view = flat[t.byte_offset : t.byte_offset + nbytes].view(dtype).view(tuple(t.shape))
+        getattr(caches, _KIND_FIELDS[t.kind])[int(t.layer_id)] = view
+    try:
+        check_caches(layout, caches, layout.num_kda_heads)
+    except ValueError as error:
+        raise IpcOpenError(f"the ctx's pools do not match the layout: {error}") from None
+    return RemotePools(reply.epoch, caches, storages)
+
+
+class PoolDirectory:
+    """The gen side: each ctx worker's opened pools, described once (engine thread only)."""
+
+    def __init__(self, gen_rank: int, layout: KVLayout, enabled: bool = True) -> None:
+        self.gen_rank = gen_rank
+        self.layout = layout
+        self.enabled = enabled
+        self._pools: dict[str, RemotePools | None] = {}  # None: that ctx uses the tagged stream
+        self._asking: dict[str, Future] = {}
+
+    def get(self, key: str, client, device: torch.device) -> RemotePools | None:  # noqa: ANN001
+        """The opened pools of ctx `key` if it can be pulled from now; asks once (not blocking)."""
+        if not self.enabled or device.type != "cuda":
+            return None
+        if key in self._pools:
+            return self._pools[key]
+        future = self._asking.get(key)
+        if future is None:
+            self._asking[key] = client.describe_pools_async(pb.PoolsRequest(gen_rank=self.gen_rank, host_id=host_id()))
+            return None
+        if not future.done():
+            return None
+        del self._asking[key]
+        try:
+            reply = future.result()
+        except Exception as error:  # noqa: BLE001 (the ctx is unreachable now: ask again later)
+            logger.info("gen rank %d: DescribePools to ctx %s failed (%s)", self.gen_rank, key, error)
+            return None
+        try:
+            self._pools[key] = open_pools(reply, self.layout, device)
+            logger.info("gen rank %d: copies shards from ctx %s's pools over CUDA IPC", self.gen_rank, key)
+        except IpcOpenError as error:
+            self._pools[key] = None
+            logger.info("gen rank %d: ctx %s's shards travel as UCX messages (%s)", self.gen_rank, key, error)
+        return self._pools[key]
+
+    def forget(self, key: str) -> None:
+        """Describe `key` again on its next request (it answered a pull with a tagged stream)."""
+        self._pools.pop(key, None)
