@@ -38,6 +38,7 @@ from helixserve.testing.servers import SECRET_HEADER, free_ports, new_secret, se
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kimi-k3-tiny"
+GPU_CONFIG = REPO / "deploy" / "configs" / "gpu1.yaml"
 
 
 def _get(url: str) -> dict:
@@ -49,14 +50,15 @@ def _get(url: str) -> dict:
 
 
 class Servers:
-    """``helixserve launch`` on a copy of deploy/configs/local.yaml with free ports."""
+    """``helixserve launch`` on a copy of `config` (deploy/configs/local.yaml) with free ports."""
 
-    def __init__(self, model: Path, log: Path) -> None:
+    def __init__(self, model: Path, log: Path, config: Path = REPO / "deploy" / "configs" / "local.yaml") -> None:
         from helixserve.config import DeploymentConfig
 
         router, ctx, gen, tx = free_ports(4)
-        base = DeploymentConfig.from_yaml(REPO / "deploy" / "configs" / "local.yaml").model_dump(mode="json")
+        base = DeploymentConfig.from_yaml(config).model_dump(mode="json")
         base["model"]["path"] = str(model)
+        base["model"]["served_name"] = MODEL
         base["ctx"][0].update(port=ctx, transceiver_port=tx)
         base["gen"][0].update(port=gen)
         base["router"].update(port=router, health_check_interval_s=0.25)
@@ -178,7 +180,8 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
     levels = args.concurrency or ([1, 4, 16] if args.quick else [1, 4, 16, 32])
     prompt_len = args.prompt_len or (48 if args.quick else 200)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
-    servers = Servers(Path(args.model), Path(args.log))
+    config = args.config or (GPU_CONFIG if args.device == "cuda" else REPO / "deploy" / "configs" / "local.yaml")
+    servers = Servers(Path(args.model), Path(args.log), config)
     rng = random.Random(0)
     rows = []
     try:
@@ -187,7 +190,7 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
         for url in (servers.router_url, servers.gen_url):  # warm-up, unrecorded
             asyncio.run(_level(url, _bodies(rng, 2, prompt_len, max_tokens, vocab), 2, args.timeout))
         for concurrency in levels:
-            n = max(4, (2 if args.quick else 4) * concurrency)
+            n = max(4, (args.rounds or (2 if args.quick else 4)) * concurrency)
             bodies = _bodies(rng, n, prompt_len, max_tokens, vocab)
             before = _kv_counters(servers)
             disagg = asyncio.run(_level(servers.router_url, bodies, concurrency, args.timeout))
@@ -203,8 +206,13 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
     finally:
         servers.stop()
     return {"machine": machine_info(), "model": str(args.model), "prompt_len": prompt_len,
-            "max_tokens": max_tokens, "deployment": "1 ctx + gen world dp 1 x cp 2 (kv_source ucx), CPU",
-            "rows": rows}
+            "max_tokens": max_tokens, "config": str(config), "deployment": _deployment(servers.config), "rows": rows}
+
+
+def _deployment(config) -> str:  # noqa: ANN001 (a DeploymentConfig)
+    gen = config.gen[0]
+    return (f"1 ctx ({config.ctx[0].device or config.model.device}) + gen world dp {gen.dp} x cp {gen.cp} "
+            f"({gen.device or config.model.device}, kv_source {gen.kv_source}), {config.model.dtype}")
 
 
 def _vocab(servers: Servers) -> int:
@@ -260,6 +268,10 @@ def main() -> None:
     parser.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "bench-serve.log"),
                         help="where the servers' output goes")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot (needs matplotlib)")
+    parser.add_argument("--config", type=Path, default=None, help="deployment YAML (default deploy/configs/local.yaml)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help=f"cuda: {GPU_CONFIG.relative_to(REPO)} (ctx and gen sharing one GPU) unless --config")
+    parser.add_argument("--rounds", type=int, default=None, help="requests per level = rounds x concurrency")
     args = parser.parse_args()
     payload = run(args)
     print(f"\n{payload['deployment']}; prompt {payload['prompt_len']} tokens, "

@@ -227,6 +227,11 @@ class EngineCore:
             num_used_slots=cache.num_used_slots,
         )
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """An overlapped step is still to be read back (it holds finished requests' caches)."""
+        return self._in_flight is not None
+
     def has_unfinished_requests(self) -> bool:
         """Requests to run or to receive, or an overlapped step still to be read back (its caches
         to free)."""

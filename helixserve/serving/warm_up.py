@@ -33,6 +33,8 @@ from helixserve.serving.openai_serving import ServingLimits
 logger = logging.getLogger(__name__)
 
 NUM_DECODE_STEPS = 4
+SETTLE_S = 2.0  # internal: how long the engine may take to free the warm-up's cache after it ended
+SETTLE_TICK_S = 0.01  # internal: how often it is asked meanwhile
 _PRIME = 7919  # spreads the prompt's ids over the vocabulary, deterministically
 
 
@@ -157,11 +159,18 @@ class WarmUp:
 
     async def _requests(self, engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
         await asyncio.gather(*(self._request(engine, prompt, params) for _ in range(self.num_requests)))
-        stats = await engine.call(lambda core: core.stats())
-        left = {name: getattr(stats, name) for name in ("num_running", "num_waiting", "num_held",
-                                                         "num_used_blocks", "num_used_slots")}
-        if any(left.values()):
-            raise RuntimeError(f"the warm-up left cache allocated: {left}")
+        # an overlapped engine frees a finished request's cache when it collects the step already
+        # in flight behind its last token: ask until that happened (the caller's timeout bounds it)
+        settle_end = time.perf_counter() + SETTLE_S
+        while True:
+            stats = await engine.call(lambda core: core.stats())
+            left = {name: getattr(stats, name) for name in ("num_running", "num_waiting", "num_held",
+                                                             "num_used_blocks", "num_used_slots")}
+            if not any(left.values()):
+                return
+            if time.perf_counter() >= settle_end:
+                raise RuntimeError(f"the warm-up left cache allocated: {left}")
+            await asyncio.sleep(SETTLE_TICK_S)
 
     async def _request(self, engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
         rid = engine.new_request_id(f"{self.role}-warm-up")

@@ -70,6 +70,26 @@ def test_run_decode_of_a_world_of_one_equals_the_single_engine(llm, tiny_checkpo
     assert ran.num_prefill_steps == 1 and ran.decode_tokens == 4 * (N - 1)
 
 
+def test_an_overlapped_world_of_one_frees_the_last_requests_cache_without_new_work(tiny_checkpoints):
+    """With overlapped decoding the step behind a request's last token is still in flight when
+    the token comes back; the world must count it as work and read it back (freeing the cache),
+    not sit idle holding the blocks until its next heartbeat (the GPU warm-up found that)."""
+    world = start_local_world(tiny_checkpoints["kimi-k3-tiny"], dp=1, cp=1, heartbeat_s=600.0, options=WorldOptions(
+        cache=CACHE, scheduler=SchedulerConfig(max_num_batched_tokens=512, overlap_decode=True), dtype="float32"))
+    try:
+        driver = world.driver
+        driver.add_request("o1", _prompts(1, seed=4)[0], _greedy(N))
+        tokens, steps = [], 0
+        while driver.has_unfinished_requests() and steps < 4 * N:
+            tokens += [u.token_id for u in driver.step() if u.request_id == "o1"]
+            steps += 1
+        assert len(tokens) == N
+        assert not driver.has_unfinished_requests()
+        assert driver.stats().num_used_blocks == 0 and driver.stats().num_used_slots == 0
+    finally:
+        world.close()
+
+
 class _NeverSamples:
     """Injects a stalled engine: it takes requests but no step samples a token."""
 

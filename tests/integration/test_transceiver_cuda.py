@@ -23,12 +23,16 @@ NUM_TOKENS = 5 * TPB + 3  # crosses pages; the last block is partial
 TIMEOUT_MS = 8000.0
 
 
-def _caches(fill: bool):
+def _caches(fill: bool, cp_size: int = 1):
+    import dataclasses
+
     from helixserve.cache_layout import cache_spec_for
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
 
-    caches = allocate_model_caches(cache_spec_for(get_preset(PRESET), torch.bfloat16, TPB), 32, 4, device="cuda")
+    spec = cache_spec_for(get_preset(PRESET), torch.bfloat16, TPB)
+    spec = dataclasses.replace(spec, kda_num_heads=spec.kda_num_heads // cp_size)  # a CP rank's heads
+    caches = allocate_model_caches(spec, 32, 4, device="cuda")
     if fill:  # a distinct byte pattern per layer and kind
         for k, pools in enumerate((caches.mla_kv, caches.kda_state, caches.conv_state)):
             for layer_id, pool in pools.items():
@@ -142,7 +146,7 @@ def test_cuda_shard_arrives_byte_exact(ctx_worker, cuda_ipc, cp_rank, cp_size):
 
     _, inbox, outbox, endpoint = ctx_worker
     rx = _receiver(cuda_ipc, cp_rank, cp_size, endpoint)
-    caches = _caches(fill=False)
+    caches = _caches(fill=False, cp_size=cp_size)
     manager = CacheManager(32, 4, TPB, cp_rank=cp_rank, cp_size=cp_size)
     manager.allocate("gen-pad", 3 * TPB * cp_size)  # the destination blocks do not start at 0 either
     inbox.put(("hold", "r1"))

@@ -35,6 +35,9 @@ INTERNAL = {
         "shutdown only; every gRPC call is bounded by its own deadline (rpc_timeout_ms)",
     ("helixserve/transceiver/control.py", "SHARD_DEADLINE_MARGIN_S"):
         "a margin under the configured transfer deadline, not a wait of its own",
+    ("helixserve/serving/warm_up.py", "SETTLE_S"):
+        "how long an overlapped engine may take to free the warm-up's cache (warm_up_timeout_s bounds the whole)",
+    ("helixserve/serving/warm_up.py", "SETTLE_TICK_S"): "how often the settling engine's stats are asked",
     ("helixserve/transceiver/pull.py", "WAIT_TICK_S"):
         "how often a bounded wait for a launched copy polls its event (drain_timeout_ms bounds it)",
     ("helixserve/transceiver/receiver.py", "RETRACT_WAIT_S"):

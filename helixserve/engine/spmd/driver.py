@@ -125,7 +125,8 @@ class WorldDriver:
         if self.failure is not None or self.is_shut_down:
             return False
         idle_too_long = time.monotonic() - self._last_plan > self.heartbeat_s
-        return bool(self.life.num_live) or any(self._pending) or idle_too_long
+        # the leader's overlapped step behind the last token holds that request's cache until read
+        return bool(self.life.num_live) or any(self._pending) or idle_too_long or self.core.has_step_in_flight
 
     def step(self) -> list[RequestUpdate]:
         """One world step; the new tokens of every CP group's requests."""
