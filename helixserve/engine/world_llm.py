@@ -82,7 +82,7 @@ def uses_static_moe(options: WorldOptions, mapping: Mapping, device: torch.devic
 
 
 # ``factory(mapping) -> KVReceiver`` for a rank (module-level / picklable for spawned ranks)
-KVReceiverFactory = Callable[[Mapping], KVReceiver]
+KVReceiverFactory = Callable[[Mapping, torch.device], KVReceiver]  # (this rank, its device)
 
 
 RankPart = EngineCore | Follower
@@ -226,7 +226,7 @@ def _join(model_dir: str | Path, mapping: Mapping, init_method: str, options: Wo
     groups = init_parallel(mapping, init_method, backend=pick_backend(mapping.world_size, options.backend),
                            local_rank=local_rank, timeout_s=options.timeout_s)
     try:
-        receiver = kv_receiver_factory(mapping) if kv_receiver_factory is not None else None
+        receiver = kv_receiver_factory(mapping, groups.device) if kv_receiver_factory is not None else None
         return build_rank(model_dir, groups, options, receiver)
     except BaseException:
         groups.destroy()

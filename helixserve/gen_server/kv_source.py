@@ -111,13 +111,14 @@ class UcxReceiverFactory:
     layout: KVLayout
     ctx_hosts: tuple[str, ...] = ()  # the deployment's ctx transceivers (UCX's interface toward them)
 
-    def __call__(self, mapping) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping)
+    def __call__(self, mapping, device) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping, torch.device)
         from helixserve.transceiver.receiver import KVReceiver
 
         # the data plane comes from config.backend's factory (transceiver.plane), which may bind
         # toward the ctx hosts (ucxx: this rank's interface on the route to them)
         receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
                               gen_rank=mapping.rank, peer_hosts=self.ctx_hosts)
+        receiver.warm_up(device)  # compiles the pull's copy kernel before the worker is ready
         return PacedKVReceiver(receiver, self.config.poll_interval_s)
 
 

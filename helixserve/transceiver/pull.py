@@ -98,3 +98,14 @@ class Pull:
                 return False
             time.sleep(WAIT_TICK_S)
         return True
+
+
+def warm_up_copy(device: torch.device, stream: torch.cuda.Stream) -> None:
+    """One tiny pull-shaped copy on `device` (compiles the batched copy kernel; synchronizes)."""
+    src = torch.arange(4096, dtype=torch.int64, device=device).view(torch.uint8)
+    dst = torch.zeros_like(src)
+    with torch.cuda.stream(stream):
+        batched_copy([src], [dst], np.asarray([[0, 0, 0, 0, src.numel()]], dtype=np.int64))
+    stream.synchronize()
+    if not torch.equal(src, dst):
+        raise RuntimeError(f"the batched copy kernel is wrong on {device}")

@@ -46,6 +46,7 @@ from helixserve.transceiver.cuda_ipc import PoolDirectory
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
 from helixserve.transceiver.plane import DataPlane, open_data_plane
+from helixserve.transceiver.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
 from helixserve.transceiver.retract import Retractor
 from helixserve.transceiver.stream import KindHandle, staging_for
@@ -217,6 +218,12 @@ class KVReceiver:
             if inbound.phase is Phase.DRAINING:
                 inbound.advance()
         self._acks = [f for f in self._acks if not f.done()]
+
+    def warm_up(self, device: torch.device) -> None:
+        """Compile what a pulled shard runs on `device` (its copy kernel), so that the first
+        request does not pay for it; nothing to do off CUDA or with cuda_ipc off."""
+        if device.type == "cuda" and self.config.cuda_ipc:
+            warm_up_copy(device, self.copy_stream(device))
 
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream pulled shards are copied on (one per device, made on first use)."""
