@@ -1,6 +1,6 @@
 """deploy/docker/Dockerfile: hadolint when installed, and a parse check that always runs: known
 instructions, FROM first, every COPY source exists and survives .dockerignore, a non-root USER,
-a HEALTHCHECK, exec-form ENTRYPOINT, torch pinned as pyproject pins it."""
+a HEALTHCHECK, exec-form ENTRYPOINT, torch inside the range pyproject allows."""
 
 from __future__ import annotations
 
