@@ -10,6 +10,7 @@ label added. Names and types as vLLM exports them (``vllm/v1/metrics/loggers.py`
 | ``vllm:inter_token_latency_seconds`` | histogram | ``helixserve_router_inter_token_latency_seconds`` |
 | ``vllm:time_per_output_token_seconds`` | histogram | the same (vLLM's name for it before 0.11) |
 | ``vllm:e2e_request_latency_seconds`` | histogram | ``helixserve_router_e2e_request_latency_seconds`` |
+| ``vllm:request_queue_time_seconds`` | histogram | ``helixserve_router_queue_time_seconds`` |
 | ``vllm:prompt_tokens_total`` | counter | ``helixserve_router_prompt_tokens_total`` |
 | ``vllm:generation_tokens_total`` | counter | ``helixserve_router_generation_tokens_total`` |
 | ``vllm:num_requests_running`` | gauge | ``helixserve_router_requests_running`` |

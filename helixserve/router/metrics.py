@@ -84,6 +84,7 @@ class RouterMetrics:
             (self.itl, "vllm:inter_token_latency_seconds"),
             (self.itl, "vllm:time_per_output_token_seconds"),
             (self.e2e, "vllm:e2e_request_latency_seconds"),
+            (self.queue_time, "vllm:request_queue_time_seconds"),
             (self.prompt_tokens, "vllm:prompt_tokens"),
             (self.generation_tokens, "vllm:generation_tokens"),
             (self.running, "vllm:num_requests_running"),

@@ -21,6 +21,7 @@ ALIASES = {
     "vllm:inter_token_latency_seconds": ("helixserve_router_inter_token_latency_seconds", "histogram"),
     "vllm:time_per_output_token_seconds": ("helixserve_router_inter_token_latency_seconds", "histogram"),
     "vllm:e2e_request_latency_seconds": ("helixserve_router_e2e_request_latency_seconds", "histogram"),
+    "vllm:request_queue_time_seconds": ("helixserve_router_queue_time_seconds", "histogram"),
     "vllm:prompt_tokens": ("helixserve_router_prompt_tokens", "counter"),
     "vllm:generation_tokens": ("helixserve_router_generation_tokens", "counter"),
     "vllm:num_requests_running": ("helixserve_router_requests_running", "gauge"),
