@@ -8,7 +8,7 @@ label added. Names and types as vLLM exports them (``vllm/v1/metrics/loggers.py`
 |---|---|---|
 | ``vllm:time_to_first_token_seconds`` | histogram | ``helixserve_router_time_to_first_token_seconds`` |
 | ``vllm:inter_token_latency_seconds`` | histogram | ``helixserve_router_inter_token_latency_seconds`` |
-| ``vllm:time_per_output_token_seconds`` | histogram | the same (vLLM's name for it before 0.11) |
+| ``vllm:time_per_output_token_seconds`` | histogram | the same (vLLM's older name for it) |
 | ``vllm:e2e_request_latency_seconds`` | histogram | ``helixserve_router_e2e_request_latency_seconds`` |
 | ``vllm:request_queue_time_seconds`` | histogram | ``helixserve_router_queue_time_seconds`` |
 | ``vllm:prompt_tokens_total`` | counter | ``helixserve_router_prompt_tokens_total`` |
