@@ -1,8 +1,11 @@
 # make serve / make test work on a fresh machine: they create .venv, install, and run.
+# make serve installs the runtime only (torch's CPU build + the package + its CPU UCX transport,
+# extra cu12); make test adds the test extras and the kernels' Triton interpreter.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CKPT ?= checkpoints/kimi-k3-tiny
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 # Triton for the kernels' CPU tests (TRITON_INTERPRET=1, in a child pytest) lives outside the venv's
 # site-packages: importable there, it would send transformers' and fla's KDA to GPU-only kernels
@@ -10,24 +13,30 @@ TRITON_INTERP := $(VENV)/triton-interp
 
 .PHONY: install serve generate test bench clean
 
-$(STAMP): pyproject.toml
+# torch first, pinned: the package's range (torch>=2.11,<2.14) then keeps this CPU build
+$(RUNTIME_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[cu12]'
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
+	$(BIN)/pip install -q -e '.[cu12,test]'
 	$(BIN)/pip install -q --no-deps --target $(TRITON_INTERP) 'triton==3.6.*'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-$(CKPT)/config.json: | $(STAMP)
+$(CKPT)/config.json: | $(RUNTIME_STAMP)
 	$(BIN)/helixserve make-checkpoint --preset kimi-k3-tiny --out $(CKPT) --seed 0
 
-# router + ctx worker + gen world on this machine; Ctrl-C stops everything it started
-serve: $(STAMP) $(CKPT)/config.json
+# router + ctx worker + gen world on this machine (runtime dependencies only); Ctrl-C stops
+# everything it started
+serve: $(RUNTIME_STAMP) $(CKPT)/config.json
 	$(BIN)/helixserve launch -c deploy/configs/local.yaml
 
-generate: $(STAMP) $(CKPT)/config.json
+generate: $(RUNTIME_STAMP) $(CKPT)/config.json
 	$(BIN)/helixserve generate --model $(CKPT) --prompt "Hello, helix" --max-tokens 16
 
 test: $(STAMP)

@@ -96,7 +96,7 @@ class RouterService:
         self.started_at = int(time.time())  # /v1/models "created": when the router started
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
-        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool])
+        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model)
         self.admission = Admission(config.max_inflight, config.max_queue_len)
         self.orchestrator: Orchestrator | None = None
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from helixserve.router.metric_aliases import VllmAliases, worker_stat
 from helixserve.router.pool import WorkerPool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -42,13 +43,17 @@ class _PoolCollector:
                     if key is None:
                         value = float(w.is_healthy) if name == "healthy" else float(w.num_inflight)
                     else:
-                        value = float(w.stats.get(key, 0)) if w.is_healthy else 0.0
+                        value = worker_stat(w, key)
                     family.add_metric([w.role, w.url], value)
             yield family
 
 
 class RouterMetrics:
-    def __init__(self, pools: Callable[[], list[WorkerPool]]) -> None:
+    """Ours (``helixserve_router_*``) and, from the same metric objects, vLLM's names for the
+    latency, token, running/waiting and KV usage ones (``metric_aliases.py``), labelled with
+    ``model_name``."""
+
+    def __init__(self, pools: Callable[[], list[WorkerPool]], model_name: str) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("helixserve_router_requests", "requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
@@ -74,6 +79,17 @@ class RouterMetrics:
                                         "requests that failed on gen after ctx prefilled them",
                                         registry=r)
         r.register(_PoolCollector(pools))
+        r.register(VllmAliases(model_name, [
+            (self.ttft, "vllm:time_to_first_token_seconds"),
+            (self.itl, "vllm:inter_token_latency_seconds"),
+            (self.itl, "vllm:time_per_output_token_seconds"),
+            (self.e2e, "vllm:e2e_request_latency_seconds"),
+            (self.queue_time, "vllm:request_queue_time_seconds"),
+            (self.prompt_tokens, "vllm:prompt_tokens"),
+            (self.generation_tokens, "vllm:generation_tokens"),
+            (self.running, "vllm:num_requests_running"),
+            (self.waiting, "vllm:num_requests_waiting"),
+        ], pools))
 
     def count_usage(self, usage: dict | None) -> None:
         if isinstance(usage, dict):

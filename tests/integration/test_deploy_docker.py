@@ -1,6 +1,6 @@
 """deploy/docker/Dockerfile: hadolint when installed, and a parse check that always runs: known
 instructions, FROM first, every COPY source exists and survives .dockerignore, a non-root USER,
-a HEALTHCHECK, exec-form ENTRYPOINT, torch pinned as pyproject pins it."""
+a HEALTHCHECK, exec-form ENTRYPOINT, torch inside the range pyproject allows."""
 
 from __future__ import annotations
 
@@ -117,7 +117,13 @@ def test_dockerfile_runs_as_non_root_with_health_check_and_pinned_torch() -> Non
     args = dict(a.split("=", 1) for k, a in steps if k == "ARG" and "=" in a)
     assert args.get("TORCH_VERSION") == "2.13.0"
     assert args.get("TORCH_INDEX_URL", "").endswith("/whl/cpu"), "the default image is the CPU build"
-    assert "torch==2.13.0" in (REPO / "pyproject.toml").read_text(), "pyproject and the image pin different torch"
+    import tomllib
+
+    from packaging.requirements import Requirement  # pytest's own dependency
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch,) = [r for r in map(Requirement, deps) if r.name == "torch"]
+    assert torch.specifier.contains(args["TORCH_VERSION"]), f"the image's torch is outside pyproject's {torch}"
     assert any(k == "RUN" and 'pip install ".${PIP_EXTRAS}"' in a for k, a in steps), \
         "the package is installed from the repo"
     assert args.get("PIP_EXTRAS") == '""', "the default image installs no extras"
