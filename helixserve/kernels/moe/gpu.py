@@ -82,3 +82,29 @@ def gathered_experts(
     y = torch.bmm(w2.index_select(0, safe).float(), act[:, :, None]).squeeze(-1)
     weights = torch.where(is_local, topk_weights.flatten().float(), 0.0)
     return (y * weights[:, None]).view(T, topk_ids.shape[1], D).sum(1).to(x.dtype)
+
+
+def mxfp4_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2, expert_offset: int, act_and_mul,
+) -> torch.Tensor:
+    """``grouped_experts`` over :class:`~helixserve.kernels.moe.mxfp4.MXFP4Weight` stacks: the same
+    sort and sum, the two GEMMs by the Triton MXFP4 grouped kernel (weights dequantized in registers)."""
+    from helixserve.kernels.moe import triton_mxfp4
+
+    T, D = x.shape
+    E, two_I, _ = w13.shape
+    I = two_I // 2
+    top_k = topk_ids.shape[1]
+    order, sorted_ids, valid = _sort_pairs(topk_ids, E, expert_offset)
+    P = order.numel()
+    schedule = triton_mxfp4.block_schedule(sorted_ids, E, triton_mxfp4.choose_block_m(P, E))
+    rows = order // top_k
+    h = triton_mxfp4.grouped_gemm_mxfp4(x, w13, schedule, P, rows=rows)
+    act = act_and_mul(h[:, :I], h[:, I:]).to(x.dtype)
+    y = triton_mxfp4.grouped_gemm_mxfp4(act, w2, schedule, P)
+    weights = topk_weights.flatten().index_select(0, order).float()
+    # rows of experts held elsewhere are not written: mask, never multiply
+    y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    out.index_add_(0, rows, y)
+    return out.to(x.dtype)
