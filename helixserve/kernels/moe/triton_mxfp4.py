@@ -64,12 +64,11 @@ def block_schedule(sorted_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 @triton.jit
 def _e2m1_to_f32(code):
-    """e2m1 codes (int32 0..15) -> fp32, from the bits: exponent 0 is 0 or 0.5, else 2^(e-1)*(1+m/2)."""
+    """e2m1 codes (int32 0..15) -> fp32, from the bits. Magnitudes 2..7 are 2^(e-1) * (1 + m/2): the
+    3 bits shifted under the fp32 exponent with bias 126; 0 and 1 (0 and 0.5) are 1 * 0.5's bits."""
     mag = code & 7
-    e = mag >> 1
-    m = mag & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    bits = bits | ((code & 8).to(tl.uint32) << 28).to(tl.int32)
+    bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
+    bits = bits | ((code & 8).to(tl.uint32) << 28).to(tl.int32)  # bit 3 -> the sign bit
     return bits.to(tl.float32, bitcast=True)
 
 
