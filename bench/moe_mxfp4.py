@@ -6,6 +6,9 @@ K3's expert shape (3584 -> 2 x 3072 -> 3584), 64 local experts, top-8 routing; d
 - ``gemm``: the two grouped GEMMs alone, rows already sorted by expert: bf16 ``torch._grouped_mm``
   (CUTLASS) vs our Triton kernel over MXFP4 bytes (dequantized in registers; it also gathers the
   input rows itself). Targets: >= 2x the bf16 speed at decode sizes, >= 0.8x at prefill sizes.
+- ``dequant+gemm``: the stacks decoded to bf16 by our streaming kernel, then the bf16 grouped GEMMs
+  (what ``moe_experts`` runs from ``MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT`` rows per expert on): the
+  two rows tell where that threshold belongs.
 - ``moe_experts``: the public call (sort, schedule, both GEMMs, SiTU, weighted sum) with
   ``MXFP4Weight`` stacks vs the dequantized bf16 stacks.
 - bytes: the weights of the experts that got rows (both formats) plus the activations read and
@@ -117,9 +120,16 @@ def bench_case(T: int, D: int, I: int, E: int, top_k: int, kind: str, fast: bool
             triton_mxfp4.grouped_gemm_mxfp4(x, w13, schedule, P, rows=rows)
             triton_mxfp4.grouped_gemm_mxfp4(act, w2, schedule, P)
 
-        t_bf16, t_mx = timer([gemm_bf16, gemm_mxfp4], 3, reps)
+        def dequant_gemm():
+            torch._grouped_mm(xs, triton_mxfp4.dequantize_bf16(w13).transpose(1, 2), offs=offs)
+            torch._grouped_mm(act, triton_mxfp4.dequantize_bf16(w2).transpose(1, 2), offs=offs)
+
+        t_bf16, t_mx, t_dq = timer([gemm_bf16, gemm_mxfp4, dequant_gemm], 3, reps)
         record("gemm", kind, label, t_mx, t_bf16, bytes_mxfp4, bytes_bf16, T=T, E=E, top_k=top_k, D=D, I=I,
                block_m=schedule.block_m)
+        all_weights = E * per_expert
+        record("dequant+gemm", kind, label, t_dq, t_bf16, all_weights * 17 // 32 + 2 * all_weights * 2 + act_bytes,
+               bytes_bf16, T=T, E=E, top_k=top_k, D=D, I=I)
 
     def full_bf16():
         kernels.moe_experts(x, ids, weights, w13_bf16, w2_bf16, activation="situ")
@@ -140,7 +150,7 @@ def record(what: str, kind: str, case: str, t_mx: float, t_bf16: float, bytes_mx
                  "speedup": speedup, "target": target, "meets_target": speedup >= target,
                  "mxfp4_bytes": bytes_mx, "bf16_bytes": bytes_bf16,
                  "mxfp4_tb_s": bytes_mx / t_mx / 1e12, "bf16_tb_s": bytes_bf16 / t_bf16 / 1e12, **extra})
-    print(f"  {what:<12} {kind:<7} {case:<24} mxfp4 {t_mx * 1e6:9.1f} us ({bytes_mx / t_mx / 1e12:.2f} TB/s) "
+    print(f"  {what:<13} {kind:<7} {case:<24} mxfp4 {t_mx * 1e6:9.1f} us ({bytes_mx / t_mx / 1e12:.2f} TB/s) "
           f"| bf16 {t_bf16 * 1e6:9.1f} us ({bytes_bf16 / t_bf16 / 1e12:.2f} TB/s) | {speedup:.2f}x "
           f"(target {target}x)", flush=True)
 

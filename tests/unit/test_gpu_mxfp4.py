@@ -40,7 +40,8 @@ def ref_grouped(a: torch.Tensor, w: MXFP4Weight, sorted_ids: torch.Tensor, rows:
 @pytest.mark.parametrize(("counts", "N", "K"), [
     ([1, 0, 8, 64, 3, 0, 16, 2], 384, 256),  # decode: <= 64 rows per expert
     ([0, 1, 2, 0], 200, 96),  # K % 64 and % 128 != 0, N % 64 != 0
-    ([700, 0, 1, 513, 64, 65], 256, 224),  # prefill: the 32/64-row tiles
+    ([30, 40, 0, 25], 128, 160),  # the 32-row tiles
+    ([700, 0, 1, 513, 64, 65], 256, 224),  # prefill: the 64-row tiles
     ([300, 257, 1, 0], 3072, 2048),  # K3-like widths
 ])
 def test_grouped_gemm_mxfp4_matches_dequantize_then_bf16(counts, N, K):
@@ -59,7 +60,7 @@ def test_grouped_gemm_mxfp4_matches_dequantize_then_bf16(counts, N, K):
     assert_close(f"block_m={block_m}", ref, out[sorted_ids < E].float(), 5e-3)
 
 
-@pytest.mark.parametrize("T", [1, 7, 64, 1500])
+@pytest.mark.parametrize("T", [1, 7, 64, 1500])  # 1500 x 4 / 16: rows enough for the dequantize path
 @pytest.mark.parametrize("expert_offset", [0, 8])
 def test_moe_experts_packed_matches_dequantized_bf16(T, expert_offset):
     D, I, E_local, top_k = 512, 192, 16, 4
@@ -72,6 +73,13 @@ def test_moe_experts_packed_matches_dequantized_bf16(T, expert_offset):
                               expert_offset=expert_offset, activation="situ")
     out = kernels.moe_experts(x, ids, weights, w13, w2, expert_offset=expert_offset, activation="situ")
     assert_close(f"T={T}", ref.float(), out.float(), 1.5e-2)
+
+
+def test_dequantize_bf16_matches_the_reference():
+    from helixserve.kernels.moe import triton_mxfp4
+
+    w = packed(5, 300, 544, seed=41)  # K % 256 != 0, rows % 32 != 0
+    assert torch.equal(triton_mxfp4.dequantize_bf16(w), w.dequantize(torch.bfloat16))
 
 
 def test_moe_experts_packed_captures_in_a_cuda_graph():
@@ -94,3 +102,25 @@ def test_moe_experts_packed_captures_in_a_cuda_graph():
     graph.replay()
     ref = kernels.moe_experts(x, ids, weights, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))
     assert_close("graph replay", ref.float(), out.float(), 1.5e-2)
+
+
+def test_k3_tiny_loads_packed_on_cuda_and_matches_dense(tmp_path):
+    """``experts="auto"`` on CUDA in bf16 keeps an MXFP4 checkpoint packed; its logits match the
+    dequantized (dense bf16) model's."""
+    from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
+    from helixserve.models.checkpoint import load_model
+    from helixserve.models.moe import RoutedExperts
+    from helixserve.models.presets import get_preset, make_checkpoint
+
+    cfg = get_preset("kimi-k3-tiny")
+    path = make_checkpoint("kimi-k3-tiny", tmp_path / "k3", seed=5)
+    packed = load_model(path, dtype=torch.bfloat16, device=CUDA)
+    dense = load_model(path, dtype=torch.bfloat16, device=CUDA, experts="dense")
+    assert all(m.is_mxfp4 for m in packed.modules() if isinstance(m, RoutedExperts))
+    assert not any(m.is_mxfp4 for m in dense.modules() if isinstance(m, RoutedExperts))
+    batch = build_batch([SeqChunk(list(range(30, 90)), 0, 0)], 16, 8, device=CUDA)
+    outs = []
+    for model in (dense, packed):
+        with torch.no_grad():
+            outs.append(model(batch, allocate_caches(cfg, 8, 16, 2, dtype=torch.bfloat16, device=CUDA)).float())
+    assert_close("logits", outs[0], outs[1], 3e-2)

@@ -189,3 +189,40 @@ def test_mxfp4_experts_match_the_reference(tm, T):
                                  offset, "situ", 4.0, 25.0)
         out = moe_gpu.mxfp4_experts(x, ids, weights, w13, w2, offset, act)
         assert_close(f"T={T} offset={offset}", ref.float(), out.float(), 2e-2)
+
+
+@needs_interpreter
+def test_dequantize_bf16_kernel_matches_the_reference(tm):
+    """The prefill path's streaming decode: K not a multiple of its 256-wide tile, rows past 32."""
+    weight = packed_stack(3, 45, 288, seed=4)
+    out = tm.dequantize_bf16(weight)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert torch.equal(out.float(), weight.dequantize(torch.bfloat16).float())
+
+
+@needs_interpreter
+def test_mxfp4_experts_prefill_sizes_take_the_dequantize_path(tm, monkeypatch):
+    """From MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT rows per expert, the bf16 grouped GEMMs over the
+    dequantized stacks: the same sum (forced low here so the shapes stay small)."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing")
+    D, I, E, top_k, T = 64, 32, 4, 2, 24
+    w13, w2 = packed_stack(E, 2 * I, D, 21), packed_stack(E, D, I, 22)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    weights, ids = kernels.moe_route(torch.randn(T, E, generator=gen), top_k=top_k, correction_bias=None,
+                                     renormalize=True, routed_scaling_factor=1.0)
+
+    def act(gate, up):
+        return _act_and_mul_torch(gate, up, "silu", 4.0, 25.0)
+
+    calls = []
+    monkeypatch.setattr(moe_gpu, "MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT", T * top_k // E)
+    monkeypatch.setattr(tm, "dequantize_bf16", lambda w, f=tm.dequantize_bf16: calls.append(w) or f(w))
+    ref = _moe_experts_torch(x, ids, weights, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16),
+                             0, "silu", 4.0, 25.0)
+    out = moe_gpu.mxfp4_experts(x, ids, weights, w13, w2, 0, act)
+    assert len(calls) == 2
+    assert_close("prefill path", ref.float(), out.float(), 2e-2)

@@ -4,9 +4,14 @@
 cast to it), ``W`` an :class:`~helixserve.kernels.moe.mxfp4.MXFP4Weight` ``[E, N, K]``, fp32
 accumulation, ``out [P, N]`` in ``a.dtype``. Each program owns ``BLOCK_M`` sorted rows of one expert
 and ``BLOCK_N`` output columns; per ``BLOCK_K`` step it loads ``[BLOCK_N, BLOCK_K/2]`` code bytes and
-``[BLOCK_N, BLOCK_K/32]`` scale bytes, turns the e2m1 codes into fp32 by their bits (exact), applies
+``[BLOCK_N, BLOCK_K/32]`` scale bytes, turns the e2m1 codes into fp32 through their fp16 bits
+(exact, four ALU ops a weight: at decode sizes the decode, not the MMA, bounds the kernel), applies
 the power-of-two scales, rounds to bf16 (exact: an e2m1 value times a power of two has 2 mantissa
 bits) and feeds ``tl.dot``. So the weights cross HBM at ~4.25 bits each.
+
+At prefill sizes (many rows per expert) the MMA work per weight dominates and the in-register
+decode would be paid once per 64-row block: :func:`dequantize_bf16` instead writes the stack as bf16
+once per call (a streaming kernel) for the bf16 grouped GEMM; the weights still live packed.
 
 The schedule (:func:`block_schedule`) maps every program row-block to its expert and row range on
 the device, without a host read: its length is an upper bound known on the host, and blocks past
@@ -63,13 +68,13 @@ def block_schedule(sorted_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    """e2m1 codes (int32 0..15) -> fp32, from the bits. Magnitudes 2..7 are 2^(e-1) * (1 + m/2): the
-    3 bits shifted under the fp32 exponent with bias 126; 0 and 1 (0 and 0.5) are 1 * 0.5's bits."""
-    mag = code & 7
-    bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
-    bits = bits | ((code & 8).to(tl.uint32) << 28).to(tl.int32)  # bit 3 -> the sign bit
-    return bits.to(tl.float32, bitcast=True)
+def _e2m1_to_f32(q, SHIFT: tl.constexpr):
+    """The e2m1 codes in bits ``SHIFT..SHIFT+3`` of ``q`` (int32) -> fp32 times 2^-14, exactly, in
+    four ALU ops: the 3 magnitude bits under fp16's exponent/mantissa boundary make an fp16 of
+    value e2m1 * 2^-14 (0.5 lands on a subnormal, which the fp16 -> fp32 conversion keeps), the
+    sign bit on fp16's. No select, no table: the decode runs at close to the weight stream's rate."""
+    half_bits = ((q & (7 << SHIFT)) << (9 - SHIFT)) | ((q & (8 << SHIFT)) << (12 - SHIFT))
+    return half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -109,8 +114,9 @@ def _grouped_mxfp4_kernel(
         offs_s = k0 // 32 + tl.arange(0, GROUPS)
         s = tl.load(ws_base + offs_s[None, :], mask=n_mask[:, None] & (offs_s < K // 32)[None, :], other=0)
         q = q.to(tl.int32)
-        w = tl.interleave(_e2m1_to_f32(q & 15), _e2m1_to_f32(q >> 4))  # [BLOCK_N, BLOCK_K], low nibble first
-        scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); byte 0 reads as 0
+        w = tl.interleave(_e2m1_to_f32(q, 0), _e2m1_to_f32(q, 4))  # [BLOCK_N, BLOCK_K], low nibble first
+        # 2^(s - 127) * 2^14 (undoing the decode's 2^-14); byte 0 reads as 0, bytes > 240 overflow
+        scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
         w = tl.reshape(tl.reshape(w, (BLOCK_N, GROUPS, 32)) * scale[:, :, None], (BLOCK_N, BLOCK_K))
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -155,5 +161,46 @@ def grouped_gemm_mxfp4(
         # values: the weights are exact in bf16, and the tests pass bf16 activations)
         DOT_DTYPE=tl.float32 if is_interpreting() else tl.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _dequant_kernel(
+    wq_ptr, ws_ptr, out_ptr, R, K, stride_qr, stride_sr, stride_or,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    k0 = tl.program_id(1) * BLOCK_K
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    rows = offs_r.to(tl.int64)[:, None]
+    offs_b = k0 // 2 + tl.arange(0, HALF_K)
+    q = tl.load(wq_ptr + rows * stride_qr + offs_b[None, :], mask=r_mask[:, None] & (offs_b < K // 2)[None, :],
+                other=0).to(tl.int32)
+    offs_s = k0 // 32 + tl.arange(0, GROUPS)
+    s = tl.load(ws_ptr + rows * stride_sr + offs_s[None, :], mask=r_mask[:, None] & (offs_s < K // 32)[None, :],
+                other=0)
+    w = tl.interleave(_e2m1_to_f32(q, 0), _e2m1_to_f32(q, 4))
+    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+    w = tl.reshape(tl.reshape(w, (BLOCK_R, GROUPS, 32)) * scale[:, :, None], (BLOCK_R, BLOCK_K))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows * stride_or + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=r_mask[:, None] & (offs_k < K)[None, :])
+
+
+def dequantize_bf16(weight: MXFP4Weight) -> torch.Tensor:
+    """The ``[E, N, K]`` stack in bf16 (contiguous), decoded as the GEMM kernel decodes it."""
+    E, N, K = weight.shape
+    wq, ws = (t if t.stride(0) == t.shape[1] * t.stride(1) and t.stride(2) == 1 else t.contiguous()
+              for t in (weight.packed, weight.scale))
+    out = torch.empty(E, N, K, dtype=torch.bfloat16, device=wq.device)
+    R = E * N
+    if R == 0:
+        return out
+    BLOCK_R, BLOCK_K = 32, 256
+    _dequant_kernel[(triton.cdiv(R, BLOCK_R), triton.cdiv(K, BLOCK_K))](
+        wq, ws, out, R, K, wq.stride(1), ws.stride(1), K, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4,
     )
     return out
