@@ -92,7 +92,9 @@ def moe_experts(
         check_shape("w2", w2, (E_local, D, two_I // 2))
     check_activation(activation, _ACTIVATIONS)
     if is_packed:
-        if x.is_cuda and use_triton(x) and T > 0:
+        if x.is_cuda and T == 0:  # as below: a rank that received no rows
+            return x.new_zeros(0, D)
+        if use_triton(x):
             return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, lambda g, u: (
                 _act_and_mul_torch(g, u, activation, situ_beta, situ_linear_beta)))
         w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # the reference: dequantize, then matmul
