@@ -105,11 +105,12 @@ def test_moe_experts_packed_captures_in_a_cuda_graph():
 
 
 def test_k3_tiny_loads_packed_on_cuda_and_matches_dense(tmp_path):
-    """``experts="auto"`` on CUDA in bf16 keeps an MXFP4 checkpoint packed; its logits match the
-    dequantized (dense bf16) model's."""
+    """``experts="auto"`` on CUDA in bf16 keeps an MXFP4 checkpoint packed; each MoE layer computes
+    what the dequantized (dense bf16) model's does on the same input (whole-model logits are not
+    compared: random-weight K3 routing flips on bf16 rounding), and the packed model runs a step."""
     from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
     from helixserve.models.checkpoint import load_model
-    from helixserve.models.moe import RoutedExperts
+    from helixserve.models.moe import KimiMoE, RoutedExperts
     from helixserve.models.presets import get_preset, make_checkpoint
 
     cfg = get_preset("kimi-k3-tiny")
@@ -118,9 +119,12 @@ def test_k3_tiny_loads_packed_on_cuda_and_matches_dense(tmp_path):
     dense = load_model(path, dtype=torch.bfloat16, device=CUDA, experts="dense")
     assert all(m.is_mxfp4 for m in packed.modules() if isinstance(m, RoutedExperts))
     assert not any(m.is_mxfp4 for m in dense.modules() if isinstance(m, RoutedExperts))
-    batch = build_batch([SeqChunk(list(range(30, 90)), 0, 0)], 16, 8, device=CUDA)
-    outs = []
-    for model in (dense, packed):
-        with torch.no_grad():
-            outs.append(model(batch, allocate_caches(cfg, 8, 16, 2, dtype=torch.bfloat16, device=CUDA)).float())
-    assert_close("logits", outs[0], outs[1], 3e-2)
+    moes = [(a, b) for a, b in zip(dense.modules(), packed.modules()) if isinstance(a, KimiMoE)]
+    assert moes
+    x = torch.randn(50, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16().to(CUDA)
+    with torch.no_grad():
+        for i, (a, b) in enumerate(moes):
+            assert_close(f"moe {i}", a(x).float(), b(x).float(), 1.5e-2)
+        batch = build_batch([SeqChunk(list(range(30, 90)), 0, 0)], 16, 8, device=CUDA)
+        logits = packed(batch, allocate_caches(cfg, 8, 16, 2, dtype=torch.bfloat16, device=CUDA))
+    assert logits.shape[-1] == cfg.vocab_size and torch.isfinite(logits.float()).all()
