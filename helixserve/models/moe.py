@@ -47,6 +47,7 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(E, 2 * I, De, dtype=dtype))
         self.w2 = nn.Parameter(torch.zeros(E, De, I, dtype=dtype))
         self.is_mxfp4 = False
+        self._views: tuple[MXFP4Weight, MXFP4Weight] | None = None
 
     def use_mxfp4(self) -> None:
         """Hold the stacks as MXFP4 bytes (uint8 buffers on the parameters' device, zeros) in place
@@ -64,10 +65,16 @@ class RoutedExperts(nn.Module):
         self.is_mxfp4 = True
 
     def stacks(self) -> tuple[torch.Tensor | MXFP4Weight, torch.Tensor | MXFP4Weight]:
-        """(w13, w2) as :func:`helixserve.kernels.moe_experts` takes them."""
-        if self.is_mxfp4:
-            return MXFP4Weight(self.w13_packed, self.w13_scale), MXFP4Weight(self.w2_packed, self.w2_scale)
-        return self.w13, self.w2
+        """(w13, w2) as :func:`helixserve.kernels.moe_experts` takes them (the MXFP4 views are made
+        again only when a load or a move replaced the buffers: no checks per step)."""
+        if not self.is_mxfp4:
+            return self.w13, self.w2
+        views = self._views
+        if views is None or views[0].packed is not self.w13_packed or views[0].scale is not self.w13_scale \
+                or views[1].packed is not self.w2_packed or views[1].scale is not self.w2_scale:
+            views = self._views = (MXFP4Weight(self.w13_packed, self.w13_scale),
+                                   MXFP4Weight(self.w2_packed, self.w2_scale))
+        return views
 
 
 class KimiMoE(nn.Module):

@@ -58,6 +58,9 @@ def test_packed_load_keeps_the_checkpoint_bytes(k3_tiny: Path) -> None:
         assert torch.equal(w13.scale[e, I:], stored[f"{PREFIX}.{e}.w3.weight_scale"])
         assert torch.equal(w2.packed[e], stored[f"{PREFIX}.{e}.w2.weight_packed"])
         assert torch.equal(w2.scale[e], stored[f"{PREFIX}.{e}.w2.weight_scale"])
+    assert layer1.stacks()[0] is w13  # made once, not per step
+    layer1.w13_packed = w13.packed.clone()  # what a move or a reload does to the buffers
+    assert layer1.stacks()[0] is not w13 and layer1.stacks()[0].packed is layer1.w13_packed
     dense = load_model(k3_tiny, experts="dense").model.layers[1].block_sparse_moe.experts
     assert torch.equal(w13.dequantize(), dense.w13) and torch.equal(w2.dequantize(), dense.w2)
     # 4.25 bits a weight: the packed stacks are 17/128 of fp32 ones
