@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +227,26 @@ def test_mxfp4_experts_prefill_sizes_take_the_dequantize_path(tm, monkeypatch):
     out = moe_gpu.mxfp4_experts(x, ids, weights, w13, w2, 0, act)
     assert len(calls) == 2
     assert_close("prefill path", ref.float(), out.float(), 2e-2)
+
+
+def test_mxfp4_kernels_compile_for_hopper():
+    """Both kernels, every tile config, through Triton's sm_90 compiler (ptxas) without a GPU: no
+    spills (local memory), registers within the per-thread limit."""
+    if _INTERPRETING:
+        pytest.skip("compiles in a non-interpreted child")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    extra = os.environ.get("HELIXSERVE_TRITON_INTERP")
+    if extra and (Path(extra) / "triton").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(extra).resolve()), env.get("PYTHONPATH")) if p)
+    elif importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root)) if p)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_mxfp4_sm90_compile.py"))], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(root))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 7, proc.stdout
+    for line in lines:
+        regs, local = (int(v) for v in re.search(r"regs=(\d+) local=(\d+)", line).groups())
+        assert local == 0 and regs <= 255, line

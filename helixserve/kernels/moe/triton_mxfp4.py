@@ -68,13 +68,30 @@ def block_schedule(sorted_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 
 @triton.jit
-def _e2m1_to_f32(q, SHIFT: tl.constexpr):
-    """The e2m1 codes in bits ``SHIFT..SHIFT+3`` of ``q`` (int32) -> fp32 times 2^-14, exactly, in
-    four ALU ops: the 3 magnitude bits under fp16's exponent/mantissa boundary make an fp16 of
-    value e2m1 * 2^-14 (0.5 lands on a subnormal, which the fp16 -> fp32 conversion keeps), the
-    sign bit on fp16's. No select, no table: the decode runs at close to the weight stream's rate."""
-    half_bits = ((q & (7 << SHIFT)) << (9 - SHIFT)) | ((q & (8 << SHIFT)) << (12 - SHIFT))
-    return half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _halves_to_f32(h):
+    """Two fp16 bit patterns in a uint32 -> (low half, high half) as fp32 (exact, subnormals kept)."""
+    lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _decode_words(q):
+    """``q [R, C]`` uint32 words of packed codes (4 bytes, 8 e2m1 codes, low nibble first) ->
+    ``[R, 8 * C]`` fp32 values times 2^-14, in order, exactly.
+
+    Each code's 3 magnitude bits go under fp16's exponent/mantissa boundary and its sign on fp16's
+    sign bit: an fp16 of value e2m1 * 2^-14 (0.5 lands on a subnormal, which the fp16 -> fp32
+    conversion keeps). Two codes of the same nibble position in bytes 0 and 2 (or 1 and 3) move
+    with one mask-and-shift, so a word of 8 codes costs 4 such pairs, not 8 extractions."""
+    a_lo, a_hi = _halves_to_f32(((q & 0x00070007) << 9) | ((q & 0x00080008) << 12))  # codes 0, 4
+    b_lo, b_hi = _halves_to_f32(((q & 0x00700070) << 5) | ((q & 0x00800080) << 8))  # codes 1, 5
+    c_lo, c_hi = _halves_to_f32(((q & 0x07000700) << 1) | ((q & 0x08000800) << 4))  # codes 2, 6
+    d_lo, d_hi = _halves_to_f32(((q & 0x70007000) >> 3) | (q & 0x80008000))  # codes 3, 7
+    # each join appends the minor-most dim, so the first join is the major one: [.., i, j, k] is
+    # code 4i + 2j + k with i the half (lo: 0..3), j bytes 1/3 (codes 2, 3, 6, 7), k high nibbles
+    w = tl.join(tl.join(tl.join(a_lo, a_hi), tl.join(c_lo, c_hi)), tl.join(tl.join(b_lo, b_hi), tl.join(d_lo, d_hi)))
+    return tl.reshape(w, (q.shape[0], q.shape[1] * 8))
 
 
 @triton.jit
@@ -100,7 +117,7 @@ def _grouped_mxfp4_kernel(
         a_rows = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    HALF_K: tl.constexpr = BLOCK_K // 2
+    WORDS: tl.constexpr = BLOCK_K // 8
     GROUPS: tl.constexpr = BLOCK_K // 32
     wq_base = wq_ptr + expert.to(tl.int64) * stride_qe + offs_n.to(tl.int64)[:, None] * stride_qn
     ws_base = ws_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
@@ -109,12 +126,11 @@ def _grouped_mxfp4_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        offs_b = k0 // 2 + tl.arange(0, HALF_K)
-        q = tl.load(wq_base + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :], other=0)
+        offs_b = k0 // 8 + tl.arange(0, WORDS)
+        q = tl.load(wq_base + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 8)[None, :], other=0)
         offs_s = k0 // 32 + tl.arange(0, GROUPS)
         s = tl.load(ws_base + offs_s[None, :], mask=n_mask[:, None] & (offs_s < K // 32)[None, :], other=0)
-        q = q.to(tl.int32)
-        w = tl.interleave(_e2m1_to_f32(q, 0), _e2m1_to_f32(q, 4))  # [BLOCK_N, BLOCK_K], low nibble first
+        w = _decode_words(q.to(tl.uint32, bitcast=True))  # [BLOCK_N, BLOCK_K]
         # 2^(s - 127) * 2^14 (undoing the decode's 2^-14); byte 0 reads as 0, bytes > 240 overflow
         scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
         w = tl.reshape(tl.reshape(w, (BLOCK_N, GROUPS, 32)) * scale[:, :, None], (BLOCK_N, BLOCK_K))
@@ -132,6 +148,15 @@ def _tiles(block_m: int) -> tuple[int, int, int, int]:
     return 128, 64, 8, 3
 
 
+def _as_words(packed: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K/2]`` code bytes as ``[E, N, K/8]`` little-endian uint32 words (int32 storage), a
+    view where the strides allow (K is a multiple of 32, so every row holds whole words)."""
+    try:
+        return packed.view(torch.int32)
+    except RuntimeError:  # a row start not 4-byte aligned
+        return packed.contiguous().view(torch.int32)
+
+
 def grouped_gemm_mxfp4(
     a: torch.Tensor, weight: MXFP4Weight, schedule: BlockSchedule, num_rows: int,
     rows: torch.Tensor | None = None,
@@ -144,9 +169,9 @@ def grouped_gemm_mxfp4(
         raise ValueError(f"a must be [M, {K}] with K a multiple of {MXFP4_GROUP_SIZE}, got {tuple(a.shape)}")
     if a.stride(1) != 1:
         a = a.contiguous()
-    wq, ws = weight.packed, weight.scale
-    if wq.stride(2) != 1 or ws.stride(2) != 1:
-        raise ValueError("MXFP4 expert weights must be contiguous along K")
+    wq, ws = _as_words(weight.packed), weight.scale
+    if ws.stride(2) != 1:
+        ws = ws.contiguous()
     out = torch.empty(num_rows, N, dtype=a.dtype, device=a.device)
     if num_rows == 0:
         return out
@@ -173,16 +198,16 @@ def _dequant_kernel(
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     k0 = tl.program_id(1) * BLOCK_K
-    HALF_K: tl.constexpr = BLOCK_K // 2
+    WORDS: tl.constexpr = BLOCK_K // 8
     GROUPS: tl.constexpr = BLOCK_K // 32
     rows = offs_r.to(tl.int64)[:, None]
-    offs_b = k0 // 2 + tl.arange(0, HALF_K)
-    q = tl.load(wq_ptr + rows * stride_qr + offs_b[None, :], mask=r_mask[:, None] & (offs_b < K // 2)[None, :],
-                other=0).to(tl.int32)
+    offs_b = k0 // 8 + tl.arange(0, WORDS)
+    q = tl.load(wq_ptr + rows * stride_qr + offs_b[None, :], mask=r_mask[:, None] & (offs_b < K // 8)[None, :],
+                other=0).to(tl.uint32, bitcast=True)
     offs_s = k0 // 32 + tl.arange(0, GROUPS)
     s = tl.load(ws_ptr + rows * stride_sr + offs_s[None, :], mask=r_mask[:, None] & (offs_s < K // 32)[None, :],
                 other=0)
-    w = tl.interleave(_e2m1_to_f32(q, 0), _e2m1_to_f32(q, 4))
+    w = _decode_words(q)
     scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
     w = tl.reshape(tl.reshape(w, (BLOCK_R, GROUPS, 32)) * scale[:, :, None], (BLOCK_R, BLOCK_K))
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -195,6 +220,7 @@ def dequantize_bf16(weight: MXFP4Weight) -> torch.Tensor:
     E, N, K = weight.shape
     wq, ws = (t if t.stride(0) == t.shape[1] * t.stride(1) and t.stride(2) == 1 else t.contiguous()
               for t in (weight.packed, weight.scale))
+    wq = _as_words(wq)
     out = torch.empty(E, N, K, dtype=torch.bfloat16, device=wq.device)
     R = E * N
     if R == 0:
