@@ -3,11 +3,12 @@
 ``out[p] = a[rows[p]] @ dequant(W[e(p)]).T`` for rows ``p`` sorted by expert: ``a [M, K]`` (bf16, or
 cast to it), ``W`` an :class:`~helixserve.kernels.moe.mxfp4.MXFP4Weight` ``[E, N, K]``, fp32
 accumulation, ``out [P, N]`` in ``a.dtype``. Each program owns ``BLOCK_M`` sorted rows of one expert
-and ``BLOCK_N`` output columns; per ``BLOCK_K`` step it loads ``[BLOCK_N, BLOCK_K/2]`` code bytes and
-``[BLOCK_N, BLOCK_K/32]`` scale bytes, turns the e2m1 codes into fp32 through their fp16 bits
-(exact, four ALU ops a weight: at decode sizes the decode, not the MMA, bounds the kernel), applies
-the power-of-two scales, rounds to bf16 (exact: an e2m1 value times a power of two has 2 mantissa
-bits) and feeds ``tl.dot``. So the weights cross HBM at ~4.25 bits each.
+and ``BLOCK_N`` output columns; per ``BLOCK_K`` step it loads ``[BLOCK_N, BLOCK_K/8]`` words of codes
+(8 a word) and ``[BLOCK_N, BLOCK_K/32]`` scale bytes, turns the e2m1 codes into fp32 through their
+fp16 bits (exact; about 8 SASS instructions a weight on sm_90, all told: at decode sizes this
+decode, not the MMA, bounds the kernel), applies the power-of-two scales, rounds to bf16 (exact: an
+e2m1 value times a power of two has 2 mantissa bits) and feeds ``tl.dot``. So the weights cross HBM
+at ~4.25 bits each. No autotuning: one fixed tile config per row-block size (:func:`_tiles`).
 
 At prefill sizes (many rows per expert) the MMA work per weight dominates and the in-register
 decode would be paid once per 64-row block: :func:`dequantize_bf16` instead writes the stack as bf16
