@@ -17,9 +17,14 @@ K3's expert shape (3584 -> 2 x 3072 -> 3584), 64 local experts, top-8 routing; d
 Timing: CUDA events, median after warm-up, the two sides alternating (bench/kernels.py's timer).
 Without CUDA (or Triton) the packed side is the reference (dequantize per call, then the dense
 path) on tiny shapes, so the script runs anywhere; those figures are not the GPU's. A failing case
-is recorded with its error and the rest still run; the JSON is always written.
+is recorded with its error and the rest still run; the JSON is rewritten after every case (a killed
+run keeps what it measured, marked ``"partial"``).
 
     python bench/moe_mxfp4.py [--quick] [--out FILE]
+
+On one H200, the GPU tests and this bench in one command (``bench/mxfp4_h200.sh``; through the
+device tool: ``run(command="bash bench/mxfp4_h200.sh", carry=[".device"])``, the JSON and the test
+log come back from ``$OUT``): ``bench/figures/kernels_mxfp4_h200.json``.
 """
 
 from __future__ import annotations
@@ -179,6 +184,9 @@ def main() -> None:
         decode, prefill = (4,), (64,)
     started = time.perf_counter()
     errors = []
+    info = machine_info()
+    if on_gpu:
+        info["gpu"] = torch.cuda.get_device_name()
     for kind, sizes in (("decode", decode), ("prefill", prefill)):
         for T in sizes:
             try:
@@ -188,9 +196,7 @@ def main() -> None:
                 errors.append({"kind": kind, "T": T, "error": f"{type(exc).__name__}: {exc}"})
             if on_gpu:
                 torch.cuda.empty_cache()
-    info = machine_info()
-    if on_gpu:
-        info["gpu"] = torch.cuda.get_device_name()
+            write_json(args.out, {"machine": info, "rows": ROWS, "errors": errors, "partial": True})  # survives a kill
     headers = ["what", "kind", "case", "mxfp4 µs", "bf16 µs", "speedup", "target", "mxfp4 TB/s", "bf16 TB/s"]
     table = markdown_table(headers, [[r["what"], r["kind"], r["case"], r["mxfp4_us"], r["bf16_us"],
                                       f"{r['speedup']:.2f}×", f"{r['target']}×", r["mxfp4_tb_s"], r["bf16_tb_s"]]
