@@ -49,10 +49,17 @@ def main() -> None:
     for block_m in (16, 32, 64):
         block_n, block_k, warps, stages = tm._tiles(block_m)
         for gather in (True, False):
-            k = _compile(tm._grouped_mxfp4_kernel, sig, {"GATHER": gather, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                                                         "BLOCK_K": block_k, "DOT_DTYPE": tl.bfloat16},
-                         divisible, num_warps=warps, num_stages=stages)
-            print(f"grouped block_m={block_m} gather={gather}: {_usage(k)}", flush=True)
+            # sizes that are multiples of 16 (K3's), and odd ones (no vectorized loads)
+            for hints in (divisible, [n for n in divisible if n.endswith("_ptr")]):
+                k = _compile(tm._grouped_mxfp4_kernel, sig, {"GATHER": gather, "BLOCK_M": block_m,
+                                                             "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                                             "DOT_DTYPE": tl.bfloat16},
+                             hints, num_warps=warps, num_stages=stages)
+                print(f"grouped block_m={block_m} gather={gather} hints={len(hints)}: {_usage(k)}", flush=True)
+    fp32 = {**sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}  # an fp32 model holding packed experts
+    k = _compile(tm._grouped_mxfp4_kernel, fp32, {"GATHER": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+                                                 "DOT_DTYPE": tl.bfloat16}, divisible, num_warps=4, num_stages=4)
+    print(f"grouped fp32 activations: {_usage(k)}", flush=True)
     sig = {"wq_ptr": "*i32", "ws_ptr": "*u8", "out_ptr": "*bf16", "R": "i32", "K": "i32", "stride_qr": "i32",
            "stride_sr": "i32", "stride_or": "i32"}
     k = _compile(tm._dequant_kernel, sig, {"BLOCK_R": 32, "BLOCK_K": 256},
