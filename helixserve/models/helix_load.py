@@ -87,7 +87,8 @@ def load_helix_model(
         lazy.check_shapes(expected)
         reader, expert_reader = lazy.read, lazy.read_experts
     else:  # another accepted layout: read whole, canonicalize, check, slice in memory
-        canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg, log_skipped=False), cfg, keep_mxfp4=is_packed)
+        tensors = read_checkpoint_tensors(model_dir, cfg, log_skipped=False)
+        canonical = canonicalize(tensors, cfg, keep_mxfp4=is_packed)
         check_tensors(canonical, expected)
         reader, expert_reader = _dict_readers(to_internal(canonical, cfg))
     return _materialize(model, reader, expert_reader, dtype, device)
@@ -119,7 +120,8 @@ def _materialize(
             continue
         if m := _EXPERTS_RE.match(name):
             base, suffix = m.group(1), m.group(2) or ""
-            state[name], state[f"{base}.w2{suffix}"] = read_experts(base, mapping.local_experts(cfg.num_experts), suffix)
+            local = mapping.local_experts(cfg.num_experts)
+            state[name], state[f"{base}.w2{suffix}"] = read_experts(base, local, suffix)
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             state[name] = read("model.embed_tokens.weight", None, 0, 0)
         else:
