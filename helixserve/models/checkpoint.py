@@ -4,7 +4,9 @@ Accepted on load:
 
 - ``model.safetensors`` or ``model.safetensors.index.json`` + shards;
 - K3: names under ``language_model.`` (``vision_tower.*`` / ``mm_projector.*`` are skipped);
-- routed experts as ``.weight`` or MXFP4 ``.weight_packed`` + ``.weight_scale`` (dequantized here);
+- routed experts as ``.weight`` or MXFP4 ``.weight_packed`` + ``.weight_scale``: dequantized here, or
+  kept as MXFP4 bytes (``experts="packed"``, the default on CUDA in bf16 with Triton; see
+  :func:`resolve_expert_format`);
 - ``A_log`` as ``[1, 1, H, 1]``, ``[H]``, or K3's zero-padded ``[>= H]`` (first H kept);
 - what transformers' ``save_pretrained`` writes for ``KimiLinearForCausalLM``: the original names,
   except that its reverse mapping puts the dense layer-0 FFN under ``block_sparse_moe.*``; also
@@ -20,21 +22,25 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from helixserve.models.config import KimiModelConfig
+from helixserve.kernels.moe.mxfp4 import scale_bytes
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 FP32_SUFFIXES = (".A_log", ".dt_bias", ".e_score_correction_bias")
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
-_STACKED_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w13|w2)$")
+_EXPERT_RE = re.compile(
+    r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.weight(_packed|_scale)?$")
+# stacked dense experts, or (suffix _packed / _scale) their MXFP4 bytes
+_STACKED_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w13|w2)(_packed|_scale)?$")
+ExpertFormat = Literal["auto", "packed", "dense"]
 
 
 class CheckpointError(ValueError):
@@ -95,17 +101,21 @@ def _rename_hf_runtime(name: str) -> str:
     return name
 
 
-def canonicalize(tensors: dict[str, torch.Tensor], cfg: KimiModelConfig) -> dict[str, torch.Tensor]:
-    """Original names, unquantized routed experts, ``A_log`` as ``[H]``."""
+def canonicalize(tensors: dict[str, torch.Tensor], cfg: KimiModelConfig,
+                 keep_mxfp4: bool = False) -> dict[str, torch.Tensor]:
+    """Original names, unquantized routed experts (``keep_mxfp4``: their ``weight_packed`` /
+    ``weight_scale`` bytes as stored, scales as uint8), ``A_log`` as ``[H]``."""
     out: dict[str, torch.Tensor] = {}
     for raw_name, t in tensors.items():
         name = _rename_hf_runtime(raw_name)
         m = re.match(r"^model\.layers\.(\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.weight$", name)
         if m and not cfg.is_moe_layer(int(m.group(1))):
             name = f"model.layers.{m.group(1)}.mlp.{m.group(2)}.weight"
-        if name.endswith(".weight_scale"):
+        if keep_mxfp4 and name.endswith((".weight_packed", ".weight_scale")):
+            out[name] = scale_bytes(t) if name.endswith(".weight_scale") else t
+        elif name.endswith(".weight_scale"):
             continue
-        if name.endswith(".weight_packed"):
+        elif name.endswith(".weight_packed"):
             out[name.removesuffix("_packed")] = _dequantize(raw_name, t, tensors)
         elif name.endswith(".self_attn.conv1d.weight"):
             for part, w in zip("qkv", t.chunk(3, dim=0)):
@@ -157,12 +167,13 @@ def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
             out[name] = tuple(t.shape)
             continue
         E, rows, cols = t.shape
+        suffix = m.group(3) or ""
         for e in range(E):
             if m.group(2) == "w2":
-                out[f"{m.group(1)}.{e}.w2.weight"] = (rows, cols)
+                out[f"{m.group(1)}.{e}.w2.weight{suffix}"] = (rows, cols)
             else:
-                out[f"{m.group(1)}.{e}.w1.weight"] = (rows // 2, cols)
-                out[f"{m.group(1)}.{e}.w3.weight"] = (rows // 2, cols)
+                out[f"{m.group(1)}.{e}.w1.weight{suffix}"] = (rows // 2, cols)
+                out[f"{m.group(1)}.{e}.w3.weight{suffix}"] = (rows // 2, cols)
     return out if not cfg.tie_word_embeddings else {k: v for k, v in out.items() if k != "lm_head.weight"}
 
 
@@ -183,19 +194,21 @@ def check_tensors(canonical: dict[str, torch.Tensor], expected: dict[str, tuple[
 
 
 def to_internal(canonical: dict[str, torch.Tensor], cfg: KimiModelConfig) -> dict[str, torch.Tensor]:
-    """Stack per-expert weights into ``experts.w13 [E, 2I, De]`` / ``experts.w2 [E, De, I]``."""
+    """Stack per-expert weights into ``experts.w13 [E, 2I, De]`` / ``experts.w2 [E, De, I]`` (MXFP4
+    bytes kept by :func:`canonicalize`: into ``experts.w13_packed`` / ``w13_scale`` / ...)."""
     out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, list[torch.Tensor | None]]] = {}
+    experts: dict[tuple[str, str], dict[str, list[torch.Tensor | None]]] = {}
     for name, t in canonical.items():
         m = _EXPERT_RE.match(name)
         if m is None:
             out[name] = t
             continue
-        per_kind = experts.setdefault(m.group(1), {k: [None] * cfg.num_experts for k in ("w1", "w2", "w3")})
+        per_kind = experts.setdefault((m.group(1), m.group(4) or ""),
+                                      {k: [None] * cfg.num_experts for k in ("w1", "w2", "w3")})
         per_kind[m.group(3)][int(m.group(2))] = t
-    for base, per_kind in experts.items():
-        out[f"{base}.w13"] = torch.stack([torch.cat([a, b]) for a, b in zip(per_kind["w1"], per_kind["w3"])])
-        out[f"{base}.w2"] = torch.stack(per_kind["w2"])
+    for (base, suffix), per_kind in experts.items():
+        out[f"{base}.w13{suffix}"] = torch.stack([torch.cat([a, b]) for a, b in zip(per_kind["w1"], per_kind["w3"])])
+        out[f"{base}.w2{suffix}"] = torch.stack(per_kind["w2"])
     if cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -204,25 +217,64 @@ def to_internal(canonical: dict[str, torch.Tensor], cfg: KimiModelConfig) -> dic
 # ---------------------------------------------------------------- model load
 
 
+def resolve_expert_format(experts: ExpertFormat, cfg: KimiModelConfig, dtype: torch.dtype,
+                          device: str | torch.device) -> Literal["packed", "dense"]:
+    """How routed experts are held: ``"packed"`` (the checkpoint's MXFP4 bytes, dequantized inside
+    the expert GEMM) or ``"dense"`` (dequantized to ``dtype`` at load). ``"auto"``: packed when the
+    checkpoint is MXFP4 and the model runs in bf16 on CUDA with the Triton kernels, else dense (the
+    CPU, fp32 models and dense checkpoints). ``"packed"`` of a dense checkpoint is an error."""
+    if experts not in ("auto", "packed", "dense"):
+        raise ValueError(f"experts must be 'auto', 'packed' or 'dense', got {experts!r}")
+    is_mxfp4 = cfg.routed_expert_format == "mxfp4"
+    if experts == "packed" and not is_mxfp4:
+        raise CheckpointError("experts='packed' needs a checkpoint with MXFP4 routed experts "
+                              f"(quantization_config); this one's are {cfg.routed_expert_format!r}")
+    if experts != "auto":
+        return experts
+    from helixserve.kernels.triton_common import has_triton
+
+    on_cuda = torch.device(device).type == "cuda"
+    return "packed" if is_mxfp4 and on_cuda and dtype == torch.bfloat16 and has_triton() else "dense"
+
+
+def use_mxfp4_experts(model: torch.nn.Module) -> None:
+    """Every routed-expert stack of ``model`` held as MXFP4 bytes (:meth:`RoutedExperts.use_mxfp4`)."""
+    from helixserve.models.moe import RoutedExperts
+
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.use_mxfp4()
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``load_state_dict`` fills: parameters (tied ones under each name) and persistent buffers."""
+    return {**model.state_dict(keep_vars=True), **dict(model.named_parameters(remove_duplicate=False))}
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    experts: ExpertFormat = "auto",
 ) -> torch.nn.Module:
     """Build :class:`~helixserve.models.kimi.KimiForCausalLM` from an HF-format checkpoint dir.
 
-    On the CPU its weights are packed for inference (:func:`~helixserve.models.packing.pack_for_cpu`:
-    fused input projections, column-major storage; same names, shapes and values)."""
+    ``experts``: see :func:`resolve_expert_format`. On the CPU its weights are packed for inference
+    (:func:`~helixserve.models.packing.pack_for_cpu`: fused input projections, column-major storage;
+    same names, shapes and values)."""
     from helixserve.models.kimi import KimiForCausalLM
     from helixserve.models.packing import pack_for_cpu
     from helixserve.models.quantization import check_checkpoint_quantization
 
     cfg = KimiModelConfig.from_pretrained(model_dir)
     check_checkpoint_quantization(model_dir, cfg)
+    is_packed = resolve_expert_format(experts, cfg, dtype, device) == "packed"
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=dtype)
-    canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg), cfg)
+    if is_packed:
+        use_mxfp4_experts(model)
+    canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg), cfg, keep_mxfp4=is_packed)
     check_tensors(canonical, expected_shapes(model))
     internal = to_internal(canonical, cfg)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = model_tensors(model)
     state = {name: internal[name].to(device=device, dtype=params[name].dtype) for name in params}
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
@@ -258,6 +310,12 @@ def to_checkpoint_tensors(
             if name.endswith(".self_attn.A_log"):
                 t = _a_log_for_save(t, cfg)
             out[name] = cast(name, t)
+            continue
+        if m.group(3):  # MXFP4 bytes held as loaded: saved as they are
+            for e, w in enumerate(t):
+                parts = {"w2": w} if m.group(2) == "w2" else dict(zip(("w1", "w3"), w.chunk(2, dim=0)))
+                for kind, wk in parts.items():
+                    out[f"{m.group(1)}.{e}.{kind}.weight{m.group(3)}"] = wk.contiguous()
             continue
         for e, w in enumerate(t):
             parts = {"w2": w} if m.group(2) == "w2" else dict(zip(("w1", "w3"), w.chunk(2, dim=0)))

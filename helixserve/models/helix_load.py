@@ -13,7 +13,8 @@ Checkpoints in the original tensor names (``save_checkpoint``'s output and the p
 layouts, MXFP4 experts included) are read lazily: per-head rows / columns through safetensors'
 ``get_slice``, and only the local experts' tensors. Any other layout accepted by
 :func:`~helixserve.models.checkpoint.load_model` (transformers' in-memory names, fused conv, stacked
-experts) is read whole, canonicalized and then sliced.
+experts) is read whole, canonicalized and then sliced. Routed experts stay MXFP4 bytes when
+``experts`` resolves to ``"packed"`` (:func:`~helixserve.models.checkpoint.resolve_expert_format`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,20 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from helixserve.kernels.moe.mxfp4 import scale_bytes
 from helixserve.models.checkpoint import (
     CheckpointError,
+    ExpertFormat,
     _normalize_a_log,
     canonicalize,
     check_tensors,
     expected_shapes,
     iter_checkpoint_keys,
+    model_tensors,
     read_checkpoint_tensors,
+    resolve_expert_format,
     to_internal,
+    use_mxfp4_experts,
 )
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.helix_hooks import MoeMode
@@ -43,6 +49,7 @@ from helixserve.models.packing import pack_for_cpu
 from helixserve.models.quantization import check_checkpoint_quantization
 from helixserve.parallel import Mapping
 
+_EXPERTS_RE = re.compile(r"^(.+\.experts)\.w13(_packed|_scale)?$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|block_sparse_moe)\.(.+)$")
 _KDA_ROWS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
              "v_conv1d.weight", "f_b_proj.weight", "g_proj.weight", "g_b_proj.weight", "dt_bias"}
@@ -50,31 +57,38 @@ _EXPERT_PARTS = ("w1", "w2", "w3")
 
 # read(name, dim, start, stop): a canonical tensor, or its [start, stop) slice along dim
 Reader = Callable[[str, int | None, int, int], torch.Tensor]
-# read_experts(base, experts): stacked (w13 [E_l, 2I, De], w2 [E_l, De, I]) of those experts
-ExpertReader = Callable[[str, range], tuple[torch.Tensor, torch.Tensor]]
+# read_experts(base, experts, suffix): stacked (w13 [E_l, 2I, De], w2 [E_l, De, I]) of those experts;
+# suffix "_packed" / "_scale": their MXFP4 bytes ([.., De/2] / [.., De/32] ...)
+ExpertReader = Callable[[str, range, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def load_helix_model(
     model_dir: str | Path, mapping: Mapping, dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", moe_mode: MoeMode = "sliced",
+    device: str | torch.device = "cpu", moe_mode: MoeMode = "sliced", experts: ExpertFormat = "auto",
 ) -> KimiForCausalLM:
-    """This rank's :class:`KimiForCausalLM` (unbound: call ``bind(groups)``).
+    """This rank's :class:`KimiForCausalLM` (unbound: call ``bind(groups)``); ``experts``: see
+    :func:`~helixserve.models.checkpoint.resolve_expert_format`.
 
     Raises :class:`~helixserve.models.sharding.HelixConfigError` before reading any weight when the
     model does not fit ``mapping``, and :class:`CheckpointError` for missing / mis-shaped tensors.
     """
     cfg = KimiModelConfig.from_pretrained(model_dir)
     check_checkpoint_quantization(model_dir, cfg)
+    is_packed = resolve_expert_format(experts, cfg, dtype, device) == "packed"
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype, mapping, moe_mode)
         full = KimiForCausalLM(cfg, dtype)  # the checkpoint holds the unsharded shapes
+    if is_packed:
+        use_mxfp4_experts(model)
+        use_mxfp4_experts(full)
     expected = expected_shapes(full)
     lazy = _LazyCheckpoint(Path(model_dir), cfg)
     if lazy.matches(expected):
         lazy.check_shapes(expected)
         reader, expert_reader = lazy.read, lazy.read_experts
     else:  # another accepted layout: read whole, canonicalize, check, slice in memory
-        canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg, log_skipped=False), cfg)
+        tensors = read_checkpoint_tensors(model_dir, cfg, log_skipped=False)
+        canonical = canonicalize(tensors, cfg, keep_mxfp4=is_packed)
         check_tensors(canonical, expected)
         reader, expert_reader = _dict_readers(to_internal(canonical, cfg))
     return _materialize(model, reader, expert_reader, dtype, device)
@@ -99,14 +113,15 @@ def _materialize(
     device: str | torch.device,
 ) -> KimiForCausalLM:
     cfg, mapping = model.cfg, model.mapping
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = model_tensors(model)
     state: dict[str, torch.Tensor] = {}
     for name in params:
         if name in state:
             continue
-        if name.endswith(".experts.w13"):
-            base = name.removesuffix(".w13")
-            state[name], state[f"{base}.w2"] = read_experts(base, mapping.local_experts(cfg.num_experts))
+        if m := _EXPERTS_RE.match(name):
+            base, suffix = m.group(1), m.group(2) or ""
+            local = mapping.local_experts(cfg.num_experts)
+            state[name], state[f"{base}.w2{suffix}"] = read_experts(base, local, suffix)
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             state[name] = read("model.embed_tokens.weight", None, 0, 0)
         else:
@@ -159,8 +174,9 @@ def _dict_readers(state: dict[str, torch.Tensor]) -> tuple[Reader, ExpertReader]
         t = state[name]
         return t if dim is None else t.narrow(dim, start, stop - start)
 
-    def read_experts(base: str, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
-        return state[f"{base}.w13"][experts.start:experts.stop], state[f"{base}.w2"][experts.start:experts.stop]
+    def read_experts(base: str, experts: range, suffix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        w13, w2 = state[f"{base}.w13{suffix}"], state[f"{base}.w2{suffix}"]
+        return w13[experts.start:experts.stop], w2[experts.start:experts.stop]
 
     return read, read_experts
 
@@ -219,6 +235,8 @@ class _LazyCheckpoint:
         return sl[:, start:stop]
 
     def _read_expert(self, name: str) -> torch.Tensor:
+        if name.endswith(".weight_scale"):
+            return scale_bytes(self._slice(name)[:])
         if name in self._where:
             return self._slice(name)[:]
         packed, scale = self._names_for(name)
@@ -227,10 +245,10 @@ class _LazyCheckpoint:
         except ValueError as exc:
             raise CheckpointError(f"{packed!r}: {exc}") from exc
 
-    def read_experts(self, base: str, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_experts(self, base: str, experts: range, suffix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         w13, w2 = [], []
         for e in experts:
-            w1, w2e, w3 = (self._read_expert(f"{base}.{e}.{part}.weight") for part in _EXPERT_PARTS)
+            w1, w2e, w3 = (self._read_expert(f"{base}.{e}.{part}.weight{suffix}") for part in _EXPERT_PARTS)
             w13.append(torch.cat([w1, w3]))
             w2.append(w2e)
         return torch.stack(w13), torch.stack(w2)

@@ -5,6 +5,10 @@ un-biased scores are renormalized and scaled by ``routed_scaling_factor``. Route
 stacked per layer: ``w13 [E, 2I, De]`` (gate rows, then up rows) and ``w2 [E, De, I]``. K3's latent
 MoE runs the experts in ``De = routed_expert_hidden_size``: ``x -> routed_expert_down_proj -> experts
 -> sum -> routed_expert_norm -> routed_expert_up_proj``. Shared experts see the full ``x``.
+The expert stacks may instead stay MXFP4 as the checkpoint stores them
+(:meth:`RoutedExperts.use_mxfp4`: ``w13_packed`` / ``w13_scale`` / ``w2_packed`` / ``w2_scale`` uint8
+buffers, ``[E, 2I, De/2]`` / ``[E, 2I, De/32]`` / ``[E, De, I/2]`` / ``[E, De, I/32]``); the kernels
+take either form (:class:`~helixserve.kernels.MXFP4Weight`).
 
 Split into :meth:`route`, :meth:`routed` and :meth:`finish` so expert parallelism
 (:mod:`helixserve.models.helix_hooks`) can dispatch the expert input and sum partial expert outputs
@@ -17,6 +21,7 @@ import torch
 from torch import nn
 
 from helixserve import kernels
+from helixserve.kernels import MXFP4Weight
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.mlp import GatedMLP, linear
 from helixserve.models.norm import RMSNorm
@@ -41,6 +46,35 @@ class RoutedExperts(nn.Module):
         I, De = cfg.moe_intermediate_size, cfg.expert_dim
         self.w13 = nn.Parameter(torch.zeros(E, 2 * I, De, dtype=dtype))
         self.w2 = nn.Parameter(torch.zeros(E, De, I, dtype=dtype))
+        self.is_mxfp4 = False
+        self._views: tuple[MXFP4Weight, MXFP4Weight] | None = None
+
+    def use_mxfp4(self) -> None:
+        """Hold the stacks as MXFP4 bytes (uint8 buffers on the parameters' device, zeros) in place
+        of the dense parameters; load the checkpoint's bytes into them with ``load_state_dict``."""
+        if self.is_mxfp4:
+            return
+        shapes = {"w13": tuple(self.w13.shape), "w2": tuple(self.w2.shape)}
+        device = self.w13.device
+        for name, (E, N, K) in shapes.items():
+            if K % 32:
+                raise ValueError(f"MXFP4 experts need {name}'s input dim to be a multiple of 32, got {K}")
+            delattr(self, name)
+            self.register_buffer(f"{name}_packed", torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device))
+            self.register_buffer(f"{name}_scale", torch.zeros(E, N, K // 32, dtype=torch.uint8, device=device))
+        self.is_mxfp4 = True
+
+    def stacks(self) -> tuple[torch.Tensor | MXFP4Weight, torch.Tensor | MXFP4Weight]:
+        """(w13, w2) as :func:`helixserve.kernels.moe_experts` takes them (the MXFP4 views are made
+        again only when a load or a move replaced the buffers: no checks per step)."""
+        if not self.is_mxfp4:
+            return self.w13, self.w2
+        views = self._views
+        if views is None or views[0].packed is not self.w13_packed or views[0].scale is not self.w13_scale \
+                or views[1].packed is not self.w2_packed or views[1].scale is not self.w2_scale:
+            views = self._views = (MXFP4Weight(self.w13_packed, self.w13_scale),
+                                   MXFP4Weight(self.w2_packed, self.w2_scale))
+        return views
 
 
 class KimiMoE(nn.Module):
@@ -83,8 +117,9 @@ class KimiMoE(nn.Module):
             self.in_proj_sizes = [m.weight.shape[0] for m in owners]
             self.in_proj = fuse_weights([(m, "weight") for m in owners])
             self.in_proj_cols = column_major(self.in_proj)
-        relayout(self.experts, "w13")
-        relayout(self.experts, "w2")
+        if not self.experts.is_mxfp4:
+            relayout(self.experts, "w13")
+            relayout(self.experts, "w2")
         if self.is_latent:
             pack_linears(self, "routed_expert_up_proj")
         if shared is not None:
@@ -107,9 +142,9 @@ class KimiMoE(nn.Module):
         w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, expert_offset: int = 0,
     ) -> torch.Tensor:
         """Weighted sum over the selected experts held in ``w13``/``w2`` (default: all) -> ``[T, De]``."""
+        own_w13, own_w2 = self.experts.stacks()
         return kernels.moe_experts(
-            expert_in, ids, weights,
-            self.experts.w13 if w13 is None else w13, self.experts.w2 if w2 is None else w2,
+            expert_in, ids, weights, own_w13 if w13 is None else w13, own_w2 if w2 is None else w2,
             expert_offset=expert_offset, activation=self.activation,
             situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
         )

@@ -6,6 +6,9 @@ act_and_mul: gate, up [..., I] -> [..., I]
 moe_experts: x [T, D]; topk_ids, topk_weights [T, k]; w13 [E_local, 2I, D] (gate rows then up rows);
     w2 [E_local, D, I]; local experts are global ids [expert_offset, expert_offset + E_local) and
     other ids contribute nothing (expert parallelism) -> y [T, D] in x.dtype, accumulated in fp32.
+    w13 and w2 may both be MXFP4Weight (packed FP4 + e8m0 scales, the checkpoint's bytes): on CUDA
+    the grouped GEMMs dequantize in registers (Triton); elsewhere the stacks are dequantized to
+    x.dtype per call, then the dense paths run (the reference).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 
 from helixserve.kernels._checks import as_f32, check_activation, check_integer, check_ndim, check_shape
 from helixserve.kernels.moe import gpu as moe_gpu
+from helixserve.kernels.moe.mxfp4 import MXFP4Weight
+from helixserve.kernels.triton_common import use_triton
 
 _ACTIVATIONS = ("silu", "situ")
 # up to this many (token, k) pairs (decode batches) the pairs are grouped by expert on the host
@@ -56,8 +61,8 @@ def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | MXFP4Weight,
+    w2: torch.Tensor | MXFP4Weight,
     *,
     expert_offset: int = 0,
     activation: str = "silu",
@@ -72,12 +77,27 @@ def moe_experts(
     if topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids must be [{T}, k], got {tuple(topk_ids.shape)}")
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
-    check_ndim("w13", w13, 3)
+    is_packed = isinstance(w13, MXFP4Weight)
+    if is_packed != isinstance(w2, MXFP4Weight):
+        raise ValueError(f"w13 and w2 must both be MXFP4Weight or both tensors, got {type(w13).__name__} "
+                         f"and {type(w2).__name__}")
+    if not is_packed:
+        check_ndim("w13", w13, 3)
     E_local, two_I, _ = w13.shape
     if two_I % 2 or w13.shape[2] != D:
         raise ValueError(f"w13 must be [E_local, 2*I, {D}], got {tuple(w13.shape)}")
-    check_shape("w2", w2, (E_local, D, two_I // 2))
+    if is_packed and tuple(w2.shape) != (E_local, D, two_I // 2):
+        raise ValueError(f"w2 must have shape {(E_local, D, two_I // 2)}, got {tuple(w2.shape)}")
+    elif not is_packed:
+        check_shape("w2", w2, (E_local, D, two_I // 2))
     check_activation(activation, _ACTIVATIONS)
+    if is_packed:
+        if x.is_cuda and T == 0:  # as below: a rank that received no rows
+            return x.new_zeros(0, D)
+        if use_triton(x):
+            return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, lambda g, u: (
+                _act_and_mul_torch(g, u, activation, situ_beta, situ_linear_beta)))
+        w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # the reference: dequantize, then matmul
     if x.is_cuda:  # grouped GEMM (bf16) or gathered bmm: no loop over experts, no host sync
         if T == 0:  # a rank that received no rows in the token-sliced all-to-all
             return x.new_zeros(0, D)

@@ -15,15 +15,18 @@ import torch
 
 # the gathered-weights fallback may materialize at most this many elements of w13[ids]
 _MAX_GATHERED_ELEMENTS = 1 << 27
+# MXFP4 stacks: from this many (token, k) rows per local expert on (prefill), dequantize the stacks
+# to bf16 once per call and run the bf16 grouped GEMMs; below (decode), the MXFP4 grouped kernel
+MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT = 128
 
 
 def can_group(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """``torch._grouped_mm`` applies: bf16 operands and 16-byte aligned rows."""
-    D, two_I = x.shape[1], w13.shape[1]
-    return (
-        hasattr(torch, "_grouped_mm") and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
-        and D % 8 == 0 and two_I % 16 == 0
-    )
+    return x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _can_group_shapes(x.shape[1], w13.shape[1])
+
+
+def _can_group_shapes(D: int, two_I: int) -> bool:
+    return hasattr(torch, "_grouped_mm") and D % 8 == 0 and two_I % 16 == 0
 
 
 def can_gather(topk_ids: torch.Tensor, w13: torch.Tensor) -> bool:
@@ -82,3 +85,34 @@ def gathered_experts(
     y = torch.bmm(w2.index_select(0, safe).float(), act[:, :, None]).squeeze(-1)
     weights = torch.where(is_local, topk_weights.flatten().float(), 0.0)
     return (y * weights[:, None]).view(T, topk_ids.shape[1], D).sum(1).to(x.dtype)
+
+
+def mxfp4_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2, expert_offset: int, act_and_mul,
+) -> torch.Tensor:
+    """``grouped_experts`` over :class:`~helixserve.kernels.moe.mxfp4.MXFP4Weight` stacks: the same
+    sort and sum, the two GEMMs by the Triton MXFP4 grouped kernel (weights dequantized in registers);
+    at prefill sizes the stacks dequantized to bf16 for ``grouped_experts``."""
+    from helixserve.kernels.moe import triton_mxfp4
+
+    T, D = x.shape
+    E, two_I, _ = w13.shape
+    I = two_I // 2
+    top_k = topk_ids.shape[1]
+    if (T * top_k >= MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT * E and x.dtype == torch.bfloat16
+            and _can_group_shapes(D, two_I)):
+        return grouped_experts(x, topk_ids, topk_weights, triton_mxfp4.dequantize_bf16(w13),
+                               triton_mxfp4.dequantize_bf16(w2), expert_offset, act_and_mul)
+    order, sorted_ids, valid = _sort_pairs(topk_ids, E, expert_offset)
+    P = order.numel()
+    schedule = triton_mxfp4.block_schedule(sorted_ids, E, triton_mxfp4.choose_block_m(P, E))
+    rows = order // top_k
+    h = triton_mxfp4.grouped_gemm_mxfp4(x, w13, schedule, P, rows=rows)
+    act = act_and_mul(h[:, :I], h[:, I:]).to(x.dtype)
+    y = triton_mxfp4.grouped_gemm_mxfp4(act, w2, schedule, P)
+    weights = topk_weights.flatten().index_select(0, order).float()
+    # rows of experts held elsewhere are not written: mask, never multiply
+    y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    out.index_add_(0, rows, y)
+    return out.to(x.dtype)
