@@ -74,6 +74,27 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     plane.close()
 
 
+PHASES = ("request", "reply", "launched", "done")
+
+
+def _record_phases(marks: dict[str, float]) -> None:
+    """Stamp the pull path's phases of the request in flight (bench instrumentation only)."""
+    from helixserve.transceiver import inbound
+
+    def stamped(name: str, method):  # noqa: ANN001, ANN202
+        def run(self, *args, **kwargs):  # noqa: ANN001, ANN202
+            if name == "reply":
+                marks[name] = time.perf_counter()
+            out = method(self, *args, **kwargs)
+            if name != "reply":
+                marks[name] = time.perf_counter()
+            return out
+        return run
+
+    for name, attr in zip(PHASES, ("request", "_on_reply", "_start_pull", "_finish")):
+        setattr(inbound.Inbound, attr, stamped(name, getattr(inbound.Inbound, attr)))
+
+
 def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     import torch
 
@@ -85,6 +106,8 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(preset, max_tokens)
+    marks: dict[str, float] = {}
+    _record_phases(marks)
     tagged_config = config.model_copy(update={"cuda_ipc": False})
     receivers = {"pull": CPGroupReceiver(KVReceiver(config, layout), manager, caches),
                  "tagged": CPGroupReceiver(KVReceiver(tagged_config, layout), manager, caches)}
@@ -112,6 +135,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
             params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
                                          prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout)
             before = rx.receiver.metrics.bytes_transferred
+            marks.clear()
             start = time.perf_counter()
             rx.begin(rid, params)
             check = rx.check()
@@ -121,7 +145,8 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
                 check = rx.check()
             elapsed = time.perf_counter() - start
             manager.free(rid)
-            outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before))
+            phases = {k: (v - start) * 1e3 for k, v in marks.items()}
+            outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before, phases))
         elif cmd[0] == "raw":
             handle = plane.recv_message("ctx", cmd[2], raw[: cmd[1]])
             outbox.put("posted")
@@ -163,6 +188,7 @@ def bench_preset(preset: str, token_counts: list[int], reps: int) -> list[dict]:
         records = []
         for num_tokens in token_counts:
             times: dict[str, list[float]] = {"pull": [], "tagged": [], "raw": []}
+            phases: list[dict] = []
             payload = 0
             for rep in range(reps + 1):
                 for mode in ("pull", "tagged"):
@@ -170,9 +196,11 @@ def bench_preset(preset: str, token_counts: list[int], reps: int) -> list[dict]:
                     ctx_in.put(("hold", rid, num_tokens))
                     assert ctx_out.get(timeout=60) == "held"
                     gen_in.put(("transfer", mode, rid, num_tokens, endpoint))
-                    elapsed, payload = gen_out.get(timeout=120)
+                    elapsed, payload, stamps = gen_out.get(timeout=120)
                     if rep:
                         times[mode].append(elapsed)
+                        if mode == "pull":
+                            phases.append(stamps)
                 tag = next(serial)
                 gen_in.put(("raw", payload, tag))
                 assert gen_out.get(timeout=60) == "posted"
@@ -192,6 +220,7 @@ def bench_preset(preset: str, token_counts: list[int], reps: int) -> list[dict]:
                 "latency_ms": {k: v * 1e3 for k, v in med.items()},
                 "ratio": med["copy"] / med["pull"], "vs_raw_ucxx": med["raw"] / med["pull"],
                 "tagged_vs_raw_ucxx": med["raw"] / med["tagged"],
+                "pull_phases_ms": {k: statistics.median(p[k] for p in phases) for k in PHASES if all(k in p for p in phases)},
                 "times_s": times | {"copy": copy_s}})
         return records
     finally:
@@ -210,7 +239,8 @@ def run(quick: bool, reps: int | None) -> tuple[list[str], list[list], list[dict
     for preset in dict.fromkeys(p for p, _ in shapes):
         records += bench_preset(preset, [t for p, t in shapes if p == preset], reps)
     headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "tagged UCX GB/s", "raw ucxx GB/s",
-               "device copy GB/s", "ours / device copy", "ours / raw ucxx"]
+               "device copy GB/s", "ours / device copy", "ours / raw ucxx", "ms to reply", "to launch", "to done"]
     rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["pull"], r["latency_ms"]["pull"], r["gbps"]["tagged"],
-             r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"], r["vs_raw_ucxx"]] for r in records]
+             r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"], r["vs_raw_ucxx"],
+             *(r["pull_phases_ms"].get(k) for k in ("reply", "launched", "done"))] for r in records]
     return headers, rows, records

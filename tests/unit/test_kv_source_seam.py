@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helixserve.gen_server.kv_source import UcxReceiverFactory
 from helixserve.parallel.mapping import Mapping
@@ -22,13 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_RANK = """
 import json, sys
+import torch
 from helixserve.gen_server.kv_source import UcxReceiverFactory
 from helixserve.parallel.mapping import Mapping
 from helixserve.transceiver.config import TransceiverConfig
 from tests.unit.transceiver_harness import LAYOUT
 
 factory = UcxReceiverFactory(TransceiverConfig(backend="fake", kv_transfer_timeout_ms=5000), LAYOUT, ctx_hosts=("127.0.0.1",))
-paced = factory(Mapping(world_size=2, rank=1, cp=2))
+paced = factory(Mapping(world_size=2, rank=1, cp=2), torch.device("cpu"))
 plane = type(paced.receiver.plane).__module__ + "." + type(paced.receiver.plane).__name__
 paced.close()
 print(json.dumps({"plane": plane, "cp_rank": paced.receiver.cp_rank,
@@ -48,7 +50,7 @@ def test_a_ucxx_gen_rank_binds_toward_the_ctx_hosts():
     """The real UCX context of the factory's receiver has the devices of this machine's interface
     toward the ctx hosts (loopback here), as when kv_source resolved them itself."""
     factory = UcxReceiverFactory(TransceiverConfig(backend="ucxx", kv_transfer_timeout_ms=5000), LAYOUT, ctx_hosts=("127.0.0.1",))
-    paced = factory(Mapping(world_size=1))
+    paced = factory(Mapping(world_size=1), torch.device("cpu"))
     try:
         assert paced.receiver.plane._context.config["NET_DEVICES"] == net_devices_for("127.0.0.1")
         assert net_devices_for("127.0.0.1").split(",")[0] == "lo"
