@@ -29,15 +29,7 @@ from serve import MODEL, REPO, Servers, _bodies, _level, _pct, _vocab  # noqa: E
 def _one_mode(args, is_warm_up: bool) -> dict:  # noqa: ANN001 (argparse namespace)
     from helixserve.config import DeploymentConfig
 
-    servers = Servers(Path(args.model), Path(args.log))
-    if args.config is not None:  # the given config, on bench/serve.py's free ports
-        given = DeploymentConfig.from_yaml(args.config).model_dump(mode="json")
-        ports = servers.config.model_dump(mode="json")
-        given["model"]["path"] = ports["model"]["path"]
-        for role in ("ctx", "gen"):
-            given[role][0].update({k: ports[role][0][k] for k in ("port", "transceiver_port") if k in ports[role][0]})
-        given["router"].update(port=ports["router"]["port"], health_check_interval_s=0.25)
-        servers.config = DeploymentConfig.model_validate(given)
+    servers = Servers(Path(args.model), Path(args.log), args.config or REPO / "deploy" / "configs" / "local.yaml")
     data = servers.config.model_dump(mode="json")
     for role in ("ctx", "gen"):
         for worker in data[role]:
