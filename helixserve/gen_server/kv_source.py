@@ -35,6 +35,7 @@ from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.errors import EngineError
 from helixserve.protocol import DisaggregatedParams, KVLayout
+from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.serving.auth import PermissionDeniedError
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.polling import TransferMetrics
@@ -110,6 +111,7 @@ class UcxReceiverFactory:
     config: TransceiverConfig
     layout: KVLayout
     ctx_hosts: tuple[str, ...] = ()  # the deployment's ctx transceivers (UCX's interface toward them)
+    ctx_endpoints: tuple[tuple[str, int], ...] = ()  # their control planes (asked for their pools at start)
 
     def __call__(self, mapping, device) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping, torch.device)
         from helixserve.transceiver.receiver import KVReceiver
@@ -119,6 +121,7 @@ class UcxReceiverFactory:
         receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
                               gen_rank=mapping.rank, peer_hosts=self.ctx_hosts)
         receiver.warm_up(device)  # compiles the pull's copy kernel before the worker is ready
+        receiver.prefetch([TransceiverEndpoint(host=h, port=p) for h, p in self.ctx_endpoints], device)
         return PacedKVReceiver(receiver, self.config.poll_interval_s)
 
 
@@ -153,7 +156,8 @@ class UcxKVSource(KVSource):
         self.seconds_received = 0.0
 
     def receiver_factory(self) -> UcxReceiverFactory:
-        return UcxReceiverFactory(self.config, self.layout, tuple(sorted({h for h, _ in self.ctx_endpoints})))
+        return UcxReceiverFactory(self.config, self.layout, tuple(sorted({h for h, _ in self.ctx_endpoints})),
+                                  tuple(sorted(self.ctx_endpoints)))
 
     def generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
                  sampling: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -103,6 +103,8 @@ class Inbound:
             req.pull_epoch = self.pools.epoch if self.pools is not None else 0
         self.future = self.client.request_shard_async(req, timeout_s=deadline_s)
         self.future.add_done_callback(lambda _: self.r.poller.wakeup.set())
+        if self.pools is not None:
+            self.plan.prepare()  # map our memory while the request travels
         self._replan(self.plan.message_bytes)
         self._post(len(self.recvs))  # while the request travels (maps our memory on the way)
 

@@ -40,33 +40,42 @@ class _Tensors:
         return self._index[key]
 
 
-def _run_arrays(memory: SegmentMemory) -> tuple[np.ndarray, np.ndarray]:
-    starts = np.asarray(memory.starts, dtype=np.int64)
-    offsets = np.asarray([offset for offset, _ in memory.runs], dtype=np.int64)
-    return starts, offsets
+def _pieces(s: SegmentMemory, d: SegmentMemory, total: int) -> np.ndarray:
+    """``[n, 3]`` (source offset, destination offset, nbytes): the segment's stream bytes cut at
+    every run boundary of either side."""
+    if len(s.runs) == len(d.runs) and all(a[1] == b[1] for a, b in zip(s.runs, d.runs)):
+        return np.asarray([(a[0], b[0], a[1]) for a, b in zip(s.runs, d.runs)], dtype=np.int64)  # runs line up
+    s_starts, d_starts = np.asarray(s.starts, dtype=np.int64), np.asarray(d.starts, dtype=np.int64)
+    s_offsets = np.asarray([offset for offset, _ in s.runs], dtype=np.int64)
+    d_offsets = np.asarray([offset for offset, _ in d.runs], dtype=np.int64)
+    cuts = np.union1d(s_starts, d_starts)
+    si = np.searchsorted(s_starts, cuts, side="right") - 1
+    di = np.searchsorted(d_starts, cuts, side="right") - 1
+    return np.stack([s_offsets[si] + cuts - s_starts[si], d_offsets[di] + cuts - d_starts[di],
+                     np.diff(np.append(cuts, total))], axis=1)
 
 
 def piece_table(src: Sequence[SegmentMemory], dst: Sequence[SegmentMemory], segments: Sequence[int],
                 sizes: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], np.ndarray]:
-    """(sources, destinations, table) copying segments `segments` (each of `sizes[i]` bytes)."""
+    """(sources, destinations, table) copying segments `segments` (each of `sizes[i]` bytes).
+
+    Segments whose run lists are the same objects on both sides (every MLA layer of a request:
+    one block table, pools of one shape) share their cut: it is computed once per request."""
     srcs, dsts = _Tensors(), _Tensors()
+    cuts: dict[tuple[int, int, int], np.ndarray] = {}
     rows = []
     for seg, total in zip(segments, sizes):
         s, d = src[seg], dst[seg]
         if total == 0 or not s.runs:
             continue
-        s_starts, s_offsets = _run_arrays(s)
-        d_starts, d_offsets = _run_arrays(d)
-        cuts = np.union1d(s_starts, d_starts)
-        lengths = np.diff(np.append(cuts, total))
-        si = np.searchsorted(s_starts, cuts, side="right") - 1
-        di = np.searchsorted(d_starts, cuts, side="right") - 1
-        piece = np.empty((cuts.size, 5), dtype=np.int64)
+        key = (id(s.runs), id(d.runs), total)
+        if key not in cuts:
+            cuts[key] = _pieces(s, d, total)
+        pieces = cuts[key]
+        piece = np.empty((pieces.shape[0], 5), dtype=np.int64)
         piece[:, 0] = srcs.index(s.flat)
-        piece[:, 1] = s_offsets[si] + cuts - s_starts[si]
+        piece[:, [1, 3, 4]] = pieces
         piece[:, 2] = dsts.index(d.flat)
-        piece[:, 3] = d_offsets[di] + cuts - d_starts[di]
-        piece[:, 4] = lengths
         rows.append(piece)
     table = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
     return srcs.tensors, dsts.tensors, table

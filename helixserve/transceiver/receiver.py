@@ -37,11 +37,11 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
-from helixserve.protocol.disagg import DisaggregatedParams, KVLayout
+from helixserve.protocol.disagg import DisaggregatedParams, KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import ReceiverSession, TransferState
 from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.config import TransceiverConfig
-from helixserve.transceiver.control import ControlClients
+from helixserve.transceiver.control import ControlClients, target
 from helixserve.transceiver.cuda_ipc import PoolDirectory
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
@@ -224,6 +224,12 @@ class KVReceiver:
         request does not pay for it; nothing to do off CUDA or with cuda_ipc off."""
         if device.type == "cuda" and self.config.cuda_ipc:
             warm_up_copy(device, self.copy_stream(device))
+
+    def prefetch(self, endpoints: Sequence[TransceiverEndpoint], device: torch.device) -> None:
+        """Ask these ctx workers for their pools now (not blocking; `cuda_ipc`), so that the first
+        request to each can already be pulled; one that does not answer is asked again later."""
+        for endpoint in endpoints:
+            self.pools.get(target(endpoint), self.clients.get(endpoint), device)
 
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream pulled shards are copied on (one per device, made on first use)."""

@@ -103,6 +103,7 @@ def _receiver(cuda_ipc: bool, cp_rank: int, cp_size: int, endpoint):
     rx = KVReceiver(_config(cuda_ipc), _layout(), cp_rank=cp_rank, cp_size=cp_size)
     if cuda_ipc:  # open the ctx's pools before the transfer (the first request would go tagged)
         ep = TransceiverEndpoint.model_validate(endpoint)
+        rx.prefetch([ep], torch.device("cuda", 0))  # as a gen rank does at start
         end, pools = time.monotonic() + 30, None
         while pools is None and time.monotonic() < end:
             pools = rx.pools.get(target(ep), rx.clients.get(ep), torch.device("cuda", 0))

@@ -1,0 +1,46 @@
+"""Disaggregated == aggregated on one GPU, through the servers and the ``openai`` client: the ctx
+and a gen world of one on ``cuda:0`` (the KV pulled over CUDA IPC, as gpu1.yaml deploys), next to
+a gen worker on the same GPU that prefills itself. fp32, greedy, prompts ending inside and on
+4-token pages and around the 32-token prefill chunk budget. GPU-marked (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helixserve.config import DeploymentConfig
+from tests.e2e.conftest import MODEL, Deployment, metric
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BUDGET = 32
+PROMPT_LENS = [1, 3, 4, 5, BUDGET - 1, BUDGET, BUDGET + 1, 2 * BUDGET + 3]
+
+
+@pytest.fixture(scope="module")
+def gpu_dep(tmp_path_factory, k3_tiny):
+    d = Deployment(tmp_path_factory.mktemp("gpu-disagg"), k3_tiny, baseline_gen=True,
+                   scheduler={"max_num_batched_tokens": BUDGET})
+    data = d.config.model_dump(mode="json")
+    data["model"].update(device="cuda:0", dtype="float32")
+    data["gen"][0]["cp"] = 1  # one GPU: a world of one
+    d.config = DeploymentConfig.model_validate(data)
+    d.save()
+    try:
+        yield d.start_all()
+    finally:
+        d.stop()
+
+
+def test_gpu_disaggregated_equals_aggregated(gpu_dep):
+    disagg, single = gpu_dep.client(), gpu_dep.client(gpu_dep.baseline_url)
+    before = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total")
+    for n in PROMPT_LENS:
+        prompt = [(7 * i + n) % 250 + 1 for i in range(n)]
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+        got = disagg.completions.create(**kwargs).choices[0].text
+        want = single.completions.create(**kwargs).choices[0].text
+        assert got == want, f"prompt of {n} tokens"
+    moved = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total") - before
+    assert moved == len(PROMPT_LENS)  # every answer decoded from the ctx's KV
+    assert gpu_dep.is_idle()
