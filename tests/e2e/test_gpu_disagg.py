@@ -1,7 +1,8 @@
-"""Disaggregated == aggregated on one GPU, through the servers and the ``openai`` client: the ctx
+"""Disaggregated == aggregated on one GPU, through the servers' OpenAI API: the ctx
 and a gen world of one on ``cuda:0`` (the KV pulled over CUDA IPC, as gpu1.yaml deploys), next to
 a gen worker on the same GPU that prefills itself. fp32, greedy, prompts ending inside and on
-4-token pages and around the 32-token prefill chunk budget. GPU-marked (skipped without CUDA)."""
+4-token pages and around the 32-token prefill chunk budget. GPU-marked (skipped without CUDA).
+Plain HTTP (the openai client's requests, built here): the H200 image has no ``openai`` package."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from helixserve.config import DeploymentConfig
+from helixserve.testing.servers import http
 from tests.e2e.conftest import MODEL, Deployment, metric
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -32,14 +34,19 @@ def gpu_dep(tmp_path_factory, k3_tiny):
         d.stop()
 
 
+def _complete(url: str, prompt: list[int]) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    status, reply = http("POST", f"{url}/v1/completions", body, timeout=120)
+    assert status == 200, reply
+    assert reply["usage"]["completion_tokens"] == 12, reply
+    return reply["choices"][0]["text"]
+
+
 def test_gpu_disaggregated_equals_aggregated(gpu_dep):
-    disagg, single = gpu_dep.client(), gpu_dep.client(gpu_dep.baseline_url)
     before = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total")
     for n in PROMPT_LENS:
         prompt = [(7 * i + n) % 250 + 1 for i in range(n)]
-        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
-        got = disagg.completions.create(**kwargs).choices[0].text
-        want = single.completions.create(**kwargs).choices[0].text
+        got, want = _complete(gpu_dep.router_url, prompt), _complete(gpu_dep.baseline_url, prompt)
         assert got == want, f"prompt of {n} tokens"
     moved = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total") - before
     assert moved == len(PROMPT_LENS)  # every answer decoded from the ctx's KV
