@@ -101,3 +101,4 @@ def test_pools_are_not_exported_from_host_memory_or_to_another_host():
 def test_pool_directory_never_asks_for_host_caches():
     directory = PoolDirectory(0, layout_for(get_preset(PRESET), torch.float32, 16, PRESET))
     assert directory.get("ctx:1", client=None, device=torch.device("cpu")) is None  # no call made
+

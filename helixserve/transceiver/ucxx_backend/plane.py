@@ -76,17 +76,29 @@ NOTIFIER_STOP_S = 1.0  # internal: closing the plane waits this long for the not
 NOTIFIER_PERIOD_NS = 50_000_000  # the notifier's longest wait: it checks for close at least this often
 
 
-def import_ucxx() -> Any:
-    """``ucxx._lib.libucxx``, lazily (only when this backend is chosen). Importing ucxx sets
-    ``UCX_MEMTYPE_CACHE=n`` (a CUDA workaround of older UCX releases); without CUDA, UCX 1.21 warns
-    on every start that the variable is unused, so there the default is removed again (a value
-    the user set stays). With CUDA it stays: the CUDA transports read it."""
-    if torch.cuda.is_available():
-        import ucxx._lib.libucxx as ucx_api
-        return ucx_api
-    from helixserve.config import import_without_env_default
+class UcxxMissingError(ImportError):
+    """ucxx is not installed: the UCX transport is an extra (``helixserve[cu12]`` / ``[cu13]``)."""
 
-    return import_without_env_default("ucxx._lib.libucxx", "UCX_MEMTYPE_CACHE", "n")
+
+def import_ucxx() -> Any:
+    """``ucxx._lib.libucxx``, lazily (only when this backend is chosen); UcxxMissingError naming
+    the extra to install when it is absent. Importing ucxx sets ``UCX_MEMTYPE_CACHE=n`` (a CUDA
+    workaround of older UCX releases); without CUDA, UCX 1.21 warns on every start that the
+    variable is unused, so there the default is removed again (a value the user set stays). With
+    CUDA it stays: the CUDA transports read it."""
+    try:
+        if torch.cuda.is_available():
+            import ucxx._lib.libucxx as ucx_api
+            return ucx_api
+        from helixserve.config import import_without_env_default
+
+        return import_without_env_default("ucxx._lib.libucxx", "UCX_MEMTYPE_CACHE", "n")
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "ucxx":
+            raise
+        raise UcxxMissingError(
+            "the UCX KV transport (kv_source: ucx, transceiver.backend: ucxx) needs ucxx, which is not "
+            "installed: pip install 'helixserve[cu12]' (CPU or CUDA 12) or 'helixserve[cu13]' (CUDA 13)") from None
 
 
 def _as_uint8(buffer: Any) -> Any:
