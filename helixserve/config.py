@@ -41,6 +41,9 @@ class ModelSpec(_Strict):
     dtype: DType | None = None  # None: the checkpoint's torch_dtype
     device: str = "cpu"
     served_name: str | None = None  # name in the API; default: the directory name
+    # routed experts of an MXFP4 checkpoint: "packed" keeps the FP4 bytes on the GPU (the grouped
+    # GEMM dequantizes in registers), "dense" dequantizes at load, "auto" packs on CUDA in bf16
+    experts: Literal["auto", "packed", "dense"] = "auto"
 
     @property
     def name(self) -> str:

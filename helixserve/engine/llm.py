@@ -12,7 +12,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.stop import truncate_at_stop
-from helixserve.models.checkpoint import load_model
+from helixserve.models.checkpoint import ExpertFormat, load_model
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import load_tokenizer_or_none, no_tokenizer_message
 
@@ -64,6 +64,7 @@ class LLM:
         cache: CacheConfig = CacheConfig(),
         scheduler: SchedulerConfig = SchedulerConfig(),
         seed: int = 0,
+        experts: ExpertFormat = "auto",
     ) -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
@@ -71,7 +72,7 @@ class LLM:
         dev = torch.device(device)
         self.model_config = KimiModelConfig.from_pretrained(self.model_dir)
         self.tokenizer = load_tokenizer_or_none(self.model_dir)
-        model = load_model(self.model_dir, dtype=resolve_dtype(dtype, dev), device=dev)
+        model = load_model(self.model_dir, dtype=resolve_dtype(dtype, dev), device=dev, experts=experts)
         self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed)
         self._ids = itertools.count()
 

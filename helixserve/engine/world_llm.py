@@ -40,6 +40,7 @@ from helixserve.engine.spmd.follower import Follower, serve_follower
 from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.launch.processes import run_local_world
+from helixserve.models.checkpoint import ExpertFormat
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel
@@ -61,6 +62,7 @@ class WorldOptions:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     dtype: str | None = None
+    experts: ExpertFormat = "auto"  # MXFP4 routed experts packed or dense (models.checkpoint)
     seed: int = 0
     timeout_s: float = _OFFLINE.collective_timeout_s
     run_timeout_s: float = _OFFLINE.run_timeout_s
@@ -94,7 +96,8 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     model_dir = Path(model_dir)
     mapping = groups.mapping
     dtype = resolve_dtype(options.dtype, groups.device)
-    model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device).bind(groups)
+    model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device,
+                             experts=options.experts).bind(groups)
     if uses_static_moe(options, mapping, groups.device):  # every rank alike: the same capacities
         model.helix.set_static(step_token_budget(options.cache, options.scheduler), lse_rows=options.cache.max_num_seqs)
     if mapping.cp_rank == 0:

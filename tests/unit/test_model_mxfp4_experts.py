@@ -124,3 +124,21 @@ def test_expert_format_option(k3_tiny: Path, monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="experts must be 'auto', 'packed' or 'dense', got 'fp4'"):
         load_model(k3_tiny, experts="fp4")
     assert not any(e.is_mxfp4 for e in _experts(load_model(k3_tiny)))  # the CPU default: dequantized
+
+
+def test_the_deployment_config_chooses_the_expert_format(k3_tiny: Path) -> None:
+    """``model.experts`` reaches the loader on the serving paths (single engine and gen world)."""
+    from pydantic import ValidationError
+
+    from helixserve.config import DeploymentConfig
+    from helixserve.engine.llm import LLM
+    from helixserve.gen_server.world import world_options
+
+    llm = LLM(k3_tiny, experts="packed")
+    assert all(e.is_mxfp4 for e in _experts(llm.engine.runner.model))
+    base = {"model": {"path": str(k3_tiny), "experts": "packed"}, "ctx": [{"port": 8100}], "gen": [{"port": 8200}],
+            "transceiver": {"kv_transfer_timeout_ms": 5000}}
+    deploy = DeploymentConfig.model_validate(base)
+    assert world_options(deploy, deploy.gen[0]).experts == "packed"
+    with pytest.raises(ValidationError, match="experts"):
+        DeploymentConfig.model_validate({**base, "model": {"path": str(k3_tiny), "experts": "fp4"}})
