@@ -33,7 +33,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
-from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+from _common import base_parser, gpu_timer as timer, machine_info, markdown_table, write_json  # noqa: E402
 from _decode_rate import decode_rate, find_runner  # noqa: E402
 
 from helixserve import kernels  # noqa: E402
@@ -58,33 +57,6 @@ def row(section: str, case: str, ours: float | None, base: float | None, unit: s
           f"| {base_name}: {base if base is not None else '-'!s:>10} {ratio or ''} {note}", flush=True)
 
 
-_SLEEP_CYCLES = 2_000_000  # about 1 ms at the H200's clock
-
-
-def timer(fns: list[Callable[[], Any]], warmup: int, reps: int) -> list[float]:
-    """Median seconds of each fn; CUDA events on a GPU, perf_counter otherwise; fns alternate."""
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                # keep the GPU busy while the host enqueues fn, so the events time the GPU work,
-                # not the host's launch latency (as in a CUDA graph)
-                torch.cuda._sleep(_SLEEP_CYCLES)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                out.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
 
 
 def copy_bandwidth(args) -> float:
@@ -375,7 +347,7 @@ def main() -> None:
     headers = ["section", "case", "ours", "baseline", "unit", "baseline is", "ratio / overhead", "note"]
     table = markdown_table(headers, [[r["section"], r["case"], r["ours"], r["baseline"], r["unit"], r["baseline_is"],
                                       r["ratio"], r["note"]] for r in ROWS])
-    print(f"\n{info.get('gpu', info['processor'])}, torch {info['torch']}, {time.perf_counter() - started:.0f} s\n")
+    print(f"\n{info.get('gpu') or info['processor']}, torch {info['torch']}, {time.perf_counter() - started:.0f} s\n")
     print(table)
     write_json(args.out, {"machine": info, "rows": ROWS, "table": table})
 

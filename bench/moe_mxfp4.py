@@ -14,7 +14,7 @@ K3's expert shape (3584 -> 2 x 3072 -> 3584), 64 local experts, top-8 routing; d
 - bytes: the weights of the experts that got rows (both formats) plus the activations read and
   written, over the time: the effective bandwidth (roofline: HBM, ~4.8 TB/s on an H200).
 
-Timing: CUDA events, median after warm-up, the two sides alternating (bench/kernels.py's timer).
+Timing: CUDA events, median after warm-up, the two sides alternating (bench/_common.py's gpu_timer).
 Without CUDA (or Triton) the packed side is the reference (dequantize per call, then the dense
 path) on tiny shapes, so the script runs anywhere; those figures are not the GPU's. A failing case
 is recorded with its error and the rest still run; the JSON is rewritten after every case (a killed
@@ -39,39 +39,14 @@ import torch
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
-from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+from _common import base_parser, gpu_timer as timer, machine_info, markdown_table, write_json  # noqa: E402
 
 from helixserve import kernels  # noqa: E402
 from helixserve.kernels import MXFP4Weight  # noqa: E402
 
 ROWS: list[dict[str, Any]] = []
-_SLEEP_CYCLES = 2_000_000  # about 1 ms: the events time GPU work, not the host's launches
 
 
-def timer(fns, warmup: int, reps: int) -> list[float]:
-    """Median seconds of each fn (alternating); CUDA events on a GPU, perf_counter otherwise."""
-    import statistics
-
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(_SLEEP_CYCLES)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                out.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
 
 
 def random_packed(E: int, N: int, K: int, device: str, seed: int) -> MXFP4Weight:
@@ -201,7 +176,7 @@ def main() -> None:
     table = markdown_table(headers, [[r["what"], r["kind"], r["case"], r["mxfp4_us"], r["bf16_us"],
                                       f"{r['speedup']:.2f}×", f"{r['target']}×", r["mxfp4_tb_s"], r["bf16_tb_s"]]
                                      for r in ROWS])
-    print(f"\n{info.get('gpu', info['processor'])}, torch {info['torch']}, {time.perf_counter() - started:.0f} s\n")
+    print(f"\n{info.get('gpu') or info['processor']}, torch {info['torch']}, {time.perf_counter() - started:.0f} s\n")
     print(table)
     for e in errors:
         print(f"FAILED {e['kind']} T={e['T']}: {e['error']}", flush=True)

@@ -77,3 +77,22 @@ def load_functions_from_source(package: str, relpath: str, names: list[str], nam
     scope = dict(namespace)
     exec(compile(ast.Module(body=defs, type_ignores=[]), relpath, "exec"), scope)
     return {name: scope[name] for name in names}
+
+
+def run_under_triton_interpreter(test_file: str) -> None:
+    """Run ``test_file``'s tests in a child pytest with ``TRITON_INTERPRET=1`` (Triton decides at
+    import whether kernels are interpreted); Triton from ``HELIXSERVE_TRITON_INTERP`` (a ``pip
+    --target`` folder that ``make test`` fills) or the environment; skipped when neither has it."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    extra = os.environ.get("HELIXSERVE_TRITON_INTERP")
+    if extra and (Path(extra) / "triton").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(extra).resolve()), env.get("PYTHONPATH")) if p)
+    elif importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (make test installs it for this test under .venv/triton-interp)")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -10,17 +10,13 @@ runs of the same comparisons are in test_gpu_kernels.py.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from helixserve import kernels
-from tests._testing import assert_close
+from tests._testing import assert_close, run_under_triton_interpreter
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not _INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -31,16 +27,7 @@ def test_kernels_under_triton_interpreter():
     in a child pytest with ``TRITON_INTERPRET=1`` set from the start."""
     if _INTERPRETING:
         pytest.skip("already the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    extra = os.environ.get("HELIXSERVE_TRITON_INTERP")
-    if extra and (Path(extra) / "triton").is_dir():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(extra).resolve()), env.get("PYTHONPATH")) if p)
-    elif importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (make test installs it for this test under .venv/triton-interp)")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                          cwd=str(Path(__file__).resolve().parents[2]))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_under_triton_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")

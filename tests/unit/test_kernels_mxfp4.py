@@ -20,7 +20,7 @@ from helixserve import kernels
 from helixserve.kernels import MXFP4Weight
 from helixserve.kernels.moe.experts import _act_and_mul_torch, _moe_experts_torch
 from helixserve.models.mxfp4 import E2M1_VALUES, quantize_mxfp4
-from tests._testing import assert_close
+from tests._testing import assert_close, run_under_triton_interpreter
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not _INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -98,16 +98,7 @@ def test_mxfp4_kernel_under_triton_interpreter():
     pytest with ``TRITON_INTERPRET=1`` (Triton from ``HELIXSERVE_TRITON_INTERP`` or the env)."""
     if _INTERPRETING:
         pytest.skip("already the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    extra = os.environ.get("HELIXSERVE_TRITON_INTERP")
-    if extra and (Path(extra) / "triton").is_dir():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(extra).resolve()), env.get("PYTHONPATH")) if p)
-    elif importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (make test installs it for this test under .venv/triton-interp)")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                          cwd=str(Path(__file__).resolve().parents[2]))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_under_triton_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")
