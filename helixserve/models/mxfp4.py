@@ -15,39 +15,8 @@ from __future__ import annotations
 
 import torch
 
-MXFP4_GROUP_SIZE = 32
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype == torch.uint8:
-        return scale
-    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
-        return scale.view(torch.uint8)
-    raise ValueError(f"MXFP4 weight_scale must be uint8 or float8_e8m0fnu (e8m0), got {scale.dtype}")
-
-
-def dequantize_mxfp4(
-    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """``[..., N/2]`` uint8 codes + ``[..., N/32]`` e8m0 scales -> ``[..., N]`` in ``dtype``."""
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 weight_packed must be uint8, got {packed.dtype}")
-    scale = _scale_bytes(scale)
-    n = packed.shape[-1] * 2
-    if n % MXFP4_GROUP_SIZE or tuple(scale.shape) != (*packed.shape[:-1], n // MXFP4_GROUP_SIZE):
-        raise ValueError(
-            f"MXFP4 weight_scale shape {tuple(scale.shape)} does not match weight_packed "
-            f"{tuple(packed.shape)} (expected {(*packed.shape[:-1], n // MXFP4_GROUP_SIZE)})"
-        )
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
-    values = lut[codes]
-    exp = scale.to(torch.int32) - 127
-    factor = torch.pow(2.0, exp.to(torch.float32))
-    factor = torch.where(scale == 255, torch.full_like(factor, float("nan")), factor)
-    grouped = values.unflatten(-1, (n // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)) * factor.unsqueeze(-1)
-    return grouped.flatten(-2).to(dtype)
+# the layout's constants and its decode live with the kernels that read it (one dequantize)
+from helixserve.kernels.moe.mxfp4 import E2M1_VALUES, MXFP4_GROUP_SIZE, dequantize_mxfp4  # noqa: E402, F401
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
