@@ -203,11 +203,29 @@ step_up() {
     # what a killed earlier run may have left
     compose down --volumes --remove-orphans --timeout 5 >/dev/null 2>&1 || true
     log "compose up (docker-compose $(docker-compose version --short) -> podman $(podman version --format '{{.Server.Version}}'))"
-    if ! timeout "$UP_TIMEOUT_S" docker-compose --project-name "$PROJECT" --file "$COMPOSE_FILE" \
-            up --detach --no-build; then
+    # compose waits for the workers' health; a service that exits meanwhile fails the step at once
+    compose up --detach --no-build &
+    local up_pid=$! deadline=$((SECONDS + UP_TIMEOUT_S)) failure=""
+    while kill -0 "$up_pid" 2>/dev/null; do
+        if [ $SECONDS -ge $deadline ]; then
+            failure="not up in ${UP_TIMEOUT_S} s"
+        else
+            failure=$(podman ps -a --filter "label=$LABEL" --format '{{.ID}}' | while read -r id; do
+                podman inspect --format '{{.Name}} {{.State.Status}} {{.RestartCount}}' "$id"
+            done | awk '$2 == "exited" || $3 > 0 {printf "%s (%s, restarts %s) ", $1, $2, $3}')
+        fi
+        if [ -n "$failure" ]; then
+            kill "$up_pid" 2>/dev/null || true
+            break
+        fi
+        sleep 1
+    done
+    local rc=0
+    wait "$up_pid" || rc=$?
+    if [ -n "$failure" ] || [ $rc -ne 0 ]; then
         compose ps >&2 || true
         compose logs --no-color --tail 40 >&2 || true
-        die "compose up (timeout ${UP_TIMEOUT_S} s)"
+        die "compose up: ${failure:-docker-compose exited $rc}"
     fi
 }
 
