@@ -9,7 +9,9 @@
 #   compose_podman.sh build         the project image $HELIX_IMAGE from the base and the wheelhouse
 #   compose_podman.sh up            the engine (podman's Docker API + health checks), then `compose up -d`
 #   compose_podman.sh compose ARG.. docker-compose on this project (ps, logs, ...)
-#   compose_podman.sh pid SERVICE   the host pid of SERVICE's container (its init)
+#   compose_podman.sh pid SERVICE   the host pid of SERVICE's container (its init); also:
+#                     created SERVICE, restarts SERVICE, env SERVICE, exec SERVICE CMD..., checkpoint DIR (the
+#                     image's tiny checkpoint copied out, for `helixserve launch` on the host)
 #   compose_podman.sh down          `compose down -v`, stop the engine; exit 1 naming any leftover
 #
 # Why docker-compose against `podman system service` (not podman-compose): Debian's podman-compose
@@ -17,7 +19,8 @@
 # podman's Docker-compatible API, and it is the compose CI already validates the file with.
 # Without systemd, podman schedules no health checks (it asks systemd for timers), so `up` starts
 # a ticker that runs `podman healthcheck run` on the project's containers every
-# $HELIX_HEALTH_TICK_S (the compose interval, 5 s); retries and start_period are podman's own.
+# $HELIX_HEALTH_TICK_S (the compose interval, 5 s; each result: $STATE/health.log); retries and
+# start_period are podman's own.
 # Engine settings live in $STATE/containers.conf (CONTAINERS_CONF), not /etc: runc (crun fails on
 # hybrid cgroups), cgroupfs (no systemd), rlimits the host allows, netavark (service-name DNS).
 #
@@ -147,6 +150,14 @@ step_build() {
         --build-arg BASE_IMAGE="$BASE_IMAGE" --tag "$HELIX_IMAGE" "$REPO"
 }
 
+container_id() {  # container_id SERVICE: the running container of SERVICE in this project
+    [ -n "$1" ] || die "no service named"
+    local id
+    id=$(podman ps -q --filter "label=$LABEL" --filter "label=com.docker.compose.service=$1")
+    [ -n "$id" ] || die "no running container of service $1"
+    echo "$id"
+}
+
 compose() {
     docker-compose --project-name "$PROJECT" --file "$COMPOSE_FILE" "$@"
 }
@@ -156,7 +167,12 @@ health_ticker() {  # what systemd's timers do for podman elsewhere
         local ids
         ids=$(podman ps -q --filter "label=$LABEL" 2>/dev/null || true)
         for id in $ids; do
-            timeout 30 podman healthcheck run "$id" >/dev/null 2>&1 &
+            (
+                name=$(podman inspect --format '{{.Name}}' "$id" 2>/dev/null) || exit 0
+                result=failing
+                timeout 30 podman healthcheck run "$id" >/dev/null 2>&1 && result=healthy
+                echo "$(date +%s.%N) $name $result" >> "$STATE/health.log"
+            ) &
         done
         wait
         sleep "$TICK_S"
@@ -272,11 +288,16 @@ case "${1:-}" in
         ;;
     up) timed up step_up ;;
     compose) shift; compose "$@" ;;
-    pid)
-        [ -n "${2:-}" ] || die "usage: $0 pid SERVICE"
-        id=$(podman ps -q --filter "label=$LABEL" --filter "label=com.docker.compose.service=$2")
-        [ -n "$id" ] || die "no running container of service $2"
-        podman inspect --format '{{.State.Pid}}' "$id"
+    pid) podman inspect --format '{{.State.Pid}}' "$(container_id "${2:-}")" ;;
+    created) podman inspect --format '{{.Created.UnixNano}}' "$(container_id "${2:-}")" ;;
+    restarts) podman inspect --format '{{.RestartCount}}' "$(container_id "${2:-}")" ;;
+    env) podman inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$(container_id "${2:-}")" ;;
+    exec) id=$(container_id "${2:-}"); shift 2; podman exec "$id" "$@" ;;
+    checkpoint)  # checkpoint DIR: the image's baked tiny checkpoint, copied to DIR/kimi-k3-tiny
+        [ -n "${2:-}" ] || die "usage: $0 checkpoint DIR"
+        mkdir -p "$2"
+        podman run --rm --network none --user 0 --entrypoint tar "$HELIX_IMAGE" \
+            -C /opt/helixserve/models -c kimi-k3-tiny | tar -C "$2" -x
         ;;
     down) step_down ;;
     leftovers) leftovers ;;
