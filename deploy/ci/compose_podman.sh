@@ -215,12 +215,15 @@ engine_stop() {
 }
 
 step_up() {
-    engine_start
-    # what a killed earlier run may have left
+    engine_start  # stops the engine a killed earlier run left (its pid files are in $STATE)
+    : > "$STATE/health.log"
+    # what a killed earlier run may have left of this project
     compose down --volumes --remove-orphans --timeout 5 >/dev/null 2>&1 || true
+    # a failed or interrupted `up` leaves nothing running
+    trap 'log "interrupted: taking the project down"; step_down || true; exit 130' INT TERM
     log "compose up (docker-compose $(docker-compose version --short) -> podman $(podman version --format '{{.Server.Version}}'))"
     # compose waits for the workers' health; a service that exits meanwhile fails the step at once
-    compose up --detach --no-build &
+    docker-compose --project-name "$PROJECT" --file "$COMPOSE_FILE" up --detach --no-build &
     local up_pid=$! deadline=$((SECONDS + UP_TIMEOUT_S)) failure=""
     while kill -0 "$up_pid" 2>/dev/null; do
         if [ $SECONDS -ge $deadline ]; then
@@ -241,8 +244,11 @@ step_up() {
     if [ -n "$failure" ] || [ $rc -ne 0 ]; then
         compose ps >&2 || true
         compose logs --no-color --tail 40 >&2 || true
+        log "compose up failed: taking the project down"
+        step_down >&2 || true
         die "compose up: ${failure:-docker-compose exited $rc}"
     fi
+    trap - INT TERM
 }
 
 leftovers() {
@@ -273,6 +279,10 @@ step_down() {
     fi
     return $rc
 }
+
+# podman refuses to start without the file CONTAINERS_CONF names: the settings without rlimits
+# until the base image exists to probe them with
+[ -f "$CONTAINERS_CONF" ] || write_conf
 
 case "${1:-}" in
     deps) timed deps step_deps ;;

@@ -157,9 +157,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     for path in (internal_env, api_env):
         path.chmod(0o600)
     (port,) = free_ports(1)
-    env = {**os.environ, "HELIX_CI_STATE": str(tmp / "state"), "HELIX_PYTHON": sys.executable,
-           "CONTAINERS_CONF": str(tmp / "state" / "containers.conf"),  # the script's engine settings
-           "COMPOSE_PROJECT_NAME": f"helixci{os.getpid()}", "HELIX_PORT": str(port),
+    # one state dir and project name per machine: a run killed outright is cleaned up by the next
+    state = Path(os.environ.get("HELIX_CI_STATE", "/var/tmp/helixserve-ci"))
+    env = {**os.environ, "HELIX_CI_STATE": str(state), "HELIX_PYTHON": sys.executable,
+           "CONTAINERS_CONF": str(state / "containers.conf"),  # the script's engine settings
+           "COMPOSE_PROJECT_NAME": "helixci", "HELIX_PORT": str(port),
            "HELIX_INTERNAL_ENV_FILE": str(internal_env), "HELIX_ENV_FILE": str(api_env)}
     started = time.monotonic()
     timings = timings_of(run_script(env, "prepare", timeout=900).stdout)
