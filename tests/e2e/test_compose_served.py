@@ -180,8 +180,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
         yield stack
     finally:
         if not stack.down_done:
-            logs = stack.script("compose", "logs", "--no-color", "--tail", "60", timeout=60, check=False)
-            print(logs.stdout[-8000:], file=sys.stderr)
+            print(f"compose logs: {save_logs(stack)}", file=sys.stderr)
             stack.script("down", timeout=200, check=False)
         stack.timings["whole_run"] = time.monotonic() - started
         line = "compose on podman: " + ", ".join(f"{k} {v:.0f} s" for k, v in stack.timings.items())
@@ -257,7 +256,16 @@ def test_compose_ctx_killed_answers_503_then_restarts_and_serves_again(stack: St
     assert answers(stack.url) == stack.baseline
 
 
+def save_logs(stack: Stack) -> Path:
+    """Every service's log (and the health checks') kept in the state dir, for a failure's reader."""
+    path = Path(stack.env["HELIX_CI_STATE"]) / "compose.log"
+    logs = stack.script("compose", "logs", "--no-color", "--timestamps", timeout=60, check=False)
+    path.write_text(logs.stdout + logs.stderr)
+    return path
+
+
 def test_compose_down_leaves_no_container_network_or_volume(stack: Stack) -> None:
+    save_logs(stack)
     stack.down_done = True
     down = stack.script("down", timeout=200, check=False)
     assert down.returncode == 0, down.stdout + down.stderr
