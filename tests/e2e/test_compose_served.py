@@ -214,12 +214,14 @@ def test_compose_health_gated_start_and_secrets_from_env_files(stack: Stack) -> 
         assert passed and min(passed) < created, f"router created at {created}, {service} healthy at {passed[:1]}"
     router_env = stack.script("env", "router").stdout.splitlines()
     ctx_env = stack.script("env", "ctx").stdout.splitlines()
-    assert f"HELIXSERVE_INTERNAL_SECRET={stack.secret}" in router_env and f"HELIXSERVE_INTERNAL_SECRET={stack.secret}" in ctx_env
+    secret_env = f"HELIXSERVE_INTERNAL_SECRET={stack.secret}"
+    assert secret_env in router_env and secret_env in ctx_env and secret_env in stack.script("env", "gen").stdout
     assert f"HELIXSERVE_API_KEYS={stack.api_key}" in router_env
     assert not any(e.startswith("HELIXSERVE_API_KEYS") for e in ctx_env), "a worker got the router's API keys"
     # a worker answers only callers holding the internal secret (here: from inside the router's container)
     probe = ("import sys, urllib.request, urllib.error\n"
-             "req = urllib.request.Request('http://ctx:8100/v1/models', headers=dict(a.split('=', 1) for a in sys.argv[1:]))\n"
+             "headers = dict(a.split('=', 1) for a in sys.argv[1:])\n"
+             "req = urllib.request.Request('http://ctx:8100/v1/models', headers=headers)\n"
              "try:\n    print(urllib.request.urlopen(req, timeout=10).status)\n"
              "except urllib.error.HTTPError as e:\n    print(e.code)\n")
     without = stack.script("exec", "router", "python3", "-c", probe).stdout.strip()
