@@ -197,21 +197,21 @@ engine_start() {
     fi
 }
 
-stop_pidfile() {  # stop the process (and, for the ticker, its group's checks) we started
-    local file=$1 pid
+stop_pidfile() {  # stop_pidfile FILE PATTERN: stop the process we started, if FILE's pid is still it
+    local file=$1 pattern=$2 pid
     [ -f "$file" ] || return 0
     pid=$(cat "$file")
-    if kill -0 "$pid" 2>/dev/null; then
-        kill "$pid" 2>/dev/null || true
-        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$pid" 2>/dev/null || true
-    fi
     rm -f "$file"
+    # a pid left by an earlier boot may be another process's by now: match its command line
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$pattern" || return 0
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
 }
 
 engine_stop() {
-    stop_pidfile "$STATE/ticker.pid"
-    stop_pidfile "$STATE/service.pid"
+    stop_pidfile "$STATE/ticker.pid" "compose_podman.sh"
+    stop_pidfile "$STATE/service.pid" "system service --time=0 unix://$SOCK"
 }
 
 step_up() {
