@@ -100,7 +100,7 @@ def test_dockerfile_parses_and_copies_existing_paths() -> None:
         assert (REPO / src).exists(), f"COPY {src}: no such path in the repository"
         assert not dockerignored(src, ignore), f"COPY {src}: excluded from the build context by .dockerignore"
         if (REPO / src).is_dir():
-            some_file = next(p for p in (REPO / src).rglob("*.py"))
+            some_file = next(p for p in sorted((REPO / src).rglob("*")) if p.is_file() and "__pycache__" not in p.parts)
             assert not dockerignored(str(some_file.relative_to(REPO)), ignore)
     for junk in (".venv/bin/python", "checkpoints/kimi-k3-tiny/model.safetensors", ".git/HEAD",
                  "helixserve/__pycache__/cli.cpython-311.pyc"):
@@ -124,9 +124,31 @@ def test_dockerfile_runs_as_non_root_with_health_check_and_pinned_torch() -> Non
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (torch,) = [r for r in map(Requirement, deps) if r.name == "torch"]
     assert torch.specifier.contains(args["TORCH_VERSION"]), f"the image's torch is outside pyproject's {torch}"
-    assert any(k == "RUN" and 'pip install ".${PIP_EXTRAS}"' in a for k, a in steps), \
+    assert any(k == "RUN" and 'pip install "${offline[@]}" ".${PIP_EXTRAS}"' in a for k, a in steps), \
         "the package is installed from the repo"
-    assert args.get("PIP_EXTRAS") == '""', "the default image installs no extras"
+    assert args.get("PIP_EXTRAS") == '"[cu12]"', "the default image installs the UCX transport (CPU build) only"
+
+
+def test_dockerfile_installs_from_the_wheelhouse_only_when_it_holds_wheels() -> None:
+    """Offline builds (CI): wheels in deploy/docker/wheels/ make every pip install --no-index from
+    them; the folder as committed holds none, so the default build still uses the indexes."""
+    steps = instructions(DOCKERFILE)
+    assert ("COPY", "deploy/docker/wheels/ /opt/wheels/") in steps
+    pip_runs = [a for k, a in steps if k == "RUN" and "pip install" in a]
+    assert len(pip_runs) == 2
+    for run in pip_runs:
+        assert 'compgen -G "/opt/wheels/*.whl"' in run and "--no-index --find-links /opt/wheels" in run
+    assert '--index-url "$TORCH_INDEX_URL"' in pip_runs[0], "the registry path for torch is gone"
+    wheels = REPO / "deploy" / "docker" / "wheels"
+    assert (wheels / "README.md").is_file(), "COPY needs the folder in a clean clone"
+    assert "*.whl" in (wheels / ".gitignore").read_text().split(), "wheels must never be committed"
+
+
+def test_image_checkpoint_is_readable_by_the_servers_user() -> None:
+    """make-checkpoint runs as root and writes model.safetensors 0600; the servers run as 10001."""
+    steps = instructions(DOCKERFILE)
+    make = next(a for k, a in steps if k == "RUN" and "make-checkpoint" in a)
+    assert make.index("chmod -R a+rX /opt/helixserve/models") > make.index("make-checkpoint")
 
 
 def test_compose_builds_the_cuda_image_with_the_gpu_extra() -> None:
@@ -142,7 +164,7 @@ def test_compose_builds_the_cuda_image_with_the_gpu_extra() -> None:
     for name in ("ctx-gpu", "gen-gpu", "router-gpu"):
         build = services[name]["build"]
         assert set(build["args"]) <= declared, f"{name} passes build args the Dockerfile lacks"
-        assert build["args"]["PIP_EXTRAS"] == "[gpu]" and "gpu" in extras
+        assert build["args"]["PIP_EXTRAS"] == "[gpu,cu12]" and {"gpu", "cu12"} <= set(extras)
         assert build["args"]["TORCH_INDEX_URL"].endswith("/whl/cu128")
     for name in ("ctx", "gen", "router"):
         assert "args" not in services[name]["build"], f"{name}: the CPU image takes the defaults"
