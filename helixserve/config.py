@@ -29,6 +29,7 @@ from helixserve.transceiver.config import DEFAULT_KV_TRANSFER_TIMEOUT_MS, Transc
 DType = Literal["float32", "bfloat16", "float16"]
 INTERNAL_SECRET_ENV = "HELIXSERVE_INTERNAL_SECRET"
 INTERNAL_SECRET_FILE_ENV = "HELIXSERVE_INTERNAL_SECRET_FILE"
+API_KEYS_ENV = "HELIXSERVE_API_KEYS"  # comma-separated: the router's keys, kept out of the YAML
 
 
 _Strict = Strict
@@ -281,6 +282,14 @@ def resolve_security(deploy: DeploymentConfig, environ: Mapping[str, str] | None
         if not secret:
             raise ValueError(f"the internal secret file {path} is empty")
     return deploy.with_internal_secret(secret or None)
+
+
+def router_api_keys(router: RouterConfig, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The keys the router accepts: ``router.api_keys`` and every one in ``HELIXSERVE_API_KEYS``
+    (comma-separated, whitespace stripped; compose's env file puts them there). Empty: no auth."""
+    environ = os.environ if environ is None else environ
+    from_env = (k.strip() for k in environ.get(API_KEYS_ENV, "").split(","))
+    return tuple(dict.fromkeys((*router.api_keys, *(k for k in from_env if k))))
 
 
 def ensure_internal_secret(deploy: DeploymentConfig) -> DeploymentConfig:

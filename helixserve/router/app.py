@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig
+from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig, router_api_keys
 from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                  InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
@@ -235,5 +235,7 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
 
 
 def build_router_app_from(deploy: DeploymentConfig) -> FastAPI:
-    return build_router_app(deploy.router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name,
+    """The router of `deploy`, its API keys from the config and ``HELIXSERVE_API_KEYS``."""
+    router = deploy.router.model_copy(update={"api_keys": router_api_keys(deploy.router)})
+    return build_router_app(router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name,
                             deploy.limits, deploy.cache.max_model_len, deploy.security.secret)

@@ -186,6 +186,15 @@ class PoolDirectory:
         self._pools: dict[str, RemotePools | None] = {}  # None: that ctx uses the tagged stream
         self._asking: dict[str, Future] = {}
 
+    def ask(self, key: str, client, device: torch.device) -> Future | None:  # noqa: ANN001
+        """Start asking ctx `key` for its pools through `client` unless known or asked already;
+        the call's future (None: nothing asked, or pools never used from `device`)."""
+        if not self.enabled or device.type != "cuda" or key in self._pools or key in self._asking:
+            return None
+        future = self._asking[key] = client.describe_pools_async(
+            pb.PoolsRequest(gen_rank=self.gen_rank, host_id=host_id()))
+        return future
+
     def get(self, key: str, client, device: torch.device) -> RemotePools | None:  # noqa: ANN001
         """The opened pools of ctx `key` if it can be pulled from now; asks once (not blocking)."""
         if not self.enabled or device.type != "cuda":
@@ -194,7 +203,7 @@ class PoolDirectory:
             return self._pools[key]
         future = self._asking.get(key)
         if future is None:
-            self._asking[key] = client.describe_pools_async(pb.PoolsRequest(gen_rank=self.gen_rank, host_id=host_id()))
+            self.ask(key, client, device)
             return None
         if not future.done():
             return None

@@ -41,7 +41,7 @@ from helixserve.protocol.disagg import DisaggregatedParams, KVLayout, Transceive
 from helixserve.transceiver.base import ReceiverSession, TransferState
 from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.config import TransceiverConfig
-from helixserve.transceiver.control import ControlClients, target
+from helixserve.transceiver.control import ControlClient, ControlClients, target
 from helixserve.transceiver.cuda_ipc import PoolDirectory
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
@@ -228,8 +228,18 @@ class KVReceiver:
     def prefetch(self, endpoints: Sequence[TransceiverEndpoint], device: torch.device) -> None:
         """Ask these ctx workers for their pools now (not blocking; `cuda_ipc`), so that the first
         request to each can already be pulled; one that does not answer is asked again later."""
+        if device.type != "cuda" or not self.config.cuda_ipc:
+            return
         for endpoint in endpoints:
-            self.pools.get(target(endpoint), self.clients.get(endpoint), device)
+            # its own channel, closed once answered: a ctx not listening yet leaves a connection
+            # attempt pending for up to grpc's min_reconnect_backoff, which must not be the one
+            # the first request's RequestShard waits behind
+            client = ControlClient(endpoint, self.config.rpc_timeout_s, config=self.config)
+            future = self.pools.ask(target(endpoint), client, device)
+            if future is None:
+                client.close()
+            else:
+                future.add_done_callback(lambda _, c=client: c.close())
 
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream pulled shards are copied on (one per device, made on first use)."""

@@ -111,9 +111,10 @@ class Deployment:
             return baseline_up and up(f"{self.router_url}/ready")
         wait_until(ready, timeout, "the router's /ready", interval=0.3)
 
-    def extra_router(self, tmp_path: Path, timeout: float = 60, **router: Any) -> tuple[str, subprocess.Popen]:
+    def extra_router(self, tmp_path: Path, timeout: float = 60, env: dict[str, str] | None = None,
+                     **router: Any) -> tuple[str, subprocess.Popen]:
         """A second router over the same workers with ``router`` settings changed (a free port,
-        the deployment's secret); the caller terminates the process."""
+        the deployment's secret, ``env`` added); the caller terminates the process."""
         (port,) = free_ports(1)
         config = self.config.model_copy(update={"router": self.config.router.model_copy(
             update={"port": port, **router})})
@@ -121,7 +122,7 @@ class Deployment:
         config.to_yaml(path)
         proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
                                 cwd=REPO, start_new_session=True,
-                                env={**os.environ, INTERNAL_SECRET_ENV: self.secret})
+                                env={**os.environ, INTERNAL_SECRET_ENV: self.secret, **(env or {})})
         url = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:

@@ -86,13 +86,13 @@ def timings_of(output: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^timing: (\w+) (\d+) s$", output, re.MULTILINE)}
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
-def answers(url: str) -> dict[str, tuple[str, int, str]]:
+def answers(url: str, api_key: str = "unused") -> dict[str, tuple[str, int, str]]:
     """{name: (text, completion tokens, finish reason)}: greedy completions, a chat and a stream."""
-    api = client(url)
+    api = client(url, api_key)
     out = {}
     for i, prompt in enumerate(PROMPTS):
         r = api.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, seed=0)
@@ -191,7 +191,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
 
 
 def test_compose_serves_the_same_greedy_tokens_as_launch(stack: Stack) -> None:
-    served = answers(stack.url)
+    served = answers(stack.url, stack.api_key)  # the router takes the env file's API key
     assert set(served) == set(stack.baseline)
     for name, (text, tokens, finish) in served.items():
         assert tokens > 0 and text, f"{name}: empty answer {served[name]}"
@@ -218,6 +218,10 @@ def test_compose_health_gated_start_and_secrets_from_env_files(stack: Stack) -> 
     assert secret_env in router_env and secret_env in ctx_env and secret_env in stack.script("env", "gen").stdout
     assert f"HELIXSERVE_API_KEYS={stack.api_key}" in router_env
     assert not any(e.startswith("HELIXSERVE_API_KEYS") for e in ctx_env), "a worker got the router's API keys"
+    # ... and the router enforces them
+    with pytest.raises(openai.AuthenticationError):
+        client(stack.url).models.list()
+    assert [m.id for m in client(stack.url, stack.api_key).models.list().data] == [MODEL]
     # a worker answers only callers holding the internal secret (here: from inside the router's container)
     probe = ("import sys, urllib.request, urllib.error\n"
              "headers = dict(a.split('=', 1) for a in sys.argv[1:])\n"
@@ -238,7 +242,8 @@ def test_compose_ctx_killed_answers_503_then_restarts_and_serves_again(stack: St
     seen: list[tuple[int, dict]] = []
 
     def answer() -> tuple[int, dict]:
-        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {stack.api_key}"})
         try:
             seen.append((r.status_code, r.json()))
         except ValueError:
@@ -255,7 +260,7 @@ def test_compose_ctx_killed_answers_503_then_restarts_and_serves_again(stack: St
     assert int(stack.script("restarts", "ctx").stdout) == restarts_before + 1, "compose's restart policy"
     text = seen[-1][1]["choices"][0]["text"]
     assert (text, seen[-1][1]["usage"]["completion_tokens"]) == stack.baseline["completion0"][:2]
-    assert answers(stack.url) == stack.baseline
+    assert answers(stack.url, stack.api_key) == stack.baseline
 
 
 def save_logs(stack: Stack) -> Path:

@@ -297,6 +297,22 @@ def test_api_key_required_when_configured(dep, tmp_path):
         proc.wait(10)
 
 
+def test_api_keys_from_the_environment(dep, tmp_path):
+    """``HELIXSERVE_API_KEYS`` (compose's env file) adds keys without the YAML holding them."""
+    url, proc = dep.extra_router(tmp_path, env={"HELIXSERVE_API_KEYS": " env-key-1 ,, env-key-2 "},
+                                 api_keys=("yaml-key",))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            dep.client(url).models.list()
+        for key in ("env-key-1", "env-key-2", "yaml-key"):
+            assert [m.id for m in dep.client(url, api_key=key).models.list().data] == [MODEL]
+        with pytest.raises(openai.AuthenticationError):
+            dep.client(url, api_key="env-key-1 ,, env-key-2").models.list()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_metrics_count_requests_tokens_and_latencies(dep):
     text = http("GET", f"{dep.router_url}/metrics")[1]
     for name in ("helixserve_router_time_to_first_token_seconds_count",

@@ -102,3 +102,28 @@ def test_pool_directory_never_asks_for_host_caches():
     directory = PoolDirectory(0, layout_for(get_preset(PRESET), torch.float32, 16, PRESET))
     assert directory.get("ctx:1", client=None, device=torch.device("cpu")) is None  # no call made
 
+
+
+def test_prefetch_opens_no_channel_where_nothing_can_be_pulled(monkeypatch):
+    """A gen rank on host memory (or with cuda_ipc off) dials no ctx at start: a channel opened
+    before the ctx listens could leave the first request's RequestShard behind a pending
+    connection attempt (the compose deployment's first request failed so)."""
+    from helixserve.protocol.disagg import TransceiverEndpoint
+    from helixserve.transceiver import receiver as receiver_module
+    from helixserve.transceiver.config import TransceiverConfig
+    from helixserve.transceiver.receiver import KVReceiver
+
+    def no_client(*args, **kwargs):
+        raise AssertionError("prefetch opened a control channel")
+
+    monkeypatch.setattr(receiver_module, "ControlClient", no_client)
+    layout = layout_for(get_preset(PRESET), torch.float32, 16, PRESET)
+    rx = KVReceiver(TransceiverConfig(backend="fake", kv_transfer_timeout_ms=1000), layout)
+    try:
+        rx.prefetch([TransceiverEndpoint(host="127.0.0.1", port=1)], torch.device("cpu"))
+        off = KVReceiver(TransceiverConfig(backend="fake", kv_transfer_timeout_ms=1000, cuda_ipc=False), layout)
+        off.prefetch([TransceiverEndpoint(host="127.0.0.1", port=1)], torch.device("cuda", 0))
+        off.close()
+        assert rx.clients._clients == {} and rx.pools._asking == {}
+    finally:
+        rx.close()
