@@ -34,8 +34,9 @@ from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.transceiver.base import PayloadKind, TransferState
-from helixserve.transceiver.control import check_payloads, payload_descriptors, rpc_error_text, target
+from helixserve.transceiver.control import rpc_error_text, target
 from helixserve.transceiver.cuda_ipc import RemotePools, caches_device
+from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
 from helixserve.transceiver.plane import TransferHandle
 from helixserve.transceiver.pull import Pull

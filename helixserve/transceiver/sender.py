@@ -53,11 +53,12 @@ from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import SenderSession, TransferState
 from helixserve.transceiver.config import TransceiverConfig
-from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer, payload_descriptors
+from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
 from helixserve.transceiver.clock import MonotonicClock
 from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.layout import ShardPlan, check_caches, check_layout
 from helixserve.transceiver.outbound import Outbound, PulledShard
+from helixserve.transceiver.payloads import payload_descriptors
 from helixserve.transceiver.plane import DataPlane, open_data_plane
 from helixserve.transceiver.polling import TransferMetrics, TransferPoller
 from helixserve.transceiver.shard_request import check_shard_request

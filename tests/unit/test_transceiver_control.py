@@ -18,8 +18,8 @@ from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.testing.servers import free_ports
 from helixserve.transceiver.config import ControlTLSConfig, TransceiverConfig
-from helixserve.transceiver.control import (GENERATED, PROTO, ControlClient, ControlServer, check_payloads,
-                                            generate_stubs)
+from helixserve.transceiver.control import GENERATED, PROTO, ControlClient, ControlServer, generate_stubs
+from helixserve.transceiver.payloads import check_payloads
 
 
 def test_generated_stubs_match_the_proto(tmp_path):
