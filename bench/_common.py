@@ -135,31 +135,28 @@ _SLEEP_CYCLES = 2_000_000  # about 1 ms at the H200's clock
 
 
 def gpu_timer(fns: list[Callable[[], Any]], warmup: int, reps: int) -> list[float]:
-    """Median seconds of each fn; CUDA events on a GPU, perf_counter otherwise; fns alternate."""
+    """Median seconds of each fn (:func:`measure`'s turns); CUDA events on a GPU, perf_counter
+    otherwise."""
     import torch
 
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                # keep the GPU busy while the host enqueues fn, so the events time the GPU work,
-                # not the host's launch latency (as in a CUDA graph)
-                torch.cuda._sleep(_SLEEP_CYCLES)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                out.append(start.elapsed_time(end) / 1e3)
-            else:
+    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        def run() -> float:
+            if not torch.cuda.is_available():
                 t0 = time.perf_counter()
                 fn()
-                out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+                return time.perf_counter() - t0
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # keep the GPU busy while the host enqueues fn, so the events time the GPU work,
+            # not the host's launch latency (as in a CUDA graph)
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return run
+
+    return [statistics.median(t) for t in measure([timed(fn) for fn in fns], warmup, reps)]
 
 
 def machine_info() -> dict[str, Any]:

@@ -16,6 +16,8 @@ import multiprocessing as mp
 import statistics
 import time
 
+from _transceiver_peers import payload_bound, serve_ctx
+
 TPB = 64
 SHAPES = [("kimi-k3-mid", 512), ("kimi-k3-mid", 4096), ("kimi-linear-48b", 4096), ("kimi-linear-48b", 32768)]
 QUICK_SHAPES = [("kimi-k3-mid", 512), ("kimi-linear-48b", 4096)]
@@ -34,9 +36,8 @@ def _setup(preset: str, max_tokens: int, cuda_ipc: bool = True):
     cfg = get_preset(preset)
     num_blocks = -(-max_tokens // TPB) * 2 + 2
     caches = allocate_model_caches(cache_spec_for(cfg, torch.bfloat16, TPB), num_blocks, 2, device="cuda")
-    for pools in (caches.mla_kv, caches.kda_state, caches.conv_state):
-        for layer_id, pool in pools.items():
-            pool.copy_(torch.randn(pool.shape, dtype=torch.float32, device="cuda").to(pool.dtype) + layer_id)
+    for i, pool in enumerate(caches.tensors()):
+        pool.copy_(torch.randn(pool.shape, dtype=torch.float32, device="cuda").to(pool.dtype) + i)
     config = TransceiverConfig(kv_transfer_timeout_ms=60_000, cuda_ipc=cuda_ipc)
     return config, layout_for(cfg, torch.bfloat16, TPB, preset), caches, CacheManager(num_blocks, 2, TPB)
 
@@ -51,27 +52,10 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     freed = mp.SimpleQueue()
     sender = KVSender(config, layout, caches, freed.put)
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
-    raw = torch.ones(sum(p.numel() * p.element_size() for d in (caches.mla_kv, caches.kda_state, caches.conv_state)
-                         for p in d.values()), dtype=torch.uint8, device="cuda")
+    raw = torch.ones(payload_bound(caches), dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     outbox.put((sender.start().model_dump(), plane.address))
-    while (cmd := inbox.get())[0] != "stop":
-        if cmd[0] == "hold":
-            _, rid, num_tokens = cmd
-            while not manager.can_allocate(num_tokens):  # the previous pickup is freed on its ack
-                manager.free(freed.get())
-            sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
-            outbox.put("held")
-        elif cmd[0] == "connect":
-            plane.connect("gen", cmd[1])
-            outbox.put("connected")
-        elif cmd[0] == "raw":
-            handle = plane.send_message("gen", cmd[2], raw[: cmd[1]])
-            while not handle.is_quiesced():
-                time.sleep(0.00005)
-            outbox.put("sent")
-    sender.stop()
-    plane.close()
+    serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s=0.00005)
 
 
 PHASES = ("request", "reply", "launched", "done")
@@ -112,9 +96,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     receivers = {"pull": CPGroupReceiver(KVReceiver(config, layout), manager, caches),
                  "tagged": CPGroupReceiver(KVReceiver(tagged_config, layout), manager, caches)}
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
-    total = sum(p.numel() * p.element_size() for d in (caches.mla_kv, caches.kda_state, caches.conv_state)
-                for p in d.values())
-    raw = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    raw = torch.zeros(payload_bound(caches), dtype=torch.uint8, device="cuda")
     copy_src, copy_dst = torch.ones_like(raw), torch.zeros_like(raw)
     outbox.put(plane.address)
     while (cmd := inbox.get())[0] != "stop":

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+from _transceiver_peers import payload_bound, serve_ctx  # noqa: E402
 
 TPB = 16
 PRESET = "kimi-linear-48b"
@@ -53,9 +54,8 @@ def _setup(max_tokens: int, message_mib: float, window_mib: float):
     cfg = get_preset(PRESET)
     num_blocks = -(-max_tokens // TPB)
     caches = allocate_model_caches(cache_spec_for(cfg, torch.bfloat16, TPB), num_blocks, 1)
-    for pools in (caches.mla_kv, caches.kda_state, caches.conv_state):
-        for pool in pools.values():
-            pool.fill_(1.0)  # touch every page before timing
+    for pool in caches.tensors():
+        pool.fill_(1.0)  # touch every page before timing
     config = TransceiverConfig(kv_transfer_timeout_ms=60_000, message_bytes=int(message_mib * 2**20),
                                send_window_bytes=int(window_mib * 2**20))
     return config, layout_for(cfg, torch.bfloat16, TPB, PRESET), caches, CacheManager(num_blocks, 1, TPB)
@@ -69,33 +69,12 @@ def _ctx_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
-    raw = host_zeros((_payload_bytes(caches),), torch.uint8).fill_(1)  # pool-like memory, page-touched
+    raw = host_zeros((payload_bound(caches),), torch.uint8).fill_(1)  # pool-like memory, page-touched
     freed = mp.SimpleQueue()
     sender = KVSender(config, layout, caches, freed.put)
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)  # raw ucxx: no notifier
     outbox.put((sender.start().model_dump(), layout.model_dump(), plane.address))
-    while (cmd := inbox.get())[0] != "stop":
-        if cmd[0] == "hold":
-            _, rid, num_tokens = cmd
-            while not manager.can_allocate(num_tokens):  # the previous pickup is freed on its ack
-                manager.free(freed.get())
-            sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
-            outbox.put("held")
-        elif cmd[0] == "connect":
-            plane.connect("gen", cmd[1])
-            outbox.put("connected")
-        elif cmd[0] == "raw":
-            handle = plane.send_message("gen", cmd[2], raw[: cmd[1]])
-            while not handle.is_quiesced():
-                time.sleep(0.0002)
-            outbox.put("sent")
-        elif cmd[0] == "raw_messages":
-            handles = [plane.send_message("gen", tag, raw[start : start + n]) for tag, start, n in cmd[1]]
-            while not all(h.is_quiesced() for h in handles):
-                time.sleep(0.0002)
-            outbox.put("sent")
-    sender.stop()
-    plane.close()
+    serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s=0.0002)
 
 
 def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, outbox) -> None:
@@ -109,7 +88,7 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
-    raw = host_zeros((_payload_bytes(caches),), torch.uint8)  # the same (huge-page) memory as the pools
+    raw = host_zeros((payload_bound(caches),), torch.uint8)  # the same (huge-page) memory as the pools
     rx = CPGroupReceiver(KVReceiver(config, layout), manager, caches)
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)  # raw ucxx: no notifier
     outbox.put(plane.address)
@@ -157,12 +136,6 @@ def _message_pieces(num_tokens: int, message_mib: float, first_tag: int) -> list
     for m in messages[:-1]:
         starts.append(starts[-1] + m.nbytes)
     return [(first_tag + m.index, start, m.nbytes) for m, start in zip(messages, starts, strict=True)]
-
-
-def _payload_bytes(caches) -> int:
-    """An upper bound of one request's payload in these caches (the whole pools + AUX)."""
-    pools = [*caches.mla_kv.values(), *caches.kda_state.values(), *caches.conv_state.values()]
-    return sum(p.numel() * p.element_size() for p in pools) + 4096
 
 
 def bench_ucx(token_counts: list[int], reps: int, message_mib: float, window_mib: float) -> dict[int, dict]:

@@ -35,6 +35,14 @@ class ModelCaches:
     kda_state: dict[int, torch.Tensor] = field(default_factory=dict)
     conv_state: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor: the MLA pools, then the KDA states, then the conv states."""
+        return [*self.mla_kv.values(), *self.kda_state.values(), *self.conv_state.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
 
 @dataclass(slots=True, frozen=True)
 class CacheSpec:

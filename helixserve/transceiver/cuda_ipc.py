@@ -31,6 +31,7 @@ list is still checked against the layout and its storages' sizes before use.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 from concurrent.futures import Future
@@ -42,7 +43,7 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
-from helixserve.transceiver.layout import _DTYPES, check_caches, dtype_name
+from helixserve.transceiver.layout import _DTYPES, check_caches, dtype_name, itemsize
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def local_device_of(uuid: str) -> int | None:
 
 def caches_device(caches: ModelCaches) -> torch.device | None:
     """The one device every cache tensor lives on (None when there is none or several)."""
-    devices = {t.device for pools in (caches.mla_kv, caches.kda_state, caches.conv_state) for t in pools.values()}
+    devices = {t.device for t in caches.tensors()}
     return devices.pop() if len(devices) == 1 else None
 
 
@@ -154,20 +155,17 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
             s.event_handle or None, s.event_sync_required) for s in reply.storages]
     except Exception as error:  # noqa: BLE001 (any failure: use the tagged stream)
         raise IpcOpenError(f"opening the ctx's CUDA IPC handles failed: {type(error).__name__}: {error}") from None
+    flats = [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (s.nbytes(),)) for s in storages]
     caches = ModelCaches(layout.tokens_per_block)
     for t in reply.tensors:
         if t.kind not in _KIND_FIELDS or t.storage >= len(storages) or t.dtype not in _DTYPES:
             raise IpcOpenError(f"malformed pool entry for layer {t.layer_id}")
-        dtype = _DTYPES[t.dtype]
-        numel = 1
-        for dim in t.shape:
-            numel *= int(dim)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        storage = storages[t.storage]
-        if t.byte_offset + nbytes > storage.nbytes() or t.byte_offset % torch.empty((), dtype=dtype).element_size():
-            raise IpcOpenError(f"layer {t.layer_id}'s pool does not fit its {storage.nbytes()}-byte storage")
-        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
-        view = flat[t.byte_offset : t.byte_offset + nbytes].view(dtype).view(tuple(t.shape))
+        size = itemsize(t.dtype)
+        nbytes = math.prod(int(dim) for dim in t.shape) * size
+        flat = flats[t.storage]
+        if t.byte_offset + nbytes > flat.numel() or t.byte_offset % size:
+            raise IpcOpenError(f"layer {t.layer_id}'s pool does not fit its {flat.numel()}-byte storage")
+        view = flat[t.byte_offset : t.byte_offset + nbytes].view(_DTYPES[t.dtype]).view(tuple(t.shape))
         getattr(caches, _KIND_FIELDS[t.kind])[int(t.layer_id)] = view
     try:
         check_caches(layout, caches, layout.num_kda_heads)

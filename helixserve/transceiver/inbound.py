@@ -85,6 +85,7 @@ class Inbound:
         self.drain_end: float | None = None
         self.num_to_drain = 0
         self._kind_indices: dict[PayloadKind, list[int]] = {}
+        self.device = caches_device(caches)
         self.pools: RemotePools | None = None  # asked to pull from these
         self.pull: Pull | None = None
 
@@ -98,9 +99,8 @@ class Inbound:
             tag_base=self.tag_base, num_prompt_tokens=self.plan.spec.num_tokens,
             max_message_bytes=self.plan.message_bytes, deadline_ms=int(deadline_s * 1e3),
             dst_block_ids=handle.block_ids, dst_slot=-1 if handle.slot is None else handle.slot)
-        device = caches_device(self.caches)
-        if device is not None and device.type == "cuda":
-            self.pools = self.r.pools.get(target(self.params.ctx_endpoint), self.client, device)
+        if self.device is not None and self.device.type == "cuda":
+            self.pools = self.r.pools.get(target(self.params.ctx_endpoint), self.client, self.device)
             req.pull_epoch = self.pools.epoch if self.pools is not None else 0
         self.future = self.client.request_shard_async(req, timeout_s=deadline_s)
         self.future.add_done_callback(lambda _: self.r.poller.wakeup.set())
@@ -165,7 +165,7 @@ class Inbound:
             slot = None if shard.src_slot < 0 else int(shard.src_slot)
             theirs = ShardPlan.for_sender(self.plan.spec, self.pools.caches, list(shard.src_block_ids), slot,
                                           list(self.params.first_gen_tokens), self.plan.message_bytes)
-            self.pull = Pull(theirs, self.plan, self.r.copy_stream(caches_device(self.caches)))
+            self.pull = Pull(theirs, self.plan, self.r.copy_stream(self.device))
             self.r.num_pulled += 1
         except Exception as error:
             self._fail(f"{self.ctx}'s pull shard is unusable: {type(error).__name__}: {error}")

@@ -88,8 +88,6 @@ class Pull:
         segments = [i for i, seg in enumerate(dst_plan.segments) if seg.kind is not PayloadKind.AUX]
         sizes = [dst_plan.segments[i].nbytes for i in segments]
         srcs, dsts, table = piece_table(src_plan.memory, dst_plan.memory, segments, sizes)
-        self.nbytes = int(table[:, 4].sum()) if table.size else 0
-        self.num_pieces = int(table.shape[0])
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             batched_copy(srcs, dsts, table)

@@ -319,8 +319,8 @@ class KVSender:
                                   f"cancelled: {request.reason}")
         outbound = pickup.outbounds.get(request.cp_rank)
         if isinstance(outbound, PulledShard):
-            outbound.release()  # the receiver cancels only once its copy ended
-        if outbound is None or isinstance(outbound, PulledShard):
+            outbound.release()  # the receiver cancels only once its copy ended (it posted nothing)
+        if outbound is None:
             return pb.CancelReply(known=True, num_posted_messages=0)
         return pb.CancelReply(known=True, num_posted_messages=outbound.num_posted,
                               message_bytes=outbound.plan.message_bytes, ucx_worker_address=self.plane.address)
