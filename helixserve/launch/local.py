@@ -28,14 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from helixserve.config import (CacheConfig, DeploymentConfig, GenServerConfig, child_environment,
                                ensure_internal_secret)
 from helixserve.launch.restarts import RestartBudget
+from helixserve.launch.probe import is_ready
 
 DEFAULT_MODEL_DIR = Path("checkpoints/kimi-k3-tiny")
 DEFAULT_PRESET = "kimi-k3-tiny"
@@ -181,19 +180,11 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         pass
 
 
-def _is_ready(url: str, probe_timeout_s: float) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/ready", timeout=probe_timeout_s) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def wait_ready(url: str, children: list[Child], timeout_s: float, should_stop,  # noqa: ANN001
                probe_timeout_s: float) -> None:
     """Step 3; raises ``RuntimeError`` naming a process that exited or the timeout."""
     deadline = time.monotonic() + timeout_s
-    while not _is_ready(url, probe_timeout_s):
+    while not is_ready(url, probe_timeout_s):
         for child in children:
             code = child.process.poll()
             if code is not None:

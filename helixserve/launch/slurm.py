@@ -30,8 +30,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from helixserve.config import DeploymentConfig, child_environment, ensure_internal_secret, load_yaml, slurm_env
 from helixserve.config_env import SlurmEnv
+from helixserve.launch.probe import is_ready
 
 logger = logging.getLogger(__name__)
 
@@ -238,14 +237,6 @@ class Job:
                 logger.warning("step %s still running after %.0f s; SIGKILL", name, grace_s)
                 process.kill()
                 process.wait()
-
-
-def is_ready(url: str, probe_timeout_s: float) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/ready", timeout=probe_timeout_s) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def log_tail(path: Path, num_lines: int = 20) -> str:

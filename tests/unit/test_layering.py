@@ -162,7 +162,7 @@ def test_the_launch_allow_list_is_still_needed():
 def test_launch_code_is_in_one_package():
     assert not [m for m in OLD_LAUNCH_MODULES if (ROOT / m).exists()]
     assert {p.name for p in (ROOT / "helixserve" / "launch").glob("*.py")} == {
-        "__init__.py", "local.py", "processes.py", "restarts.py", "slurm.py"}
+        "__init__.py", "local.py", "probe.py", "processes.py", "restarts.py", "slurm.py"}
     out = subprocess.run([sys.executable, "-m", "helixserve.launch.slurm", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "python -m helixserve.launch.slurm" in out.stdout, out.stderr[-2000:]
