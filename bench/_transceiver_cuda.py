@@ -16,7 +16,7 @@ import multiprocessing as mp
 import statistics
 import time
 
-from _transceiver_peers import payload_bound, serve_ctx
+from _transceiver_peers import payload_bound, receive_one, serve_ctx
 
 TPB = 64
 SHAPES = [("kimi-k3-mid", 512), ("kimi-k3-mid", 4096), ("kimi-linear-48b", 4096), ("kimi-linear-48b", 32768)]
@@ -82,7 +82,7 @@ def _record_phases(marks: dict[str, float]) -> None:
 def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     import torch
 
-    from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint
+    from helixserve.protocol.disagg import TransceiverEndpoint
     from helixserve.transceiver.base import TransferState
     from helixserve.transceiver.control import target
     from helixserve.transceiver.group import CPGroupReceiver
@@ -114,19 +114,9 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
         elif cmd[0] == "transfer":
             _, mode, rid, num_tokens, endpoint = cmd
             rx = receivers[mode]
-            params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
-                                         prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout)
             before = rx.receiver.metrics.bytes_transferred
             marks.clear()
-            start = time.perf_counter()
-            rx.begin(rid, params)
-            check = rx.check()
-            while not check.ready:
-                assert not check.failed, check.failed
-                rx.receiver.progress(wait_num=1, interval_s=0.0005)
-                check = rx.check()
-            elapsed = time.perf_counter() - start
-            manager.free(rid)
+            start, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.0005)
             phases = {k: (v - start) * 1e3 for k, v in marks.items()}
             outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before, phases))
         elif cmd[0] == "raw":

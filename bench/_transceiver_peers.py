@@ -34,3 +34,22 @@ def serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s: float) 
             outbox.put("sent")
     sender.stop()
     plane.close()
+
+
+def receive_one(rx, manager, layout, rid: str, num_tokens: int, endpoint, interval_s: float) -> tuple[float, float]:  # noqa: ANN001
+    """One request's transfer on the gen side as it serves (``CPGroupReceiver.begin`` to ready,
+    progressing every ``interval_s``); its cache freed after. ``(perf_counter at begin, seconds)``."""
+    from helixserve.protocol.disagg import DisaggregatedParams
+
+    params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
+                                 prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout)
+    start = time.perf_counter()
+    rx.begin(rid, params)
+    check = rx.check()
+    while not check.ready:
+        assert not check.failed, check.failed
+        rx.receiver.progress(wait_num=1, interval_s=interval_s)
+        check = rx.check()
+    elapsed = time.perf_counter() - start
+    manager.free(rid)
+    return start, elapsed

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
-from _transceiver_peers import payload_bound, serve_ctx  # noqa: E402
+from _transceiver_peers import payload_bound, receive_one, serve_ctx  # noqa: E402
 
 TPB = 16
 PRESET = "kimi-linear-48b"
@@ -81,7 +81,6 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     import torch
 
     from helixserve.kvcache.pools import host_zeros
-    from helixserve.protocol.disagg import DisaggregatedParams
     from helixserve.transceiver.base import TransferState
     from helixserve.transceiver.group import CPGroupReceiver
     from helixserve.transceiver.receiver import KVReceiver
@@ -98,17 +97,7 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
             outbox.put("connected")
         elif cmd[0] == "transfer":
             _, rid, num_tokens, endpoint = cmd
-            params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
-                                         prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout)
-            start = time.perf_counter()
-            rx.begin(rid, params)
-            check = rx.check()
-            while not check.ready:
-                assert not check.failed, check.failed
-                rx.receiver.progress(wait_num=1, interval_s=0.002)
-                check = rx.check()
-            elapsed = time.perf_counter() - start
-            manager.free(rid)
+            _, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.002)
             outbox.put((elapsed, rx.receiver.metrics.bytes_transferred))
         elif cmd[0] in ("raw", "raw_messages"):
             pieces = [(cmd[2], 0, cmd[1])] if cmd[0] == "raw" else cmd[1]
