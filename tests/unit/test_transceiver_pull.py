@@ -127,3 +127,17 @@ def test_prefetch_opens_no_channel_where_nothing_can_be_pulled(monkeypatch):
         assert rx.clients._clients == {} and rx.pools._asking == {}
     finally:
         rx.close()
+
+
+@pytest.mark.parametrize("block_ids,slot", [([0, 1, 99], 0), ([0, -1, 2], 0), ([0, 1], 0), ([0, 1, 2], 7),
+                                            ([0, 1, 2], -2)])
+def test_a_hostile_pull_shard_maps_nothing_outside_the_pools(block_ids, slot):
+    """The receiver maps a ctx's PullShard (block table, slot) onto the pools it opened with the
+    layout code; a block or slot outside them, or a table too short for the prompt, raises
+    before any copy is built (Inbound._start_pull then fails the request and cancels)."""
+    cfg = get_preset(PRESET)
+    layout = layout_for(cfg, torch.float32, 16, PRESET)
+    ctx = allocate_model_caches(cache_spec_for(cfg, torch.float32, 16), 12, 3)
+    spec = ShardSpec(layout, 16 * 2 + 1)  # 3 blocks
+    with pytest.raises(ValueError, match="outside|needs logical block"):
+        ShardPlan.for_sender(spec, ctx, block_ids, slot, [5], 1 << 20).memory  # noqa: B018
