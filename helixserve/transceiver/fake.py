@@ -256,7 +256,9 @@ class FakeFabric:
             self._messages.append(message)
             mine, theirs = (self._unexpected, self._waiting) if is_send else (self._waiting, self._unexpected)
             queue = theirs.get((dst, wire_tag))
-            while queue and queue[0].handle.test().is_terminal:  # cancelled / failed: never matches
+            # cancelled or failed: never matches, except across a link broken by a FAIL fault, which
+            # fails whatever meets it later too (else the order of posting would decide the outcome)
+            while queue and queue[0].handle.test().is_terminal and queue[0].handle.fault is not FakeFault.FAIL:
                 queue.popleft()
             if queue:
                 other = queue.popleft()

@@ -217,6 +217,25 @@ def test_a_failed_send_through_the_bounce_pool_gives_every_staging_buffer_back(w
     assert fabric.in_flight() == []
 
 
+@pytest.mark.parametrize("send_fails_before_the_receive", [True, False])
+def test_a_failed_link_fails_the_receive_whatever_the_posting_order(fabric, send_fails_before_the_receive):
+    """A FAIL fault breaks the link whatever the posting order: a receive posted after the faulty
+    send already failed fails too, as one posted before it does; it does not wait for ever (the
+    bounce-pool test above timed out so on a loaded CI box)."""
+    a, b = fabric.plane(), fabric.plane()
+    to_b = a.connect_worker(b.address)
+    fabric.inject(FakeFault.FAIL, src=a.rank, dst=b.rank, tag=7)
+    if send_fails_before_the_receive:
+        sent = a.send_message(to_b, 7, torch.arange(4, dtype=torch.uint8))
+        wait_for(lambda: sent.test() is TransferState.FAILED)
+        received = b.recv_message(None, 7, torch.zeros(4, dtype=torch.uint8))
+    else:
+        received = b.recv_message(None, 7, torch.zeros(4, dtype=torch.uint8))
+        sent = a.send_message(to_b, 7, torch.arange(4, dtype=torch.uint8))
+    wait_for(lambda: received.test() is TransferState.FAILED and sent.test() is TransferState.FAILED)
+    assert fabric.in_flight() == []
+
+
 def test_fake_messages_match_like_ucx_tags_in_posting_order_and_retract_ends_the_oldest(fabric):
     a, b = fabric.plane(), fabric.plane()
     to_b, to_a = a.connect_worker(b.address), b.connect_worker(a.address)
