@@ -21,7 +21,8 @@ from typing import Literal
 import yaml
 from pydantic import Field, SecretStr, model_validator
 
-from helixserve.config_env import DistEnv, SlurmEnv, dist_env_from, slurm_env_from
+from helixserve.config_env import (RESERVED_PORTS_ENV, DistEnv, SlurmEnv, dist_env_from,  # noqa: F401 (re-exported)
+                                   reserved_ports_from, slurm_env_from, with_reserved_ports)
 from helixserve.config_lifecycle import (LaunchConfig, RestartPolicy, ShutdownConfig,  # noqa: F401 (re-exported)
                                          SlurmJobConfig, Strict, WorldRunConfig)
 from helixserve.transceiver.config import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
@@ -219,10 +220,14 @@ class DeploymentConfig(_Strict):
     transceiver: TransceiverConfig = Field(
         default_factory=lambda: TransceiverConfig(kv_transfer_timeout_ms=DEFAULT_KV_TRANSFER_TIMEOUT_MS))
 
+    def listen_addresses(self) -> list[tuple[str, int]]:
+        """Every (host, port) a process of this deployment listens on, as configured."""
+        used = [(w.host, w.port) for w in (*self.ctx, *self.gen)] + [(self.router.host, self.router.port)]
+        return used + [(w.transceiver_host, w.transceiver_port) for w in self.ctx]
+
     @model_validator(mode="after")
     def _check_ports(self) -> DeploymentConfig:
-        used = [(w.host, w.port) for w in (*self.ctx, *self.gen)] + [(self.router.host, self.router.port)]
-        used += [(w.transceiver_host, w.transceiver_port) for w in self.ctx]
+        used = self.listen_addresses()
         dup = sorted({f"{h}:{p}" for h, p in used if used.count((h, p)) > 1})
         if dup:
             raise ValueError(f"ports used twice in the deployment: {dup}")
@@ -303,11 +308,19 @@ def ensure_internal_secret(deploy: DeploymentConfig) -> DeploymentConfig:
 
 def child_environment(deploy: DeploymentConfig) -> dict[str, str]:
     """This process's environment plus the deployment's secret: what a launcher starts its
-    processes with (the secret never goes into a config file, a command line or a plan)."""
-    env = dict(os.environ)
+    processes with (the secret never goes into a config file, a command line or a plan), and
+    the deployment's ports reserved, so that no child draws another's port for its own
+    rendezvous before that one binds it (``config_env.reserved_ports_from``)."""
+    env = with_reserved_ports(os.environ, {p for _, p in deploy.listen_addresses()})
     if deploy.security.secret:
         env[INTERNAL_SECRET_ENV] = deploy.security.secret
     return env
+
+
+def reserved_ports() -> frozenset[int]:
+    """The ports this process's launcher reserved (``HELIXSERVE_RESERVED_PORTS``): what
+    ``parallel.ports.free_ports`` must never hand out here."""
+    return reserved_ports_from(os.environ)
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -10,6 +10,10 @@ Two launchers describe a process through its environment:
   ``SLURM_JOB_NODELIST`` / ``SLURM_JOB_ID`` for a missing address): :func:`dist_env_from` ->
   :class:`DistEnv`, the world rank ``helixserve.parallel.groups.init_from_env`` joins with.
 
+A launcher names every port of its deployment in ``HELIXSERVE_RESERVED_PORTS``
+(:func:`reserved_ports_from`): its children each draw their own free ports
+(``parallel.ports``), and one must not draw another's configured port before that one binds it.
+
 The functions are pure (they take the mapping); :func:`helixserve.config.slurm_env` and
 :func:`helixserve.config.dist_env` pass ``os.environ``. Launchers and ``parallel`` receive the
 parsed values and read no variable themselves.
@@ -23,6 +27,25 @@ from dataclasses import dataclass
 
 SLURM_RDZV_PORT_BASE = 20000  # an srun world without MASTER_PORT rendezvous on base + job id % base
 SINGLE_RANK_ADDR, SINGLE_RANK_PORT = "127.0.0.1", 29500  # a world of one without MASTER_*
+RESERVED_PORTS_ENV = "HELIXSERVE_RESERVED_PORTS"
+
+
+def reserved_ports_from(environ: Mapping[str, str]) -> frozenset[int]:
+    """The ports ``HELIXSERVE_RESERVED_PORTS`` (comma-separated) names; a malformed entry is a
+    ``ValueError`` naming it, never a silent empty set."""
+    raw = environ.get(RESERVED_PORTS_ENV, "")
+    out = set()
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        if not item.isdigit() or not 0 < int(item) < 65536:
+            raise ValueError(f"{RESERVED_PORTS_ENV}={raw!r}: {item!r} is not a TCP port")
+        out.add(int(item))
+    return frozenset(out)
+
+
+def with_reserved_ports(environ: Mapping[str, str], ports: set[int] | frozenset[int]) -> dict[str, str]:
+    """``environ`` with ``ports`` added to the ones it already reserves."""
+    merged = reserved_ports_from(environ) | set(ports)
+    return {**environ, RESERVED_PORTS_ENV: ",".join(str(p) for p in sorted(merged))}
 
 
 @dataclass(frozen=True, slots=True)

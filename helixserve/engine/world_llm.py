@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from helixserve.cache_layout import cache_spec_for
-from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
+from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig, reserved_ports
 from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.core import EngineCore
@@ -312,7 +312,7 @@ def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: World
     model_dir = Path(model_dir)
     _check_fits_world(model_dir, dp, cp)
     world_size = dp * cp
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port(reserved=reserved_ports())}"
     ctx = mp.get_context("forkserver")
     processes = [
         ctx.Process(target=_local_rank_main, name=f"gen-world-rank-{rank}", daemon=True,

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from helixserve.config import WorldRunConfig
+from helixserve.config import WorldRunConfig, reserved_ports
 from helixserve.parallel.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def run_local_world(
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port(reserved=reserved_ports())}"
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_child, args=(fn, rank, world_size, init_method, args, num_threads, results), daemon=True)

@@ -37,7 +37,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from helixserve.config import DeploymentConfig, child_environment, ensure_internal_secret, load_yaml, slurm_env
+from helixserve.config import (DeploymentConfig, child_environment, ensure_internal_secret, load_yaml, slurm_env,
+                               with_reserved_ports)
 from helixserve.config_env import SlurmEnv
 from helixserve.launch.probe import is_ready
 
@@ -328,7 +329,9 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     stop_grace_s = timeouts.stop_grace_s if args.grace is None else args.grace
     # the job's internal secret: HELIXSERVE_INTERNAL_SECRET(_FILE) when the job has one, else made
     # here; it reaches the steps through their environment only (not config.yaml nor plan.json)
-    job = Job(steps, job_dir / "logs", child_environment(ensure_internal_secret(deploy)))
+    # and every port of the job reserved, the gen worlds' rendezvous ports too (parallel.ports)
+    rendezvous = {int(s.exports["MASTER_PORT"]) for s in steps if "MASTER_PORT" in s.exports}
+    job = Job(steps, job_dir / "logs", with_reserved_ports(child_environment(ensure_internal_secret(deploy)), rendezvous))
     try:
         job.start()
         return serve(job, router_url(deploy), job_dir, ready_timeout_s, stop_signals,

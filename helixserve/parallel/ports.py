@@ -7,12 +7,18 @@ outgoing connection and every other ``bind(0)``: between finding it and binding 
 neighbour can take it. A port below that range is never handed out by the kernel, so only
 another caller choosing explicitly can collide, and the ones of this process never do (each
 port is handed out once per process). Where the range cannot be read, ``bind(0)`` it is.
+
+A launcher's children are separate processes, each drawing its own: a ctx worker's world
+rendezvous once drew the gen worker's configured port before that worker bound it (CI: ``address
+already in use`` on the gen port). Callers pass ``reserved`` (``config.reserved_ports()``, the
+ports the launcher named) and none of them is handed out.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -43,26 +49,27 @@ def _kernel_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(n: int, host: str = "127.0.0.1", reserved: Collection[int] = ()) -> list[int]:
     """``n`` distinct TCP ports bindable on ``host`` now, below the ephemeral range when there
-    is room there, never one this process handed out before."""
+    is room there, never one this process handed out before nor one of ``reserved``."""
     low = _ephemeral_low()
+    taken = _given | set(reserved)
     ports: list[int] = []
     if low is not None and low - _LOWEST >= 1000:
         for _ in range(200 * n):
             if len(ports) == n:
                 break
             port = _rng.randrange(_LOWEST, low)
-            if port not in _given and port not in ports and _bindable(host, port):
+            if port not in taken and port not in ports and _bindable(host, port):
                 ports.append(port)
     while len(ports) < n:
         port = _kernel_port(host)
-        if port not in _given and port not in ports:
+        if port not in taken and port not in ports:
             ports.append(port)
     _given.update(ports)
     return ports
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", reserved: Collection[int] = ()) -> int:
     """One port of :func:`free_ports`."""
-    return free_ports(1, host)[0]
+    return free_ports(1, host, reserved)[0]

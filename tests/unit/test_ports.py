@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from helixserve.parallel import ports
 
 
@@ -45,3 +47,36 @@ def test_without_the_range_file_the_kernel_chooses(monkeypatch):
     monkeypatch.setattr(ports, "_ephemeral_low", lambda: None)
     got = ports.free_ports(3)
     assert len(set(got)) == 3
+
+
+
+def test_a_reserved_port_is_never_drawn(monkeypatch):
+    """A launcher's child never draws a port of the deployment (the gen worker's, say) for its
+    own rendezvous before that worker binds it: the CI failure this mends."""
+    monkeypatch.setattr(ports, "_given", set())
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: ports._LOWEST + 1000)
+    reserved = set(range(ports._LOWEST, ports._LOWEST + 990))  # leaves ten ports to draw from
+    got = ports.free_ports(5, reserved=reserved)
+    assert len(set(got)) == 5 and not set(got) & reserved, got
+
+
+def test_the_reservation_travels_from_the_launcher_to_the_draw(monkeypatch):
+    """child_environment names every port of the deployment (and keeps its parent's); the
+    child's config.reserved_ports() reads them back: the path world_llm and processes use."""
+    from helixserve import config
+
+    monkeypatch.setenv(config.RESERVED_PORTS_ENV, "31000")
+    deploy = config.DeploymentConfig(model={"path": "/unused"},
+                                     ctx=[{"port": 21001, "transceiver_port": 21002}], gen=[{"port": 21003}],
+                                     router={"port": 21004})
+    env = config.child_environment(deploy)
+    monkeypatch.setattr(config.os, "environ", env)
+    assert config.reserved_ports() == {21001, 21002, 21003, 21004, 31000}
+
+
+@pytest.mark.parametrize("value", ["80,http", "0", "70000", "-5"])
+def test_a_malformed_reservation_is_a_clear_error(value):
+    from helixserve.config_env import RESERVED_PORTS_ENV, reserved_ports_from
+
+    with pytest.raises(ValueError, match=RESERVED_PORTS_ENV):
+        reserved_ports_from({RESERVED_PORTS_ENV: value})
