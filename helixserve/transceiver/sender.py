@@ -22,9 +22,14 @@ with their epoch; its shard is then a `PulledShard`: nothing is sent, the reply 
 table, slot and AUX words, and the blocks stay held until that rank acknowledged or cancelled
 (it copies first), or its stated deadline plus the drain time passed.
 
-Threads: one sender thread owns every pickup and stream; all state changes happen there. gRPC
-handler threads and the engine thread only enqueue commands and wait (bounded) for the answer.
-ucxx's own thread progresses the UCX worker.
+Threads: every pickup and stream is guarded by one state lock. The sender thread takes it for
+each pass (post what the windows allow, settle what the poller reports) and waits outside it. A
+gRPC handler or the engine thread runs its command on its own thread holding the lock, waiting for
+it at most ``rpc_timeout_ms``: a handler that cannot have it answers "busy", which therefore never
+has an effect. (Commands used to be queued to the sender thread and waited for: two more thread
+hand-offs per RequestShard, each a GIL hand-off, about 1 ms while the ctx engine thread runs Python
+between kernels, measured in the README's transceiver section.) ucxx's own thread progresses the
+UCX worker.
 
 Cache safety (the engine thread runs concurrently): the sender reads the engine's cache tensors
 from its own thread, in place, without a lock. That is safe because a held request's blocks and
@@ -38,17 +43,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
 
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
-from helixserve.transceiver.answering import answer_within
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import SenderSession, TransferState
@@ -70,6 +72,10 @@ logger = logging.getLogger(__name__)
 ACTIVE_TICK_S = 0.0005  # while messages are in flight or queued
 IDLE_TICK_S = 0.01  # while nothing is in flight
 STOP_JOIN_S = 5.0  # internal: a stopping sender waits this long for its thread (shutdown only)
+
+
+class SenderBusyError(TimeoutError):
+    """The sender's state lock was not free within ``rpc_timeout_ms``: the command did not run."""
 
 
 class PickupSession(SenderSession):
@@ -134,7 +140,7 @@ class KVSender:
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
         self._pickups: dict[str, _Pickup] = {}
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the pickups, their streams and the poller
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._is_stopping = False
         self._num_freed = 0
@@ -160,14 +166,14 @@ class KVSender:
         pickup = _Pickup(
             PickupSession(request_id, timeout_s=pickup_timeout_s or self.pickup_timeout_s),
             list(handle.block_ids), handle.slot, num_prompt_tokens, list(first_gen_tokens))
-        self._call(self._do_hold, pickup).result(timeout=self.config.rpc_timeout_s)
+        self._locked(self._do_hold, pickup)
 
     def cancel(self, request_id: str, reason: str = "cancelled by the ctx worker") -> bool:
         """Stop serving a pickup (client gone); its cache is freed once quiesced. False if unknown."""
-        return self._call(self._do_cancel, request_id, reason).result(timeout=self.config.rpc_timeout_s)
+        return self._locked(self._do_cancel, request_id, reason)
 
     def stats(self) -> SenderStats:
-        return self._call(self._do_stats).result(timeout=self.config.rpc_timeout_s)
+        return self._locked(self._do_stats)
 
     def stop(self, timeout_s: float = STOP_JOIN_S) -> None:
         """Stop serving: free what is quiesced, leave the rest (logged), close UCX and gRPC."""
@@ -183,14 +189,8 @@ class KVSender:
     def request_shard(self, request: pb.ShardRequest) -> pb.ShardReply:
         """``accepted=False`` is final: no stream exists or will exist for this request, so the
         gen rank closes without a Cancel (which would stop the pickup of whoever holds it)."""
-
-        def withdraw(reply: pb.ShardReply) -> None:  # the gen rank was told "busy": undo the accept
-            pickup = self._pickups.get(request.ctx_request_id)
-            if reply.accepted and pickup is not None:
-                self._stop_pickup(pickup, f"gen rank {request.gen_rank} was answered busy")
-
         return self._answer(self._do_request_shard, request, pb.ShardReply(accepted=False, error=(
-            f"ctx sender busy: no answer within {self.config.rpc_timeout_s:.1f}s")), withdraw)
+            f"ctx sender busy: no answer within {self.config.rpc_timeout_s:.1f}s")))
 
     def cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply:
         return self._answer(self._do_cancel_shard, request, pb.CancelReply(known=False))
@@ -202,47 +202,42 @@ class KVSender:
         """DescribePools (gRPC thread): the pools as CUDA IPC handles, or why not (`cuda_ipc`)."""
         return self._export.describe(request)
 
-    def _answer(self, fn, request, busy_reply, undo=None):  # noqa: ANN001, ANN202
-        return answer_within(self._call, fn, request, busy_reply, self.config.rpc_timeout_s, undo)
+    def _answer(self, fn, request, busy_reply):  # noqa: ANN001, ANN202
+        try:
+            return self._locked(fn, request)
+        except SenderBusyError:
+            return busy_reply  # it did not run: "busy" has no effect
 
-    def _call(self, fn: Callable, *args) -> Future:
-        future: Future = Future()
+    def _locked(self, fn: Callable, *args):  # noqa: ANN202
+        """``fn(*args)`` on this thread holding the state lock, waited for at most
+        ``rpc_timeout_ms`` (SenderBusyError: it did not run); the sender thread is woken after,
+        so that a stream it opened starts at once."""
         if self._is_stopping or not self._thread.is_alive():
-            future.set_exception(RuntimeError("the KV sender is not running"))
-            return future
-        self._commands.put((fn, args, future))
-        self._wakeup.set()
-        return future
+            raise RuntimeError("the KV sender is not running")
+        if not self._lock.acquire(timeout=self.config.rpc_timeout_s):
+            raise SenderBusyError(f"the KV sender's state stayed locked for {self.config.rpc_timeout_s:.1f} s")
+        try:
+            return fn(*args)
+        finally:
+            self._lock.release()
+            self._wakeup.set()
 
     # -- sender thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while not self._is_stopping:
-                self._drain_commands()
-                is_busy = self._pump()
-                self._settle(self.poller.poll(wait_num=0))
-                self._wakeup.wait(ACTIVE_TICK_S if is_busy else self._idle_wait())
-                self._wakeup.clear()
+                self._wakeup.clear()  # before the pass: a command's wake-up during it is kept
+                with self._lock:
+                    is_busy = self._pump()
+                    self._settle(self.poller.poll(wait_num=0))
+                    wait_s = ACTIVE_TICK_S if is_busy else self._idle_wait()
+                self._wakeup.wait(wait_s)
         except Exception:
             logger.exception("KV sender thread crashed; pickups stay held until their owner frees them")
         finally:
-            self._drain_commands(error=RuntimeError("the KV sender stopped"))
-            self._settle(self.poller.poll(wait_num=0))
-
-    def _drain_commands(self, error: Exception | None = None) -> None:
-        while True:
-            try:
-                fn, args, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if error is not None:
-                future.set_exception(error)
-                continue
-            try:
-                future.set_result(fn(*args))
-            except Exception as exc:
-                future.set_exception(exc)
+            with self._lock:
+                self._settle(self.poller.poll(wait_num=0))
 
     def _pump(self) -> bool:
         streams = [ob for p in self._pickups.values() for ob in p.outbounds.values()]
@@ -284,7 +279,7 @@ class KVSender:
         except Exception:
             logger.exception("on_free(%s) raised", request_id)
 
-    # -- commands (sender thread) -------------------------------------------------------------
+    # -- commands (any thread, holding the state lock) ----------------------------------------
 
     def _do_hold(self, pickup: _Pickup) -> None:
         request_id = pickup.session.request_id

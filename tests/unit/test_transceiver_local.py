@@ -5,6 +5,7 @@ contents are random (no model): the oracle slices the ctx tensors directly."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Callable
 
@@ -259,23 +260,41 @@ def test_hostile_plan_from_the_sender_is_rejected(ctx, monkeypatch):
 
 
 def test_a_pickup_answered_busy_never_starts_later(ctx):
-    """The sender thread is stuck past the RPC timeout: the gen is told "busy", and when the thread
-    frees up the stale RequestShard must not run (it would send a shard nobody receives)."""
+    """The sender's state stays locked past the RPC timeout (its thread stuck in a pass): the gen
+    is told "busy", the RequestShard had no effect (no stream, nothing sent), and once the lock is
+    free the pickup can still be made."""
     c = ctx(rpc_timeout_ms=300)
     c.hold("r1")
     client = ControlClient(c.endpoint, timeout_s=2.0)
     request = pb.ShardRequest(ctx_request_id="r1", cp_rank=0, cp_size=1, layout_json=LAYOUT.model_dump_json(),
                               num_prompt_tokens=NUM_TOKENS, max_message_bytes=1 << 20,
                               ucx_worker_address=Gen(config()).rx.receiver.plane.address)
-    stuck = c.sender._call(time.sleep, 1.0)  # the sender thread is busy for 1 s
-    busy = client.request_shard(request)
-    assert not busy.accepted and "busy" in busy.error
-    stuck.result(timeout=5)
-    wait_for(lambda: c.sender._commands.empty())
+    stuck = threading.Thread(target=c.sender._locked, args=(time.sleep, 1.0))  # locked for 1 s
+    stuck.start()
     time.sleep(0.05)
-    assert c.sender._pickups["r1"].outbounds == {}  # the abandoned command did not run
+    began = time.monotonic()
+    busy = client.request_shard(request)
+    assert not busy.accepted and "busy" in busy.error and "0.3s" in busy.error
+    assert 0.25 <= time.monotonic() - began < 1.0  # answered at the RPC timeout, not when the lock freed
+    stuck.join(5)
+    assert c.sender._pickups["r1"].outbounds == {}  # the busy command never ran
     assert client.request_shard(request).accepted  # and the pickup can still be made
     client.close()
+
+
+def test_commands_of_a_stuck_sender_are_a_named_busy_error(ctx):
+    """The engine thread's hold / stats on a sender whose state stays locked fail by name within
+    the RPC timeout instead of waiting for ever."""
+    from helixserve.transceiver.sender import SenderBusyError
+
+    c = ctx(rpc_timeout_ms=200)
+    stuck = threading.Thread(target=c.sender._locked, args=(time.sleep, 1.0))
+    stuck.start()
+    time.sleep(0.05)
+    with pytest.raises(SenderBusyError, match="locked for 0.2 s"):
+        c.sender.stats()
+    stuck.join(5)
+    assert c.sender.stats().num_held == 0
 
 
 def test_a_refused_duplicate_pickup_leaves_the_live_one_alone(ctx):
