@@ -58,12 +58,27 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s=0.00005)
 
 
-PHASES = ("request", "reply", "launched", "done")
+PHASES = ("request", "reply", "planned", "table", "copy_issued", "launched", "done")
+PROFILE_LINES = 40  # --profile: this many lines of the gen's pull-path profile go into the JSON
 
 
 def _record_phases(marks: dict[str, float]) -> None:
-    """Stamp the pull path's phases of the request in flight (bench instrumentation only)."""
-    from helixserve.transceiver import inbound
+    """Stamp the pull path's phases of the request in flight (bench instrumentation only): the
+    request sent, the reply seen, the ctx's pools planned, the piece table cut, the batched copy
+    issued (table upload and kernel launch), the pull started, the copy seen done."""
+    from helixserve.transceiver import inbound, pull
+
+    def after(name: str, fn):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = fn(*args, **kwargs)
+            marks[name] = time.perf_counter()
+            return out
+        return run
+
+    # the gen process plans the ctx's side in _start_pull only
+    inbound.ShardPlan.for_sender = staticmethod(after("planned", inbound.ShardPlan.for_sender))
+    pull.piece_table = after("table", pull.piece_table)
+    pull.batched_copy = after("copy_issued", pull.batched_copy)
 
     def stamped(name: str, method):  # noqa: ANN001, ANN202
         def run(self, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -75,11 +90,15 @@ def _record_phases(marks: dict[str, float]) -> None:
             return out
         return run
 
-    for name, attr in zip(PHASES, ("request", "_on_reply", "_start_pull", "_finish")):
+    for name, attr in (("request", "request"), ("reply", "_on_reply"), ("launched", "_start_pull"), ("done", "_finish")):
         setattr(inbound.Inbound, attr, stamped(name, getattr(inbound.Inbound, attr)))
 
 
-def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
+def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False) -> None:
+    import cProfile
+    import io
+    import pstats
+
     import torch
 
     from helixserve.protocol.disagg import TransceiverEndpoint
@@ -98,6 +117,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
     raw = torch.zeros(payload_bound(caches), dtype=torch.uint8, device="cuda")
     copy_src, copy_dst = torch.ones_like(raw), torch.zeros_like(raw)
+    profiler = cProfile.Profile() if profile else None
     outbox.put(plane.address)
     while (cmd := inbox.get())[0] != "stop":
         if cmd[0] == "connect":
@@ -116,7 +136,11 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
             rx = receivers[mode]
             before = rx.receiver.metrics.bytes_transferred
             marks.clear()
+            if profiler is not None and mode == "pull":
+                profiler.enable()
             start, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.0005)
+            if profiler is not None and mode == "pull":
+                profiler.disable()
             phases = {k: (v - start) * 1e3 for k, v in marks.items()}
             outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before, phases))
         elif cmd[0] == "raw":
@@ -136,17 +160,22 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox) -> None:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
             outbox.put(times[1:])
+        elif cmd[0] == "profile":
+            text = io.StringIO()
+            if profiler is not None:
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(PROFILE_LINES)
+            outbox.put(text.getvalue())
     for rx in receivers.values():
         rx.close()
     plane.close()
 
 
-def bench_preset(preset: str, token_counts: list[int], reps: int) -> list[dict]:
+def bench_preset(preset: str, token_counts: list[int], reps: int, profile: bool = False) -> list[dict]:
     ctx = mp.get_context("spawn")
     (ctx_in, ctx_out), (gen_in, gen_out) = (ctx.Queue(), ctx.Queue()), (ctx.Queue(), ctx.Queue())
     setup = (preset, max(token_counts))
     procs = [ctx.Process(target=_ctx_main, args=(*setup, ctx_in, ctx_out)),
-             ctx.Process(target=_gen_main, args=(*setup, gen_in, gen_out))]
+             ctx.Process(target=_gen_main, args=(*setup, gen_in, gen_out, profile))]
     for proc in procs:
         proc.start()
     try:
@@ -194,6 +223,9 @@ def bench_preset(preset: str, token_counts: list[int], reps: int) -> list[dict]:
                 "tagged_vs_raw_ucxx": med["raw"] / med["tagged"],
                 "pull_phases_ms": {k: statistics.median(p[k] for p in phases) for k in PHASES if all(k in p for p in phases)},
                 "times_s": times | {"copy": copy_s}})
+        if profile:  # every pull transfer of this preset, on the gen (cProfile, cumulative)
+            gen_in.put(("profile",))
+            records[-1]["gen_pull_profile"] = gen_out.get(timeout=60)
         return records
     finally:
         for inbox in (ctx_in, gen_in):
@@ -204,15 +236,16 @@ def bench_preset(preset: str, token_counts: list[int], reps: int) -> list[dict]:
                 proc.kill()
 
 
-def run(quick: bool, reps: int | None) -> tuple[list[str], list[list], list[dict]]:
+def run(quick: bool, reps: int | None, profile: bool = False) -> tuple[list[str], list[list], list[dict]]:
     shapes = QUICK_SHAPES if quick else SHAPES
     reps = reps or (3 if quick else 7)
     records = []
     for preset in dict.fromkeys(p for p, _ in shapes):
-        records += bench_preset(preset, [t for p, t in shapes if p == preset], reps)
+        records += bench_preset(preset, [t for p, t in shapes if p == preset], reps, profile)
     headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "tagged UCX GB/s", "raw ucxx GB/s",
-               "device copy GB/s", "ours / device copy", "ours / raw ucxx", "ms to reply", "to launch", "to done"]
+               "device copy GB/s", "ours / device copy", "ours / raw ucxx", "ms to reply", "to plan", "to table",
+               "to copy issued", "to launch", "to done"]
     rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["pull"], r["latency_ms"]["pull"], r["gbps"]["tagged"],
              r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"], r["vs_raw_ucxx"],
-             *(r["pull_phases_ms"].get(k) for k in ("reply", "launched", "done"))] for r in records]
+             *(r["pull_phases_ms"].get(k) for k in PHASES[1:])] for r in records]
     return headers, rows, records

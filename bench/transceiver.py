@@ -294,6 +294,8 @@ def main() -> None:
     parser.add_argument("--nixl-path", default=None, help="directory holding nixl_cu12 (pip install --target)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: pools on the GPU, helixserve vs raw ucxx vs a device copy (bench/_transceiver_cuda.py)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --device cuda: cProfile the gen's pulled transfers (top lines in the JSON)")
     args = parser.parse_args()
     if args.device == "cuda":
         return main_cuda(args)
@@ -304,6 +306,8 @@ def main() -> None:
     if nixl_skip:
         print(f"NIXL write: skipped, {nixl_skip}")
     rows, records = [], []
+    if args.profile:
+        print("--profile: only with --device cuda (the pulled path); ignored")
     for num_tokens, r in ucx.items():
         gbps = {"helixserve": r["bytes"] / statistics.median(r["transfer_s"]) / 1e9,
                 "raw ucxx": r["bytes"] / statistics.median(r["raw_ucxx_s"]) / 1e9,
@@ -337,7 +341,7 @@ def main() -> None:
 def main_cuda(args) -> None:
     import _transceiver_cuda
 
-    headers, rows, records = _transceiver_cuda.run(args.quick, args.reps)
+    headers, rows, records = _transceiver_cuda.run(args.quick, args.reps, args.profile)
     print("\none request ctx -> gen, 2 processes on one GPU (pools on the device, 64-token pages)\n")
     print(markdown_table(headers, rows))
     write_json(args.out, {"bench": "transceiver", "device": "cuda", "tokens_per_block": _transceiver_cuda.TPB,
