@@ -135,10 +135,10 @@ def test_client_gone_during_the_pickup_frees_ctx_and_every_gen_rank(dep):
     try:
         conn = _open_stream(dep.gen_url, {"model": MODEL, "prompt": [1], "max_tokens": 8, "stream": True,
                                           "disaggregated_params": params})
-        wait_until(lambda: dep.stats("gen")["num_used_blocks"] > 0, 5, "gen allocating the shards")
+        wait_until(lambda: dep.stats("gen")["num_used_blocks"] > 0, 15, "gen allocating the shards")
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
-        wait_until(lambda: dep.stats("gen")["num_live_requests"] == 0, 5, "gen aborting it")
+        wait_until(lambda: dep.stats("gen")["num_live_requests"] == 0, 15, "gen aborting it")
     finally:
         os.killpg(dep.procs["ctx"].pid, signal.SIGCONT)
     http("POST", f"{dep.ctx_url}/v1/abort", {"request_id": params["ctx_request_id"]})  # as the router does
