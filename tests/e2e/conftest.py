@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from helixserve.config import DeploymentConfig
-from helixserve.config import INTERNAL_SECRET_ENV
+from helixserve.config import INTERNAL_SECRET_ENV, with_reserved_ports
 from helixserve.testing.servers import SECRET_HEADER, free_ports, http, new_secret, trust_workers, wait_until
 
 __all__ = ["MODEL", "REPO", "SECRET_HEADER", "Deployment", "free_ports", "http", "metric", "wait_until"]
@@ -88,7 +88,14 @@ class Deployment:
             [sys.executable, "-m", "helixserve.cli", "--log-level", "WARNING", *command,
              "-c", str(self.config_file), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, INTERNAL_SECRET_ENV: self.secret, **(env or {})})
+            env=self.environment(env))
+
+    def environment(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """What every process of this deployment starts with, as ``helixserve launch`` gives it:
+        the internal secret and the deployment's ports reserved (no process draws another's
+        configured port for its own rendezvous before that one binds it), plus ``env``."""
+        ports = {port for _, port in self.config.listen_addresses()}
+        return with_reserved_ports({**os.environ, INTERNAL_SECRET_ENV: self.secret, **(env or {})}, ports)
 
     def start_all(self) -> Deployment:
         for role in self.roles:
@@ -122,7 +129,7 @@ class Deployment:
         config.to_yaml(path)
         proc = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "router", "-c", str(path)],
                                 cwd=REPO, start_new_session=True,
-                                env={**os.environ, INTERNAL_SECRET_ENV: self.secret, **(env or {})})
+                                env=self.environment(env))
         url = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:
