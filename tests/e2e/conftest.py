@@ -145,9 +145,18 @@ class Deployment:
         return path.read_text()[-3000:] if path.exists() else ""
 
     def kill(self, role: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Signal ``role``'s process group and reap it (SIGKILL after 30 s); a process that already
+        exited is only reaped (its group may be gone)."""
         proc = self.procs.pop(role)
-        os.killpg(proc.pid, sig)
-        proc.wait(30)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass  # exited already, and with it its group
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
 
     def stop(self) -> None:
         for role in list(self.procs):
