@@ -90,7 +90,8 @@ def _record_phases(marks: dict[str, float]) -> None:
             return out
         return run
 
-    for name, attr in (("request", "request"), ("reply", "_on_reply"), ("launched", "_start_pull"), ("done", "_finish")):
+    stamped_methods = (("request", "request"), ("reply", "_on_reply"), ("launched", "_start_pull"), ("done", "_finish"))
+    for name, attr in stamped_methods:
         setattr(inbound.Inbound, attr, stamped(name, getattr(inbound.Inbound, attr)))
 
 

@@ -107,7 +107,8 @@ def _ctx_main(inbox, outbox) -> None:  # noqa: ANN001
     server = ControlServer(_Answer(reply))
     outbox.put((server.start(), plane.address, reply))
     plane.connect("gen", inbox.get())
-    inbox_buffer, reply_buffer = torch.zeros(len(request), dtype=torch.uint8), torch.frombuffer(bytearray(reply), dtype=torch.uint8)
+    inbox_buffer = torch.zeros(len(request), dtype=torch.uint8)
+    reply_buffer = torch.frombuffer(bytearray(reply), dtype=torch.uint8)
     outbox.put("connected")
     while (rounds := inbox.get()) != "stop":  # answer `rounds` ping-pongs, then report
         for _ in range(rounds):

@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     # here; it reaches the steps through their environment only (not config.yaml nor plan.json)
     # and every port of the job reserved, the gen worlds' rendezvous ports too (parallel.ports)
     rendezvous = {int(s.exports["MASTER_PORT"]) for s in steps if "MASTER_PORT" in s.exports}
-    job = Job(steps, job_dir / "logs", with_reserved_ports(child_environment(ensure_internal_secret(deploy)), rendezvous))
+    step_env = with_reserved_ports(child_environment(ensure_internal_secret(deploy)), rendezvous)
+    job = Job(steps, job_dir / "logs", step_env)
     try:
         job.start()
         return serve(job, router_url(deploy), job_dir, ready_timeout_s, stop_signals,
