@@ -9,7 +9,7 @@ the `DataPlane` seam, all the sender and receiver use), which imports them lazil
 
 Transfer path: `layout` (which bytes a receiver gets, the message plan, each side's memory map),
 `control` (the KVTransfer gRPC service and client), `sender` (ctx: `KVSender`, with
-`outbound`), `receiver` (gen: `KVReceiver`, with `inbound`) and `group` (`CPGroupReceiver`:
+`pickup` and `outbound`), `receiver` (gen: `KVReceiver`, with `inbound`) and `group` (`CPGroupReceiver`:
 allocation + consensus). Those are imported on first use (they need gRPC and ucxx).
 """
 

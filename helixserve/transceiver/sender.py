@@ -1,6 +1,6 @@
 """ctx side: serves pickups of finished prefills over UCX, negotiated by the KVTransfer service.
 
-Lifecycle of one held request (a `_Pickup`):
+Lifecycle of one held request (a `Pickup`):
 
 1. **Held**: `hold(request_id, handle, num_prompt_tokens, first_gen_tokens)` (engine thread, once
    the prefill finished with ``hold_cache``) registers it; its pickup deadline starts now.
@@ -45,7 +45,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from pydantic import ValidationError
 
@@ -53,7 +53,7 @@ from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
-from helixserve.transceiver.base import SenderSession, TransferState
+from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
 from helixserve.transceiver.clock import MonotonicClock
@@ -61,8 +61,9 @@ from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.layout import ShardPlan, check_caches, check_layout
 from helixserve.transceiver.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
+from helixserve.transceiver.pickup import Pickup, PickupSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
 from helixserve.transceiver.plane import DataPlane, open_data_plane
-from helixserve.transceiver.polling import TransferMetrics, TransferPoller
+from helixserve.transceiver.polling import TransferPoller
 from helixserve.transceiver.shard_request import check_shard_request
 from helixserve.transceiver.stream import KindHandle, staging_for
 
@@ -72,40 +73,6 @@ logger = logging.getLogger(__name__)
 ACTIVE_TICK_S = 0.0005  # while messages are in flight or queued
 IDLE_TICK_S = 0.01  # while nothing is in flight
 STOP_JOIN_S = 5.0  # internal: a stopping sender waits this long for its thread (shutdown only)
-
-
-class SenderBusyError(TimeoutError):
-    """The sender's state lock was not free within ``rpc_timeout_ms``: the command did not run."""
-
-
-class PickupSession(SenderSession):
-    """A held request: deadline anchored at hold; COMPLETED once every cp rank acknowledged."""
-
-    def _expired_outcome(self) -> tuple[TransferState, str]:
-        expected = sorted(self.expected_acks)
-        return TransferState.TIMEOUT, (
-            f"request {self.request_id}: pickup deadline passed after {self.timeout_s * 1e3:.0f} ms; "
-            f"acknowledged by cp ranks {sorted(self.acked)} of {expected if expected else 'none (never requested)'}")
-
-
-@dataclass(slots=True)
-class _Pickup:
-    session: PickupSession
-    block_ids: list[int]
-    slot: int | None
-    num_prompt_tokens: int
-    first_tokens: list[int]
-    cp_size: int | None = None
-    outbounds: dict[int, Outbound | PulledShard] = field(default_factory=dict)
-    is_quarantine_logged: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SenderStats:
-    num_held: int  # pickups not freed yet (waiting, sending, or quarantined)
-    num_quarantined: int  # settled, but a send may still read their cache
-    num_freed: int
-    metrics: TransferMetrics  # expired_pickups = pickups whose deadline passed
 
 
 class KVSender:
@@ -139,7 +106,7 @@ class KVSender:
         self._clock = MonotonicClock()
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
-        self._pickups: dict[str, _Pickup] = {}
+        self._pickups: dict[str, Pickup] = {}
         self._lock = threading.Lock()  # guards the pickups, their streams and the poller
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._is_stopping = False
@@ -163,7 +130,7 @@ class KVSender:
         if handle.cp_size != 1 or handle.num_tokens < num_prompt_tokens or num_prompt_tokens < 1:
             raise ValueError(f"request {request_id}: cannot hold a cp_size={handle.cp_size} handle of "
                              f"{handle.num_tokens} tokens for {num_prompt_tokens} prompt tokens")
-        pickup = _Pickup(
+        pickup = Pickup(
             PickupSession(request_id, timeout_s=pickup_timeout_s or self.pickup_timeout_s),
             list(handle.block_ids), handle.slot, num_prompt_tokens, list(first_gen_tokens))
         self._locked(self._do_hold, pickup)
@@ -268,7 +235,7 @@ class KVSender:
                 logger.warning("request %s %s but a send may still read its cache: quarantined",
                                request_id, pickup.session.state.value)
 
-    def _free(self, request_id: str, pickup: _Pickup) -> None:
+    def _free(self, request_id: str, pickup: Pickup) -> None:
         self.poller.retire(request_id)
         del self._pickups[request_id]
         self._num_freed += 1
@@ -281,7 +248,7 @@ class KVSender:
 
     # -- commands (any thread, holding the state lock) ----------------------------------------
 
-    def _do_hold(self, pickup: _Pickup) -> None:
+    def _do_hold(self, pickup: Pickup) -> None:
         request_id = pickup.session.request_id
         if request_id in self._pickups:
             raise ValueError(f"request {request_id} is already held for pickup")
@@ -296,7 +263,7 @@ class KVSender:
         self._stop_pickup(pickup, reason)
         return True
 
-    def _stop_pickup(self, pickup: _Pickup, reason: str) -> None:
+    def _stop_pickup(self, pickup: Pickup, reason: str) -> None:
         if not pickup.session.state.is_settled:
             pickup.session.cancel(reason)
         for outbound in pickup.outbounds.values():
@@ -368,7 +335,7 @@ class KVSender:
                             self.staging, self.config.send_window_bytes)
         return self._accept(pickup, request, plan, outbound)
 
-    def _accept(self, pickup: _Pickup, request: pb.ShardRequest, plan: ShardPlan, outbound: Outbound | PulledShard,
+    def _accept(self, pickup: Pickup, request: pb.ShardRequest, plan: ShardPlan, outbound: Outbound | PulledShard,
                 pull: pb.PullShard | None = None) -> pb.ShardReply:
         session = pickup.session
         pickup.cp_size = request.cp_size
