@@ -16,7 +16,7 @@ import multiprocessing as mp
 import statistics
 import time
 
-from _transceiver_peers import payload_bound, receive_one, serve_ctx
+from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx
 
 TPB = 64
 SHAPES = [("kimi-k3-mid", 512), ("kimi-k3-mid", 4096), ("kimi-linear-48b", 4096), ("kimi-linear-48b", 32768)]
@@ -75,24 +75,20 @@ def _record_phases(marks: dict[str, float]) -> None:
             return out
         return run
 
+    def before(name: str, fn):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            marks[name] = time.perf_counter()
+            return fn(*args, **kwargs)
+        return run
+
     # the gen process plans the ctx's side in _start_pull only
     inbound.ShardPlan.for_sender = staticmethod(after("planned", inbound.ShardPlan.for_sender))
     pull.piece_table = after("table", pull.piece_table)
     pull.batched_copy = after("copy_issued", pull.batched_copy)
-
-    def stamped(name: str, method):  # noqa: ANN001, ANN202
-        def run(self, *args, **kwargs):  # noqa: ANN001, ANN202
-            if name == "reply":
-                marks[name] = time.perf_counter()
-            out = method(self, *args, **kwargs)
-            if name != "reply":
-                marks[name] = time.perf_counter()
-            return out
-        return run
-
-    stamped_methods = (("request", "request"), ("reply", "_on_reply"), ("launched", "_start_pull"), ("done", "_finish"))
-    for name, attr in stamped_methods:
-        setattr(inbound.Inbound, attr, stamped(name, getattr(inbound.Inbound, attr)))
+    inbound.Inbound.request = after("request", inbound.Inbound.request)
+    inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
+    inbound.Inbound._start_pull = after("launched", inbound.Inbound._start_pull)
+    inbound.Inbound._finish = after("done", inbound.Inbound._finish)
 
 
 def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False) -> None:
@@ -103,7 +99,6 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
     import torch
 
     from helixserve.protocol.disagg import TransceiverEndpoint
-    from helixserve.transceiver.base import TransferState
     from helixserve.transceiver.control import target
     from helixserve.transceiver.group import CPGroupReceiver
     from helixserve.transceiver.receiver import KVReceiver
@@ -145,13 +140,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
             phases = {k: (v - start) * 1e3 for k, v in marks.items()}
             outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before, phases))
         elif cmd[0] == "raw":
-            handle = plane.recv_message("ctx", cmd[2], raw[: cmd[1]])
-            outbox.put("posted")
-            assert inbox.get() == ("go",)
-            start = time.perf_counter()
-            while handle.test() is TransferState.TRANSFERRING:
-                time.sleep(0.00005)
-            outbox.put(time.perf_counter() - start)
+            receive_raw(plane, raw, cmd, inbox, outbox, tick_s=0.00005)
         elif cmd[0] == "copy":
             times = []
             for _ in range(cmd[2] + 1):
@@ -203,13 +192,7 @@ def bench_preset(preset: str, token_counts: list[int], reps: int, profile: bool 
                         times[mode].append(elapsed)
                         if mode == "pull":
                             phases.append(stamps)
-                tag = next(serial)
-                gen_in.put(("raw", payload, tag))
-                assert gen_out.get(timeout=60) == "posted"
-                ctx_in.put(("raw", payload, tag))
-                gen_in.put(("go",))
-                raw_s = gen_out.get(timeout=120)
-                assert ctx_out.get(timeout=60) == "sent"
+                raw_s = raw_round((ctx_in, ctx_out), (gen_in, gen_out), ("raw", payload, next(serial)))
                 if rep:
                     times["raw"].append(raw_s)
             gen_in.put(("copy", payload, reps))

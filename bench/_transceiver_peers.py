@@ -36,6 +36,35 @@ def serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s: float) 
     plane.close()
 
 
+def receive_raw(plane, buffer, cmd: tuple, inbox, outbox, tick_s: float) -> None:  # noqa: ANN001
+    """The gen side of one raw round: post the receive(s) of ``cmd`` (``("raw", nbytes, tag)`` or
+    ``("raw_messages", [(tag, offset, nbytes), ...])``) into ``buffer``, say "posted", wait for
+    "go", then put the seconds until every one landed (polling every ``tick_s``)."""
+    from helixserve.transceiver.base import TransferState
+
+    pieces = [(cmd[2], 0, cmd[1])] if cmd[0] == "raw" else cmd[1]
+    handles = [plane.recv_message("ctx", tag, buffer[start : start + n]) for tag, start, n in pieces]
+    outbox.put("posted")
+    assert inbox.get() == ("go",)
+    start = time.perf_counter()
+    while any(h.test() is TransferState.TRANSFERRING for h in handles):
+        time.sleep(tick_s)
+    outbox.put(time.perf_counter() - start)
+
+
+def raw_round(ctx_queues, gen_queues, cmd: tuple) -> float:  # noqa: ANN001
+    """The driver's side of one raw round between the two processes (``serve_ctx`` sends,
+    ``receive_raw`` receives): the seconds the gen measured, receives posted first."""
+    (ctx_in, ctx_out), (gen_in, gen_out) = ctx_queues, gen_queues
+    gen_in.put(cmd)
+    assert gen_out.get(timeout=60) == "posted"
+    ctx_in.put(cmd)
+    gen_in.put(("go",))
+    seconds = gen_out.get(timeout=120)
+    assert ctx_out.get(timeout=60) == "sent"
+    return seconds
+
+
 def receive_one(rx, manager, layout, rid: str, num_tokens: int, endpoint, interval_s: float) -> tuple[float, float]:  # noqa: ANN001
     """One request's transfer on the gen side as it serves (``CPGroupReceiver.begin`` to ready,
     progressing every ``interval_s``); its cache freed after. ``(perf_counter at begin, seconds)``."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
-from _transceiver_peers import payload_bound, receive_one, serve_ctx  # noqa: E402
+from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx  # noqa: E402
 
 TPB = 16
 PRESET = "kimi-linear-48b"
@@ -81,7 +81,6 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     import torch
 
     from helixserve.kvcache.pools import host_zeros
-    from helixserve.transceiver.base import TransferState
     from helixserve.transceiver.group import CPGroupReceiver
     from helixserve.transceiver.receiver import KVReceiver
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
@@ -100,14 +99,7 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
             _, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.002)
             outbox.put((elapsed, rx.receiver.metrics.bytes_transferred))
         elif cmd[0] in ("raw", "raw_messages"):
-            pieces = [(cmd[2], 0, cmd[1])] if cmd[0] == "raw" else cmd[1]
-            handles = [plane.recv_message("ctx", tag, raw[start : start + n]) for tag, start, n in pieces]
-            outbox.put("posted")
-            assert inbox.get() == ("go",)
-            start = time.perf_counter()
-            while any(h.test() is TransferState.TRANSFERRING for h in handles):
-                time.sleep(0.0002)
-            outbox.put(time.perf_counter() - start)
+            receive_raw(plane, raw, cmd, inbox, outbox, tick_s=0.0002)
     rx.close()
     plane.close()
 
@@ -151,21 +143,10 @@ def bench_ucx(token_counts: list[int], reps: int, message_mib: float, window_mib
             gen_in.put(("transfer", rid, num_tokens, endpoint))
             elapsed, nbytes = gen_out.get(timeout=120)
             payload = nbytes - before
-            tag = next(serial)
-            gen_in.put(("raw", payload, tag))
-            assert gen_out.get(timeout=60) == "posted"
-            ctx_in.put(("raw", payload, tag))
-            gen_in.put(("go",))
-            raw_s = gen_out.get(timeout=120)
-            assert ctx_out.get(timeout=60) == "sent"
+            raw_s = raw_round(queues["ctx"], queues["gen"], ("raw", payload, next(serial)))
             pieces = _message_pieces(num_tokens, message_mib, (1 << 40) + (next(serial) << 12))
             assert sum(n for _, _, n in pieces) == payload, (num_tokens, payload)
-            gen_in.put(("raw_messages", pieces))
-            assert gen_out.get(timeout=60) == "posted"
-            ctx_in.put(("raw_messages", pieces))
-            gen_in.put(("go",))
-            raw_messages_s = gen_out.get(timeout=120)
-            assert ctx_out.get(timeout=60) == "sent"
+            raw_messages_s = raw_round(queues["ctx"], queues["gen"], ("raw_messages", pieces))
             if rep:  # the first round warms up
                 transfer.append(elapsed)
                 raw.append(raw_s)
