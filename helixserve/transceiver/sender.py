@@ -27,9 +27,8 @@ each pass (post what the windows allow, settle what the poller reports) and wait
 gRPC handler or the engine thread runs its command on its own thread holding the lock, waiting for
 it at most ``rpc_timeout_ms``: a handler that cannot have it answers "busy", which therefore never
 has an effect. (Commands used to be queued to the sender thread and waited for: two more thread
-hand-offs per RequestShard, each a GIL hand-off, about 1 ms while the ctx engine thread runs Python
-between kernels, measured in the README's transceiver section.) ucxx's own thread progresses the
-UCX worker.
+hand-offs per RequestShard. Measured on CPU, README's transceiver section: hand-off 0.05 -> 0.02
+ms, the handler's work 0.41-0.49 -> 0.26-0.30 ms.) ucxx's own thread progresses the UCX worker.
 
 Cache safety (the engine thread runs concurrently): the sender reads the engine's cache tensors
 from its own thread, in place, without a lock. That is safe because a held request's blocks and
