@@ -49,7 +49,6 @@ def test_without_the_range_file_the_kernel_chooses(monkeypatch):
     assert len(set(got)) == 3
 
 
-
 def test_a_reserved_port_is_never_drawn(monkeypatch):
     """A launcher's child never draws a port of the deployment (the gen worker's, say) for its
     own rendezvous before that worker binds it: the CI failure this mends."""

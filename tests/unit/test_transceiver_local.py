@@ -284,7 +284,7 @@ def test_a_pickup_answered_busy_never_starts_later(ctx):
 
 def test_commands_of_a_stuck_sender_are_a_named_busy_error(ctx):
     """The engine thread's hold / stats on a sender whose state stays locked fail by name within
-    the RPC timeout instead of waiting for ever."""
+    the RPC timeout instead of waiting for ever, and the refused hold registered nothing."""
     from helixserve.transceiver.sender import SenderBusyError
 
     c = ctx(rpc_timeout_ms=200)
@@ -293,8 +293,11 @@ def test_commands_of_a_stuck_sender_are_a_named_busy_error(ctx):
     time.sleep(0.05)
     with pytest.raises(SenderBusyError, match="locked for 0.2 s"):
         c.sender.stats()
+    with pytest.raises(SenderBusyError, match="locked for 0.2 s"):
+        c.sender.hold("r2", c.manager.allocate("r2", NUM_TOKENS), NUM_TOKENS, [7])
     stuck.join(5)
     assert c.sender.stats().num_held == 0
+    c.manager.free("r2")  # the caller frees what it allocated (as the ctx worker does on OFFER_FAILED)
 
 
 def test_a_refused_duplicate_pickup_leaves_the_live_one_alone(ctx):
