@@ -73,6 +73,16 @@ def test_the_reservation_travels_from_the_launcher_to_the_draw(monkeypatch):
     assert config.reserved_ports() == {21001, 21002, 21003, 21004, 31000}
 
 
+def test_with_every_low_port_reserved_the_kernel_chooses_one_outside_the_reservation(monkeypatch):
+    """Capacity exhausted: no port below the ephemeral range is free to draw, so the draw falls
+    back to the kernel's, still never a reserved one."""
+    monkeypatch.setattr(ports, "_given", set())
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: ports._LOWEST + 1000)
+    reserved = set(range(ports._LOWEST, ports._LOWEST + 1000))
+    got = ports.free_ports(3, reserved=reserved)
+    assert len(set(got)) == 3 and not set(got) & reserved, got
+
+
 @pytest.mark.parametrize("value", ["80,http", "0", "70000", "-5"])
 def test_a_malformed_reservation_is_a_clear_error(value):
     from helixserve.config_env import RESERVED_PORTS_ENV, reserved_ports_from
