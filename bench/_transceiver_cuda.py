@@ -2,8 +2,9 @@
 
 Pools on the GPU in both processes (ctx: a KVSender; gen: KVReceivers behind CPGroupReceiver,
 cp = 1, 64-token pages, bf16 KV, fp32 KDA state). Per request shape, in the same run and between
-the same two processes: helixserve's transfer as it serves (begin() to "ready": RequestShard, the
-copy out of the ctx's pools over CUDA IPC, the acknowledgement), the same request over the tagged
+the same two processes: helixserve's transfer as it serves (begin() to "ready": the copy out of the
+ctx's pools over CUDA IPC on the ctx's PullGrant, the lease check, the acknowledgement sent), the
+same copy asked for with RequestShard first (a request without a grant), the same request over the tagged
 UCX stream (``cuda_ipc: false``, what a gen on another host uses), a raw ucxx tag send of ONE device
 buffer of the same size (UCX's cuda_ipc; receive posted first, as the CPU bench), and a
 device-to-device copy of the same bytes in one process (``Tensor.copy_``, the ceiling). Times are
@@ -59,6 +60,7 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
 
 
 PHASES = ("request", "reply", "planned", "table", "copy_issued", "launched", "done")
+MODES = ("granted", "asked", "tagged")  # granted: as served (the ctx's answer carries a PullGrant)
 PROFILE_LINES = 40  # --profile: this many lines of the gen's pull-path profile go into the JSON
 
 
@@ -88,6 +90,7 @@ def _record_phases(marks: dict[str, float]) -> None:
     inbound.Inbound.request = after("request", inbound.Inbound.request)
     inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
     inbound.Inbound._start_pull = after("launched", inbound.Inbound._start_pull)
+    inbound.Inbound._start_granted = after("launched", inbound.Inbound._start_granted)
     inbound.Inbound._finish = after("done", inbound.Inbound._finish)
 
 
@@ -108,7 +111,8 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
     marks: dict[str, float] = {}
     _record_phases(marks)
     tagged_config = config.model_copy(update={"cuda_ipc": False})
-    receivers = {"pull": CPGroupReceiver(KVReceiver(config, layout), manager, caches),
+    pulling = CPGroupReceiver(KVReceiver(config, layout), manager, caches)
+    receivers = {"granted": pulling, "asked": pulling,
                  "tagged": CPGroupReceiver(KVReceiver(tagged_config, layout), manager, caches)}
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
     raw = torch.zeros(payload_bound(caches), dtype=torch.uint8, device="cuda")
@@ -121,22 +125,25 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
             outbox.put("connected")
         elif cmd[0] == "prime":  # the pull receiver opens the ctx's pools before anything is timed
             endpoint = TransceiverEndpoint.model_validate(cmd[1])
-            receiver = receivers["pull"].receiver
+            receiver = receivers["granted"].receiver
             end, pools = time.monotonic() + 30, None
             while pools is None and time.monotonic() < end:
                 pools = receiver.pools.get(target(endpoint), receiver.clients.get(endpoint), torch.device("cuda", 0))
                 time.sleep(0.01)
             outbox.put(pools is not None)
         elif cmd[0] == "transfer":
-            _, mode, rid, num_tokens, endpoint = cmd
+            _, mode, rid, num_tokens, endpoint, grant = cmd
             rx = receivers[mode]
             before = rx.receiver.metrics.bytes_transferred
+            granted = rx.receiver.num_granted
             marks.clear()
-            if profiler is not None and mode == "pull":
+            if profiler is not None and mode == "granted":
                 profiler.enable()
-            start, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.0005)
-            if profiler is not None and mode == "pull":
+            start, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.0005,
+                                         grant=grant if mode == "granted" else None)
+            if profiler is not None and mode == "granted":
                 profiler.disable()
+            assert (rx.receiver.num_granted - granted) == (mode == "granted"), f"{mode}: the grant was not used"
             phases = {k: (v - start) * 1e3 for k, v in marks.items()}
             outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before, phases))
         elif cmd[0] == "raw":
@@ -155,7 +162,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
             if profiler is not None:
                 pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(PROFILE_LINES)
             outbox.put(text.getvalue())
-    for rx in receivers.values():
+    for rx in {id(rx): rx for rx in receivers.values()}.values():
         rx.close()
     plane.close()
 
@@ -178,20 +185,21 @@ def bench_preset(preset: str, token_counts: list[int], reps: int, profile: bool 
         serial = iter(range(10**6))
         records = []
         for num_tokens in token_counts:
-            times: dict[str, list[float]] = {"pull": [], "tagged": [], "raw": []}
-            phases: list[dict] = []
+            times: dict[str, list[float]] = {mode: [] for mode in (*MODES, "raw")}
+            phases: dict[str, list[dict]] = {"granted": [], "asked": []}
             payload = 0
             for rep in range(reps + 1):
-                for mode in ("pull", "tagged"):
+                for mode in MODES:
                     rid = f"r{next(serial)}"
                     ctx_in.put(("hold", rid, num_tokens))
-                    assert ctx_out.get(timeout=60) == "held"
-                    gen_in.put(("transfer", mode, rid, num_tokens, endpoint))
+                    held, grant = ctx_out.get(timeout=60)
+                    assert held == "held" and grant is not None, "the ctx granted no pull"
+                    gen_in.put(("transfer", mode, rid, num_tokens, endpoint, grant))
                     elapsed, payload, stamps = gen_out.get(timeout=120)
                     if rep:
                         times[mode].append(elapsed)
-                        if mode == "pull":
-                            phases.append(stamps)
+                        if mode in phases:
+                            phases[mode].append(stamps)
                 raw_s = raw_round((ctx_in, ctx_out), (gen_in, gen_out), ("raw", payload, next(serial)))
                 if rep:
                     times["raw"].append(raw_s)
@@ -203,9 +211,10 @@ def bench_preset(preset: str, token_counts: list[int], reps: int, profile: bool 
                 "pulled_over_cuda_ipc": pulls,
                 "gbps": {k: payload / v / 1e9 for k, v in med.items()},
                 "latency_ms": {k: v * 1e3 for k, v in med.items()},
-                "ratio": med["copy"] / med["pull"], "vs_raw_ucxx": med["raw"] / med["pull"],
-                "tagged_vs_raw_ucxx": med["raw"] / med["tagged"],
-                "pull_phases_ms": {k: statistics.median(p[k] for p in phases) for k in PHASES if all(k in p for p in phases)},
+                "ratio": med["copy"] / med["granted"], "vs_raw_ucxx": med["raw"] / med["granted"],
+                "asked_vs_raw_ucxx": med["raw"] / med["asked"], "tagged_vs_raw_ucxx": med["raw"] / med["tagged"],
+                **{f"{mode}_phases_ms": {k: statistics.median(p[k] for p in stamps) for k in PHASES
+                                         if all(k in p for p in stamps)} for mode, stamps in phases.items()},
                 "times_s": times | {"copy": copy_s}})
         if profile:  # every pull transfer of this preset, on the gen (cProfile, cumulative)
             gen_in.put(("profile",))
@@ -226,10 +235,11 @@ def run(quick: bool, reps: int | None, profile: bool = False) -> tuple[list[str]
     records = []
     for preset in dict.fromkeys(p for p, _ in shapes):
         records += bench_preset(preset, [t for p, t in shapes if p == preset], reps, profile)
-    headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "tagged UCX GB/s", "raw ucxx GB/s",
-               "device copy GB/s", "ours / device copy", "ours / raw ucxx", "ms to reply", "to plan", "to table",
-               "to copy issued", "to launch", "to done"]
-    rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["pull"], r["latency_ms"]["pull"], r["gbps"]["tagged"],
-             r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"], r["vs_raw_ucxx"],
-             *(r["pull_phases_ms"].get(k) for k in PHASES[1:])] for r in records]
+    headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "asked pull ms", "tagged UCX GB/s",
+               "raw ucxx GB/s", "device copy GB/s", "ours / device copy", "ours / raw ucxx", "granted: ms to plan",
+               "to table", "to copy issued", "to done", "asked: ms to reply"]
+    rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["granted"], r["latency_ms"]["granted"],
+             r["latency_ms"]["asked"], r["gbps"]["tagged"], r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"],
+             r["vs_raw_ucxx"], *(r["granted_phases_ms"].get(k) for k in ("planned", "table", "copy_issued", "done")),
+             r["asked_phases_ms"].get("reply")] for r in records]
     return headers, rows, records

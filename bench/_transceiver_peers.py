@@ -21,8 +21,8 @@ def serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s: float) 
             _, rid, num_tokens = cmd
             while not manager.can_allocate(num_tokens):  # the previous pickup is freed on its ack
                 manager.free(freed.get())
-            sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
-            outbox.put("held")
+            grant = sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
+            outbox.put(("held", grant.model_dump() if grant is not None else None))
         elif cmd[0] == "connect":
             plane.connect("gen", cmd[1])
             outbox.put("connected")
@@ -65,13 +65,16 @@ def raw_round(ctx_queues, gen_queues, cmd: tuple) -> float:  # noqa: ANN001
     return seconds
 
 
-def receive_one(rx, manager, layout, rid: str, num_tokens: int, endpoint, interval_s: float) -> tuple[float, float]:  # noqa: ANN001
+def receive_one(rx, manager, layout, rid: str, num_tokens: int, endpoint, interval_s: float,  # noqa: ANN001
+                grant: dict | None = None) -> tuple[float, float]:
     """One request's transfer on the gen side as it serves (``CPGroupReceiver.begin`` to ready,
-    progressing every ``interval_s``); its cache freed after. ``(perf_counter at begin, seconds)``."""
+    progressing every ``interval_s``; with the ctx's pull `grant` when given); its cache freed
+    after. ``(perf_counter at begin, seconds)``."""
     from helixserve.protocol.disagg import DisaggregatedParams
 
     params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
-                                 prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout)
+                                 prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout,
+                                 pull_grant=grant)
     start = time.perf_counter()
     rx.begin(rid, params)
     check = rx.check()

@@ -138,7 +138,7 @@ def bench_ucx(token_counts: list[int], reps: int, message_mib: float, window_mib
         for rep in range(reps + 1):
             rid = f"r{next(serial)}"
             ctx_in.put(("hold", rid, num_tokens))
-            assert ctx_out.get(timeout=60) == "held"
+            assert ctx_out.get(timeout=60)[0] == "held"
             before = nbytes
             gen_in.put(("transfer", rid, num_tokens, endpoint))
             elapsed, nbytes = gen_out.get(timeout=120)

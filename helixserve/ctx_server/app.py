@@ -61,12 +61,14 @@ class ContextOnlyHandler:
             logger.exception("offering ctx request %s to the KV sender failed", rid)
             raise InternalServerError(f"the ctx worker's KV sender did not take request {rid}: "
                                       f"{type(exc).__name__}: {exc}", code="kv_sender_failed") from None
+        finally:
+            grant = self.transceiver.take_grant(rid)
         if not is_finished and state is not CtxState.SENDING:  # the client left while prefilling
             raise RequestCancelledError(f"request {rid} was cancelled")
         disagg = DisaggregatedParams(
             request_type=RequestType.CONTEXT_ONLY, ctx_request_id=rid,
             first_gen_tokens=done.token_ids, prompt_token_ids=prepared.prompt_token_ids,
-            ctx_endpoint=self.transceiver.endpoint, layout=self.worker.layout)
+            ctx_endpoint=self.transceiver.endpoint, layout=self.worker.layout, pull_grant=grant)
         choice = CompletionChoice(text=done.text if is_finished else "",
                                   finish_reason=done.finish_reason if is_finished else None)
         answer = CompletionResponse(**prepared.meta.header(), choices=[choice], usage=done.usage,

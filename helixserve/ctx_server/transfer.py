@@ -30,6 +30,7 @@ from helixserve.ctx_server.lifecycle import SenderFreed
 from helixserve.ctx_server.pickup import CtxRequests, OfferFn
 from helixserve.engine.core import EngineCore
 from helixserve.protocol import KVLayout, TransceiverEndpoint
+from helixserve.protocol.disagg import PullGrant
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.polling import TransferMetrics
 
@@ -83,6 +84,7 @@ class CtxTransceiver:
         self.snapshot = SenderSnapshot()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._grants: dict[str, PullGrant] = {}  # held (engine thread) -> taken by the answer
 
     @property
     def endpoint(self) -> TransceiverEndpoint:
@@ -121,9 +123,15 @@ class CtxTransceiver:
             if sender is None:
                 raise RuntimeError("the ctx KV sender is not running")
             handle = core.cache_manager.get(request_id)
-            sender.hold(request_id, handle, num_prompt_tokens, first_gen_tokens)
+            grant = sender.hold(request_id, handle, num_prompt_tokens, first_gen_tokens)
+            if grant is not None:
+                self._grants[request_id] = grant  # the answer carries it (take_grant)
 
         return hold
+
+    def take_grant(self, request_id: str) -> PullGrant | None:
+        """The pull granted when `request_id` was held (once; None if none was)."""
+        return self._grants.pop(request_id, None)
 
     async def cancel(self, request_id: str, reason: str) -> bool:
         """Stop serving a pickup; it is freed once quiesced. False if the sender does not hold it."""

@@ -104,6 +104,22 @@ class KVLayout(_Strict):
                 if name not in ignore and getattr(self, name) != getattr(other, name)]
 
 
+class PullGrant(_Strict):
+    """A ctx worker's leave to copy a held prefill straight out of its pools (same host, CUDA IPC).
+
+    ``epoch`` names the ctx's pool export, ``serial`` its lease word (see
+    ``transceiver.lease``), ``block_ids`` the physical blocks holding logical blocks 0.., ``slot``
+    the KDA state slot (-1: none), ``mac`` an HMAC (the export's key) over these and the request's
+    id, prompt length and first tokens. A gen rank that cannot use it asks with RequestShard.
+    """
+
+    epoch: Annotated[StrictInt, Field(ge=1, lt=1 << 63)]
+    serial: Annotated[StrictInt, Field(ge=1, lt=1 << 63)]
+    block_ids: list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 20)
+    slot: Annotated[StrictInt, Field(ge=-1, lt=1 << 31)]
+    mac: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
 class DisaggregatedParams(_Strict):
     """The ``disaggregated_params`` field of requests to, and responses from, ctx and gen workers.
 
@@ -119,6 +135,7 @@ class DisaggregatedParams(_Strict):
     prompt_token_ids: list[TokenId] = Field(default_factory=list)
     ctx_endpoint: TransceiverEndpoint | None = None
     layout: KVLayout | None = None
+    pull_grant: PullGrant | None = None  # set by a ctx whose pools a gen rank may copy from
 
     @model_validator(mode="after")
     def _check_generation_only(self) -> Self:

@@ -134,20 +134,26 @@ class IpcTensor(_message.Message):
     def __init__(self, kind: _Optional[_Union[IpcTensor.Kind, str]] = ..., layer_id: _Optional[int] = ..., storage: _Optional[int] = ..., byte_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PoolsReply(_message.Message):
-    __slots__ = ("supported", "reason", "epoch", "device_uuid", "storages", "tensors")
+    __slots__ = ("supported", "reason", "epoch", "device_uuid", "storages", "tensors", "grant_key", "lease_path", "lease_words")
     SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     STORAGES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PATH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_WORDS_FIELD_NUMBER: _ClassVar[int]
     supported: bool
     reason: str
     epoch: int
     device_uuid: str
     storages: _containers.RepeatedCompositeFieldContainer[IpcStorage]
     tensors: _containers.RepeatedCompositeFieldContainer[IpcTensor]
-    def __init__(self, supported: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., device_uuid: _Optional[str] = ..., storages: _Optional[_Iterable[_Union[IpcStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[IpcTensor, _Mapping]]] = ...) -> None: ...
+    grant_key: bytes
+    lease_path: str
+    lease_words: int
+    def __init__(self, supported: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., device_uuid: _Optional[str] = ..., storages: _Optional[_Iterable[_Union[IpcStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[IpcTensor, _Mapping]]] = ..., grant_key: _Optional[bytes] = ..., lease_path: _Optional[str] = ..., lease_words: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("ctx_request_id", "cp_rank", "gen_rank", "reason")
@@ -174,18 +180,20 @@ class CancelReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., num_posted_messages: _Optional[int] = ..., message_bytes: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("ctx_request_id", "cp_rank", "gen_rank", "success", "error")
+    __slots__ = ("ctx_request_id", "cp_rank", "gen_rank", "success", "error", "cp_size")
     CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CP_RANK_FIELD_NUMBER: _ClassVar[int]
     GEN_RANK_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ctx_request_id: str
     cp_rank: int
     gen_rank: int
     success: bool
     error: str
-    def __init__(self, ctx_request_id: _Optional[str] = ..., cp_rank: _Optional[int] = ..., gen_rank: _Optional[int] = ..., success: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    cp_size: int
+    def __init__(self, ctx_request_id: _Optional[str] = ..., cp_rank: _Optional[int] = ..., gen_rank: _Optional[int] = ..., success: _Optional[bool] = ..., error: _Optional[str] = ..., cp_size: _Optional[int] = ...) -> None: ...
 
 class AckReply(_message.Message):
     __slots__ = ("known", "error")

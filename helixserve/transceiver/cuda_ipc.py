@@ -43,6 +43,7 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
+from helixserve.transceiver.lease import LeaseBoard, LeaseError
 from helixserve.transceiver.layout import _DTYPES, check_caches, dtype_name, itemsize
 
 logger = logging.getLogger(__name__)
@@ -89,8 +90,21 @@ class PoolExport:
         self.caches = caches
         self.enabled = enabled
         self.epoch = secrets.randbits(63) | 1  # never 0 (0 = "no pull" on the wire)
+        self.grant_key = secrets.token_bytes(32)
         self._reply: pb.PoolsReply | None = None
         self._lock = threading.Lock()  # gRPC threads
+        self.lease: LeaseBoard | None = None  # granted pulls (see `grant`): only for pools on a GPU
+        device = caches_device(caches)
+        if enabled and device is not None and device.type == "cuda":
+            try:
+                self.lease = LeaseBoard.create()
+            except LeaseError as error:
+                logger.warning("pulls are not granted in answers (RequestShard first): %s", error)
+
+    def close(self) -> None:
+        """Revoke every grant (the sender stopped)."""
+        if self.lease is not None:
+            self.lease.close()
 
     def names(self, epoch: int) -> bool:
         """`epoch` is this export's and the pools were handed out (a pull may be answered)."""
@@ -111,6 +125,9 @@ class PoolExport:
 
     def _export(self, device: torch.device) -> pb.PoolsReply:
         reply = pb.PoolsReply(supported=True, epoch=self.epoch, device_uuid=device_uuid(device))
+        if self.lease is not None:
+            reply.grant_key, reply.lease_path, reply.lease_words = (
+                self.grant_key, str(self.lease.path), self.lease.num_words)
         storages: dict[tuple[bytes, int], int] = {}
         for kind, name in _KIND_FIELDS.items():
             for layer_id, tensor in sorted(getattr(self.caches, name).items()):
@@ -138,6 +155,8 @@ class RemotePools:
     epoch: int
     caches: ModelCaches
     storages: list[torch.UntypedStorage]  # keeps the mappings open
+    grant_key: bytes = b""
+    lease: LeaseBoard | None = None  # the ctx's lease words: granted pulls are usable
 
 
 def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> RemotePools:
@@ -171,7 +190,13 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
         check_caches(layout, caches, layout.num_kda_heads)
     except ValueError as error:
         raise IpcOpenError(f"the ctx's pools do not match the layout: {error}") from None
-    return RemotePools(reply.epoch, caches, storages)
+    lease = None
+    if reply.lease_path and len(reply.grant_key) >= 16:
+        try:
+            lease = LeaseBoard.attach(reply.lease_path, reply.lease_words)
+        except LeaseError as error:
+            logger.info("granted pulls are not used (RequestShard first): %s", error)
+    return RemotePools(reply.epoch, caches, storages, bytes(reply.grant_key), lease)
 
 
 class PoolDirectory:

@@ -17,6 +17,12 @@ epoch and no receive is posted; a ctx that answers with `pull` sends nothing: th
 out of its pools by one batched kernel (PULLING), then acknowledged (DONE). A ctx that answers
 with the tagged stream instead (it restarted: another epoch) gets the receives posted then. Giving
 up while PULLING first waits (bounded) for the launched copy, so nothing writes once it returns.
+
+Granted (`grant`, `lease`): when the request carries the ctx's `PullGrant` for pools this rank has
+open, with a matching MAC and its lease word held, the copy is launched at `request` (PULLING at
+once: no RequestShard, no round trip before the copy). Once it ended the lease word is read
+again: still held, the shard is acknowledged (DONE); not, and the copy is thrown away and the
+rank asks with RequestShard (REQUESTING), which rewrites every byte or is refused.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
-from helixserve.protocol.disagg import DisaggregatedParams
+from helixserve.protocol.disagg import DisaggregatedParams, PullGrant
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.control import rpc_error_text, target
 from helixserve.transceiver.cuda_ipc import RemotePools, caches_device
+from helixserve.transceiver.grant import grant_matches
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
 from helixserve.transceiver.plane import TransferHandle
@@ -88,9 +95,19 @@ class Inbound:
         self.device = caches_device(caches)
         self.pools: RemotePools | None = None  # asked to pull from these
         self.pull: Pull | None = None
+        self.grant: PullGrant | None = None  # the granted pull in flight
+        self.deadline_at = 0.0
 
     # -- requesting ---------------------------------------------------------------------------
     def request(self, deadline_s: float) -> None:
+        self.deadline_at = self.r.clock.monotonic() + deadline_s
+        if self.device is not None and self.device.type == "cuda":
+            self.pools = self.r.pools.get(target(self.params.ctx_endpoint), self.client, self.device)
+            if self.params.pull_grant is not None and self._start_granted(self.params.pull_grant):
+                return
+        self._request_shard(deadline_s)
+
+    def _request_shard(self, deadline_s: float) -> None:
         handle = self.handle
         req = pb.ShardRequest(
             ctx_request_id=self.params.ctx_request_id, gen_rank=self.r.gen_rank,
@@ -99,9 +116,8 @@ class Inbound:
             tag_base=self.tag_base, num_prompt_tokens=self.plan.spec.num_tokens,
             max_message_bytes=self.plan.message_bytes, deadline_ms=int(deadline_s * 1e3),
             dst_block_ids=handle.block_ids, dst_slot=-1 if handle.slot is None else handle.slot)
-        if self.device is not None and self.device.type == "cuda":
-            self.pools = self.r.pools.get(target(self.params.ctx_endpoint), self.client, self.device)
-            req.pull_epoch = self.pools.epoch if self.pools is not None else 0
+        if self.pools is not None:
+            req.pull_epoch = self.pools.epoch
         self.future = self.client.request_shard_async(req, timeout_s=deadline_s)
         self.future.add_done_callback(lambda _: self.r.poller.wakeup.set())
         if self.pools is not None:
@@ -119,6 +135,8 @@ class Inbound:
         if self.phase is Phase.RECEIVING and all(r.is_done for r in self.recvs) and self.error is None:
             self._finish()
         if self.phase is Phase.PULLING and self.pull.is_done() and self.error is None:
+            if self.grant is not None and not self._still_granted():
+                return
             self._finish()
         if self.phase is Phase.DRAINING:
             self._drain()
@@ -155,6 +173,43 @@ class Inbound:
         self._kind_indices = {k: [m.index for m in self.plan.kind_messages(k)] for k in self.plan.kinds}
 
     # -- pulling ------------------------------------------------------------------------------
+    def _start_granted(self, grant: PullGrant) -> bool:
+        """Launch the granted copy now; False (nothing launched) when the grant is not usable."""
+        pools = self.pools
+        if pools is None or pools.lease is None or grant.epoch != pools.epoch:
+            return False  # not opened (yet), or from another export of that ctx: ask
+        spec = self.plan.spec
+        if not grant_matches(pools.grant_key, grant, self.params.ctx_request_id, spec.num_tokens,
+                             self.params.first_gen_tokens):
+            logger.warning("request %s: %s's pull grant does not match the request; asking instead",
+                           self.request_id, self.ctx)
+            return False
+        if not pools.lease.holds(grant.serial):
+            return False  # freed already: RequestShard gets the ctx's own answer
+        try:
+            slot = None if grant.slot < 0 else grant.slot
+            theirs = ShardPlan.for_sender(spec, pools.caches, grant.block_ids, slot,
+                                          list(self.params.first_gen_tokens), self.plan.message_bytes)
+            self.pull = Pull(theirs, self.plan, self.r.copy_stream(self.device))
+        except Exception as error:  # noqa: BLE001 (nothing launched: ask instead)
+            logger.warning("request %s: %s's pull grant is unusable (%s: %s); asking instead", self.request_id,
+                           self.ctx, type(error).__name__, error)
+            return False
+        self.grant = grant
+        self.phase = Phase.PULLING
+        return True
+
+    def _still_granted(self) -> bool:
+        """After the granted copy ended: the ctx still held the blocks then. If not, the copy is
+        thrown away (nothing was acknowledged) and the rank asks with RequestShard."""
+        if self.pools is not None and self.pools.lease is not None and self.pools.lease.holds(self.grant.serial):
+            return True
+        logger.info("request %s: %s freed the granted blocks during the copy; asking instead",
+                    self.request_id, self.ctx)
+        self.grant, self.pull, self.phase = None, None, Phase.REQUESTING
+        self._request_shard(max(self.deadline_at - self.r.clock.monotonic(), 0.0))
+        return False
+
     def _start_pull(self, shard: pb.PullShard) -> None:
         try:
             if self.pools is None:
@@ -235,6 +290,7 @@ class Inbound:
                        f"{self.params.ctx_request_id!r} than this request describes")
 
     def _finish(self) -> None:
+        self.r.num_granted += self.grant is not None
         self.phase = Phase.DONE  # every receive completed: nothing can write any more
         self.r.send_ack(self, success=True, error="")
 

@@ -14,7 +14,11 @@ class SenderBusyError(TimeoutError):
 
 
 class PickupSession(SenderSession):
-    """A held request: deadline anchored at hold; COMPLETED once every cp rank acknowledged."""
+    """A held request: deadline anchored at hold; COMPLETED once every cp rank acknowledged
+    (never before some rank said how many there are)."""
+
+    def _is_complete(self) -> bool:
+        return bool(self.expected_acks) and super()._is_complete()
 
     def _expired_outcome(self) -> tuple[TransferState, str]:
         expected = sorted(self.expected_acks)
@@ -31,6 +35,7 @@ class Pickup:
     num_prompt_tokens: int
     first_tokens: list[int]
     cp_size: int | None = None
+    grant_serial: int = 0  # its granted pull's lease serial (0: none granted)
     outbounds: dict[int, Outbound | PulledShard] = field(default_factory=dict)
     is_quarantine_logged: bool = False
 

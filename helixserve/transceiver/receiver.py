@@ -90,6 +90,7 @@ class KVReceiver:
         self.pools = PoolDirectory(gen_rank, layout, enabled=config.cuda_ipc)
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.num_pulled = 0  # shards copied out of a ctx's pools (cuda_ipc), not sent
+        self.num_granted = 0  # of those, copied on the ctx's grant (no RequestShard)
         self.inbounds: dict[str, Inbound] = {}
         self._reported: set[str] = set()
         self._acks: list = []
@@ -249,5 +250,6 @@ class KVReceiver:
 
     def send_ack(self, inbound: Inbound, success: bool, error: str) -> None:
         ack = pb.AckRequest(ctx_request_id=inbound.params.ctx_request_id, cp_rank=inbound.plan.spec.cp_rank,
-                            gen_rank=self.gen_rank, success=success, error=error)
+                            gen_rank=self.gen_rank, success=success, error=error,
+                            cp_size=inbound.plan.spec.cp_size)
         self._acks.append(inbound.client.acknowledge_async(ack))

@@ -17,6 +17,12 @@ Lifecycle of one held request (a `Pickup`):
    and the request is forgotten. Until then it is *quarantined*: a UCX rendezvous send whose
    receiver died is never matched and cannot be cancelled, so those blocks are never reused.
 
+Granted pulls (`grant`, `lease`): when the pools are exported, `hold` grants a pull and returns the
+`PullGrant` that the ctx's answer carries: a gen rank on this host that opened our pools copies
+the blocks at once, without RequestShard, and acknowledges (with its cp_size) once its copy
+ended; the grant's lease word is zeroed before the blocks are freed, whatever frees them, so a
+copy that overlapped a free is detected by the gen rank and thrown away.
+
 Pulled shards (`cuda_ipc`): a gen rank on this host that opened our pools (DescribePools) asks
 with their epoch; its shard is then a `PulledShard`: nothing is sent, the reply carries the block
 table, slot and AUX words, and the blocks stay held until that rank acknowledged or cancelled
@@ -51,12 +57,13 @@ from pydantic import ValidationError
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
-from helixserve.protocol.disagg import KVLayout, TransceiverEndpoint
-from helixserve.transceiver.base import TransferState
+from helixserve.protocol.disagg import KVLayout, PullGrant, TransceiverEndpoint
+from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
 from helixserve.transceiver.clock import MonotonicClock
 from helixserve.transceiver.cuda_ipc import PoolExport
+from helixserve.transceiver.grant import GRANT_PEER, GRANTED, make_grant
 from helixserve.transceiver.layout import ShardPlan, check_caches, check_layout
 from helixserve.transceiver.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
@@ -111,6 +118,7 @@ class KVSender:
         self._is_stopping = False
         self._num_freed = 0
         self._rotation = itertools.count()
+        self._serials = itertools.count(1)  # lease serials of granted pulls
         self.endpoint: TransceiverEndpoint | None = None
 
     # -- public API (any thread) -------------------------------------------------------------
@@ -123,16 +131,17 @@ class KVSender:
         return self.endpoint
 
     def hold(self, request_id: str, handle: CacheHandle, num_prompt_tokens: int,
-             first_gen_tokens: Sequence[int], *, pickup_timeout_s: float | None = None) -> None:
+             first_gen_tokens: Sequence[int], *, pickup_timeout_s: float | None = None) -> PullGrant | None:
         """Offer a finished prefill for pickup (call on the engine thread, right after it finished
-        with hold_cache). `handle` is read now: block_ids[b] must hold logical block b."""
+        with hold_cache). `handle` is read now: block_ids[b] must hold logical block b. Returns
+        the pull granted for it (None: the pools are not exported), for the ctx's answer."""
         if handle.cp_size != 1 or handle.num_tokens < num_prompt_tokens or num_prompt_tokens < 1:
             raise ValueError(f"request {request_id}: cannot hold a cp_size={handle.cp_size} handle of "
                              f"{handle.num_tokens} tokens for {num_prompt_tokens} prompt tokens")
         pickup = Pickup(
             PickupSession(request_id, timeout_s=pickup_timeout_s or self.pickup_timeout_s),
             list(handle.block_ids), handle.slot, num_prompt_tokens, list(first_gen_tokens))
-        self._locked(self._do_hold, pickup)
+        return self._locked(self._do_hold, pickup)
 
     def cancel(self, request_id: str, reason: str = "cancelled by the ctx worker") -> bool:
         """Stop serving a pickup (client gone); its cache is freed once quiesced. False if unknown."""
@@ -148,6 +157,7 @@ class KVSender:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self._export.close()  # revokes every grant: nothing granted is read after this
         self.plane.close()
 
     # -- gRPC handlers (gRPC threads) ---------------------------------------------------------
@@ -235,6 +245,8 @@ class KVSender:
                                request_id, pickup.session.state.value)
 
     def _free(self, request_id: str, pickup: Pickup) -> None:
+        if pickup.grant_serial and self._export.lease is not None:
+            self._export.lease.revoke(pickup.grant_serial)  # before the blocks can be reused
         self.poller.retire(request_id)
         del self._pickups[request_id]
         self._num_freed += 1
@@ -254,6 +266,15 @@ class KVSender:
         pickup.session.anchor_deadline()  # the pickup deadline starts at hold
         self.poller.add(pickup.session)
         self._pickups[request_id] = pickup
+        lease = self._export.lease
+        if lease is None:
+            return None
+        pickup.grant_serial = next(self._serials)
+        pickup.session.add_task(GRANT_PEER, PayloadKind.AUX)  # complete: acks alone decide
+        pickup.session.attach(GRANT_PEER, PayloadKind.AUX, GRANTED)
+        lease.grant(pickup.grant_serial)
+        return make_grant(self._export.grant_key, request_id, pickup.num_prompt_tokens, pickup.first_tokens,
+                          self._export.epoch, pickup.grant_serial, pickup.block_ids, pickup.slot)
 
     def _do_cancel(self, request_id: str, reason: str) -> bool:
         pickup = self._pickups.get(request_id)
@@ -297,6 +318,12 @@ class KVSender:
             self._stop_pickup(pickup, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) gave up: "
                                       f"{request.error}")
             return pb.AckReply(known=True)
+        if pickup.cp_size is None and pickup.grant_serial:  # a granted pull: no RequestShard came first
+            if not 0 <= request.cp_rank < request.cp_size or self.layout.num_kda_heads % request.cp_size:
+                return pb.AckReply(known=True, error=f"cp_rank {request.cp_rank} of cp_size {request.cp_size} "
+                                                     "does not fit this request")
+            pickup.cp_size = request.cp_size
+            pickup.session.expected_acks = set(range(request.cp_size))
         try:
             pickup.session.acknowledge(request.cp_rank)
         except ValueError as error:

@@ -70,8 +70,10 @@ def _ctx_main(inbox, outbox) -> None:
     while (cmd := inbox.get())[0] != "stop":
         if cmd[0] == "hold":
             handle = manager.allocate(cmd[1], NUM_TOKENS)
-            sender.hold(cmd[1], handle, NUM_TOKENS, [7])
-            outbox.put((list(handle.block_ids), handle.slot))
+            grant = sender.hold(cmd[1], handle, NUM_TOKENS, [7])
+            outbox.put((list(handle.block_ids), handle.slot, grant.model_dump() if grant else None))
+        elif cmd[0] == "cancel":
+            outbox.put(sender.cancel(cmd[1], "cancelled by the test"))
         elif cmd[0] == "stats":
             while not freed.empty():
                 manager.free(freed.get())
@@ -112,11 +114,12 @@ def _receiver(cuda_ipc: bool, cp_rank: int, cp_size: int, endpoint):
     return rx
 
 
-def _params(rid: str, endpoint):
+def _params(rid: str, endpoint, grant: dict | None = None):
     from helixserve.protocol.disagg import DisaggregatedParams
 
     return DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[7],
-                               prompt_token_ids=[1] * NUM_TOKENS, ctx_endpoint=endpoint, layout=_layout())
+                               prompt_token_ids=[1] * NUM_TOKENS, ctx_endpoint=endpoint, layout=_layout(),
+                               pull_grant=grant)
 
 
 def _ctx_held_after(inbox, outbox, limit_s: float = 10.0) -> int:
@@ -139,24 +142,28 @@ def _wait(rx, rid: str, limit_s: float = 20.0):
     pytest.fail(f"transfer {rid} did not end within {limit_s} s")
 
 
-@pytest.mark.parametrize("cuda_ipc", [True, False], ids=["pulled", "tagged"])
+@pytest.mark.parametrize("mode", ["granted", "pulled", "tagged"])
 @pytest.mark.parametrize("cp_rank,cp_size", [(0, 1), (1, 2)])
-def test_cuda_shard_arrives_byte_exact(ctx_worker, cuda_ipc, cp_rank, cp_size):
+def test_cuda_shard_arrives_byte_exact(ctx_worker, mode, cp_rank, cp_size):
     from helixserve.kvcache.helix import local_logical_blocks
     from helixserve.kvcache.manager import CacheManager
 
     _, inbox, outbox, endpoint = ctx_worker
+    cuda_ipc = mode != "tagged"
     rx = _receiver(cuda_ipc, cp_rank, cp_size, endpoint)
     caches = _caches(fill=False, cp_size=cp_size)
     manager = CacheManager(32, 4, TPB, cp_rank=cp_rank, cp_size=cp_size)
     manager.allocate("gen-pad", 3 * TPB * cp_size)  # the destination blocks do not start at 0 either
     inbox.put(("hold", "r1"))
-    ctx_blocks, ctx_slot = outbox.get(timeout=30)
+    ctx_blocks, ctx_slot, grant = outbox.get(timeout=30)
+    assert grant is not None, "a ctx with its pools on the GPU grants a pull"
     handle = manager.allocate("r1", NUM_TOKENS)
-    rx.start("r1", handle, caches, _params("r1", endpoint))
+    rx.start("r1", handle, caches, _params("r1", endpoint, grant if mode == "granted" else None))
+    if mode == "granted":  # launched at start: no RequestShard in flight
+        assert rx.inbounds["r1"].grant is not None and rx.inbounds["r1"].future is None
     error, _ = _wait(rx, "r1")
     assert error is None
-    assert rx.num_pulled == (1 if cuda_ipc else 0)
+    assert (rx.num_granted, rx.num_pulled) == {"granted": (1, 0), "pulled": (0, 1), "tagged": (0, 0)}[mode]
     expected = _caches(fill=True)  # the ctx's pools, recomputed here
     shard_blocks = local_logical_blocks(NUM_TOKENS, TPB, cp_rank, cp_size)
     heads = _layout().num_kda_heads // cp_size
@@ -188,8 +195,8 @@ def test_cuda_cancel_mid_transfer_frees_both_sides(ctx_worker, cuda_ipc):
     caches = _caches(fill=False)
     manager = CacheManager(32, 4, TPB)
     inbox.put(("hold", "r2"))
-    outbox.get(timeout=30)
-    rx.start("r2", manager.allocate("r2", NUM_TOKENS), caches, _params("r2", endpoint))
+    grant = outbox.get(timeout=30)[2]
+    rx.start("r2", manager.allocate("r2", NUM_TOKENS), caches, _params("r2", endpoint, grant if cuda_ipc else None))
     rx.progress()
     assert rx.cancel("r2", "client gone")  # returns once nothing can write into the handle
     manager.free("r2")
@@ -214,4 +221,49 @@ def test_cuda_killed_ctx_fails_the_transfer_within_its_deadline(ctx_worker):
     assert error is not None and "r3" in error
     assert ended - start <= TIMEOUT_MS / 1e3 + 1.0
     rx.cancel("r3")
+    rx.close()
+
+
+def test_cuda_grant_of_a_freed_request_is_never_read(ctx_worker):
+    """The ctx cancelled (and so freed) the pickup before the gen used its grant: its lease word
+    is zeroed, so the gen rank never copies and asks instead, which the ctx refuses."""
+    from helixserve.kvcache.manager import CacheManager
+
+    _, inbox, outbox, endpoint = ctx_worker
+    rx = _receiver(True, 0, 1, endpoint)
+    manager = CacheManager(32, 4, TPB)
+    inbox.put(("hold", "r3"))
+    grant = outbox.get(timeout=30)[2]
+    inbox.put(("cancel", "r3"))
+    assert outbox.get(timeout=30) is True
+    assert _ctx_held_after(inbox, outbox) == 0
+    rx.start("r3", manager.allocate("r3", NUM_TOKENS), _caches(fill=False), _params("r3", endpoint, grant))
+    assert rx.inbounds["r3"].pull is None, "a revoked grant was copied"
+    error, _ = _wait(rx, "r3")
+    assert error is not None and "not held here" in error
+    assert (rx.num_granted, rx.num_pulled) == (0, 0)
+    rx.close()
+
+
+def test_cuda_grant_for_another_request_is_refused(ctx_worker):
+    """A grant names its request (MAC over id, prompt length, first tokens, blocks): presented
+    for another request, or with its blocks changed, it is not used; the rank asks instead."""
+    from helixserve.kvcache.manager import CacheManager
+
+    _, inbox, outbox, endpoint = ctx_worker
+    rx = _receiver(True, 0, 1, endpoint)
+    manager = CacheManager(32, 4, TPB)
+    inbox.put(("hold", "r4"))
+    grant = outbox.get(timeout=30)[2]
+    inbox.put(("hold", "r5"))
+    outbox.get(timeout=30)
+    forged = {**grant, "block_ids": list(reversed(grant["block_ids"]))}
+    rx.start("r5", manager.allocate("r5", NUM_TOKENS), _caches(fill=False), _params("r5", endpoint, grant))
+    rx.start("r4", manager.allocate("r4", NUM_TOKENS), _caches(fill=False), _params("r4", endpoint, forged))
+    assert rx.inbounds["r5"].grant is None and rx.inbounds["r4"].grant is None
+    for rid in ("r4", "r5"):
+        error, _ = _wait(rx, rid)
+        assert error is None  # asked with RequestShard, pulled on the ctx's own answer
+    assert (rx.num_granted, rx.num_pulled) == (0, 2)
+    assert _ctx_held_after(inbox, outbox) == 0
     rx.close()
