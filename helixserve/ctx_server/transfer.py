@@ -47,6 +47,7 @@ class SenderSnapshot:
     num_held: int = 0
     num_quarantined: int = 0
     metrics: TransferMetrics | None = None
+    num_granted: int = 0
 
     def stats(self) -> dict[str, float]:
         m = self.metrics or TransferMetrics()
@@ -54,7 +55,7 @@ class SenderSnapshot:
                 "kv_transfers_completed": m.completed, "kv_transfer_failures": m.failures,
                 "kv_transfer_timeouts": m.timeouts, "kv_transfers_cancelled": m.cancellations,
                 "kv_transfers_in_flight": m.in_flight, "kv_pickups_expired": m.expired_pickups,
-                "kv_pickups_quarantined": self.num_quarantined}
+                "kv_pickups_quarantined": self.num_quarantined, "kv_pickups_granted": self.num_granted}
 
 
 # (stats key, metric name under helixserve_worker_, help); the counters never decrease
@@ -67,6 +68,8 @@ _GAUGES = [
     ("kv_transfers_cancelled", "kv_transfers_cancelled_total", "pickups cancelled (client gone, released)"),
     ("kv_transfers_in_flight", "kv_transfers_in_flight", "pickups not settled yet"),
     ("kv_pickups_quarantined", "kv_pickups_quarantined", "settled pickups a send may still read"),
+    ("kv_pickups_granted", "kv_pickups_granted_total", "pickups every gen rank copied on the ctx's grant, "
+                                                        "without RequestShard (same host, CUDA IPC)"),
 ]
 
 
@@ -180,7 +183,7 @@ class CtxTransceiver:
         except Exception as exc:  # noqa: BLE001 - the sender stopped or is busy: keep the last figures
             logger.debug("KV sender stats unavailable: %s", exc)
             return
-        self.snapshot = SenderSnapshot(stats.num_held, stats.num_quarantined, stats.metrics)
+        self.snapshot = SenderSnapshot(stats.num_held, stats.num_quarantined, stats.metrics, stats.num_granted)
 
     async def _refresh_stats_forever(self) -> None:
         while True:

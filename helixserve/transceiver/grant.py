@@ -19,11 +19,14 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
-from helixserve.protocol.disagg import PullGrant
-from helixserve.transceiver.base import TransferState
+from functools import lru_cache
+
+from helixserve.protocol.disagg import KVLayout, PullGrant
+from helixserve.transceiver.base import PayloadKind, TransferState
+from helixserve.transceiver.layout import ShardSpec, shard_segments
 
 MAC_BYTES = 16
-GRANT_PEER = -1  # the task of a granted pull (no peer: the acknowledgements complete it)
+GRANT_TASK = (-1, PayloadKind.AUX)  # a granted pickup's session task (no peer: the acks complete it)
 
 
 class _Granted:
@@ -66,3 +69,32 @@ def grant_matches(key: bytes, grant: PullGrant, ctx_request_id: str, num_prompt_
     expected = grant_mac(key, ctx_request_id, num_prompt_tokens, first_tokens, grant.epoch, grant.serial,
                          grant.block_ids, grant.slot)
     return hmac.compare_digest(expected, grant.mac)
+
+
+def grant_pickup(export, pickup, serial: int, layout_json: str) -> PullGrant:  # noqa: ANN001
+    """ctx, holding the sender's lock: grant a pull of a just-held `pickup` (a `sender.Pickup`)
+    from `export` (its `cuda_ipc.PoolExport`, with a lease board). The pickup's session gets a
+    task complete from the start, carrying the whole request's bytes, so its acks alone decide."""
+    pickup.grant_serial = serial
+    pickup.session.add_task(*GRANT_TASK, request_bytes(layout_json, pickup.num_prompt_tokens))
+    pickup.session.attach(*GRANT_TASK, GRANTED)
+    export.lease.grant(serial)
+    return make_grant(export.grant_key, pickup.session.request_id, pickup.num_prompt_tokens, pickup.first_tokens,
+                      export.epoch, serial, pickup.block_ids, pickup.slot)
+
+
+def adopt_cp_group(pickup, cp_rank: int, cp_size: int, layout: KVLayout) -> str:  # noqa: ANN001
+    """The first ack of a granted pickup that no rank asked for names its CP group: expect an
+    ack from each of its ranks. An error text ("" if adopted) when the group cannot exist."""
+    if not 0 <= cp_rank < cp_size or layout.num_kda_heads % cp_size:
+        return f"cp_rank {cp_rank} of cp_size {cp_size} does not fit this request"
+    pickup.cp_size = cp_size
+    pickup.session.expected_acks = set(range(cp_size))
+    return ""
+
+
+@lru_cache(maxsize=256)
+def request_bytes(layout_json: str, num_tokens: int) -> int:
+    """A whole request's KV + state bytes (without AUX) under this layout."""
+    spec = ShardSpec(KVLayout.model_validate_json(layout_json), num_tokens)
+    return sum(s.nbytes for s in shard_segments(spec) if s.kind is not PayloadKind.AUX)

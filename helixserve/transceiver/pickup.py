@@ -46,3 +46,4 @@ class SenderStats:
     num_quarantined: int  # settled, but a send may still read their cache
     num_freed: int
     metrics: TransferMetrics  # expired_pickups = pickups whose deadline passed
+    num_granted: int = 0  # completed pickups every cp rank copied on the grant (no RequestShard)

@@ -58,12 +58,12 @@ from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, PullGrant, TransceiverEndpoint
-from helixserve.transceiver.base import PayloadKind, TransferState
+from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
 from helixserve.transceiver.clock import MonotonicClock
 from helixserve.transceiver.cuda_ipc import PoolExport
-from helixserve.transceiver.grant import GRANT_PEER, GRANTED, make_grant
+from helixserve.transceiver.grant import GRANT_TASK, adopt_cp_group, grant_pickup
 from helixserve.transceiver.layout import ShardPlan, check_caches, check_layout
 from helixserve.transceiver.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
@@ -117,8 +117,10 @@ class KVSender:
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._is_stopping = False
         self._num_freed = 0
+        self._num_granted = 0
         self._rotation = itertools.count()
         self._serials = itertools.count(1)  # lease serials of granted pulls
+        self._layout_json = layout.model_dump_json()
         self.endpoint: TransceiverEndpoint | None = None
 
     # -- public API (any thread) -------------------------------------------------------------
@@ -250,6 +252,8 @@ class KVSender:
         self.poller.retire(request_id)
         del self._pickups[request_id]
         self._num_freed += 1
+        if pickup.session.state is TransferState.COMPLETED and pickup.grant_serial and not pickup.outbounds:
+            self._num_granted += 1
         if pickup.session.state is not TransferState.COMPLETED:
             logger.info("ctx request %s freed: %s", request_id, pickup.session.error)
         try:
@@ -266,15 +270,9 @@ class KVSender:
         pickup.session.anchor_deadline()  # the pickup deadline starts at hold
         self.poller.add(pickup.session)
         self._pickups[request_id] = pickup
-        lease = self._export.lease
-        if lease is None:
+        if self._export.lease is None:
             return None
-        pickup.grant_serial = next(self._serials)
-        pickup.session.add_task(GRANT_PEER, PayloadKind.AUX)  # complete: acks alone decide
-        pickup.session.attach(GRANT_PEER, PayloadKind.AUX, GRANTED)
-        lease.grant(pickup.grant_serial)
-        return make_grant(self._export.grant_key, request_id, pickup.num_prompt_tokens, pickup.first_tokens,
-                          self._export.epoch, pickup.grant_serial, pickup.block_ids, pickup.slot)
+        return grant_pickup(self._export, pickup, next(self._serials), self._layout_json)
 
     def _do_cancel(self, request_id: str, reason: str) -> bool:
         pickup = self._pickups.get(request_id)
@@ -291,7 +289,8 @@ class KVSender:
 
     def _do_stats(self) -> SenderStats:
         quarantined = sum(p.session.state.is_settled for p in self._pickups.values())
-        return SenderStats(len(self._pickups), quarantined, self._num_freed, replace(self.poller.metrics))
+        return SenderStats(len(self._pickups), quarantined, self._num_freed, replace(self.poller.metrics),
+                           self._num_granted)
 
     def _do_cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply:
         pickup = self._pickups.get(request.ctx_request_id)
@@ -319,11 +318,9 @@ class KVSender:
                                       f"{request.error}")
             return pb.AckReply(known=True)
         if pickup.cp_size is None and pickup.grant_serial:  # a granted pull: no RequestShard came first
-            if not 0 <= request.cp_rank < request.cp_size or self.layout.num_kda_heads % request.cp_size:
-                return pb.AckReply(known=True, error=f"cp_rank {request.cp_rank} of cp_size {request.cp_size} "
-                                                     "does not fit this request")
-            pickup.cp_size = request.cp_size
-            pickup.session.expected_acks = set(range(request.cp_size))
+            error = adopt_cp_group(pickup, request.cp_rank, request.cp_size, self.layout)
+            if error:
+                return pb.AckReply(known=True, error=error)
         try:
             pickup.session.acknowledge(request.cp_rank)
         except ValueError as error:
@@ -364,6 +361,8 @@ class KVSender:
     def _accept(self, pickup: Pickup, request: pb.ShardRequest, plan: ShardPlan, outbound: Outbound | PulledShard,
                 pull: pb.PullShard | None = None) -> pb.ShardReply:
         session = pickup.session
+        if pickup.grant_serial:  # this rank asked after all: its tasks count its bytes
+            session.tasks[GRANT_TASK].nbytes = 0
         pickup.cp_size = request.cp_size
         session.expected_acks = set(range(request.cp_size))
         for kind in plan.kinds:

@@ -44,10 +44,13 @@ def _complete(url: str, prompt: list[int]) -> str:
 
 def test_gpu_disaggregated_equals_aggregated(gpu_dep):
     before = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total")
+    granted = metric(gpu_dep.ctx_url, "helixserve_worker_kv_pickups_granted_total")
     for n in PROMPT_LENS:
         prompt = [(7 * i + n) % 250 + 1 for i in range(n)]
         got, want = _complete(gpu_dep.router_url, prompt), _complete(gpu_dep.baseline_url, prompt)
         assert got == want, f"prompt of {n} tokens"
     moved = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total") - before
     assert moved == len(PROMPT_LENS)  # every answer decoded from the ctx's KV
+    # copied on the ctx's grant (no RequestShard round trip), as the served path on one host does
+    assert metric(gpu_dep.ctx_url, "helixserve_worker_kv_pickups_granted_total") - granted == len(PROMPT_LENS)
     assert gpu_dep.is_idle()

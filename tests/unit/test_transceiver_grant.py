@@ -20,7 +20,7 @@ from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import PullGrant  # noqa: E402
 from helixserve.transceiver.config import TransceiverConfig  # noqa: E402
 from helixserve.transceiver.control import ControlClient  # noqa: E402
-from helixserve.transceiver.grant import grant_matches, make_grant  # noqa: E402
+from helixserve.transceiver.grant import grant_matches, make_grant, request_bytes  # noqa: E402
 from helixserve.transceiver.lease import LeaseBoard, LeaseError  # noqa: E402
 from tests.unit.transceiver_harness import NUM_TOKENS, Ctx  # noqa: E402
 
@@ -137,7 +137,8 @@ def test_acks_of_every_cp_rank_complete_a_granted_pickup_and_revoke_before_the_f
     _wait_for(lambda: c.freed == ["r1"])
     assert c.revoked_at_free == {"r1": True}, "the lease word was still set when the blocks were freed"
     stats = c.sender.stats()
-    assert stats.metrics.completed == 1 and stats.num_held == 0
+    assert stats.metrics.completed == 1 and stats.num_held == 0 and stats.num_granted == 1
+    assert stats.metrics.bytes_transferred == request_bytes(c.sender.layout.model_dump_json(), NUM_TOKENS) > 0
     client.close()
 
 
@@ -151,7 +152,7 @@ def test_every_way_a_granted_pickup_ends_revokes_its_lease_first(granting):
     assert _ack(client, "gave-up", 0, 1, success=False).known
     _wait_for(lambda: sorted(c.freed) == ["cancelled", "expired", "gave-up"])
     assert c.revoked_at_free == {"cancelled": True, "expired": True, "gave-up": True}
-    assert c.sender.stats().metrics.expired_pickups == 1
+    assert c.sender.stats().metrics.expired_pickups == 1 and c.sender.stats().num_granted == 0
     client.close()
 
 
