@@ -11,6 +11,7 @@ import triton.language as tl
 
 CHUNK_BYTES = 64 << 10  # one program copies at most this many bytes
 BLOCK_WORDS = 1024  # words per loop iteration of a program
+NUM_WARPS = 4
 _WORD_DTYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
@@ -76,4 +77,4 @@ def batched_copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], tab
         rows = rows.pin_memory().to(device, non_blocking=True)
     num_words = CHUNK_BYTES // word
     _batched_copy_kernel[(chunks.shape[0],)](rows, NUM_WORDS=num_words, WORD=word,
-                                             BLOCK=min(BLOCK_WORDS, num_words), num_warps=4)
+                                             BLOCK=min(BLOCK_WORDS, num_words), num_warps=NUM_WARPS)
