@@ -86,7 +86,7 @@ def _record_phases(marks: dict[str, float]) -> None:
     # the gen process plans the ctx's side in _start_pull only
     inbound.ShardPlan.for_sender = staticmethod(after("planned", inbound.ShardPlan.for_sender))
     pull.piece_table = after("table", pull.piece_table)
-    pull.batched_copy = after("copy_issued", pull.batched_copy)
+    pull.batched_copy_trusted = after("copy_issued", pull.batched_copy_trusted)
     inbound.Inbound.request = after("request", inbound.Inbound.request)
     inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
     inbound.Inbound._start_pull = after("launched", inbound.Inbound._start_pull)

@@ -19,12 +19,15 @@ layout alone (:func:`plan_messages`).
 sender to its full-head cache and its physical blocks, a receiver to its local-head pools
 (``H/c`` heads) and its local blocks. Consecutive units that are adjacent in memory are
 coalesced, so a message whose bytes are one run is sent / received in place; others are
-gathered / scattered through a staging buffer.
+gathered / scattered through a staging buffer. The map is built by :mod:`memory_map` (per-pool
+constants read once, one run list per pool shape shared by its layers); the segment and message
+lists of a stream shape are built once and copied (:func:`_stream`).
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -235,42 +238,33 @@ class SegmentMemory:
 
 def _memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,
             physical_blocks: Sequence[int], slot: int | None, num_heads: int, head0: int) -> list[SegmentMemory]:
+    from helixserve.transceiver.memory_map import map_memory  # built on this module's types
+
+    return map_memory(spec, segments, caches, aux, physical_blocks, slot, num_heads, head0)
+
+
+_STREAMS: dict[tuple, tuple[list[Segment], list[Message]]] = {}  # see _stream
+_STREAMS_LOCK = threading.Lock()  # a miss (insert, evict): the engine and the sender's threads plan
+MAX_STREAMS = 256
+
+
+def _stream(spec: ShardSpec, num_blocks: int, message_bytes: int) -> tuple[list[Segment], list[Message]]:
+    """(shard_segments(spec), plan_messages(them, message_bytes)), new lists of the same frozen
+    items for every spec of one shape (what the two depend on: layer kinds, sizes, dtypes, local
+    heads, block count): a request's plan does not rebuild its stream's ~2 objects per layer."""
     lay = spec.layout
-    k = lay.kda_head_dim
-    out = []
-    block_runs: dict[tuple, SegmentMemory] = {}  # every MLA layer's pool of one shape: the same runs
-    for seg in segments:
-        if seg.kind is PayloadKind.AUX:
-            out.append(SegmentMemory.of(aux, [0], seg.unit_bytes))
-            continue
-        if seg.kind is PayloadKind.KV_BLOCKS:
-            pool = _checked(caches.mla_kv, seg.layer_id, lay.kv_dtype,
-                            (lay.tokens_per_block, lay.kv_lora_rank + lay.qk_rope_head_dim))
-            key = (tuple(pool.shape), pool.stride(), pool.element_size(), seg.unit_bytes)
-            shared = block_runs.get(key)
-            if shared is None and pool.is_contiguous():
-                row = pool.stride(0) * pool.element_size()
-                offsets = np.asarray(physical_blocks, dtype=np.int64) * row
-                shared = block_runs[key] = SegmentMemory.of(pool, offsets, seg.unit_bytes)
-                out.append(shared)
-            elif shared is None:
-                out.append(SegmentMemory.of(pool, [], seg.unit_bytes))  # raises: not contiguous
-            else:
-                out.append(SegmentMemory(pool.reshape(-1).view(torch.uint8), shared.runs, shared.starts))
-            continue
-        if slot is None:
-            raise ValueError(f"KDA layer {seg.layer_id} needs a state slot")
-        if seg.kind is PayloadKind.KDA_STATE:
-            pool = _checked(caches.kda_state, seg.layer_id, lay.state_dtype, (num_heads, k, k))
-            offsets = [(slot * pool.stride(0) + head0 * pool.stride(1)) * pool.element_size()]
-        else:
-            pool = _checked(caches.conv_state, seg.layer_id, lay.conv_dtype,
-                            (3 * num_heads * k, lay.conv_kernel_size - 1))
-            offsets = [(slot * pool.stride(0) + (s * num_heads * k + head0 * k) * pool.stride(1))
-                       * pool.element_size() for s in range(3)]
-        out.append(SegmentMemory.of(pool, offsets, seg.unit_bytes))
-    assert all(m.starts[-1] + m.runs[-1][1] == s.nbytes for m, s in zip(out, segments) if m.runs)
-    return out
+    key = (tuple(lay.layer_kinds), lay.tokens_per_block, lay.kv_lora_rank, lay.qk_rope_head_dim, lay.kv_dtype,
+           lay.kda_head_dim, lay.conv_kernel_size, lay.state_dtype, lay.conv_dtype, spec.num_local_heads,
+           num_blocks, message_bytes)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        segments = shard_segments(spec)
+        stream = (segments, plan_messages(segments, message_bytes))
+        with _STREAMS_LOCK:
+            if len(_STREAMS) >= MAX_STREAMS:
+                _STREAMS.pop(next(iter(_STREAMS)), None)  # the oldest
+            _STREAMS[key] = stream
+    return list(stream[0]), list(stream[1])
 
 
 def check_caches(layout: KVLayout, caches: ModelCaches, num_heads: int) -> None:
@@ -297,10 +291,8 @@ def encode_aux(num_prompt_tokens: int, first_tokens: Sequence[int]) -> torch.Ten
     """AUX payload: int64 ``[magic, num_prompt_tokens, n, first_tokens..., 0...]`` (AUX_WORDS)."""
     if not 1 <= len(first_tokens) <= MAX_FIRST_TOKENS:
         raise ValueError(f"need 1..{MAX_FIRST_TOKENS} first tokens, got {len(first_tokens)}")
-    aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
-    aux[:3] = torch.tensor([AUX_MAGIC, num_prompt_tokens, len(first_tokens)])
-    aux[3 : 3 + len(first_tokens)] = torch.tensor(list(first_tokens))
-    return aux
+    words = [AUX_MAGIC, num_prompt_tokens, len(first_tokens), *first_tokens]
+    return torch.tensor(words + [0] * (AUX_WORDS - len(words)), dtype=torch.int64)
 
 
 def decode_aux(aux: torch.Tensor) -> tuple[int, list[int]]:
@@ -345,12 +337,12 @@ class ShardPlan:
         if blocks and blocks[-1] >= len(block_ids):
             raise ValueError(f"shard needs logical block {blocks[-1]}, the request holds {len(block_ids)}")
         aux = encode_aux(spec.num_tokens, first_tokens)
-        segments = shard_segments(spec)
-        physical = [block_ids[b] for b in blocks]
+        segments, messages = _stream(spec, len(blocks), message_bytes)
+        physical = list(block_ids[blocks[0] : blocks[-1] + 1 : spec.cp_size]) if blocks else []  # block_ids[b]
 
         def map_memory() -> list[SegmentMemory]:
             return _memory(spec, segments, caches, aux, physical, slot, spec.layout.num_kda_heads, spec.heads[0])
-        return cls(spec, segments, plan_messages(segments, message_bytes), map_memory, aux, message_bytes)
+        return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     @classmethod
     def for_receiver(cls, spec: ShardSpec, caches: ModelCaches, local_block_ids: Sequence[int],
@@ -360,12 +352,12 @@ class ShardPlan:
         if len(local_block_ids) < num_blocks:
             raise ValueError(f"shard has {num_blocks} blocks, the handle holds {len(local_block_ids)}")
         aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
-        segments = shard_segments(spec)
+        segments, messages = _stream(spec, num_blocks, message_bytes)
         physical = list(local_block_ids[:num_blocks])
 
         def map_memory() -> list[SegmentMemory]:
             return _memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads, 0)
-        return cls(spec, segments, plan_messages(segments, message_bytes), map_memory, aux, message_bytes)
+        return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:
         return self.memory[message.segment].spans(message.offset, message.nbytes)

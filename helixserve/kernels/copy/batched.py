@@ -76,6 +76,21 @@ def batched_copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], tab
     batched_copy_reference(srcs, dsts, table)
 
 
+def batched_copy_trusted(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], table: np.ndarray) -> None:
+    """:func:`batched_copy` without :func:`check_table`, for a caller that built ``table`` (int64
+    ``[n, 5]``) from memory it already bounds-checked, over flat uint8 tensors of one device (the
+    pulled shard: ``transceiver.pull.shard_table``). A wrong table here reads or writes outside
+    the tensors: anything else goes through :func:`batched_copy`."""
+    if not len(table):
+        return
+    if srcs[0].device != dsts[0].device:
+        raise CopyTableError(f"batched_copy needs tensors of one device, got {srcs[0].device} and {dsts[0].device}")
+    if use_triton(dsts[0]):
+        triton_batched.batched_copy(srcs, dsts, table)
+        return
+    batched_copy_reference(srcs, dsts, table)
+
+
 def batched_copy_reference(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], table: np.ndarray) -> None:
     """Piece by piece (the reference; unchecked)."""
     for si, so, di, do, n in np.asarray(table, dtype=np.int64).reshape(-1, TABLE_COLUMNS).tolist():

@@ -1,0 +1,105 @@
+"""The per-segment memory map, piece table and AUX encoding as they were before the fast paths
+(`transceiver.memory_map`, the stacked `pull.piece_table`): the reference the tests hold them to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from helixserve.cache_layout import ModelCaches
+from helixserve.transceiver.base import PayloadKind
+from helixserve.transceiver.layout import AUX_MAGIC, AUX_WORDS, Segment, SegmentMemory, ShardSpec, _checked
+
+
+def reference_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,
+                     physical_blocks: Sequence[int], slot: int | None, num_heads: int,
+                     head0: int) -> list[SegmentMemory]:
+    lay = spec.layout
+    k = lay.kda_head_dim
+    out = []
+    block_runs: dict[tuple, SegmentMemory] = {}
+    for seg in segments:
+        if seg.kind is PayloadKind.AUX:
+            out.append(SegmentMemory.of(aux, [0], seg.unit_bytes))
+            continue
+        if seg.kind is PayloadKind.KV_BLOCKS:
+            pool = _checked(caches.mla_kv, seg.layer_id, lay.kv_dtype,
+                            (lay.tokens_per_block, lay.kv_lora_rank + lay.qk_rope_head_dim))
+            key = (tuple(pool.shape), pool.stride(), pool.element_size(), seg.unit_bytes)
+            shared = block_runs.get(key)
+            if shared is None and pool.is_contiguous():
+                row = pool.stride(0) * pool.element_size()
+                offsets = np.asarray(physical_blocks, dtype=np.int64) * row
+                shared = block_runs[key] = SegmentMemory.of(pool, offsets, seg.unit_bytes)
+                out.append(shared)
+            elif shared is None:
+                out.append(SegmentMemory.of(pool, [], seg.unit_bytes))  # raises: not contiguous
+            else:
+                out.append(SegmentMemory(pool.reshape(-1).view(torch.uint8), shared.runs, shared.starts))
+            continue
+        if slot is None:
+            raise ValueError(f"KDA layer {seg.layer_id} needs a state slot")
+        if seg.kind is PayloadKind.KDA_STATE:
+            pool = _checked(caches.kda_state, seg.layer_id, lay.state_dtype, (num_heads, k, k))
+            offsets = [(slot * pool.stride(0) + head0 * pool.stride(1)) * pool.element_size()]
+        else:
+            pool = _checked(caches.conv_state, seg.layer_id, lay.conv_dtype,
+                            (3 * num_heads * k, lay.conv_kernel_size - 1))
+            offsets = [(slot * pool.stride(0) + (s * num_heads * k + head0 * k) * pool.stride(1))
+                       * pool.element_size() for s in range(3)]
+        out.append(SegmentMemory.of(pool, offsets, seg.unit_bytes))
+    assert all(m.starts[-1] + m.runs[-1][1] == s.nbytes for m, s in zip(out, segments) if m.runs)
+    return out
+
+
+class _Tensors:
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[tuple[int, int], int] = {}
+
+    def index(self, flat: torch.Tensor) -> int:
+        key = (flat.data_ptr(), flat.numel())
+        if key not in self._index:
+            self._index[key] = len(self.tensors)
+            self.tensors.append(flat)
+        return self._index[key]
+
+
+def _pieces(s: SegmentMemory, d: SegmentMemory, total: int) -> np.ndarray:
+    if len(s.runs) == len(d.runs) and all(a[1] == b[1] for a, b in zip(s.runs, d.runs)):
+        return np.asarray([(a[0], b[0], a[1]) for a, b in zip(s.runs, d.runs)], dtype=np.int64)
+    s_starts, d_starts = np.asarray(s.starts, dtype=np.int64), np.asarray(d.starts, dtype=np.int64)
+    s_offsets = np.asarray([offset for offset, _ in s.runs], dtype=np.int64)
+    d_offsets = np.asarray([offset for offset, _ in d.runs], dtype=np.int64)
+    cuts = np.union1d(s_starts, d_starts)
+    si = np.searchsorted(s_starts, cuts, side="right") - 1
+    di = np.searchsorted(d_starts, cuts, side="right") - 1
+    return np.stack([s_offsets[si] + cuts - s_starts[si], d_offsets[di] + cuts - d_starts[di],
+                     np.diff(np.append(cuts, total))], axis=1)
+
+
+def reference_piece_table(src: Sequence[SegmentMemory], dst: Sequence[SegmentMemory], segments: Sequence[int],
+                          sizes: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], np.ndarray]:
+    srcs, dsts = _Tensors(), _Tensors()
+    rows = []
+    for seg, total in zip(segments, sizes):
+        s, d = src[seg], dst[seg]
+        if total == 0 or not s.runs:
+            continue
+        pieces = _pieces(s, d, total)
+        piece = np.empty((pieces.shape[0], 5), dtype=np.int64)
+        piece[:, 0] = srcs.index(s.flat)
+        piece[:, [1, 3, 4]] = pieces
+        piece[:, 2] = dsts.index(d.flat)
+        rows.append(piece)
+    table = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
+    return srcs.tensors, dsts.tensors, table
+
+
+def reference_aux(num_prompt_tokens: int, first_tokens: Sequence[int]) -> torch.Tensor:
+    aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
+    aux[:3] = torch.tensor([AUX_MAGIC, num_prompt_tokens, len(first_tokens)])
+    aux[3 : 3 + len(first_tokens)] = torch.tensor(list(first_tokens))
+    return aux
