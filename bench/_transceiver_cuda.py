@@ -160,7 +160,8 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
         elif cmd[0] == "profile":
             text = io.StringIO()
             if profiler is not None:
-                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(PROFILE_LINES)
+                for order in ("cumulative", "tottime"):
+                    pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(PROFILE_LINES)
             outbox.put(text.getvalue())
     for rx in {id(rx): rx for rx in receivers.values()}.values():
         rx.close()
