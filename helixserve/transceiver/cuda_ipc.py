@@ -199,6 +199,34 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
     return RemotePools(reply.epoch, caches, storages, bytes(reply.grant_key), lease)
 
 
+def ask_until_answered(make_client, request: pb.PoolsRequest, retry_s: float, attempts: int) -> Future:  # noqa: ANN001
+    """DescribePools through a fresh ``make_client()``, asked again every `retry_s` while the ctx
+    does not answer (it may still be loading its model when a gen rank starts), at most
+    `attempts` times; the returned future gets the first answer or the last error. Each client is
+    closed once its call ended. Runs on gRPC's and timer threads, never blocking the caller."""
+    outer: Future = Future()
+
+    def attempt(left: int) -> None:
+        client = make_client()
+        call = client.describe_pools_async(request)
+
+        def done(call: Future) -> None:
+            client.close()
+            error = call.exception()
+            if error is None:
+                outer.set_result(call.result())
+            elif left > 1:
+                timer = threading.Timer(retry_s, attempt, args=(left - 1,))
+                timer.daemon = True
+                timer.start()
+            else:
+                outer.set_exception(error)
+        call.add_done_callback(done)
+
+    attempt(max(attempts, 1))
+    return outer
+
+
 class PoolDirectory:
     """The gen side: each ctx worker's opened pools, described once (engine thread only)."""
 
@@ -214,9 +242,19 @@ class PoolDirectory:
         the call's future (None: nothing asked, or pools never used from `device`)."""
         if not self.enabled or device.type != "cuda" or key in self._pools or key in self._asking:
             return None
-        future = self._asking[key] = client.describe_pools_async(
-            pb.PoolsRequest(gen_rank=self.gen_rank, host_id=host_id()))
+        future = self._asking[key] = client.describe_pools_async(self.request())
         return future
+
+    def request(self) -> pb.PoolsRequest:
+        return pb.PoolsRequest(gen_rank=self.gen_rank, host_id=host_id())
+
+    def wants(self, key: str, device: torch.device) -> bool:
+        """Ctx `key`'s pools are neither known nor asked for, and would be used from `device`."""
+        return self.enabled and device.type == "cuda" and key not in self._pools and key not in self._asking
+
+    def expect(self, key: str, future: Future) -> None:
+        """Take `future` as ctx `key`'s DescribePools answer (see `ask_until_answered`)."""
+        self._asking[key] = future
 
     def get(self, key: str, client, device: torch.device) -> RemotePools | None:  # noqa: ANN001
         """The opened pools of ctx `key` if it can be pulled from now; asks once (not blocking)."""

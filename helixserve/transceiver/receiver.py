@@ -42,7 +42,7 @@ from helixserve.transceiver.base import ReceiverSession, TransferState
 from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import ControlClient, ControlClients, target
-from helixserve.transceiver.cuda_ipc import PoolDirectory
+from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
 from helixserve.transceiver.plane import DataPlane, open_data_plane
@@ -56,6 +56,10 @@ logger = logging.getLogger(__name__)
 # internal: a retraction is a local 0-byte message that ends in microseconds; this only bounds a
 # broken plane (the request already failed, drain_timeout_ms bounded the wait before it)
 RETRACT_WAIT_S = 1.0
+# internal: a ctx not answering DescribePools at a gen rank's start (still loading) is asked again
+# this often, this many times (a minute), so that its first request is already pulled and granted
+PREFETCH_RETRY_S = 0.5
+PREFETCH_ATTEMPTS = 120
 
 
 class KVReceiver:
@@ -228,19 +232,19 @@ class KVReceiver:
 
     def prefetch(self, endpoints: Sequence[TransceiverEndpoint], device: torch.device) -> None:
         """Ask these ctx workers for their pools now (not blocking; `cuda_ipc`), so that the first
-        request to each can already be pulled; one that does not answer is asked again later."""
+        request to each can already be pulled (and granted): a ctx that does not answer yet (still
+        loading) is asked again every PREFETCH_RETRY_S for up to PREFETCH_ATTEMPTS tries."""
         if device.type != "cuda" or not self.config.cuda_ipc:
             return
         for endpoint in endpoints:
-            # its own channel, closed once answered: a ctx not listening yet leaves a connection
-            # attempt pending for up to grpc's min_reconnect_backoff, which must not be the one
-            # the first request's RequestShard waits behind
-            client = ControlClient(endpoint, self.config.rpc_timeout_s, config=self.config)
-            future = self.pools.ask(target(endpoint), client, device)
-            if future is None:
-                client.close()
-            else:
-                future.add_done_callback(lambda _, c=client: c.close())
+            # its own channels, each closed once answered: a ctx not listening yet leaves a
+            # connection attempt pending for up to grpc's min_reconnect_backoff, which must not be
+            # the one the first request's RequestShard waits behind
+            def make_client(endpoint: TransceiverEndpoint = endpoint) -> ControlClient:
+                return ControlClient(endpoint, self.config.rpc_timeout_s, config=self.config)
+            if self.pools.wants(target(endpoint), device):
+                self.pools.expect(target(endpoint), ask_until_answered(
+                    make_client, self.pools.request(), PREFETCH_RETRY_S, PREFETCH_ATTEMPTS))
 
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream pulled shards are copied on (one per device, made on first use)."""

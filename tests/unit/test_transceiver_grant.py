@@ -189,3 +189,38 @@ def test_a_ctx_on_cpu_grants_nothing():
         assert c.sender.hold("r1", c.manager.allocate("r1", NUM_TOKENS), NUM_TOKENS, [7]) is None
     finally:
         c.close()
+
+
+# -- a gen rank's prefetch of the pools ------------------------------------------------------------
+
+def test_pools_are_asked_for_again_until_a_late_ctx_answers():
+    """A gen rank starts before its ctx listens: DescribePools is asked again every retry until
+    the ctx answers (here a CPU ctx: "not on a GPU" is an answer), and gives up after the last
+    attempt with the error, never blocking the caller."""
+    from helixserve.parallel.ports import free_ports
+    from helixserve.protocol.disagg import TransceiverEndpoint
+    from helixserve.transceiver.cuda_ipc import ask_until_answered
+    from helixserve.transceiver.sender import KVSender
+    from tests.unit.transceiver_harness import LAYOUT
+
+    cfg = _config(rpc_timeout_ms=300)
+    (port,) = free_ports(1)
+    endpoint = TransceiverEndpoint(host="127.0.0.1", port=port)
+    request = pb.PoolsRequest(gen_rank=0, host_id="h")
+    given_up = ask_until_answered(lambda: ControlClient(endpoint, 0.3, config=cfg), request, 0.05, 2)
+    began = time.monotonic()
+    answered = ask_until_answered(lambda: ControlClient(endpoint, 0.3, config=cfg), request, 0.1, 100)
+    assert time.monotonic() - began < 0.1 and not answered.done()
+    with pytest.raises(Exception):
+        given_up.result(timeout=5)
+    time.sleep(0.5)
+    assert not answered.done()
+    c = Ctx(cfg)
+    late = KVSender(cfg, LAYOUT, c.caches, lambda _: None, port=port)
+    late.start()
+    try:
+        reply = answered.result(timeout=10)
+        assert not reply.supported and "cpu" in reply.reason
+    finally:
+        late.stop()
+        c.close()
