@@ -271,16 +271,34 @@ class PoolDirectory:
         del self._asking[key]
         try:
             reply = future.result()
+        except IpcOpenError as error:  # opened off this thread (see `opened`), and it failed
+            self._pools[key] = None
+            logger.info("gen rank %d: ctx %s's shards travel as UCX messages (%s)", self.gen_rank, key, error)
+            return None
         except Exception as error:  # noqa: BLE001 (the ctx is unreachable now: ask again later)
             logger.info("gen rank %d: DescribePools to ctx %s failed (%s)", self.gen_rank, key, error)
             return None
         try:
-            self._pools[key] = open_pools(reply, self.layout, device)
+            self._pools[key] = reply if isinstance(reply, RemotePools) else open_pools(reply, self.layout, device)
             logger.info("gen rank %d: copies shards from ctx %s's pools over CUDA IPC", self.gen_rank, key)
         except IpcOpenError as error:
             self._pools[key] = None
             logger.info("gen rank %d: ctx %s's shards travel as UCX messages (%s)", self.gen_rank, key, error)
         return self._pools[key]
+
+    def opened(self, answer: Future, device: torch.device) -> Future:
+        """A future of the pools `answer` (a DescribePools future) describes, opened for `device`
+        on the thread that completes it, so that no request waits for the IPC handles to open
+        (hundreds of ms for a model's pools); `get` takes either kind of future."""
+        out: Future = Future()
+
+        def done(answer: Future) -> None:
+            try:
+                out.set_result(open_pools(answer.result(), self.layout, device))
+            except BaseException as error:  # noqa: BLE001 (an IpcOpenError, or the call's own error)
+                out.set_exception(error)
+        answer.add_done_callback(done)
+        return out
 
     def forget(self, key: str) -> None:
         """Describe `key` again on its next request (it answered a pull with a tagged stream)."""

@@ -243,8 +243,8 @@ class KVReceiver:
             def make_client(endpoint: TransceiverEndpoint = endpoint) -> ControlClient:
                 return ControlClient(endpoint, self.config.rpc_timeout_s, config=self.config)
             if self.pools.wants(target(endpoint), device):
-                self.pools.expect(target(endpoint), ask_until_answered(
-                    make_client, self.pools.request(), PREFETCH_RETRY_S, PREFETCH_ATTEMPTS))
+                answer = ask_until_answered(make_client, self.pools.request(), PREFETCH_RETRY_S, PREFETCH_ATTEMPTS)
+                self.pools.expect(target(endpoint), self.pools.opened(answer, device))
 
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream pulled shards are copied on (one per device, made on first use)."""
