@@ -160,6 +160,7 @@ class CtxTransceiver:
 
     def _on_free(self, request_id: str) -> None:
         """Sender thread: the request's cache may be freed now."""
+        self._grants.pop(request_id, None)  # a grant no answer took (the handler had already left)
         self.requests.post(SenderFreed(request_id))
         loop = self._loop
         if loop is None:

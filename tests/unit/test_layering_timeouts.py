@@ -42,6 +42,9 @@ INTERNAL = {
         "how often a bounded wait for a launched copy polls its event (drain_timeout_ms bounds it)",
     ("helixserve/transceiver/receiver.py", "RETRACT_WAIT_S"):
         "a local 0-byte retraction after drain_timeout_ms already ran out; bounds a broken plane",
+    ("helixserve/transceiver/receiver.py", "PREFETCH_RETRY_S"):
+        "the interval between DescribePools asks at a gen rank's start (no one waits on it; a request "
+        "that comes first asks with RequestShard)",
     ("helixserve/transceiver/ucxx_backend/plane.py", "PROGRESS_EPOLL_TIMEOUT_MS"): "one UCX progress wait",
     ("helixserve/transceiver/ucxx_backend/plane.py", "NOTIFIER_STOP_S"): "shutdown only: the notifier thread",
     ("helixserve/transceiver/ucxx_backend/plane.py", "NOTIFIER_PERIOD_NS"): "the notifier's close check",
