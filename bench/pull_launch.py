@@ -12,7 +12,9 @@ back to back per repetition; the issue is timed in a second loop, taking turns w
 (a CPU run's reference copy would otherwise flush the caches the next plan reads). On CUDA
 ``torch.cuda.synchronize`` runs only outside the timed sections, so "issue" is the launch, not the
 kernel. Same-run baseline: one ``batched_copy`` of a single contiguous piece of the same byte
-count (the floor any launch pays). Also timed: ``check_table`` of the shard's table, the bounds
+count (the floor any launch pays). Also timed: the three planning phases **cold** (before each
+repetition 64 MiB are read, evicting the CPU caches, and other Python work runs, as between two
+requests of a serving gen rank, where each request's steps run once), and ``check_table`` of the shard's table, the bounds
 check the public ``batched_copy`` runs first (the pull's ``batched_copy_trusted`` does not: its
 table comes from bounds-checked memory maps).
 
@@ -42,6 +44,7 @@ QUICK_SHAPES = [("kimi-k3-mid", 512), ("kimi-linear-48b", 4096)]
 PATTERNS = ("contiguous", "fragmented")
 MESSAGE_BYTES = 16 << 20  # TransceiverConfig.message_bytes' default
 PHASES = ("receiver plan", "sender plan", "piece table", "copy issue")
+EVICT_BYTES = 64 << 20  # read before each cold repetition: more than any CPU cache here
 
 
 def _host_steps() -> tuple[Callable, Callable]:
@@ -58,6 +61,15 @@ def _host_steps() -> tuple[Callable, Callable]:
         sizes = [dst_plan.segments[i].nbytes for i in segments]
         return pull.piece_table(src_plan.memory, dst_plan.memory, segments, sizes)
     return table, pull.batched_copy
+
+
+def _evict(junk) -> None:  # noqa: ANN001 (a numpy array)
+    """Read `junk` (evicts the CPU caches), then other Python work (another request's steps)."""
+    import json
+
+    junk.sum()
+    for i in range(2000):
+        json.dumps({"request": i, "tokens": [i] * 5})
 
 
 def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: int) -> list[dict]:
@@ -83,12 +95,13 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
                      if seg.kind.name != "AUX")
     src, dst = (torch.ones(spec_bytes, dtype=torch.uint8, device=device) for _ in range(2))  # the floor's pair
     one = np.asarray([[0, 0, 0, 0, spec_bytes]], dtype=np.int64)
+    junk = np.ones(EVICT_BYTES, dtype=np.uint8)
     records = []
     for pattern in PATTERNS:
         gen_blocks = list(range(n))
         ctx_blocks = (list(range(n, 2 * n)) if pattern == "contiguous"
                       else np.random.default_rng(num_tokens).permutation(num_blocks)[:n].tolist())
-        times: dict[str, list[float]] = {k: [] for k in (*PHASES, "floor", "check")}
+        times: dict[str, list[float]] = {k: [] for k in (*PHASES, "floor", "check", "cold planning")}
         for rep in range(warmup + reps):  # the planning phases back to back, as one pull runs them
             sync()
             t0 = time.perf_counter()
@@ -104,6 +117,14 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
                 for key, dt in zip((*PHASES[:3], "check"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     times[key].append(dt * 1e6)
         assert int(np.asarray(table)[:, 4].sum()) == spec_bytes
+        for rep in range(warmup + reps):  # the same planning, cold
+            _evict(junk)
+            t0 = time.perf_counter()
+            ours = ShardPlan.for_receiver(spec, gen, gen_blocks, 0, MESSAGE_BYTES).prepare()
+            theirs = ShardPlan.for_sender(spec, ctx, ctx_blocks, 1, [7], MESSAGE_BYTES).prepare()
+            srcs, dsts, table = table_fn(theirs, ours)
+            if rep >= warmup:
+                times["cold planning"].append((time.perf_counter() - t0) * 1e6)
         # then the issue, taking turns with the floor (apart: a CPU run's reference copy, a memcpy
         # of the shard, would flush the caches the next plan reads, which no GPU launch does)
         for rep in range(warmup + reps):
@@ -118,6 +139,7 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
                     times[key].append(elapsed * 1e6)
         med = {k: statistics.median(v) for k, v in times.items()}
         med["total"] = sum(med[p] for p in PHASES)
+        med["hot planning"] = sum(med[p] for p in PHASES[:3])
         records.append({"preset": preset, "tokens": num_tokens, "pattern": pattern, "bytes": spec_bytes,
                         "mib": spec_bytes / 2**20, "pieces": int(len(table)), "median_us": med, "times_us": times})
         print(f"  {preset} {num_tokens} {pattern}: total {med['total']:.0f} us, floor {med['floor']:.0f} us",
@@ -136,10 +158,11 @@ def main() -> None:
     for preset, num_tokens in shapes:
         records += bench_shape(preset, num_tokens, args.device, reps, warmup=2)
     headers = ["preset", "prompt tokens", "blocks", "MiB", "pieces", *(f"{p} µs" for p in PHASES), "total µs",
-               "floor µs (1 piece)", "check_table µs"]
+               "floor µs (1 piece)", "check_table µs", "planning hot µs", "planning cold µs"]
     rows = [[r["preset"], r["tokens"], r["pattern"], r["mib"], r["pieces"],
              *(r["median_us"][p] for p in PHASES), r["median_us"]["total"], r["median_us"]["floor"],
-             r["median_us"]["check"]] for r in records]
+             r["median_us"]["check"], r["median_us"]["hot planning"], r["median_us"]["cold planning"]]
+            for r in records]
     print(f"\nhost time to plan and issue one pulled shard's copy ({args.device}, {TPB}-token pages, median of "
           f"{reps})\n")
     print(markdown_table(headers, rows))
