@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from functools import lru_cache
 
+from helixserve.cache_layout import head_slice
 from helixserve.protocol.disagg import KVLayout, PullGrant
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.layout import ShardSpec, shard_segments
@@ -86,8 +87,10 @@ def grant_pickup(export, pickup, serial: int, layout_json: str) -> PullGrant:  #
 def adopt_cp_group(pickup, cp_rank: int, cp_size: int, layout: KVLayout) -> str:  # noqa: ANN001
     """The first ack of a granted pickup that no rank asked for names its CP group: expect an
     ack from each of its ranks. An error text ("" if adopted) when the group cannot exist."""
-    if not 0 <= cp_rank < cp_size or layout.num_kda_heads % cp_size:
-        return f"cp_rank {cp_rank} of cp_size {cp_size} does not fit this request"
+    try:
+        head_slice(layout.num_kda_heads, cp_rank, cp_size)  # the CP geometry every shard obeys
+    except ValueError as error:
+        return f"cp_rank {cp_rank} of cp_size {cp_size} does not fit this request: {error}"
     pickup.cp_size = cp_size
     pickup.session.expected_acks = set(range(cp_size))
     return ""

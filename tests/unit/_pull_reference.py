@@ -11,6 +11,7 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.layout import AUX_MAGIC, AUX_WORDS, Segment, SegmentMemory, ShardSpec, _checked
+from helixserve.transceiver.pull import _pieces  # the per-segment cut (unchanged): only its assembly is new
 
 
 def reference_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,
@@ -65,19 +66,6 @@ class _Tensors:
             self._index[key] = len(self.tensors)
             self.tensors.append(flat)
         return self._index[key]
-
-
-def _pieces(s: SegmentMemory, d: SegmentMemory, total: int) -> np.ndarray:
-    if len(s.runs) == len(d.runs) and all(a[1] == b[1] for a, b in zip(s.runs, d.runs)):
-        return np.asarray([(a[0], b[0], a[1]) for a, b in zip(s.runs, d.runs)], dtype=np.int64)
-    s_starts, d_starts = np.asarray(s.starts, dtype=np.int64), np.asarray(d.starts, dtype=np.int64)
-    s_offsets = np.asarray([offset for offset, _ in s.runs], dtype=np.int64)
-    d_offsets = np.asarray([offset for offset, _ in d.runs], dtype=np.int64)
-    cuts = np.union1d(s_starts, d_starts)
-    si = np.searchsorted(s_starts, cuts, side="right") - 1
-    di = np.searchsorted(d_starts, cuts, side="right") - 1
-    return np.stack([s_offsets[si] + cuts - s_starts[si], d_offsets[di] + cuts - d_starts[di],
-                     np.diff(np.append(cuts, total))], axis=1)
 
 
 def reference_piece_table(src: Sequence[SegmentMemory], dst: Sequence[SegmentMemory], segments: Sequence[int],
