@@ -59,15 +59,15 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s=0.00005)
 
 
-PHASES = ("request", "reply", "planned", "table", "copy_issued", "launched", "done")
+PHASES = ("request", "reply", "planned", "copy_issued", "launched", "done")
 MODES = ("granted", "asked", "tagged")  # granted: as served (the ctx's answer carries a PullGrant)
 PROFILE_LINES = 40  # --profile: this many lines of the gen's pull-path profile go into the JSON
 
 
 def _record_phases(marks: dict[str, float]) -> None:
     """Stamp the pull path's phases of the request in flight (bench instrumentation only): the
-    request sent, the reply seen, the ctx's pools planned, the piece table cut, the batched copy
-    issued (table upload and kernel launch), the pull started, the copy seen done."""
+    request sent, the reply seen, the shard's unit groups built (`PullPair.groups`), the unit copy
+    issued (checks, table upload and kernel launch), the pull started, the copy seen done."""
     from helixserve.transceiver import inbound, pull
 
     def after(name: str, fn):  # noqa: ANN001, ANN202
@@ -83,10 +83,8 @@ def _record_phases(marks: dict[str, float]) -> None:
             return fn(*args, **kwargs)
         return run
 
-    # the gen process plans the ctx's side in _start_pull only
-    inbound.ShardPlan.for_sender = staticmethod(after("planned", inbound.ShardPlan.for_sender))
-    pull.piece_table = after("table", pull.piece_table)
-    pull.batched_copy_trusted = after("copy_issued", pull.batched_copy_trusted)
+    pull.PullPair.groups = after("planned", pull.PullPair.groups)
+    pull.unit_copy = after("copy_issued", pull.unit_copy)
     inbound.Inbound.request = after("request", inbound.Inbound.request)
     inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
     inbound.Inbound._start_pull = after("launched", inbound.Inbound._start_pull)
@@ -237,10 +235,10 @@ def run(quick: bool, reps: int | None, profile: bool = False) -> tuple[list[str]
     for preset in dict.fromkeys(p for p, _ in shapes):
         records += bench_preset(preset, [t for p, t in shapes if p == preset], reps, profile)
     headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "asked pull ms", "tagged UCX GB/s",
-               "raw ucxx GB/s", "device copy GB/s", "ours / device copy", "ours / raw ucxx", "granted: ms to plan",
-               "to table", "to copy issued", "to done", "asked: ms to reply"]
+               "raw ucxx GB/s", "device copy GB/s", "ours / device copy", "ours / raw ucxx", "granted: ms to unit groups",
+               "to copy issued", "to done", "asked: ms to reply"]
     rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["granted"], r["latency_ms"]["granted"],
              r["latency_ms"]["asked"], r["gbps"]["tagged"], r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"],
-             r["vs_raw_ucxx"], *(r["granted_phases_ms"].get(k) for k in ("planned", "table", "copy_issued", "done")),
+             r["vs_raw_ucxx"], *(r["granted_phases_ms"].get(k) for k in ("planned", "copy_issued", "done")),
              r["asked_phases_ms"].get("reply")] for r in records]
     return headers, rows, records

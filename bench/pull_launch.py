@@ -1,28 +1,26 @@
 """Host cost of planning and launching one pulled shard's copy, next to the launch floor.
 
 A gen rank that pulls a request's shard out of a ctx's opened pools (`transceiver.pull`) spends,
-on its engine thread: its own plan (``ShardPlan.for_receiver`` + ``prepare()``, at request
-start), the plan of the ctx's side over the opened pools (``ShardPlan.for_sender`` +
-``prepare()``; here over a second cache set of the same shape, standing in for the opened pools),
-the piece table (both sides' runs cut at every boundary of either), and issuing the batched copy
-(its host prep, the table's upload and the kernel launch on CUDA; the reference copy on the
-CPU). The copy itself runs on the device afterwards. Each phase is timed on the host, median of
-``--reps`` after warm-up; the total is the sum of the phase medians. The three planning phases run
-back to back per repetition; the issue is timed in a second loop, taking turns with the baseline
-(a CPU run's reference copy would otherwise flush the caches the next plan reads). On CUDA
-``torch.cuda.synchronize`` runs only outside the timed sections, so "issue" is the launch, not the
-kernel. Same-run baseline: one ``batched_copy`` of a single contiguous piece of the same byte
-count (the floor any launch pays). Also timed: the three planning phases **cold** (before each
-repetition 64 MiB are read, evicting the CPU caches, and other Python work runs, as between two
-requests of a serving gen rank, where each request's steps run once), and ``check_table`` of the shard's table, the bounds
-check the public ``batched_copy`` runs first (the pull's ``batched_copy_trusted`` does not: its
-table comes from bounds-checked memory maps).
+on its engine thread: its own plan (``ShardPlan.for_receiver`` at request start: the stream's
+segments and messages; no memory map is built for a pull), the unit groups of the shard (the
+cached ``PullPair`` of the two pool sets, then ``groups``: the two block tables times the block
+size, the two slots), and issuing the copy (``unit_copy``: its checks, the table's pack and
+upload, the kernel launch on CUDA; the reference copy on the CPU). The copy itself runs on the
+device afterwards. Each phase is timed on the host, median of ``--reps`` after warm-up; the total
+is the sum of the phase medians. The planning phases run back to back per repetition; the issue
+is timed in a second loop, taking turns with the baseline (a CPU run's reference copy would
+otherwise flush the caches the next plan reads). On CUDA ``torch.cuda.synchronize`` runs only
+outside the timed sections, so "issue" is the launch, not the kernel. Same-run baseline: one
+``unit_copy`` of a single unit of the same byte count (the floor any launch pays). Also timed: the
+planning phases **cold** (before each repetition 64 MiB are read, evicting the CPU caches, and
+other Python work runs, as between two requests of a serving gen rank, where each request's
+steps run once).
 
 Shapes: kimi-k3-mid 512 and 4096 prompt tokens, kimi-linear-48b 4096 and 32768 (``--quick``: the
 smaller of each preset), 64-token pages, bf16 KV, fp32 KDA state, cp 1. Block tables:
 ``contiguous`` (both sides' blocks in one run, as a fresh pool hands them out) and ``fragmented``
-(the ctx's blocks a seeded permutation of its pool: about one run per block). On the CPU the "issue"
-column is the reference piece-by-piece copy (a memcpy of the whole shard), not a launch.
+(the ctx's blocks a seeded permutation of its pool). On the CPU the "issue" column is the
+reference unit-by-unit copy (a memcpy of the whole shard), not a launch.
 
     python bench/pull_launch.py --quick --out pull_launch.json [--device cuda]
 """
@@ -32,7 +30,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
@@ -43,24 +40,8 @@ SHAPES = [("kimi-k3-mid", 512), ("kimi-k3-mid", 4096), ("kimi-linear-48b", 4096)
 QUICK_SHAPES = [("kimi-k3-mid", 512), ("kimi-linear-48b", 4096)]
 PATTERNS = ("contiguous", "fragmented")
 MESSAGE_BYTES = 16 << 20  # TransceiverConfig.message_bytes' default
-PHASES = ("receiver plan", "sender plan", "piece table", "copy issue")
+PHASES = ("receiver plan", "unit groups", "copy issue")
 EVICT_BYTES = 64 << 20  # read before each cold repetition: more than any CPU cache here
-
-
-def _host_steps() -> tuple[Callable, Callable]:
-    """(table, issue) as `pull.Pull` runs them: (src_plan, dst_plan) -> (srcs, dsts, table), then
-    the copy of that table on the current stream."""
-    from helixserve.transceiver import pull
-
-    if hasattr(pull, "shard_table"):
-        return pull.shard_table, pull.batched_copy_trusted
-    from helixserve.transceiver.base import PayloadKind  # main before the pullfast branch
-
-    def table(src_plan, dst_plan):  # noqa: ANN001, ANN202
-        segments = [i for i, seg in enumerate(dst_plan.segments) if seg.kind is not PayloadKind.AUX]
-        sizes = [dst_plan.segments[i].nbytes for i in segments]
-        return pull.piece_table(src_plan.memory, dst_plan.memory, segments, sizes)
-    return table, pull.batched_copy
 
 
 def _evict(junk) -> None:  # noqa: ANN001 (a numpy array)
@@ -77,10 +58,11 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
     import torch
 
     from helixserve.cache_layout import cache_spec_for
-    from helixserve.kernels.copy.batched import batched_copy, check_table
+    from helixserve.kernels.copy.units import UnitGroup, unit_copy
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
     from helixserve.transceiver.layout import ShardPlan, ShardSpec, layout_for
+    from helixserve.transceiver.pull import pull_pair
 
     cfg = get_preset(preset)
     layout = layout_for(cfg, torch.bfloat16, TPB, preset)
@@ -89,47 +71,49 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
     num_blocks = 2 * n + 2
     gen, ctx = (allocate_model_caches(cache_spec_for(cfg, torch.bfloat16, TPB), num_blocks, 2, device=device)
                 for _ in range(2))
-    table_fn, issue_fn = _host_steps()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     spec_bytes = sum(seg.nbytes for seg in ShardPlan.for_receiver(spec, gen, list(range(n)), 0, MESSAGE_BYTES).segments
                      if seg.kind.name != "AUX")
     src, dst = (torch.ones(spec_bytes, dtype=torch.uint8, device=device) for _ in range(2))  # the floor's pair
-    one = np.asarray([[0, 0, 0, 0, spec_bytes]], dtype=np.int64)
+    one = [UnitGroup(spec_bytes, np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64))]
     junk = np.ones(EVICT_BYTES, dtype=np.uint8)
+    pairs: dict = {}  # RemotePools.pairs: the pair is built on a pool set's first pull, then kept
+    pull_pair(pairs, layout, ctx, gen, spec.num_local_heads)
     records = []
     for pattern in PATTERNS:
         gen_blocks = list(range(n))
         ctx_blocks = (list(range(n, 2 * n)) if pattern == "contiguous"
                       else np.random.default_rng(num_tokens).permutation(num_blocks)[:n].tolist())
-        times: dict[str, list[float]] = {k: [] for k in (*PHASES, "floor", "check", "cold planning")}
+        times: dict[str, list[float]] = {k: [] for k in (*PHASES, "floor", "cold planning")}
+
+        def plan():  # noqa: ANN202 (what Inbound.__init__ and Inbound._launch run before the copy)
+            ShardPlan.for_receiver(spec, gen, gen_blocks, 0, MESSAGE_BYTES)
+            pair = pull_pair(pairs, layout, ctx, gen, spec.num_local_heads)
+            return pair, pair.groups(spec, ctx_blocks, 1, gen_blocks, 0)
+
         for rep in range(warmup + reps):  # the planning phases back to back, as one pull runs them
             sync()
             t0 = time.perf_counter()
-            ours = ShardPlan.for_receiver(spec, gen, gen_blocks, 0, MESSAGE_BYTES).prepare()
+            ShardPlan.for_receiver(spec, gen, gen_blocks, 0, MESSAGE_BYTES)
             t1 = time.perf_counter()
-            theirs = ShardPlan.for_sender(spec, ctx, ctx_blocks, 1, [7], MESSAGE_BYTES).prepare()
+            pair = pull_pair(pairs, layout, ctx, gen, spec.num_local_heads)
+            groups = pair.groups(spec, ctx_blocks, 1, gen_blocks, 0)
             t2 = time.perf_counter()
-            srcs, dsts, table = table_fn(theirs, ours)
-            t3 = time.perf_counter()
-            check_table(srcs, dsts, table)  # not a phase of the pull (any more): beside it
-            t4 = time.perf_counter()
             if rep >= warmup:
-                for key, dt in zip((*PHASES[:3], "check"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                for key, dt in zip(PHASES[:2], (t1 - t0, t2 - t1)):
                     times[key].append(dt * 1e6)
-        assert int(np.asarray(table)[:, 4].sum()) == spec_bytes
+        assert sum(g.nbytes for g in groups) == spec_bytes
         for rep in range(warmup + reps):  # the same planning, cold
             _evict(junk)
             t0 = time.perf_counter()
-            ours = ShardPlan.for_receiver(spec, gen, gen_blocks, 0, MESSAGE_BYTES).prepare()
-            theirs = ShardPlan.for_sender(spec, ctx, ctx_blocks, 1, [7], MESSAGE_BYTES).prepare()
-            srcs, dsts, table = table_fn(theirs, ours)
+            pair, groups = plan()
             if rep >= warmup:
                 times["cold planning"].append((time.perf_counter() - t0) * 1e6)
         # then the issue, taking turns with the floor (apart: a CPU run's reference copy, a memcpy
         # of the shard, would flush the caches the next plan reads, which no GPU launch does)
         for rep in range(warmup + reps):
-            for key, issue in (("copy issue", lambda: issue_fn(srcs, dsts, table)),
-                               ("floor", lambda: batched_copy([src], [dst], one))):
+            for key, issue in (("copy issue", lambda: unit_copy(pair.srcs, pair.dsts, groups)),
+                               ("floor", lambda: unit_copy([src], [dst], one))):
                 sync()
                 start = time.perf_counter()
                 issue()
@@ -139,9 +123,11 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
                     times[key].append(elapsed * 1e6)
         med = {k: statistics.median(v) for k, v in times.items()}
         med["total"] = sum(med[p] for p in PHASES)
-        med["hot planning"] = sum(med[p] for p in PHASES[:3])
+        med["hot planning"] = sum(med[p] for p in PHASES[:2])
+        units = sum(len(g.segments) * len(g.units) for g in groups)
         records.append({"preset": preset, "tokens": num_tokens, "pattern": pattern, "bytes": spec_bytes,
-                        "mib": spec_bytes / 2**20, "pieces": int(len(table)), "median_us": med, "times_us": times})
+                        "mib": spec_bytes / 2**20, "groups": len(groups), "units": units, "median_us": med,
+                        "times_us": times})
         print(f"  {preset} {num_tokens} {pattern}: total {med['total']:.0f} us, floor {med['floor']:.0f} us",
               flush=True)
     return records
@@ -157,11 +143,11 @@ def main() -> None:
     records = []
     for preset, num_tokens in shapes:
         records += bench_shape(preset, num_tokens, args.device, reps, warmup=2)
-    headers = ["preset", "prompt tokens", "blocks", "MiB", "pieces", *(f"{p} µs" for p in PHASES), "total µs",
-               "floor µs (1 piece)", "check_table µs", "planning hot µs", "planning cold µs"]
-    rows = [[r["preset"], r["tokens"], r["pattern"], r["mib"], r["pieces"],
+    headers = ["preset", "prompt tokens", "blocks", "MiB", "units", *(f"{p} µs" for p in PHASES), "total µs",
+               "floor µs (1 unit)", "planning hot µs", "planning cold µs"]
+    rows = [[r["preset"], r["tokens"], r["pattern"], r["mib"], r["units"],
              *(r["median_us"][p] for p in PHASES), r["median_us"]["total"], r["median_us"]["floor"],
-             r["median_us"]["check"], r["median_us"]["hot planning"], r["median_us"]["cold planning"]]
+             r["median_us"]["hot planning"], r["median_us"]["cold planning"]]
             for r in records]
     print(f"\nhost time to plan and issue one pulled shard's copy ({args.device}, {TPB}-token pages, median of "
           f"{reps})\n")

@@ -2,8 +2,8 @@
 
 Between processes of one host the fastest path for a shard is a one-sided copy: the receiver maps
 the sender's pools into its own address space once and copies each request's bytes device to
-device, out of the ctx's blocks straight into its own, with one batched kernel
-(:func:`helixserve.kernels.copy.batched.batched_copy`). No bounce buffer, no UCX message, no
+device, out of the ctx's blocks straight into its own, with one unit-copy launch
+(:func:`helixserve.kernels.copy.units.unit_copy`). No bounce buffer, no UCX message, no
 rendezvous round trip: a request costs its RequestShard (which the tagged path pays too) and the
 copy, at device-copy speed on one GPU or over NVLink between peers.
 
@@ -35,7 +35,7 @@ import math
 import secrets
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -157,6 +157,7 @@ class RemotePools:
     storages: list[torch.UntypedStorage]  # keeps the mappings open
     grant_key: bytes = b""
     lease: LeaseBoard | None = None  # the ctx's lease words: granted pulls are usable
+    pairs: dict = field(default_factory=dict)  # pull.PullPair per receiving cache set (go with these pools)
 
 
 def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> RemotePools:

@@ -14,7 +14,7 @@ it, and a Cancel would stop the pickup for whichever rank holds it.
 
 Pulled (`pull`, `cuda_ipc`): when this rank holds the ctx's opened pools, RequestShard names their
 epoch and no receive is posted; a ctx that answers with `pull` sends nothing: the shard is copied
-out of its pools by one batched kernel (PULLING), then acknowledged (DONE). A ctx that answers
+out of its pools by one unit-copy launch (PULLING; no memory map of either side), then acknowledged (DONE). A ctx that answers
 with the tagged stream instead (it restarted: another epoch) gets the receives posted then. Giving
 up while PULLING first waits (bounded) for the launched copy, so nothing writes once it returns.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,7 @@ from helixserve.transceiver.grant import grant_matches
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
 from helixserve.transceiver.plane import TransferHandle
-from helixserve.transceiver.pull import Pull
+from helixserve.transceiver.pull import Pull, pull_pair
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,6 @@ class Inbound:
             req.pull_epoch = self.pools.epoch
         self.future = self.client.request_shard_async(req, timeout_s=deadline_s)
         self.future.add_done_callback(lambda _: self.r.poller.wakeup.set())
-        if self.pools is not None:
-            self.plan.prepare()  # map our memory while the request travels
         self._replan(self.plan.message_bytes)
         self._post(len(self.recvs))  # while the request travels (maps our memory on the way)
 
@@ -187,10 +185,7 @@ class Inbound:
         if not pools.lease.holds(grant.serial):
             return False  # freed already: RequestShard gets the ctx's own answer
         try:
-            slot = None if grant.slot < 0 else grant.slot
-            theirs = ShardPlan.for_sender(spec, pools.caches, grant.block_ids, slot,
-                                          list(self.params.first_gen_tokens), self.plan.message_bytes)
-            self.pull = Pull(theirs, self.plan, self.r.copy_stream(self.device))
+            self.pull = self._launch(grant.block_ids, None if grant.slot < 0 else grant.slot)
         except Exception as error:  # noqa: BLE001 (nothing launched: ask instead)
             logger.warning("request %s: %s's pull grant is unusable (%s: %s); asking instead", self.request_id,
                            self.ctx, type(error).__name__, error)
@@ -210,6 +205,13 @@ class Inbound:
         self._request_shard(max(self.deadline_at - self.r.clock.monotonic(), 0.0))
         return False
 
+    def _launch(self, src_block_ids: Sequence[int], src_slot: int | None) -> Pull:
+        """Launch the copy of this rank's shard out of the ctx's opened pools, whose request
+        holds logical block b at ``src_block_ids[b]`` and its KDA state at `src_slot`."""
+        pair = pull_pair(self.pools.pairs, self.r.layout, self.pools.caches, self.caches, self.plan.spec.num_local_heads)
+        groups = pair.groups(self.plan.spec, src_block_ids, src_slot, self.handle.block_ids, self.handle.slot)
+        return Pull(pair, groups, self.r.copy_stream(self.device))
+
     def _start_pull(self, shard: pb.PullShard) -> None:
         try:
             if self.pools is None:
@@ -217,10 +219,7 @@ class Inbound:
             self._check_aux(torch.tensor(list(shard.aux), dtype=torch.int64))
             if self.error is not None:
                 return self.stop("the ctx holds another prefill")
-            slot = None if shard.src_slot < 0 else int(shard.src_slot)
-            theirs = ShardPlan.for_sender(self.plan.spec, self.pools.caches, list(shard.src_block_ids), slot,
-                                          list(self.params.first_gen_tokens), self.plan.message_bytes)
-            self.pull = Pull(theirs, self.plan, self.r.copy_stream(self.device))
+            self.pull = self._launch(list(shard.src_block_ids), None if shard.src_slot < 0 else int(shard.src_slot))
             self.r.num_pulled += 1
         except Exception as error:
             self._fail(f"{self.ctx}'s pull shard is unusable: {type(error).__name__}: {error}")

@@ -1,14 +1,18 @@
 """A pulled shard: the receiver copies its bytes out of the ctx's opened pools (see `cuda_ipc`).
 
-Both sides' memory maps come from the same layout code (`layout.ShardPlan`): the ctx's, built
-here over its opened pools with its block table and slot from `PullShard`, and the receiver's
-own. Each segment's bytes are in stream order on both sides, as runs that need not line up; the
-piece table cuts both at every run boundary of either, so every piece is contiguous on both
-sides, and one batched kernel copies them all (`kernels.copy.batched.batched_copy_trusted`: the
-table is built from bounds-checked maps, see `shard_table`, so it is not checked again) on the
-receiver's copy stream, which first waits for its compute stream (the destination blocks may
-have been read by the previous owner's last step). An event tells the engine thread when it is
-done; `wait` bounds how long a receiver that gives up waits for a copy already launched.
+The shard is the bytes `layout` names for this receiver (see the `layout` module docstring):
+every MLA layer's blocks, every KDA layer's state and conv head slices. In the pools those are
+three groups of equal units repeated over layers (a block at the same ids in every MLA layer;
+a head slice at the same slot in every KDA layer), which is what one unit copy takes
+(`kernels.copy.units`): the per-layer pool pairs (a :class:`PullPair`, checked once per pair of
+pool sets) and, per request, the unit offsets (the two block tables times the block size, the
+two slots). The device computes every address, so the host's work does not grow with the layer
+count, and no memory map or piece table is built.
+
+The copy runs on the receiver's copy stream, which first waits for its compute stream (the
+destination blocks may have been read by the previous owner's last step). An event tells the
+engine thread when it is done; `wait` bounds how long a receiver that gives up waits for a copy
+already launched.
 """
 
 from __future__ import annotations
@@ -19,96 +23,140 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from helixserve.kernels.copy.batched import batched_copy, batched_copy_trusted
-from helixserve.transceiver.base import PayloadKind
-from helixserve.transceiver.layout import SegmentMemory, ShardPlan
+from helixserve.cache_layout import ModelCaches
+from helixserve.kernels.copy.units import UnitGroup, unit_copy
+from helixserve.transceiver.layout import _DTYPES, ShardSpec
+from helixserve.transceiver.memory_map import PoolInfo, _checked
 
 WAIT_TICK_S = 0.0002  # internal: the bounded wait for a launched copy polls its event this often
+MAX_PAIRS = 8  # PullPairs kept per cache (a gen rank pulls into one cache set; a few ctx exports)
 
 
-def _distinct(flats: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-    """(the distinct tensors of `flats`, first seen first; each flat's index among them). Two
-    flats are one tensor when they start at one address with one size."""
-    keys = [(flat.data_ptr(), flat.numel()) for flat in flats]
-    if len(set(keys)) == len(keys):  # a pulled shard: every segment in its own layer's pool
-        return list(flats), list(range(len(keys)))
-    first: dict[tuple[int, int], torch.Tensor] = {}
-    for key, flat in zip(keys, flats):
-        first.setdefault(key, flat)
-    index = {key: i for i, key in enumerate(first)}
-    return list(first.values()), [index[key] for key in keys]
+class _Kind:
+    """One cache kind's layers on both sides: their flat pools' indices, by pool geometry."""
+
+    def __init__(self) -> None:
+        self.by_geometry: dict[tuple[int, int], tuple[PoolInfo, PoolInfo, list[tuple[int, int]]]] = {}
+
+    def add(self, src: PoolInfo, si: int, dst: PoolInfo, di: int) -> None:
+        entry = self.by_geometry.setdefault((src.geometry, dst.geometry), (src, dst, []))
+        entry[2].append((si, di))
+
+    def groups(self, unit_bytes: int, units: np.ndarray) -> list[UnitGroup]:
+        return [UnitGroup(unit_bytes, np.asarray(pairs, dtype=np.int64), units)
+                for _, _, pairs in self.by_geometry.values()]
+
+    def infos(self) -> list[tuple[PoolInfo, PoolInfo]]:
+        return [(s, d) for s, d, _ in self.by_geometry.values()]
 
 
-def _pieces(s: SegmentMemory, d: SegmentMemory, total: int) -> np.ndarray:
-    """``[n, 3]`` (source offset, destination offset, nbytes): the segment's stream bytes cut at
-    every run boundary of either side."""
-    if len(s.runs) == len(d.runs) and all(a[1] == b[1] for a, b in zip(s.runs, d.runs)):
-        return np.asarray([(a[0], b[0], a[1]) for a, b in zip(s.runs, d.runs)], dtype=np.int64)  # runs line up
-    s_starts, d_starts = np.asarray(s.starts, dtype=np.int64), np.asarray(d.starts, dtype=np.int64)
-    s_offsets = np.asarray([offset for offset, _ in s.runs], dtype=np.int64)
-    d_offsets = np.asarray([offset for offset, _ in d.runs], dtype=np.int64)
-    cuts = np.union1d(s_starts, d_starts)
-    si = np.searchsorted(s_starts, cuts, side="right") - 1
-    di = np.searchsorted(d_starts, cuts, side="right") - 1
-    return np.stack([s_offsets[si] + cuts - s_starts[si], d_offsets[di] + cuts - d_starts[di],
-                     np.diff(np.append(cuts, total))], axis=1)
+class PullPair:
+    """Pulls out of one pool set (`src`: a ctx's full-head pools) into another (`dst`: this
+    rank's pools of `dst_heads` KDA heads): every layer's pools checked against the layout (the
+    refusals `memory_map` gives) and their flat views, once."""
+
+    def __init__(self, layout, src: ModelCaches, dst: ModelCaches, dst_heads: int) -> None:  # noqa: ANN001 (KVLayout)
+        self.layout, self.src_caches, self.dst_caches, self.dst_heads = layout, src, dst, dst_heads
+        k, h = layout.kda_head_dim, layout.num_kda_heads
+        rows = layout.kv_lora_rank + layout.qk_rope_head_dim
+        self.srcs: list[torch.Tensor] = []
+        self.dsts: list[torch.Tensor] = []
+        self._tensors: list[tuple[dict, int, torch.Tensor]] = []  # (pools, layer, tensor): still the same pools?
+        self.mla, self.state, self.conv = _Kind(), _Kind(), _Kind()
+        specs = [(self.mla, "mla_kv", layout.mla_layers, layout.kv_dtype, (layout.tokens_per_block, rows),
+                  (layout.tokens_per_block, rows)),
+                 (self.state, "kda_state", layout.kda_layers, layout.state_dtype, (h, k, k), (dst_heads, k, k)),
+                 (self.conv, "conv_state", layout.kda_layers, layout.conv_dtype, (3 * h * k, layout.conv_kernel_size - 1),
+                  (3 * dst_heads * k, layout.conv_kernel_size - 1))]
+        for kind, field_name, layers, dtype, src_inner, dst_inner in specs:
+            for layer in layers:
+                s = self._flat(self.srcs, getattr(src, field_name), layer, dtype, src_inner)
+                d = self._flat(self.dsts, getattr(dst, field_name), layer, dtype, dst_inner)
+                kind.add(s, len(self.srcs) - 1, d, len(self.dsts) - 1)
+
+    def _flat(self, flats: list[torch.Tensor], pools: dict, layer: int, dtype: str, inner: tuple[int, ...]) -> PoolInfo:
+        info = _checked(pools, layer, dtype, _DTYPES[dtype], inner)
+        if info.flat is None:
+            raise ValueError(f"cache tensor {info.shape} must be contiguous")
+        flats.append(info.flat)
+        self._tensors.append((pools, layer, pools[layer]))
+        return info
+
+    def is_current(self) -> bool:
+        """Every pool is still the tensor this pair was built over."""
+        return all(pools.get(layer) is tensor for pools, layer, tensor in self._tensors)
+
+    def groups(self, spec: ShardSpec, src_block_ids: Sequence[int], src_slot: int | None,
+               dst_block_ids: Sequence[int], dst_slot: int | None) -> list[UnitGroup]:
+        """The unit groups of `spec`'s shard: the ctx holds logical block b at
+        ``src_block_ids[b]`` and its KDA state at `src_slot`; this rank's k-th shard block is
+        ``dst_block_ids[k]``, its state slot `dst_slot`. ValueError naming a block id or slot
+        outside its pool, or a shard the block tables do not cover."""
+        if spec.layout is not self.layout and spec.layout != self.layout:
+            raise ValueError("the shard's layout is not the one these pools were checked against")
+        if spec.num_local_heads != self.dst_heads:
+            raise ValueError(f"the shard has {spec.num_local_heads} KDA heads, this rank's pools {self.dst_heads}")
+        groups: list[UnitGroup] = []
+        blocks = spec.blocks
+        if blocks and self.mla.by_geometry:
+            if blocks[-1] >= len(src_block_ids):
+                raise ValueError(f"shard needs logical block {blocks[-1]}, the request holds {len(src_block_ids)}")
+            if len(dst_block_ids) < len(blocks):
+                raise ValueError(f"shard has {len(blocks)} blocks, the handle holds {len(dst_block_ids)}")
+            src = np.asarray(src_block_ids[blocks[0] : blocks[-1] + 1 : spec.cp_size], dtype=np.int64)
+            dst = np.asarray(dst_block_ids[: len(blocks)], dtype=np.int64)
+            for s, d in self.mla.infos():
+                _in_range("block id", src, s.shape[0], "the ctx's")
+                _in_range("block id", dst, d.shape[0], "this rank's")
+            s, d = self.mla.infos()[0]
+            unit = s.strides[0] * s.itemsize
+            groups += self.mla.groups(unit, np.stack([src * unit, dst * (d.strides[0] * d.itemsize)], axis=1))
+        if self.state.by_geometry:
+            if src_slot is None or dst_slot is None:
+                raise ValueError("a KDA shard needs a state slot on both sides")
+            head0, k = spec.heads[0], self.layout.kda_head_dim
+            for kind in (self.state, self.conv):
+                for s, d in kind.infos():
+                    _in_range("state slot", np.asarray([src_slot]), s.shape[0], "the ctx's")
+                    _in_range("state slot", np.asarray([dst_slot]), d.shape[0], "this rank's")
+            s, d = self.state.infos()[0]
+            units = [((src_slot * s.strides[0] + head0 * s.strides[1]) * s.itemsize, dst_slot * d.strides[0] * d.itemsize)]
+            groups += self.state.groups(self.dst_heads * d.strides[1] * d.itemsize, np.asarray(units, dtype=np.int64))
+            s, d = self.conv.infos()[0]
+            h = self.layout.num_kda_heads
+            units = [((src_slot * s.strides[0] + (sec * h * k + head0 * k) * s.strides[1]) * s.itemsize,
+                      (dst_slot * d.strides[0] + sec * self.dst_heads * k * d.strides[1]) * d.itemsize)
+                     for sec in range(3)]
+            groups += self.conv.groups(self.dst_heads * k * d.strides[1] * d.itemsize, np.asarray(units, dtype=np.int64))
+        return groups
 
 
-def piece_table(src: Sequence[SegmentMemory], dst: Sequence[SegmentMemory], segments: Sequence[int],
-                sizes: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], np.ndarray]:
-    """(sources, destinations, table) copying segments `segments` (each of `sizes[i]` bytes).
-
-    Segments whose run lists are the same objects on both sides (every MLA layer of a request:
-    one block table; every KDA layer: one slot and head slice; see `memory_map`) share their
-    cut: it is computed once per request, and the table is those cuts stacked in one pass."""
-    live = [(src[seg], dst[seg], total) for seg, total in zip(segments, sizes) if total and src[seg].runs]
-    if not live:
-        return [], [], np.zeros((0, 5), dtype=np.int64)
-    cuts: dict[tuple[int, int, int], np.ndarray] = {}
-    parts = []
-    for s, d, total in live:
-        key = (id(s.runs), id(d.runs), total)
-        pieces = cuts.get(key)
-        if pieces is None:
-            pieces = cuts[key] = _pieces(s, d, total)
-        parts.append(pieces)
-    srcs, src_ids = _distinct([s.flat for s, _, _ in live])
-    dsts, dst_ids = _distinct([d.flat for _, d, _ in live])
-    counts = [len(pieces) for pieces in parts]
-    body = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    table = np.empty((body.shape[0], 5), dtype=np.int64)
-    table[:, 0] = np.repeat(np.asarray(src_ids, dtype=np.int64), counts)
-    table[:, 1] = body[:, 0]
-    table[:, 2] = np.repeat(np.asarray(dst_ids, dtype=np.int64), counts)
-    table[:, 3] = body[:, 1]
-    table[:, 4] = body[:, 2]
-    return srcs, dsts, table
+def _in_range(what: str, ids: np.ndarray, size: int, whose: str) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
+        bad = int(ids[(ids < 0) | (ids >= size)][0])
+        raise ValueError(f"{what} {bad} is outside {whose} pool of {size}")
 
 
-def shard_table(src_plan: ShardPlan, dst_plan: ShardPlan) -> tuple[list[torch.Tensor], list[torch.Tensor], np.ndarray]:
-    """The piece table of a pulled shard (every segment but AUX, which travels in the reply).
-
-    Both plans must be of one stream (the same segments): then every piece lies inside a run of
-    each side's memory map, and every run inside its pool (the maps are bounds-checked where they
-    are built), so the table can be copied without `check_table` (`batched_copy_trusted`)."""
-    if src_plan.segments != dst_plan.segments:
-        raise ValueError("the two plans of a pull cut different streams")
-    segments, sizes = [], []
-    for i, seg in enumerate(dst_plan.segments):
-        if seg.kind is not PayloadKind.AUX:
-            segments.append(i)
-            sizes.append(seg.unit_bytes * seg.num_units)
-    return piece_table(src_plan.memory, dst_plan.memory, segments, sizes)
+def pull_pair(cache: dict, layout, src: ModelCaches, dst: ModelCaches, dst_heads: int) -> PullPair:  # noqa: ANN001
+    """The PullPair of (`src`, `dst`), kept in `cache` (at most MAX_PAIRS; rebuilt when a pool
+    was replaced)."""
+    key = (id(src), id(dst), dst_heads)
+    pair = cache.get(key)
+    if pair is None or pair.src_caches is not src or pair.dst_caches is not dst or not pair.is_current():
+        pair = PullPair(layout, src, dst, dst_heads)
+        if len(cache) >= MAX_PAIRS:
+            cache.pop(next(iter(cache)))
+        cache[key] = pair
+    return pair
 
 
 class Pull:
     """One launched copy of a shard (engine thread)."""
 
-    def __init__(self, src_plan: ShardPlan, dst_plan: ShardPlan, stream: torch.cuda.Stream) -> None:
-        srcs, dsts, table = shard_table(src_plan, dst_plan)
+    def __init__(self, pair: PullPair, groups: Sequence[UnitGroup], stream: torch.cuda.Stream) -> None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            batched_copy_trusted(srcs, dsts, table)
+            unit_copy(pair.srcs, pair.dsts, groups)
             self.event = torch.cuda.Event()
             self.event.record(stream)
 
@@ -126,11 +174,15 @@ class Pull:
 
 
 def warm_up_copy(device: torch.device, stream: torch.cuda.Stream) -> None:
-    """One tiny pull-shaped copy on `device` (compiles the batched copy kernel; synchronizes)."""
+    """Tiny pull-shaped copies on `device` (compiles the unit copy kernel for one, two and three
+    groups at 16-byte vectors; synchronizes)."""
     src = torch.arange(4096, dtype=torch.int64, device=device).view(torch.uint8)
     dst = torch.zeros_like(src)
+    units = np.asarray([[0, 0], [1536, 1536]], dtype=np.int64)  # the groups' units tile bytes [0, 3072)
+    groups = [UnitGroup(512, np.zeros((1, 2), dtype=np.int64), units + 512 * g) for g in range(3)]
     with torch.cuda.stream(stream):
-        batched_copy([src], [dst], np.asarray([[0, 0, 0, 0, src.numel()]], dtype=np.int64))
+        for n in (1, 2, 3):
+            unit_copy([src], [dst], groups[:n])
     stream.synchronize()
-    if not torch.equal(src, dst):
-        raise RuntimeError(f"the batched copy kernel is wrong on {device}")
+    if not torch.equal(src[:3072], dst[:3072]) or dst[3072:].any():
+        raise RuntimeError(f"the unit copy kernel is wrong on {device}")

@@ -1,5 +1,5 @@
-"""The per-segment memory map, piece table and AUX encoding as they were before the fast paths
-(`transceiver.memory_map`, the stacked `pull.piece_table`): the reference the tests hold them to."""
+"""The per-segment memory map and AUX encoding as they were before the fast path
+(`transceiver.memory_map`): the reference the tests hold them to."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.layout import AUX_MAGIC, AUX_WORDS, Segment, SegmentMemory, ShardSpec, _checked
-from helixserve.transceiver.pull import _pieces  # the per-segment cut (unchanged): only its assembly is new
 
 
 def reference_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,
@@ -53,37 +52,6 @@ def reference_memory(spec: ShardSpec, segments: Sequence[Segment], caches: Model
         out.append(SegmentMemory.of(pool, offsets, seg.unit_bytes))
     assert all(m.starts[-1] + m.runs[-1][1] == s.nbytes for m, s in zip(out, segments) if m.runs)
     return out
-
-
-class _Tensors:
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self._index: dict[tuple[int, int], int] = {}
-
-    def index(self, flat: torch.Tensor) -> int:
-        key = (flat.data_ptr(), flat.numel())
-        if key not in self._index:
-            self._index[key] = len(self.tensors)
-            self.tensors.append(flat)
-        return self._index[key]
-
-
-def reference_piece_table(src: Sequence[SegmentMemory], dst: Sequence[SegmentMemory], segments: Sequence[int],
-                          sizes: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], np.ndarray]:
-    srcs, dsts = _Tensors(), _Tensors()
-    rows = []
-    for seg, total in zip(segments, sizes):
-        s, d = src[seg], dst[seg]
-        if total == 0 or not s.runs:
-            continue
-        pieces = _pieces(s, d, total)
-        piece = np.empty((pieces.shape[0], 5), dtype=np.int64)
-        piece[:, 0] = srcs.index(s.flat)
-        piece[:, [1, 3, 4]] = pieces
-        piece[:, 2] = dsts.index(d.flat)
-        rows.append(piece)
-    table = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
-    return srcs.tensors, dsts.tensors, table
 
 
 def reference_aux(num_prompt_tokens: int, first_tokens: Sequence[int]) -> torch.Tensor:

@@ -212,3 +212,37 @@ def test_grouped_mm_available_for_bf16():
     x = torch.zeros(8, 64, dtype=torch.bfloat16, device=CUDA)
     w = torch.zeros(4, 128, 64, dtype=torch.bfloat16, device=CUDA)
     assert moe_gpu.can_group(x, w, w)
+
+
+@pytest.mark.parametrize("align", [16, 8, 2])
+def test_unit_copy_at_pull_shapes(align):
+    """The pull's unit copy on the GPU (16-byte vectors when every offset allows them, narrower
+    words otherwise): a fragmented 48B-like shard (MLA blocks of 72 KiB over 7 layers, a 2 MiB
+    state and three conv slices over 20 layers) lands byte-exact, and nothing else is written."""
+    import numpy as np
+
+    from helixserve.kernels.copy import triton_units
+    from helixserve.kernels.copy.units import UnitGroup, unit_copy, unit_copy_reference
+
+    gen = torch.Generator().manual_seed(align)
+    block, blocks = 73728, 48
+    srcs = [torch.randint(0, 256, (blocks * block + 64,), dtype=torch.uint8, generator=gen) for _ in range(7)]
+    srcs += [torch.randint(0, 256, ((2 << 20) * 2 + 64,), dtype=torch.uint8, generator=gen) for _ in range(20)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    perm = torch.randperm(blocks, generator=gen)[:40].numpy()
+    shift = 0 if align == 16 else align  # offsets that are multiples of `align` only
+    mla = UnitGroup(block, np.stack([np.arange(7), np.arange(7)], 1),
+                    np.stack([perm * block + shift, np.arange(40) * block], 1))
+    state = UnitGroup(2 << 20, np.stack([np.arange(7, 27)] * 2, 1), np.asarray([[(2 << 20) + shift, 0]]))
+    conv = UnitGroup(3 * 1024, np.stack([np.arange(7, 27)] * 2, 1),
+                     np.asarray([[s * 8192 + shift, (2 << 20) + s * 4096] for s in range(3)]))
+    groups = [state, conv, mla]
+    want = [d.clone() for d in dsts]
+    unit_copy_reference(srcs, want, groups)
+    cuda_srcs, cuda_dsts = [t.cuda() for t in srcs], [t.cuda() for t in dsts]
+    _, _, word, vec = triton_units.pack(cuda_srcs, cuda_dsts, groups)
+    assert word * vec == align
+    unit_copy(cuda_srcs, cuda_dsts, groups)
+    torch.cuda.synchronize()
+    for w, d in zip(want, cuda_dsts):
+        assert torch.equal(w, d.cpu())

@@ -217,26 +217,34 @@ def test_moe_expert_paths_without_host_sync(path):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("word", [8, 4, 2, 1])
-def test_batched_copy(interp, word, monkeypatch):
-    """Pieces of every alignment (the widest word that divides them all), split into chunks
-    (a small CHUNK_BYTES), between several tensors: byte-equal to the piece-by-piece reference."""
+@pytest.mark.parametrize("word", [16, 8, 4, 2, 1])
+def test_unit_copy(interp, word, monkeypatch):
+    """Groups of every alignment (the widest word that divides every offset, size and tensor
+    address; 16 bytes: int64 pairs), units cut into chunks (a small CHUNK_BYTES, sizes that do not
+    divide), one to three groups over several tensors: byte-equal to the unit-by-unit reference."""
     import numpy as np
 
-    from helixserve.kernels.copy import triton_batched
-    from helixserve.kernels.copy.batched import batched_copy_reference
+    from helixserve.kernels.copy import triton_units
+    from helixserve.kernels.copy.units import UnitGroup, unit_copy_reference
 
-    monkeypatch.setattr(triton_batched, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(triton_units, "CHUNK_BYTES", 96)
     gen = torch.Generator().manual_seed(word)
-    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (4096, 1000)]
-    dsts = [torch.zeros(5000, dtype=torch.uint8), torch.zeros(600, dtype=torch.uint8)]
-    table = np.asarray([[0, 0, 0, 0, 1024], [1, 8 * word, 0, 2048, 40 * word], [0, 2048, 1, 0, 512],
-                        [0, 3000, 0, 4096, 900 // word * word], [1, 0, 0, 1200, 0]])
-    table[:, [1, 3, 4]] = table[:, [1, 3, 4]] // word * word
-    table[0, 1] = word  # the first piece starts at an odd multiple of the word
-    assert triton_batched.word_bytes(table[:, [1, 3]], table[:, 4]) == word
-    want = [d.clone() for d in dsts]
-    batched_copy_reference(srcs, want, table)
-    triton_batched.batched_copy(srcs, dsts, table)
-    for w, d in zip(want, dsts):
-        assert torch.equal(w, d)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (4096, 2048)]
+    dsts = [torch.zeros(8192, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)]
+
+    def group(unit: int, segments: list, units: list) -> UnitGroup:
+        return UnitGroup(unit * word, np.asarray(segments, dtype=np.int64), np.asarray(units, dtype=np.int64) * word)
+
+    groups = [group(13, [[0, 0], [1, 1]], [[0, 0], [40, 20], [3, 60]]),  # 13 words: chunks of 96 bytes
+              group(1, [[1, 0]], [[7, 100]]),
+              group(5, [[0, 1], [1, 0]], [[11, 150], [30, 170]])]
+    for n in (1, 2, 3):
+        for d in dsts:
+            d.zero_()
+        want = [d.clone() for d in dsts]
+        unit_copy_reference(srcs, want, groups[:n])
+        _, _, got_word, vec = triton_units.pack(srcs, dsts, groups[:n])
+        assert (got_word * vec == word) if word == 16 else (got_word == word and vec == 1)
+        triton_units.unit_copy(srcs, dsts, groups[:n])
+        for w, d in zip(want, dsts):
+            assert torch.equal(w, d)

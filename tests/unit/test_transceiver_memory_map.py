@@ -8,12 +8,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 
-import numpy as np
 import pytest
 import torch
 
 from helixserve.cache_layout import CacheSpec, cache_spec_for
-from helixserve.kernels.copy.batched import CopyTableError, batched_copy, batched_copy_trusted
+from helixserve.kernels.copy.units import unit_copy
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.transceiver import layout as layout_module
@@ -21,8 +20,8 @@ from helixserve.transceiver import memory_map
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.layout import (MAX_FIRST_TOKENS, SegmentMemory, ShardPlan,
                                            ShardSpec, encode_aux, gather, layout_for, plan_messages, shard_segments)
-from helixserve.transceiver.pull import piece_table, shard_table
-from tests.unit._pull_reference import reference_aux, reference_memory, reference_piece_table
+from helixserve.transceiver.pull import PullPair
+from tests.unit._pull_reference import reference_aux, reference_memory
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
 TPB = 4
@@ -88,19 +87,13 @@ def test_memory_maps_match_the_per_segment_reference(kinds, num_tokens, cp_size,
     _assert_same_map(theirs.memory, reference_memory(spec, theirs.segments, ctx, theirs.aux, physical, 2, heads,
                                                      spec.heads[0]))
     _assert_same_map(ours.memory, reference_memory(spec, ours.segments, gen, ours.aux, local, 1, heads // cp_size, 0))
-    for plan in (theirs, ours):  # one runs list per kind: the piece table cuts each once
+    for plan in (theirs, ours):  # one runs list per kind, shared by its layers
         for kind in (PayloadKind.KDA_STATE, PayloadKind.CONV_STATE, PayloadKind.KV_BLOCKS):
             mine = [m for s, m in zip(plan.segments, plan.memory) if s.kind is kind]
             assert all(m.runs is mine[0].runs for m in mine)
-    # the pulled copy moves exactly what the tagged stream would
-    srcs, dsts, table = shard_table(theirs, ours)
-    segments = [i for i, s in enumerate(ours.segments) if s.kind is not PayloadKind.AUX]
-    sizes = [ours.segments[i].nbytes for i in segments]
-    ref_srcs, ref_dsts, ref_table = reference_piece_table(theirs.memory, ours.memory, segments, sizes)
-    assert np.array_equal(table, ref_table)
-    assert [t.data_ptr() for t in srcs] == [t.data_ptr() for t in ref_srcs]
-    assert [t.data_ptr() for t in dsts] == [t.data_ptr() for t in ref_dsts]
-    batched_copy_trusted(srcs, dsts, table)
+    # the pulled copy (unit groups, no memory map) moves exactly what the tagged stream would
+    pair = PullPair(layout, ctx, gen, heads // cp_size)
+    unit_copy(pair.srcs, pair.dsts, pair.groups(spec, ctx_blocks, 2, local + [0, 1], 1))
     for message in ours.messages:
         if message.kind is not PayloadKind.AUX:
             want, got = (torch.empty(message.nbytes, dtype=torch.uint8) for _ in range(2))
@@ -147,60 +140,6 @@ def test_refusals_match_the_reference(case):
     want = _error(lambda: reference_memory(spec, plan.segments, caches, plan.aux, blocks, slot,
                                            LAYOUT.num_kda_heads, 0))
     assert got == want and got
-
-
-def _random_memory(rng: np.random.Generator, flat: torch.Tensor, unit: int, num_units: int) -> SegmentMemory:
-    slots = rng.choice(flat.numel() // unit, size=num_units, replace=False)
-    if rng.random() < 0.5:
-        slots.sort()  # adjacent units: runs of several
-    return SegmentMemory.of(flat, (slots * unit).tolist(), unit)
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_piece_table_matches_the_reference(seed):
-    """Shared run lists (one cut for several segments), one tensor under two segments, segments
-    of 0 bytes or without runs, runs that do not line up: the same tensors and rows as before."""
-    rng = np.random.default_rng(seed)
-    pools = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
-    src, dst, segments, sizes = [], [], [], []
-    for i in range(int(rng.integers(1, 12))):
-        unit, num_units = int(rng.integers(1, 5)) * 8, int(rng.integers(0, 20))
-        s = _random_memory(rng, pools[int(rng.integers(0, 2))], unit, num_units)
-        d = _random_memory(rng, pools[2 + int(rng.integers(0, 2))], unit, num_units)
-        if i and rng.random() < 0.4:  # the previous segment's runs on other tensors
-            s = SegmentMemory(pools[int(rng.integers(0, 2))], src[-1].runs, src[-1].starts)
-            d = SegmentMemory(pools[2 + int(rng.integers(0, 2))], dst[-1].runs, dst[-1].starts)
-            unit, num_units = 1, sizes[-1]
-        src.append(s)
-        dst.append(d)
-        segments.append(i)
-        sizes.append(unit * num_units if rng.random() > 0.1 else 0)
-    order = rng.permutation(len(segments)).tolist()  # any segment order
-    got = piece_table(src, dst, order, [sizes[i] for i in order])
-    want = reference_piece_table(src, dst, order, [sizes[i] for i in order])
-    assert [id(t) for t in got[0]] == [id(t) for t in want[0]] and [id(t) for t in got[1]] == [id(t) for t in want[1]]
-    assert np.array_equal(got[2], want[2]) and got[2].dtype == np.int64 and got[2].shape[1] == 5
-
-
-def test_shard_table_refuses_plans_of_two_streams():
-    cache_spec = cache_spec_for(CFG, torch.float32, TPB)
-    caches = _caches(cache_spec, LAYOUT.num_kda_heads, 4)
-    a = ShardPlan.for_receiver(ShardSpec(LAYOUT, 23), caches, list(range(6)), 0, 1 << 20)
-    b = ShardPlan.for_sender(ShardSpec(LAYOUT, 27), caches, list(range(7)), 1, [1], 1 << 20)
-    with pytest.raises(ValueError, match="different streams"):
-        shard_table(b, a)
-
-
-def test_trusted_copy_is_the_checked_copy_without_the_checks():
-    a, b = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    table = np.asarray([[0, 0, 0, 8, 16], [0, 40, 0, 0, 8]], dtype=np.int64)
-    want = b.clone()
-    batched_copy([a], [want], table)
-    batched_copy_trusted([a], [b], table)
-    assert torch.equal(b, want)
-    batched_copy_trusted([a], [b], np.zeros((0, 5), dtype=np.int64))  # nothing to copy
-    with pytest.raises(CopyTableError, match="one device"):
-        batched_copy_trusted([torch.empty(8, dtype=torch.uint8, device="meta")], [b], table)
 
 
 def test_stream_plans_are_shared_items_in_fresh_lists():

@@ -1,6 +1,7 @@
-"""The pulled-shard pieces that run without a GPU: the piece table between two memory maps, the
-batched copy's reference and checks, and the ctx's DescribePools answers where it cannot export.
-(The pull itself needs CUDA IPC: tests/integration/test_transceiver_cuda.py, GPU-marked.)"""
+"""The pulled-shard pieces that run without a GPU: the unit copy's reference and checks, the pull's
+unit groups between two pool sets (their refusals; `test_transceiver_memory_map` holds their bytes
+to the tagged stream's), and the ctx's DescribePools answers where it cannot export. (The pull
+itself needs CUDA IPC: tests/integration/test_transceiver_cuda.py, GPU-marked.)"""
 
 from __future__ import annotations
 
@@ -11,81 +12,111 @@ import pytest
 import torch
 
 from helixserve.cache_layout import cache_spec_for
-from helixserve.kernels.copy.batched import CopyTableError, batched_copy, check_table
+from helixserve.kernels.copy.units import CopyUnitsError, UnitGroup, check_units, unit_copy
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.cuda_ipc import PoolDirectory, PoolExport, host_id
-from helixserve.transceiver.layout import SegmentMemory, ShardPlan, ShardSpec, gather, layout_for
-from helixserve.transceiver.pull import piece_table
+from helixserve.transceiver.layout import ShardSpec, layout_for
+from helixserve.transceiver.pull import MAX_PAIRS, PullPair, pull_pair
 
 PRESET = "kimi-k3-tiny"
 
 
-def _memory(rng: np.random.Generator, unit: int, num_units: int, capacity: int) -> SegmentMemory:
-    parent = torch.zeros(capacity * unit, dtype=torch.uint8)
-    offsets = rng.permutation(capacity)[:num_units] * unit
-    offsets[: num_units // 2].sort()  # some adjacent units, coalesced into runs
-    return SegmentMemory.of(parent, offsets.tolist(), unit)
+def _group(unit: int, segments, units) -> UnitGroup:
+    return UnitGroup(unit, np.asarray(segments, dtype=np.int64).reshape(-1, 2), np.asarray(units, dtype=np.int64).reshape(-1, 2))
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_piece_table_copies_every_stream_byte_to_its_place(seed):
-    """Runs that do not line up on the two sides (different fragmentation, a unit split at
-    different places) still copy stream byte i of each segment to stream byte i."""
+def test_unit_copy_moves_every_unit_of_every_segment(seed):
+    """Random groups over several tensors (segments naming any pair, units anywhere that fits,
+    destinations disjoint): byte i of unit u of segment s lands at its place, nothing else moves."""
     rng = np.random.default_rng(seed)
-    unit, num_units = int(rng.integers(1, 9)) * 8, int(rng.integers(1, 40))
-    src = [_memory(rng, unit, num_units, 64), _memory(rng, 24, 3, 5)]
-    dst = [_memory(rng, unit, num_units, 80), _memory(rng, 24, 3, 7)]
-    for m in src:
-        m.flat.copy_(torch.randint(0, 256, m.flat.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
-    sizes = [unit * num_units, 72]
-    srcs, dsts, table = piece_table(src, dst, [0, 1], sizes)
-    batched_copy(srcs, dsts, table)
-    for s, d, n in zip(src, dst, sizes):
-        want, got = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-        gather(s.spans(0, n), want)
-        gather(d.spans(0, n), got)
-        assert torch.equal(got, want)
-    assert table[:, 4].sum() == sum(sizes)
-    # every piece is one run on both sides: no more pieces than the two sides' run boundaries
-    assert len(table) <= sum(len(s.runs) + len(d.runs) for s, d in zip(src, dst))
+    gen = torch.Generator().manual_seed(seed)
+    srcs = [torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=gen) for n in rng.integers(512, 2048, 3)]
+    dsts = [torch.zeros(int(n), dtype=torch.uint8) for n in rng.integers(1024, 4096, 2)]
+    want = [d.clone() for d in dsts]
+    taken = [np.zeros(d.numel(), dtype=bool) for d in dsts]
+    groups = []
+    for _ in range(int(rng.integers(1, 4))):
+        unit = int(rng.integers(1, 64))
+        segments = [(int(rng.integers(0, 3)), int(rng.integers(0, 2))) for _ in range(int(rng.integers(1, 4)))]
+        units = []
+        for _ in range(int(rng.integers(1, 6))):
+            so = int(rng.integers(0, min(srcs[s].numel() for s, _ in segments) - unit))
+            do = int(rng.integers(0, min(dsts[d].numel() for _, d in segments) - unit))
+            if any(taken[d][do : do + unit].any() for _, d in segments):
+                continue
+            for si, di in segments:
+                taken[di][do : do + unit] = True
+            units.append((so, do))
+        if units and len({d for _, d in segments}) == len(segments):  # two segments on one destination would overlap
+            groups.append(_group(unit, segments, units))
+            for si, di in segments:
+                for so, do in units:
+                    want[di][do : do + unit] = srcs[si][so : so + unit]
+        else:
+            for si, di in segments:  # undo: this group is not copied
+                for so, do in units:
+                    taken[di][do : do + unit] = False
+    unit_copy(srcs, dsts, groups)
+    for w, d in zip(want, dsts):
+        assert torch.equal(w, d)
 
 
-def test_piece_table_of_a_real_shard_matches_the_tagged_stream_bytes():
-    """ctx plan (full heads, fragmented blocks) -> a cp 2 rank's plan: the piece table moves the
-    same bytes a tagged stream would (its messages gathered on one side, scattered on the other)."""
-    cfg = get_preset(PRESET)
-    layout = layout_for(cfg, torch.float32, 16, PRESET)
-    spec = ShardSpec(layout, 16 * 5 + 3, cp_rank=1, cp_size=2)
-    ctx = allocate_model_caches(cache_spec_for(cfg, torch.float32, 16), 12, 3)
-    for pools in (ctx.mla_kv, ctx.kda_state, ctx.conv_state):
-        for pool in pools.values():
-            pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(pool.numel())))
-    full = cache_spec_for(cfg, torch.float32, 16)
-    gen = allocate_model_caches(dataclasses.replace(full, kda_num_heads=full.kda_num_heads // 2), 12, 3)
-    theirs = ShardPlan.for_sender(spec, ctx, [9, 2, 3, 7, 0, 11], 2, [5], 1 << 20)
-    ours = ShardPlan.for_receiver(spec, gen, [4, 1, 8], 1, 1 << 20)
-    segments = [i for i, s in enumerate(ours.segments) if s.kind.name != "AUX"]
-    srcs, dsts, table = piece_table(theirs.memory, ours.memory, segments, [ours.segments[i].nbytes for i in segments])
-    batched_copy(srcs, dsts, table)
-    for message in ours.messages:
-        if message.kind.name == "AUX":
-            continue
-        want, got = torch.empty(message.nbytes, dtype=torch.uint8), torch.empty(message.nbytes, dtype=torch.uint8)
-        gather(theirs.spans(message), want)
-        gather(ours.spans(message), got)
-        assert torch.equal(got, want), message
-
-
-def test_batched_copy_refuses_pieces_outside_its_tensors():
+def test_unit_copy_refuses_units_outside_its_tensors():
     a, b = torch.zeros(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
-    for row in ([0, 60, 0, 0, 8], [0, 0, 0, 30, 4], [1, 0, 0, 0, 1], [0, 0, 0, -1, 1], [0, 0, 0, 0, -2]):
-        with pytest.raises(CopyTableError, match="outside"):
-            batched_copy([a], [b], np.asarray([row]))
-    with pytest.raises(CopyTableError, match="uint8"):
-        check_table([a.view(torch.int32)], [b], np.zeros((0, 5)))
-    batched_copy([a], [b], np.zeros((0, 5)))  # nothing to copy is fine
+    for group in (_group(8, [0, 0], [60, 0]), _group(4, [0, 0], [0, 30]), _group(1, [1, 0], [0, 0]),
+                  _group(1, [0, 0], [0, -1]), _group(1, [0, 2], [0, 0]), _group(-2, [0, 0], [0, 0])):
+        with pytest.raises(CopyUnitsError, match="outside|of 1|< 0|tensor 2"):
+            unit_copy([a], [b], [group])
+    with pytest.raises(CopyUnitsError, match="uint8"):
+        check_units([a.view(torch.int32)], [b], [])
+    with pytest.raises(CopyUnitsError, match=r"\[n, 2\]"):
+        check_units([a], [b], [UnitGroup(1, np.zeros(3, dtype=np.int64), np.zeros((1, 2), dtype=np.int64))])
+    unit_copy([a], [b], [_group(4, np.zeros((0, 2)), [0, 0])])  # nothing to copy is fine
+    assert not b.any()
+
+
+def _pools(heads_div: int = 1, blocks: int = 12, slots: int = 3):
+    cfg = get_preset(PRESET)
+    full = cache_spec_for(cfg, torch.float32, 16)
+    return allocate_model_caches(dataclasses.replace(full, kda_num_heads=full.kda_num_heads // heads_div), blocks, slots)
+
+
+def test_pull_pairs_are_kept_per_pool_set_and_rebuilt_when_a_pool_changes():
+    layout = layout_for(get_preset(PRESET), torch.float32, 16, PRESET)
+    ctx, gen = _pools(), _pools()
+    cache: dict = {}
+    pair = pull_pair(cache, layout, ctx, gen, layout.num_kda_heads)
+    assert pull_pair(cache, layout, ctx, gen, layout.num_kda_heads) is pair
+    layer = next(iter(gen.mla_kv))
+    gen.mla_kv[layer] = gen.mla_kv[layer].clone()  # a pool put in another's place
+    assert not pair.is_current()
+    again = pull_pair(cache, layout, ctx, gen, layout.num_kda_heads)
+    assert again is not pair
+    assert gen.mla_kv[layer].data_ptr() in [t.data_ptr() for t in again.dsts]
+    others = [_pools() for _ in range(MAX_PAIRS + 1)]
+    for other in others:
+        pull_pair(cache, layout, other, gen, layout.num_kda_heads)
+    assert len(cache) == MAX_PAIRS  # bounded: the oldest go
+
+
+def test_a_pull_pair_refuses_pools_that_do_not_fit_the_layout():
+    layout = layout_for(get_preset(PRESET), torch.float32, 16, PRESET)
+    with pytest.raises(ValueError, match="layout says"):
+        PullPair(layout, _pools(), _pools(), layout.num_kda_heads // 2)  # full-head pools for a cp 2 rank
+    gen = _pools()
+    gen.kda_state[next(iter(gen.kda_state))] = torch.zeros(3, 2, 2)
+    with pytest.raises(ValueError, match="layout says"):
+        PullPair(layout, _pools(), gen, layout.num_kda_heads)
+    gen = _pools()
+    del gen.mla_kv[next(iter(gen.mla_kv))]
+    with pytest.raises(ValueError, match="no cache tensor"):
+        PullPair(layout, _pools(), gen, layout.num_kda_heads)
+    pair = PullPair(layout, _pools(), _pools(2), layout.num_kda_heads // 2)
+    with pytest.raises(ValueError, match="KDA heads"):
+        pair.groups(ShardSpec(layout, 20), [0, 1], 0, [0, 1], 0)  # a cp 1 shard for a cp 2 rank's pools
 
 
 def test_pools_are_not_exported_from_host_memory_or_to_another_host():
@@ -129,15 +160,18 @@ def test_prefetch_opens_no_channel_where_nothing_can_be_pulled(monkeypatch):
         rx.close()
 
 
-@pytest.mark.parametrize("block_ids,slot", [([0, 1, 99], 0), ([0, -1, 2], 0), ([0, 1], 0), ([0, 1, 2], 7),
-                                            ([0, 1, 2], -2)])
-def test_a_hostile_pull_shard_maps_nothing_outside_the_pools(block_ids, slot):
-    """The receiver maps a ctx's PullShard (block table, slot) onto the pools it opened with the
-    layout code; a block or slot outside them, or a table too short for the prompt, raises
-    before any copy is built (Inbound._start_pull then fails the request and cancels)."""
-    cfg = get_preset(PRESET)
-    layout = layout_for(cfg, torch.float32, 16, PRESET)
-    ctx = allocate_model_caches(cache_spec_for(cfg, torch.float32, 16), 12, 3)
+@pytest.mark.parametrize("block_ids,slot,dst_ids,dst_slot", [
+    ([0, 1, 99], 0, [0, 1, 2], 0), ([0, -1, 2], 0, [0, 1, 2], 0), ([0, 1], 0, [0, 1, 2], 0), ([0, 1, 2], 7, [0, 1, 2], 0),
+    ([0, 1, 2], -2, [0, 1, 2], 0), ([0, 1, 2], None, [0, 1, 2], 0), ([0, 1, 2], 0, [0, 12, 2], 0),
+    ([0, 1, 2], 0, [0, 1], 0), ([0, 1, 2], 0, [0, 1, 2], 3)])
+def test_a_hostile_pull_shard_copies_nothing_outside_the_pools(block_ids, slot, dst_ids, dst_slot):
+    """The receiver turns a ctx's PullShard or PullGrant (block table, slot) and its own handle
+    into unit groups over the pools it opened; a block or slot outside either side's pools, a
+    missing slot, or a table too short for the prompt raises before anything is launched
+    (Inbound._start_pull then fails the request and cancels; a grant falls back to asking)."""
+    layout = layout_for(get_preset(PRESET), torch.float32, 16, PRESET)
+    pair = PullPair(layout, _pools(), _pools(), layout.num_kda_heads)
     spec = ShardSpec(layout, 16 * 2 + 1)  # 3 blocks
-    with pytest.raises(ValueError, match="outside|needs logical block"):
-        ShardPlan.for_sender(spec, ctx, block_ids, slot, [5], 1 << 20).memory  # noqa: B018
+    with pytest.raises(ValueError, match="outside|needs logical block|needs a state slot|handle holds"):
+        pair.groups(spec, block_ids, slot, dst_ids, dst_slot)
+    assert pair.groups(spec, [0, 1, 2], 0, [0, 1, 2], 0)  # the same request, in range, is fine
