@@ -17,13 +17,15 @@ or 1 bytes) that every address and size allows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from helixserve.kernels.copy.units import UnitGroup
+if TYPE_CHECKING:  # (units imports this module)
+    from helixserve.kernels.copy.units import UnitGroup
 
 CHUNK_BYTES = 64 << 10  # a unit is cut into chunks of about this size, one program each
 BLOCK_WORDS = 1024  # words per loop iteration of a program
