@@ -84,7 +84,7 @@ def _record_phases(marks: dict[str, float]) -> None:
         return run
 
     pull.PullPair.groups = after("planned", pull.PullPair.groups)
-    pull.unit_copy = after("copy_issued", pull.unit_copy)
+    pull.UnitCopier.copy = after("copy_issued", pull.UnitCopier.copy)
     inbound.Inbound.request = after("request", inbound.Inbound.request)
     inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
     inbound.Inbound._start_pull = after("launched", inbound.Inbound._start_pull)

@@ -4,14 +4,14 @@ A gen rank that pulls a request's shard out of a ctx's opened pools (`transceive
 on its engine thread: its own plan (``ShardPlan.for_receiver`` at request start: the stream's
 segments and messages; no memory map is built for a pull), the unit groups of the shard (the
 cached ``PullPair`` of the two pool sets, then ``groups``: the two block tables times the block
-size, the two slots), and issuing the copy (``unit_copy``: its checks, the table's pack and
+size, the two slots), and issuing the copy (``UnitCopier.copy``: the request table's pack and
 upload, the kernel launch on CUDA; the reference copy on the CPU). The copy itself runs on the
 device afterwards. Each phase is timed on the host, median of ``--reps`` after warm-up; the total
 is the sum of the phase medians. The planning phases run back to back per repetition; the issue
 is timed in a second loop, taking turns with the baseline (a CPU run's reference copy would
 otherwise flush the caches the next plan reads). On CUDA ``torch.cuda.synchronize`` runs only
 outside the timed sections, so "issue" is the launch, not the kernel. Same-run baseline: one
-``unit_copy`` of a single unit of the same byte count (the floor any launch pays). Also timed: the
+``UnitCopier.copy`` of a single unit of the same byte count (the floor any launch pays). Also timed: the
 planning phases **cold** (before each repetition 64 MiB are read, evicting the CPU caches, and
 other Python work runs, as between two requests of a serving gen rank, where each request's
 steps run once).
@@ -58,7 +58,7 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
     import torch
 
     from helixserve.cache_layout import cache_spec_for
-    from helixserve.kernels.copy.units import UnitGroup, unit_copy
+    from helixserve.kernels.copy.units import UnitCopier, UnitGroup
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
     from helixserve.transceiver.layout import ShardPlan, ShardSpec, layout_for
@@ -75,7 +75,8 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
     spec_bytes = sum(seg.nbytes for seg in ShardPlan.for_receiver(spec, gen, list(range(n)), 0, MESSAGE_BYTES).segments
                      if seg.kind.name != "AUX")
     src, dst = (torch.ones(spec_bytes, dtype=torch.uint8, device=device) for _ in range(2))  # the floor's pair
-    one = [UnitGroup(spec_bytes, np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64))]
+    floor = UnitCopier([src], [dst], [np.zeros((1, 2), dtype=np.int64)])
+    one = [UnitGroup(spec_bytes, floor.segments[0], np.zeros((1, 2), dtype=np.int64))]
     junk = np.ones(EVICT_BYTES, dtype=np.uint8)
     pairs: dict = {}  # RemotePools.pairs: the pair is built on a pool set's first pull, then kept
     pull_pair(pairs, layout, ctx, gen, spec.num_local_heads)
@@ -112,8 +113,7 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
         # then the issue, taking turns with the floor (apart: a CPU run's reference copy, a memcpy
         # of the shard, would flush the caches the next plan reads, which no GPU launch does)
         for rep in range(warmup + reps):
-            for key, issue in (("copy issue", lambda: unit_copy(pair.srcs, pair.dsts, groups)),
-                               ("floor", lambda: unit_copy([src], [dst], one))):
+            for key, issue in (("copy issue", lambda: pair.copier.copy(groups)), ("floor", lambda: floor.copy(one))):
                 sync()
                 start = time.perf_counter()
                 issue()

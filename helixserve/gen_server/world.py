@@ -42,7 +42,7 @@ from helixserve.parallel import DistEnv, Mapping
 from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTransferError,
                                       KVTransferTimeoutError)
 from helixserve.protocol import KVLayout
-from helixserve.serving.warm_up import warm_up_prompt
+from helixserve.serving.warm_up import warm_up_prompts
 from helixserve.transceiver.layout import layout_for
 
 logger = logging.getLogger(__name__)
@@ -208,19 +208,21 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
 
 
 def warm_up(driver: WorldDriver, deploy: DeploymentConfig) -> None:
-    """A restarted world's warm-up, the request a worker's first warm-up sends
+    """A restarted world's warm-up, the requests a worker's first warm-up sends
     (:mod:`helixserve.serving.warm_up`), one per DP group, through every rank (the first forward
     of a fresh world is slow); it frees everything it allocated. Raises if one failed."""
     core = driver.core
     max_len = core.scheduler.max_model_len
-    prompt, params = warm_up_prompt(max_len, min(deploy.limits.max_prompt_tokens or max_len, max_len),
-                                    core.model_config.vocab_size, deploy.cache.tokens_per_block,
-                                    max(deploy.scheduler.max_num_batched_tokens, deploy.cache.max_num_seqs))
+    prompts = warm_up_prompts(max_len, min(deploy.limits.max_prompt_tokens or max_len, max_len),
+                              core.model_config.vocab_size, deploy.cache.tokens_per_block,
+                              max(deploy.scheduler.max_num_batched_tokens, deploy.cache.max_num_seqs))
     num_groups = driver.mapping.dp
-    results = drive_to_completion(driver, [prompt] * num_groups, [params] * num_groups)
-    failed = [f"{r.request_id}: {r.error or r.finish_reason}" for r in results if r.finish_reason in ("error", "abort")]
-    if failed:
-        raise RuntimeError(f"the restarted gen world's warm-up failed: {'; '.join(failed)}")
+    for prompt, params in prompts:
+        results = drive_to_completion(driver, [prompt] * num_groups, [params] * num_groups)
+        failed = [f"{r.request_id}: {r.error or r.finish_reason}" for r in results
+                  if r.finish_reason in ("error", "abort")]
+        if failed:
+            raise RuntimeError(f"the restarted gen world's warm-up failed: {'; '.join(failed)}")
 
 
 def check_env(env: DistEnv, server: GenServerConfig) -> None:

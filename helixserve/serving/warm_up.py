@@ -1,14 +1,19 @@
-"""A worker's warm-up: one short greedy request through its real engine path before ``/ready``.
+"""A worker's warm-up: a few short greedy requests through its real engine path before ``/ready``.
 
 1. The app's lifespan starts the engine and the role's hooks, then :meth:`WarmUp.start` runs the
    warm-up as a task while uvicorn serves: ``/health`` answers 200 (alive), ``/ready`` 503
    ``warming up`` (the router sends nothing to a worker that is not ready).
-2. The request (:func:`warm_up_request`): a prompt one token longer than the larger of a cache
-   page and the prefill chunk budget (so the prefill runs over a page boundary and, where the
-   context length allows, in two chunks), then :data:`NUM_DECODE_STEPS` greedy decode steps. It
-   goes through the worker's ``AsyncEngine`` (a gen world: every rank, through its driver); a
+2. The requests (:func:`warm_up_prompts`), one after the other: a prompt one token longer than
+   the larger of a cache page and the prefill chunk budget (so the prefill runs over a page
+   boundary and, where the context length allows, in two chunks), then a short one (a page + 1)
+   and a medium one (8 pages + 1); each then runs :data:`NUM_DECODE_STEPS` greedy decode steps.
+   They go through the worker's ``AsyncEngine`` (a gen world: every rank, through its driver); a
    ctx worker holds its cache at the finish and releases it, as a pickup would. Kernels compile
-   (Triton, fla) and first-step costs are paid here, not by the first client.
+   (Triton, fla) and first-step costs are paid here, not by the first client. Several lengths,
+   because kernels specialize and autotune on length classes: fla's ``l2norm_fwd`` autotunes
+   25 configurations per ``cdiv(tokens * heads, 65536)``, and Triton specializes integer
+   arguments equal to 1 or divisible by 16. With the long prompt alone the first short request
+   paid 9-10 s of autotuning on a fresh H200 (1.2 s with a warm Triton cache).
 3. The warm-up checks that it left nothing allocated (blocks, slots, held requests).
 4. Done: ``/ready`` 200. Failed: ``/health`` and ``/ready`` 503 naming the cause, and the worker
    stops itself (SIGTERM: uvicorn's graceful shutdown); its command exits 1 naming the cause.
@@ -63,11 +68,21 @@ def warm_up_prompt(max_model_len: int, max_prompt_tokens: int, vocab: int, token
                    max_num_batched_tokens: int) -> tuple[list[int], SamplingParams]:
     """:func:`warm_up_request` from the bare numbers (a restarted gen world's driver has no
     serving limits)."""
-    wanted = max(tokens_per_block, max_num_batched_tokens) + 1
-    room = min(max_prompt_tokens, max_model_len - NUM_DECODE_STEPS - 1)
-    num_tokens = max(1, min(wanted, room))
-    prompt = [1 + (i * _PRIME) % (vocab - 1) for i in range(num_tokens)] if vocab > 1 else [0] * num_tokens
-    return prompt, SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+    return warm_up_prompts(max_model_len, max_prompt_tokens, vocab, tokens_per_block, max_num_batched_tokens)[0]
+
+
+def warm_up_prompts(max_model_len: int, max_prompt_tokens: int, vocab: int, tokens_per_block: int,
+                    max_num_batched_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+    """Every warm-up request, in order (see the module docstring): ``max(page, chunk) + 1``,
+    ``page + 1`` and ``8 * page + 1`` prompt tokens, each clipped so that prompt + decode steps
+    fit the context length; a length that repeats an earlier one is left out."""
+    room = max(1, min(max_prompt_tokens, max_model_len - NUM_DECODE_STEPS - 1))
+    lengths: list[int] = []
+    for wanted in (max(tokens_per_block, max_num_batched_tokens) + 1, tokens_per_block + 1, 8 * tokens_per_block + 1):
+        if (n := max(1, min(wanted, room))) not in lengths:
+            lengths.append(n)
+    params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+    return [([1 + (i * _PRIME) % (vocab - 1) for i in range(n)] if vocab > 1 else [0] * n, params) for n in lengths]
 
 
 class WarmUp:
@@ -88,7 +103,8 @@ class WarmUp:
         self.state = WarmUpState.PENDING if is_enabled else WarmUpState.OFF
         self.cause: str | None = None  # why it failed
         self.seconds: float | None = None
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = 0  # the longest warm-up prompt
+        self.prompt_lengths: list[int] = []
         self._task: asyncio.Task | None = None
 
     @classmethod
@@ -117,7 +133,8 @@ class WarmUp:
 
     def describe(self) -> dict[str, Any]:
         return {"state": self.state.value, "seconds": self.seconds,
-                "num_prompt_tokens": self.num_prompt_tokens, "cause": self.cause}
+                "num_prompt_tokens": self.num_prompt_tokens, "prompt_lengths": self.prompt_lengths,
+                "cause": self.cause}
 
     def start(self, engine: AsyncEngine, limits: ServingLimits) -> None:
         """On the event loop, once the engine runs: warm up in a task (no-op when off)."""
@@ -137,13 +154,15 @@ class WarmUp:
                 pass
 
     async def _run(self, engine: AsyncEngine, limits: ServingLimits) -> None:
-        prompt, params = warm_up_request(limits, self.tokens_per_block, self.max_num_batched_tokens)
-        self.num_prompt_tokens = len(prompt)
+        prompts = warm_up_prompts(limits.max_model_len, limits.max_prompt_tokens, limits.vocab_size,
+                                  self.tokens_per_block, self.max_num_batched_tokens)
+        self.num_prompt_tokens = len(prompts[0][0])
+        self.prompt_lengths = [len(p) for p, _ in prompts]
         began = time.perf_counter()
-        logger.info("%s worker warming up: %d request(s) of %d prompt tokens, %d decode steps",
-                    self.role, self.num_requests, len(prompt), NUM_DECODE_STEPS)
+        logger.info("%s worker warming up: %d request(s) each of %s prompt tokens, %d decode steps",
+                    self.role, self.num_requests, " then ".join(map(str, self.prompt_lengths)), NUM_DECODE_STEPS)
         try:
-            await asyncio.wait_for(self._requests(engine, prompt, params), self.timeout_s)
+            await asyncio.wait_for(self._all(engine, prompts), self.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure means this worker cannot serve
@@ -156,6 +175,10 @@ class WarmUp:
         self.seconds = time.perf_counter() - began
         self.state = WarmUpState.DONE
         logger.info("%s worker warmed up in %.2f s: ready", self.role, self.seconds)
+
+    async def _all(self, engine: AsyncEngine, prompts: list[tuple[list[int], SamplingParams]]) -> None:
+        for prompt, params in prompts:
+            await self._requests(engine, prompt, params)
 
     async def _requests(self, engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
         await asyncio.gather(*(self._request(engine, prompt, params) for _ in range(self.num_requests)))

@@ -267,8 +267,28 @@ def _stream(spec: ShardSpec, num_blocks: int, message_bytes: int) -> tuple[list[
     return list(stream[0]), list(stream[1])
 
 
+_CHECKED_CACHES: dict[tuple[int, int, int], tuple[KVLayout, ModelCaches, tuple[torch.Tensor, ...]]] = {}
+MAX_CHECKED_CACHES = 8
+
+
 def check_caches(layout: KVLayout, caches: ModelCaches, num_heads: int) -> None:
-    """ValueError unless `caches` hold every layer of `layout` (with `num_heads` KDA heads)."""
+    """ValueError unless `caches` hold every layer of `layout` (with `num_heads` KDA heads).
+    A receiver checks its caches on every request: a pass is remembered for these objects and
+    these pool tensors, so the next call only compares the tensors (~27 layers: 46 µs -> ~3)."""
+    key = (id(layout), id(caches), num_heads)
+    tensors = (*caches.mla_kv.values(), *caches.kda_state.values(), *caches.conv_state.values())
+    seen = _CHECKED_CACHES.get(key)
+    if (seen is not None and seen[0] is layout and seen[1] is caches and len(seen[2]) == len(tensors)
+            and all(a is b for a, b in zip(seen[2], tensors))):
+        return
+    _check_caches(layout, caches, num_heads)
+    with _STREAMS_LOCK:
+        if len(_CHECKED_CACHES) >= MAX_CHECKED_CACHES:
+            _CHECKED_CACHES.pop(next(iter(_CHECKED_CACHES)), None)
+        _CHECKED_CACHES[key] = (layout, caches, tensors)
+
+
+def _check_caches(layout: KVLayout, caches: ModelCaches, num_heads: int) -> None:
     k = layout.kda_head_dim
     for i in layout.mla_layers:
         _checked(caches.mla_kv, i, layout.kv_dtype, (layout.tokens_per_block, layout.kv_lora_rank + layout.qk_rope_head_dim))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from helixserve.cache_layout import ModelCaches
-from helixserve.kernels.copy.units import UnitGroup, unit_copy
+from helixserve.kernels.copy.units import UnitCopier, UnitGroup, unit_copy
 from helixserve.transceiver.layout import _DTYPES, ShardSpec
 from helixserve.transceiver.memory_map import PoolInfo, _checked
 
@@ -37,14 +37,17 @@ class _Kind:
 
     def __init__(self) -> None:
         self.by_geometry: dict[tuple[int, int], tuple[PoolInfo, PoolInfo, list[tuple[int, int]]]] = {}
+        self.segments: list[np.ndarray] = []  # per geometry: [layers, 2] (source, destination index)
 
     def add(self, src: PoolInfo, si: int, dst: PoolInfo, di: int) -> None:
         entry = self.by_geometry.setdefault((src.geometry, dst.geometry), (src, dst, []))
         entry[2].append((si, di))
 
+    def seal(self) -> None:
+        self.segments = [np.asarray(pairs, dtype=np.int64) for _, _, pairs in self.by_geometry.values()]
+
     def groups(self, unit_bytes: int, units: np.ndarray) -> list[UnitGroup]:
-        return [UnitGroup(unit_bytes, np.asarray(pairs, dtype=np.int64), units)
-                for _, _, pairs in self.by_geometry.values()]
+        return [UnitGroup(unit_bytes, segments, units) for segments in self.segments]
 
     def infos(self) -> list[tuple[PoolInfo, PoolInfo]]:
         return [(s, d) for s, d, _ in self.by_geometry.values()]
@@ -73,6 +76,8 @@ class PullPair:
                 s = self._flat(self.srcs, getattr(src, field_name), layer, dtype, src_inner)
                 d = self._flat(self.dsts, getattr(dst, field_name), layer, dtype, dst_inner)
                 kind.add(s, len(self.srcs) - 1, d, len(self.dsts) - 1)
+            kind.seal()
+        self.copier = UnitCopier(self.srcs, self.dsts, [*self.mla.segments, *self.state.segments, *self.conv.segments])
 
     def _flat(self, flats: list[torch.Tensor], pools: dict, layer: int, dtype: str, inner: tuple[int, ...]) -> PoolInfo:
         info = _checked(pools, layer, dtype, _DTYPES[dtype], inner)
@@ -156,7 +161,7 @@ class Pull:
     def __init__(self, pair: PullPair, groups: Sequence[UnitGroup], stream: torch.cuda.Stream) -> None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            unit_copy(pair.srcs, pair.dsts, groups)
+            pair.copier.copy(groups)
             self.event = torch.cuda.Event()
             self.event.record(stream)
 

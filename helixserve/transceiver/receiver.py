@@ -111,8 +111,8 @@ class KVReceiver:
         check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size)
         session = ReceiverSession(request_id, timeout_s=self.config.timeout_s, clock=self.clock)
         inbound = Inbound(self, request_id, ticket, handle, caches, next(self._tags))
-        for kind in inbound.plan.kinds:
-            session.add_task(0, kind, sum(m.nbytes for m in inbound.plan.kind_messages(kind)))
+        for kind in inbound.plan.kinds:  # (its messages cut its segments: the same bytes)
+            session.add_task(0, kind, sum(seg.nbytes for seg in inbound.plan.segments if seg.kind is kind))
         self.poller.add(session)
         self.inbounds[request_id] = inbound
         for kind in inbound.plan.kinds:

@@ -248,3 +248,15 @@ def test_unit_copy(interp, word, monkeypatch):
         triton_units.unit_copy(srcs, dsts, groups[:n])
         for w, d in zip(want, dsts):
             assert torch.equal(w, d)
+        if word >= 8:  # the prepared path (segment rows kept, only the units sent): the same bytes
+            for d in dsts:
+                d.zero_()
+            table = triton_units.SegmentTable(srcs, dsts, [g.segments for g in groups])
+            assert triton_units.copy_prepared(table, groups[:n])
+            for w, d in zip(want, dsts):
+                assert torch.equal(w, d)
+        else:  # words narrower than 8 bytes: the prepared path declines, nothing is written
+            table = triton_units.SegmentTable(srcs, dsts, [g.segments for g in groups])
+            before = [d.clone() for d in dsts]
+            assert not triton_units.copy_prepared(table, groups[:n])
+            assert all(torch.equal(b, d) for b, d in zip(before, dsts))

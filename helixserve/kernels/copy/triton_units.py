@@ -1,11 +1,14 @@
 """Triton path of :func:`helixserve.kernels.copy.units.unit_copy` (see there).
 
-The host packs one int64 table: a header row per group (first program, segments, units, chunks
-per unit, unit words, chunk words, where its segment and unit rows start), then each group's
-segment rows (both tensors' word offsets from the two anchors, ``srcs[0]`` and ``dsts[0]``) and
-unit rows (word offsets in the tensors). It is uploaded once and one launch covers every group:
-program ``p`` finds its group by the header's first programs, then its (segment, unit, chunk),
-adds the offsets and copies that chunk.
+Two int64 tables go to the device. The **segment table**: each group's segment rows (both
+tensors' word offsets from the two anchors, ``srcs[0]`` and ``dsts[0]``). The **request table**:
+a header row per group (first program, segments, units, chunks per unit, unit words, chunk
+words, where its segment rows start in the segment table and its unit rows in this one), then
+each group's unit rows (word offsets in the tensors). One launch covers every group: program
+``p`` finds its group by the headers' first programs, then its (segment, unit, chunk), adds the
+offsets and copies that chunk. :func:`unit_copy` packs both into one upload; a caller that copies
+between the same tensors again and again (the pull: one ctx's pools into ours) keeps a
+:class:`SegmentTable` on the device and sends only the request table (:func:`copy_prepared`).
 
 Addresses are offsets from the anchors (kernel arguments, which Triton knows to be 16-byte
 aligned) and are hinted to be multiples of the vector, so the copy uses 16-byte loads and stores
@@ -35,7 +38,7 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @triton.jit
-def _unit_copy_kernel(table_ptr, src_anchor, dst_anchor, NUM_GROUPS: tl.constexpr, HEADER: tl.constexpr,
+def _unit_copy_kernel(seg_ptr, table_ptr, src_anchor, dst_anchor, NUM_GROUPS: tl.constexpr, HEADER: tl.constexpr,
                       VEC: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     group = pid * 0
@@ -49,7 +52,7 @@ def _unit_copy_kernel(table_ptr, src_anchor, dst_anchor, NUM_GROUPS: tl.constexp
     chunk_words = tl.load(head + 5)
     chunk = local % chunks
     rest = local // chunks
-    segment = table_ptr + tl.load(head + 6) + (rest // num_units) * 2
+    segment = seg_ptr + tl.load(head + 6) + (rest // num_units) * 2
     unit = table_ptr + tl.load(head + 7) + (rest % num_units) * 2
     first = chunk * chunk_words
     src = tl.load(segment) + tl.load(unit) + first
@@ -77,41 +80,101 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pack(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups: Sequence[UnitGroup],
-         chunk_bytes: int = CHUNK_BYTES) -> tuple[np.ndarray, int, int, int]:
-    """(table, programs, word bytes, vector words) for ``groups`` (each with bytes to copy)."""
+def anchored_bases(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(every source's byte offset from ``srcs[0]``, every destination's from ``dsts[0]``, the
+    OR of those offsets and both anchors' addresses: what limits the word size)."""
     src_base = np.asarray([t.data_ptr() for t in srcs], dtype=np.int64)
     dst_base = np.asarray([t.data_ptr() for t in dsts], dtype=np.int64)
-    src_base -= src_base[0]
-    dst_base -= dst_base[0]
-    values = np.concatenate([src_base, dst_base, [srcs[0].data_ptr(), dsts[0].data_ptr()],
-                             *(g.units.ravel() for g in groups), [g.unit_bytes for g in groups]])
-    bits = int(np.bitwise_or.reduce(values))
+    bits = int(np.bitwise_or.reduce(np.concatenate([src_base, dst_base])))
+    return src_base - src_base[0], dst_base - dst_base[0], bits
+
+
+def _words(bits: int) -> tuple[int, int]:
+    """(word bytes, vector words) for offsets and sizes whose OR is `bits`."""
     word = word_bytes([bits])
-    vec = 2 if bits % 16 == 0 else 1  # 16-byte vectors of int64 words
+    return word, 2 if bits % 16 == 0 else 1  # 16-byte vectors of int64 words
+
+
+def request_table(groups: Sequence[UnitGroup], seg_offsets: Sequence[int], word: int, vec: int,
+                  chunk_bytes: int = CHUNK_BYTES) -> tuple[np.ndarray, int]:
+    """(request table, programs): the headers of `groups`, whose segment rows start at
+    `seg_offsets` in the segment table, then their unit rows in words."""
     header = np.zeros((len(groups), HEADER), dtype=np.int64)
-    rows, program, offset = [], 0, header.size
+    rows, program, offset = [header.ravel()], 0, header.size
     for g, group in enumerate(groups):
         unit_words = group.unit_bytes // word
         chunks = max(1, _ceil_div(group.unit_bytes, chunk_bytes))
         chunk_words = _ceil_div(_ceil_div(unit_words, chunks), vec) * vec  # whole vectors
         chunks = _ceil_div(unit_words, chunk_words)
-        seg = np.stack([src_base[group.segments[:, 0]], dst_base[group.segments[:, 1]]], axis=1) // word
         header[g] = (program, len(group.segments), len(group.units), chunks, unit_words, chunk_words,
-                     offset, offset + seg.size)
-        rows += [seg.ravel(), (group.units // word).ravel()]
-        offset += seg.size + group.units.size
+                     seg_offsets[g], offset)
+        rows.append((group.units // word).ravel())
+        offset += group.units.size
         program += len(group.segments) * len(group.units) * chunks
-    return np.concatenate([header.ravel(), *rows]), program, word, vec
+    return np.concatenate(rows), program
+
+
+def segment_rows(src_base: np.ndarray, dst_base: np.ndarray, segments: np.ndarray, word: int) -> np.ndarray:
+    """A group's segment rows (both tensors' word offsets from the anchors), flat."""
+    return (np.stack([src_base[segments[:, 0]], dst_base[segments[:, 1]]], axis=1) // word).ravel()
+
+
+def pack(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups: Sequence[UnitGroup],
+         chunk_bytes: int = CHUNK_BYTES) -> tuple[np.ndarray, int, int, int]:
+    """(one table: the segment rows, then the request table; programs, word bytes, vector words)
+    for ``groups`` (each with bytes to copy); the request table starts after the segment rows."""
+    src_base, dst_base, bits = anchored_bases(srcs, dsts)
+    units = np.concatenate([*(g.units.ravel() for g in groups), [g.unit_bytes for g in groups]])
+    word, vec = _words(bits | int(np.bitwise_or.reduce(units)))
+    segs = [segment_rows(src_base, dst_base, g.segments, word) for g in groups]
+    starts = np.cumsum([0, *(len(r) for r in segs)]).tolist()
+    table, programs = request_table(groups, starts[:-1], word, vec, chunk_bytes)
+    return np.concatenate([*segs, table]), programs, word, vec
+
+
+def _upload(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    out = torch.from_numpy(rows)
+    if device.type == "cuda":  # one upload, no host sync (the caching host allocator keeps it alive)
+        out = out.pin_memory().to(device, non_blocking=True)
+    return out
+
+
+def _launch(seg: torch.Tensor, table: torch.Tensor, programs: int, word: int, vec: int, num_groups: int,
+            src: torch.Tensor, dst: torch.Tensor) -> None:
+    dtype = _WORD_DTYPES[word]
+    _unit_copy_kernel[(programs,)](seg, table, src[:word].view(dtype), dst[:word].view(dtype), NUM_GROUPS=num_groups,
+                                   HEADER=HEADER, VEC=vec, BLOCK=BLOCK_WORDS, num_warps=NUM_WARPS)
 
 
 def unit_copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups: Sequence[UnitGroup]) -> None:
-    table, programs, word, vec = pack(srcs, dsts, groups)
-    device = dsts[0].device
-    rows = torch.from_numpy(table)
-    if device.type == "cuda":  # one upload, no host sync (the caching host allocator keeps it alive)
-        rows = rows.pin_memory().to(device, non_blocking=True)
-    dtype = _WORD_DTYPES[word]
-    src_anchor, dst_anchor = srcs[0][:word].view(dtype), dsts[0][:word].view(dtype)
-    _unit_copy_kernel[(programs,)](rows, src_anchor, dst_anchor, NUM_GROUPS=len(groups), HEADER=HEADER, VEC=vec,
-                                   BLOCK=BLOCK_WORDS, num_warps=NUM_WARPS)
+    rows, programs, word, vec = pack(srcs, dsts, groups)
+    both = _upload(rows, dsts[0].device)
+    split = len(rows) - (len(groups) * HEADER + sum(g.units.size for g in groups))
+    _launch(both, both[split:], programs, word, vec, len(groups), srcs[0], dsts[0])
+
+
+class SegmentTable:
+    """The segment rows of fixed groups of segments between fixed tensors, on their device in
+    8-byte words (:func:`copy_prepared` sends only each request's units)."""
+
+    def __init__(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
+                 segments: Sequence[np.ndarray]) -> None:
+        self.srcs, self.dsts = srcs, dsts
+        src_base, dst_base, self.bits = anchored_bases(srcs, dsts)
+        rows = [segment_rows(src_base, dst_base, s, 8) for s in segments]
+        self.offsets = dict(zip(map(id, segments), np.cumsum([0, *(len(r) for r in rows)]).tolist()))
+        self.rows = _upload(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), dsts[0].device)
+
+
+def copy_prepared(table: SegmentTable, groups: Sequence[UnitGroup]) -> bool:
+    """Copy `groups`, whose ``segments`` are arrays `table` was built over (unchecked: the
+    caller checked every unit against the tensors); False (nothing launched) when some unit
+    needs words narrower than 8 bytes (copy those with :func:`unit_copy`)."""
+    units = np.concatenate([*(g.units.ravel() for g in groups), [g.unit_bytes for g in groups]])
+    word, vec = _words(table.bits | int(np.bitwise_or.reduce(units)))
+    if word != 8:
+        return False
+    rows, programs = request_table(groups, [table.offsets[id(g.segments)] for g in groups], word, vec)
+    _launch(table.rows, _upload(rows, table.dsts[0].device), programs, word, vec, len(groups), table.srcs[0],
+            table.dsts[0])
+    return True
