@@ -217,8 +217,8 @@ def warm_up(driver: WorldDriver, deploy: DeploymentConfig) -> None:
                               core.model_config.vocab_size, deploy.cache.tokens_per_block,
                               max(deploy.scheduler.max_num_batched_tokens, deploy.cache.max_num_seqs))
     num_groups = driver.mapping.dp
-    for prompt, params in prompts:
-        results = drive_to_completion(driver, [prompt] * num_groups, [params] * num_groups)
+    for prompt, params, copies in prompts:
+        results = drive_to_completion(driver, [prompt] * (num_groups * copies), [params] * (num_groups * copies))
         failed = [f"{r.request_id}: {r.error or r.finish_reason}" for r in results
                   if r.finish_reason in ("error", "abort")]
         if failed:

@@ -5,15 +5,17 @@
    ``warming up`` (the router sends nothing to a worker that is not ready).
 2. The requests (:func:`warm_up_prompts`), one after the other: a prompt one token longer than
    the larger of a cache page and the prefill chunk budget (so the prefill runs over a page
-   boundary and, where the context length allows, in two chunks), then a short one (a page + 1)
-   and a medium one (8 pages + 1); each then runs :data:`NUM_DECODE_STEPS` greedy decode steps.
+   boundary and, where the context length allows, in two chunks), then a short one (a page + 1),
+   a medium one (8 pages + 1) and 8 whole pages as :data:`BATCH` requests at once; each then runs
+   :data:`NUM_DECODE_STEPS` greedy decode steps.
    They go through the worker's ``AsyncEngine`` (a gen world: every rank, through its driver); a
    ctx worker holds its cache at the finish and releases it, as a pickup would. Kernels compile
    (Triton, fla) and first-step costs are paid here, not by the first client. Several lengths,
    because kernels specialize and autotune on length classes: fla's ``l2norm_fwd`` autotunes
    25 configurations per ``cdiv(tokens * heads, 65536)``, and Triton specializes integer
-   arguments equal to 1 or divisible by 16. With the long prompt alone the first short request
-   paid 9-10 s of autotuning on a fresh H200 (1.2 s with a warm Triton cache).
+   arguments equal to 1 or divisible by 16 (a block table of 8 pages is not one of 9). With the
+   long prompt alone the first short request paid 9-10 s of autotuning on a fresh H200 (1.2 s
+   with a warm Triton cache); without the whole-page prompt a 512-token prompt compiled 1.1 s.
 3. The warm-up checks that it left nothing allocated (blocks, slots, held requests).
 4. Done: ``/ready`` 200. Failed: ``/health`` and ``/ready`` 503 naming the cause, and the worker
    stops itself (SIGTERM: uvicorn's graceful shutdown); its command exits 1 naming the cause.
@@ -68,21 +70,27 @@ def warm_up_prompt(max_model_len: int, max_prompt_tokens: int, vocab: int, token
                    max_num_batched_tokens: int) -> tuple[list[int], SamplingParams]:
     """:func:`warm_up_request` from the bare numbers (a restarted gen world's driver has no
     serving limits)."""
-    return warm_up_prompts(max_model_len, max_prompt_tokens, vocab, tokens_per_block, max_num_batched_tokens)[0]
+    return warm_up_prompts(max_model_len, max_prompt_tokens, vocab, tokens_per_block, max_num_batched_tokens)[0][:2]
+
+
+BATCH = 4  # the last warm-up prompt runs as this many requests at once (batched prefill and decode)
 
 
 def warm_up_prompts(max_model_len: int, max_prompt_tokens: int, vocab: int, tokens_per_block: int,
-                    max_num_batched_tokens: int) -> list[tuple[list[int], SamplingParams]]:
-    """Every warm-up request, in order (see the module docstring): ``max(page, chunk) + 1``,
-    ``page + 1`` and ``8 * page + 1`` prompt tokens, each clipped so that prompt + decode steps
-    fit the context length; a length that repeats an earlier one is left out."""
+                    max_num_batched_tokens: int) -> list[tuple[list[int], SamplingParams, int]]:
+    """Every warm-up step, in order (see the module docstring): ``(prompt, params, copies)``
+    for ``max(page, chunk) + 1``, ``page + 1``, ``8 * page + 1`` and ``8 * page`` prompt tokens,
+    the last as :data:`BATCH` requests at once; each length clipped so that prompt + decode
+    steps fit the context length, a length that repeats an earlier one left out."""
     room = max(1, min(max_prompt_tokens, max_model_len - NUM_DECODE_STEPS - 1))
-    lengths: list[int] = []
-    for wanted in (max(tokens_per_block, max_num_batched_tokens) + 1, tokens_per_block + 1, 8 * tokens_per_block + 1):
-        if (n := max(1, min(wanted, room))) not in lengths:
-            lengths.append(n)
+    steps: list[tuple[int, int]] = []
+    for wanted, copies in ((max(tokens_per_block, max_num_batched_tokens) + 1, 1), (tokens_per_block + 1, 1),
+                           (8 * tokens_per_block + 1, 1), (8 * tokens_per_block, BATCH)):
+        if (n := max(1, min(wanted, room))) not in [length for length, _ in steps]:
+            steps.append((n, copies))
     params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
-    return [([1 + (i * _PRIME) % (vocab - 1) for i in range(n)] if vocab > 1 else [0] * n, params) for n in lengths]
+    return [([1 + (i * _PRIME) % (vocab - 1) for i in range(n)] if vocab > 1 else [0] * n, params, copies)
+            for n, copies in steps]
 
 
 class WarmUp:
@@ -157,7 +165,7 @@ class WarmUp:
         prompts = warm_up_prompts(limits.max_model_len, limits.max_prompt_tokens, limits.vocab_size,
                                   self.tokens_per_block, self.max_num_batched_tokens)
         self.num_prompt_tokens = len(prompts[0][0])
-        self.prompt_lengths = [len(p) for p, _ in prompts]
+        self.prompt_lengths = [len(p) for p, _, _ in prompts]
         began = time.perf_counter()
         logger.info("%s worker warming up: %d request(s) each of %s prompt tokens, %d decode steps",
                     self.role, self.num_requests, " then ".join(map(str, self.prompt_lengths)), NUM_DECODE_STEPS)
@@ -176,12 +184,12 @@ class WarmUp:
         self.state = WarmUpState.DONE
         logger.info("%s worker warmed up in %.2f s: ready", self.role, self.seconds)
 
-    async def _all(self, engine: AsyncEngine, prompts: list[tuple[list[int], SamplingParams]]) -> None:
-        for prompt, params in prompts:
-            await self._requests(engine, prompt, params)
+    async def _all(self, engine: AsyncEngine, prompts: list[tuple[list[int], SamplingParams, int]]) -> None:
+        for prompt, params, copies in prompts:
+            await self._requests(engine, prompt, params, copies)
 
-    async def _requests(self, engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
-        await asyncio.gather(*(self._request(engine, prompt, params) for _ in range(self.num_requests)))
+    async def _requests(self, engine: AsyncEngine, prompt: list[int], params: SamplingParams, copies: int = 1) -> None:
+        await asyncio.gather(*(self._request(engine, prompt, params) for _ in range(self.num_requests * copies)))
         # an overlapped engine frees a finished request's cache when it collects the step already
         # in flight behind its last token: ask until that happened (the caller's timeout bounds it)
         settle_end = time.perf_counter() + SETTLE_S

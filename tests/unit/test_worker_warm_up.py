@@ -21,7 +21,7 @@ import uvicorn  # noqa: E402
 
 from helixserve.config import CtxServerConfig, DeploymentConfig, GenServerConfig  # noqa: E402
 from helixserve.serving.openai_serving import ServingLimits  # noqa: E402
-from helixserve.serving.warm_up import NUM_DECODE_STEPS, WarmUpState, warm_up_prompts, warm_up_request  # noqa: E402
+from helixserve.serving.warm_up import BATCH, NUM_DECODE_STEPS, WarmUpState, warm_up_prompts, warm_up_request  # noqa: E402
 from helixserve.testing.servers import free_ports, http, wait_until  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,17 +59,20 @@ def test_the_warm_up_prompt_crosses_a_page_and_the_chunk_budget_within_the_conte
     assert len(warm_up_request(_limits(2), PAGE, CHUNK)[0]) == 1
 
 
-def test_the_warm_up_also_runs_a_short_and_a_medium_prompt():
+def test_the_warm_up_also_runs_short_medium_and_whole_page_prompts():
     """Kernels specialize on length classes (fla's l2norm autotunes per 64k token-heads, Triton
-    on integers equal to 1 or divisible by 16): after the long prompt the warm-up runs a page + 1
-    and 8 pages + 1, each clipped to the context, none twice."""
-    lengths = [len(p) for p, _ in warm_up_prompts(4096, 4096, 100, PAGE, CHUNK)]
-    assert lengths == [CHUNK + 1, PAGE + 1, 8 * PAGE + 1]
-    assert [len(p) for p, _ in warm_up_prompts(4096, 4096, 100, 64, 8192)] == [4096 - NUM_DECODE_STEPS - 1, 65, 513]
-    assert [len(p) for p, _ in warm_up_prompts(PAGE + 1 + NUM_DECODE_STEPS + 1, 1 << 20, 100, PAGE, CHUNK)] == [PAGE + 1]
-    assert [len(p) for p, _ in warm_up_prompts(128, 3, 100, PAGE, CHUNK)] == [3]
+    on integers equal to 1 or divisible by 16): after the long prompt the warm-up runs a page + 1,
+    8 pages + 1 and 8 whole pages (BATCH at once), each clipped to the context, none twice."""
+    steps = warm_up_prompts(4096, 4096, 100, PAGE, CHUNK)
+    assert [(len(p), copies) for p, _, copies in steps] == [(CHUNK + 1, 1), (PAGE + 1, 1), (8 * PAGE + 1, 1),
+                                                            (8 * PAGE, BATCH)]
+    assert [len(p) for p, _, _ in warm_up_prompts(4096, 4096, 100, 64, 8192)] == [4096 - NUM_DECODE_STEPS - 1, 65,
+                                                                                513, 512]
+    assert [len(p) for p, _, _ in warm_up_prompts(PAGE + 1 + NUM_DECODE_STEPS + 1, 1 << 20, 100, PAGE, CHUNK)] == [
+        PAGE + 1]
+    assert [len(p) for p, _, _ in warm_up_prompts(128, 3, 100, PAGE, CHUNK)] == [3]
     assert all(params.is_greedy and params.max_tokens == NUM_DECODE_STEPS + 1
-               for _, params in warm_up_prompts(4096, 4096, 100, PAGE, CHUNK))
+               for _, params, _ in warm_up_prompts(4096, 4096, 100, PAGE, CHUNK))
 
 
 @contextmanager
