@@ -14,7 +14,8 @@ outside the timed sections, so "issue" is the launch, not the kernel. Same-run b
 ``UnitCopier.copy`` of a single unit of the same byte count (the floor any launch pays). Also timed: the
 planning phases **cold** (before each repetition 64 MiB are read, evicting the CPU caches, and
 other Python work runs, as between two requests of a serving gen rank, where each request's
-steps run once).
+steps run once). On CUDA also: the copy's GPU time (CUDA events, launched behind a 1 ms GPU
+sleep so the host does not bound it) next to one ``copy_`` of the same number of contiguous bytes.
 
 Shapes: kimi-k3-mid 512 and 4096 prompt tokens, kimi-linear-48b 4096 and 32768 (``--quick``: the
 smaller of each preset), 64-token pages, bf16 KV, fp32 KDA state, cp 1. Block tables:
@@ -51,6 +52,19 @@ def _evict(junk) -> None:  # noqa: ANN001 (a numpy array)
     junk.sum()
     for i in range(2000):
         json.dumps({"request": i, "tokens": [i] * 5})
+
+
+def _gpu_us(fn) -> float:  # noqa: ANN001
+    """GPU time of `fn`'s kernels (CUDA events; launched behind a 1 ms sleep, so not host-bound)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
 
 
 def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: int) -> list[dict]:
@@ -121,6 +135,9 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
                 sync()
                 if rep >= warmup:
                     times[key].append(elapsed * 1e6)
+        if device == "cuda":  # the copy's GPU time next to one copy_ of the same bytes (queued behind a sleep)
+            for key, fn in (("kernel gpu", lambda: pair.copier.copy(groups)), ("copy_ gpu", lambda: dst.copy_(src))):
+                times[key] = [_gpu_us(fn) for _ in range(warmup + reps)][warmup:]
         med = {k: statistics.median(v) for k, v in times.items()}
         med["total"] = sum(med[p] for p in PHASES)
         med["hot planning"] = sum(med[p] for p in PHASES[:2])
@@ -149,6 +166,11 @@ def main() -> None:
              *(r["median_us"][p] for p in PHASES), r["median_us"]["total"], r["median_us"]["floor"],
              r["median_us"]["hot planning"], r["median_us"]["cold planning"]]
             for r in records]
+    if args.device == "cuda":
+        headers += ["copy GPU µs", "copy_ GPU µs (same bytes)", "copy_ / copy"]
+        for row, r in zip(rows, records):
+            gpu, ref = r["median_us"]["kernel gpu"], r["median_us"]["copy_ gpu"]
+            row += [gpu, ref, ref / gpu]
     print(f"\nhost time to plan and issue one pulled shard's copy ({args.device}, {TPB}-token pages, median of "
           f"{reps})\n")
     print(markdown_table(headers, rows))

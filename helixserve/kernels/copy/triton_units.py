@@ -96,9 +96,11 @@ def _words(bits: int) -> tuple[int, int]:
 
 
 def request_table(groups: Sequence[UnitGroup], seg_offsets: Sequence[int], word: int, vec: int,
-                  chunk_bytes: int = CHUNK_BYTES) -> tuple[np.ndarray, int]:
+                  chunk_bytes: int | None = None) -> tuple[np.ndarray, int]:
     """(request table, programs): the headers of `groups`, whose segment rows start at
-    `seg_offsets` in the segment table, then their unit rows in words."""
+    `seg_offsets` in the segment table, then their unit rows in words (units cut in chunks of
+    about `chunk_bytes`, default CHUNK_BYTES)."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     header = np.zeros((len(groups), HEADER), dtype=np.int64)
     rows, program, offset = [header.ravel()], 0, header.size
     for g, group in enumerate(groups):
@@ -120,7 +122,7 @@ def segment_rows(src_base: np.ndarray, dst_base: np.ndarray, segments: np.ndarra
 
 
 def pack(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups: Sequence[UnitGroup],
-         chunk_bytes: int = CHUNK_BYTES) -> tuple[np.ndarray, int, int, int]:
+         chunk_bytes: int | None = None) -> tuple[np.ndarray, int, int, int]:
     """(one table: the segment rows, then the request table; programs, word bytes, vector words)
     for ``groups`` (each with bytes to copy); the request table starts after the segment rows."""
     src_base, dst_base, bits = anchored_bases(srcs, dsts)
