@@ -74,7 +74,7 @@ class TransceiverConfig(BaseModel):
             plus every RDMA port; ``"all"``: every device (UCX's default, listens everywhere).
         cuda_ipc: gen ranks copy shards straight out of the ctx's device pools where both sides'
             caches are on GPUs of one host (CUDA IPC handles exchanged once per ctx worker, one
-            batched copy kernel per request, no UCX messages; see `cuda_ipc`). Elsewhere, or off,
+            unit-copy launch per request, no UCX messages; see `cuda_ipc`). Elsewhere, or off,
             shards travel as UCX tagged messages (cuda_ipc / RDMA / tcp as UCX picks).
         control_tls: TLS for the control plane (None: plaintext gRPC on a private network).
         internal_secret: the deployment's internal secret; every control-plane call carries it

@@ -1,7 +1,8 @@
 """One side's memory map of a shard (`layout.ShardPlan.memory`): every segment's runs in its pool.
 
-Both sides of every request build one (a pulled shard: the receiver over its pools and over the
-ctx's opened pools, on its engine thread), so it is kept to a few dict lookups per segment:
+Both sides of a tagged stream build one (the ctx over its pools, the receiver over its own; a
+pulled shard needs none: `pull` copies unit groups), so it is kept to a few dict lookups per
+segment:
 
 - **Per-pool constants** (the flat uint8 view, shape, strides, dtype) are computed once per pool
   tensor and kept while that tensor lives (:func:`pool_info`). The key is the tensor object: a
@@ -10,7 +11,7 @@ ctx's opened pools, on its engine thread), so it is kept to a few dict lookups p
 - **One pattern per pool shape.** Every MLA layer of a request reads one block table and every
   KDA layer one slot and head slice, in pools of one shape: the unit offsets are the same for
   all of them. The runs are computed and bounds-checked once per (kind, shape, strides) and the
-  segments share the ``runs`` / ``starts`` lists (the piece table cuts each pattern once too).
+  segments share the ``runs`` / ``starts`` lists.
 
 The result is the map the per-segment code (:meth:`SegmentMemory.of` for each segment) gives,
 run for run; ``tests/unit/test_transceiver_memory_map.py`` holds that reference.
