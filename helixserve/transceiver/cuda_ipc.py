@@ -44,7 +44,8 @@ from helixserve.cache_layout import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
 from helixserve.transceiver.lease import LeaseBoard, LeaseError
-from helixserve.transceiver.layout import _DTYPES, check_caches, dtype_name, itemsize
+from helixserve.transceiver.cache_check import check_caches
+from helixserve.transceiver.layout import _DTYPES, dtype_name, itemsize
 
 logger = logging.getLogger(__name__)
 

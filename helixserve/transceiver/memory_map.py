@@ -74,7 +74,7 @@ def pool_info(pool: torch.Tensor) -> PoolInfo:
 
 def _checked(pools: dict[int, torch.Tensor], layer_id: int, dtype: str, want: torch.dtype,
              inner: tuple[int, ...]) -> PoolInfo:
-    """`layout._checked` over the pool's constants (same refusals, same messages); `want` is
+    """`cache_check._checked` over the pool's constants (same refusals, same messages); `want` is
     the torch dtype named `dtype`."""
     pool = pools.get(layer_id)
     if pool is None:

@@ -44,7 +44,8 @@ from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import ControlClient, ControlClients, target
 from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.inbound import Inbound, Phase
-from helixserve.transceiver.layout import ShardSpec, check_caches, check_layout
+from helixserve.transceiver.cache_check import check_caches
+from helixserve.transceiver.layout import ShardSpec, check_layout
 from helixserve.transceiver.plane import DataPlane, open_data_plane
 from helixserve.transceiver.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
@@ -108,7 +109,7 @@ class KVReceiver:
         """
         if request_id in self.inbounds:
             raise ValueError(f"request {request_id} is already being received here")
-        check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size)
+        check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size, remember=True)
         session = ReceiverSession(request_id, timeout_s=self.config.timeout_s, clock=self.clock)
         inbound = Inbound(self, request_id, ticket, handle, caches, next(self._tags))
         for kind in inbound.plan.kinds:  # (its messages cut its segments: the same bytes)

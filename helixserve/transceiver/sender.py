@@ -64,7 +64,8 @@ from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
 from helixserve.transceiver.clock import MonotonicClock
 from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.grant import GRANT_TASK, adopt_cp_group, grant_pickup
-from helixserve.transceiver.layout import ShardPlan, check_caches, check_layout
+from helixserve.transceiver.cache_check import check_caches
+from helixserve.transceiver.layout import ShardPlan, check_layout
 from helixserve.transceiver.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
 from helixserve.transceiver.pickup import Pickup, PickupSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)

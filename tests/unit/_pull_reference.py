@@ -10,7 +10,8 @@ import torch
 
 from helixserve.cache_layout import ModelCaches
 from helixserve.transceiver.base import PayloadKind
-from helixserve.transceiver.layout import AUX_MAGIC, AUX_WORDS, Segment, SegmentMemory, ShardSpec, _checked
+from helixserve.transceiver.cache_check import _checked
+from helixserve.transceiver.layout import AUX_MAGIC, AUX_WORDS, Segment, SegmentMemory, ShardSpec
 
 
 def reference_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,

@@ -175,3 +175,40 @@ def test_a_hostile_pull_shard_copies_nothing_outside_the_pools(block_ids, slot, 
     with pytest.raises(ValueError, match="outside|needs logical block|needs a state slot|handle holds"):
         pair.groups(spec, block_ids, slot, dst_ids, dst_slot)
     assert pair.groups(spec, [0, 1, 2], 0, [0, 1, 2], 0)  # the same request, in range, is fine
+
+
+def test_a_unit_copier_checks_its_segments_once_and_copies_like_the_reference():
+    from helixserve.kernels.copy.units import UnitCopier, unit_copy_reference
+
+    gen = torch.Generator().manual_seed(3)
+    srcs = [torch.randint(0, 256, (256,), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    dsts = [torch.zeros(256, dtype=torch.uint8) for _ in range(2)]
+    segments = np.asarray([[0, 1], [1, 0]], dtype=np.int64)
+    copier = UnitCopier(srcs, dsts, [segments])
+    groups = [UnitGroup(16, copier.segments[0], np.asarray([[0, 32], [100, 200]], dtype=np.int64))]
+    want = [d.clone() for d in dsts]
+    unit_copy_reference(srcs, want, groups)
+    copier.copy(groups)
+    assert all(torch.equal(w, d) for w, d in zip(want, dsts))
+    for bad in (np.asarray([[0, 2]]), np.asarray([[-1, 0]]), np.zeros(2, dtype=np.int64)):
+        with pytest.raises(CopyUnitsError, match="do not name"):
+            UnitCopier(srcs, dsts, [bad])
+    with pytest.raises(CopyUnitsError, match="uint8"):
+        UnitCopier([srcs[0].view(torch.int16)], dsts, [segments])
+
+
+def test_checked_caches_are_checked_again_when_a_pool_is_replaced():
+    """A receiver checks its caches on every request; a pass is remembered per pool tensor, so
+    a pool put in another's place (here misshapen) is checked again and refused."""
+    from helixserve.transceiver.cache_check import check_caches
+
+    layout = layout_for(get_preset(PRESET), torch.float32, 16, PRESET)
+    caches = _pools()
+    check_caches(layout, caches, layout.num_kda_heads, remember=True)
+    check_caches(layout, caches, layout.num_kda_heads, remember=True)  # remembered
+    layer = next(iter(caches.kda_state))
+    caches.kda_state[layer] = torch.zeros(3, 1, 2, 2)
+    with pytest.raises(ValueError, match="layout says"):
+        check_caches(layout, caches, layout.num_kda_heads, remember=True)
+    with pytest.raises(ValueError, match="layout says"):
+        check_caches(layout, _pools(2), layout.num_kda_heads, remember=True)  # another cache set: checked anew
