@@ -212,3 +212,20 @@ def test_checked_caches_are_checked_again_when_a_pool_is_replaced():
         check_caches(layout, caches, layout.num_kda_heads, remember=True)
     with pytest.raises(ValueError, match="layout says"):
         check_caches(layout, _pools(2), layout.num_kda_heads, remember=True)  # another cache set: checked anew
+
+
+def test_a_remembered_cache_check_keeps_no_pool_alive():
+    """The memo holds weak references: a receiver's dropped cache set (a restarted world's) is
+    freed, not kept by the check it once passed."""
+    import gc
+    import weakref
+
+    from helixserve.transceiver.cache_check import check_caches
+
+    layout = layout_for(get_preset(PRESET), torch.float32, 16, PRESET)
+    caches = _pools()
+    pool = weakref.ref(next(iter(caches.mla_kv.values())))
+    check_caches(layout, caches, layout.num_kda_heads, remember=True)
+    del caches
+    gc.collect()
+    assert pool() is None
