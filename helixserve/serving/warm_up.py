@@ -81,12 +81,12 @@ def warm_up_prompts(max_model_len: int, max_prompt_tokens: int, vocab: int, toke
     """Every warm-up step, in order (see the module docstring): ``(prompt, params, copies)``
     for ``max(page, chunk) + 1``, ``page + 1``, ``8 * page + 1`` and ``8 * page`` prompt tokens,
     the last as :data:`BATCH` requests at once; each length clipped so that prompt + decode
-    steps fit the context length, a length that repeats an earlier one left out."""
+    steps fit the context length, a step that repeats an earlier one left out."""
     room = max(1, min(max_prompt_tokens, max_model_len - NUM_DECODE_STEPS - 1))
     steps: list[tuple[int, int]] = []
     for wanted, copies in ((max(tokens_per_block, max_num_batched_tokens) + 1, 1), (tokens_per_block + 1, 1),
                            (8 * tokens_per_block + 1, 1), (8 * tokens_per_block, BATCH)):
-        if (n := max(1, min(wanted, room))) not in [length for length, _ in steps]:
+        if (n := max(1, min(wanted, room)), copies) not in steps:  # a clipped batch step stays a batch
             steps.append((n, copies))
     params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
     return [([1 + (i * _PRIME) % (vocab - 1) for i in range(n)] if vocab > 1 else [0] * n, params, copies)
@@ -164,7 +164,7 @@ class WarmUp:
     async def _run(self, engine: AsyncEngine, limits: ServingLimits) -> None:
         prompts = warm_up_prompts(limits.max_model_len, limits.max_prompt_tokens, limits.vocab_size,
                                   self.tokens_per_block, self.max_num_batched_tokens)
-        self.num_prompt_tokens = len(prompts[0][0])
+        self.num_prompt_tokens = max(len(p) for p, _, _ in prompts)
         self.prompt_lengths = [len(p) for p, _, _ in prompts]
         began = time.perf_counter()
         logger.info("%s worker warming up: %d request(s) each of %s prompt tokens, %d decode steps",

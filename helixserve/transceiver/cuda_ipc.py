@@ -5,14 +5,15 @@ the sender's pools into its own address space once and copies each request's byt
 device, out of the ctx's blocks straight into its own, with one unit-copy launch
 (:func:`helixserve.kernels.copy.units.unit_copy`). No bounce buffer, no UCX message, no
 rendezvous round trip: a request costs its RequestShard (which the tagged path pays too) and the
-copy, at device-copy speed on one GPU or over NVLink between peers.
+copy, at device-copy speed, when the ctx and this rank share one GPU (between two GPUs the shard
+travels as UCX messages, which use cuda_ipc over NVLink: the copy kernel runs on one device).
 
 Why our own and not UCX RMA: ucxx's Python API has tag, stream and active messages but no memory
 registration, remote keys or put/get; NIXL has them but is not part of the GPU install. The
 handles are torch's own (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``, the fields
 ``torch.multiprocessing`` sends between processes), carried field by field in the control plane's
 ``PoolsReply`` (never pickled). Across hosts, or where a handle does not open (another host, a
-GPU this process cannot see, no peer access, containers without ``ipc: host``), the receiver
+GPU this process cannot see, another GPU than this rank's, containers without ``ipc: host``), the receiver
 keeps using the tagged UCX stream.
 
 - ctx (:class:`PoolExport`): ``describe`` answers DescribePools: the pools' storages (one per
@@ -168,8 +169,9 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
     index = local_device_of(reply.device_uuid)
     if index is None:
         raise IpcOpenError(f"the ctx's GPU {reply.device_uuid} is not visible here")
-    if index != device.index and not torch.cuda.can_device_access_peer(device.index, index):
-        raise IpcOpenError(f"cuda:{device.index} has no peer access to the ctx's GPU (cuda:{index})")
+    if index != device.index:  # the unit copy runs on one device; peer access is never enabled here
+        raise IpcOpenError(f"the ctx's pools are on cuda:{index}, this rank's on cuda:{device.index}: the pull "
+                           "copies within one GPU, so the shard travels as UCX messages (cuda_ipc between GPUs)")
     try:
         storages = [torch.UntypedStorage._new_shared_cuda(
             index, s.handle, s.size_bytes, s.offset_bytes, s.ref_counter_handle, s.ref_counter_offset,

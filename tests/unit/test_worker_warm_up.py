@@ -68,9 +68,9 @@ def test_the_warm_up_also_runs_short_medium_and_whole_page_prompts():
                                                             (8 * PAGE, BATCH)]
     assert [len(p) for p, _, _ in warm_up_prompts(4096, 4096, 100, 64, 8192)] == [4096 - NUM_DECODE_STEPS - 1, 65,
                                                                                 513, 512]
-    assert [len(p) for p, _, _ in warm_up_prompts(PAGE + 1 + NUM_DECODE_STEPS + 1, 1 << 20, 100, PAGE, CHUNK)] == [
-        PAGE + 1]
-    assert [len(p) for p, _, _ in warm_up_prompts(128, 3, 100, PAGE, CHUNK)] == [3]
+    assert [(len(p), c) for p, _, c in warm_up_prompts(PAGE + 1 + NUM_DECODE_STEPS + 1, 1 << 20, 100, PAGE, CHUNK)
+            ] == [(PAGE + 1, 1), (PAGE + 1, BATCH)]  # clipped: the batch step stays, at the clipped length
+    assert [(len(p), c) for p, _, c in warm_up_prompts(128, 3, 100, PAGE, CHUNK)] == [(3, 1), (3, BATCH)]
     assert all(params.is_greedy and params.max_tokens == NUM_DECODE_STEPS + 1
                for _, params, _ in warm_up_prompts(4096, 4096, 100, PAGE, CHUNK))
 
@@ -133,7 +133,8 @@ def test_ready_is_503_until_the_warm_up_ran_and_it_leaves_nothing_allocated(role
         wait_until(lambda: _status(f"{url}/ready") == 200, 60, "the warm-up to finish",
                    state=lambda: http("GET", f"{url}/ready"))
         stats = http("GET", f"{url}/stats")[1]
-        assert stats["warm_up"]["state"] == "done" and stats["warm_up"]["num_prompt_tokens"] == CHUNK + 1
+        assert stats["warm_up"]["state"] == "done" and stats["warm_up"]["num_prompt_tokens"] == 8 * PAGE + 1
+        assert stats["warm_up"]["prompt_lengths"] == [CHUNK + 1, PAGE + 1, 8 * PAGE + 1, 8 * PAGE]
         assert stats["num_used_blocks"] == stats["num_used_slots"] == stats["num_held"] == 0
         assert stats["num_running"] == stats["num_waiting"] == stats["num_live_requests"] == 0
         assert len(steps) >= 2 + NUM_DECODE_STEPS  # two prefill chunks, then the decode steps
