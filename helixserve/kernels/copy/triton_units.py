@@ -67,15 +67,6 @@ def _unit_copy_kernel(seg_ptr, table_ptr, src_anchor, dst_anchor, NUM_GROUPS: tl
         tl.store(dst_anchor + dst + offs, tl.load(src_anchor + src + offs, mask=mask), mask=mask)
 
 
-def word_bytes(values: Sequence[int] | np.ndarray) -> int:
-    """The widest word (8, 4, 2, 1 bytes) dividing every value."""
-    bits = int(np.bitwise_or.reduce(np.asarray(values, dtype=np.int64).ravel())) if len(values) else 0
-    for word in (8, 4, 2):
-        if bits % word == 0:
-            return word
-    return 1
-
-
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -89,10 +80,15 @@ def anchored_bases(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -
     return src_base - src_base[0], dst_base - dst_base[0], bits
 
 
-def _words(bits: int) -> tuple[int, int]:
-    """(word bytes, vector words) for offsets and sizes whose OR is `bits`."""
-    word = word_bytes([bits])
-    return word, 2 if bits % 16 == 0 else 1  # 16-byte vectors of int64 words
+def _words(bits: int, groups: Sequence[UnitGroup]) -> tuple[int, int]:
+    """(word bytes, vector words): the widest word (8, 4, 2, 1 bytes) dividing `bits` (the OR of
+    the tensors' addresses) and every unit offset and size of `groups`; 16-byte vectors of int64
+    words where all of those are multiples of 16."""
+    for g in groups:
+        bits |= int(np.bitwise_or.reduce(g.units.ravel())) if g.units.size else 0
+        bits |= g.unit_bytes
+    word = next((w for w in (8, 4, 2) if bits % w == 0), 1)
+    return word, 2 if bits % 16 == 0 else 1
 
 
 def request_table(groups: Sequence[UnitGroup], seg_offsets: Sequence[int], word: int, vec: int,
@@ -126,8 +122,7 @@ def pack(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups: Seq
     """(one table: the segment rows, then the request table; programs, word bytes, vector words)
     for ``groups`` (each with bytes to copy); the request table starts after the segment rows."""
     src_base, dst_base, bits = anchored_bases(srcs, dsts)
-    units = np.concatenate([*(g.units.ravel() for g in groups), [g.unit_bytes for g in groups]])
-    word, vec = _words(bits | int(np.bitwise_or.reduce(units)))
+    word, vec = _words(bits, groups)
     segs = [segment_rows(src_base, dst_base, g.segments, word) for g in groups]
     starts = np.cumsum([0, *(len(r) for r in segs)]).tolist()
     table, programs = request_table(groups, starts[:-1], word, vec, chunk_bytes)
@@ -151,7 +146,7 @@ def _launch(seg: torch.Tensor, table: torch.Tensor, programs: int, word: int, ve
 def unit_copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups: Sequence[UnitGroup]) -> None:
     rows, programs, word, vec = pack(srcs, dsts, groups)
     both = _upload(rows, dsts[0].device)
-    split = len(rows) - (len(groups) * HEADER + sum(g.units.size for g in groups))
+    split = sum(g.segments.size for g in groups)  # the segment rows come first
     _launch(both, both[split:], programs, word, vec, len(groups), srcs[0], dsts[0])
 
 
@@ -172,8 +167,7 @@ def copy_prepared(table: SegmentTable, groups: Sequence[UnitGroup]) -> bool:
     """Copy `groups`, whose ``segments`` are arrays `table` was built over (unchecked: the
     caller checked every unit against the tensors); False (nothing launched) when some unit
     needs words narrower than 8 bytes (copy those with :func:`unit_copy`)."""
-    units = np.concatenate([*(g.units.ravel() for g in groups), [g.unit_bytes for g in groups]])
-    word, vec = _words(table.bits | int(np.bitwise_or.reduce(units)))
+    word, vec = _words(table.bits, groups)
     if word != 8:
         return False
     rows, programs = request_table(groups, [table.offsets[id(g.segments)] for g in groups], word, vec)
