@@ -26,7 +26,8 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.kernels.copy.units import UnitCopier, UnitGroup, unit_copy
 from helixserve.transceiver.layout import _DTYPES, ShardSpec
-from helixserve.transceiver.memory_map import PoolInfo, _checked
+from helixserve.transceiver.base import PayloadKind
+from helixserve.transceiver.memory_map import PoolInfo, _checked, _unit_offsets
 
 WAIT_TICK_S = 0.0002  # internal: the bounded wait for a launched copy polls its event this often
 MAX_PAIRS = 8  # PullPairs kept per cache (a gen rank pulls into one cache set; a few ctx exports)
@@ -114,25 +115,24 @@ class PullPair:
                 _in_range("block id", src, s.shape[0], "the ctx's")
                 _in_range("block id", dst, d.shape[0], "this rank's")
             s, d = self.mla.infos()[0]
-            unit = s.strides[0] * s.itemsize
-            groups += self.mla.groups(unit, np.stack([src * unit, dst * (d.strides[0] * d.itemsize)], axis=1))
+            units = np.stack([_unit_offsets(PayloadKind.KV_BLOCKS, s, src, 0, 0, 0, 0),
+                              _unit_offsets(PayloadKind.KV_BLOCKS, d, dst, 0, 0, 0, 0)], axis=1)
+            groups += self.mla.groups(s.strides[0] * s.itemsize, units)
         if self.state.by_geometry:
             if src_slot is None or dst_slot is None:
                 raise ValueError("a KDA shard needs a state slot on both sides")
-            head0, k = spec.heads[0], self.layout.kda_head_dim
+            head0, k, h = spec.heads[0], self.layout.kda_head_dim, self.layout.num_kda_heads
             for kind in (self.state, self.conv):
                 for s, d in kind.infos():
                     _in_range("state slot", np.asarray([src_slot]), s.shape[0], "the ctx's")
                     _in_range("state slot", np.asarray([dst_slot]), d.shape[0], "this rank's")
-            s, d = self.state.infos()[0]
-            units = [((src_slot * s.strides[0] + head0 * s.strides[1]) * s.itemsize, dst_slot * d.strides[0] * d.itemsize)]
-            groups += self.state.groups(self.dst_heads * d.strides[1] * d.itemsize, np.asarray(units, dtype=np.int64))
-            s, d = self.conv.infos()[0]
-            h = self.layout.num_kda_heads
-            units = [((src_slot * s.strides[0] + (sec * h * k + head0 * k) * s.strides[1]) * s.itemsize,
-                      (dst_slot * d.strides[0] + sec * self.dst_heads * k * d.strides[1]) * d.itemsize)
-                     for sec in range(3)]
-            groups += self.conv.groups(self.dst_heads * k * d.strides[1] * d.itemsize, np.asarray(units, dtype=np.int64))
+            for kind, payload, unit_elems in ((self.state, PayloadKind.KDA_STATE, k * k),
+                                              (self.conv, PayloadKind.CONV_STATE, k * (self.layout.conv_kernel_size - 1))):
+                s, d = kind.infos()[0]  # (the tagged stream's offsets: one state slice, three conv sections)
+                units = np.stack([np.asarray(_unit_offsets(payload, s, (), src_slot, h, head0, k), dtype=np.int64),
+                                  np.asarray(_unit_offsets(payload, d, (), dst_slot, self.dst_heads, 0, k),
+                                             dtype=np.int64)], axis=1)
+                groups += kind.groups(self.dst_heads * unit_elems * d.itemsize, units)
         return groups
 
 
