@@ -58,27 +58,13 @@ class WarmUpState(enum.Enum):
     OFF = "off"  # warm_up: false
 
 
-def warm_up_request(limits: ServingLimits, tokens_per_block: int, max_num_batched_tokens: int
-                    ) -> tuple[list[int], SamplingParams]:
-    """The warm-up's prompt ids and sampling params: ``max(page, chunk) + 1`` prompt tokens,
-    clipped so that prompt + decode steps fit the context length (``limits``)."""
-    return warm_up_prompt(limits.max_model_len, limits.max_prompt_tokens, limits.vocab_size,
-                          tokens_per_block, max_num_batched_tokens)
-
-
-def warm_up_prompt(max_model_len: int, max_prompt_tokens: int, vocab: int, tokens_per_block: int,
-                   max_num_batched_tokens: int) -> tuple[list[int], SamplingParams]:
-    """:func:`warm_up_request` from the bare numbers (a restarted gen world's driver has no
-    serving limits)."""
-    return warm_up_prompts(max_model_len, max_prompt_tokens, vocab, tokens_per_block, max_num_batched_tokens)[0][:2]
-
-
 BATCH = 4  # the last warm-up prompt runs as this many requests at once (batched prefill and decode)
 
 
 def warm_up_prompts(max_model_len: int, max_prompt_tokens: int, vocab: int, tokens_per_block: int,
                     max_num_batched_tokens: int) -> list[tuple[list[int], SamplingParams, int]]:
     """Every warm-up step, in order (see the module docstring): ``(prompt, params, copies)``
+    (from the bare numbers: a restarted gen world's driver has no serving limits)
     for ``max(page, chunk) + 1``, ``page + 1``, ``8 * page + 1`` and ``8 * page`` prompt tokens,
     the last as :data:`BATCH` requests at once; each length clipped so that prompt + decode
     steps fit the context length, a step that repeats an earlier one left out."""

@@ -21,7 +21,7 @@ import uvicorn  # noqa: E402
 
 from helixserve.config import CtxServerConfig, DeploymentConfig, GenServerConfig  # noqa: E402
 from helixserve.serving.openai_serving import ServingLimits  # noqa: E402
-from helixserve.serving.warm_up import BATCH, NUM_DECODE_STEPS, WarmUpState, warm_up_prompts, warm_up_request  # noqa: E402
+from helixserve.serving.warm_up import BATCH, NUM_DECODE_STEPS, WarmUpState, warm_up_prompts  # noqa: E402
 from helixserve.testing.servers import free_ports, http, wait_until  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +44,11 @@ def _deploy(model: Path, **cache: Any) -> DeploymentConfig:
 
 def _limits(max_model_len: int, max_prompt_tokens: int | None = None) -> ServingLimits:
     return ServingLimits("m", max_model_len, 100, None, max_prompt_tokens or max_model_len, 1 << 20)
+
+
+def warm_up_request(limits: ServingLimits, page: int, chunk: int):
+    """The first warm-up step's (prompt, params) under `limits`, as the worker derives it."""
+    return warm_up_prompts(limits.max_model_len, limits.max_prompt_tokens, limits.vocab_size, page, chunk)[0][:2]
 
 
 def test_the_warm_up_prompt_crosses_a_page_and_the_chunk_budget_within_the_context():
