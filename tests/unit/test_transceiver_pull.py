@@ -175,6 +175,7 @@ def test_a_hostile_pull_shard_copies_nothing_outside_the_pools(block_ids, slot, 
     with pytest.raises(ValueError, match="outside|needs logical block|needs a state slot|handle holds"):
         pair.groups(spec, block_ids, slot, dst_ids, dst_slot)
     assert pair.groups(spec, [0, 1, 2], 0, [0, 1, 2], 0)  # the same request, in range, is fine
+    assert pair.groups(spec, [11, 0, 10], 2, [0, 11, 1], 2)  # the last block and slot of each pool too
 
 
 def test_a_unit_copier_checks_its_segments_once_and_copies_like_the_reference():
