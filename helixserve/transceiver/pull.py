@@ -31,6 +31,7 @@ from helixserve.transceiver.memory_map import PoolInfo, _checked, _unit_offsets
 
 WAIT_TICK_S = 0.0002  # internal: the bounded wait for a launched copy polls its event this often
 MAX_PAIRS = 8  # PullPairs kept per cache (a gen rank pulls into one cache set; a few ctx exports)
+MAX_SLOT_UNITS = 4096  # a PullPair's remembered KDA unit groups, by (ctx slot, our slot, first head)
 
 
 class _Kind:
@@ -78,7 +79,12 @@ class PullPair:
                 d = self._flat(self.dsts, getattr(dst, field_name), layer, dtype, dst_inner)
                 kind.add(s, len(self.srcs) - 1, d, len(self.dsts) - 1)
             kind.seal()
-        self.copier = UnitCopier(self.srcs, self.dsts, [*self.mla.segments, *self.state.segments, *self.conv.segments])
+        self.copier = UnitCopier(self.srcs, self.dsts, [*self.mla.segments, *self.state.segments, *self.conv.segments],
+                                 graphs=True)
+        # per request, only these are read: the pools' sizes (range checks) and unit strides
+        self._blocks = _limits(self.mla.infos())
+        self._slots = _limits(self.state.infos() + self.conv.infos())
+        self._head_units: dict[tuple[int, int, int], list[UnitGroup]] = {}  # (src slot, dst slot, head0)
 
     def _flat(self, flats: list[torch.Tensor], pools: dict, layer: int, dtype: str, inner: tuple[int, ...]) -> PoolInfo:
         info = _checked(pools, layer, dtype, _DTYPES[dtype], inner)
@@ -111,29 +117,47 @@ class PullPair:
                 raise ValueError(f"shard has {len(blocks)} blocks, the handle holds {len(dst_block_ids)}")
             src = np.asarray(src_block_ids[blocks[0] : blocks[-1] + 1 : spec.cp_size], dtype=np.int64)
             dst = np.asarray(dst_block_ids[: len(blocks)], dtype=np.int64)
-            for s, d in self.mla.infos():
-                _in_range("block id", src, s.shape[0], "the ctx's")
-                _in_range("block id", dst, d.shape[0], "this rank's")
+            _in_range("block id", src, self._blocks[0], "the ctx's")
+            _in_range("block id", dst, self._blocks[1], "this rank's")
             s, d = self.mla.infos()[0]
-            units = np.stack([_unit_offsets(PayloadKind.KV_BLOCKS, s, src, 0, 0, 0, 0),
-                              _unit_offsets(PayloadKind.KV_BLOCKS, d, dst, 0, 0, 0, 0)], axis=1)
+            units = np.empty((len(src), 2), dtype=np.int64)
+            units[:, 0] = _unit_offsets(PayloadKind.KV_BLOCKS, s, src, 0, 0, 0, 0)
+            units[:, 1] = _unit_offsets(PayloadKind.KV_BLOCKS, d, dst, 0, 0, 0, 0)
             groups += self.mla.groups(s.strides[0] * s.itemsize, units)
         if self.state.by_geometry:
             if src_slot is None or dst_slot is None:
                 raise ValueError("a KDA shard needs a state slot on both sides")
-            head0, k, h = spec.heads[0], self.layout.kda_head_dim, self.layout.num_kda_heads
-            for kind in (self.state, self.conv):
-                for s, d in kind.infos():
-                    _in_range("state slot", np.asarray([src_slot]), s.shape[0], "the ctx's")
-                    _in_range("state slot", np.asarray([dst_slot]), d.shape[0], "this rank's")
-            for kind, payload, unit_elems in ((self.state, PayloadKind.KDA_STATE, k * k),
-                                              (self.conv, PayloadKind.CONV_STATE, k * (self.layout.conv_kernel_size - 1))):
-                s, d = kind.infos()[0]  # (the tagged stream's offsets: one state slice, three conv sections)
-                units = np.stack([np.asarray(_unit_offsets(payload, s, (), src_slot, h, head0, k), dtype=np.int64),
-                                  np.asarray(_unit_offsets(payload, d, (), dst_slot, self.dst_heads, 0, k),
-                                             dtype=np.int64)], axis=1)
-                groups += kind.groups(self.dst_heads * unit_elems * d.itemsize, units)
+            key = (src_slot, dst_slot, spec.heads[0])
+            head_groups = self._head_units.get(key)
+            if head_groups is None:
+                head_groups = self._head_groups(*key)
+                if len(self._head_units) >= MAX_SLOT_UNITS:
+                    self._head_units.clear()
+                self._head_units[key] = head_groups
+            groups += head_groups
         return groups
+
+    def _head_groups(self, src_slot: int, dst_slot: int, head0: int) -> list[UnitGroup]:
+        """The KDA state and conv groups of one (ctx slot, our slot, first head)."""
+        _in_range("state slot", np.asarray([src_slot]), self._slots[0], "the ctx's")
+        _in_range("state slot", np.asarray([dst_slot]), self._slots[1], "this rank's")
+        k, h = self.layout.kda_head_dim, self.layout.num_kda_heads
+        groups: list[UnitGroup] = []
+        for kind, payload, unit_elems in ((self.state, PayloadKind.KDA_STATE, k * k),
+                                          (self.conv, PayloadKind.CONV_STATE, k * (self.layout.conv_kernel_size - 1))):
+            s, d = kind.infos()[0]  # (the tagged stream's offsets: one state slice, three conv sections)
+            units = np.stack([np.asarray(_unit_offsets(payload, s, (), src_slot, h, head0, k), dtype=np.int64),
+                              np.asarray(_unit_offsets(payload, d, (), dst_slot, self.dst_heads, 0, k),
+                                         dtype=np.int64)], axis=1)
+            groups += kind.groups(self.dst_heads * unit_elems * d.itemsize, units)
+        return groups
+
+
+def _limits(infos: list[tuple[PoolInfo, PoolInfo]]) -> tuple[int, int]:
+    """(the smallest source pool's first dimension, the smallest destination pool's)."""
+    if not infos:
+        return 0, 0
+    return min(s.shape[0] for s, _ in infos), min(d.shape[0] for _, d in infos)
 
 
 def _in_range(what: str, ids: np.ndarray, size: int, whose: str) -> None:

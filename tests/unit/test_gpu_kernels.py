@@ -246,3 +246,54 @@ def test_unit_copy_at_pull_shapes(align):
     torch.cuda.synchronize()
     for w, d in zip(want, cuda_dsts):
         assert torch.equal(w, d.cpu())
+
+
+@pytest.mark.parametrize("capacity_units", [8192, 2])
+def test_unit_copier_graphs_replay_and_fall_back(monkeypatch, capacity_units):
+    """A UnitCopier with graphs (as the pull uses it): copies replay captured graphs while a slot
+    is free, and launch directly when every slot is busy (the stream held behind a GPU sleep) or
+    a request's table does not fit a slot; requests that leave a group out, or need 8-byte words,
+    land byte-exact either way, and nothing else is written."""
+    import numpy as np
+
+    from helixserve.kernels.copy import triton_units, unit_graphs
+    from helixserve.kernels.copy.units import UnitCopier, UnitGroup, unit_copy_reference
+
+    monkeypatch.setattr(unit_graphs, "CAPACITY_UNITS", capacity_units)
+    gen = torch.Generator().manual_seed(capacity_units)
+    block, blocks = 73728, 48
+    srcs = [torch.randint(0, 256, (blocks * block,), dtype=torch.uint8, generator=gen) for _ in range(3)]
+    srcs += [torch.randint(0, 256, (4 * 65536,), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    mla_seg, head_seg = np.stack([np.arange(3)] * 2, 1), np.stack([np.arange(3, 5)] * 2, 1)
+    requests = []
+    for r in range(9):
+        src_blocks = torch.randperm(blocks, generator=gen)[:4].numpy()
+        units = np.stack([src_blocks * block, (np.arange(4) + 4 * r) * block], 1)
+        request = [UnitGroup(block, mla_seg, units)]
+        if r % 3 == 0:  # the others leave the head group out
+            request.append(UnitGroup(8192, head_seg, np.asarray([[65536 * (r % 4), 8192 * r + (8 if r == 6 else 0)]])))
+        requests.append(request)
+    want = [d.clone() for d in dsts]
+    for request in requests:
+        unit_copy_reference(srcs, want, request)
+    cuda_srcs, cuda_dsts = [t.cuda() for t in srcs], [t.cuda() for t in dsts]
+    copier = UnitCopier(cuda_srcs, cuda_dsts, [mla_seg, head_seg], graphs=True)
+    copier.copy(requests[0])  # builds the table and captures the graphs
+    torch.cuda.synchronize()  # (its slot is free again)
+    graphs = copier._table.graphs
+    assert graphs is not None and len(graphs._slots) == unit_graphs.SLOTS
+    launches = []
+    real_launch = triton_units._launch
+    monkeypatch.setattr(triton_units, "_launch", lambda *a, **k: (launches.append(a[2]), real_launch(*a, **k)))
+    torch.cuda._sleep(200_000_000)  # ~0.1 s: no slot frees while the rest are issued
+    for request in requests[1:]:
+        copier.copy(request)
+    torch.cuda.synchronize()
+    for w, d in zip(want, cuda_dsts):
+        assert torch.equal(w, d.cpu())
+    if capacity_units == 2:  # no table fits: every copy launched directly
+        assert len(launches) == len(requests) - 1 and not any(s.used for s in graphs._slots)
+    else:  # the first SLOTS replayed, then every slot was busy (r = 6 also needs 8-byte words)
+        assert all(s.used for s in graphs._slots)
+        assert len(launches) == len(requests) - 1 - unit_graphs.SLOTS

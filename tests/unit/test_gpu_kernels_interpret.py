@@ -255,6 +255,15 @@ def test_unit_copy(interp, word, monkeypatch):
             assert triton_units.copy_prepared(table, groups[:n])
             for w, d in zip(want, dsts):
                 assert torch.equal(w, d)
+            # what a graph replays: every group of the table (the ones left out without units)
+            # and a fixed grid of 2 programs, each looping over the work items
+            for d in dsts:
+                d.zero_()
+            rows, programs = triton_units.request_table(table.every_group(groups[:n]), table.starts, got_word, vec)
+            assert programs > 2 and rows[0] == programs
+            triton_units._launch(table.rows, torch.from_numpy(rows), 2, got_word, vec, len(groups), srcs[0], dsts[0])
+            for w, d in zip(want, dsts):
+                assert torch.equal(w, d)
         else:  # words narrower than 8 bytes: the prepared path declines, nothing is written
             table = triton_units.SegmentTable(srcs, dsts, [g.segments for g in groups])
             before = [d.clone() for d in dsts]

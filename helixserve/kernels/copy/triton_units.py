@@ -2,13 +2,17 @@
 
 Two int64 tables go to the device. The **segment table**: each group's segment rows (both
 tensors' word offsets from the two anchors, ``srcs[0]`` and ``dsts[0]``). The **request table**:
-a header row per group (first program, segments, units, chunks per unit, unit words, chunk
-words, where its segment rows start in the segment table and its unit rows in this one), then
-each group's unit rows (word offsets in the tensors). One launch covers every group: program
-``p`` finds its group by the headers' first programs, then its (segment, unit, chunk), adds the
-offsets and copies that chunk. :func:`unit_copy` packs both into one upload; a caller that copies
-between the same tensors again and again (the pull: one ctx's pools into ours) keeps a
-:class:`SegmentTable` on the device and sends only the request table (:func:`copy_prepared`).
+a request row (how many programs of work: one per (segment, unit, chunk)), a header row per
+group (first program, segments, units, chunks per unit, unit words, chunk words, where its
+segment rows start in the segment table and its unit rows in this one), then each group's unit
+rows (word offsets in the tensors). One launch covers every group: program ``p`` of the grid
+takes the work items ``p, p + grid, ...`` below the request row's count; for each it finds the
+group by the headers' first programs, then its (segment, unit, chunk), adds the offsets and
+copies that chunk. A grid of one program per item (what :func:`unit_copy` launches) runs each
+once; a fixed grid (the CUDA graphs of `unit_graphs`) loops. :func:`unit_copy` packs both tables
+into one upload; a caller that copies between the same tensors again and again (the pull: one
+ctx's pools into ours) keeps a :class:`SegmentTable` on the device and sends only the request
+table (:func:`copy_prepared`), through a captured graph where it can.
 
 Addresses are offsets from the anchors (kernel arguments, which Triton knows to be 16-byte
 aligned) and are hinted to be multiples of the vector, so the copy uses 16-byte loads and stores
@@ -40,31 +44,32 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 @triton.jit
 def _unit_copy_kernel(seg_ptr, table_ptr, src_anchor, dst_anchor, NUM_GROUPS: tl.constexpr, HEADER: tl.constexpr,
                       VEC: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    group = pid * 0
-    for g in tl.static_range(1, NUM_GROUPS):
-        group += (pid >= tl.load(table_ptr + g * HEADER)).to(tl.int64)
-    head = table_ptr + group * HEADER
-    local = pid - tl.load(head)
-    num_units = tl.load(head + 2)
-    chunks = tl.load(head + 3)
-    unit_words = tl.load(head + 4)
-    chunk_words = tl.load(head + 5)
-    chunk = local % chunks
-    rest = local // chunks
-    segment = seg_ptr + tl.load(head + 6) + (rest // num_units) * 2
-    unit = table_ptr + tl.load(head + 7) + (rest % num_units) * 2
-    first = chunk * chunk_words
-    src = tl.load(segment) + tl.load(unit) + first
-    dst = tl.load(segment + 1) + tl.load(unit + 1) + first
-    n = tl.minimum(chunk_words, unit_words - first)
-    src = tl.multiple_of(src, VEC)
-    dst = tl.multiple_of(dst, VEC)
-    n = tl.multiple_of(n, VEC)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(dst_anchor + dst + offs, tl.load(src_anchor + src + offs, mask=mask), mask=mask)
+    total = tl.load(table_ptr)  # the request row: how many (segment, unit, chunk) programs of work
+    for pid in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
+        group = pid * 0
+        for g in tl.static_range(1, NUM_GROUPS):
+            group += (pid >= tl.load(table_ptr + (g + 1) * HEADER)).to(tl.int64)
+        head = table_ptr + (group + 1) * HEADER
+        local = pid - tl.load(head)
+        num_units = tl.load(head + 2)
+        chunks = tl.load(head + 3)
+        unit_words = tl.load(head + 4)
+        chunk_words = tl.load(head + 5)
+        chunk = local % chunks
+        rest = local // chunks
+        segment = seg_ptr + tl.load(head + 6) + (rest // num_units) * 2
+        unit = table_ptr + tl.load(head + 7) + (rest % num_units) * 2
+        first = chunk * chunk_words
+        src = tl.load(segment) + tl.load(unit) + first
+        dst = tl.load(segment + 1) + tl.load(unit + 1) + first
+        n = tl.minimum(chunk_words, unit_words - first)
+        src = tl.multiple_of(src, VEC)
+        dst = tl.multiple_of(dst, VEC)
+        n = tl.multiple_of(n, VEC)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst_anchor + dst + offs, tl.load(src_anchor + src + offs, mask=mask), mask=mask)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -93,22 +98,25 @@ def _words(bits: int, groups: Sequence[UnitGroup]) -> tuple[int, int]:
 
 def request_table(groups: Sequence[UnitGroup], seg_offsets: Sequence[int], word: int, vec: int,
                   chunk_bytes: int | None = None) -> tuple[np.ndarray, int]:
-    """(request table, programs): the headers of `groups`, whose segment rows start at
-    `seg_offsets` in the segment table, then their unit rows in words (units cut in chunks of
-    about `chunk_bytes`, default CHUNK_BYTES)."""
+    """(request table, programs): the request row (the programs of work), the headers of
+    `groups`, whose segment rows start at `seg_offsets` in the segment table, then their unit
+    rows in words (units cut in chunks of about `chunk_bytes`, default CHUNK_BYTES). A group
+    without bytes gets a header and no work."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
-    header = np.zeros((len(groups), HEADER), dtype=np.int64)
+    header = np.zeros((len(groups) + 1, HEADER), dtype=np.int64)
     rows, program, offset = [header.ravel()], 0, header.size
-    for g, group in enumerate(groups):
+    for g, group in enumerate(groups, start=1):
         unit_words = group.unit_bytes // word
+        units = group.units if unit_words else group.units[:0]
         chunks = max(1, _ceil_div(group.unit_bytes, chunk_bytes))
-        chunk_words = _ceil_div(_ceil_div(unit_words, chunks), vec) * vec  # whole vectors
-        chunks = _ceil_div(unit_words, chunk_words)
-        header[g] = (program, len(group.segments), len(group.units), chunks, unit_words, chunk_words,
-                     seg_offsets[g], offset)
-        rows.append((group.units // word).ravel())
-        offset += group.units.size
-        program += len(group.segments) * len(group.units) * chunks
+        chunk_words = max(_ceil_div(_ceil_div(unit_words, chunks), vec) * vec, vec)  # whole vectors
+        chunks = max(_ceil_div(unit_words, chunk_words), 1)
+        header[g] = (program, len(group.segments), max(len(units), 1), chunks, unit_words, chunk_words,
+                     seg_offsets[g - 1], offset)
+        rows.append((units // word).ravel())
+        offset += units.size
+        program += len(group.segments) * len(units) * chunks
+    header[0, 0] = program
     return np.concatenate(rows), program
 
 
@@ -152,24 +160,40 @@ def unit_copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups
 
 class SegmentTable:
     """The segment rows of fixed groups of segments between fixed tensors, on their device in
-    8-byte words (:func:`copy_prepared` sends only each request's units)."""
+    8-byte words (:func:`copy_prepared` sends only each request's units); with `graphs`, also
+    the CUDA graphs that launch their copy (`unit_graphs`)."""
 
     def __init__(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
-                 segments: Sequence[np.ndarray]) -> None:
-        self.srcs, self.dsts = srcs, dsts
+                 segments: Sequence[np.ndarray], graphs: bool = False) -> None:
+        self.srcs, self.dsts, self.segments = srcs, dsts, list(segments)
         src_base, dst_base, self.bits = anchored_bases(srcs, dsts)
         rows = [segment_rows(src_base, dst_base, s, 8) for s in segments]
-        self.offsets = dict(zip(map(id, segments), np.cumsum([0, *(len(r) for r in rows)]).tolist()))
+        self.starts = np.cumsum([0, *(len(r) for r in rows)]).tolist()[:-1]
+        self.offsets = dict(zip(map(id, segments), self.starts))
         self.rows = _upload(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), dsts[0].device)
+        self.graphs = None
+        if graphs and self.segments and self.bits % 16 == 0:
+            from helixserve.kernels.copy.unit_graphs import UnitGraphs  # (it imports this module)
+            self.graphs = UnitGraphs(self.rows, srcs[0], dsts[0], len(self.segments))
+
+    def every_group(self, groups: Sequence[UnitGroup]) -> list[UnitGroup]:
+        """`groups` placed at their segments' places, a group without units at the others."""
+        by_segments = {id(g.segments): g for g in groups}
+        return [by_segments.get(id(s)) or type(groups[0])(0, s, s[:0]) for s in self.segments]
 
 
 def copy_prepared(table: SegmentTable, groups: Sequence[UnitGroup]) -> bool:
-    """Copy `groups`, whose ``segments`` are arrays `table` was built over (unchecked: the
-    caller checked every unit against the tensors); False (nothing launched) when some unit
-    needs words narrower than 8 bytes (copy those with :func:`unit_copy`)."""
+    """Copy `groups` (at least one), whose ``segments`` are arrays `table` was built over
+    (unchecked: the caller checked every unit against the tensors), through a graph of `table`
+    where one is free and fits; False (nothing launched) when some unit needs words narrower than
+    8 bytes (copy those with :func:`unit_copy`)."""
     word, vec = _words(table.bits, groups)
     if word != 8:
         return False
+    if table.graphs is not None and vec == 2:
+        rows, _ = request_table(table.every_group(groups), table.starts, word, vec)
+        if table.graphs.replay(rows):
+            return True
     rows, programs = request_table(groups, [table.offsets[id(g.segments)] for g in groups], word, vec)
     _launch(table.rows, _upload(rows, table.dsts[0].device), programs, word, vec, len(groups), table.srcs[0],
             table.dsts[0])

@@ -102,15 +102,19 @@ class UnitCopier:
     per group, given here; a pull: one ctx's pools into ours, per layer): the tensors and the
     segment indices are checked once, and on the GPU the segment rows stay on the device, so a
     copy sends only its units. :meth:`copy` does not check the units: the caller keeps them
-    inside the tensors (`transceiver.pull` range-checks every block id and slot)."""
+    inside the tensors (`transceiver.pull` range-checks every block id and slot). With `graphs`,
+    GPU copies replay CUDA graphs of the launch where they can (`unit_graphs`: the first GPU copy
+    captures them)."""
 
-    def __init__(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], segments: Sequence[np.ndarray]) -> None:
+    def __init__(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], segments: Sequence[np.ndarray],
+                 graphs: bool = False) -> None:
         sizes = (_check_tensors("srcs", srcs), _check_tensors("dsts", dsts))
         for seg in segments:
             if seg.ndim != 2 or seg.shape[1] != 2 or (len(seg) and (
                     seg.min() < 0 or seg[:, 0].max() >= len(sizes[0]) or seg[:, 1].max() >= len(sizes[1]))):
                 raise CopyUnitsError(f"segments {seg.tolist()} do not name {len(srcs)} sources and {len(dsts)} destinations")
         self.srcs, self.dsts, self.segments = list(srcs), list(dsts), list(segments)
+        self.graphs = graphs
         self._table = None  # triton_units.SegmentTable, built on the first GPU copy
 
     def copy(self, groups: Sequence[UnitGroup]) -> None:
@@ -120,7 +124,7 @@ class UnitCopier:
             return
         if use_triton(self.dsts[0]) and all(any(g.segments is s for s in self.segments) for g in groups):
             if self._table is None:
-                self._table = triton_units.SegmentTable(self.srcs, self.dsts, self.segments)
+                self._table = triton_units.SegmentTable(self.srcs, self.dsts, self.segments, self.graphs)
             if triton_units.copy_prepared(self._table, groups):
                 return
         unit_copy(self.srcs, self.dsts, groups)
