@@ -284,12 +284,17 @@ class EngineCore:
         failed) is raised instead: the world has stopped.
 
         Received requests (a gen world's) are admitted, agreed on and started first
-        (:class:`KVIntake`); their first tokens and transfer failures come with this step's.
+        (:class:`KVIntake`); transfer failures come with this step's tokens. A step in which
+        received requests start returns their first tokens at once, before any model step: the
+        ctx sampled them, and holding them for a decode step would add that step to their time
+        to first token; the next call runs the step (a step already enqueued keeps running).
         """
         updates: list[RequestUpdate] = []
         if self.kv_intake is not None:
             updates = self.kv_intake.step(self.scheduler.can_add_prefilled, self._start_prefilled)
             self._forget([u.request_id for u in updates if u.is_finished])
+            if any(not u.is_finished for u in updates):
+                return updates
         try:
             return updates + self._step()
         except CollectiveError:

@@ -156,9 +156,12 @@ class TransferConsensus:
             ValueError: `status` has something to report while the group was never marked
                 active (skipping would leave this rank's peers out of sync).
         """
+        if self.group_size == 1:  # combine([report]) without encoding it
+            failed = status.failed - status.cancelled
+            causes = {rid: e for rid, e in (errors or {}).items() if rid in failed or rid in status.cancelled}
+            return ConsensusResult(status.cancelled, failed, status.completed - status.cancelled - failed,
+                                   status.quiesced, errors=causes)
         report = (*status.encode(), dict(errors)) if errors else status.encode()
-        if self.group_size == 1:
-            return combine([report])
         if not self.is_active:
             if not status.is_empty:
                 raise ValueError(

@@ -210,7 +210,7 @@ class Inbound:
         holds logical block b at ``src_block_ids[b]`` and its KDA state at `src_slot`."""
         pair = pull_pair(self.pools.pairs, self.r.layout, self.pools.caches, self.caches, self.plan.spec.num_local_heads)
         groups = pair.groups(self.plan.spec, src_block_ids, src_slot, self.handle.block_ids, self.handle.slot)
-        return Pull(pair, groups, self.r.copy_stream(self.device))
+        return Pull(pair, groups, self.device)
 
     def _start_pull(self, shard: pb.PullShard) -> None:
         try:

@@ -93,7 +93,6 @@ class KVReceiver:
         self.clients = ControlClients(config.rpc_timeout_s, config)
         self.staging = staging_for(config)
         self.pools = PoolDirectory(gen_rank, layout, enabled=config.cuda_ipc)
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.num_pulled = 0  # shards copied out of a ctx's pools (cuda_ipc), not sent
         self.num_granted = 0  # of those, copied on the ctx's grant (no RequestShard)
         self.inbounds: dict[str, Inbound] = {}
@@ -229,7 +228,7 @@ class KVReceiver:
         """Compile what a pulled shard runs on `device` (its copy kernel), so that the first
         request does not pay for it; nothing to do off CUDA or with cuda_ipc off."""
         if device.type == "cuda" and self.config.cuda_ipc:
-            warm_up_copy(device, self.copy_stream(device))
+            warm_up_copy(device)
 
     def prefetch(self, endpoints: Sequence[TransceiverEndpoint], device: torch.device) -> None:
         """Ask these ctx workers for their pools now (not blocking; `cuda_ipc`), so that the first
@@ -246,12 +245,6 @@ class KVReceiver:
             if self.pools.wants(target(endpoint), device):
                 answer = ask_until_answered(make_client, self.pools.request(), PREFETCH_RETRY_S, PREFETCH_ATTEMPTS)
                 self.pools.expect(target(endpoint), self.pools.opened(answer, device))
-
-    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The stream pulled shards are copied on (one per device, made on first use)."""
-        if device not in self._copy_streams:
-            self._copy_streams[device] = torch.cuda.Stream(device)
-        return self._copy_streams[device]
 
     def send_ack(self, inbound: Inbound, success: bool, error: str) -> None:
         ack = pb.AckRequest(ctx_request_id=inbound.params.ctx_request_id, cp_rank=inbound.plan.spec.cp_rank,

@@ -195,3 +195,19 @@ def test_bounded_polling_consensus_combine_rules_are_pure():
     result = combine([(["x"], [], ["a", "x"], ["a"]), ([], ["y"], ["a", "y"], ["a", "y"])])
     assert (result.cancelled, result.failed, result.completed, result.quiesced) == (
         {"x"}, {"y"}, {"a"}, {"a"})
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bounded_polling_consensus_group_of_one_is_combine_of_its_report(seed):
+    """The group-of-one shortcut gives exactly what combine() gives for that one report,
+    causes included (only those of failed or cancelled requests)."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [f"r{i}" for i in range(8)]
+    status = LocalStatus.of(*(rng.sample(ids, rng.randint(0, 4)) for _ in range(4)))
+    errors = {rid: f"cause of {rid}" for rid in rng.sample(ids, rng.randint(0, 5))}
+    got = TransferConsensus().check(status, errors)
+    want = combine([(*status.encode(), errors)])
+    assert (got.cancelled, got.failed, got.completed, got.quiesced, dict(got.errors)) == (
+        want.cancelled, want.failed, want.completed, want.quiesced, dict(want.errors))
