@@ -190,7 +190,7 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
         for url in (servers.router_url, servers.gen_url):  # warm-up, unrecorded
             asyncio.run(_level(url, _bodies(rng, 2, prompt_len, max_tokens, vocab), 2, args.timeout))
         for concurrency in levels:
-            n = max(4, (args.rounds or (2 if args.quick else 4)) * concurrency)
+            n = max(args.min_requests, (args.rounds or (2 if args.quick else 4)) * concurrency)
             bodies = _bodies(rng, n, prompt_len, max_tokens, vocab)
             before = _kv_counters(servers)
             disagg = asyncio.run(_level(servers.router_url, bodies, concurrency, args.timeout))
@@ -272,6 +272,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help=f"cuda: {GPU_CONFIG.relative_to(REPO)} (ctx and gen sharing one GPU) unless --config")
     parser.add_argument("--rounds", type=int, default=None, help="requests per level = rounds x concurrency")
+    parser.add_argument("--min-requests", type=int, default=4,
+                        help="at least this many requests per level (a steadier p50 at low concurrency)")
     args = parser.parse_args()
     payload = run(args)
     print(f"\n{payload['deployment']}; prompt {payload['prompt_len']} tokens, "

@@ -284,16 +284,19 @@ class EngineCore:
         failed) is raised instead: the world has stopped.
 
         Received requests (a gen world's) are admitted, agreed on and started first
-        (:class:`KVIntake`); transfer failures come with this step's tokens. A step in which
-        received requests start returns their first tokens at once, before any model step: the
-        ctx sampled them, and holding them for a decode step would add that step to their time
-        to first token; the next call runs the step (a step already enqueued keeps running).
+        (:class:`KVIntake`); transfer failures come with this step's tokens. When only requests
+        that start in this step would decode, their first tokens return at once, before any model
+        step: the ctx sampled them, and holding them for the decode step would add that step to
+        their time to first token; the next call runs the step. With other requests to run, the
+        first tokens come with this step's (an extra host round per start would stall the
+        others' decoding, and it may wait on the transfers' poll).
         """
         updates: list[RequestUpdate] = []
         if self.kv_intake is not None:
             updates = self.kv_intake.step(self.scheduler.can_add_prefilled, self._start_prefilled)
             self._forget([u.request_id for u in updates if u.is_finished])
-            if any(not u.is_finished for u in updates):
+            started = {u.request_id for u in updates if not u.is_finished}
+            if started and not self.scheduler.waiting and all(r.request_id in started for r in self.scheduler.running):
                 return updates
         try:
             return updates + self._step()

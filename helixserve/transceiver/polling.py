@@ -124,8 +124,11 @@ class TransferPoller:
         self._counted.discard(request_id)
         return self.sessions.pop(request_id)
 
-    def poll(self, wait_num: int | None = 0, interval_s: float = 0.0) -> PollResult:
-        """Bounded local poll; see the module docstring for the exact semantics."""
+    def poll(self, wait_num: int | None = 0, interval_s: float = 0.0, tick_s: float | None = None) -> PollResult:
+        """Bounded local poll; see the module docstring for the exact semantics. `tick_s`: a
+        shorter wait between sweeps for this poll (a completion that sets no wakeup, such as a
+        device copy, is then seen that much sooner)."""
+        tick = self.tick_s if tick_s is None else min(tick_s, self.tick_s)
         if wait_num is not None and wait_num < 0:
             raise ValueError(f"wait_num must be >= 0 or None, got {wait_num}")
         live = self.live_sessions()
@@ -143,7 +146,7 @@ class TransferPoller:
                 now = self.clock.monotonic()
                 if now >= end:
                     break
-                self.clock.wait(self.wakeup, min(self.tick_s, end - now))
+                self.clock.wait(self.wakeup, min(tick, end - now))
         return self._result(num_sweeps, target)
 
     def _poll_end(self, live: list[TransferSession], wait_num: int | None, interval_s: float) -> float:

@@ -60,6 +60,9 @@ RETRACT_WAIT_S = 1.0
 # internal: a ctx not answering DescribePools at a gen rank's start (still loading) is asked again
 # this often, this many times (a minute), so that its first request is already pulled and granted
 PREFETCH_RETRY_S = 0.5
+# internal: while a pulled shard's copy is in flight (10–200 µs on an H200; its end sets no
+# wakeup), the poller sweeps this often instead of every tick (~1 ms)
+PULL_TICK_S = 0.00005
 PREFETCH_ATTEMPTS = 120
 
 
@@ -171,7 +174,8 @@ class KVReceiver:
         """One bounded poller pass plus the drains of transfers that gave up."""
         self._drive()
         self.retractor.prune()
-        result = self.poller.poll(wait_num, interval_s)
+        pulling = any(inbound.phase is Phase.PULLING for inbound in self.inbounds.values())
+        result = self.poller.poll(wait_num, interval_s, PULL_TICK_S if pulling else None)
         self._drive()
         return result
 

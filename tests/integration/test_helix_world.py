@@ -389,7 +389,7 @@ def _first_token_world(rank: int, world_size: int, init_method: str, model_dir: 
 
 
 def test_a_received_requests_first_token_comes_before_any_decode_step(tiny_checkpoints) -> None:
-    """The step in which a received request starts returns the ctx's first token at once, without
+    """Alone in the world, the step in which a received request starts returns the ctx's first token at once, without
     a forward (holding it for the decode step would add that step to its time to first token);
     the next steps decode one token each, and the answer is the single-process engine's."""
     model = str(tiny_checkpoints[PRESET])

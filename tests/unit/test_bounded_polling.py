@@ -273,3 +273,20 @@ def test_bounded_polling_settled_session_rejects_late_posts():
     with pytest.raises(ValueError, match="already cancelled"):
         session.attach(0, KV, late)
     assert late.is_cancel_requested
+
+
+@pytest.mark.parametrize("tick_s", [None, 0.00005, 5.0])
+def test_bounded_polling_a_polls_own_tick_only_shortens_the_wait(tick_s):
+    """A completion that sets no wakeup (a device copy) is seen at the next sweep: with a poll's
+    own short tick (what a receiver passes while a pull is in flight) that is within it; a tick
+    longer than the poller's own changes nothing; the poll's interval bounds the wait either way."""
+    clock = FakeClock()
+    poller = poller_with(clock, receiver(clock, "a", latency_s=0.0102))
+    assert poller.poll(wait_num=1, interval_s=1.0, tick_s=tick_s).completed == ["a"]
+    step = TICK if tick_s is None or tick_s > TICK else tick_s
+    assert 0.0102 <= clock.monotonic() <= 0.0102 + step + 1e-9
+    assert max(clock.waits) <= step + 1e-12
+    never = poller_with(clock, receiver(clock, "b", fault=FakeFault.NEVER_COMPLETE))
+    start = clock.monotonic()
+    assert never.poll(wait_num=1, interval_s=0.003, tick_s=tick_s).pending == ["b"]
+    assert clock.monotonic() - start == pytest.approx(0.003)
