@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # site-packages: importable there, it would send transformers' and fla's KDA to GPU-only kernels
 TRITON_INTERP := $(VENV)/triton-interp
 
-.PHONY: install serve generate test bench clean
+.PHONY: install serve generate test bench flashmla clean
 
 # torch first, pinned: the package's range (torch>=2.11,<2.14) then keeps this CPU build
 $(RUNTIME_STAMP): pyproject.toml
@@ -51,6 +51,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/transceiver.py --quick --out bench/results/transceiver.json
 	$(BIN)/python bench/serve.py --quick --out bench/results/serve.json --plot bench/results/serve.png
 	$(BIN)/python bench/kernels.py --quick --out bench/results/kernels.json
+
+# optional FlashMLA MLA decode backend (Hopper): builds ~/.cache/helixserve/flashmla/libflashmla_dense.so
+# with nvcc (cloning FlashMLA + CUTLASS; FLASHMLA_SRC=DIR uses a checkout instead, FLASHMLA_OUT=DIR elsewhere)
+flashmla:
+	deploy/flashmla/build.sh $(if $(FLASHMLA_SRC),--src $(FLASHMLA_SRC)) $(if $(FLASHMLA_OUT),--out $(FLASHMLA_OUT))
 
 clean:
 	rm -rf $(VENV) checkpoints

@@ -6,7 +6,9 @@
   tensors: the wrapper's cost (target < 3 %).
 - Paged MLA decode (bf16 latent cache 512 + 64, shuffled 64- and 16-token pages): unique bytes read over
   time as a fraction of the copy bandwidth (target >= 80 %); the default launch and the best of a
-  sweep of tile shapes with --mla-sweep (block_n, block_h, warps, stages, splits).
+  sweep of tile shapes with --mla-sweep (block_n, block_h, warps, stages, splits). On 64-token pages,
+  where the library is built (``make flashmla``) and the GPU is sm90, the FlashMLA backend's row
+  beside ours (``kernels.mla.flashmla.paged_decode``: table compaction, metadata, kernel, combine).
 - MoE: the routed experts of K3 shape (3584 -> 2 x 3072 -> 3584, 64 local experts, top-8) as two
   ``torch._grouped_mm`` calls vs dense bf16 GEMMs of the same FLOPs; plus the full ``moe_experts``.
 - ``kimi-k3-mid`` through the engine (``LLM``, what ``helixserve generate`` runs): prefill tok/s
@@ -154,7 +156,8 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
     # (batch, kv_len, heads, sweep tile shapes)
     # (batch, kv_len, heads, page size, sweep tile shapes); 16-token pages are the engine's default
     shapes = [(64, 4096, 16, 64, True), (256, 4096, 16, 64, False), (64, 16384, 16, 64, False),
-              (128, 4096, 64, 64, True), (64, 4096, 16, 16, False), (128, 4096, 64, 16, False)]
+              (128, 4096, 64, 64, True), (64, 4096, 16, 16, False), (128, 4096, 64, 16, False),
+              (128, 16384, 96, 64, False), (128, 16384, 128, 64, False)]
     if args.quick:
         shapes = shapes[:1]
     for B, kv_len, H, page, do_sweep in shapes:
@@ -190,6 +193,24 @@ def bench_mla(args, on_gpu: bool, copy_bw: float | None) -> None:
             row("mla", f"decode B={B} kv={kv_len // 1024}k H={H} page={page} {label}", bw / 1e12, copy_bw / 1e12,
                 "TB/s", "HBM copy", f"{bw / copy_bw:.0%}",
                 f"{t * 1e6:.0f} µs" + (f" {best[1]}" if label == "best" else ""))
+        if page == 64:
+            bench_flashmla(args, case, f"decode B={B} kv={kv_len // 1024}k H={H} page={page}", nbytes, t_default,
+                           copy_bw)
+
+
+def bench_flashmla(args, case: tuple, name: str, nbytes: int, t_ours: float, copy_bw: float) -> None:
+    """FlashMLA's row for one MLA decode case (64-token pages), beside our default launch's time."""
+    from helixserve.kernels.mla import flashmla
+
+    q, cache, tables, _, _, kv_lens = case
+    reason = flashmla.unavailable_reason(q.device) or flashmla.unsupported_reason(q, cache, tables, kv_lens, 512)
+    if reason is not None:
+        print(f"    flashmla skipped: {reason}", flush=True)
+        return
+    (t,) = timer([lambda: flashmla.paged_decode(q, cache, tables, kv_lens, 192**-0.5)], 3, args.reps * 4)
+    bw = nbytes / t
+    row("mla", f"{name} flashmla", bw / 1e12, copy_bw / 1e12, "TB/s", "HBM copy", f"{bw / copy_bw:.0%}",
+        f"{t * 1e6:.0f} µs; ours (default) / flashmla {t_ours / t:.2f}×")
 
 
 def bench_moe(args, on_gpu: bool) -> None:

@@ -366,3 +366,23 @@ def kernel_backend(environ: dict[str, str] | None = None) -> str:
     if value not in KERNEL_BACKENDS:
         raise ValueError(f"HELIXSERVE_KERNELS must be one of {KERNEL_BACKENDS}, got {value!r}")
     return value
+
+
+MLA_BACKENDS = ("auto", "triton", "flashmla")
+FLASHMLA_LIB_ENV = "HELIXSERVE_FLASHMLA_LIB"
+
+
+def mla_backend(environ: Mapping[str, str] | None = None) -> str:
+    """``HELIXSERVE_MLA_BACKEND`` for MLA decode: ``auto`` (FlashMLA where it loads and fits, else
+    Triton), ``triton`` (never FlashMLA) or ``flashmla`` (FlashMLA required: an error where it does not load)."""
+    value = (os.environ if environ is None else environ).get("HELIXSERVE_MLA_BACKEND", "auto")
+    if value not in MLA_BACKENDS:
+        raise ValueError(f"HELIXSERVE_MLA_BACKEND must be one of {MLA_BACKENDS}, got {value!r}")
+    return value
+
+
+def flashmla_library(environ: Mapping[str, str] | None = None) -> Path:
+    """``HELIXSERVE_FLASHMLA_LIB``, else where ``make flashmla`` writes it:
+    ``~/.cache/helixserve/flashmla/libflashmla_dense.so``."""
+    value = (os.environ if environ is None else environ).get(FLASHMLA_LIB_ENV, "")
+    return Path(value).expanduser() if value else Path.home() / ".cache/helixserve/flashmla/libflashmla_dense.so"

@@ -29,10 +29,16 @@ def value_checks_enabled() -> bool:
 
 
 @cache
-def has_triton() -> bool:
+def fast_kernels_enabled() -> bool:
+    """``HELIXSERVE_KERNELS=auto``: GPU fast paths (Triton, fla, FlashMLA) where installed."""
     from helixserve.config import kernel_backend
 
-    return kernel_backend() == "auto" and importlib.util.find_spec("triton") is not None
+    return kernel_backend() == "auto"
+
+
+@cache
+def has_triton() -> bool:
+    return fast_kernels_enabled() and importlib.util.find_spec("triton") is not None
 
 
 @cache

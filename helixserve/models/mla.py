@@ -102,10 +102,11 @@ class MultiLatentAttention(nn.Module):
     def attend(
         self, q: torch.Tensor, batch: ForwardBatch, caches: ModelCaches
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over the locally held latents: ``(o_lat [T, H, r], lse [T, H])``."""
+        """Attention over the locally held latents: ``(o_lat [T, H, r], lse [T, H])``; a decode step
+        (``batch.is_decode``: one new token per sequence, after its cached context) may take FlashMLA."""
         return kernels.mla_paged_attention(
             q, caches.mla_kv[self.layer_idx], batch.block_tables, batch.cu_seqlens, batch.positions,
-            batch.kv_lens, scale=self.scale, v_dim=self.kv_lora_rank,
+            batch.kv_lens, scale=self.scale, v_dim=self.kv_lora_rank, is_decode=batch.is_decode is True,
         )
 
     def output(self, o_lat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

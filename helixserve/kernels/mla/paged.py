@@ -9,6 +9,11 @@ Shapes (Dqk = kv_lora_rank + rope_dim, 576 for Kimi; v_dim = kv_lora_rank, 512):
 Key j of sequence i is kv_cache[block_tables[i, j // BS], j % BS]; its value is key[:v_dim].
 Query at position p sees key j iff j <= p and j < kv_lens[i] and the block is held locally.
 A query seeing no local key returns o = 0, lse = -inf (combine with :func:`lse_combine`).
+
+Attention backends: decode calls (``is_decode=True``) take DeepSeek's FlashMLA where it is built and
+fits (:mod:`~helixserve.kernels.mla.flashmla`: CUDA sm90, bf16, 576 / 512 dims, 64-token pages;
+``HELIXSERVE_MLA_BACKEND``); other CUDA calls take the Triton kernel (:mod:`.triton_mla`), and the rest
+(CPU, ``HELIXSERVE_KERNELS=reference``, value checks on) the PyTorch reference below.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch
 
 from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape
 from helixserve.kernels._host import host_list
-from helixserve.kernels.triton_common import gpu_num_seqs, has_triton, use_triton, value_checks_enabled
+from helixserve.kernels.mla import flashmla
+from helixserve.kernels.triton_common import (fast_kernels_enabled, gpu_num_seqs, has_triton, use_triton,
+                                              value_checks_enabled)
 
 if has_triton():
     from helixserve.kernels.mla import triton_mla
@@ -95,8 +102,14 @@ def mla_paged_attention(
     *,
     scale: float,
     v_dim: int,
+    is_decode: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of each query over its sequence's locally held keys (partial for helix)."""
+    """Causal attention of each query over its sequence's locally held keys (partial for helix).
+
+    ``is_decode``: the caller's promise (not checked: that would read the tensors on the host) that
+    there is one query per sequence (``cu_seqlens_q == arange(B + 1)``) at ``q_positions ==
+    kv_lens - 1``; it lets a decode-only backend (FlashMLA) take the call."""
+    flashmla.require_if_forced(q.device)
     check_ndim("q", q, 3)
     T, H, Dqk = q.shape
     check_ndim("kv_cache", kv_cache, 3)
@@ -106,8 +119,8 @@ def mla_paged_attention(
         raise ValueError(f"v_dim must lie in (0, {Dqk}], got {v_dim}")
     check_ndim("block_tables", block_tables, 2)
     check_integer("block_tables", block_tables)
-    on_gpu = use_triton(q) and kv_cache.is_contiguous() and not value_checks_enabled()
-    if on_gpu:
+    is_fast = q.is_cuda and _fast_path(kv_cache)  # GPU kernels: no host reads
+    if is_fast:
         B = gpu_num_seqs("cu_seqlens_q", cu_seqlens_q, T)
     else:
         cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T)
@@ -118,10 +131,21 @@ def mla_paged_attention(
     check_integer("q_positions", q_positions)
     check_shape("kv_lens", kv_lens, (B,))
     check_integer("kv_lens", kv_lens)
-    if on_gpu:  # Triton, no host syncs (the bound checks below read the tables on the host)
+    if is_decode and T != B:
+        raise ValueError(f"is_decode: q has {T} rows for {B} sequences (one query per sequence expected)")
+    if is_decode and _fast_path(kv_cache) and flashmla.skip_reason(q, kv_cache, block_tables, kv_lens, v_dim) is None:
+        return flashmla.paged_decode(q, kv_cache, block_tables, kv_lens, float(scale), v_dim)
+    if is_fast and use_triton(q):  # Triton, no host syncs (the bound checks below read the tables on the host)
         return triton_mla.paged_attention(q, kv_cache, block_tables, cu_seqlens_q, q_positions, kv_lens,
                                           float(scale), v_dim)
+    if is_fast:  # CUDA without Triton: the reference reads cu_seqlens_q on the host
+        cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T)
     return _paged_attention_torch(q, kv_cache, block_tables, cu, q_positions, kv_lens, float(scale), v_dim)
+
+
+def _fast_path(kv_cache: torch.Tensor) -> bool:
+    """The GPU kernels may run: fast kernels on (``HELIXSERVE_KERNELS``), a contiguous cache, no value checks."""
+    return fast_kernels_enabled() and kv_cache.is_contiguous() and not value_checks_enabled()
 
 
 def _write_few_rows(
