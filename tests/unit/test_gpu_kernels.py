@@ -300,3 +300,12 @@ def test_unit_copier_graphs_replay_and_fall_back(monkeypatch, capacity_units):
     else:  # the first SLOTS replayed, then every slot was busy (r = 6 also needs 8-byte words)
         assert all(s.used for s in graphs._slots)
         assert len(launches) == len(requests) - 1 - unit_graphs.SLOTS
+
+
+def test_warm_up_copy_checks_direct_and_graph_copies():
+    """The gen's warm-up of the pull: direct launches for one to three groups and a captured
+    graph replay (a process's first capture and pinned tables, before any request); it raises
+    if either copy is wrong."""
+    from helixserve.transceiver.pull import warm_up_copy
+
+    warm_up_copy(torch.device("cuda", torch.cuda.current_device()))
