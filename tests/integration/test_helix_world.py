@@ -389,13 +389,13 @@ def _first_token_world(rank: int, world_size: int, init_method: str, model_dir: 
 
 
 def test_a_received_requests_first_token_comes_before_any_decode_step(tiny_checkpoints) -> None:
-    """Alone in the world, the step in which a received request starts returns the ctx's first token at once, without
-    a forward (holding it for the decode step would add that step to its time to first token);
-    the next steps decode one token each, and the answer is the single-process engine's."""
+    """Alone in the world, a received request's first token (the ctx's) returns in the step it
+    starts, with no forward (waiting for the decode step would add it to the time to first token);
+    then one token per forward, and the single-process engine's answer."""
     model = str(tiny_checkpoints[PRESET])
     want = LLM(model, cache=CACHE).generate([KV_PROMPTS[0]], [KV_PARAMS[0]])[0].token_ids
     steps = run_local_world(_first_token_world, 1, model, want[0], timeout_s=120)[0]
-    with_tokens = [(tokens, forwards) for tokens, forwards in steps if tokens]
+    with_tokens = [step for step in steps if step[0]]
     assert with_tokens[0] == ([want[0]], 0)
     assert all(len(tokens) == 1 and forwards == 1 for tokens, forwards in with_tokens[1:])
     assert [t for tokens, _ in with_tokens for t in tokens] == want
