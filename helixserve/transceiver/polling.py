@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from helixserve.transceiver.base import TransferSession, TransferState
@@ -124,11 +124,13 @@ class TransferPoller:
         self._counted.discard(request_id)
         return self.sessions.pop(request_id)
 
-    def poll(self, wait_num: int | None = 0, interval_s: float = 0.0, tick_s: float | None = None) -> PollResult:
-        """Bounded local poll; see the module docstring for the exact semantics. `tick_s`: a
-        shorter wait between sweeps for this poll (a completion that sets no wakeup, such as a
-        device copy, is then seen that much sooner)."""
-        tick = self.tick_s if tick_s is None else min(tick_s, self.tick_s)
+    def poll(self, wait_num: int | None = 0, interval_s: float = 0.0,
+             ready: Callable[[], bool] | None = None, ready_tick_s: float = 0.0) -> PollResult:
+        """Bounded local poll; see the module docstring for the exact semantics. `ready`: a cheap
+        probe of completions that set no wakeup (a device copy's event), asked every
+        `ready_tick_s` between two sweeps; when it says True the next sweep runs at once, else
+        sweeps stay a tick apart (a sweep updates every live session: at high concurrency it is
+        the expensive part)."""
         if wait_num is not None and wait_num < 0:
             raise ValueError(f"wait_num must be >= 0 or None, got {wait_num}")
         live = self.live_sessions()
@@ -146,8 +148,19 @@ class TransferPoller:
                 now = self.clock.monotonic()
                 if now >= end:
                     break
-                self.clock.wait(self.wakeup, min(tick, end - now))
+                self._wait(min(self.tick_s, end - now), ready, ready_tick_s)
         return self._result(num_sweeps, target)
+
+    def _wait(self, timeout: float, ready: Callable[[], bool] | None, ready_tick_s: float) -> None:
+        """`timeout` seconds, or until the wakeup, or (probed every `ready_tick_s`) `ready()`."""
+        if ready is None or ready_tick_s <= 0:
+            self.clock.wait(self.wakeup, timeout)
+            return
+        until = self.clock.monotonic() + timeout
+        while True:
+            left = until - self.clock.monotonic()
+            if left <= 0 or self.clock.wait(self.wakeup, min(ready_tick_s, left)) or ready():
+                return
 
     def _poll_end(self, live: list[TransferSession], wait_num: int | None, interval_s: float) -> float:
         now = self.clock.monotonic()

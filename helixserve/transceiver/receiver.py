@@ -61,7 +61,7 @@ RETRACT_WAIT_S = 1.0
 # this often, this many times (a minute), so that its first request is already pulled and granted
 PREFETCH_RETRY_S = 0.5
 # internal: while a pulled shard's copy is in flight (10–200 µs on an H200; its end sets no
-# wakeup), the poller sweeps this often instead of every tick (~1 ms)
+# wakeup), the poller probes the copies' events this often between its sweeps (a tick apart)
 PULL_TICK_S = 0.00005
 PREFETCH_ATTEMPTS = 120
 
@@ -174,10 +174,24 @@ class KVReceiver:
         """One bounded poller pass plus the drains of transfers that gave up."""
         self._drive()
         self.retractor.prune()
-        pulling = any(inbound.phase is Phase.PULLING for inbound in self.inbounds.values())
-        result = self.poller.poll(wait_num, interval_s, PULL_TICK_S if pulling else None)
+        result = self.poller.poll(wait_num, interval_s, self._copy_ended_probe(), PULL_TICK_S)
         self._drive()
         return result
+
+    def _copy_ended_probe(self):  # noqa: ANN202 (Callable[[], bool] | None)
+        """None without pulled copies in flight; else a probe that says True once each time
+        one of them ended (so the poller sweeps at once, and only then)."""
+        pending = [i.pull for i in self.inbounds.values()
+                   if i.phase is Phase.PULLING and i.pull is not None and not i.pull.is_done()]
+        if not pending:
+            return None
+
+        def ended() -> bool:
+            done = [pull for pull in pending if pull.is_done()]
+            for pull in done:
+                pending.remove(pull)
+            return bool(done)
+        return ended
 
     def forget(self, request_id: str, force: bool = False) -> None:
         """Drop a settled transfer (quiesced unless `force`)."""

@@ -275,18 +275,29 @@ def test_bounded_polling_settled_session_rejects_late_posts():
     assert late.is_cancel_requested
 
 
-@pytest.mark.parametrize("tick_s", [None, 0.00005, 5.0])
-def test_bounded_polling_a_polls_own_tick_only_shortens_the_wait(tick_s):
-    """A completion that sets no wakeup (a device copy) is seen at the next sweep: with a poll's
-    own short tick (what a receiver passes while a pull is in flight) that is within it; a tick
-    longer than the poller's own changes nothing; the poll's interval bounds the wait either way."""
+@pytest.mark.parametrize("probe", ["none", "fires", "never"])
+def test_bounded_polling_a_ready_probe_ends_the_wait_not_the_tick(probe):
+    """A completion that sets no wakeup (a device copy's event) and that a cheap probe sees: the
+    next sweep runs within a probe period of it instead of at the next tick; a probe that never
+    fires leaves the sweeps a tick apart (a sweep updates every session); the poll's interval
+    bounds the wait either way."""
     clock = FakeClock()
     poller = poller_with(clock, receiver(clock, "a", latency_s=0.0102))
-    assert poller.poll(wait_num=1, interval_s=1.0, tick_s=tick_s).completed == ["a"]
-    step = TICK if tick_s is None or tick_s > TICK else tick_s
+    fired = []
+
+    def once() -> bool:  # the receiver's probe says True once per copy that ended
+        if clock.monotonic() >= 0.0102 and not fired:
+            fired.append(clock.monotonic())
+            return True
+        return False
+    ready = {"none": None, "fires": once, "never": lambda: False}[probe]
+    result = poller.poll(wait_num=1, interval_s=1.0, ready=ready, ready_tick_s=0.00005)
+    assert result.completed == ["a"]
+    step = 0.00005 if probe == "fires" else TICK
     assert 0.0102 <= clock.monotonic() <= 0.0102 + step + 1e-9
-    assert max(clock.waits) <= step + 1e-12
+    assert result.num_sweeps <= 0.0102 / TICK + 2  # a tick apart, however often the probe ran
     never = poller_with(clock, receiver(clock, "b", fault=FakeFault.NEVER_COMPLETE))
     start = clock.monotonic()
-    assert never.poll(wait_num=1, interval_s=0.003, tick_s=tick_s).pending == ["b"]
+    result = never.poll(wait_num=1, interval_s=0.003, ready=ready, ready_tick_s=0.00005)
+    assert result.pending == ["b"] and result.num_sweeps <= 0.003 / TICK + 2
     assert clock.monotonic() - start == pytest.approx(0.003)

@@ -43,7 +43,7 @@ INTERNAL = {
     ("helixserve/transceiver/receiver.py", "RETRACT_WAIT_S"):
         "a local 0-byte retraction after drain_timeout_ms already ran out; bounds a broken plane",
     ("helixserve/transceiver/receiver.py", "PULL_TICK_S"):
-        "the poller's sweep while a device copy is in flight; the poll's own interval bounds the wait",
+        "how often a poll probes in-flight device copies between sweeps; the poll's own interval bounds the wait",
     ("helixserve/transceiver/receiver.py", "PREFETCH_RETRY_S"):
         "the interval between DescribePools asks at a gen rank's start (no one waits on it; a request "
         "that comes first asks with RequestShard)",
