@@ -3,7 +3,7 @@
 # tests/e2e/test_compose_served.py drives these steps; each can also be run by hand:
 #
 #   compose_podman.sh prepare       deps + base + wheels + build (each step timed: "timing: ...")
-#   compose_podman.sh deps          apt: podman runc catatonit netavark aardvark-dns debootstrap docker-compose curl
+#   compose_podman.sh deps          apt: podman runc catatonit netavark aardvark-dns iptables debootstrap docker-compose curl
 #   compose_podman.sh base          Debian 12 root (debootstrap minbase + python3) imported as $HELIX_BASE_IMAGE
 #   compose_podman.sh wheels        deploy/docker/wheels/: torch + the project's deps, with this host's pip
 #   compose_podman.sh build         the project image $HELIX_IMAGE from the base and the wheelhouse
@@ -107,7 +107,9 @@ EOF
 }
 
 step_deps() {
-    bash "$REPO/deploy/ci/install_system_deps.sh" podman runc catatonit netavark aardvark-dns \
+    # iptables: netavark programs the bridge's NAT with it (without it a build's RUN step fails
+    # with "netavark: No such file or directory")
+    bash "$REPO/deploy/ci/install_system_deps.sh" podman runc catatonit netavark aardvark-dns iptables \
         debootstrap docker-compose curl
     write_conf
 }
