@@ -186,11 +186,15 @@ class Pull:
     owner's last step), and without a stream switch or a cross-stream wait of its own."""
 
     def __init__(self, pair: PullPair, groups: Sequence[UnitGroup], device: torch.device) -> None:
-        if torch.cuda.current_device() != device.index:
+        self.pair = pair  # (its tensors and graphs stay alive while the copy may run)
+        if device.index is not None and torch.cuda.current_device() != device.index:
             with torch.cuda.device(device):
-                self.__init__(pair, groups, device)
-            return
-        pair.copier.copy(groups)
+                self._launch(groups)
+        else:
+            self._launch(groups)
+
+    def _launch(self, groups: Sequence[UnitGroup]) -> None:
+        self.pair.copier.copy(groups)
         self.event = torch.cuda.Event()
         self.event.record()
 

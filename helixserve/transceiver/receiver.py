@@ -179,18 +179,23 @@ class KVReceiver:
         return result
 
     def _copy_ended_probe(self):  # noqa: ANN202 (Callable[[], bool] | None)
-        """None without pulled copies in flight; else a probe that says True once each time
-        one of them ended (so the poller sweeps at once, and only then)."""
-        pending = [i.pull for i in self.inbounds.values()
-                   if i.phase is Phase.PULLING and i.pull is not None and not i.pull.is_done()]
-        if not pending:
+        """None when no pull is in flight or may start (none pulling, none asking a ctx whose
+        pools it has open); else a probe that says True once for each pulled copy that ended
+        since it was made (pulls a sweep launches too), so that the poller sweeps at once."""
+        inbounds = self.inbounds
+        if not any(i.phase is Phase.PULLING or (i.phase is Phase.REQUESTING and i.pools is not None)
+                   for i in inbounds.values()):
             return None
+        seen: set[int] = set()
 
         def ended() -> bool:
-            done = [pull for pull in pending if pull.is_done()]
-            for pull in done:
-                pending.remove(pull)
-            return bool(done)
+            found = False
+            for inbound in inbounds.values():
+                pull = inbound.pull
+                if inbound.phase is Phase.PULLING and pull is not None and id(pull) not in seen and pull.is_done():
+                    seen.add(id(pull))
+                    found = True
+            return found
         return ended
 
     def forget(self, request_id: str, force: bool = False) -> None:

@@ -309,3 +309,20 @@ def test_warm_up_copy_checks_direct_and_graph_copies():
     from helixserve.transceiver.pull import warm_up_copy
 
     warm_up_copy(torch.device("cuda", torch.cuda.current_device()))
+
+
+def test_unit_copier_graphs_take_only_one_group_per_segments_array():
+    """Two groups over one segments array (what a graph's table cannot place) are both copied:
+    such a copy launches directly instead of replaying a graph."""
+    import numpy as np
+
+    from helixserve.kernels.copy.units import UnitCopier, UnitGroup
+
+    src = torch.arange(1024, dtype=torch.int64, device="cuda").view(torch.uint8)
+    dst = torch.zeros_like(src)
+    seg = np.zeros((1, 2), dtype=np.int64)
+    copier = UnitCopier([src], [dst], [seg], graphs=True)
+    copier.copy([UnitGroup(16, seg, np.asarray([[0, 0]])), UnitGroup(32, seg, np.asarray([[64, 64]]))])
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:16], src[:16]) and torch.equal(dst[64:96], src[64:96])
+    assert not dst[16:64].any() and not dst[96:].any()

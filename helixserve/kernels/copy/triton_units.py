@@ -23,6 +23,8 @@ or 1 bytes) that every address and size allows.
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # (units imports this module)
     from helixserve.kernels.copy.units import UnitGroup
@@ -174,10 +178,15 @@ class SegmentTable:
         self.graphs = None
         if graphs and self.segments and self.bits % 16 == 0:
             from helixserve.kernels.copy.unit_graphs import UnitGraphs  # (it imports this module)
-            self.graphs = UnitGraphs(self.rows, srcs[0], dsts[0], len(self.segments))
+            try:
+                self.graphs = UnitGraphs(self.rows, srcs[0], dsts[0], len(self.segments))
+            except Exception:  # noqa: BLE001 (every copy launches directly instead)
+                logger.warning("unit copy graphs could not be captured on %s; launching directly",
+                               dsts[0].device, exc_info=True)
 
     def every_group(self, groups: Sequence[UnitGroup]) -> list[UnitGroup]:
-        """`groups` placed at their segments' places, a group without units at the others."""
+        """`groups` (at most one per segments array of this table) placed at their segments'
+        places, a group without units at the others."""
         by_segments = {id(g.segments): g for g in groups}
         return [by_segments.get(id(s)) or type(groups[0])(0, s, s[:0]) for s in self.segments]
 
@@ -190,7 +199,8 @@ def copy_prepared(table: SegmentTable, groups: Sequence[UnitGroup]) -> bool:
     word, vec = _words(table.bits, groups)
     if word != 8:
         return False
-    if table.graphs is not None and vec == 2:
+    ids = [id(g.segments) for g in groups]
+    if table.graphs is not None and vec == 2 and len(set(ids)) == len(ids) and all(i in table.offsets for i in ids):
         rows, _ = request_table(table.every_group(groups), table.starts, word, vec)
         if table.graphs.replay(rows):
             return True

@@ -52,12 +52,14 @@ class UnitGraphs:
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
         self._slots: list[_Slot] = []
         self._next = 0
+        self._refs = (seg_rows, src, dst)  # what the graphs read
+        # the buffers belong to the stream the copies run on (not the capture's side stream)
+        buffers = [(torch.zeros(self.capacity, dtype=torch.int64, pin_memory=True),
+                    torch.zeros(self.capacity, dtype=torch.int64, device=device)) for _ in range(slots)]  # no work
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for _ in range(slots):
-                host = torch.zeros(self.capacity, dtype=torch.int64, pin_memory=True)
-                table = torch.zeros(self.capacity, dtype=torch.int64, device=device)  # no work
+            for host, table in buffers:
 
                 def launch(table: torch.Tensor = table) -> None:
                     triton_units._launch(seg_rows, table, self.grid, 8, 2, num_groups, src, dst)
