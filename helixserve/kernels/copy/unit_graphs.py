@@ -12,7 +12,8 @@ grid serves every request). A copy writes its request table into a free slot's p
 uploads it (one ``copy_``) and replays the slot's graph on the current stream. A slot is free once
 the event recorded after its last use has passed: until then its upload may not have run. When
 no slot is free, or the table does not fit one, :meth:`replay` says so and the caller launches
-directly (`triton_units.copy_prepared`). Capture uses the thread-local mode: ucxx's threads may
+directly (`triton_units.copy_prepared`, which also launches directly for 8-byte-word units, two
+groups over one segments array, or a table whose capture failed). Capture uses the thread-local mode: ucxx's threads may
 call CUDA meanwhile.
 """
 
