@@ -12,8 +12,8 @@ count, and no memory map or piece table is built.
 The copy runs on the device's current stream (the engine's compute stream), behind the work
 queued there (the destination blocks may have been read by the previous owner's last step);
 the next step's kernels queue behind the copy, which takes 10–170 µs for 7–293 MiB on an H200.
-An event tells the engine thread when it is done; `wait` bounds how long a receiver that gives up waits for a copy
-already launched.
+An event tells the engine thread when it is done; `wait` bounds how long a receiver that gives
+up waits for a copy already launched.
 """
 
 from __future__ import annotations

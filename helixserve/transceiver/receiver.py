@@ -60,10 +60,10 @@ RETRACT_WAIT_S = 1.0
 # internal: a ctx not answering DescribePools at a gen rank's start (still loading) is asked again
 # this often, this many times (a minute), so that its first request is already pulled and granted
 PREFETCH_RETRY_S = 0.5
+PREFETCH_ATTEMPTS = 120
 # internal: while a pulled shard's copy is in flight (10–200 µs on an H200; its end sets no
 # wakeup), the poller probes the copies' events this often between its sweeps (a tick apart)
 PULL_TICK_S = 0.00005
-PREFETCH_ATTEMPTS = 120
 
 
 class KVReceiver:

@@ -24,7 +24,6 @@ or 1 bytes) that every address and size allows.
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 

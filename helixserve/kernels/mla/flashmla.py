@@ -83,10 +83,13 @@ def reset() -> None:
 def load() -> ctypes.CDLL:
     """The library, loaded on the first call; raises :class:`FlashMLAUnavailable` (why) when it cannot be."""
     global _state
-    with _lock:
-        if _state is None:
-            _state = _open(library_path())
-        lib, reason = _state
+    state = _state  # (set once; a decode call per layer reads it without the lock)
+    if state is None:
+        with _lock:
+            if _state is None:
+                _state = _open(library_path())
+            state = _state
+    lib, reason = state
     if lib is None:
         raise FlashMLAUnavailable(reason)
     return lib
@@ -214,17 +217,17 @@ def skip_reason(
         reason: str | None = "HELIXSERVE_MLA_BACKEND=triton"
     else:
         reason = unavailable_reason(q.device) or unsupported_reason(q, kv_cache, block_tables, kv_lens, v_dim)
-    if reason is None:
-        _log_once(f"MLA decode backend: FlashMLA ({library_path()})")
-    else:
-        _log_once(f"MLA decode backend: not FlashMLA ({reason})")
+    _log_once(reason)
     return reason
 
 
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.info(message)
+def _log_once(reason: str | None) -> None:
+    """Log the backend a decode call took, once per outcome (the message is built only then)."""
+    key = reason or ""
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("MLA decode backend: %s", f"FlashMLA ({library_path()})" if reason is None
+                    else f"not FlashMLA ({reason})")
 
 
 def compact_tables(block_tables: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
