@@ -289,11 +289,13 @@ class EngineCore:
         step: the ctx sampled them, and holding them for the decode step would add that step to
         their time to first token; the next call runs the step. With other requests to run, the
         first tokens come with this step's (an extra host round per start would stall the
-        others' decoding, and it may wait on the transfers' poll), as with a step in flight.
+        others' decoding), as with a step in flight. The transfers' poll waits (a bounded while,
+        for one to end) only when nothing else would run: decode steps never wait on it.
         """
         updates: list[RequestUpdate] = []
         if self.kv_intake is not None:
-            updates = self.kv_intake.step(self.scheduler.can_add_prefilled, self._start_prefilled)
+            idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
+            updates = self.kv_intake.step(self.scheduler.can_add_prefilled, self._start_prefilled, idle)
             self._forget([u.request_id for u in updates if u.is_finished])
             started = {u.request_id for u in updates if not u.is_finished}
             if (started and self._in_flight is None and not self.scheduler.waiting

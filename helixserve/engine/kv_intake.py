@@ -44,9 +44,10 @@ class KVReceiver(Protocol):
     """
 
     def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches, ticket: Any) -> None: ...
-    def poll(self) -> dict[str, str | None]:
+    def poll(self, wait: bool = False) -> dict[str, str | None]:
         """Transfers finished since the last poll: ``request_id -> None`` (ok) or an error message.
-        Local and bounded (no collective)."""
+        Local and bounded (no collective). ``wait``: nothing else would run this step, so the
+        poll may wait a bounded while for a transfer to end; else one non-blocking pass."""
     def cancel(self, request_id: str) -> None: ...
 
 
@@ -79,11 +80,12 @@ class RankTransfers:
             if self.receiver is not None:
                 self.receiver.cancel(request_id)
 
-    def agree(self) -> ConsensusResult:
-        """Poll, then agree with the group (every rank of the group calls this in the same
-        message); agreed failures are cancelled here, agreed arrivals forgotten."""
+    def agree(self, wait: bool = False) -> ConsensusResult:
+        """Poll (waiting a bounded while when ``wait``: the group has nothing else to run), then
+        agree with the group (every rank of the group calls this in the same message); agreed
+        failures are cancelled here, agreed arrivals forgotten."""
         if self.receiver is not None:
-            for request_id, error in self.receiver.poll().items():
+            for request_id, error in self.receiver.poll(wait).items():
                 if request_id in self._active:
                     self._outcomes[request_id] = error
         failed = {rid: error for rid, error in self._outcomes.items() if error is not None}
@@ -106,7 +108,7 @@ class _Received:
 class TransferSender(Protocol):
     """How the leader tells the other ranks of its group (``GroupExecutor.transfers``)."""
 
-    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool) -> None: ...
+    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool, wait: bool) -> None: ...
 
 
 class KVIntake:
@@ -156,18 +158,21 @@ class KVIntake:
             self.abort(request_id)
         return request_ids
 
-    def step(self, can_start: Callable[[], bool], start: Callable[[Request], list[RequestUpdate]]
-             ) -> list[RequestUpdate]:
+    def step(self, can_start: Callable[[], bool], start: Callable[[Request], list[RequestUpdate]],
+             idle: bool = False) -> list[RequestUpdate]:
         """Admit, agree, start: the updates of requests that failed (``FINISHED_ERROR`` with the
-        cause) or started decoding (their first tokens)."""
+        cause) or started decoding (their first tokens). ``idle``: the engine has nothing else
+        to run (no request decoding or waiting, no step in flight), so the transfers' poll may
+        wait a bounded while for one to end; otherwise it does not wait, and decode steps never
+        stall on a transfer still in flight."""
         self._admit()
         updates: list[RequestUpdate] = []
         agree = bool(self._receiving)
         if self.group is not None and (agree or self._starts or self._cancels):
-            self.group.transfers(self._starts, self._cancels, agree)
+            self.group.transfers(self._starts, self._cancels, agree, idle)
         self._starts, self._cancels = [], []
         if agree:
-            agreed = self.transfers.agree()
+            agreed = self.transfers.agree(wait=idle)
             for request_id in [r for r in self._receiving if r in agreed.failed | agreed.cancelled]:
                 self._receiving.pop(request_id)
                 self.cache.free(request_id)

@@ -78,9 +78,10 @@ class RecomputeKVSource(KVSource):
 
 class PacedKVReceiver:
     """A rank's :class:`~helixserve.transceiver.receiver.KVReceiver` as the gen world's
-    ``KVReceiver``: each executor step's poll waits at most ``interval_s`` for a transfer to end
-    (bounded local poll, no collective), so a world that only waits on transfers does not spin,
-    and decode steps of other requests wait at most that long."""
+    ``KVReceiver``: a step's poll waits at most ``interval_s`` for a transfer to end when the
+    engine has nothing else to run (bounded local poll, no collective), so a world that only
+    waits on transfers does not spin; with requests decoding it is one non-blocking pass, so
+    their steps never wait on a transfer."""
 
     def __init__(self, receiver, interval_s: float) -> None:  # noqa: ANN001 (transceiver KVReceiver)
         self.receiver = receiver
@@ -89,8 +90,10 @@ class PacedKVReceiver:
     def start(self, request_id: str, handle, caches, ticket: DisaggregatedParams) -> None:  # noqa: ANN001
         self.receiver.start(request_id, handle, caches, ticket)
 
-    def poll(self) -> dict[str, str | None]:
-        return self.receiver.poll(wait_num=1, interval_s=self.interval_s)
+    def poll(self, wait: bool = False) -> dict[str, str | None]:
+        if wait:
+            return self.receiver.poll(wait_num=1, interval_s=self.interval_s)
+        return self.receiver.poll(wait_num=0)
 
     def cancel(self, request_id: str) -> None:
         self.receiver.cancel(request_id)

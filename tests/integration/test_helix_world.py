@@ -67,6 +67,7 @@ class _FakeReceiver:
         self.mapping = mapping
         self.pending: dict[str, list] = {}
         self.cancelled: list[str] = []
+        self.waits: list[bool] = []  # each poll's `wait`
 
     def start(self, request_id, handle, caches, ticket) -> None:
         prompt, fail_on_rank = ticket
@@ -86,7 +87,8 @@ class _FakeReceiver:
         error = f"transfer failed on rank {self.mapping.rank}" if fail_on_rank == self.mapping.rank else None
         self.pending[request_id] = [2, error]
 
-    def poll(self) -> dict[str, str | None]:
+    def poll(self, wait: bool = False) -> dict[str, str | None]:
+        self.waits.append(wait)
         done = {}
         for rid, entry in list(self.pending.items()):
             entry[0] -= 1

@@ -29,7 +29,7 @@ class _Receiver:
         self.started.append(request_id)
         self.pending[request_id] = self.polls
 
-    def poll(self) -> dict[str, str | None]:
+    def poll(self, wait: bool = False) -> dict[str, str | None]:
         done = {}
         for rid in list(self.pending):
             self.pending[rid] -= 1

@@ -47,6 +47,7 @@ class Transfers:
     starts: list[tuple[str, CacheHandle, Any]] = field(default_factory=list)  # (request id, handle, ticket)
     cancels: list[str] = field(default_factory=list)
     agree: bool = False
+    wait: bool = False  # the leader's poll may wait (nothing else to run): the others' may too
 
 
 @dataclass(slots=True)

@@ -102,13 +102,14 @@ class SPMDExecutor:
         except Exception as exc:
             raise CollectiveError(f"empty step failed on rank {self.channel.mapping.rank}: {exc}") from exc
 
-    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool) -> None:
-        """Tell the other ranks which receptions to start (each its own handle) and cancel, and
-        whether to agree on the outcomes now."""
+    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool,
+                  wait: bool = False) -> None:
+        """Tell the other ranks which receptions to start (each its own handle) and cancel,
+        whether to agree on the outcomes now, and whether their polls may wait first."""
         if self.channel.is_alone:
             return
         self._send([None] + [Transfers([(rid, self.cache.handle_on(r, rid), ticket) for rid, ticket in starts],
-                                       list(cancels), agree) for r in range(1, self.cp)])
+                                       list(cancels), agree, wait) for r in range(1, self.cp)])
 
     def heartbeat(self) -> None:
         self._send_all(Heartbeat())

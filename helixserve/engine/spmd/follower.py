@@ -53,7 +53,7 @@ def serve_follower(follower: Follower) -> int:
             for request_id, handle, ticket in message.starts:
                 follower.transfers.start(request_id, handle, ticket)
             if message.agree:
-                follower.transfers.agree()
+                follower.transfers.agree(wait=message.wait)
         elif isinstance(message, Idle):
             runner.model.empty_step()
             follower.num_steps += 1
