@@ -43,10 +43,17 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
         logits_rows = []
     context_lens = [s.context_len for s in out.seqs]
     slots = [s.slot if s.slot is not None else 0 for s in out.seqs]
-    # the int64 metadata as views of one tensor: one host -> tensor conversion (and one copy to a device)
+    # the int64 metadata as views of one tensor: one host -> tensor conversion (and one copy to a
+    # device); each part starts on a 16-byte boundary (padded to an even length), so the views'
+    # alignment does not depend on the row and sequence counts: Triton specializes pointer
+    # arguments on 16-byte alignment, and a count-dependent alignment compiled a new kernel
+    # variant for the first request of some lengths (warm-up cannot reach them all)
     parts = (input_ids, positions, cu_seqlens, context_lens, slots, logits_rows)
-    flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64, device=device)
-    ids_t, positions_t, cu_t, context_t, slots_t, logits_t = flat.split_with_sizes([len(p) for p in parts])
+    sizes = [len(p) + len(p) % 2 for p in parts]
+    flat = torch.tensor(list(itertools.chain.from_iterable(p + [0] * (len(p) % 2) for p in parts)),
+                        dtype=torch.int64, device=device)
+    ids_t, positions_t, cu_t, context_t, slots_t, logits_t = (
+        view[:len(p)] for view, p in zip(flat.split_with_sizes(sizes), parts))
     return ForwardBatch(
         input_ids=ids_t,
         positions=positions_t,
