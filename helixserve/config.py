@@ -71,9 +71,6 @@ class SchedulerConfig(_Strict):
     # enqueue the next decode step before reading this one's tokens back (the device runs it while
     # the host applies them); None = on where decode steps run as CUDA graphs
     overlap_decode: bool | None = None
-    # a prefill-only step starts no sooner than this times the last one's duration after it ended,
-    # unless the waiting prompts fill max_num_batched_tokens (engine/prefill_delay.py); 0 = off
-    prefill_delay_factor: float = Field(0.0, ge=0.0, le=4.0)
 
 
 class EngineConfig(_Strict):

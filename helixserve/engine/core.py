@@ -21,7 +21,6 @@ which launches two steps in one, is off there.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +29,6 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.admission import check_new_request
 from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
-from helixserve.engine.prefill_delay import PrefillDelay
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
                                           decode_graphs_off_reason, size_cache, step_token_budget)
@@ -127,7 +125,6 @@ class EngineCore:
         if mapping is not None and mapping.dp > 1:
             self.overlap_decode = False  # one forward per world step (see the module docstring)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        self.prefill_delay = PrefillDelay(scheduler.prefill_delay_factor)
         self.num_step_errors = 0
         self._where = f" on gen rank {mapping.rank}" if mapping is not None else ""
         logger.info("engine ready: %s, overlapped decoding %s", self.layout, self.overlap_decode)
@@ -311,17 +308,8 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - the failure is reported on the requests
             return updates + self._fail_step(exc)
 
-    def step_delay_s(self) -> float:
-        """Seconds the next step should wait for more prompts to batch (:class:`PrefillDelay`):
-        only a prefill-only step waits, so 0 with anything decoding or a step in flight."""
-        if self.prefill_delay.factor <= 0 or self._in_flight is not None or self.scheduler.running:
-            return 0.0
-        waiting = sum(r.num_prompt_tokens for r in self.scheduler.waiting)
-        return self.prefill_delay.wait_s(waiting, self.scheduler.max_num_batched_tokens) if waiting else 0.0
-
     def _step(self) -> list[RequestUpdate]:
         executor = self.executor
-        started = time.monotonic()
         if self._in_flight is not None:
             (out, launched), self._in_flight = self._in_flight, None
         else:
@@ -329,13 +317,11 @@ class EngineCore:
             if out.is_empty:
                 return []
             launched = executor.launch(out, self._params)
-        is_prefill_only = all(s.is_prefill for s in out.seqs)
         if self.overlap_decode:
             ahead = self.scheduler.schedule_ahead()
             if ahead is not None:
                 self._in_flight = (ahead, executor.launch(ahead, self._params, input_tokens=launched.tokens))
         updates = self.scheduler.update_from_output(out, launched.result())
-        self.prefill_delay.record(started, time.monotonic(), is_prefill_only)
         self._forget([u.request_id for u in updates if u.is_finished])
         return updates
 

@@ -31,9 +31,7 @@ class EngineCoreLike(Protocol):
     Optional: ``failure_error(request_id) -> EngineError | None``, why a request the core
     finished with an error status failed (asked once, when its error update is delivered);
     ``add_request`` may raise an :class:`EngineError` to refuse with that cause (e.g.
-    :class:`EngineUnavailableError`); a plain ``ValueError`` becomes a :class:`RequestRejectedError`;
-    ``step_delay_s() -> float``, how long to wait for more commands before the next step
-    (:class:`~helixserve.engine.prefill_delay.PrefillDelay`; a command arriving meanwhile asks again).
+    :class:`EngineUnavailableError`); a plain ``ValueError`` becomes a :class:`RequestRejectedError`.
     """
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -122,16 +120,13 @@ class EngineThread:
         is_stopping = False
         while not is_stopping:
             is_idle = not self._core.has_unfinished_requests()
-            delay = 0.0 if is_idle else self._step_delay()
-            commands = self._drain(block=is_idle or delay > 0, timeout=delay or INBOX_TICK_S)
+            commands = self._drain(block=is_idle)
             for command in commands:
                 if command is _STOP:
                     is_stopping = True
                 else:
                     self._apply(command)
             if not is_stopping and self._core.has_unfinished_requests():
-                if commands and self._step_delay() > 0:
-                    continue  # prompts arrived inside a prefill delay: wait for more first
                 self._step()
             self._stats = self._core.stats()
         failed = self._core.abort_all("the server is shutting down")
@@ -139,15 +134,10 @@ class EngineThread:
         self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
         self._drain_adds_after_stop(error)
 
-    def _step_delay(self) -> float:
-        """How long the core wants to wait for more prompts (``step_delay_s``; 0 if it has none)."""
-        delay = getattr(self._core, "step_delay_s", None)
-        return delay() if delay is not None else 0.0
-
-    def _drain(self, block: bool, timeout: float = INBOX_TICK_S) -> list[Any]:
+    def _drain(self, block: bool) -> list[Any]:
         commands = []
         try:
-            commands.append(self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait())
+            commands.append(self._inbox.get(timeout=INBOX_TICK_S) if block else self._inbox.get_nowait())
             while True:
                 commands.append(self._inbox.get_nowait())
         except queue.Empty:
