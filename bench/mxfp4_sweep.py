@@ -63,40 +63,85 @@ def block_m_of(T: int) -> int:
     return choose_block_m(T * TOP_K, E)
 
 
-def _compile_worker(specs: list[tuple[str, int, str, tuple]]) -> list[str]:
+class _CompileOnlyDriver:
+    """Triton driver for a compile-only worker: reports the GPU's target and touches no device, so
+    workers need no CUDA context (nor may a compute mode refuse them one); the binaries and their
+    cache keys are what the JIT builds on the GPU for the same target."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_device_interface(self) -> Any:
+        return torch.cuda
+
+    def get_benchmarker(self) -> Any:
+        return None
+
+    def get_empty_cache_for_benchmark(self) -> Any:
+        return None
+
+
+def _compile_worker(target: tuple[str, int, int], specs: list[tuple[str, int, str, tuple]]) -> list[str]:
     """In a spawned process: compile (Triton ``warmup``, no launch) each (gemm, block_m, decode,
     tiles) on meta tensors of the real shapes; the binaries land in Triton's on-disk cache."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
     from helixserve.kernels import MXFP4Weight
     from helixserve.kernels.moe import triton_mxfp4 as tm
+
+    driver.set_active(_CompileOnlyDriver(GPUTarget(*target)))
 
     def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    errors = []
-    for gemm, block_m, decode, cfg in specs:
+    def compile_one(gemm: str, block_m: int, decode: str, cfg: tuple) -> None:
         N, K, gather = GEMMS[gemm]
-        P = 64 * block_m  # any: only shapes' strides and dtypes reach the kernel's specialization
+        P = 64 * block_m  # any: only the strides and dtypes reach the kernel's specialization
         w = MXFP4Weight(meta(E, N, K // 2, dtype=torch.uint8), meta(E, N, K // 32, dtype=torch.uint8))
         sched = tm.BlockSchedule(block_m, *(meta(64, dtype=torch.int32) for _ in range(3)))
         a = meta(P // TOP_K if gather else P, K, dtype=torch.bfloat16)
         rows = meta(P, dtype=torch.int64) if gather else None
+        tm._grouped_launch(a, w, sched, P, rows, decode, tm.Tiles(*cfg), warmup=True)
+
+    errors = []
+    for n, spec in enumerate(specs):
         try:
-            tm._grouped_launch(a, w, sched, P, rows, decode, tm.Tiles(*cfg), warmup=True)
-        except Exception as exc:  # the main process reports it when it runs the variant
-            errors.append(f"{gemm} bm={block_m} {decode} {cfg}: {type(exc).__name__}: {exc}"[:300])
+            try:
+                compile_one(*spec)
+            except Exception:
+                if n:
+                    raise
+                driver.reset_active()  # this Triton's driver API differs: compile through the real one
+                compile_one(*spec)
+        except Exception as exc:  # the main process compiles it on first use (and reports a real error)
+            errors.append(f"{spec}: {type(exc).__name__}: {exc}"[:300])
     return errors
 
 
 def precompile(block_ms: list[int], jobs: int) -> tuple[float, list[str]]:
+    from triton.runtime.driver import driver
+
+    t = driver.active.get_current_target()
+    target = (t.backend, t.arch, t.warp_size)
     specs = [(g, bm, d, c) for bm in block_ms for c in CONFIGS[bm] for d in DECODES for g in GEMMS]
     t0 = time.perf_counter()
-    chunks = [specs[i::jobs] for i in range(jobs)]
+    chunks = [c for c in (specs[i::jobs] for i in range(jobs)) if c]
     errors: list[str] = []
     try:
         import multiprocessing as mp
 
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-            for errs in pool.map(_compile_worker, [c for c in chunks if c]):
+        with ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
+            for errs in pool.map(_compile_worker, [target] * len(chunks), chunks):
                 errors += errs
     except Exception as exc:  # the JIT compiles them on first use instead
         errors.append(f"parallel compile failed ({type(exc).__name__}: {exc}); compiling on first use")
@@ -210,7 +255,7 @@ def main() -> None:
           f"({args.jobs} processes); {len(compile_errors)} errors", flush=True)
     for e in compile_errors:
         print("  compile:", e, flush=True)
-    w13, w2 = random_packed(E, 2 * I, D, "cuda", 1), random_packed(E, D, I, "cuda", 2)
+    w13, w2 = random_packed(E, 2 * I, D, DEVICE, 1), random_packed(E, D, I, DEVICE, 2)
     weights = {"gate_up": (w13, dequantized(w13)), "down": (w2, dequantized(w2))}
     rows: list[dict] = []
     errors: list[dict] = []
@@ -223,7 +268,8 @@ def main() -> None:
         except Exception as exc:
             traceback.print_exc()
             errors.append({"case": f"T={T}", "error": f"{type(exc).__name__}: {exc}"[:500]})
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         write_json(args.out, payload)
     timed = [r for r in rows if "us" in r]
     headers = ["case", "gemm", "decode", "config", "µs", "TB/s", "vs bf16", "ok", "bf16 µs"]

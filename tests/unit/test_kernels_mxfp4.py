@@ -175,7 +175,8 @@ def test_grouped_gemm_tile_overrides_match(tm, swap, N, K):
     a = torch.randn(7, K, generator=gen).bfloat16()
     rows = torch.randint(0, 7, (P,), generator=gen)
     local = sorted_ids < E
-    ref = torch.einsum("pk,pnk->pn", a[rows][local].float(), weight.dequantize(torch.bfloat16).float()[sorted_ids[local]])
+    dense = weight.dequantize(torch.bfloat16).float()
+    ref = torch.einsum("pk,pnk->pn", a[rows][local].float(), dense[sorted_ids[local]])
     s = tm.block_schedule(sorted_ids, E, 16)
     for tiles in (tm.Tiles(32, 64, 4, 2, swap), tm.Tiles(64, 32, 4, 1, swap)):
         out = tm.grouped_gemm_mxfp4(a, weight, s, P, rows=rows, decode="fp32", tiles=tiles)

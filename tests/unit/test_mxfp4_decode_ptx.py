@@ -26,7 +26,8 @@ def test_ptx_decodes_in_a_child_with_triton():
         pytest.skip("Triton importable here: the tests below run in this process")
     run_under_triton_interpreter(__file__)
 
-M32 = np.uint64(0xFFFFFFFF)
+U = np.uint64
+M32 = U(0xFFFFFFFF)
 
 
 def _bf16_round(x: np.ndarray) -> np.ndarray:
@@ -42,23 +43,29 @@ def _bf16_value(h: np.ndarray) -> np.ndarray:
     return (h.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
 
 
+def _bits(x: np.ndarray, lo: int, n: int) -> np.ndarray:
+    return (x >> U(lo)) & U((1 << n) - 1)
+
+
 def _prmt(a, b, c):
+    """prmt.b32 (default mode): output byte i is byte ``c[4i+2:4i]`` of ``{b, a}``, or its sign
+    bit replicated when ``c[4i+3]`` is set."""
+    pool = a | (b << U(32))
     out = np.zeros_like(a)
     for i in range(4):
-        sel = (c >> np.uint64(4 * i)) & np.uint64(0xF)
-        idx = sel & np.uint64(7)
-        byte = np.where(idx < 4, a >> (np.uint64(8) * idx), b >> (np.uint64(8) * (idx - np.uint64(4)))) & np.uint64(0xFF)
-        byte = np.where(sel & np.uint64(8), np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0)), byte)
-        out |= byte << np.uint64(8 * i)
+        sel = _bits(c, 4 * i, 4)
+        byte = (pool >> (U(8) * (sel & U(7)))) & U(0xFF)
+        byte = np.where(sel & U(8), np.where(byte & U(0x80), U(0xFF), U(0)), byte)
+        out |= byte << U(8 * i)
     return out
 
 
 def _lop3(a, b, c, lut: int):
+    """lop3.b32: bit ``(a << 2) | (b << 1) | c`` of ``lut`` (``0xF0`` is ``a``, ``0xCC`` ``b``, ``0xAA`` ``c``)."""
     out = np.zeros_like(a)
     for bit in range(32):
-        idx = (((a >> np.uint64(bit)) & np.uint64(1)) << np.uint64(2)) | (((b >> np.uint64(bit)) & np.uint64(1))
-                                                                          << np.uint64(1)) | ((c >> np.uint64(bit)) & np.uint64(1))
-        out |= ((np.uint64(lut) >> idx) & np.uint64(1)) << np.uint64(bit)
+        idx = (_bits(a, bit, 1) << U(2)) | (_bits(b, bit, 1) << U(1)) | _bits(c, bit, 1)
+        out |= ((U(lut) >> idx) & U(1)) << U(bit)
     return out
 
 

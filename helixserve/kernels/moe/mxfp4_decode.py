@@ -5,13 +5,15 @@ A word is a little-endian uint32 of 8 e2m1 codes, ``c0`` in bits 0..3 (low nibbl
 ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``. A word's scale byte ``s`` (e8m0, one per 4 words) is ``2^(s-127)``.
 Each decode maps ``q [R, C]`` words and ``s [R, C]`` their scale bytes to ``[R, 8 C]`` values in
 code order (the GEMM's K order is the weights'), all exactly (an e2m1 value times a power of two
-has 2 mantissa bits: exact in bf16 wherever it does not overflow):
+has 2 mantissa bits: exact in bf16 wherever it does not overflow). SASS counts below: sm_90, the
+16-row default tiles, the main loop less the same loop with a bare unpack for the decode (the whole
+loop per config: ``bench/mxfp4_sass.py``):
 
 - ``fp32`` (:func:`decode_fp32`, pure Triton, the only one the interpreter runs): each magnitude
   under fp16's exponent/mantissa boundary and the sign on fp16's sign bit (value ``e2m1 * 2^-14``,
   0.5 a subnormal the fp16 -> fp32 conversion keeps), two codes per mask-and-shift, then fp32 times
-  ``2^(s - 127) * 2^14`` and a round to bf16. About 40 SASS instructions a word on sm_90
-  (conversions, fp32 multiplies, packing), ~5 a weight: at decode sizes it bounds the GEMM.
+  ``2^(s - 127) * 2^14`` and a round to bf16. ~39 instructions a word (conversions, fp32
+  multiplies, packing), ~4.8 a weight: at decode sizes it bounds the GEMM.
 - ``bf16x2`` (:func:`decode_bf16x2`, PTX, sm_80+): bf16 pairs straight from the word. Codes ``k``
   and ``k + 4`` sit at the same nibble of the two 16-bit halves, so one shift of the word puts
   both magnitudes on bits 6..8 of their halves and one ``lop3`` bit-select takes those bits from
@@ -19,13 +21,14 @@ has 2 mantissa bits: exact in bf16 wherever it does not overflow):
   signs it carries land on bits 6..8, which the select ignores): a bf16 pair of value
   ``e2m1 * 2^-126`` (0.5: the bf16 subnormal ``0x0040``), 3 instructions a pair. Two ``prmt``
   regroup ``(ck, ck+4)`` into the pairs of consecutive codes the MMA operand holds, then two bf16x2
-  multiplies: by ``2^126`` (the e2m1 value, exact and normal) and by the scale. ~26 a word.
+  multiplies: by ``2^126`` (the e2m1 value, exact and normal) and by the scale. ~25 a word (3.1 a
+  weight), half of them on the integer pipe.
 - ``lut`` (:func:`decode_lut`, PTX): ``prmt`` as a byte table. One ``prmt`` looks the low (high)
   bytes of four codes' bf16 magnitudes up in an 8-byte table held in 2 registers, the magnitudes
   as byte selectors; the signs are or-ed into the high bytes, a ``prmt`` interleaves low and high
-  bytes into bf16 pairs, one multiply by the scale (no subnormal anywhere). ~24 a word, but most
-  of them ``prmt``, on the integer pipe (half the issue rate of the bf16x2 multiplies), and ptxas
-  copies the table register before each lookup.
+  bytes into bf16 pairs, one multiply by the scale (no subnormal anywhere). ~23 a word (2.9 a
+  weight), but most of them ``prmt``, on the integer pipe (which issues at half the rate of the
+  bf16x2 multiplies), and ptxas copies the table register before each lookup.
 
 Scales (both PTX decodes): the bf16x2 factor is ``s << 7`` in each half, ``2^(s - 127)`` for ``s``
 in 1..254, ``+0`` for ``s = 0`` and ``+inf`` for ``s = 255``, so a weight is ``±0`` at ``s = 0``

@@ -13,8 +13,10 @@ H200 sweep, ``bench/mxfp4_sweep.py``). The decode the GPU path takes is :data:`G
 Triton's interpreter only the pure-Triton ``fp32`` one runs (the others are inline PTX).
 
 With ``Tiles.swap`` the kernel computes ``out^T = W a^T``: the decoded weights are the MMA's
-first operand, which Hopper's wgmma takes from registers (the activations from shared memory),
-where ``W`` as the second operand limits it to ``mma.sync``.
+first operand, which Hopper's wgmma takes from registers (Triton reshuffles them through shared
+memory into its layout), the activations from shared memory, and the instruction's M is
+``BLOCK_N``. Unswapped, M is ``BLOCK_M``: ``mma.sync`` below 64 rows, from 64 wgmma with the decoded
+tile stored to shared memory (``bench/mxfp4_sass.py`` says which, per config).
 
 At prefill sizes (many rows per expert) the MMA work per weight dominates and the in-register
 decode would be paid once per 64-row block: :func:`dequantize_bf16` instead writes the stack as bf16
