@@ -30,6 +30,12 @@ def _compile(fn, signature: dict[str, str], constexprs: dict, divisible: list[st
     return triton.compile(src, target=TARGET, options=options)
 
 
+def _decoded_via_smem(kernel) -> int:
+    """1 when the decoded bf16 tile goes through shared memory before the MMA (wgmma's second
+    operand, or Triton not finding a register layout for the decode: a regression at 16/32 rows)."""
+    return int(bool(re.search(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+xbf16", kernel.asm["ttgir"])))
+
+
 def _usage(kernel) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -59,7 +65,7 @@ def main() -> None:
                         "DOT_DTYPE": tl.bfloat16, "DECODE": code, "SWAP": t.swap, "EVEN_K": even, "EVEN_N": even,
                     }, hints, num_warps=t.num_warps, num_stages=t.num_stages)
                     print(f"grouped block_m={block_m} decode={decode} gather={gather} hints={len(hints)}: "
-                          f"{_usage(k)}", flush=True)
+                          f"{_usage(k)} smem_tile={_decoded_via_smem(k)}", flush=True)
     fp32 = {**sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}  # an fp32 model holding packed experts
     k = _compile(tm._grouped_mxfp4_kernel, fp32, {"GATHER": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
                                                  "DOT_DTYPE": tl.bfloat16, "DECODE": 1, "SWAP": False,
