@@ -1,7 +1,8 @@
 """Compile the MXFP4 Triton kernels for Hopper (sm_90) without a GPU, through Triton's ahead-of-time
 path (its own ptxas): what the interpreter accepts but the hardware compiler rejects fails here.
-Run as a script (not interpreted); prints one line per kernel with ptxas' registers and local
-(spill) bytes from the cuobjdump that Triton carries. Used by test_kernels_mxfp4.py."""
+Run as a script (not interpreted); prints one line per kernel (every decode of
+:mod:`helixserve.kernels.moe.mxfp4_decode` at each default tile config) with ptxas' registers and
+local (spill) bytes from the cuobjdump that Triton carries. Used by test_kernels_mxfp4.py."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def _compile(fn, signature: dict[str, str], constexprs: dict, divisible: list[st
     return triton.compile(src, target=TARGET, options=options)
 
 
+def _decoded_via_smem(kernel) -> int:
+    """1 when the decoded bf16 tile goes through shared memory before the MMA (wgmma's second
+    operand, or Triton not finding a register layout for the decode: a regression at 16/32 rows)."""
+    return int(bool(re.search(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+xbf16", kernel.asm["ttgir"])))
+
+
 def _usage(kernel) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -43,28 +50,33 @@ def main() -> None:
            "blk_expert_ptr": "*i32", "blk_begin_ptr": "*i32", "blk_end_ptr": "*i32", "N": "i32", "K": "i32",
            "stride_am": "i32", "stride_qe": "i32", "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32",
            "stride_om": "i32"}
-    # the JIT specializes pointers and multiple-of-16 ints so at K3's sizes (D 3584, I 3072)
+    # the JIT specializes pointers and multiple-of-16 ints, as at K3's sizes (D 3584, I 3072)
     divisible = [n for n in sig if n.endswith("_ptr")] + ["N", "K", "stride_am", "stride_qe", "stride_qn",
-                                                         "stride_om"]
+                                                         "stride_se", "stride_sn", "stride_om"]
     for block_m in (16, 32, 64):
-        block_n, block_k, warps, stages = tm._tiles(block_m)
-        for gather in (True, False):
-            # sizes that are multiples of 16 (K3's), and odd ones (no vectorized loads)
-            for hints in (divisible, [n for n in divisible if n.endswith("_ptr")]):
-                k = _compile(tm._grouped_mxfp4_kernel, sig, {"GATHER": gather, "BLOCK_M": block_m,
-                                                             "BLOCK_N": block_n, "BLOCK_K": block_k,
-                                                             "DOT_DTYPE": tl.bfloat16},
-                             hints, num_warps=warps, num_stages=stages)
-                print(f"grouped block_m={block_m} gather={gather} hints={len(hints)}: {_usage(k)}", flush=True)
+        t = tm._tiles(block_m)
+        for decode, code in tm.DECODES.items():
+            for gather in (True, False):
+                # sizes that are multiples of 16 and of the tiles (K3's), and odd ones (masked loads)
+                for hints in (divisible, [n for n in divisible if n.endswith("_ptr")]):
+                    even = hints is divisible
+                    k = _compile(tm._grouped_mxfp4_kernel, sig, {
+                        "GATHER": gather, "BLOCK_M": block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
+                        "DOT_DTYPE": tl.bfloat16, "DECODE": code, "SWAP": t.swap, "EVEN_K": even, "EVEN_N": even,
+                    }, hints, num_warps=t.num_warps, num_stages=t.num_stages)
+                    print(f"grouped block_m={block_m} decode={decode} gather={gather} hints={len(hints)}: "
+                          f"{_usage(k)} smem_tile={_decoded_via_smem(k)}", flush=True)
     fp32 = {**sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}  # an fp32 model holding packed experts
     k = _compile(tm._grouped_mxfp4_kernel, fp32, {"GATHER": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
-                                                 "DOT_DTYPE": tl.bfloat16}, divisible, num_warps=4, num_stages=4)
+                                                 "DOT_DTYPE": tl.bfloat16, "DECODE": 1, "SWAP": False,
+                                                 "EVEN_K": True, "EVEN_N": True}, divisible, num_warps=4, num_stages=4)
     print(f"grouped fp32 activations: {_usage(k)}", flush=True)
     sig = {"wq_ptr": "*i32", "ws_ptr": "*u8", "out_ptr": "*bf16", "R": "i32", "K": "i32", "stride_qr": "i32",
            "stride_sr": "i32", "stride_or": "i32"}
-    k = _compile(tm._dequant_kernel, sig, {"BLOCK_R": 32, "BLOCK_K": 256},
-                 [n for n in sig if n.endswith("_ptr")] + ["R", "K", "stride_qr", "stride_or"], num_warps=4)
-    print(f"dequant: {_usage(k)}", flush=True)
+    for decode, code in tm.DECODES.items():
+        k = _compile(tm._dequant_kernel, sig, {"BLOCK_R": 32, "BLOCK_K": 256, "DECODE": code},
+                     [n for n in sig if n.endswith("_ptr")] + ["R", "K", "stride_qr", "stride_or"], num_warps=4)
+        print(f"dequant decode={decode}: {_usage(k)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 Decode shapes (<= 64 rows per expert, the 16-row tiles) and prefill shapes (the 64-row tiles), K a
 multiple of 32 but not of the K tile, experts with no rows or one, pairs routed elsewhere; then the
 whole ``kernels.moe_experts`` with MXFP4Weight stacks against the same call on the dequantized bf16
-stacks (``torch._grouped_mm``), and the CUDA-graph capture the decode step needs.
+stacks (``torch._grouped_mm``), and the CUDA-graph capture the decode step needs. Then every
+decode of :mod:`helixserve.kernels.moe.mxfp4_decode` (the inline-PTX ones run only here): every code
+at every nibble times every scale byte, bit-exact; one-hot GEMMs (exact, both MMA orientations);
+decode-size GEMMs over several tile configs.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 
 from helixserve import kernels
 from helixserve.kernels import MXFP4Weight
-from helixserve.models.mxfp4 import quantize_mxfp4
+from helixserve.models.mxfp4 import E2M1_VALUES, quantize_mxfp4
 from tests._testing import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -128,3 +131,95 @@ def test_k3_tiny_loads_packed_on_cuda_and_matches_dense(tmp_path):
         batch = build_batch([SeqChunk(list(range(30, 90)), 0, 0)], 16, 8, device=CUDA)
         logits = packed(batch, allocate_caches(cfg, 8, 16, 2, dtype=torch.bfloat16, device=CUDA))
     assert logits.shape[-1] == cfg.vocab_size and torch.isfinite(logits.float()).all()
+
+
+# ------------------------------------------------ every decode (mxfp4_decode), on the hardware
+
+DECODES = ["fp32", "bf16x2", "lut"]
+
+
+def kernel_values(w: MXFP4Weight, decode: str) -> torch.Tensor:
+    """What the kernels give, in fp32: the reference except scale byte 0 (-> 0) and the bytes whose
+    scale overflows (-> inf: 255 for the PTX decodes, > 240 for fp32's fp32 scale; zero codes NaN)."""
+    table = torch.tensor(E2M1_VALUES, device=w.device)
+    values = table[torch.stack((w.packed & 0xF, w.packed >> 4), dim=-1).flatten(-2).long()]
+    s = w.scale.to(torch.int32)
+    factor = torch.pow(2.0, (s - 127).float())
+    factor = torch.where(s == 0, 0.0, torch.where(s >= (241 if decode == "fp32" else 255), float("inf"), factor))
+    return (values.unflatten(-1, (-1, 32)) * factor[..., None]).flatten(-2).bfloat16().float()
+
+
+def assert_same_values(name: str, want: torch.Tensor, got: torch.Tensor, zero_signs: bool = True) -> None:
+    """Equal values (NaN where NaN; with ``zero_signs`` the sign of every zero too)."""
+    want, got = want.float(), got.float()
+    nan = torch.isnan(want)
+    assert torch.equal(nan, torch.isnan(got)), f"{name}: NaN pattern differs"
+    bad = (want != got) & ~nan
+    assert not bad.any(), f"{name}: {int(bad.sum())} differ, e.g. {want[bad][:4].tolist()} vs {got[bad][:4].tolist()}"
+    zero = want == 0
+    if zero_signs:
+        assert torch.equal(torch.signbit(want[zero]), torch.signbit(got[zero])), f"{name}: signs of zeros differ"
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_decode_every_code_at_every_nibble_and_every_scale_byte(decode):
+    """dequantize_bf16 runs the GEMM's decodes: rows of every scale byte 0..255 (1, 126..128, 200,
+    254 among them), each code at each nibble of a word (code (j + i) % 16 at nibble i of word j),
+    then random codes; bit-equal to the e2m1 table times the scale (edge bytes as documented)."""
+    from helixserve.kernels.moe import triton_mxfp4
+
+    K = 128  # 16 words a row
+    j, i = torch.arange(16)[:, None], torch.arange(8)[None, :]
+    codes = ((j + i) % 16).to(torch.uint8).flatten()  # [128] in K order
+    row = codes[0::2] | (codes[1::2] << 4)
+    packed = torch.cat([row.repeat(256, 1), torch.randint(0, 256, (256, K // 2), dtype=torch.uint8)])
+    scale = torch.arange(256, dtype=torch.uint8).repeat(2)[:, None].expand(512, K // 32).contiguous()
+    w = MXFP4Weight(packed[None].to(CUDA), scale[None].to(CUDA))
+    want, got = kernel_values(w, decode), triton_mxfp4.dequantize_bf16(w, decode=decode).float()
+    if decode == "fp32":  # its fp32 -> bf16 conversion may flush 0.5 * 2^-126 (s = 1); the PTX decodes may not
+        want = torch.where((want.abs() < 2.0**-126) & (got == 0), got, want)
+    assert_same_values(decode, want, got)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize(("block_m", "swap"), [(16, False), (16, True), (64, False), (64, True)])
+def test_grouped_gemm_every_decode_is_exact_on_one_hot_rows(decode, block_m, swap):
+    """One-hot activations make every output one weight: the GEMM reproduces the decoded weights
+    exactly (the K order of each decode, both MMA orientations), scales 2, 126, 127, 128, 200 (none
+    subnormal: whether the MMA keeps those is not the decode's business); zeros' signs aside."""
+    from helixserve.kernels.moe import triton_mxfp4 as tm
+
+    E, N, K = 2, 160, 256  # N: not a multiple of the 64/128 column tiles
+    gen = torch.Generator().manual_seed(block_m)
+    packed = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8)
+    pick = torch.randint(0, 5, (E, N, K // 32), generator=gen)
+    scale = torch.tensor([2, 126, 127, 128, 200], dtype=torch.uint8)[pick]
+    w = MXFP4Weight(packed.to(CUDA), scale.to(CUDA))
+    a = torch.eye(K, device=CUDA).bfloat16()
+    sorted_ids = torch.arange(E, device=CUDA).repeat_interleave(K)
+    rows = torch.arange(K, device=CUDA).repeat(E)
+    t = tm._tiles(block_m)._replace(swap=swap)
+    out = tm.grouped_gemm_mxfp4(a, w, tm.block_schedule(sorted_ids, E, block_m), E * K, rows=rows, decode=decode,
+                                tiles=t)
+    want = kernel_values(w, decode).transpose(1, 2).reshape(E * K, N)
+    assert_same_values(f"{decode} {t}", want, out, zero_signs=False)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("tiles", [None, (64, 128, 4, 3, True), (128, 128, 4, 4, False), (64, 256, 4, 3, False)])
+def test_grouped_gemm_decode_sizes_every_decode(decode, tiles):
+    """Decode sizes (<= 64 rows per expert, K3-like widths): every decode, default and other tiles."""
+    from helixserve.kernels.moe import triton_mxfp4 as tm
+
+    counts, N, K = [1, 0, 8, 64, 3, 0, 16, 2], 3072, 2048
+    E = len(counts)
+    w = packed(E, N, K, seed=7)
+    sorted_ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)] + [torch.full((5,), E)]).to(CUDA)
+    P = sorted_ids.numel()
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    a = torch.randn(40, K, device=CUDA, generator=gen).bfloat16()
+    rows = torch.randint(0, 40, (P,), device=CUDA, generator=gen)
+    schedule = tm.block_schedule(sorted_ids, E, tm.choose_block_m(P, E))
+    out = tm.grouped_gemm_mxfp4(a, w, schedule, P, rows=rows, decode=decode,
+                                tiles=tm.Tiles(*tiles) if tiles else None)
+    assert_close(f"{decode} {tiles}", ref_grouped(a, w, sorted_ids, rows), out[sorted_ids < E].float(), 5e-3)

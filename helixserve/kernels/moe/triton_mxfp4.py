@@ -4,11 +4,19 @@
 cast to it), ``W`` an :class:`~helixserve.kernels.moe.mxfp4.MXFP4Weight` ``[E, N, K]``, fp32
 accumulation, ``out [P, N]`` in ``a.dtype``. Each program owns ``BLOCK_M`` sorted rows of one expert
 and ``BLOCK_N`` output columns; per ``BLOCK_K`` step it loads ``[BLOCK_N, BLOCK_K/8]`` words of codes
-(8 a word) and ``[BLOCK_N, BLOCK_K/32]`` scale bytes, turns the e2m1 codes into fp32 through their
-fp16 bits (exact; about 8 SASS instructions a weight on sm_90, all told: at decode sizes this
-decode, not the MMA, bounds the kernel), applies the power-of-two scales, rounds to bf16 (exact: an
-e2m1 value times a power of two has 2 mantissa bits) and feeds ``tl.dot``. So the weights cross HBM
-at ~4.25 bits each. No autotuning: one fixed tile config per row-block size (:func:`_tiles`).
+(8 a word) and ``[BLOCK_N, BLOCK_K/32]`` scale bytes, decodes them to bf16 in registers (exact:
+an e2m1 value times a power of two has 2 mantissa bits; :mod:`.mxfp4_decode`, which also says what
+each decode costs: at decode sizes the decode, not the MMA, bounds the kernel) and feeds
+``tl.dot``. So the weights cross HBM at ~4.25 bits each. No autotuning: one fixed tile config per
+row-block size (:func:`_tiles`); ``grouped_gemm_mxfp4(..., decode=, tiles=)`` overrides both (the
+H200 sweep, ``bench/mxfp4_sweep.py``). The decode the GPU path takes is :data:`GPU_DECODE`; under
+Triton's interpreter only the pure-Triton ``fp32`` one runs (the others are inline PTX).
+
+With ``Tiles.swap`` the kernel computes ``out^T = W a^T``: the decoded weights are the MMA's
+first operand, which Hopper's wgmma takes from registers (Triton reshuffles them through shared
+memory into its layout), the activations from shared memory, and the instruction's M is
+``BLOCK_N``. Unswapped, M is ``BLOCK_M``: ``mma.sync`` below 64 rows, from 64 wgmma with the decoded
+tile stored to shared memory (``bench/mxfp4_sass.py`` says which, per config).
 
 At prefill sizes (many rows per expert) the MMA work per weight dominates and the in-register
 decode would be paid once per 64-row block: :func:`dequantize_bf16` instead writes the stack as bf16
@@ -22,13 +30,28 @@ the real ones exit at once, so a step can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from helixserve.kernels.moe.mxfp4 import MXFP4_GROUP_SIZE, MXFP4Weight
+from helixserve.kernels.moe.mxfp4_decode import decode_bf16x2, decode_fp32, decode_lut, word_scales
 from helixserve.kernels.triton_common import is_interpreting
+
+DECODES = {"fp32": 0, "bf16x2": 1, "lut": 2}  # name -> the kernel's DECODE (see .mxfp4_decode)
+GPU_DECODE = "fp32"  # what grouped_gemm_mxfp4 runs on a GPU: "bf16x2" / "lut" once the H200 sweep says so
+
+
+class Tiles(NamedTuple):
+    """One launch config of the grouped kernel."""
+
+    block_n: int
+    block_k: int  # a multiple of 32 (whole scale groups)
+    num_warps: int
+    num_stages: int
+    swap: bool = False  # out^T = W a^T (the weights as the MMA's first operand: wgmma on Hopper)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,39 +92,13 @@ def block_schedule(sorted_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 
 @triton.jit
-def _halves_to_f32(h):
-    """Two fp16 bit patterns in a uint32 -> (low half, high half) as fp32 (exact, subnormals kept)."""
-    lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _decode_words(q):
-    """``q [R, C]`` uint32 words of packed codes (4 bytes, 8 e2m1 codes, low nibble first) ->
-    ``[R, 8 * C]`` fp32 values times 2^-14, in order, exactly.
-
-    Each code's 3 magnitude bits go under fp16's exponent/mantissa boundary and its sign on fp16's
-    sign bit: an fp16 of value e2m1 * 2^-14 (0.5 lands on a subnormal, which the fp16 -> fp32
-    conversion keeps). Two codes of the same nibble position in bytes 0 and 2 (or 1 and 3) move
-    with one mask-and-shift, so a word of 8 codes costs 4 such pairs, not 8 extractions."""
-    a_lo, a_hi = _halves_to_f32(((q & 0x00070007) << 9) | ((q & 0x00080008) << 12))  # codes 0, 4
-    b_lo, b_hi = _halves_to_f32(((q & 0x00700070) << 5) | ((q & 0x00800080) << 8))  # codes 1, 5
-    c_lo, c_hi = _halves_to_f32(((q & 0x07000700) << 1) | ((q & 0x08000800) << 4))  # codes 2, 6
-    d_lo, d_hi = _halves_to_f32(((q & 0x70007000) >> 3) | (q & 0x80008000))  # codes 3, 7
-    # each join appends the minor-most dim, so the first join is the major one: [.., i, j, k] is
-    # code 4i + 2j + k with i the half (lo: 0..3), j bytes 1/3 (codes 2, 3, 6, 7), k high nibbles
-    w = tl.join(tl.join(tl.join(a_lo, a_hi), tl.join(c_lo, c_hi)), tl.join(tl.join(b_lo, b_hi), tl.join(d_lo, d_hi)))
-    return tl.reshape(w, (q.shape[0], q.shape[1] * 8))
-
-
-@triton.jit
 def _grouped_mxfp4_kernel(
     a_ptr, rows_ptr, wq_ptr, ws_ptr, out_ptr,
     blk_expert_ptr, blk_begin_ptr, blk_end_ptr,
     N, K, stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
     GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -112,10 +109,11 @@ def _grouped_mxfp4_kernel(
     row_end = tl.load(blk_end_ptr + pid_m)
     offs_m = row_begin + tl.arange(0, BLOCK_M)
     m_mask = offs_m < row_end
+    # rows past the block's end read its last row (in bounds, no load mask): their sums are not stored
+    a_rows = tl.minimum(offs_m, row_end - 1)
     if GATHER:
-        a_rows = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    else:
-        a_rows = offs_m.to(tl.int64)
+        a_rows = tl.load(rows_ptr + a_rows)
+    a_rows = a_rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -123,30 +121,62 @@ def _grouped_mxfp4_kernel(
     wq_base = wq_ptr + expert.to(tl.int64) * stride_qe + offs_n.to(tl.int64)[:, None] * stride_qn
     ws_base = ws_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
     a_base = a_ptr + a_rows[:, None] * stride_am
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_base + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        offs_b = k0 // 8 + tl.arange(0, WORDS)
-        q = tl.load(wq_base + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 8)[None, :], other=0)
-        offs_s = k0 // 32 + tl.arange(0, GROUPS)
-        s = tl.load(ws_base + offs_s[None, :], mask=n_mask[:, None] & (offs_s < K // 32)[None, :], other=0)
-        w = _decode_words(q.to(tl.uint32, bitcast=True))  # [BLOCK_N, BLOCK_K]
-        # 2^(s - 127) * 2^14 (undoing the decode's 2^-14); byte 0 reads as 0, bytes > 240 overflow
-        scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
-        w = tl.reshape(tl.reshape(w, (BLOCK_N, GROUPS, 32)) * scale[:, :, None], (BLOCK_N, BLOCK_K))
-        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK_K)):
+        # offsets as multiples of the step index: Triton then sees the scale bytes' alignment (4
+        # a row at BLOCK_K 128) and copies them with cp.async, pipelined like the rest
+        offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_b = i * WORDS + tl.arange(0, WORDS)
+        offs_s = i * GROUPS + tl.arange(0, GROUPS)
+        if EVEN_K:
+            a = tl.load(a_base + offs_k[None, :])
+        else:
+            a = tl.load(a_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+        if EVEN_K and EVEN_N:
+            q = tl.load(wq_base + offs_b[None, :])
+            s = tl.load(ws_base + offs_s[None, :])
+        else:
+            q = tl.load(wq_base + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 8)[None, :], other=0)
+            s = tl.load(ws_base + offs_s[None, :], mask=n_mask[:, None] & (offs_s < K // 32)[None, :], other=0)
+        s = word_scales(s, GROUPS)
+        q = q.to(tl.uint32, bitcast=True)
+        if DECODE == 1:
+            w = decode_bf16x2(q, s)  # [BLOCK_N, BLOCK_K] bf16
+        elif DECODE == 2:
+            w = decode_lut(q, s)
+        else:
+            w = decode_fp32(q, s, DOT_DTYPE)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc)
+        else:
+            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc)
+    if SWAP:
+        out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
+    else:
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _tiles(block_m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): one fixed config per row-block size (no autotune)."""
+def _tiles(block_m: int) -> Tiles:
+    """One fixed config per row-block size (no autotune)."""
     if block_m <= 16:  # decode: weight streaming; many column blocks keep every SM busy
-        return 64, 128, 4, 4
+        return Tiles(64, 128, 4, 4)
     if block_m <= 32:
-        return 64, 128, 4, 3
-    return 128, 64, 8, 3
+        return Tiles(64, 128, 4, 3)
+    return Tiles(128, 64, 8, 3)
+
+
+def _check_decode(decode: str | None) -> str:
+    """``decode`` or the default (:data:`GPU_DECODE`; ``"fp32"``, the only one interpreted)."""
+    interpreted = is_interpreting()
+    decode = decode or ("fp32" if interpreted else GPU_DECODE)
+    if decode not in DECODES or (interpreted and decode != "fp32"):
+        raise ValueError(f"decode must be one of {sorted(DECODES)} ('fp32' under the interpreter), got {decode!r}")
+    return decode
 
 
 def _as_words(packed: torch.Tensor) -> torch.Tensor:
@@ -160,14 +190,29 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
 
 def grouped_gemm_mxfp4(
     a: torch.Tensor, weight: MXFP4Weight, schedule: BlockSchedule, num_rows: int,
-    rows: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None, *, decode: str | None = None, tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """``out [num_rows, N]``: sorted row ``p`` is ``a[rows[p]]`` (``rows=None``: ``a[p]``) times its
     expert's dequantized weight, transposed. Rows outside every block (experts held elsewhere) are
-    left unwritten (garbage): mask them."""
+    left unwritten (garbage): mask them. ``decode`` (a key of :data:`DECODES`; default
+    :data:`GPU_DECODE`, ``"fp32"`` when interpreted) and ``tiles`` (default ``_tiles(block_m)``)
+    are tuning overrides: every choice computes the same values."""
+    return _grouped_launch(a, weight, schedule, num_rows, rows, decode, tiles)
+
+
+def _grouped_launch(
+    a: torch.Tensor, weight: MXFP4Weight, schedule: BlockSchedule, num_rows: int, rows: torch.Tensor | None,
+    decode: str | None, tiles: Tiles | None, warmup: bool = False,
+) -> torch.Tensor:
+    """:func:`grouped_gemm_mxfp4`; ``warmup``: compile only (Triton's ``warmup``, no launch), which
+    takes ``meta``-device tensors of the real shapes (a sweep compiles its variants in parallel)."""
     E, N, K = weight.shape
     if a.shape[1] != K or K % MXFP4_GROUP_SIZE:
         raise ValueError(f"a must be [M, {K}] with K a multiple of {MXFP4_GROUP_SIZE}, got {tuple(a.shape)}")
+    decode = _check_decode(decode)
+    tiles = tiles or _tiles(schedule.block_m)
+    if tiles.block_k % MXFP4_GROUP_SIZE:
+        raise ValueError(f"tiles.block_k must be a multiple of {MXFP4_GROUP_SIZE}, got {tiles}")
     if a.stride(1) != 1:
         a = a.contiguous()
     wq, ws = _as_words(weight.packed), weight.scale
@@ -176,25 +221,29 @@ def grouped_gemm_mxfp4(
     out = torch.empty(num_rows, N, dtype=a.dtype, device=a.device)
     if num_rows == 0:
         return out
-    BLOCK_N, BLOCK_K, num_warps, num_stages = _tiles(schedule.block_m)
-    grid = (schedule.expert.numel(), triton.cdiv(N, BLOCK_N))
-    _grouped_mxfp4_kernel[grid](
-        a, rows if rows is not None else schedule.expert, wq, ws, out,
-        schedule.expert, schedule.row_begin, schedule.row_end,
-        N, K, a.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
-        GATHER=rows is not None, BLOCK_M=schedule.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    grid = (schedule.expert.numel(), triton.cdiv(N, tiles.block_n))
+    args = (a, rows if rows is not None else schedule.expert, wq, ws, out,
+            schedule.expert, schedule.row_begin, schedule.row_end,
+            N, K, a.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), out.stride(0))
+    meta = dict(
+        GATHER=rows is not None, BLOCK_M=schedule.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         # Triton's interpreter multiplies bf16 operands as their raw bits: fp32 there (the same
         # values: the weights are exact in bf16, and the tests pass bf16 activations)
-        DOT_DTYPE=tl.float32 if is_interpreting() else tl.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_DTYPE=tl.float32 if is_interpreting() else tl.bfloat16, DECODE=DECODES[decode], SWAP=tiles.swap,
+        EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    if warmup:
+        _grouped_mxfp4_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        _grouped_mxfp4_kernel[grid](*args, **meta)
     return out
 
 
 @triton.jit
 def _dequant_kernel(
     wq_ptr, ws_ptr, out_ptr, R, K, stride_qr, stride_sr, stride_or,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
 ):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -208,17 +257,23 @@ def _dequant_kernel(
     offs_s = k0 // 32 + tl.arange(0, GROUPS)
     s = tl.load(ws_ptr + rows * stride_sr + offs_s[None, :], mask=r_mask[:, None] & (offs_s < K // 32)[None, :],
                 other=0)
-    w = _decode_words(q)
-    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
-    w = tl.reshape(tl.reshape(w, (BLOCK_R, GROUPS, 32)) * scale[:, :, None], (BLOCK_R, BLOCK_K))
+    s = word_scales(s, GROUPS)
+    if DECODE == 1:
+        w = decode_bf16x2(q, s)
+    elif DECODE == 2:
+        w = decode_lut(q, s)
+    else:
+        w = decode_fp32(q, s, tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows * stride_or + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=r_mask[:, None] & (offs_k < K)[None, :])
 
 
-def dequantize_bf16(weight: MXFP4Weight) -> torch.Tensor:
-    """The ``[E, N, K]`` stack in bf16 (contiguous), decoded as the GEMM kernel decodes it."""
+def dequantize_bf16(weight: MXFP4Weight, *, decode: str | None = None) -> torch.Tensor:
+    """The ``[E, N, K]`` stack in bf16 (contiguous), decoded as the GEMM kernel decodes it (``decode``
+    as :func:`grouped_gemm_mxfp4`'s)."""
     E, N, K = weight.shape
+    decode = _check_decode(decode)
     wq, ws = (t if t.stride(0) == t.shape[1] * t.stride(1) and t.stride(2) == 1 else t.contiguous()
               for t in (weight.packed, weight.scale))
     wq = _as_words(wq)
@@ -228,6 +283,7 @@ def dequantize_bf16(weight: MXFP4Weight) -> torch.Tensor:
         return out
     BLOCK_R, BLOCK_K = 32, 256
     _dequant_kernel[(triton.cdiv(R, BLOCK_R), triton.cdiv(K, BLOCK_K))](
-        wq, ws, out, R, K, wq.stride(1), ws.stride(1), K, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4,
+        wq, ws, out, R, K, wq.stride(1), ws.stride(1), K, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+        DECODE=DECODES[decode], num_warps=4,
     )
     return out
