@@ -9,9 +9,10 @@ num_warps / (BLOCK_N * BLOCK_K)``: each thread runs the loop body once a K step)
 bf16x2/fp16x2 ops), ``mem``, ``mma`` and the rest; plus whether the dot became wgmma (``HGMMA``)
 or ``mma.sync`` (``HMMA``), registers and spills.
 
-    PYTHONPATH=.venv/triton-interp:. python bench/mxfp4_sass.py [--sweep] [--out FILE]
+    PYTHONPATH=.venv/triton-interp:. python bench/mxfp4_sass.py [--quick | --sweep] [--out FILE]
 
-``--sweep``: every config of bench/mxfp4_sweep.py (else the library defaults); ``--out``: JSON.
+``--sweep``: every config of bench/mxfp4_sweep.py (else the library defaults; ``--quick``: the
+16-row ones, ~5 s on the CPU box); ``--out``: JSON.
 """
 
 from __future__ import annotations
@@ -107,9 +108,12 @@ def analyze(block_m: int, tiles: tm.Tiles, decode: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="bench/mxfp4_sweep.py's configs, not the defaults")
+    parser.add_argument("--quick", action="store_true", help="the 16-row (decode) defaults only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.sweep:
+    if args.quick:
+        variants = [(16, tm._tiles(16))]
+    elif args.sweep:
         from mxfp4_sweep import CONFIGS
 
         variants = [(bm, tm.Tiles(*c)) for bm, cs in CONFIGS.items() for c in cs]
