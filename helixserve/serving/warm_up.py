@@ -6,8 +6,9 @@
 2. The requests (:func:`warm_up_prompts`), one after the other: a prompt one token longer than
    the larger of a cache page and the prefill chunk budget (so the prefill runs over a page
    boundary and, where the context length allows, in two chunks), then a short one (a page + 1),
-   a medium one (8 pages + 1) and 8 whole pages as :data:`BATCH` requests at once; each then runs
-   :data:`NUM_DECODE_STEPS` greedy decode steps.
+   a medium one (8 pages + 1) and 8 whole pages, alone and as :data:`BATCH` requests at once
+   (Triton specializes each integer argument apart: a length divisible by 16 with one sequence
+   is its own case); each then runs :data:`NUM_DECODE_STEPS` greedy decode steps.
    They go through the worker's ``AsyncEngine`` (a gen world: every rank, through its driver); a
    ctx worker holds its cache at the finish and releases it, as a pickup would. Kernels compile
    (Triton, fla) and first-step costs are paid here, not by the first client. Several lengths,
@@ -66,12 +67,12 @@ def warm_up_prompts(max_model_len: int, max_prompt_tokens: int, vocab: int, toke
     """Every warm-up step, in order (see the module docstring): ``(prompt, params, copies)``
     (from the bare numbers: a restarted gen world's driver has no serving limits)
     for ``max(page, chunk) + 1``, ``page + 1``, ``8 * page + 1`` and ``8 * page`` prompt tokens,
-    the last as :data:`BATCH` requests at once; each length clipped so that prompt + decode
-    steps fit the context length, a step that repeats an earlier one left out."""
+    the last alone and then as :data:`BATCH` requests at once; each length clipped so that
+    prompt + decode steps fit the context length, a step that repeats an earlier one left out."""
     room = max(1, min(max_prompt_tokens, max_model_len - NUM_DECODE_STEPS - 1))
     steps: list[tuple[int, int]] = []
     for wanted, copies in ((max(tokens_per_block, max_num_batched_tokens) + 1, 1), (tokens_per_block + 1, 1),
-                           (8 * tokens_per_block + 1, 1), (8 * tokens_per_block, BATCH)):
+                           (8 * tokens_per_block + 1, 1), (8 * tokens_per_block, 1), (8 * tokens_per_block, BATCH)):
         if (n := max(1, min(wanted, room)), copies) not in steps:  # a clipped batch step stays a batch
             steps.append((n, copies))
     params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)

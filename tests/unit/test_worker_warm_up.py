@@ -67,12 +67,13 @@ def test_the_warm_up_prompt_crosses_a_page_and_the_chunk_budget_within_the_conte
 def test_the_warm_up_also_runs_short_medium_and_whole_page_prompts():
     """Kernels specialize on length classes (fla's l2norm autotunes per 64k token-heads, Triton
     on integers equal to 1 or divisible by 16): after the long prompt the warm-up runs a page + 1,
-    8 pages + 1 and 8 whole pages (BATCH at once), each clipped to the context, none twice."""
+    8 pages + 1 and 8 whole pages (alone, then BATCH at once), each clipped to the context, none
+    twice."""
     steps = warm_up_prompts(4096, 4096, 100, PAGE, CHUNK)
     assert [(len(p), copies) for p, _, copies in steps] == [(CHUNK + 1, 1), (PAGE + 1, 1), (8 * PAGE + 1, 1),
-                                                            (8 * PAGE, BATCH)]
+                                                            (8 * PAGE, 1), (8 * PAGE, BATCH)]
     assert [len(p) for p, _, _ in warm_up_prompts(4096, 4096, 100, 64, 8192)] == [4096 - NUM_DECODE_STEPS - 1, 65,
-                                                                                513, 512]
+                                                                                513, 512, 512]
     assert [(len(p), c) for p, _, c in warm_up_prompts(PAGE + 1 + NUM_DECODE_STEPS + 1, 1 << 20, 100, PAGE, CHUNK)
             ] == [(PAGE + 1, 1), (PAGE + 1, BATCH)]  # clipped: the batch step stays, at the clipped length
     assert [(len(p), c) for p, _, c in warm_up_prompts(128, 3, 100, PAGE, CHUNK)] == [(3, 1), (3, BATCH)]
@@ -139,7 +140,7 @@ def test_ready_is_503_until_the_warm_up_ran_and_it_leaves_nothing_allocated(role
                    state=lambda: http("GET", f"{url}/ready"))
         stats = http("GET", f"{url}/stats")[1]
         assert stats["warm_up"]["state"] == "done" and stats["warm_up"]["num_prompt_tokens"] == 8 * PAGE + 1
-        assert stats["warm_up"]["prompt_lengths"] == [CHUNK + 1, PAGE + 1, 8 * PAGE + 1, 8 * PAGE]
+        assert stats["warm_up"]["prompt_lengths"] == [CHUNK + 1, PAGE + 1, 8 * PAGE + 1, 8 * PAGE, 8 * PAGE]
         assert stats["num_used_blocks"] == stats["num_used_slots"] == stats["num_held"] == 0
         assert stats["num_running"] == stats["num_waiting"] == stats["num_live_requests"] == 0
         assert len(steps) >= 2 + NUM_DECODE_STEPS  # two prefill chunks, then the decode steps
