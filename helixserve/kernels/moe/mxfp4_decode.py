@@ -197,3 +197,16 @@ def decode_bf16x2(q, s):
 def decode_lut(q, s):
     """As :func:`decode_fp32`, bf16 out: the byte-table decode (inline PTX)."""
     return _decode_ptx(q, s, _LUT_ASM)
+
+
+@triton.jit
+def decode_selected(q, s, DECODE: tl.constexpr, FP32_OUT_DTYPE: tl.constexpr):
+    """The decode numbered ``DECODE`` (0 :func:`decode_fp32`, to ``FP32_OUT_DTYPE``; 1
+    :func:`decode_bf16x2`; 2 :func:`decode_lut`): what both MXFP4 kernels call."""
+    if DECODE == 1:
+        w = decode_bf16x2(q, s)
+    elif DECODE == 2:
+        w = decode_lut(q, s)
+    else:
+        w = decode_fp32(q, s, FP32_OUT_DTYPE)
+    return w

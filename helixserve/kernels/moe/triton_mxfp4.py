@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from helixserve.kernels.moe.mxfp4 import MXFP4_GROUP_SIZE, MXFP4Weight
-from helixserve.kernels.moe.mxfp4_decode import decode_bf16x2, decode_fp32, decode_lut, word_scales
+from helixserve.kernels.moe.mxfp4_decode import decode_selected, word_scales
 from helixserve.kernels.triton_common import is_interpreting
 
 DECODES = {"fp32": 0, "bf16x2": 1, "lut": 2}  # name -> the kernel's DECODE (see .mxfp4_decode)
@@ -143,12 +143,7 @@ def _grouped_mxfp4_kernel(
             s = tl.load(ws_base + offs_s[None, :], mask=n_mask[:, None] & (offs_s < K // 32)[None, :], other=0)
         s = word_scales(s, GROUPS)
         q = q.to(tl.uint32, bitcast=True)
-        if DECODE == 1:
-            w = decode_bf16x2(q, s)  # [BLOCK_N, BLOCK_K] bf16
-        elif DECODE == 2:
-            w = decode_lut(q, s)
-        else:
-            w = decode_fp32(q, s, DOT_DTYPE)
+        w = decode_selected(q, s, DECODE, DOT_DTYPE)  # [BLOCK_N, BLOCK_K]
         if SWAP:
             acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc)
         else:
@@ -258,12 +253,7 @@ def _dequant_kernel(
     s = tl.load(ws_ptr + rows * stride_sr + offs_s[None, :], mask=r_mask[:, None] & (offs_s < K // 32)[None, :],
                 other=0)
     s = word_scales(s, GROUPS)
-    if DECODE == 1:
-        w = decode_bf16x2(q, s)
-    elif DECODE == 2:
-        w = decode_lut(q, s)
-    else:
-        w = decode_fp32(q, s, tl.float32)
+    w = decode_selected(q, s, DECODE, tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows * stride_or + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=r_mask[:, None] & (offs_k < K)[None, :])
