@@ -49,11 +49,10 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
     # arguments on 16-byte alignment, and a count-dependent alignment compiled a new kernel
     # variant for the first request of some lengths (warm-up cannot reach them all)
     parts = (input_ids, positions, cu_seqlens, context_lens, slots, logits_rows)
-    sizes = [len(p) + len(p) % 2 for p in parts]
-    flat = torch.tensor(list(itertools.chain.from_iterable(p + [0] * (len(p) % 2) for p in parts)),
-                        dtype=torch.int64, device=device)
+    padded = [p + [0] * (len(p) % 2) for p in parts]
+    flat = torch.tensor(list(itertools.chain.from_iterable(padded)), dtype=torch.int64, device=device)
     ids_t, positions_t, cu_t, context_t, slots_t, logits_t = (
-        view[:len(p)] for view, p in zip(flat.split_with_sizes(sizes), parts))
+        view[:len(p)] for view, p in zip(flat.split_with_sizes([len(q) for q in padded]), parts))
     return ForwardBatch(
         input_ids=ids_t,
         positions=positions_t,

@@ -102,8 +102,7 @@ class SPMDExecutor:
         except Exception as exc:
             raise CollectiveError(f"empty step failed on rank {self.channel.mapping.rank}: {exc}") from exc
 
-    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool,
-                  wait: bool = False) -> None:
+    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool, wait: bool) -> None:
         """Tell the other ranks which receptions to start (each its own handle) and cancel,
         whether to agree on the outcomes now, and whether their polls may wait first."""
         if self.channel.is_alone:
