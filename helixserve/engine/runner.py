@@ -19,6 +19,16 @@ from helixserve.kvcache.pools import reset_slots
 from helixserve.models.context import ForwardBatch
 
 
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` on ``device`` without making the host wait: to a GPU from pinned memory,
+    asynchronously (a pageable copy synchronizes the stream, so the next step's batch waited for
+    the step in flight, and the host could not run ahead of the device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu") -> ForwardBatch:
     """Flatten the scheduled sequences; logits are wanted for the last row of sampled sequences:
     ``logits_indices`` is ``None`` when that is every row (a decode step: no gather before the LM
@@ -50,15 +60,16 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
     # variant for the first request of some lengths (warm-up cannot reach them all)
     parts = (input_ids, positions, cu_seqlens, context_lens, slots, logits_rows)
     padded = [p + [0] * (len(p) % 2) for p in parts]
-    flat = torch.tensor(list(itertools.chain.from_iterable(padded)), dtype=torch.int64, device=device)
+    flat = _to_device(torch.tensor(list(itertools.chain.from_iterable(padded)), dtype=torch.int64), device)
     ids_t, positions_t, cu_t, context_t, slots_t, logits_t = (
         view[:len(p)] for view, p in zip(flat.split_with_sizes([len(q) for q in padded]), parts))
+    block_tables = _to_device(torch.tensor(tables, dtype=torch.int32), device).reshape(len(out.seqs), max_blocks)
     return ForwardBatch(
         input_ids=ids_t,
         positions=positions_t,
         cu_seqlens=cu_t,
         context_lens=context_t,
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(out.seqs), max_blocks),
+        block_tables=block_tables,
         state_slots=slots_t,
         logits_indices=None if is_every_row else logits_t,
         is_decode=bool(out.seqs) and all(s.num_tokens == 1 and s.context_len > 0 for s in out.seqs),
@@ -129,13 +140,16 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[num sampled seqs, vocab]`` fp32 for one step. ``input_tokens``: the input ids of
         a decode step (one per sequence, on the device) in place of the sequences' ``token_ids``."""
-        if self.decode_graphs is not None:
-            if out.reset_slot_ids:
-                reset_slots(self.caches, out.reset_slot_ids)
-            logits = self.decode_graphs.run(out, input_tokens)
-            if logits is not None:
-                return logits
-        return self.run(self.prepare(out, input_tokens))
+        if self.decode_graphs is None:
+            return self.run(self.prepare(out, input_tokens))
+        if out.reset_slot_ids:
+            reset_slots(self.caches, out.reset_slot_ids)
+        logits = self.decode_graphs.run(out, input_tokens)
+        if logits is not None:
+            return logits
+        prepared = self.prepare(out, input_tokens)
+        prepared.reset_slot_ids = []  # zeroed above, once
+        return self.run(prepared)
 
     def prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> PreparedStep:
         """The step's batch, built on the device (no model code runs: a failure here leaves the

@@ -107,9 +107,20 @@ def allocate_model_caches(
 
 
 def reset_slots(caches: ModelCaches, slot_ids: Sequence[int] | torch.Tensor) -> None:
-    """Zero the KDA recurrent and conv state of ``slot_ids`` (call before a slot's first prefill)."""
-    for pools in (caches.kda_state, caches.conv_state):
-        for pool in pools.values():
-            index = torch.as_tensor(slot_ids, dtype=torch.long, device=pool.device)
-            if index.numel():
-                pool.index_fill_(0, index, 0)
+    """Zero the KDA recurrent and conv state of ``slot_ids`` (call before a slot's first prefill).
+
+    The index goes to the device once for all pools and without blocking the host (from pinned
+    memory on a GPU): a pageable copy per pool waited for the queued GPU work at every prefill
+    step, i.e. the host could not run ahead of the device."""
+    pools = [*caches.kda_state.values(), *caches.conv_state.values()]
+    if not pools or len(slot_ids) == 0:
+        return
+    device = pools[0].device
+    if isinstance(slot_ids, torch.Tensor):
+        index = slot_ids.to(device=device, dtype=torch.long, non_blocking=True)
+    elif device.type == "cuda":
+        index = torch.tensor(slot_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+    else:
+        index = torch.tensor(slot_ids, dtype=torch.long)
+    for pool in pools:
+        pool.index_fill_(0, index if pool.device == device else index.to(pool.device), 0)

@@ -129,3 +129,35 @@ def test_decode_step_runs_in_slot_order_and_returns_logits_in_scheduled_order(ll
     assert slot_order(SchedulerOutput(seqs=[decode[i] for i in (1, 2, 0)])) is None  # already ascending
     assert slot_order(SchedulerOutput(seqs=decode[:1] + decode[2:])) == [1, 0]  # slots 2, 1
     assert slot_order(SchedulerOutput(seqs=decode[:2])) is None  # slots 2, 0: not a consecutive range
+
+
+def test_a_prefill_the_decode_graphs_decline_zeroes_each_fresh_slot_once(llm, monkeypatch):
+    """With decode graphs captured, a step they do not take (a prefill) runs eagerly; its fresh
+    state slots are zeroed once before the model runs, not once by the graph path and again by
+    the eager one (each zeroing moved the slot index to the device), and the logits are the
+    eager path's."""
+    import torch
+
+    from helixserve.engine import runner as runner_module
+    from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    runner = llm.engine.runner
+    zeroed: list[list[int]] = []
+    real_reset = runner_module.reset_slots
+    monkeypatch.setattr(runner_module, "reset_slots",
+                        lambda caches, ids: zeroed.append(list(ids)) or real_reset(caches, ids))
+
+    class Declining:  # stands in for DecodeGraphs on a step they do not cover
+        def run(self, out, input_tokens):
+            return None
+
+    pages = [-(-len(p) // runner.caches.tokens_per_block) for p in PROMPTS[:2]]
+    out = SchedulerOutput(seqs=[ScheduledSeq("a", PROMPTS[0], 0, list(range(pages[0])), 3, True, True),
+                                ScheduledSeq("b", PROMPTS[1], 0, list(range(pages[0], sum(pages))), 1, True, True)])
+    eager = runner.forward(out)
+    assert zeroed == [[3, 1]]
+    zeroed.clear()
+    monkeypatch.setattr(runner, "decode_graphs", Declining())
+    declined = runner.forward(out)
+    assert zeroed == [[3, 1]]
+    torch.testing.assert_close(declined, eager, rtol=0, atol=0)

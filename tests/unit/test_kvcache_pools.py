@@ -61,6 +61,11 @@ def test_reset_slots_zeroes_only_those():
     for t in [*caches.kda_state.values(), *caches.conv_state.values()]:
         assert not t[[1, 3]].any() and (t[[0, 2]] == 1).all()
     reset_slots(caches, [])
+    for t in caches.kda_state.values():
+        t.fill_(1)
+    reset_slots(caches, torch.tensor([0, 2]))
+    for t in caches.kda_state.values():
+        assert not t[[0, 2]].any() and (t[[1, 3]] == 1).all()
 
 
 def test_spec_validation():
