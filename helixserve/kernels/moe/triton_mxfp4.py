@@ -9,7 +9,8 @@ an e2m1 value times a power of two has 2 mantissa bits; :mod:`.mxfp4_decode`, wh
 each decode costs: at decode sizes the decode, not the MMA, bounds the kernel) and feeds
 ``tl.dot``. So the weights cross HBM at ~4.25 bits each. No autotuning: one fixed tile config per
 row-block size (:func:`_tiles`); ``grouped_gemm_mxfp4(..., decode=, tiles=)`` overrides both (the
-H200 sweep, ``bench/mxfp4_sweep.py``). The decode the GPU path takes is :data:`GPU_DECODE`; under
+H200 sweep, ``bench/mxfp4_sweep.py``). The decode the GPU path takes per row-block size is
+:func:`gpu_decode`'s (the sweep's fastest: ``lut`` up to 32 rows a block, ``bf16x2`` above); under
 Triton's interpreter only the pure-Triton ``fp32`` one runs (the others are inline PTX).
 
 With ``Tiles.swap`` the kernel computes ``out^T = W a^T``: the decoded weights are the MMA's
@@ -41,7 +42,10 @@ from helixserve.kernels.moe.mxfp4_decode import decode_selected, word_scales
 from helixserve.kernels.triton_common import is_interpreting
 
 DECODES = {"fp32": 0, "bf16x2": 1, "lut": 2}  # name -> the kernel's DECODE (see .mxfp4_decode)
-GPU_DECODE = "fp32"  # what grouped_gemm_mxfp4 runs on a GPU: "bf16x2" / "lut" once the H200 sweep says so
+# what grouped_gemm_mxfp4 runs on a GPU, by the largest row-block size it is the fastest for (H200
+# sweep, bench/figures/mxfp4_sweep_h200.json: lut 2.97-3.02x bf16 at 1-8 rows per expert, 1.65x at
+# 32; bf16x2 1.12x at 64, where lut was 0.98x)
+GPU_DECODES = ((32, "lut"), (1 << 30, "bf16x2"))
 
 
 class Tiles(NamedTuple):
@@ -157,18 +161,24 @@ def _grouped_mxfp4_kernel(
 
 
 def _tiles(block_m: int) -> Tiles:
-    """One fixed config per row-block size (no autotune)."""
-    if block_m <= 16:  # decode: weight streaming; many column blocks keep every SM busy
-        return Tiles(64, 128, 4, 4)
+    """One fixed config per row-block size (no autotune): the H200 sweep's fastest for the
+    default decode at K3's expert shapes (both GEMMs)."""
+    if block_m <= 16:  # decode: weight streaming; long K steps amortize the per-step scale loads
+        return Tiles(64, 256, 4, 3)
     if block_m <= 32:
-        return Tiles(64, 128, 4, 3)
+        return Tiles(128, 128, 4, 3)
     return Tiles(128, 64, 8, 3)
 
 
-def _check_decode(decode: str | None) -> str:
-    """``decode`` or the default (:data:`GPU_DECODE`; ``"fp32"``, the only one interpreted)."""
+def gpu_decode(block_m: int) -> str:
+    """The decode a GPU launch with ``block_m``-row blocks takes by default (:data:`GPU_DECODES`)."""
+    return next(name for limit, name in GPU_DECODES if block_m <= limit)
+
+
+def _check_decode(decode: str | None, block_m: int = 16) -> str:
+    """``decode`` or the default (:func:`gpu_decode`; ``"fp32"``, the only one interpreted)."""
     interpreted = is_interpreting()
-    decode = decode or ("fp32" if interpreted else GPU_DECODE)
+    decode = decode or ("fp32" if interpreted else gpu_decode(block_m))
     if decode not in DECODES or (interpreted and decode != "fp32"):
         raise ValueError(f"decode must be one of {sorted(DECODES)} ('fp32' under the interpreter), got {decode!r}")
     return decode
@@ -190,7 +200,7 @@ def grouped_gemm_mxfp4(
     """``out [num_rows, N]``: sorted row ``p`` is ``a[rows[p]]`` (``rows=None``: ``a[p]``) times its
     expert's dequantized weight, transposed. Rows outside every block (experts held elsewhere) are
     left unwritten (garbage): mask them. ``decode`` (a key of :data:`DECODES`; default
-    :data:`GPU_DECODE`, ``"fp32"`` when interpreted) and ``tiles`` (default ``_tiles(block_m)``)
+    :func:`gpu_decode`, ``"fp32"`` when interpreted) and ``tiles`` (default ``_tiles(block_m)``)
     are tuning overrides: every choice computes the same values."""
     return _grouped_launch(a, weight, schedule, num_rows, rows, decode, tiles)
 
@@ -204,7 +214,7 @@ def _grouped_launch(
     E, N, K = weight.shape
     if a.shape[1] != K or K % MXFP4_GROUP_SIZE:
         raise ValueError(f"a must be [M, {K}] with K a multiple of {MXFP4_GROUP_SIZE}, got {tuple(a.shape)}")
-    decode = _check_decode(decode)
+    decode = _check_decode(decode, schedule.block_m)
     tiles = tiles or _tiles(schedule.block_m)
     if tiles.block_k % MXFP4_GROUP_SIZE:
         raise ValueError(f"tiles.block_k must be a multiple of {MXFP4_GROUP_SIZE}, got {tiles}")
@@ -261,9 +271,10 @@ def _dequant_kernel(
 
 def dequantize_bf16(weight: MXFP4Weight, *, decode: str | None = None) -> torch.Tensor:
     """The ``[E, N, K]`` stack in bf16 (contiguous), decoded as the GEMM kernel decodes it (``decode``
-    as :func:`grouped_gemm_mxfp4`'s)."""
+    as :func:`grouped_gemm_mxfp4`'s; every decode gives the same values, and this streaming kernel
+    keeps ``fp32``, the one the sweep measured for it, unless told)."""
     E, N, K = weight.shape
-    decode = _check_decode(decode)
+    decode = _check_decode(decode or "fp32")
     wq, ws = (t if t.stride(0) == t.shape[1] * t.stride(1) and t.stride(2) == 1 else t.contiguous()
               for t in (weight.packed, weight.scale))
     wq = _as_words(wq)
