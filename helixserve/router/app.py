@@ -8,7 +8,6 @@ import hmac
 import logging
 import time
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +21,7 @@ from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
+from helixserve.router.upstream import Upstream
 from helixserve.serving.auth import internal_headers
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
                                     install_error_handlers, run_unless_disconnected)
@@ -104,11 +104,9 @@ class RouterService:
     async def lifespan(self, _: FastAPI):
         """One HTTP client to the workers and the health loop, for the app's lifetime."""
         config = self.config
-        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
-        limits = httpx.Limits(max_connections=2 * config.max_inflight + 16,
-                              max_keepalive_connections=config.max_inflight)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits,
-                                     headers=internal_headers(self.internal_secret)) as client:
+        async with Upstream(config.connect_timeout_s, config.request_timeout_s,
+                            max_connections=2 * config.max_inflight + 16,
+                            headers=internal_headers(self.internal_secret)) as client:
             self.orchestrator = Orchestrator(self.ctx_pool, self.gen_pool, client, self.metrics,
                                              config.control_timeout_s)
             checker = asyncio.create_task(self._check_health(client))
@@ -118,7 +116,7 @@ class RouterService:
                 checker.cancel()
                 self.off_loop.shutdown()
 
-    async def _check_health(self, client: httpx.AsyncClient) -> None:
+    async def _check_health(self, client: Upstream) -> None:
         timeout_s = self.config.health_check_timeout_s
         while True:
             await asyncio.gather(self.ctx_pool.check(client, timeout_s),

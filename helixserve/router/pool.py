@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
-
 from helixserve.protocol import ServiceUnavailableError
+from helixserve.router.upstream import Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -70,20 +70,23 @@ class WorkerPool:
         worker.is_healthy = False
         worker.last_error = error
 
-    async def check(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+    async def check(self, client: Upstream, timeout_s: float) -> None:
         """One health check of every worker, concurrently."""
         await asyncio.gather(*(self._check_one(client, w, timeout_s) for w in self.workers))
 
-    async def _check_one(self, client: httpx.AsyncClient, worker: WorkerState, timeout_s: float
+    async def _check_one(self, client: Upstream, worker: WorkerState, timeout_s: float
                          ) -> None:
         try:
-            response = await client.get(f"{worker.url}/ready", timeout=timeout_s)
-            stats = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            answer = await client.get(f"{worker.url}/ready", timeout_s=timeout_s)
+            stats = json.loads(answer.body)
+        except UpstreamError as exc:
+            self.mark_failed(worker, f"health check failed: {exc}")
+            return
+        except ValueError as exc:
             self.mark_failed(worker, f"health check failed: {type(exc).__name__}: {exc}")
             return
-        if response.status_code != 200:
-            self.mark_failed(worker, f"health check answered {response.status_code}: {_cause(stats)}")
+        if answer.status != 200:
+            self.mark_failed(worker, f"health check answered {answer.status}: {_cause(stats)}")
             return
         if not worker.is_healthy:
             logger.info("%s worker %s is healthy", self.role, worker.url)

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-import httpx
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -33,6 +32,7 @@ from helixserve.protocol import (SSE_DONE, ChatCompletionRequest, CompletionRequ
                                  completion_usage_chunk, error_from_body, sse_error, sse_event)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool, WorkerState
+from helixserve.router.upstream import Answer, Stream, Upstream, UpstreamError
 from helixserve.serving.auth import INVALID_INTERNAL_SECRET
 from helixserve.serving.http import REQUEST_ID_HEADER
 
@@ -53,7 +53,7 @@ class Flight:
         self.on_close = on_close
         self.ctx: WorkerState | None = None  # set while ctx may still hold or run the request
         self.gen: WorkerState | None = None
-        self.gen_response: httpx.Response | None = None
+        self.gen_response: Stream | None = None
         self.status = "499"  # until something better is known: the client went away
         self.is_complete = False
         self.is_closed = False
@@ -73,7 +73,7 @@ class Flight:
                 if not self.is_complete:
                     self.o.fire(self.o.post_quietly(worker, "/v1/abort", self.request_id))
         if self.gen_response is not None:
-            self.o.fire(self.gen_response.aclose())
+            self.gen_response.close()
         metrics = self.o.metrics
         metrics.requests.labels(self.endpoint, self.status).inc()
         metrics.e2e.observe(time.monotonic() - self.t_arrival)
@@ -99,17 +99,10 @@ class _RelayResponse(StreamingResponse):
             self.flight.close()
 
 
-def _json(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return {"error": {"message": response.text[:500]}}
-
-
 class Orchestrator:
     """ctx -> gen orchestration over two pools and one shared HTTP client."""
 
-    def __init__(self, ctx_pool: WorkerPool, gen_pool: WorkerPool, client: httpx.AsyncClient,
+    def __init__(self, ctx_pool: WorkerPool, gen_pool: WorkerPool, client: Upstream,
                  metrics: RouterMetrics, control_timeout_s: float) -> None:
         self.ctx_pool, self.gen_pool = ctx_pool, gen_pool
         self.control_timeout_s = control_timeout_s  # RouterConfig.control_timeout_s
@@ -124,16 +117,16 @@ class Orchestrator:
 
     async def post_quietly(self, worker: WorkerState, path: str, request_id: str) -> None:
         try:
-            await self.client.post(f"{worker.url}{path}", json={"request_id": request_id},
-                                   timeout=self.control_timeout_s)
-        except httpx.HTTPError as exc:
+            await self.client.post(f"{worker.url}{path}", {"request_id": request_id},
+                                   timeout_s=self.control_timeout_s)
+        except UpstreamError as exc:
             logger.info("%s %s%s failed: %s", request_id, worker.url, path, exc)
 
-    def transport_error(self, pool: WorkerPool, worker: WorkerState, exc: httpx.HTTPError,
+    def transport_error(self, pool: WorkerPool, worker: WorkerState, exc: UpstreamError,
                         during: str) -> OpenAIError:
         """A worker that cannot be reached or broke the connection is marked unhealthy."""
-        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        cause = str(exc)
+        if exc.timed_out:
             return GatewayTimeoutError(f"{pool.role} worker {worker.url} did not answer in time "
                                        f"{during} ({cause})")
         pool.mark_failed(worker, cause)
@@ -165,15 +158,15 @@ class Orchestrator:
         body = {**raw, "stream": False, "disaggregated_params": {"request_type": "context_only"}}
         body.pop("stream_options", None)
         try:
-            response = await self.client.post(f"{ctx.url}{path}", json=body,
-                                              headers={REQUEST_ID_HEADER: flight.request_id})
-        except httpx.HTTPError as exc:
+            answer = await self.client.post(f"{ctx.url}{path}", body,
+                                            headers={REQUEST_ID_HEADER: flight.request_id})
+        except UpstreamError as exc:
             raise flight.fail(self.transport_error(self.ctx_pool, ctx, exc, "during prefill"))
-        payload = _json(response)
-        if response.status_code != 200:
+        payload = answer.json()
+        if answer.status != 200:
             ctx.num_inflight -= 1
             flight.ctx = None  # the ctx worker failed it: nothing left there
-            raise flight.fail(self.worker_error(self.ctx_pool, ctx, response.status_code, payload))
+            raise flight.fail(self.worker_error(self.ctx_pool, ctx, answer.status, payload))
         return payload
 
     def worker_error(self, pool: WorkerPool, worker: WorkerState, status: int, payload: Any) -> OpenAIError:
@@ -202,34 +195,34 @@ class Orchestrator:
                       ) -> Response:
         gen = flight.gen = self.gen_pool.pick()
         flight.start(gen)
-        request = self.client.build_request("POST", f"{gen.url}{path}", json=gen_body,
-                                            headers={REQUEST_ID_HEADER: flight.request_id})
         try:
-            response = await self.client.send(request, stream=bool(body.stream))
-        except httpx.HTTPError as exc:
+            response = await self.client.open(f"{gen.url}{path}", gen_body,
+                                              headers={REQUEST_ID_HEADER: flight.request_id})
+            flight.gen_response = response
+            if response.status != 200 or not body.stream:
+                answer = Answer(response.status, await response.read())
+        except UpstreamError as exc:
             self.metrics.handoff_failures.inc()
             raise flight.fail(self.transport_error(self.gen_pool, gen, exc, "during decode"))
-        flight.gen_response = response
-        if response.status_code != 200:
+        if response.status != 200:
             self.metrics.handoff_failures.inc()
-            await response.aread()
-            raise flight.fail(self.worker_error(self.gen_pool, gen, response.status_code, _json(response)))
+            raise flight.fail(self.worker_error(self.gen_pool, gen, answer.status, answer.json()))
         self._release_ctx(flight)
         if not body.stream:
-            payload = _json(response)
+            payload = answer.json()
             self.metrics.count_usage(payload.get("usage"))
             flight.status, flight.is_complete = "200", True
             flight.close()
-            return Response(response.content, media_type="application/json",
+            return Response(answer.body, media_type="application/json",
                             headers={REQUEST_ID_HEADER: flight.request_id})
         return _RelayResponse(self._relay(flight, response, body), flight)
 
-    async def _relay(self, flight: Flight, response: httpx.Response, body: GenerationRequest
+    async def _relay(self, flight: Flight, response: Stream, body: GenerationRequest
                      ) -> AsyncIterator[str]:
         """Gen's SSE events to the client as they come; gen's usage chunk only if asked for."""
         last_token_at: float | None = None
         try:
-            async for line in response.aiter_lines():
+            async for line in response.lines():
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: "):]
@@ -261,8 +254,8 @@ class Orchestrator:
                         self.metrics.itl.observe(now - last_token_at)
                     last_token_at = now
                 yield f"{line}\n\n"
-            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
-        except httpx.HTTPError as exc:
+            raise UpstreamError(ConnectionResetError("the stream ended without [DONE]"))
+        except UpstreamError as exc:
             assert flight.gen is not None
             err = flight.fail(self.transport_error(self.gen_pool, flight.gen, exc, "mid-stream"))
             yield sse_error(err)
