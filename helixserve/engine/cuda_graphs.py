@@ -109,20 +109,22 @@ class DecodeGraphs:
                 written[i] = table
         tables[n:size, :width] = -1
         written[n:size] = [None] * (size - n)
-        logits = self.launch(size, width, input_tokens)
+        logits = self.launch(size, input_tokens)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         if len(sampled) == n:
             return logits[:n]
         if not sampled:  # one-token prompt chunks that are not a prompt's last: no row to sample
             return logits[:0]
-        return logits[torch.tensor(sampled, dtype=torch.int64, device=self.device)]
+        return logits[torch.tensor(sampled, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)]
 
-    def launch(self, size: int, width: int, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The GPU part of a step: copy the filled host buffers (``size`` rows, ``width`` table
-        columns), then ``input_tokens`` over the first input ids, and replay the graph of
-        ``size``; returns its logits buffer."""
-        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
-        self._tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+    def launch(self, size: int, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The GPU part of a step: copy the filled host buffers (the first ``size`` table rows),
+        then ``input_tokens`` over the first input ids, and replay the graph of ``size``; returns
+        its logits buffer."""
+        # whole rows, contiguous on both sides: a strided copy goes through a pageable temporary,
+        # which waits for the stream (the step in flight) before it starts
+        self._ints.copy_(self._host_ints, non_blocking=True)
+        self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         self._copied.record()
         if input_tokens is not None:
             self._ints[0, : input_tokens.shape[0]].copy_(input_tokens)

@@ -163,7 +163,7 @@ class ModelRunner:
         batch = build_forward_batch(by_slot, self.device)
         if input_tokens is not None:
             if order is not None:
-                input_tokens = input_tokens[torch.tensor(order, device=input_tokens.device)]
+                input_tokens = input_tokens[_to_device(torch.tensor(order), input_tokens.device)]
             batch.input_ids.copy_(input_tokens)
         inverse = None
         if order is not None:
@@ -180,7 +180,7 @@ class ModelRunner:
         logits = self.model(prepared.batch, self.caches)
         if prepared.inverse is None:
             return logits
-        return logits.index_select(0, torch.tensor(prepared.inverse, device=logits.device))
+        return logits.index_select(0, _to_device(torch.tensor(prepared.inverse), logits.device))
 
     def launch(
         self, out: SchedulerOutput, params: Mapping[str, SamplingParams], input_tokens: torch.Tensor | None = None,
