@@ -101,8 +101,10 @@ class Upstream:
 
     def __init__(self, connect_timeout_s: float, request_timeout_s: float, max_connections: int,
                  headers: Mapping[str, str]) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
-                                              sock_read=request_timeout_s)
+        # connect: waiting for a pooled connection plus making one (the admission bound keeps the
+        # pool from filling, but the wait has a bound of its own); sock_read: between bytes
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=request_timeout_s,
+                                              sock_connect=connect_timeout_s, sock_read=request_timeout_s)
         self._max_connections = max_connections
         self._headers = dict(headers)
         self._session: aiohttp.ClientSession | None = None

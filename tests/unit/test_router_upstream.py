@@ -5,6 +5,7 @@ one is not (503, marked unhealthy), a body that is not JSON becomes an error obj
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
@@ -132,3 +133,29 @@ def test_an_answer_that_is_not_json_becomes_an_error_object() -> None:
 
     answer = asyncio.run(main())
     assert answer.status == 502 and answer.json() == {"error": {"message": "<html>bad gateway</html>"}}
+
+
+def test_a_hop_waiting_for_a_pooled_connection_has_a_bound() -> None:
+    """One connection allowed and held by a stalled hop: the next hop gives up within the request
+    timeout instead of waiting for the pool forever."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(5)
+        writer.close()
+
+    async def main() -> UpstreamError:
+        server, url = await _serve(handler)
+        async with server, Upstream(1.0, 0.4, 1, {}) as client:
+            held = asyncio.create_task(client.post(f"{url}/a", {}, timeout_s=10.0))  # holds the one
+            await asyncio.sleep(0.05)
+            began = asyncio.get_running_loop().time()
+            with pytest.raises(UpstreamError) as caught:
+                await asyncio.wait_for(client.post(f"{url}/b", {}), 3.0)
+            assert asyncio.get_running_loop().time() - began < 2.0
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+            return caught.value
+
+    err = asyncio.run(main())
+    assert "Timeout" in str(err), err
