@@ -17,6 +17,7 @@ broke the connection: 503, and the worker is marked unhealthy).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ import aiohttp
 
 # under uvicorn's 5 s keep-alive, so the router never reuses a connection the worker is closing
 KEEPALIVE_S = 4.0
+# compact and strict, like the router's own parsing of the client's JSON
+_dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 class UpstreamError(Exception):
@@ -106,14 +109,18 @@ class Upstream:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=request_timeout_s,
                                               sock_connect=connect_timeout_s, sock_read=request_timeout_s)
         self._max_connections = max_connections
-        self._headers = dict(headers)
+        # identity: the answers are relayed as they come, never decompressed
+        self._headers = {"Accept-Encoding": "identity", **headers}
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Upstream:
         connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
                                          keepalive_timeout=KEEPALIVE_S)
+        # no cookie jar (no state carried from one request's answer into another's hop) and
+        # no redirects followed (a worker's answer is relayed, never chased)
         self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                              headers=self._headers, auto_decompress=False)
+                                              headers=self._headers, auto_decompress=False,
+                                              cookie_jar=aiohttp.DummyCookieJar(), json_serialize=_dumps)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -132,7 +139,7 @@ class Upstream:
                    timeout_s: float | None = None) -> Answer:
         """POST ``body`` as JSON and read the whole answer."""
         try:
-            async with self.session.post(url, json=body, headers=headers,
+            async with self.session.post(url, json=body, headers=headers, allow_redirects=False,
                                          timeout=self._timeout_for(timeout_s)) as response:
                 return Answer(response.status, await response.read())
         except _FAILURES as exc:
@@ -140,7 +147,8 @@ class Upstream:
 
     async def get(self, url: str, timeout_s: float | None = None) -> Answer:
         try:
-            async with self.session.get(url, timeout=self._timeout_for(timeout_s)) as response:
+            async with self.session.get(url, allow_redirects=False,
+                                        timeout=self._timeout_for(timeout_s)) as response:
                 return Answer(response.status, await response.read())
         except _FAILURES as exc:
             raise UpstreamError(exc) from exc
@@ -148,7 +156,7 @@ class Upstream:
     async def open(self, url: str, body: Any, headers: Mapping[str, str] | None = None) -> Stream:
         """POST ``body`` as JSON; the answer's status and headers are in, its body is not read."""
         try:
-            response = await self.session.post(url, json=body, headers=headers)
+            response = await self.session.post(url, json=body, headers=headers, allow_redirects=False)
         except _FAILURES as exc:
             raise UpstreamError(exc) from exc
         return Stream(response)

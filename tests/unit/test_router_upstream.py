@@ -159,3 +159,32 @@ def test_a_hop_waiting_for_a_pooled_connection_has_a_bound() -> None:
 
     err = asyncio.run(main())
     assert "Timeout" in str(err), err
+
+
+def test_no_redirect_is_followed_and_no_cookie_carried_over() -> None:
+    """A worker's redirect is answered as it is (never chased to where it points), and a cookie
+    one answer sets is not sent on the next hop."""
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head)
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: /elsewhere\r\n"
+                     b"Set-Cookie: session=abc; Path=/\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> tuple[int, int]:
+        server, url = await _serve(handler)
+        async with server, Upstream(1.0, 5.0, 4, {}) as client:
+            first = await client.post(f"{url}/v1/completions", {"prompt": "é"})
+            second = await client.post(f"{url}/v1/completions", {"prompt": "x"})
+            return first.status, second.status
+
+    assert asyncio.run(main()) == (307, 307)
+    assert len(seen) == 2 and all(b"/elsewhere" not in h.split(b"\r\n")[0] for h in seen), seen
+    assert not any(b"cookie:" in h.lower() for h in seen), seen
+    assert all(b"accept-encoding: identity" in h.lower() for h in seen), seen
