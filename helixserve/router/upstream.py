@@ -25,8 +25,10 @@ from typing import Any
 
 import aiohttp
 
-# under uvicorn's 5 s keep-alive, so the router never reuses a connection the worker is closing
-KEEPALIVE_S = 4.0
+from helixserve.serving.http import KEEPALIVE_S as WORKER_KEEPALIVE_S
+
+# under the workers' keep-alive, so the router never reuses a connection a worker is closing
+KEEPALIVE_S = WORKER_KEEPALIVE_S - 1.0
 # compact and strict, like the router's own parsing of the client's JSON
 _dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 

@@ -27,6 +27,10 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # bodies up to this size are parsed (and their prompts tokenized) on the event loop; larger ones
 # in the :class:`OffLoop` pool, so one large request does not stall /health and everyone else
 OFF_LOOP_BYTES = 16 * 1024
+# how long a server keeps an idle keep-alive connection (uvicorn's default, set explicitly): the
+# router's client drops its idle connections before this (router/upstream.py), so it never sends
+# a request on a connection the worker is closing at that moment
+KEEPALIVE_S = 5.0
 
 
 class ClientDisconnected(RequestCancelledError):
@@ -195,5 +199,6 @@ def serve(app: FastAPI, host: str, port: int, log_level: str, connections_grace_
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                            timeout_graceful_shutdown=connections_grace_s, access_log=False)
+                            timeout_graceful_shutdown=connections_grace_s, access_log=False,
+                            timeout_keep_alive=KEEPALIVE_S)
     uvicorn.Server(config).run()

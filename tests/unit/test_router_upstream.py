@@ -188,3 +188,36 @@ def test_no_redirect_is_followed_and_no_cookie_carried_over() -> None:
     assert len(seen) == 2 and all(b"/elsewhere" not in h.split(b"\r\n")[0] for h in seen), seen
     assert not any(b"cookie:" in h.lower() for h in seen), seen
     assert all(b"accept-encoding: identity" in h.lower() for h in seen), seen
+
+
+def test_an_idle_connection_is_dropped_before_the_workers_keep_alive_ends() -> None:
+    """A connection idle for longer than the router's keep-alive (but not the worker's) is not
+    reused: the next hop opens a new one, so it can never land on a connection the worker is
+    closing at that moment (uvicorn closes idle ones after serving.http.KEEPALIVE_S)."""
+    from helixserve.router.upstream import KEEPALIVE_S
+    from helixserve.serving.http import KEEPALIVE_S as WORKER_KEEPALIVE_S
+
+    assert KEEPALIVE_S < WORKER_KEEPALIVE_S
+    connections: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        try:
+            while True:  # keep-alive: answer every request on this connection
+                await _read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server, url = await _serve(handler)
+        async with server, Upstream(1.0, 5.0, 4, {}) as client:
+            await client.post(f"{url}/a", {})
+            await client.post(f"{url}/b", {})  # at once: the same connection
+            assert len(connections) == 1
+            await asyncio.sleep(KEEPALIVE_S + 0.4)  # idle past ours, not past the worker's
+            await client.post(f"{url}/c", {})
+
+    asyncio.run(main())
+    assert len(connections) == 2, connections
