@@ -12,6 +12,8 @@ The request path, one file per hop:
 6. ``gen_server/app.py`` -> ``gen_server/kv_source.py``: prompt state into the gen engine, decode.
 7. ``router/proxy.py``: the gen answer or SSE stream relayed as produced; the ctx hold released.
 
+Every hop to a worker goes through ``router/upstream.py`` (one aiohttp session; it says why).
+
 Failures: a worker that cannot be reached or breaks a stream is marked unhealthy and the request
 fails at once with a 503 naming the worker and the cause; the health loop re-admits it when its
 ``/health`` answers again. A client that disconnects cancels the request on every worker it

@@ -4,7 +4,7 @@ import pytest
 
 from helixserve.protocol import ServiceUnavailableError
 
-pytest.importorskip("httpx", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+pytest.importorskip("aiohttp", reason="server deps (fastapi, uvicorn, aiohttp, prometheus-client) not installed")
 from helixserve.router.pool import WorkerPool  # noqa: E402
 
 

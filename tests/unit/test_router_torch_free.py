@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, httpx, prometheus-client) not installed")
+pytest.importorskip("fastapi", reason="server deps (fastapi, uvicorn, aiohttp, prometheus-client) not installed")
 
 
 def test_router_imports_without_torch():
