@@ -13,6 +13,12 @@ requests/s; for ``disagg`` also the KV transfer seen by the gen worker (admissio
 output: both CP ranks received their shard over UCX, agreed, and ran one step; mean ms per request)
 and the KV bytes moved per request (both shards).
 
+``--repeats N`` runs each level N times, the two modes alternating (disagg, agg, disagg, ...), and
+adds a ratios table: per level, the median over rounds of each round's disagg / agg tok/s (with
+the range), the modes' median TTFT p50 and in how many rounds disagg met TTFT <= (agg TTFT + KV
+transfer) x 1.05. On a shared GPU the aggregated figures move between runs by about as much as
+the gap, so one pair of runs says little about a 0.9x target.
+
     python bench/serve.py --quick --out bench/results/serve_quick.json
 """
 
@@ -191,22 +197,24 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
             asyncio.run(_level(url, _bodies(rng, 2, prompt_len, max_tokens, vocab), 2, args.timeout))
         for concurrency in levels:
             n = max(args.min_requests, (args.rounds or (2 if args.quick else 4)) * concurrency)
-            bodies = _bodies(rng, n, prompt_len, max_tokens, vocab)
-            before = _kv_counters(servers)
-            disagg = asyncio.run(_level(servers.router_url, bodies, concurrency, args.timeout))
-            after = _kv_counters(servers)
-            moved = max(1.0, after[0] - before[0])
-            kv = {"kv_transfer_ms": 1e3 * (after[1] - before[1]) / moved,
-                  "kv_mb_per_request": (after[2] - before[2]) / moved / 1e6}
-            rows.append(_summary("disagg", concurrency, disagg, kv))
-            agg = asyncio.run(_level(servers.gen_url, bodies, concurrency, args.timeout))
-            rows.append(_summary("agg", concurrency, agg, None))
-            print(f"concurrency {concurrency}: disagg {rows[-2]['output_tok_s']:.1f} tok/s, "
-                  f"agg {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+            for round_ in range(args.repeats):
+                bodies = _bodies(rng, n, prompt_len, max_tokens, vocab)
+                before = _kv_counters(servers)
+                disagg = asyncio.run(_level(servers.router_url, bodies, concurrency, args.timeout))
+                after = _kv_counters(servers)
+                moved = max(1.0, after[0] - before[0])
+                kv = {"kv_transfer_ms": 1e3 * (after[1] - before[1]) / moved,
+                      "kv_mb_per_request": (after[2] - before[2]) / moved / 1e6}
+                rows.append({**_summary("disagg", concurrency, disagg, kv), "round": round_})
+                agg = asyncio.run(_level(servers.gen_url, bodies, concurrency, args.timeout))
+                rows.append({**_summary("agg", concurrency, agg, None), "round": round_})
+                print(f"concurrency {concurrency}: disagg {rows[-2]['output_tok_s']:.1f} tok/s, "
+                      f"agg {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
     finally:
         servers.stop()
     return {"machine": machine_info(), "model": str(args.model), "prompt_len": prompt_len,
-            "max_tokens": max_tokens, "config": str(config), "deployment": _deployment(servers.config), "rows": rows}
+            "max_tokens": max_tokens, "config": str(config), "deployment": _deployment(servers.config),
+            "repeats": args.repeats, "rows": rows, "ratios": ratios(rows)}
 
 
 def _deployment(config) -> str:  # noqa: ANN001 (a DeploymentConfig)
@@ -231,6 +239,46 @@ def table(rows: list[dict]) -> str:
     return markdown_table(HEADERS, [[r.get(k) for k in KEYS] for r in rows])
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per level, over its rounds: disagg / agg tok/s (median, min, max), the modes' median TTFT
+    p50 and KV ms, and the rounds whose disagg TTFT p50 met (agg TTFT p50 + KV ms) x 1.05."""
+    out = []
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        pairs = {}
+        for r in rows:
+            if r["concurrency"] == concurrency:
+                pairs.setdefault(r.get("round", 0), {})[r["mode"]] = r
+        pairs = [p for p in pairs.values() if "disagg" in p and "agg" in p]
+        if not pairs:
+            continue
+        tok = [p["disagg"]["output_tok_s"] / p["agg"]["output_tok_s"] for p in pairs]
+        met = sum(p["disagg"]["ttft_p50_ms"] <= 1.05 * (p["agg"]["ttft_p50_ms"] + p["disagg"]["kv_transfer_ms"])
+                  for p in pairs)
+        out.append({"concurrency": concurrency, "rounds": len(pairs), "tok_s_ratio": _median(tok),
+                    "tok_s_ratio_min": min(tok), "tok_s_ratio_max": max(tok),
+                    "disagg_ttft_p50_ms": _median([p["disagg"]["ttft_p50_ms"] for p in pairs]),
+                    "agg_ttft_p50_ms": _median([p["agg"]["ttft_p50_ms"] for p in pairs]),
+                    "kv_transfer_ms": _median([p["disagg"]["kv_transfer_ms"] for p in pairs]),
+                    "ttft_bound_met": f"{met}/{len(pairs)}"})
+    return out
+
+
+RATIO_HEADERS = ["conc", "rounds", "tok/s disagg/agg (median)", "min", "max", "TTFT p50 disagg", "agg",
+                 "KV ms", "TTFT bound met"]
+RATIO_KEYS = ["concurrency", "rounds", "tok_s_ratio", "tok_s_ratio_min", "tok_s_ratio_max", "disagg_ttft_p50_ms",
+              "agg_ttft_p50_ms", "kv_transfer_ms", "ttft_bound_met"]
+
+
+def ratio_table(summary: list[dict]) -> str:
+    return markdown_table(RATIO_HEADERS, [[r.get(k) for k in RATIO_KEYS] for r in summary])
+
+
 def plot(rows: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -243,10 +291,12 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for mode in ("disagg", "agg"):
         mine = [r for r in rows if r["mode"] == mode]
-        x = [r["concurrency"] for r in mine]
+        x = sorted({r["concurrency"] for r in mine})
         for ax, key, label in zip(axes, ("ttft_p50_ms", "itl_p50_ms", "output_tok_s"),
                                   ("TTFT p50 (ms)", "ITL p50 (ms)", "output tokens/s")):
-            ax.plot(x, [r[key] for r in mine], marker="o", label=mode)
+            y = [_median([r[key] for r in mine if r["concurrency"] == c and r[key] is not None] or [float("nan")])
+                 for c in x]  # the median over rounds
+            ax.plot(x, y, marker="o", label=mode)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency")
             ax.set_title(label)
@@ -272,13 +322,19 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help=f"cuda: {GPU_CONFIG.relative_to(REPO)} (ctx and gen sharing one GPU) unless --config")
     parser.add_argument("--rounds", type=int, default=None, help="requests per level = rounds x concurrency")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per level, the two modes alternating (see the ratios table)")
     parser.add_argument("--min-requests", type=int, default=4,
                         help="at least this many requests per level (a steadier p50 at low concurrency)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     payload = run(args)
     print(f"\n{payload['deployment']}; prompt {payload['prompt_len']} tokens, "
           f"{payload['max_tokens']} generated (times in ms)\n")
     print(table(payload["rows"]))
+    print(f"\nratios over {payload['repeats']} round(s) per level\n")
+    print(ratio_table(payload["ratios"]))
     write_json(args.out, payload)
     if args.plot is not None:
         plot(payload["rows"], args.plot)
