@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.host_copy import to_device
 from helixserve.engine.scheduler import SchedulerOutput
 from helixserve.models.context import ForwardBatch
 
@@ -115,7 +116,7 @@ class DecodeGraphs:
             return logits[:n]
         if not sampled:  # one-token prompt chunks that are not a prompt's last: no row to sample
             return logits[:0]
-        return logits[torch.tensor(sampled, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)]
+        return logits[to_device(torch.tensor(sampled, dtype=torch.int64), self.device)]
 
     def launch(self, size: int, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The GPU part of a step: copy the filled host buffers (the first ``size`` table rows),

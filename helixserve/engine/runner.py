@@ -15,18 +15,9 @@ from helixserve.engine.cuda_graphs import DecodeGraphs
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.sampler import Sampler
 from helixserve.engine.scheduler import SchedulerOutput
+from helixserve.host_copy import to_device
 from helixserve.kvcache.pools import reset_slots
 from helixserve.models.context import ForwardBatch
-
-
-def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``host`` on ``device`` without making the host wait: to a GPU from pinned memory,
-    asynchronously (a pageable copy synchronizes the stream, so the next step's batch waited for
-    the step in flight, and the host could not run ahead of the device)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu") -> ForwardBatch:
@@ -60,10 +51,10 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
     # variant for the first request of some lengths (warm-up cannot reach them all)
     parts = (input_ids, positions, cu_seqlens, context_lens, slots, logits_rows)
     padded = [p + [0] * (len(p) % 2) for p in parts]
-    flat = _to_device(torch.tensor(list(itertools.chain.from_iterable(padded)), dtype=torch.int64), device)
+    flat = to_device(torch.tensor(list(itertools.chain.from_iterable(padded)), dtype=torch.int64), device)
     ids_t, positions_t, cu_t, context_t, slots_t, logits_t = (
         view[:len(p)] for view, p in zip(flat.split_with_sizes([len(q) for q in padded]), parts))
-    block_tables = _to_device(torch.tensor(tables, dtype=torch.int32), device).reshape(len(out.seqs), max_blocks)
+    block_tables = to_device(torch.tensor(tables, dtype=torch.int32), device).reshape(len(out.seqs), max_blocks)
     return ForwardBatch(
         input_ids=ids_t,
         positions=positions_t,
@@ -163,7 +154,7 @@ class ModelRunner:
         batch = build_forward_batch(by_slot, self.device)
         if input_tokens is not None:
             if order is not None:
-                input_tokens = input_tokens[_to_device(torch.tensor(order), input_tokens.device)]
+                input_tokens = input_tokens[to_device(torch.tensor(order), input_tokens.device)]
             batch.input_ids.copy_(input_tokens)
         inverse = None
         if order is not None:
@@ -180,7 +171,7 @@ class ModelRunner:
         logits = self.model(prepared.batch, self.caches)
         if prepared.inverse is None:
             return logits
-        return logits.index_select(0, _to_device(torch.tensor(prepared.inverse), logits.device))
+        return logits.index_select(0, to_device(torch.tensor(prepared.inverse), logits.device))
 
     def launch(
         self, out: SchedulerOutput, params: Mapping[str, SamplingParams], input_tokens: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from helixserve.engine.request import SamplingParams
+from helixserve.host_copy import to_device
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,7 @@ def sample_on_device(
             noise[js[0]].exponential_(generator=gen)
         else:
             block = torch.empty(len(js), vocab, device=device).exponential_(generator=gen)
-            where = torch.tensor(js, pin_memory=logits.is_cuda).to(device, non_blocking=True)
+            where = to_device(torch.tensor(js), device)
             noise.index_copy_(0, where, block)
     noise.clamp_(min=1e-20)
     choice = (probs / noise).argmax(dim=-1)

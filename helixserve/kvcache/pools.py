@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from helixserve.cache_layout import CacheSpec, ModelCaches
+from helixserve.host_copy import to_device
 from helixserve.kvcache.sizing import kda_slot_bytes, mla_block_bytes, pools_from_budget
 
 _HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -109,18 +110,13 @@ def allocate_model_caches(
 def reset_slots(caches: ModelCaches, slot_ids: Sequence[int] | torch.Tensor) -> None:
     """Zero the KDA recurrent and conv state of ``slot_ids`` (call before a slot's first prefill).
 
-    The index goes to the device once for all pools and without blocking the host (from pinned
-    memory on a GPU): a pageable copy per pool waited for the queued GPU work at every prefill
-    step, i.e. the host could not run ahead of the device."""
+    The index goes to the device once for all pools and without blocking the host
+    (:func:`~helixserve.host_copy.to_device`): a pageable copy per pool waited for the queued GPU
+    work at every prefill step, i.e. the host could not run ahead of the device."""
     pools = [*caches.kda_state.values(), *caches.conv_state.values()]
     if not pools or len(slot_ids) == 0:
         return
     device = pools[0].device
-    if isinstance(slot_ids, torch.Tensor):
-        index = slot_ids.to(device=device, dtype=torch.long, non_blocking=True)
-    elif device.type == "cuda":
-        index = torch.tensor(slot_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
-    else:
-        index = torch.tensor(slot_ids, dtype=torch.long)
+    index = to_device(torch.as_tensor(slot_ids, dtype=torch.long), device)
     for pool in pools:
         pool.index_fill_(0, index if pool.device == device else index.to(pool.device), 0)

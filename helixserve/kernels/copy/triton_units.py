@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from helixserve.host_copy import to_device
+
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # (units imports this module)
@@ -141,10 +143,7 @@ def pack(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups: Seq
 
 
 def _upload(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    out = torch.from_numpy(rows)
-    if device.type == "cuda":  # one upload, no host sync (the caching host allocator keeps it alive)
-        out = out.pin_memory().to(device, non_blocking=True)
-    return out
+    return to_device(torch.from_numpy(rows), device)  # one upload, no host sync
 
 
 def _launch(seg: torch.Tensor, table: torch.Tensor, programs: int, word: int, vec: int, num_groups: int,
