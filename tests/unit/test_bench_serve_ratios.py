@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("httpx")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from serve import ratios  # noqa: E402
 
