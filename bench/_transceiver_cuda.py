@@ -130,16 +130,17 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
                 time.sleep(0.01)
             outbox.put(pools is not None)
         elif cmd[0] == "transfer":
-            _, mode, rid, num_tokens, endpoint, grant = cmd
+            _, mode, rid, num_tokens, endpoint, grant, timed = cmd
             rx = receivers[mode]
+            profiling = profiler is not None and mode == "granted" and timed  # (not the warm-up's compiles)
             before = rx.receiver.metrics.bytes_transferred
             granted = rx.receiver.num_granted
             marks.clear()
-            if profiler is not None and mode == "granted":
+            if profiling:
                 profiler.enable()
             start, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.0005,
                                          grant=grant if mode == "granted" else None)
-            if profiler is not None and mode == "granted":
+            if profiling:
                 profiler.disable()
             assert (rx.receiver.num_granted - granted) == (mode == "granted"), f"{mode}: the grant was not used"
             phases = {k: (v - start) * 1e3 for k, v in marks.items()}
@@ -193,7 +194,7 @@ def bench_preset(preset: str, token_counts: list[int], reps: int, profile: bool 
                     ctx_in.put(("hold", rid, num_tokens))
                     held, grant = ctx_out.get(timeout=60)
                     assert held == "held" and grant is not None, "the ctx granted no pull"
-                    gen_in.put(("transfer", mode, rid, num_tokens, endpoint, grant))
+                    gen_in.put(("transfer", mode, rid, num_tokens, endpoint, grant, rep > 0))
                     elapsed, payload, stamps = gen_out.get(timeout=120)
                     if rep:
                         times[mode].append(elapsed)

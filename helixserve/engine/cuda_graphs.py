@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from helixserve.cache_layout import ModelCaches
-from helixserve.host_copy import to_device
 from helixserve.engine.scheduler import SchedulerOutput
+from helixserve.host_copy import to_device
+from helixserve.kernels.capture import no_collection
 from helixserve.models.context import ForwardBatch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -62,7 +63,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up (Triton compiles, autotunes) and capture every size, largest first, in one pool."""
+        """Warm up (Triton compiles, autotunes) and capture every size, largest first, in one pool
+        (no garbage collection meanwhile: see `kernels.capture`)."""
+        with no_collection():
+            self._capture_all()
+        torch.cuda.synchronize(self.device)
+
+    def _capture_all(self) -> None:
         pool = None
         for n in reversed(self.sizes):
             batch = self._batch(n)  # all rows padding: nothing outside the scratch slot is touched
@@ -74,7 +81,6 @@ class DecodeGraphs:
                 logits = self.model(batch, self.caches)
             pool = graph.pool()
             self._graphs[n] = (graph, logits)
-        torch.cuda.synchronize(self.device)
 
     def fits(self, out: SchedulerOutput) -> bool:
         """A pure decode step of at most the largest captured size, its tables within

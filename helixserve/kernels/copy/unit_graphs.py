@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from helixserve.kernels.capture import no_collection
 from helixserve.kernels.copy import triton_units
 
 SLOTS = 4  # pulls in flight at once through graphs (more launch directly)
@@ -59,7 +60,7 @@ class UnitGraphs:
                     torch.zeros(self.capacity, dtype=torch.int64, device=device)) for _ in range(slots)]  # no work
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), no_collection():
             for host, table in buffers:
 
                 def launch(table: torch.Tensor = table) -> None:
