@@ -162,8 +162,11 @@ ASYNC_CALL_THREADS = 4  # per client: concurrent *_async calls (each bounded by 
 class ControlUnreachableError(grpc.RpcError):
     """A call whose channel never connected before its deadline (``code()``: ``UNAVAILABLE``)."""
 
-    def __init__(self, target_name: str, timeout_s: float) -> None:
-        super().__init__(f"could not connect to {target_name} within {timeout_s:.1f} s")
+    def __init__(self, target_name: str, timeout_s: float, state: grpc.ChannelConnectivity | None = None) -> None:
+        # the channel's last state says which: CONNECTING (an attempt never finished: no answer to
+        # the connect or the HTTP/2 handshake) or TRANSIENT_FAILURE (refused, or name not resolved)
+        seen = f" (channel {state.name.lower()})" if state is not None else ""
+        super().__init__(f"could not connect to {target_name} within {timeout_s:.1f} s{seen}")
         self._details = str(self)
 
     def code(self) -> grpc.StatusCode:
@@ -237,7 +240,7 @@ class ControlClient:
     def _mapped(self, error: grpc.RpcError, timeout_s: float) -> grpc.RpcError:
         is_deadline = getattr(error, "code", None) and error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         if is_deadline and not self._has_connected and self.state is not grpc.ChannelConnectivity.READY:
-            return ControlUnreachableError(target(self.endpoint), timeout_s)
+            return ControlUnreachableError(target(self.endpoint), timeout_s, self.state)
         return error
 
     def _shard_deadline(self, timeout_s: float | None) -> float:

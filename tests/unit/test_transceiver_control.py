@@ -5,6 +5,7 @@ TLS (one-way and mutual) works with a self-signed certificate."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -92,6 +93,8 @@ def test_unreachable_server_is_retried_until_the_deadline_then_unavailable():
     assert time.monotonic() - start >= 0.55  # kept trying for the whole deadline
     assert error.value.code() is grpc.StatusCode.UNAVAILABLE
     assert "could not connect to 127.0.0.1:1 within 0.6 s" in error.value.details()
+    # and how: a refused port leaves the channel failing (connecting only between two attempts)
+    assert re.search(r"within 0\.6 s \(channel (transient_failure|connecting)\)$", error.value.details())
     client.close()
 
 
