@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+from _common import base_parser, machine_info, markdown_table, median, write_json  # noqa: E402
 
 from helixserve.config import INTERNAL_SECRET_ENV  # noqa: E402
 from helixserve.testing.servers import SECRET_HEADER, free_ports, new_secret, secret_for, trust_workers  # noqa: E402
@@ -239,12 +239,6 @@ def table(rows: list[dict]) -> str:
     return markdown_table(HEADERS, [[r.get(k) for k in KEYS] for r in rows])
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def ratios(rows: list[dict]) -> list[dict]:
     """Per level, over its rounds: disagg / agg tok/s (median, min, max), the modes' median TTFT
     p50 and KV ms, and the rounds whose disagg TTFT p50 met (agg TTFT p50 + KV ms) x 1.05."""
@@ -260,11 +254,11 @@ def ratios(rows: list[dict]) -> list[dict]:
         tok = [p["disagg"]["output_tok_s"] / p["agg"]["output_tok_s"] for p in pairs]
         met = sum(p["disagg"]["ttft_p50_ms"] <= 1.05 * (p["agg"]["ttft_p50_ms"] + p["disagg"]["kv_transfer_ms"])
                   for p in pairs)
-        out.append({"concurrency": concurrency, "rounds": len(pairs), "tok_s_ratio": _median(tok),
+        out.append({"concurrency": concurrency, "rounds": len(pairs), "tok_s_ratio": median(tok),
                     "tok_s_ratio_min": min(tok), "tok_s_ratio_max": max(tok),
-                    "disagg_ttft_p50_ms": _median([p["disagg"]["ttft_p50_ms"] for p in pairs]),
-                    "agg_ttft_p50_ms": _median([p["agg"]["ttft_p50_ms"] for p in pairs]),
-                    "kv_transfer_ms": _median([p["disagg"]["kv_transfer_ms"] for p in pairs]),
+                    "disagg_ttft_p50_ms": median([p["disagg"]["ttft_p50_ms"] for p in pairs]),
+                    "agg_ttft_p50_ms": median([p["agg"]["ttft_p50_ms"] for p in pairs]),
+                    "kv_transfer_ms": median([p["disagg"]["kv_transfer_ms"] for p in pairs]),
                     "ttft_bound_met": f"{met}/{len(pairs)}"})
     return out
 
@@ -294,7 +288,7 @@ def plot(rows: list[dict], path: Path) -> None:
         x = sorted({r["concurrency"] for r in mine})
         for ax, key, label in zip(axes, ("ttft_p50_ms", "itl_p50_ms", "output_tok_s"),
                                   ("TTFT p50 (ms)", "ITL p50 (ms)", "output tokens/s")):
-            y = [_median([r[key] for r in mine if r["concurrency"] == c and r[key] is not None] or [float("nan")])
+            y = [median([r[key] for r in mine if r["concurrency"] == c and r[key] is not None] or [float("nan")])
                  for c in x]  # the median over rounds
             ax.plot(x, y, marker="o", label=mode)
             ax.set_xscale("log", base=2)
