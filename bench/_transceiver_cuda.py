@@ -1,10 +1,13 @@
 """`bench/transceiver.py --device cuda`: one request's KV + KDA state between two processes on one GPU.
 
-Pools on the GPU in both processes (ctx: a KVSender; gen: KVReceivers behind CPGroupReceiver,
-cp = 1, 64-token pages, bf16 KV, fp32 KDA state). Per request shape, in the same run and between
-the same two processes: helixserve's transfer as it serves (begin() to "ready": the copy out of the
-ctx's pools over CUDA IPC on the ctx's PullGrant, the lease check, the acknowledgement sent), the
-same copy asked for with RequestShard first (a request without a grant), the same request over the tagged
+Pools on the GPU in both processes (ctx: a KVSender; gen: KVReceivers driven as the engine serves
+them, `RankTransfers` over the gen server's paced receiver, cp = 1, 64-token pages, bf16 KV, fp32
+KDA state). Per request shape, in the same run and between the same two processes: helixserve's
+transfer as it serves (the cache allocated to the request agreed ready: the copy out of the ctx's
+pools over CUDA IPC on the ctx's PullGrant, the lease check, the acknowledgement sent), the same
+with the gen's CPU spinning for 2 ms first (``granted_warm``: the engine thread already awake
+rather than woken from a queue wait, as after the previous step), the same copy asked for with
+RequestShard first (a request without a grant), the same request over the tagged
 UCX stream (``cuda_ipc: false``, what a gen on another host uses), a raw ucxx tag send of ONE device
 buffer of the same size (UCX's cuda_ipc; receive posted first, as the CPU bench), and a
 device-to-device copy of the same bytes in one process (``Tensor.copy_``, the ceiling). Times are
@@ -17,7 +20,7 @@ import multiprocessing as mp
 import statistics
 import time
 
-from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx
+from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx, serving_receiver
 
 TPB = 64
 SHAPES = [("kimi-k3-mid", 512), ("kimi-k3-mid", 4096), ("kimi-linear-48b", 4096), ("kimi-linear-48b", 32768)]
@@ -59,16 +62,22 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s=0.00005)
 
 
-PHASES = ("request", "reply", "planned", "copy_issued", "launched", "done")
-MODES = ("granted", "asked", "tagged")  # granted: as served (the ctx's answer carries a PullGrant)
+PHASES = ("allocated", "inbound", "granted_ok", "planned", "copy_issued", "launched", "request", "reply", "done",
+          "acked", "settled", "resulted", "forgot", "polled")
+MODES = ("granted", "granted_warm", "asked", "tagged")  # granted: as served (the ctx's answer carries a PullGrant)
+WARM_SPIN_S = 0.002  # granted_warm: the gen spins this long first (a CPU awake, not woken from a queue wait)
 PROFILE_LINES = 40  # --profile: this many lines of the gen's pull-path profile go into the JSON
 
 
 def _record_phases(marks: dict[str, float]) -> None:
-    """Stamp the pull path's phases of the request in flight (bench instrumentation only): the
-    request sent, the reply seen, the shard's unit groups built (`PullPair.groups`), the unit copy
-    issued (checks, table upload and kernel launch), the pull started, the copy seen done."""
-    from helixserve.transceiver import inbound, pull
+    """Stamp the serving path's phases of the request in flight (bench instrumentation only): the
+    cache allocated, the Inbound built (its shard spec), the grant's MAC checked, the shard's unit
+    groups built (`PullPair.groups`), the unit copy issued (table upload and graph replay or
+    launch), the pull started, RequestShard sent (asked, tagged), its reply seen, the copy seen
+    done, the acknowledgement sent, the session settled, the poller's result built, the settled
+    transfer forgotten, and the end of the last poll before the agreement."""
+    from helixserve.kvcache.manager import CacheManager
+    from helixserve.transceiver import base, inbound, polling, pull, receiver
 
     def after(name: str, fn):  # noqa: ANN001, ANN202
         def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -83,13 +92,21 @@ def _record_phases(marks: dict[str, float]) -> None:
             return fn(*args, **kwargs)
         return run
 
+    CacheManager.allocate = after("allocated", CacheManager.allocate)
+    inbound.Inbound.__init__ = after("inbound", inbound.Inbound.__init__)
+    inbound.grant_matches = after("granted_ok", inbound.grant_matches)
     pull.PullPair.groups = after("planned", pull.PullPair.groups)
     pull.UnitCopier.copy = after("copy_issued", pull.UnitCopier.copy)
     inbound.Inbound.request = after("request", inbound.Inbound.request)
     inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
     inbound.Inbound._start_pull = after("launched", inbound.Inbound._start_pull)
     inbound.Inbound._start_granted = after("launched", inbound.Inbound._start_granted)
-    inbound.Inbound._finish = after("done", inbound.Inbound._finish)
+    inbound.Inbound._finish = before("done", inbound.Inbound._finish)
+    receiver.KVReceiver.send_ack = after("acked", receiver.KVReceiver.send_ack)
+    base.TransferSession._settle = after("settled", base.TransferSession._settle)
+    polling.TransferPoller._result = after("resulted", polling.TransferPoller._result)
+    receiver.KVReceiver.forget = after("forgot", receiver.KVReceiver.forget)
+    receiver.KVReceiver.poll = after("polled", receiver.KVReceiver.poll)
 
 
 def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False) -> None:
@@ -101,7 +118,6 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
 
     from helixserve.protocol.disagg import TransceiverEndpoint
     from helixserve.transceiver.control import target
-    from helixserve.transceiver.group import CPGroupReceiver
     from helixserve.transceiver.receiver import KVReceiver
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
@@ -109,9 +125,9 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
     marks: dict[str, float] = {}
     _record_phases(marks)
     tagged_config = config.model_copy(update={"cuda_ipc": False})
-    pulling = CPGroupReceiver(KVReceiver(config, layout), manager, caches)
-    receivers = {"granted": pulling, "asked": pulling,
-                 "tagged": CPGroupReceiver(KVReceiver(tagged_config, layout), manager, caches)}
+    pulling, tagged = KVReceiver(config, layout), KVReceiver(tagged_config, layout)
+    receivers = {"granted": pulling, "granted_warm": pulling, "asked": pulling, "tagged": tagged}
+    drivers = {id(rx): serving_receiver(rx, caches) for rx in (pulling, tagged)}
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
     raw = torch.zeros(payload_bound(caches), dtype=torch.uint8, device="cuda")
     copy_src, copy_dst = torch.ones_like(raw), torch.zeros_like(raw)
@@ -123,7 +139,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
             outbox.put("connected")
         elif cmd[0] == "prime":  # the pull receiver opens the ctx's pools before anything is timed
             endpoint = TransceiverEndpoint.model_validate(cmd[1])
-            receiver = receivers["granted"].receiver
+            receiver = receivers["granted"]
             end, pools = time.monotonic() + 30, None
             while pools is None and time.monotonic() < end:
                 pools = receiver.pools.get(target(endpoint), receiver.clients.get(endpoint), torch.device("cuda", 0))
@@ -133,18 +149,22 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
             _, mode, rid, num_tokens, endpoint, grant, timed = cmd
             rx = receivers[mode]
             profiling = profiler is not None and mode == "granted" and timed  # (not the warm-up's compiles)
-            before = rx.receiver.metrics.bytes_transferred
-            granted = rx.receiver.num_granted
+            before = rx.metrics.bytes_transferred
+            granted = rx.num_granted
             marks.clear()
+            if mode == "granted_warm":
+                until = time.perf_counter() + WARM_SPIN_S
+                while time.perf_counter() < until:
+                    pass
             if profiling:
                 profiler.enable()
-            start, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.0005,
-                                         grant=grant if mode == "granted" else None)
+            start, elapsed = receive_one(drivers[id(rx)], manager, layout, rid, num_tokens, endpoint,
+                                         grant=grant if mode.startswith("granted") else None)
             if profiling:
                 profiler.disable()
-            assert (rx.receiver.num_granted - granted) == (mode == "granted"), f"{mode}: the grant was not used"
+            assert (rx.num_granted - granted) == mode.startswith("granted"), f"{mode}: the grant was not used"
             phases = {k: (v - start) * 1e3 for k, v in marks.items()}
-            outbox.put((elapsed, rx.receiver.metrics.bytes_transferred - before, phases))
+            outbox.put((elapsed, rx.metrics.bytes_transferred - before, phases))
         elif cmd[0] == "raw":
             receive_raw(plane, raw, cmd, inbox, outbox, tick_s=0.00005)
         elif cmd[0] == "copy":
@@ -162,7 +182,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
                 for order in ("cumulative", "tottime"):
                     pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(PROFILE_LINES)
             outbox.put(text.getvalue())
-    for rx in {id(rx): rx for rx in receivers.values()}.values():
+    for rx in (pulling, tagged):
         rx.close()
     plane.close()
 
@@ -186,7 +206,7 @@ def bench_preset(preset: str, token_counts: list[int], reps: int, profile: bool 
         records = []
         for num_tokens in token_counts:
             times: dict[str, list[float]] = {mode: [] for mode in (*MODES, "raw")}
-            phases: dict[str, list[dict]] = {"granted": [], "asked": []}
+            phases: dict[str, list[dict]] = {"granted": [], "granted_warm": [], "asked": []}
             payload = 0
             for rep in range(reps + 1):
                 for mode in MODES:
@@ -236,10 +256,11 @@ def run(quick: bool, reps: int | None, profile: bool = False) -> tuple[list[str]
     for preset in dict.fromkeys(p for p, _ in shapes):
         records += bench_preset(preset, [t for p, t in shapes if p == preset], reps, profile)
     headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "asked pull ms", "tagged UCX GB/s",
-               "raw ucxx GB/s", "device copy GB/s", "ours / device copy", "ours / raw ucxx", "granted: ms to unit groups",
+               "raw ucxx GB/s", "device copy GB/s", "ours / device copy", "ours / raw ucxx", "warm CPU ms",
+               "granted: ms to unit groups",
                "to copy issued", "to done", "asked: ms to reply"]
     rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["granted"], r["latency_ms"]["granted"],
              r["latency_ms"]["asked"], r["gbps"]["tagged"], r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"],
-             r["vs_raw_ucxx"], *(r["granted_phases_ms"].get(k) for k in ("planned", "copy_issued", "done")),
+             r["vs_raw_ucxx"], r["latency_ms"]["granted_warm"], *(r["granted_phases_ms"].get(k) for k in ("planned", "copy_issued", "done")),
              r["asked_phases_ms"].get("reply")] for r in records]
     return headers, rows, records

@@ -65,23 +65,33 @@ def raw_round(ctx_queues, gen_queues, cmd: tuple) -> float:  # noqa: ANN001
     return seconds
 
 
-def receive_one(rx, manager, layout, rid: str, num_tokens: int, endpoint, interval_s: float,  # noqa: ANN001
+def serving_receiver(receiver, caches):  # noqa: ANN001, ANN201 (a KVReceiver, ModelCaches)
+    """`receiver` driven as a gen rank serves: the engine's `RankTransfers` (its consensus, cp 1)
+    over the gen server's `PacedKVReceiver` (a poll waits up to the config's poll interval when
+    nothing else would run, as in an idle engine step)."""
+    from helixserve.engine.kv_intake import RankTransfers
+    from helixserve.gen_server.kv_source import PacedKVReceiver
+    from helixserve.transceiver.consensus import TransferConsensus
+
+    return RankTransfers(PacedKVReceiver(receiver, receiver.config.poll_interval_s), caches,
+                         TransferConsensus(is_local=True))
+
+
+def receive_one(transfers, manager, layout, rid: str, num_tokens: int, endpoint,  # noqa: ANN001
                 grant: dict | None = None) -> tuple[float, float]:
-    """One request's transfer on the gen side as it serves (``CPGroupReceiver.begin`` to ready,
-    progressing every ``interval_s``; with the ctx's pull `grant` when given); its cache freed
-    after. ``(perf_counter at begin, seconds)``."""
+    """One request's transfer on the gen side as the engine serves it (`serving_receiver`): the
+    cache allocated, the reception started, then idle steps' polls and agreements until the
+    request is ready (with the ctx's pull `grant` when given); its cache freed after.
+    ``(perf_counter at the allocation, seconds)``."""
     from helixserve.protocol.disagg import DisaggregatedParams
 
     params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
                                  prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout,
                                  pull_grant=grant)
     start = time.perf_counter()
-    rx.begin(rid, params)
-    check = rx.check()
-    while not check.ready:
-        assert not check.failed, check.failed
-        rx.receiver.progress(wait_num=1, interval_s=interval_s)
-        check = rx.check()
+    transfers.start(rid, manager.allocate(rid, num_tokens), params)
+    while rid not in (agreed := transfers.agree(wait=True)).ready:
+        assert rid not in agreed.failed | agreed.cancelled, agreed.errors
     elapsed = time.perf_counter() - start
     manager.free(rid)
     return start, elapsed

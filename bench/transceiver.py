@@ -1,7 +1,7 @@
 """Transceiver bandwidth: one request's KV + KDA state, ctx -> gen over UCX, next to raw peers.
 
 Two processes on this host: a ctx worker (KVSender over a Kimi-Linear-48B-shaped cache, bf16,
-tokens_per_block 16) and a gen rank (KVReceiver + CPGroupReceiver, cp = 1). For each prompt
+tokens_per_block 16) and a gen rank (a KVReceiver driven as the engine serves: RankTransfers, cp = 1). For each prompt
 length the whole request (7 MLA layers of blocks, 20 KDA layers of fp32 state and conv state, plus
 AUX) moves from begin() to "ready" on the gen side: control RPC, plan check, every message,
 scatter. In the same run, between the same two processes and the same ucxx setup (progress
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
-from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx  # noqa: E402
+from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx, serving_receiver  # noqa: E402
 
 TPB = 16
 PRESET = "kimi-linear-48b"
@@ -81,13 +81,13 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     import torch
 
     from helixserve.kvcache.pools import host_zeros
-    from helixserve.transceiver.group import CPGroupReceiver
     from helixserve.transceiver.receiver import KVReceiver
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
     raw = host_zeros((payload_bound(caches),), torch.uint8)  # the same (huge-page) memory as the pools
-    rx = CPGroupReceiver(KVReceiver(config, layout), manager, caches)
+    receiver = KVReceiver(config, layout)
+    rx = serving_receiver(receiver, caches)
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)  # raw ucxx: no notifier
     outbox.put(plane.address)
     while (cmd := inbox.get())[0] != "stop":
@@ -96,11 +96,11 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
             outbox.put("connected")
         elif cmd[0] == "transfer":
             _, rid, num_tokens, endpoint = cmd
-            _, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint, interval_s=0.002)
-            outbox.put((elapsed, rx.receiver.metrics.bytes_transferred))
+            _, elapsed = receive_one(rx, manager, layout, rid, num_tokens, endpoint)
+            outbox.put((elapsed, receiver.metrics.bytes_transferred))
         elif cmd[0] in ("raw", "raw_messages"):
             receive_raw(plane, raw, cmd, inbox, outbox, tick_s=0.0002)
-    rx.close()
+    receiver.close()
     plane.close()
 
 

@@ -47,15 +47,21 @@ class _IdAllocator:
         return ids
 
     def _take(self, n: int) -> list[int]:
-        return [self._free_ids.pop() for _ in range(n)]
+        """The last `n` free ids, last first (what `n` pops give; one slice, not n calls)."""
+        start = len(self._free_ids) - n
+        ids = self._free_ids[start:]
+        del self._free_ids[start:]
+        ids.reverse()
+        return ids
 
     def _give(self, ids: list[int]) -> None:
         self._free_ids.extend(reversed(ids))
 
     def free(self, ids: Iterable[int]) -> None:
         ids = list(ids)
-        bad = [i for i in ids if i not in self._used_ids]
-        if bad or len(set(ids)) != len(ids):
+        unique = set(ids)
+        if len(unique) != len(ids) or not unique <= self._used_ids:
+            bad = [i for i in ids if i not in self._used_ids]
             raise AllocationError(
                 f"cannot free {self._kind}s {sorted(bad) or ids}: not allocated "
                 f"(double free, duplicate or foreign id; capacity {self.capacity})"

@@ -45,7 +45,7 @@ from helixserve.cache_layout import ModelCaches
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
 from helixserve.transceiver.lease import LeaseBoard, LeaseError
-from helixserve.transceiver.cache_check import check_caches
+from helixserve.transceiver.cache_check import caches_device, check_caches
 from helixserve.transceiver.layout import _DTYPES, dtype_name, itemsize
 
 logger = logging.getLogger(__name__)
@@ -77,12 +77,6 @@ def local_device_of(uuid: str) -> int | None:
         if device_uuid(torch.device("cuda", index)) == uuid:
             return index
     return None
-
-
-def caches_device(caches: ModelCaches) -> torch.device | None:
-    """The one device every cache tensor lives on (None when there is none or several)."""
-    devices = {t.device for t in caches.tensors()}
-    return devices.pop() if len(devices) == 1 else None
 
 
 class PoolExport:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
+from array import array
 from collections.abc import Sequence
 
 from functools import lru_cache
@@ -51,9 +53,12 @@ GRANTED = _Granted()
 
 def grant_mac(key: bytes, ctx_request_id: str, num_prompt_tokens: int, first_tokens: Sequence[int], epoch: int,
               serial: int, block_ids: Sequence[int], slot: int) -> str:
-    message = "|".join((ctx_request_id, str(num_prompt_tokens), ",".join(map(str, first_tokens)), str(epoch),
-                        str(serial), str(slot), ",".join(map(str, block_ids))))
-    return hmac.new(key, message.encode(), hashlib.sha256).digest()[:MAC_BYTES].hex()
+    """The MAC over a fixed-width encoding (lengths first, then the ids as int64 words): no
+    separator to escape, and a 32k-token request's 512 block ids cost one C-level conversion."""
+    rid = ctx_request_id.encode()
+    head = struct.pack("<6q", len(rid), num_prompt_tokens, epoch, serial, slot, len(first_tokens))
+    message = b"".join((head, rid, array("q", first_tokens).tobytes(), array("q", block_ids).tobytes()))
+    return hmac.new(key, message, hashlib.sha256).digest()[:MAC_BYTES].hex()
 
 
 def make_grant(key: bytes, ctx_request_id: str, num_prompt_tokens: int, first_tokens: Sequence[int], epoch: int,
@@ -66,9 +71,13 @@ def make_grant(key: bytes, ctx_request_id: str, num_prompt_tokens: int, first_to
 
 def grant_matches(key: bytes, grant: PullGrant, ctx_request_id: str, num_prompt_tokens: int,
                   first_tokens: Sequence[int]) -> bool:
-    """The grant was made by the holder of `key` for exactly this request."""
-    expected = grant_mac(key, ctx_request_id, num_prompt_tokens, first_tokens, grant.epoch, grant.serial,
-                         grant.block_ids, grant.slot)
+    """The grant was made by the holder of `key` for exactly this request (False also for values
+    no grant can carry: outside int64)."""
+    try:
+        expected = grant_mac(key, ctx_request_id, num_prompt_tokens, first_tokens, grant.epoch, grant.serial,
+                             grant.block_ids, grant.slot)
+    except (OverflowError, struct.error):
+        return False
     return hmac.compare_digest(expected, grant.mac)
 
 

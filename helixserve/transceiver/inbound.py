@@ -41,7 +41,7 @@ from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import DisaggregatedParams, PullGrant
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.control import rpc_error_text, target
-from helixserve.transceiver.cuda_ipc import RemotePools, caches_device
+from helixserve.transceiver.cuda_ipc import RemotePools
 from helixserve.transceiver.grant import grant_matches
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
@@ -71,7 +71,7 @@ class Inbound:
     """One request's shard stream into this rank (engine thread only)."""
 
     def __init__(self, receiver, request_id: str, params: DisaggregatedParams,
-                 handle: CacheHandle, caches: ModelCaches, tag_base: int) -> None:
+                 handle: CacheHandle, caches: ModelCaches, tag_base: int, device: torch.device | None) -> None:
         self.r = receiver
         self.request_id = request_id
         self.handle = handle
@@ -92,7 +92,7 @@ class Inbound:
         self.drain_end: float | None = None
         self.num_to_drain = 0
         self._kind_indices: dict[PayloadKind, list[int]] = {}
-        self.device = caches_device(caches)
+        self.device = device  # the one device of `caches` (None: several or none)
         self.pools: RemotePools | None = None  # asked to pull from these
         self.pull: Pull | None = None
         self.grant: PullGrant | None = None  # the granted pull in flight

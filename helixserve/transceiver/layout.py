@@ -79,6 +79,8 @@ def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str) -> KV
 
 def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: str) -> None:
     """Raise LayoutMismatchError naming each differing field (`ours_name` value first)."""
+    if ours.ctx_tp_size == 1 and (theirs is ours or theirs == ours):  # (every request: the field walk only on a difference)
+        return
     if ours.ctx_tp_size != 1 or theirs.ctx_tp_size != 1:
         raise LayoutMismatchError(
             f"ctx_tp_size {ours.ctx_tp_size}/{theirs.ctx_tp_size}: only ctx_tp_size == 1 is supported")

@@ -49,8 +49,8 @@ class _Kind:
     def seal(self) -> None:
         self.segments = [np.asarray(pairs, dtype=np.int64) for _, _, pairs in self.by_geometry.values()]
 
-    def groups(self, unit_bytes: int, units: np.ndarray) -> list[UnitGroup]:
-        return [UnitGroup(unit_bytes, segments, units) for segments in self.segments]
+    def groups(self, unit_bytes: int, units: np.ndarray, align: int = 0) -> list[UnitGroup]:
+        return [UnitGroup(unit_bytes, segments, units, align) for segments in self.segments]
 
     def infos(self) -> list[tuple[PoolInfo, PoolInfo]]:
         return [(s, d) for s, d, _ in self.by_geometry.values()]
@@ -67,7 +67,7 @@ class PullPair:
         rows = layout.kv_lora_rank + layout.qk_rope_head_dim
         self.srcs: list[torch.Tensor] = []
         self.dsts: list[torch.Tensor] = []
-        self._tensors: list[tuple[dict, int, torch.Tensor]] = []  # (pools, layer, tensor): still the same pools?
+        self._tensors: list[torch.Tensor] = []  # the pools read (kept alive: `identity` compares their ids)
         self.mla, self.state, self.conv = _Kind(), _Kind(), _Kind()
         specs = [(self.mla, "mla_kv", layout.mla_layers, layout.kv_dtype, (layout.tokens_per_block, rows),
                   (layout.tokens_per_block, rows)),
@@ -80,6 +80,7 @@ class PullPair:
                 d = self._flat(self.dsts, getattr(dst, field_name), layer, dtype, dst_inner)
                 kind.add(s, len(self.srcs) - 1, d, len(self.dsts) - 1)
             kind.seal()
+        self._identity = (src.identity(), dst.identity())
         self.copier = UnitCopier(self.srcs, self.dsts, [*self.mla.segments, *self.state.segments, *self.conv.segments],
                                  graphs=True)
         # per request, only these are read: the pools' sizes (range checks) and unit strides
@@ -92,12 +93,13 @@ class PullPair:
         if info.flat is None:
             raise ValueError(f"cache tensor {info.shape} must be contiguous")
         flats.append(info.flat)
-        self._tensors.append((pools, layer, pools[layer]))
+        self._tensors.append(pools[layer])
         return info
 
     def is_current(self) -> bool:
-        """Every pool is still the tensor this pair was built over."""
-        return all(pools.get(layer) is tensor for pools, layer, tensor in self._tensors)
+        """Every pool of both cache sets is still the tensor this pair was built over (those
+        tensors live in `_tensors`, so equal ids are the same tensors)."""
+        return (self.src_caches.identity(), self.dst_caches.identity()) == self._identity
 
     def groups(self, spec: ShardSpec, src_block_ids: Sequence[int], src_slot: int | None,
                dst_block_ids: Sequence[int], dst_slot: int | None) -> list[UnitGroup]:
@@ -124,7 +126,9 @@ class PullPair:
             units = np.empty((len(src), 2), dtype=np.int64)
             units[:, 0] = _unit_offsets(PayloadKind.KV_BLOCKS, s, src, 0, 0, 0, 0)
             units[:, 1] = _unit_offsets(PayloadKind.KV_BLOCKS, d, dst, 0, 0, 0, 0)
-            groups += self.mla.groups(s.strides[0] * s.itemsize, units)
+            # every offset is a block id times a block's stride on its side
+            groups += self.mla.groups(s.strides[0] * s.itemsize, units,
+                                      (s.strides[0] * s.itemsize) | (d.strides[0] * d.itemsize))
         if self.state.by_geometry:
             if src_slot is None or dst_slot is None:
                 raise ValueError("a KDA shard needs a state slot on both sides")
@@ -150,7 +154,7 @@ class PullPair:
             units = np.stack([np.asarray(_unit_offsets(payload, s, (), src_slot, h, head0, k), dtype=np.int64),
                               np.asarray(_unit_offsets(payload, d, (), dst_slot, self.dst_heads, 0, k),
                                          dtype=np.int64)], axis=1)
-            groups += kind.groups(self.dst_heads * unit_elems * d.itemsize, units)
+            groups += kind.groups(self.dst_heads * unit_elems * d.itemsize, units, int(np.bitwise_or.reduce(units.ravel())))
         return groups
 
 
@@ -194,9 +198,10 @@ class Pull:
             self._launch(groups)
 
     def _launch(self, groups: Sequence[UnitGroup]) -> None:
-        self.pair.copier.copy(groups)
+        stream = torch.cuda.current_stream()
+        self.pair.copier.copy(groups, stream)
         self.event = torch.cuda.Event()
-        self.event.record()
+        self.event.record(stream)
 
     def is_done(self) -> bool:
         return self.event.query()

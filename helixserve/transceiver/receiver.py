@@ -111,14 +111,17 @@ class KVReceiver:
         """
         if request_id in self.inbounds:
             raise ValueError(f"request {request_id} is already being received here")
-        check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size, remember=True)
+        device = check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size, remember=True)
         session = ReceiverSession(request_id, timeout_s=self.config.timeout_s, clock=self.clock)
-        inbound = Inbound(self, request_id, ticket, handle, caches, next(self._tags))
-        for kind in inbound.plan.kinds:  # (its messages cut its segments: the same bytes)
-            session.add_task(0, kind, sum(seg.nbytes for seg in inbound.plan.segments if seg.kind is kind))
+        inbound = Inbound(self, request_id, ticket, handle, caches, next(self._tags), device)
+        kind_bytes = dict.fromkeys(inbound.plan.kinds, 0)
+        for seg in inbound.plan.segments:  # (its messages cut its segments: the same bytes)
+            kind_bytes[seg.kind] += seg.nbytes
+        for kind, nbytes in kind_bytes.items():
+            session.add_task(0, kind, nbytes)
         self.poller.add(session)
         self.inbounds[request_id] = inbound
-        for kind in inbound.plan.kinds:
+        for kind in kind_bytes:
             session.attach(0, kind, KindHandle(inbound, kind))  # anchors the deadline
         try:
             if not ticket.is_generation_only:

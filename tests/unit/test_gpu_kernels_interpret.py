@@ -261,6 +261,14 @@ def test_unit_copy(interp, word, monkeypatch):
                 d.zero_()
             rows, programs = triton_units.request_table(table.every_group(groups[:n]), table.starts, got_word, vec)
             assert programs > 2 and rows[0] == programs
+            # written in place (a graph slot's pinned buffer): the same words, the buffer's tail untouched
+            every = table.every_group(groups[:n])
+            out = np.full(triton_units.request_table_size(every) + 5, -7, dtype=np.int64)
+            in_place, same = triton_units.request_table(every, table.starts, got_word, vec, out=out)
+            assert same == programs and np.array_equal(in_place, rows) and (out[rows.size :] == -7).all()
+            # a group's known alignment (a stride its offsets are multiples of) picks the same words
+            aligned = [UnitGroup(g.unit_bytes, g.segments, g.units, align=word) for g in groups[:n]]
+            assert triton_units._words(table.bits, aligned) == triton_units._words(table.bits, groups[:n])
             triton_units._launch(table.rows, torch.from_numpy(rows), 2, got_word, vec, len(groups), srcs[0], dsts[0])
             for w, d in zip(want, dsts):
                 assert torch.equal(w, d)

@@ -79,6 +79,11 @@ def test_a_grant_matches_only_its_own_request():
         assert not grant_matches(key, grant, *request)
     for field, value in (("block_ids", [4, 2, 9]), ("slot", 0), ("serial", 4), ("epoch", 12)):
         assert not grant_matches(key, PullGrant(**{**grant.model_dump(), field: value}), "r1", 83, [7, 8])
+    # fields cannot trade bytes: a first token moved into the block list, a shorter id, are other requests
+    moved = make_grant(key, "r1", 83, [7], epoch=11, serial=3, block_ids=[8, 4, 9, 2], slot=1)
+    assert moved.mac != grant.mac and not grant_matches(key, moved, "r1", 83, [7, 8])
+    assert not grant_matches(key, grant, "r", 83, [7, 8]) and not grant_matches(key, grant, "r1\x00", 83, [7, 8])
+    assert not grant_matches(key, grant, "r1", 83, [7, 1 << 64])  # no int64: no grant, no exception
 
 
 # -- the sender's granted pickups ----------------------------------------------------------------

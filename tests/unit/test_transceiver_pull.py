@@ -201,14 +201,19 @@ def test_a_unit_copier_checks_its_segments_once_and_copies_like_the_reference():
 def test_checked_caches_are_checked_again_when_a_pool_is_replaced():
     """A receiver checks its caches on every request; a pass is remembered per pool tensor, so
     a pool put in another's place (here misshapen) is checked again and refused."""
+    from helixserve.transceiver import cache_check
     from helixserve.transceiver.cache_check import check_caches
 
     layout = layout_for(get_preset(PRESET), torch.float32, 16, PRESET)
     caches = _pools()
     check_caches(layout, caches, layout.num_kda_heads, remember=True)
     check_caches(layout, caches, layout.num_kda_heads, remember=True)  # remembered
+    key = (id(layout), id(caches), layout.num_kda_heads)
+    assert key in cache_check._CHECKED_CACHES
     layer = next(iter(caches.kda_state))
     caches.kda_state[layer] = torch.zeros(3, 1, 2, 2)
+    # the replaced pool died: its pass is forgotten (a new tensor may reuse its id)
+    assert key not in cache_check._CHECKED_CACHES
     with pytest.raises(ValueError, match="layout says"):
         check_caches(layout, caches, layout.num_kda_heads, remember=True)
     with pytest.raises(ValueError, match="layout says"):

@@ -95,21 +95,27 @@ def _words(bits: int, groups: Sequence[UnitGroup]) -> tuple[int, int]:
     the tensors' addresses) and every unit offset and size of `groups`; 16-byte vectors of int64
     words where all of those are multiples of 16."""
     for g in groups:
-        bits |= int(np.bitwise_or.reduce(g.units.ravel())) if g.units.size else 0
+        if g.align:
+            bits |= g.align
+        elif g.units.size:
+            bits |= int(np.bitwise_or.reduce(g.units.ravel()))
         bits |= g.unit_bytes
     word = next((w for w in (8, 4, 2) if bits % w == 0), 1)
     return word, 2 if bits % 16 == 0 else 1
 
 
 def request_table(groups: Sequence[UnitGroup], seg_offsets: Sequence[int], word: int, vec: int,
-                  chunk_bytes: int | None = None) -> tuple[np.ndarray, int]:
+                  chunk_bytes: int | None = None, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """(request table, programs): the request row (the programs of work), the headers of
     `groups`, whose segment rows start at `seg_offsets` in the segment table, then their unit
     rows in words (units cut in chunks of about `chunk_bytes`, default CHUNK_BYTES). A group
-    without bytes gets a header and no work."""
+    without bytes gets a header and no work. Written into the front of `out` when given (of at
+    least `request_table_size` words; the result is a view of it)."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     header = np.zeros((len(groups) + 1, HEADER), dtype=np.int64)
-    rows, program, offset = [header.ravel()], 0, header.size
+    size = request_table_size(groups)
+    table = np.empty(size, dtype=np.int64) if out is None else out[:size]
+    program, offset = 0, header.size
     for g, group in enumerate(groups, start=1):
         unit_words = group.unit_bytes // word
         units = group.units if unit_words else group.units[:0]
@@ -118,11 +124,17 @@ def request_table(groups: Sequence[UnitGroup], seg_offsets: Sequence[int], word:
         chunks = max(_ceil_div(unit_words, chunk_words), 1)
         header[g] = (program, len(group.segments), max(len(units), 1), chunks, unit_words, chunk_words,
                      seg_offsets[g - 1], offset)
-        rows.append((units // word).ravel())
+        np.floor_divide(units.ravel(), word, out=table[offset : offset + units.size])
         offset += units.size
         program += len(group.segments) * len(units) * chunks
     header[0, 0] = program
-    return np.concatenate(rows), program
+    table[: header.size] = header.ravel()
+    return table[:offset], program
+
+
+def request_table_size(groups: Sequence[UnitGroup]) -> int:
+    """Words of `groups`' request table (at most: a group without unit words has no unit rows)."""
+    return (len(groups) + 1) * HEADER + sum(g.units.size for g in groups)
 
 
 def segment_rows(src_base: np.ndarray, dst_base: np.ndarray, segments: np.ndarray, word: int) -> np.ndarray:
@@ -189,18 +201,22 @@ class SegmentTable:
         return [by_segments.get(id(s)) or type(groups[0])(0, s, s[:0]) for s in self.segments]
 
 
-def copy_prepared(table: SegmentTable, groups: Sequence[UnitGroup]) -> bool:
+def copy_prepared(table: SegmentTable, groups: Sequence[UnitGroup], stream: torch.cuda.Stream | None = None) -> bool:
     """Copy `groups` (at least one), whose ``segments`` are arrays `table` was built over
     (unchecked: the caller checked every unit against the tensors), through a graph of `table`
-    where one is free and fits; False (nothing launched) when some unit needs words narrower than
-    8 bytes (copy those with :func:`unit_copy`)."""
+    where one is free and fits (`stream`: the current stream, when the caller has it); False
+    (nothing launched) when some unit needs words narrower than 8 bytes (copy those with
+    :func:`unit_copy`)."""
     word, vec = _words(table.bits, groups)
     if word != 8:
         return False
     ids = [id(g.segments) for g in groups]
     if table.graphs is not None and vec == 2 and len(set(ids)) == len(ids) and all(i in table.offsets for i in ids):
-        rows, _ = request_table(table.every_group(groups), table.starts, word, vec)
-        if table.graphs.replay(rows):
+        every = table.every_group(groups)
+        slot = table.graphs.free_slot(request_table_size(every))
+        if slot is not None:
+            rows, _ = request_table(every, table.starts, word, vec, out=slot.view)
+            table.graphs.replay_slot(slot, rows.size, stream)
             return True
     rows, programs = request_table(groups, [table.offsets[id(g.segments)] for g in groups], word, vec)
     _launch(table.rows, _upload(rows, table.dsts[0].device), programs, word, vec, len(groups), table.srcs[0],

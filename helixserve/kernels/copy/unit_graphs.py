@@ -8,18 +8,19 @@ Through Triton's launcher, with a fresh pinned upload of its request table, that
 A :class:`UnitGraphs` keeps a few slots, each a pinned host buffer and a device buffer of a fixed
 capacity and a captured graph of one launch of the copy kernel over a fixed grid reading its
 request table from that device buffer (the kernel loops over the request's work items, so one
-grid serves every request). A copy writes its request table into a free slot's pinned buffer,
-uploads it (one ``copy_``) and replays the slot's graph on the current stream. A slot is free once
-the event recorded after its last use has passed: until then its upload may not have run. When
-no slot is free, or the table does not fit one, :meth:`replay` says so and the caller launches
-directly (`triton_units.copy_prepared`, which also launches directly for 8-byte-word units, two
+grid serves every request). A copy takes a free slot (:meth:`free_slot`), writes its request
+table into the slot's pinned buffer, uploads it (one ``copy_`` of the table rounded up to a
+power of two, views kept per size) and replays the slot's graph on the current stream
+(:meth:`replay_slot`). A slot is free once the event recorded after its last use has passed:
+until then its upload may not have run. When no slot is free, or the table does not fit one,
+there is none and the caller launches directly (`triton_units.copy_prepared`, which also launches directly for 8-byte-word units, two
 groups over one segments array, or a table whose capture failed). Capture uses the thread-local mode: ucxx's threads may
 call CUDA meanwhile.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from helixserve.kernels.copy import triton_units
 SLOTS = 4  # pulls in flight at once through graphs (more launch directly)
 CAPACITY_UNITS = 8192  # unit rows a slot's table holds (64-token pages: a 512k-token shard)
 PROGRAMS_PER_SM = 8  # the fixed grid
+MIN_UPLOAD_WORDS = 256  # the smallest upload of a request table (2 KiB)
 
 
 @dataclass(slots=True)
@@ -40,6 +42,16 @@ class _Slot:
     graph: torch.cuda.CUDAGraph
     event: torch.cuda.Event
     used: bool = False
+    uploads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # words -> (host, device) views
+
+    def upload_views(self, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (pinned, device) views of the first `words` words rounded up to a power of two
+        (at least MIN_UPLOAD_WORDS, at most the capacity): a handful of sizes, made once."""
+        size = min(max(1 << (words - 1).bit_length(), MIN_UPLOAD_WORDS), self.table.numel())
+        views = self.uploads.get(size)
+        if views is None:
+            views = self.uploads[size] = (self.host[:size], self.table[:size])
+        return views
 
 
 class UnitGraphs:
@@ -77,22 +89,25 @@ class UnitGraphs:
                 self._slots.append(_Slot(host, host.numpy(), table, graph, torch.cuda.Event()))
         stream.synchronize()
 
-    def replay(self, rows: np.ndarray) -> bool:
-        """Copy by the request table `rows` (built for every group, in order, at 8-byte words and
-        16-byte vectors) on the current stream; False (nothing done) when it does not fit a slot
-        or no slot is free."""
-        if rows.size > self.capacity:
-            return False
+    def free_slot(self, words: int) -> _Slot | None:
+        """A slot whose last copy has ended and whose table holds `words`, or None: the caller
+        then launches directly. Write the request table into its ``view``, then `replay_slot`."""
+        if words > self.capacity:
+            return None
         n = len(self._slots)
         for i in range(n):
             slot = self._slots[(self._next + i) % n]
             if slot.used and not slot.event.query():
                 continue
-            slot.view[: rows.size] = rows
-            slot.table[: rows.size].copy_(slot.host[: rows.size], non_blocking=True)
-            slot.graph.replay()
-            slot.event.record()
-            slot.used = True
             self._next = (self._next + i + 1) % n
-            return True
-        return False
+            return slot
+        return None
+
+    def replay_slot(self, slot: _Slot, words: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Upload the first `words` words of `slot`'s table and replay its graph on the current
+        stream (`stream`, when the caller has it at hand: the event is recorded on it)."""
+        host, table = slot.upload_views(words)
+        table.copy_(host, non_blocking=True)
+        slot.graph.replay()
+        slot.event.record(stream)
+        slot.used = True

@@ -41,11 +41,15 @@ class CopyUnitsError(ValueError):
 @dataclass(frozen=True, slots=True)
 class UnitGroup:
     """Units of ``unit_bytes`` each: ``segments`` int64 ``[S, 2]`` (source index, destination
-    index), ``units`` int64 ``[U, 2]`` (source byte offset, destination byte offset)."""
+    index), ``units`` int64 ``[U, 2]`` (source byte offset, destination byte offset). ``align``:
+    a number that every unit offset has at least as many trailing zero bits as (a stride the
+    offsets are multiples of, or their OR), so the GPU path picks its word size without reading
+    the units; 0: not known, the units are read."""
 
     unit_bytes: int
     segments: np.ndarray
     units: np.ndarray
+    align: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -114,18 +118,20 @@ class UnitCopier:
                     seg.min() < 0 or seg[:, 0].max() >= len(sizes[0]) or seg[:, 1].max() >= len(sizes[1]))):
                 raise CopyUnitsError(f"segments {seg.tolist()} do not name {len(srcs)} sources and {len(dsts)} destinations")
         self.srcs, self.dsts, self.segments = list(srcs), list(dsts), list(segments)
+        self._segment_ids = {id(s) for s in self.segments}
         self.graphs = graphs
         self._table = None  # triton_units.SegmentTable, built on the first GPU copy
 
-    def copy(self, groups: Sequence[UnitGroup]) -> None:
-        """Copy `groups` (each ``segments`` one of this copier's arrays) on the current stream."""
+    def copy(self, groups: Sequence[UnitGroup], stream: torch.cuda.Stream | None = None) -> None:
+        """Copy `groups` (each ``segments`` one of this copier's arrays) on the current stream
+        (`stream`: the current stream, when the caller has it at hand)."""
         groups = [g for g in groups if g.nbytes]
         if not groups:
             return
-        if use_triton(self.dsts[0]) and all(any(g.segments is s for s in self.segments) for g in groups):
+        if use_triton(self.dsts[0]) and all(id(g.segments) in self._segment_ids for g in groups):
             if self._table is None:
                 self._table = triton_units.SegmentTable(self.srcs, self.dsts, self.segments, self.graphs)
-            if triton_units.copy_prepared(self._table, groups):
+            if triton_units.copy_prepared(self._table, groups, stream):
                 return
         unit_copy(self.srcs, self.dsts, groups)
 
