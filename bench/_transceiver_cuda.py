@@ -6,8 +6,9 @@ KDA state). Per request shape, in the same run and between the same two processe
 transfer as it serves (the cache allocated to the request agreed ready: the copy out of the ctx's
 pools over CUDA IPC on the ctx's PullGrant, the lease check, the acknowledgement sent), the same
 with the gen's CPU spinning for 2 ms first (``granted_warm``: the engine thread already awake
-rather than woken from a queue wait, as after the previous step), the same copy asked for with
-RequestShard first (a request without a grant), the same request over the tagged
+rather than woken from a queue wait, as after the previous step), the same right after a tiny
+copy of the gen's own on the GPU (``granted_gpu``: the GPU last ran this process's context, not
+the ctx's), the same copy asked for with RequestShard first (a request without a grant), the same request over the tagged
 UCX stream (``cuda_ipc: false``, what a gen on another host uses), a raw ucxx tag send of ONE device
 buffer of the same size (UCX's cuda_ipc; receive posted first, as the CPU bench), and a
 device-to-device copy of the same bytes in one process (``Tensor.copy_``, the ceiling). Times are
@@ -62,9 +63,9 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s=0.00005)
 
 
-PHASES = ("allocated", "inbound", "granted_ok", "planned", "copy_issued", "launched", "request", "reply", "done",
-          "acked", "settled", "resulted", "forgot", "polled")
-MODES = ("granted", "granted_warm", "asked", "tagged")  # granted: as served (the ctx's answer carries a PullGrant)
+PHASES = ("allocated", "inbound", "granted_ok", "planned", "table", "replayed", "copy_issued", "launched", "request",
+          "reply", "done", "acked", "settled", "resulted", "forgot", "polled")
+MODES = ("granted", "granted_warm", "granted_gpu", "asked", "tagged")  # granted: as served (the ctx's answer carries a PullGrant)
 WARM_SPIN_S = 0.002  # granted_warm: the gen spins this long first (a CPU awake, not woken from a queue wait)
 PROFILE_LINES = 40  # --profile: this many lines of the gen's pull-path profile go into the JSON
 
@@ -76,6 +77,7 @@ def _record_phases(marks: dict[str, float]) -> None:
     launch), the pull started, RequestShard sent (asked, tagged), its reply seen, the copy seen
     done, the acknowledgement sent, the session settled, the poller's result built, the settled
     transfer forgotten, and the end of the last poll before the agreement."""
+    from helixserve.kernels.copy import triton_units, unit_graphs
     from helixserve.kvcache.manager import CacheManager
     from helixserve.transceiver import base, inbound, polling, pull, receiver
 
@@ -96,6 +98,8 @@ def _record_phases(marks: dict[str, float]) -> None:
     inbound.Inbound.__init__ = after("inbound", inbound.Inbound.__init__)
     inbound.grant_matches = after("granted_ok", inbound.grant_matches)
     pull.PullPair.groups = after("planned", pull.PullPair.groups)
+    triton_units.request_table = after("table", triton_units.request_table)
+    unit_graphs.UnitGraphs.replay_slot = after("replayed", unit_graphs.UnitGraphs.replay_slot)
     pull.UnitCopier.copy = after("copy_issued", pull.UnitCopier.copy)
     inbound.Inbound.request = after("request", inbound.Inbound.request)
     inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
@@ -126,7 +130,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
     _record_phases(marks)
     tagged_config = config.model_copy(update={"cuda_ipc": False})
     pulling, tagged = KVReceiver(config, layout), KVReceiver(tagged_config, layout)
-    receivers = {"granted": pulling, "granted_warm": pulling, "asked": pulling, "tagged": tagged}
+    receivers = {"granted": pulling, "granted_warm": pulling, "granted_gpu": pulling, "asked": pulling, "tagged": tagged}
     drivers = {id(rx): serving_receiver(rx, caches) for rx in (pulling, tagged)}
     plane = UcxxDataPlane(progress_thread=True, wakeup_on_completion=False)
     raw = torch.zeros(payload_bound(caches), dtype=torch.uint8, device="cuda")
@@ -156,6 +160,9 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
                 until = time.perf_counter() + WARM_SPIN_S
                 while time.perf_counter() < until:
                     pass
+            elif mode == "granted_gpu":  # this process's context just ran on the GPU
+                copy_dst[:4096].copy_(copy_src[:4096])
+                torch.cuda.synchronize()
             if profiling:
                 profiler.enable()
             start, elapsed = receive_one(drivers[id(rx)], manager, layout, rid, num_tokens, endpoint,
@@ -206,7 +213,7 @@ def bench_preset(preset: str, token_counts: list[int], reps: int, profile: bool 
         records = []
         for num_tokens in token_counts:
             times: dict[str, list[float]] = {mode: [] for mode in (*MODES, "raw")}
-            phases: dict[str, list[dict]] = {"granted": [], "granted_warm": [], "asked": []}
+            phases: dict[str, list[dict]] = {"granted": [], "granted_warm": [], "granted_gpu": [], "asked": []}
             payload = 0
             for rep in range(reps + 1):
                 for mode in MODES:
@@ -256,11 +263,11 @@ def run(quick: bool, reps: int | None, profile: bool = False) -> tuple[list[str]
     for preset in dict.fromkeys(p for p, _ in shapes):
         records += bench_preset(preset, [t for p, t in shapes if p == preset], reps, profile)
     headers = ["preset", "prompt tokens", "MiB", "helixserve GB/s", "ms", "asked pull ms", "tagged UCX GB/s",
-               "raw ucxx GB/s", "device copy GB/s", "ours / device copy", "ours / raw ucxx", "warm CPU ms",
+               "raw ucxx GB/s", "device copy GB/s", "ours / device copy", "ours / raw ucxx", "warm CPU ms", "warm GPU ms",
                "granted: ms to unit groups",
                "to copy issued", "to done", "asked: ms to reply"]
     rows = [[r["preset"], r["tokens"], r["mib"], r["gbps"]["granted"], r["latency_ms"]["granted"],
              r["latency_ms"]["asked"], r["gbps"]["tagged"], r["gbps"]["raw"], r["gbps"]["copy"], r["ratio"],
-             r["vs_raw_ucxx"], r["latency_ms"]["granted_warm"], *(r["granted_phases_ms"].get(k) for k in ("planned", "copy_issued", "done")),
+             r["vs_raw_ucxx"], r["latency_ms"]["granted_warm"], r["latency_ms"]["granted_gpu"], *(r["granted_phases_ms"].get(k) for k in ("planned", "copy_issued", "done")),
              r["asked_phases_ms"].get("reply")] for r in records]
     return headers, rows, records

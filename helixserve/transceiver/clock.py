@@ -29,14 +29,27 @@ class Clock(Protocol):
         ...
 
 
+SPIN_BELOW_S = 0.0001  # a real wait shorter than this spins (a sleep oversleeps it: Linux's 50 µs timer slack)
+
+
 class MonotonicClock:
-    """The real clock: `time.monotonic` and `threading.Event.wait`."""
+    """The real clock: `time.monotonic` and `threading.Event.wait`. A wait under SPIN_BELOW_S
+    spins instead (`time.sleep(0)` between looks, which lets other threads take the GIL): the
+    pulled copy's probe (`receiver.PULL_TICK_S`) waits tens of µs, which a timed sleep stretches
+    to ~60-150 µs."""
 
     def monotonic(self) -> float:
         return time.monotonic()
 
     def wait(self, event: threading.Event | None, timeout: float) -> bool:
         timeout = max(0.0, timeout)
+        if 0 < timeout < SPIN_BELOW_S:
+            end = time.monotonic() + timeout
+            while event is None or not event.is_set():
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0)
+            return True
         if event is None:
             if timeout > 0:
                 time.sleep(timeout)

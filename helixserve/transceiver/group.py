@@ -16,6 +16,11 @@ Per executor step, on every rank of the group (the ranks that share requests):
    - `freed`: failed/cancelled requests quiesced on every rank: their blocks were freed.
 
 Every rank must call `check` the same number of times (once per step): it is a collective.
+
+The servers do not run this class: a gen world's engine allocates through its scheduler and
+agrees through `engine.kv_intake.RankTransfers`, over the same `KVReceiver` and the same
+`TransferConsensus`. This is the transceiver's own driver of both, for its multi-rank tests
+without an engine; `bench/transceiver.py` measures the engine's driver.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ PREFETCH_RETRY_S = 0.5
 PREFETCH_ATTEMPTS = 120
 # internal: while a pulled shard's copy is in flight (10–200 µs on an H200; its end sets no
 # wakeup), the poller probes the copies' events this often between its sweeps (a tick apart)
-PULL_TICK_S = 0.00005
+PULL_TICK_S = 0.00002  # (a wait this short spins: clock.SPIN_BELOW_S)
 
 
 class KVReceiver:

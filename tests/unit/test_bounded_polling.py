@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -17,7 +19,7 @@ from helixserve.transceiver.base import (
     resolve_slice,
     resolve_timeout,
 )
-from helixserve.transceiver.clock import FakeClock
+from helixserve.transceiver.clock import SPIN_BELOW_S, FakeClock, MonotonicClock
 from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.fake import FakeFault, FakeHandle
 from helixserve.transceiver.polling import TransferPoller
@@ -301,3 +303,27 @@ def test_bounded_polling_a_ready_probe_ends_the_wait_not_the_tick(probe):
     result = never.poll(wait_num=1, interval_s=0.003, ready=ready, ready_tick_s=0.00005)
     assert result.pending == ["b"] and result.num_sweeps <= 0.003 / TICK + 2
     assert clock.monotonic() - start == pytest.approx(0.003)
+
+
+def test_a_real_wait_shorter_than_the_spin_bound_is_bounded_and_sees_its_event():
+    """The real clock spins waits under SPIN_BELOW_S (a timed sleep would oversleep them): such a
+    wait still lasts its timeout when nothing happens, returns at once for a set event, and sees
+    an event another thread sets while it spins (the spin lets that thread run)."""
+    clock, short = MonotonicClock(), SPIN_BELOW_S / 2
+    start = time.monotonic()
+    assert clock.wait(None, short) is False and time.monotonic() - start >= short
+    event = threading.Event()
+    start = time.monotonic()
+    assert clock.wait(event, short) is False and time.monotonic() - start >= short
+    event.set()
+    assert clock.wait(event, short) is True
+    late = threading.Event()
+    setter = threading.Thread(target=late.set)
+    seen = False
+    setter.start()
+    for _ in range(100_000):  # each wait gives the setter a chance to run; bounded either way
+        if clock.wait(late, short):
+            seen = True
+            break
+    setter.join(timeout=5)
+    assert seen
