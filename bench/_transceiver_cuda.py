@@ -63,8 +63,8 @@ def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s=0.00005)
 
 
-PHASES = ("allocated", "inbound", "granted_ok", "planned", "table", "replayed", "copy_issued", "launched", "request",
-          "reply", "done", "acked", "settled", "resulted", "forgot", "polled")
+PHASES = ("allocated", "inbound", "granted_ok", "planned", "table", "graph_replay", "replayed", "copy_issued",
+          "launched", "request", "reply", "done", "acked", "settled", "resulted", "forgot", "polled")
 MODES = ("granted", "granted_warm", "granted_gpu", "asked", "tagged")  # granted: as served (the ctx's answer carries a PullGrant)
 WARM_SPIN_S = 0.002  # granted_warm: the gen spins this long first (a CPU awake, not woken from a queue wait)
 PROFILE_LINES = 40  # --profile: this many lines of the gen's pull-path profile go into the JSON
@@ -73,10 +73,12 @@ PROFILE_LINES = 40  # --profile: this many lines of the gen's pull-path profile 
 def _record_phases(marks: dict[str, float]) -> None:
     """Stamp the serving path's phases of the request in flight (bench instrumentation only): the
     cache allocated, the Inbound built (its shard spec), the grant's MAC checked, the shard's unit
-    groups built (`PullPair.groups`), the unit copy issued (table upload and graph replay or
-    launch), the pull started, RequestShard sent (asked, tagged), its reply seen, the copy seen
+    groups built (`PullPair.groups`), the unit copy issued (inside it: the request table built,
+    the graph's replay begun after the table's upload, the replay done), the pull started, RequestShard sent (asked, tagged), its reply seen, the copy seen
     done, the acknowledgement sent, the session settled, the poller's result built, the settled
     transfer forgotten, and the end of the last poll before the agreement."""
+    import torch
+
     from helixserve.kernels.copy import triton_units, unit_graphs
     from helixserve.kvcache.manager import CacheManager
     from helixserve.transceiver import base, inbound, polling, pull, receiver
@@ -100,6 +102,7 @@ def _record_phases(marks: dict[str, float]) -> None:
     pull.PullPair.groups = after("planned", pull.PullPair.groups)
     triton_units.request_table = after("table", triton_units.request_table)
     unit_graphs.UnitGraphs.replay_slot = after("replayed", unit_graphs.UnitGraphs.replay_slot)
+    torch.cuda.CUDAGraph.replay = before("graph_replay", torch.cuda.CUDAGraph.replay)
     pull.UnitCopier.copy = after("copy_issued", pull.UnitCopier.copy)
     inbound.Inbound.request = after("request", inbound.Inbound.request)
     inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
