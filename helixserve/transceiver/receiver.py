@@ -112,7 +112,8 @@ class KVReceiver:
         if request_id in self.inbounds:
             raise ValueError(f"request {request_id} is already being received here")
         device = check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size, remember=True)
-        session = ReceiverSession(request_id, timeout_s=self.config.timeout_s, clock=self.clock)
+        session = ReceiverSession(request_id, timeout_s=self.config.timeout_s, clock=self.clock,
+                                  wakeup=self.poller.wakeup)  # (the poller's: `add` sets it anyway)
         inbound = Inbound(self, request_id, ticket, handle, caches, next(self._tags), device)
         kind_bytes = dict.fromkeys(inbound.plan.kinds, 0)
         for seg in inbound.plan.segments:  # (its messages cut its segments: the same bytes)
