@@ -20,7 +20,6 @@ Tensors, per 0-based decoder layer id (:class:`ModelCaches`; shapes of :class:`C
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,12 +40,11 @@ class ModelCaches:
         return [*self.mla_kv.values(), *self.kda_state.values(), *self.conv_state.values()]
 
     def identity(self) -> tuple[int, ...]:
-        """The ids of the tensor objects in `tensors` order (one C-level pass): equal to an
-        earlier identity while the tensors it was taken of live, the same ones in the same
-        places. A caller compares it only while it keeps those tensors alive (or learns of
-        their death): ids are reused after it."""
-        return tuple(map(id, itertools.chain(self.mla_kv.values(), self.kda_state.values(),
-                                             self.conv_state.values())))
+        """The ids of the tensor objects in `tensors` order: equal to an earlier identity
+        while the tensors it was taken of live, the same ones in the same places. A caller
+        compares it only while it keeps those tensors alive (or learns of their death): ids are
+        reused after it."""
+        return tuple(map(id, self.tensors()))
 
     @property
     def nbytes(self) -> int:

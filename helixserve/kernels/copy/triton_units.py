@@ -113,8 +113,7 @@ def request_table(groups: Sequence[UnitGroup], seg_offsets: Sequence[int], word:
     least `request_table_size` words; the result is a view of it)."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     header = np.zeros((len(groups) + 1, HEADER), dtype=np.int64)
-    size = request_table_size(groups)
-    table = np.empty(size, dtype=np.int64) if out is None else out[:size]
+    table = np.empty(request_table_size(groups), dtype=np.int64) if out is None else out
     program, offset = 0, header.size
     for g, group in enumerate(groups, start=1):
         unit_words = group.unit_bytes // word
