@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # site-packages: importable there, it would send transformers' and fla's KDA to GPU-only kernels
 TRITON_INTERP := $(VENV)/triton-interp
 
-.PHONY: install serve generate test bench flashmla clean
+.PHONY: install serve generate test bench docs docs-reference flashmla clean
 
 # torch first, pinned: the package's range (torch>=2.11,<2.14) then keeps this CPU build
 $(RUNTIME_STAMP): pyproject.toml
@@ -52,10 +52,23 @@ bench: $(STAMP)
 	$(BIN)/python bench/serve.py --quick --out bench/results/serve.json --plot bench/results/serve.png
 	$(BIN)/python bench/kernels.py --quick --out bench/results/kernels.json
 
+# the manual (docs/, mkdocs.yml) into site/; --strict fails on a broken link or anchor
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(RUNTIME_STAMP)
+	$(BIN)/pip install -q -e '.[cu12,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
+
+# regenerate docs/configuration-reference.md from the config models (after adding a config key)
+docs-reference: $(RUNTIME_STAMP)
+	$(BIN)/python docs/gen_config_reference.py
+
 # optional FlashMLA MLA decode backend (Hopper): builds ~/.cache/helixserve/flashmla/libflashmla_dense.so
 # with nvcc (cloning FlashMLA + CUTLASS; FLASHMLA_SRC=DIR uses a checkout instead, FLASHMLA_OUT=DIR elsewhere)
 flashmla:
 	deploy/flashmla/build.sh $(if $(FLASHMLA_SRC),--src $(FLASHMLA_SRC)) $(if $(FLASHMLA_OUT),--out $(FLASHMLA_OUT))
 
 clean:
-	rm -rf $(VENV) checkpoints
+	rm -rf $(VENV) checkpoints site

@@ -2,7 +2,7 @@
 ping-pong of the same bytes.
 
 Why: a pulled shard on one GPU moves its bytes in ~0.05 ms, but the request waited about 1 ms for
-the ctx's answer (README, `bench/transceiver.py --device cuda`). This bench measures, in the same
+the ctx's answer (docs/benchmarks.md, `bench/transceiver.py --device cuda`). This bench measures, in the same
 run and between the same two processes, what the answer costs as it is served (the KVTransfer
 gRPC service: the blocking call, and the call future the gen rank uses, waited on through an
 event as its poller waits) and what the same request and reply bytes cost as two UCX tag messages

@@ -171,7 +171,7 @@ class RouterConfig(_Strict):
 
 
 class SecurityConfig(_Strict):
-    """Internal authentication between the deployment's own processes (README, "Security model").
+    """Internal authentication between the deployment's own processes (docs/security.md).
 
     ``internal_secret`` is shared by the router, the workers and the gRPC control plane; clients
     never see it. It is never read from or written to the YAML (``exclude``): it comes from

@@ -103,7 +103,7 @@ class AsyncEngine(EngineThread):
 
     def new_request_id(self, prefix: str = "req") -> str:
         """An id nobody can guess (128 random bits): a request's id names its cache to the KV
-        transfer, so it must not be derivable from another's (ids used to be sequential)."""
+        transfer, so it must not be derivable from another's."""
         return f"{prefix}-{secrets.token_hex(16)}"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

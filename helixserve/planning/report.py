@@ -71,7 +71,7 @@ def _g(num_bytes: int) -> str:
 
 
 def table(plan: dict[str, Any]) -> str:
-    """The plan as a Markdown table (the README shows it)."""
+    """The plan as a Markdown table (docs/deployment.md shows it)."""
     lines = [f"{plan['model']} on {plan['gpu_memory_gib']:g} GiB GPUs: {plan['context_len']:,}-token context, "
              f"batch {plan['batch']} (gen) / {plan['ctx_batch']} (ctx); GiB per GPU",
              "",

@@ -1,4 +1,4 @@
-"""Internal authentication of the workers' HTTP apps (README, "Security model").
+"""Internal authentication of the workers' HTTP apps (docs/security.md).
 
 Clients reach only the router; a ctx or gen worker answers only the deployment's own processes:
 

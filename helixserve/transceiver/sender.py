@@ -32,9 +32,8 @@ Threads: every pickup and stream is guarded by one state lock. The sender thread
 each pass (post what the windows allow, settle what the poller reports) and waits outside it. A
 gRPC handler or the engine thread runs its command on its own thread holding the lock, waiting for
 it at most ``rpc_timeout_ms``: a handler that cannot have it answers "busy", which therefore never
-has an effect. (Commands used to be queued to the sender thread and waited for: two more thread
-hand-offs per RequestShard. Measured on CPU, README's transceiver section: hand-off 0.05 -> 0.02
-ms, the handler's work 0.41-0.49 -> 0.26-0.30 ms.) ucxx's own thread progresses the UCX worker.
+has an effect. (No queue to the sender thread: that would cost two more thread hand-offs per
+RequestShard.) ucxx's own thread progresses the UCX worker.
 
 Cache safety (the engine thread runs concurrently): the sender reads the engine's cache tensors
 from its own thread, in place, without a lock. That is safe because a held request's blocks and

@@ -1,4 +1,4 @@
-"""Duplicate request ids on the workers' internal ports (issue 13, finding 2).
+"""Duplicate request ids on the workers' internal ports.
 
 A request refused because its ``X-Request-Id`` is already in use must never touch the cache of
 the request that holds the id: on the ctx port (a ``context_only`` or plain request naming a

@@ -1,6 +1,6 @@
 """The e2e harness itself: stopping a deployment whose ctx already exited (a failed start) still
-stops every other role (it used to stop at the dead one's ProcessLookupError and leave the gen
-world and the router running for the rest of the suite, holding cores and ports)."""
+stops every other role (the dead one's ProcessLookupError does not leave the gen world and the
+router running for the rest of the suite, holding cores and ports)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 13, finding 3, at the served level: the internal ports trust only the deployment.
+"""At the served level: the internal ports trust only the deployment.
 
 A caller without the internal secret gets 401 (OpenAI's error body) from every worker route but
 ``/health`` and ``/metrics``, so it cannot take another request's answer, cancel it or release

@@ -1,5 +1,5 @@
-"""The engine sizes its pools with the planner's arithmetic (``helixserve.planning``), exactly as
-before for every existing config, and refuses to start when a rank cannot fit its GPU memory
+"""The engine sizes its pools with the planner's arithmetic (``helixserve.planning``), giving the
+recorded sizes for known configs, and refuses to start when a rank cannot fit its GPU memory
 (``cache.gpu_memory_gib``), naming the shortfall."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from helixserve.planning.weights import rank_weight_bytes
 MIB, GIB = 1 << 20, 1 << 30
 
 # (preset, dtype, tokens_per_block, memory_budget_mib, max_num_seqs, cp) -> (num_blocks, num_slots,
-# max_model_len), as size_cache gave them before it called the planner (main at f2c1f8c)
-BEFORE = [
+# max_model_len): recorded sizes that the pool sizing must keep giving
+RECORDED = [
     ("kimi-linear-tiny", "bfloat16", 4, 256, 3, 2, 838598, 3, 4096),
     ("kimi-linear-tiny", "float32", 16, 8, 3, 1, 3203, 3, 4096),
     ("kimi-k3-tiny", "float32", 16, 8, 8, 2, 1572, 8, 4096),
@@ -32,8 +32,8 @@ BEFORE = [
 ]
 
 
-@pytest.mark.parametrize("row", BEFORE, ids=lambda r: "-".join(map(str, r[:6])))
-def test_sizes_are_the_ones_before(row):
+@pytest.mark.parametrize("row", RECORDED, ids=lambda r: "-".join(map(str, r[:6])))
+def test_sizes_are_the_recorded_ones(row):
     preset, dtype, tpb, mib, seqs, cp, *expected = row
     _, layout = size_cache(get_preset(preset), getattr(torch, dtype),
                            CacheConfig(tokens_per_block=tpb, memory_budget_mib=mib, max_num_seqs=seqs), cp)

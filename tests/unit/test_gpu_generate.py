@@ -90,8 +90,8 @@ def test_mid_size_gpu_within_tolerance_of_cpu(mid_checkpoint, capsys):
     against CPU fp32 than the CPU's own bf16 model. The random-weight K3 model is chaotic in bf16
     (top-k routing over near-tied expert scores flips under rounding): on the CPU alone its bf16
     prefill logits part from fp32 by 0.47-0.80 relative RMS for multi-token prompts, so a fixed
-    bf16 bound would test the model's sensitivity, not the GPU path. Measured on one H200
-    (session 2): fp32 4.5e-5 / 2.7e-5 / 3.9e-4 / 1.6e-6; bf16 0.62 / 0.51 / 0.74 / 0.0077 against
+    bf16 bound would test the model's sensitivity, not the GPU path. Measured on one H200:
+    fp32 4.5e-5 / 2.7e-5 / 3.9e-4 / 1.6e-6; bf16 0.62 / 0.51 / 0.74 / 0.0077 against
     the CPU bf16's 0.54 / 0.47 / 0.80 / 0.0073."""
     max_tokens = 16
     cli_tokens = generate_cli(capsys, mid_checkpoint, PROMPTS[1], max_tokens, "--device", "cuda")

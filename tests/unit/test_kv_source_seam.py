@@ -1,5 +1,5 @@
-"""The gen worker's receivers get their data plane through the one factory (issue 18, "One
-data-plane seam"): ``UcxReceiverFactory`` builds the real KVReceiver, whose plane is the one
+"""The gen worker's receivers get their data plane through the one factory (one
+data-plane seam): ``UcxReceiverFactory`` builds the real KVReceiver, whose plane is the one
 ``TransceiverConfig.backend`` picks, so a fake-backend gen rank imports no ucxx at all, and a
 ucxx-backend rank still binds UCX to its interface on the route to the ctx workers."""
 

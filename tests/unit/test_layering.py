@@ -1,4 +1,4 @@
-"""Layers as the design draws them (issue 18): the engine raises its own errors (no import of the
+"""Layers as the design draws them: the engine raises its own errors (no import of the
 OpenAI protocol, nor of a server, anywhere under ``helixserve/engine``), the servers map them to
 HTTP, and the pieces the torch-free router uses import without torch."""
 
@@ -87,7 +87,7 @@ def imports_from(path: Path, prefixes: tuple[str, ...]) -> list[str]:
     return [n for n in imported_modules(path) if any(n == f or n.startswith(f + ".") for f in prefixes)]
 
 
-# the cache layout: one leaf that models, kvcache and transceiver import (issue 18)
+# the cache layout: one leaf that models, kvcache and transceiver import
 LAYOUT_LEAF = ROOT / "helixserve" / "cache_layout.py"
 LAYOUT_NAMES = ("ModelCaches", "CacheSpec", "CacheGeometry", "cache_spec_for", "head_slice")
 
@@ -133,9 +133,9 @@ def test_the_cache_layout_is_defined_once_and_imported_from_the_leaf():
 
 
 # launch code sits in one package at the top: it may import servers, engine and config; below it,
-# only these import it, each with its reason (the issue moves them; they leave this list then)
+# only these import it, each with its reason
 LAUNCH_IMPORTERS_ALLOWED = {
-    # issue 18 names engine/world_llm launch code; it is being rewritten (local worlds of processes)
+    # engine/world_llm starts local worlds of processes (launch code below the launch layer)
     "helixserve/engine/world_llm.py": "helixserve.launch.processes",
     # a gen worker restarts its world under the same bounded-restart policy as `helixserve launch`
     "helixserve/gen_server/supervisor.py": "helixserve.launch.restarts",

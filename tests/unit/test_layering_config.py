@@ -1,4 +1,4 @@
-"""Layering of the configuration (issue 18, "Layers as the design draws them"): ``config.py``
+"""Layering of the configuration, as the design draws it: ``config.py``
 resolves env vars, derived values and defaults once and imports nothing above it; only the
 config modules read the environment; SLURM / torchrun variables are parsed in one module."""
 

@@ -1,5 +1,4 @@
-"""Every timeout default defined once (issue 18, "Layers": config resolves every timeout default
-once). A wait a deployment may tune, or that bounds a failure, is a validated field of the config
+"""Every timeout default defined once (config resolves every timeout default once). A wait a deployment may tune, or that bounds a failure, is a validated field of the config
 modules, passed down to its user; an internal tick stays a named module constant, one definition
 per value, on the reasoned allow-list below. The scan fails on any other literal."""
 

@@ -1,4 +1,4 @@
-"""``helixserve plan``'s arithmetic (issue 15): weights by format and sharding, pools, the
+"""``helixserve plan``'s arithmetic: weights by format and sharding, pools, the
 smallest layouts, against a hand computation from the published configs (kimi.md) and against
 the modules the model really builds (on the meta device)."""
 
@@ -75,7 +75,7 @@ def test_k3_weights_match_the_hand_count(dp, cp):
     assert w.expert_bytes == experts * 17 // 32 == hand_bytes(k3_hand, dp, cp, True) - 2 * dense - 4 * fp32
 
 
-def test_k3_expert_totals_are_the_issue_figures():
+def test_k3_expert_totals_match_the_published_parameter_count():
     """896 experts x 92 layers x ~33 M = 2.7 T parameters: ~1.45 TB as MXFP4, ~5.4 TB as bf16."""
     cfg = get_preset("kimi-k3")
     packed, bf16 = rank_weight_bytes(cfg, 2), rank_weight_bytes(cfg, 2, expert_format="dense")

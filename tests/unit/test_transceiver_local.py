@@ -303,7 +303,7 @@ def test_commands_of_a_stuck_sender_are_a_named_busy_error(ctx):
 def test_a_refused_duplicate_pickup_leaves_the_live_one_alone(ctx):
     """A second receiver asking for a cp_rank already picked up is refused, and its failure sends
     no Cancel: the pickup goes on, the other cp_rank still gets its shard and the ctx frees it as
-    completed (issue 13: a rejected request never touches another's cache)."""
+    completed (a rejected request never touches another's cache)."""
     c = ctx()
     params = c.hold("r1")
     first, duplicate, second = Gen(config(), 0, 2), Gen(config(), 0, 2), Gen(config(), 1, 2)
