@@ -53,7 +53,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         result = generate_on_world(args.model, args.prompt, args.prompt_ids, params, dp=args.dp, cp=args.cp)
     else:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager)
         prompt = args.prompt_ids if args.prompt_ids is not None else args.prompt
         result = llm.generate([prompt], params)[0]
     if args.json:
@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     gen.add_argument("--device", default="cpu", help="cpu or cuda[:N] (CUDA: bf16 by default, decode in CUDA graphs)")
+    gen.add_argument("--enforce-eager", action="store_true",
+                     help="decode without CUDA graphs (model.enforce_eager)")
     gen.add_argument("--dp", type=int, default=1)
     gen.add_argument("--cp", type=int, default=1)
     gen.add_argument("--json", action="store_true", help="print one JSON object")

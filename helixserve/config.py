@@ -46,6 +46,8 @@ class ModelSpec(_Strict):
     # routed experts of an MXFP4 checkpoint: "packed" keeps the FP4 bytes on the GPU (the grouped
     # GEMM dequantizes in registers), "dense" dequantizes at load, "auto" packs on CUDA in bf16
     experts: Literal["auto", "packed", "dense"] = "auto"
+    # decode steps run eagerly, no CUDA graphs captured (vLLM's name)
+    enforce_eager: bool = False
 
     @property
     def name(self) -> str:

@@ -65,7 +65,9 @@ class LLM:
         scheduler: SchedulerConfig = SchedulerConfig(),
         seed: int = 0,
         experts: ExpertFormat = "auto",
+        enforce_eager: bool = False,
     ) -> None:
+        """``enforce_eager``: capture no decode CUDA graphs (``model.enforce_eager``)."""
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {self.model_dir}")
@@ -73,7 +75,8 @@ class LLM:
         self.model_config = KimiModelConfig.from_pretrained(self.model_dir)
         self.tokenizer = load_tokenizer_or_none(self.model_dir)
         model = load_model(self.model_dir, dtype=resolve_dtype(dtype, dev), device=dev, experts=experts)
-        self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed)
+        self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed,
+                                 use_cuda_graphs=not enforce_eager)
         self._ids = itertools.count()
 
     def encode(self, prompt: str | list[int]) -> list[int]:

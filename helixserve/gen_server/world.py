@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 def world_options(deploy: DeploymentConfig, server: GenServerConfig) -> WorldOptions:
     device = server.device or deploy.model.device
     return WorldOptions(cache=deploy.cache, scheduler=deploy.scheduler, dtype=deploy.model.dtype,
-                        experts=deploy.model.experts,
+                        experts=deploy.model.experts, use_cuda_graphs=not deploy.model.enforce_eager,
                         seed=deploy.seed, timeout_s=server.collective_timeout_s,
                         stop_grace_s=server.world_stop_grace_s,
                         backend="gloo" if device == "cpu" else None)

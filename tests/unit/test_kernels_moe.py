@@ -187,7 +187,7 @@ def test_padded_bmm_only_with_threads_and_busy_experts(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7])
-@pytest.mark.parametrize("form", ["gathered", "grouped"])
+@pytest.mark.parametrize("form", ["gathered", "grouped", "dense"])
 def test_gpu_expert_forms_match_naive_on_any_row_count(form, rows):
     """The GPU path's two expert forms are plain torch: checked here on the CPU, including a rank
     that receives no rows from the token-sliced all-to-all (T = 0) and an EP slice of the experts."""
@@ -206,8 +206,34 @@ def test_gpu_expert_forms_match_naive_on_any_row_count(form, rows):
     def act(gate, up):
         return _act_and_mul_torch(gate, up, "silu", 1.0, 1.0)
 
-    fn = moe_gpu.grouped_experts if form == "grouped" else moe_gpu.gathered_experts
+    fn = {"grouped": moe_gpu.grouped_experts, "gathered": moe_gpu.gathered_experts,
+          "dense": moe_gpu.dense_experts}[form]
     y = fn(x, ids, w, w13, w2, E // 2, act)
     assert y.shape == (rows, d) and y.dtype == dtype
     want = naive_moe_experts(x.float(), ids, w, w13.float(), w2.float(), expert_offset=E // 2)
     assert_close(f"{form} T={rows}", want, y.float(), 1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("expert_offset", [0, 4])
+def test_dense_experts_equal_the_sorted_path_without_host_reads(expert_offset):
+    """The every-expert form (CUDA fp32 past the gathered form's memory bound) against the sorted
+    PyTorch path it stands in for, on more pairs than the few-pairs paths take (T * k > 64), with
+    an EP slice; under the guard that fails any host read or value-dependent shape (what a CUDA
+    graph capture cannot hold)."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+    from helixserve.kernels.moe.experts import _act_and_mul_torch, _moe_experts_torch
+    from tests.integration.host_sync_guard import HostReadError, no_host_reads
+
+    rows, d, i = 40, 16, 8
+    x = rand(rows, d, seed=30)
+    w, ids = moe_route(rand(rows, E, seed=31), top_k=TOP_K, correction_bias=None, renormalize=True,
+                       routed_scaling_factor=2.446)
+    w13, w2 = rand(E // 2, 2 * i, d, seed=32), rand(E // 2, d, i, seed=33)
+    want = _moe_experts_torch(x, ids, w, w13, w2, expert_offset, "situ", 4.0, 25.0)
+    with no_host_reads():
+        y = moe_gpu.dense_experts(x, ids, w, w13, w2, expert_offset,
+                                  lambda g, u: _act_and_mul_torch(g, u, "situ", 4.0, 25.0))
+        with pytest.raises(HostReadError):  # the guard is live: the sorted path reads the routing
+            _moe_experts_torch(x, ids, w, w13, w2, expert_offset, "situ", 4.0, 25.0)
+    assert want.abs().sum() > 0
+    assert_close(f"dense vs sorted, offset {expert_offset}", want, y, 1e-6)

@@ -4,9 +4,11 @@ The (token, k) pairs are sorted by local expert on the device; ``torch._grouped_
 grouped GEMM on Hopper) runs every expert's gate/up and down projections in one call each over the
 sorted rows, with the group ends as a device tensor. Pairs routed to experts held elsewhere (expert
 parallelism) sort after the last group, are left out of both GEMMs and masked to zero. Weighted
-rows are summed back per token with ``index_add_``. Other dtypes (the fp32 test presets) gather
-each pair's expert weights and use ``bmm`` when that fits in memory; the caller falls back to the
-PyTorch reference otherwise.
+rows are summed back per token with ``index_add_``. Other dtypes (fp32 models) gather each pair's
+expert weights and use ``bmm`` when that fits in memory, else run every local expert over every
+token and weight its output by a ``[T, E_local]`` combine matrix (zero where not routed):
+:func:`dense_experts`, static shapes and no host read, so a decode step captures in a CUDA graph,
+and a fixed sum order (experts ascending).
 """
 
 from __future__ import annotations
@@ -85,6 +87,38 @@ def gathered_experts(
     y = torch.bmm(w2.index_select(0, safe).float(), act[:, :, None]).squeeze(-1)
     weights = torch.where(is_local, topk_weights.flatten().float(), 0.0)
     return (y * weights[:, None]).view(T, topk_ids.shape[1], D).sum(1).to(x.dtype)
+
+
+def dense_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    expert_offset: int, act_and_mul,
+) -> torch.Tensor:
+    """``moe_experts`` as every local expert over every token, in fixed order (experts ascending):
+    ``y = sum_e c[:, e] * w2[e] act(w13[e] x)`` with ``c [T, E_local]`` the routing weights
+    (0 where a token did not pick the expert). Shapes depend on ``T`` only: no sort, no host read.
+    Reads each expert's weights once; costs ``E_local / k`` times the routed FLOPs."""
+    T, D = x.shape
+    E, two_I, _ = w13.shape
+    I = two_I // 2
+    combine = combine_weights(topk_ids, topk_weights, E, expert_offset)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        h = torch.nn.functional.linear(x, w13[e])
+        act = act_and_mul(h[:, :I], h[:, I:]).to(w2.dtype)
+        out.addcmul_(torch.nn.functional.linear(act, w2[e]).float(), combine[:, e:e + 1])
+    return out.to(x.dtype)
+
+
+def combine_weights(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_local: int,
+                    expert_offset: int) -> torch.Tensor:
+    """``[T, num_local]`` fp32: each token's routing weight of each local expert, 0 where it did not
+    pick it (a token picks an expert at most once, so each entry is written by one pair at most)."""
+    local = topk_ids.to(torch.int64) - expert_offset
+    is_local = (local >= 0) & (local < num_local)
+    # pairs of experts held elsewhere land in one extra column, dropped
+    combine = torch.zeros(topk_ids.shape[0], num_local + 1, dtype=torch.float32, device=topk_ids.device)
+    combine.scatter_(1, torch.where(is_local, local, num_local), torch.where(is_local, topk_weights.float(), 0.0))
+    return combine[:, :num_local]
 
 
 def mxfp4_experts(
