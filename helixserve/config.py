@@ -48,6 +48,9 @@ class ModelSpec(_Strict):
     experts: Literal["auto", "packed", "dense"] = "auto"
     # decode steps run eagerly, no CUDA graphs captured (vLLM's name)
     enforce_eager: bool = False
+    # "dummy": seeded random weights at the real shapes, made on the device, no weight file read;
+    # ``path`` a checkpoint directory (its config.json) or a preset name (vLLM's name)
+    load_format: Literal["auto", "dummy"] = "auto"
 
     @property
     def name(self) -> str:
