@@ -51,6 +51,8 @@ class ModelSpec(_Strict):
     # "dummy": seeded random weights at the real shapes, made on the device, no weight file read;
     # ``path`` a checkpoint directory (its config.json) or a preset name (vLLM's name)
     load_format: Literal["auto", "dummy"] = "auto"
+    # batch-invariant kernels where they choose a reduction order (kernels.set_batch_invariant)
+    deterministic: bool = False
 
     @property
     def name(self) -> str:

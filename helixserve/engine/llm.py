@@ -12,6 +12,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.stop import truncate_at_stop
+from helixserve.kernels.triton_common import set_batch_invariant
 from helixserve.models.checkpoint import ExpertFormat, load_model
 from helixserve.models.dummy import LoadFormat, dummy_tokenizer, load_dummy_model, model_config_of
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
@@ -67,10 +68,14 @@ class LLM:
         experts: ExpertFormat = "auto",
         enforce_eager: bool = False,
         load_format: LoadFormat = "auto",
+        deterministic: bool = False,
     ) -> None:
         """``enforce_eager``: capture no decode CUDA graphs (``model.enforce_eager``);
         ``load_format="dummy"``: random weights (seeded by ``seed``) at the shapes of ``model_dir``'s
-        config or of the preset it names (:mod:`helixserve.models.dummy`)."""
+        config or of the preset it names (:mod:`helixserve.models.dummy`); ``deterministic``: the
+        process's kernels batch-invariant from now on (``model.deterministic``)."""
+        if deterministic:
+            set_batch_invariant(True)
         self.model_dir = Path(model_dir)
         dev = torch.device(device)
         self.model_config = model_config_of(self.model_dir, load_format)

@@ -39,6 +39,7 @@ from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower, serve_follower
 from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
+from helixserve.kernels.triton_common import set_batch_invariant
 from helixserve.launch.processes import run_local_world
 from helixserve.models.checkpoint import ExpertFormat
 from helixserve.models.config import KimiModelConfig
@@ -70,6 +71,7 @@ class WorldOptions:
     run_timeout_s: float = _OFFLINE.run_timeout_s
     stop_grace_s: float = _OFFLINE.stop_grace_s
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
+    deterministic: bool = False  # batch-invariant kernels (kernels.set_batch_invariant) on every rank
     load_format: LoadFormat = "auto"  # "dummy": seeded random weights (models.dummy), no weight read
     use_cuda_graphs: bool = True  # decode steps on a GPU are CUDA graphs (a world > 1: with static_moe)
     # the static helix step (HelixHooks.set_static): padded MoE all-to-all (capacity: each step's
@@ -99,6 +101,8 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     model_dir = Path(model_dir)
     mapping = groups.mapping
     dtype = resolve_dtype(options.dtype, groups.device)
+    if options.deterministic:
+        set_batch_invariant(True)
     if options.load_format == "dummy":
         model = load_dummy_model(model_config_of(model_dir, "dummy"), dtype, groups.device, mapping,
                                  experts=options.experts, seed=options.seed).bind(groups)

@@ -51,7 +51,7 @@ def world_options(deploy: DeploymentConfig, server: GenServerConfig) -> WorldOpt
     device = server.device or deploy.model.device
     return WorldOptions(cache=deploy.cache, scheduler=deploy.scheduler, dtype=deploy.model.dtype,
                         experts=deploy.model.experts, use_cuda_graphs=not deploy.model.enforce_eager,
-                        load_format=deploy.model.load_format,
+                        load_format=deploy.model.load_format, deterministic=deploy.model.deterministic,
                         seed=deploy.seed, timeout_s=server.collective_timeout_s,
                         stop_grace_s=server.world_stop_grace_s,
                         backend="gloo" if device == "cpu" else None)

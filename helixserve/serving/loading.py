@@ -23,7 +23,8 @@ def load_engine(deploy: DeploymentConfig) -> tuple[EngineCore, HelixTokenizer | 
     spec = deploy.model
     llm = LLM(spec.path, dtype=spec.dtype, device=spec.device, cache=deploy.cache,
               scheduler=deploy.scheduler, seed=deploy.seed, experts=spec.experts,
-              enforce_eager=spec.enforce_eager, load_format=spec.load_format)
+              enforce_eager=spec.enforce_eager, load_format=spec.load_format,
+              deterministic=spec.deterministic)
     return llm.engine, llm.tokenizer, llm.model_config
 
 

@@ -237,3 +237,25 @@ def test_dense_experts_equal_the_sorted_path_without_host_reads(expert_offset):
             _moe_experts_torch(x, ids, w, w13, w2, expert_offset, "situ", 4.0, 25.0)
     assert want.abs().sum() > 0
     assert_close(f"dense vs sorted, offset {expert_offset}", want, y, 1e-6)
+
+
+def test_pair_sum_is_the_scatter_sum_in_a_fixed_per_token_order():
+    """The GPU expert forms' combine: pairs back in (token, k) order, summed over k in turn; equal
+    to the ``index_add_`` it replaces (atomic adds on CUDA), and each token's row is bit-identical
+    whatever other tokens share the batch. Group ends by binary search equal the counted ones."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+
+    rows, top_k, d = 13, TOP_K, 16
+    w, ids = moe_route(rand(rows, E, seed=40), top_k=top_k, correction_bias=None, renormalize=True,
+                       routed_scaling_factor=1.0)
+    order, sorted_ids, _ = moe_gpu._sort_pairs(ids, E - 2, 1)  # an EP slice: some pairs held elsewhere
+    y = rand(rows * top_k, d, seed=41) * 1e3
+    scattered = torch.zeros(rows, d).index_add_(0, order // top_k, y)
+    summed = moe_gpu.sum_pairs(y, order, top_k)
+    assert_close("pair sum vs index_add_", scattered, summed, 1e-6)
+    for t in (0, 5, rows - 1):  # token t alone: its k pairs only, in their sorted order
+        mine = torch.nonzero(order // top_k == t).squeeze(1)
+        alone = moe_gpu.sum_pairs(y[mine], order[mine] - t * top_k, top_k)
+        assert torch.equal(alone[0], summed[t])
+    counts = torch.bincount(sorted_ids, minlength=E - 1)[:E - 2]
+    assert torch.equal(moe_gpu.group_ends(sorted_ids, E - 2), torch.cumsum(counts, 0).to(torch.int32))

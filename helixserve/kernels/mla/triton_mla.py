@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helixserve.kernels.triton_common import is_interpreting, next_pow2, seq_ids_of_rows
+from helixserve.kernels.triton_common import batch_invariant_enabled, is_interpreting, next_pow2, seq_ids_of_rows
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -162,7 +162,10 @@ def _paged_attention_kernel(
 
 
 def choose_num_splits(num_rows: int, num_head_programs: int) -> int:
-    """KV splits per (row, head block, value part): enough programs to fill the GPU, at most 16."""
+    """KV splits per (row, head block, value part): enough programs to fill the GPU, at most 16;
+    batch-invariant mode: always the most (a row's merge order then ignores the batch)."""
+    if batch_invariant_enabled():
+        return _MAX_SPLITS
     programs = max(1, num_rows * num_head_programs)
     return max(1, min(_MAX_SPLITS, math.ceil(_TARGET_PROGRAMS / programs)))
 

@@ -2,9 +2,11 @@
 
 The (token, k) pairs are sorted by local expert on the device; ``torch._grouped_mm`` (bf16, CUTLASS
 grouped GEMM on Hopper) runs every expert's gate/up and down projections in one call each over the
-sorted rows, with the group ends as a device tensor. Pairs routed to experts held elsewhere (expert
-parallelism) sort after the last group, are left out of both GEMMs and masked to zero. Weighted
-rows are summed back per token with ``index_add_``. Other dtypes (fp32 models) gather each pair's
+sorted rows, with the group ends as a device tensor (a binary search of the sorted ids: no atomic
+count). Pairs routed to experts held elsewhere (expert parallelism) sort after the last group, are
+left out of both GEMMs and masked to zero. Weighted rows go back to (token, k) order and are summed
+per token over k in order (:func:`sum_pairs`): no atomic adds, so a token's sum is the same on
+every run and whatever else is in the batch. Other dtypes (fp32 models) gather each pair's
 expert weights and use ``bmm`` when that fits in memory, else run every local expert over every
 token and weight its output by a ``[T, E_local]`` combine matrix (zero where not routed):
 :func:`dense_experts`, static shapes and no host read, so a decode step captures in a CUDA graph,
@@ -54,9 +56,7 @@ def grouped_experts(
     I = two_I // 2
     top_k = topk_ids.shape[1]
     order, sorted_ids, valid = _sort_pairs(topk_ids, E, expert_offset)
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids, dtype=torch.int32))
-    offs = torch.cumsum(counts[:E], 0, dtype=torch.int32)
+    offs = group_ends(sorted_ids, E)
     rows = order // top_k
     xs = x.index_select(0, rows)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
@@ -65,9 +65,25 @@ def grouped_experts(
     weights = topk_weights.flatten().index_select(0, order).float()
     # rows past the last group are not written by _grouped_mm: mask, never multiply
     y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    out.index_add_(0, rows, y)
-    return out.to(x.dtype)
+    return sum_pairs(y, order, top_k).to(x.dtype)
+
+
+def group_ends(sorted_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[num_groups]`` int32: the end of each group ``e`` in ascending ``sorted_ids`` (the pairs with
+    an id ``<= e``), by binary search: exact, no atomics, no host read."""
+    bounds = torch.arange(1, num_groups + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
+    return torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+
+
+def sum_pairs(y: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, D]`` fp32: ``y [P, D]`` (rows in ``order``, a permutation of the ``T * top_k`` pairs)
+    put back in pair order and summed per token over ``k = 0, 1, ...`` in turn: a fixed order
+    that depends on nothing but the token's own rows (``index_add_`` adds with atomics on CUDA)."""
+    by_pair = torch.empty_like(y).index_copy_(0, order, y).view(-1, top_k, y.shape[1])
+    out = by_pair[:, 0].contiguous()
+    for j in range(1, top_k):
+        out.add_(by_pair[:, j])
+    return out
 
 
 def gathered_experts(
@@ -147,6 +163,4 @@ def mxfp4_experts(
     weights = topk_weights.flatten().index_select(0, order).float()
     # rows of experts held elsewhere are not written: mask, never multiply
     y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    out.index_add_(0, rows, y)
-    return out.to(x.dtype)
+    return sum_pairs(y, order, top_k).to(x.dtype)
