@@ -51,9 +51,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.dp * args.cp > 1:
         from helixserve.engine.world_llm import generate_on_world
 
-        result = generate_on_world(args.model, args.prompt, args.prompt_ids, params, dp=args.dp, cp=args.cp)
+        result = generate_on_world(args.model, args.prompt, args.prompt_ids, params, dp=args.dp, cp=args.cp,
+                                   dtype=args.dtype, load_format=args.load_format, enforce_eager=args.enforce_eager)
     else:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+                  load_format=args.load_format)
         prompt = args.prompt_ids if args.prompt_ids is not None else args.prompt
         result = llm.generate([prompt], params)[0]
     if args.json:
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.set_defaults(func=_cmd_make_checkpoint)
 
     gen = sub.add_parser("generate", help="generate from a prompt with the built-in engine")
-    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument("--model", required=True, help="checkpoint directory (--load-format dummy: or a preset name)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids", type=_parse_ids)
@@ -100,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     gen.add_argument("--device", default="cpu", help="cpu or cuda[:N] (CUDA: bf16 by default, decode in CUDA graphs)")
+    gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                     help="dummy: seeded random weights at the model's shapes, no weight file read")
+    gen.add_argument("--enforce-eager", action="store_true",
+                     help="decode without CUDA graphs (model.enforce_eager)")
     gen.add_argument("--dp", type=int, default=1)
     gen.add_argument("--cp", type=int, default=1)
     gen.add_argument("--json", action="store_true", help="print one JSON object")

@@ -46,6 +46,13 @@ class ModelSpec(_Strict):
     # routed experts of an MXFP4 checkpoint: "packed" keeps the FP4 bytes on the GPU (the grouped
     # GEMM dequantizes in registers), "dense" dequantizes at load, "auto" packs on CUDA in bf16
     experts: Literal["auto", "packed", "dense"] = "auto"
+    # decode steps run eagerly, no CUDA graphs captured (vLLM's name)
+    enforce_eager: bool = False
+    # "dummy": seeded random weights at the real shapes, made on the device, no weight file read;
+    # ``path`` a checkpoint directory (its config.json) or a preset name (vLLM's name)
+    load_format: Literal["auto", "dummy"] = "auto"
+    # batch-invariant kernels where they choose a reduction order (kernels.set_batch_invariant)
+    deterministic: bool = False
 
     @property
     def name(self) -> str:

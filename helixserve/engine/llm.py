@@ -12,9 +12,10 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.stop import truncate_at_stop
+from helixserve.kernels.triton_common import set_batch_invariant
 from helixserve.models.checkpoint import ExpertFormat, load_model
-from helixserve.models.config import KimiModelConfig
-from helixserve.models.tokenizer import load_tokenizer_or_none, no_tokenizer_message
+from helixserve.models.dummy import LoadFormat, dummy_tokenizer, load_dummy_model, model_config_of
+from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,15 +66,28 @@ class LLM:
         scheduler: SchedulerConfig = SchedulerConfig(),
         seed: int = 0,
         experts: ExpertFormat = "auto",
+        enforce_eager: bool = False,
+        load_format: LoadFormat = "auto",
+        deterministic: bool = False,
     ) -> None:
+        """``enforce_eager``: capture no decode CUDA graphs (``model.enforce_eager``);
+        ``load_format="dummy"``: random weights (seeded by ``seed``) at the shapes of ``model_dir``'s
+        config or of the preset it names (:mod:`helixserve.models.dummy`); ``deterministic``: the
+        process's kernels batch-invariant from now on (``model.deterministic``)."""
+        if deterministic:
+            set_batch_invariant(True)
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"no config.json in {self.model_dir}")
         dev = torch.device(device)
-        self.model_config = KimiModelConfig.from_pretrained(self.model_dir)
-        self.tokenizer = load_tokenizer_or_none(self.model_dir)
-        model = load_model(self.model_dir, dtype=resolve_dtype(dtype, dev), device=dev, experts=experts)
-        self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed)
+        self.model_config = model_config_of(self.model_dir, load_format)
+        torch_dtype = resolve_dtype(dtype, dev)
+        if load_format == "dummy":
+            self.tokenizer: HelixTokenizer | None = dummy_tokenizer(self.model_dir)
+            model = load_dummy_model(self.model_config, torch_dtype, dev, experts=experts, seed=seed)
+        else:
+            self.tokenizer = load_tokenizer_or_none(self.model_dir)
+            model = load_model(self.model_dir, dtype=torch_dtype, device=dev, experts=experts)
+        self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed,
+                                 use_cuda_graphs=not enforce_eager)
         self._ids = itertools.count()
 
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -69,7 +69,7 @@ def decode_graphs_off_reason(model: torch.nn.Module, device: torch.device | str,
     same shapes on every rank), which every rank of the world sets alike, so every rank captures
     (and replays) the same graphs, their collectives in the same order."""
     if not use_cuda_graphs:
-        return "not asked for"
+        return "enforce_eager"
     if torch.device(device).type != "cuda":
         return "not on CUDA"
     if not has_fla():

@@ -5,6 +5,7 @@ samples. It owns the model, the cache tensors and the sampler; it never touches 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from helixserve.engine.scheduler import SchedulerOutput
 from helixserve.host_copy import to_device
 from helixserve.kvcache.pools import reset_slots
 from helixserve.models.context import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu") -> ForwardBatch:
@@ -121,11 +124,22 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=seed)
         self.decode_graphs: DecodeGraphs | None = None
 
-    def capture_decode_graphs(self, max_batch: int, max_blocks: int, scratch_slot: int) -> None:
+    def capture_decode_graphs(self, max_batch: int, max_blocks: int, scratch_slot: int) -> str | None:
         """CUDA-graph the decode steps of up to ``max_batch`` sequences (see :mod:`.cuda_graphs`);
-        ``scratch_slot``: a state slot no request owns, for the padding rows."""
-        self.decode_graphs = DecodeGraphs(self.model, self.caches, self.device, max_batch, max_blocks, scratch_slot)
-        self.decode_graphs.capture()
+        ``scratch_slot``: a state slot no request owns, for the padding rows. A capture that fails
+        (an op a graph cannot hold, memory) leaves decode eager: one WARNING with the reason, which
+        is also returned (``None``: captured)."""
+        try:
+            graphs = DecodeGraphs(self.model, self.caches, self.device, max_batch, max_blocks, scratch_slot)
+            graphs.capture()
+        except RuntimeError as exc:  # torch.AcceleratorError and torch.OutOfMemoryError are RuntimeErrors
+            self.decode_graphs = None
+            first_line = next(iter(str(exc).strip().splitlines()), "")
+            reason = f"capture failed: {type(exc).__name__}: {first_line}"
+            logger.warning("decode CUDA graphs off, decode runs eagerly: %s", reason)
+            return reason
+        self.decode_graphs = graphs
+        return None
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor:

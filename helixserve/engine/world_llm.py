@@ -39,10 +39,13 @@ from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower, serve_follower
 from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
+from helixserve.kernels.triton_common import set_batch_invariant
 from helixserve.launch.processes import run_local_world
 from helixserve.models.checkpoint import ExpertFormat
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.dummy import LoadFormat, load_dummy_model, model_config_of, tokenizer_of
 from helixserve.models.helix_load import load_helix_model
-from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
+from helixserve.models.tokenizer import HelixTokenizer, no_tokenizer_message
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel
 from helixserve.parallel.ports import free_port
 from helixserve.transceiver.consensus import TransferConsensus
@@ -68,6 +71,8 @@ class WorldOptions:
     run_timeout_s: float = _OFFLINE.run_timeout_s
     stop_grace_s: float = _OFFLINE.stop_grace_s
     backend: str | None = None  # None: nccl when every rank gets a GPU, else gloo
+    deterministic: bool = False  # batch-invariant kernels (kernels.set_batch_invariant) on every rank
+    load_format: LoadFormat = "auto"  # "dummy": seeded random weights (models.dummy), no weight read
     use_cuda_graphs: bool = True  # decode steps on a GPU are CUDA graphs (a world > 1: with static_moe)
     # the static helix step (HelixHooks.set_static): padded MoE all-to-all (capacity: each step's
     # at dp 1, the step budget's at dp > 1), no host read; with it, a world of more than one rank
@@ -96,12 +101,18 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     model_dir = Path(model_dir)
     mapping = groups.mapping
     dtype = resolve_dtype(options.dtype, groups.device)
-    model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device,
-                             experts=options.experts).bind(groups)
+    if options.deterministic:
+        set_batch_invariant(True)
+    if options.load_format == "dummy":
+        model = load_dummy_model(model_config_of(model_dir, "dummy"), dtype, groups.device, mapping,
+                                 experts=options.experts, seed=options.seed).bind(groups)
+    else:
+        model = load_helix_model(model_dir, mapping, dtype=dtype, device=groups.device,
+                                 experts=options.experts).bind(groups)
     if uses_static_moe(options, mapping, groups.device):  # every rank alike: the same capacities
         model.helix.set_static(step_token_budget(options.cache, options.scheduler), lse_rows=options.cache.max_num_seqs)
     if mapping.cp_rank == 0:
-        return EngineCore(model, model.cfg, load_tokenizer_or_none(model_dir), options.cache, options.scheduler, groups.device,
+        return EngineCore(model, model.cfg, tokenizer_of(model_dir, options.load_format), options.cache, options.scheduler, groups.device,
                           options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver)
     spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
     caches = allocate_rank_caches(spec, layout, groups.device)
@@ -143,7 +154,7 @@ def _world_main(rank: int, world_size: int, init_method: str, model_dir: str, dp
         assert isinstance(part, EngineCore)
         driver = WorldDriver(part)
         try:
-            return drive_to_completion(driver, prompts, params, load_tokenizer_or_none(model_dir))
+            return drive_to_completion(driver, prompts, params, tokenizer_of(model_dir, options.load_format))
         finally:
             driver.shutdown()
     finally:
@@ -179,11 +190,10 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
     """Run every prompt on a fresh local dp x cp world (bounded by ``options.run_timeout_s``);
     results in prompt order."""
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {model_dir}")
+    cfg = model_config_of(model_dir, options.load_format)
     if dp < 1 or cp < 1:
         raise ValueError(f"dp={dp} and cp={cp} must be >= 1")
-    tokenizer = load_tokenizer_or_none(model_dir)
+    tokenizer = tokenizer_of(model_dir, options.load_format)
     encoded = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -194,22 +204,22 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
             raise ValueError("prompt is empty")
         encoded.append(list(prompt))
     params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
-    _check_fits_world(model_dir, dp, cp)
+    _check_fits_world(cfg, dp, cp)
     results = run_local_world(_world_main, dp * cp, str(model_dir), dp, cp, encoded, params_list, options,
                               timeout_s=options.run_timeout_s, grace_s=options.stop_grace_s)
     return results[0]
 
 
-def _check_fits_world(model_dir: Path, dp: int, cp: int) -> None:
+def _check_fits_world(cfg: KimiModelConfig, dp: int, cp: int) -> None:
     """Start-up errors (indivisible heads / experts, layer order) before spawning anything."""
-    from helixserve.models.config import KimiModelConfig
     from helixserve.models.sharding import check_helix_config
 
-    check_helix_config(KimiModelConfig.from_pretrained(model_dir), Mapping(dp * cp, 0, dp=dp, cp=cp))
+    check_helix_config(cfg, Mapping(dp * cp, 0, dp=dp, cp=cp))
 
 
 def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: list[int] | None,
-                      params: SamplingParams, *, dp: int, cp: int, dtype: str | None = None) -> GenerationResult:
+                      params: SamplingParams, *, dp: int, cp: int, dtype: str | None = None,
+                      load_format: LoadFormat = "auto", enforce_eager: bool = False) -> GenerationResult:
     """One prompt (text or ids) on a local dp x cp world; what ``helixserve generate --dp --cp`` prints.
 
     ``dtype`` None means float32, the single-process CLI's CPU default, on GPUs too: the output is
@@ -218,7 +228,8 @@ def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: lis
     source = prompt_ids if prompt_ids is not None else prompt
     if source is None:
         raise ValueError("give a prompt or prompt ids")
-    return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(dtype=dtype or "float32"))[0]
+    return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(
+        dtype=dtype or "float32", load_format=load_format, use_cuda_graphs=not enforce_eager))[0]
 
 
 # ---------------------------------------------------------------- a server's world

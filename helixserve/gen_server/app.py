@@ -13,7 +13,7 @@ from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
 from helixserve.gen_server.world import (GenWorld, GenWorldCore, serve_world_rank, start_gen_world,
                                          world_layout, world_options)
-from helixserve.models.tokenizer import load_tokenizer_or_none
+from helixserve.models.dummy import tokenizer_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
 from helixserve.serving.loading import make_worker, wrap_core
@@ -60,7 +60,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
     world = start_gen_world(deploy, server, options, factory, env)
     try:
         driver = world.driver
-        tokenizer = load_tokenizer_or_none(deploy.model.path)
+        tokenizer = tokenizer_of(deploy.model.path, deploy.model.load_format)
         worker = wrap_core("gen", deploy, GenWorldCore(world), tokenizer, driver.core.model_config, layout,
                            driver.core.scheduler.max_model_len, server.max_queue_len,
                            num_running_slots=server.dp * deploy.cache.max_num_seqs)

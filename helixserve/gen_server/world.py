@@ -37,7 +37,7 @@ from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, WorldOpt
                                          drive_to_completion, pick_backend, run_rank, start_local_world,
                                          start_rank0)
 from helixserve.gen_server.supervisor import GenWorld, WorldSupervisor
-from helixserve.models.config import KimiModelConfig
+from helixserve.models.dummy import model_config_of
 from helixserve.parallel import DistEnv, Mapping
 from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTransferError,
                                       KVTransferTimeoutError)
@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 def world_options(deploy: DeploymentConfig, server: GenServerConfig) -> WorldOptions:
     device = server.device or deploy.model.device
     return WorldOptions(cache=deploy.cache, scheduler=deploy.scheduler, dtype=deploy.model.dtype,
-                        experts=deploy.model.experts,
+                        experts=deploy.model.experts, use_cuda_graphs=not deploy.model.enforce_eager,
+                        load_format=deploy.model.load_format, deterministic=deploy.model.deterministic,
                         seed=deploy.seed, timeout_s=server.collective_timeout_s,
                         stop_grace_s=server.world_stop_grace_s,
                         backend="gloo" if device == "cpu" else None)
@@ -61,7 +62,7 @@ def world_layout(deploy: DeploymentConfig, server: GenServerConfig, options: Wor
     checkpoint, dtype and block size advertises)."""
     backend = pick_backend(server.world_size, options.backend)
     dtype = resolve_dtype(options.dtype, torch.device("cuda" if backend == "nccl" else "cpu"))
-    cfg = KimiModelConfig.from_pretrained(deploy.model.path)
+    cfg = model_config_of(deploy.model.path, deploy.model.load_format)
     return layout_for(cfg, dtype, deploy.cache.tokens_per_block, deploy.model.name)
 
 

@@ -28,6 +28,26 @@ def value_checks_enabled() -> bool:
     return _value_checks
 
 
+_batch_invariant = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """``model.deterministic``: reductions whose order does not depend on the batch where the
+    kernels choose it (MLA decode: a fixed KV split count and the Triton kernel, not FlashMLA,
+    whose split plan follows the batch; MXFP4 experts: one row-block size), and PyTorch's
+    deterministic algorithms without reduced-precision GEMM reductions (split-K in bf16/fp16)."""
+    global _batch_invariant
+    _batch_invariant = bool(enabled)
+    torch.use_deterministic_algorithms(_batch_invariant, warn_only=True)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not _batch_invariant
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = not _batch_invariant
+    torch.backends.cudnn.deterministic = _batch_invariant
+
+
+def batch_invariant_enabled() -> bool:
+    return _batch_invariant
+
+
 @cache
 def fast_kernels_enabled() -> bool:
     """``HELIXSERVE_KERNELS=auto``: GPU fast paths (Triton, fla, FlashMLA) where installed."""

@@ -60,7 +60,7 @@ def resolve_deployment(config: str | Path | None, model: str | None, port: int |
     deploy = DeploymentConfig.from_yaml(config) if config else default_deployment()
     spec = deploy.model
     path = Path(model) if model else spec.path
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and spec.load_format != "dummy":
         from helixserve.models.presets import PRESETS, make_checkpoint
 
         preset = path.name if path.name in PRESETS else None

@@ -91,7 +91,7 @@ def load_helix_model(
         canonical = canonicalize(tensors, cfg, keep_mxfp4=is_packed)
         check_tensors(canonical, expected)
         reader, expert_reader = _dict_readers(to_internal(canonical, cfg))
-    return _materialize(model, reader, expert_reader, dtype, device)
+    return materialize(model, reader, expert_reader, dtype, device)
 
 
 def shard_state_dict(
@@ -102,13 +102,13 @@ def shard_state_dict(
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype, mapping, moe_mode)
     reader, expert_reader = _dict_readers(state)
-    return _materialize(model, reader, expert_reader, dtype, device)
+    return materialize(model, reader, expert_reader, dtype, device)
 
 
 # ---------------------------------------------------------------- which slice each parameter is
 
 
-def _materialize(
+def materialize(
     model: KimiForCausalLM, read: Reader, read_experts: ExpertReader, dtype: torch.dtype,
     device: str | torch.device,
 ) -> KimiForCausalLM:

@@ -108,42 +108,46 @@ def get_preset(name: str) -> KimiModelConfig:
 
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Seeded init with scales that keep activations O(1) and logits peaked enough to be non-degenerate.
-
-    Linear weights ~ N(0, 1/fan_in); embeddings ~ N(0, 1); norm weights ~ 1 + N(0, 0.1); KDA A_log =
-    log U(1, 16) and dt_bias = softplus^-1(U(1e-3, 1e-1)) (the fla init); router bias ~ N(0, 0.01);
-    attention-residual queries ~ N(0, 0.5). MXFP4 configs round routed experts to FP4 so that
-    a saved checkpoint reloads exactly.
-    """
+    """Seeded init (:func:`random_value` per parameter, in ``named_parameters`` order from one
+    CPU generator). MXFP4 configs round routed experts to FP4 so that a saved checkpoint reloads
+    exactly."""
     gen = torch.Generator().manual_seed(seed)
-
-    def normal(shape: torch.Size, std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std
-
     for name, p in model.named_parameters():
-        shape = p.shape
-        if name.endswith(".A_log"):
-            value = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
-        elif name.endswith(".dt_bias"):
-            dt = torch.exp(torch.rand(shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            value = dt + torch.log(-torch.expm1(-dt))
-        elif name.endswith(".e_score_correction_bias"):
-            value = normal(shape, 0.01)
-        elif name.endswith("_res_proj.weight"):
-            value = normal(shape, 0.5)
-        elif name.endswith("embed_tokens.weight"):
-            value = normal(shape, 1.0)
-        elif p.dim() == 1:
-            value = 1.0 + normal(shape, 0.1)
-        elif name.endswith("conv1d.weight"):
-            value = normal(shape, 1.0 / math.sqrt(shape[-1]))
-        else:
-            value = normal(shape, 1.0 / math.sqrt(shape[-1]))
-        p.copy_(value.to(p.dtype))
+        p.copy_(random_value(name, p.shape, gen).to(p.dtype))
     if model.cfg.routed_expert_format == "mxfp4":
         for name, p in model.named_parameters():
             if name.endswith((".experts.w13", ".experts.w2")):
                 p.copy_(dequantize_mxfp4(*quantize_mxfp4(p.float())).to(p.dtype))
+
+
+def random_value(name: str, shape: torch.Size | tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """fp32 values for parameter ``name`` on ``gen``'s device, with scales that keep activations
+    O(1) and logits peaked enough to be non-degenerate.
+
+    Linear weights ~ N(0, 1/fan_in); embeddings ~ N(0, 1); norm weights ~ 1 + N(0, 0.1); KDA A_log =
+    log U(1, 16) and dt_bias = softplus^-1(U(1e-3, 1e-1)) (the fla init); router bias ~ N(0, 0.01);
+    attention-residual queries ~ N(0, 0.5).
+    """
+    device = gen.device
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device) * std
+
+    if name.endswith(".A_log"):
+        return torch.log(torch.rand(shape, generator=gen, device=device) * 15 + 1)
+    if name.endswith(".dt_bias"):
+        log_dt = torch.rand(shape, generator=gen, device=device) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+        dt = torch.exp(log_dt)
+        return dt + torch.log(-torch.expm1(-dt))
+    if name.endswith(".e_score_correction_bias"):
+        return normal(0.01)
+    if name.endswith("_res_proj.weight"):
+        return normal(0.5)
+    if name.endswith("embed_tokens.weight"):
+        return normal(1.0)
+    if len(shape) == 1:
+        return 1.0 + normal(0.1)
+    return normal(1.0 / math.sqrt(shape[-1]))
 
 
 TOKENIZER_LAYOUTS = ("hf", "kimi")

@@ -22,7 +22,9 @@ def load_engine(deploy: DeploymentConfig) -> tuple[EngineCore, HelixTokenizer | 
     """Load the checkpoint, its tokenizer and a single-process engine."""
     spec = deploy.model
     llm = LLM(spec.path, dtype=spec.dtype, device=spec.device, cache=deploy.cache,
-              scheduler=deploy.scheduler, seed=deploy.seed, experts=spec.experts)
+              scheduler=deploy.scheduler, seed=deploy.seed, experts=spec.experts,
+              enforce_eager=spec.enforce_eager, load_format=spec.load_format,
+              deterministic=spec.deterministic)
     return llm.engine, llm.tokenizer, llm.model_config
 
 

@@ -130,7 +130,7 @@ def test_a_world_captures_decode_graphs_only_in_static_mode() -> None:
     with torch.device("meta"):
         model = KimiForCausalLM(get_preset(PRESET), mapping=Mapping(2, 0, dp=1, cp=2))
     assert decode_graphs_off_reason(model, "cpu", True, 2) == "not on CUDA"
-    assert decode_graphs_off_reason(model, "cuda", False, 2) == "not asked for"
+    assert decode_graphs_off_reason(model, "cuda", False, 2) == "enforce_eager"
     no_fla = None if has_fla() else "the fast kernels (fla, Triton) are not in use"
     off = decode_graphs_off_reason(model, "cuda", True, 2)
     assert off == (no_fla or "a world of 2 ranks without the static helix step (WorldOptions.static_moe)")

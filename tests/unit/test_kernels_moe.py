@@ -187,7 +187,7 @@ def test_padded_bmm_only_with_threads_and_busy_experts(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7])
-@pytest.mark.parametrize("form", ["gathered", "grouped"])
+@pytest.mark.parametrize("form", ["gathered", "grouped", "dense"])
 def test_gpu_expert_forms_match_naive_on_any_row_count(form, rows):
     """The GPU path's two expert forms are plain torch: checked here on the CPU, including a rank
     that receives no rows from the token-sliced all-to-all (T = 0) and an EP slice of the experts."""
@@ -206,8 +206,56 @@ def test_gpu_expert_forms_match_naive_on_any_row_count(form, rows):
     def act(gate, up):
         return _act_and_mul_torch(gate, up, "silu", 1.0, 1.0)
 
-    fn = moe_gpu.grouped_experts if form == "grouped" else moe_gpu.gathered_experts
+    fn = {"grouped": moe_gpu.grouped_experts, "gathered": moe_gpu.gathered_experts,
+          "dense": moe_gpu.dense_experts}[form]
     y = fn(x, ids, w, w13, w2, E // 2, act)
     assert y.shape == (rows, d) and y.dtype == dtype
     want = naive_moe_experts(x.float(), ids, w, w13.float(), w2.float(), expert_offset=E // 2)
     assert_close(f"{form} T={rows}", want, y.float(), 1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("expert_offset", [0, 4])
+def test_dense_experts_equal_the_sorted_path_without_host_reads(expert_offset):
+    """The every-expert form (CUDA fp32 past the gathered form's memory bound) against the sorted
+    PyTorch path it stands in for, on more pairs than the few-pairs paths take (T * k > 64), with
+    an EP slice; under the guard that fails any host read or value-dependent shape (what a CUDA
+    graph capture cannot hold)."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+    from helixserve.kernels.moe.experts import _act_and_mul_torch, _moe_experts_torch
+    from tests.integration.host_sync_guard import HostReadError, no_host_reads
+
+    rows, d, i = 40, 16, 8
+    x = rand(rows, d, seed=30)
+    w, ids = moe_route(rand(rows, E, seed=31), top_k=TOP_K, correction_bias=None, renormalize=True,
+                       routed_scaling_factor=2.446)
+    w13, w2 = rand(E // 2, 2 * i, d, seed=32), rand(E // 2, d, i, seed=33)
+    want = _moe_experts_torch(x, ids, w, w13, w2, expert_offset, "situ", 4.0, 25.0)
+    with no_host_reads():
+        y = moe_gpu.dense_experts(x, ids, w, w13, w2, expert_offset,
+                                  lambda g, u: _act_and_mul_torch(g, u, "situ", 4.0, 25.0))
+        with pytest.raises(HostReadError):  # the guard is live: the sorted path reads the routing
+            _moe_experts_torch(x, ids, w, w13, w2, expert_offset, "situ", 4.0, 25.0)
+    assert want.abs().sum() > 0
+    assert_close(f"dense vs sorted, offset {expert_offset}", want, y, 1e-6)
+
+
+def test_pair_sum_is_the_scatter_sum_in_a_fixed_per_token_order():
+    """The GPU expert forms' combine: pairs back in (token, k) order, summed over k in turn; equal
+    to the ``index_add_`` it replaces (atomic adds on CUDA), and each token's row is bit-identical
+    whatever other tokens share the batch. Group ends by binary search equal the counted ones."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+
+    rows, top_k, d = 13, TOP_K, 16
+    w, ids = moe_route(rand(rows, E, seed=40), top_k=top_k, correction_bias=None, renormalize=True,
+                       routed_scaling_factor=1.0)
+    order, sorted_ids, _ = moe_gpu._sort_pairs(ids, E - 2, 1)  # an EP slice: some pairs held elsewhere
+    y = rand(rows * top_k, d, seed=41) * 1e3
+    scattered = torch.zeros(rows, d).index_add_(0, order // top_k, y)
+    summed = moe_gpu.sum_pairs(y, order, top_k)
+    assert_close("pair sum vs index_add_", scattered, summed, 1e-6)
+    for t in (0, 5, rows - 1):  # token t alone: its k pairs only, in their sorted order
+        mine = torch.nonzero(order // top_k == t).squeeze(1)
+        alone = moe_gpu.sum_pairs(y[mine], order[mine] - t * top_k, top_k)
+        assert torch.equal(alone[0], summed[t])
+    counts = torch.bincount(sorted_ids, minlength=E - 1)[:E - 2]
+    assert torch.equal(moe_gpu.group_ends(sorted_ids, E - 2), torch.cumsum(counts, 0).to(torch.int32))

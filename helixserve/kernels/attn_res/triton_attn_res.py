@@ -23,7 +23,7 @@ def _mix_source(src_ptr, offs, mask, query, D, eps, m, denom, acc):
     return m_new, denom * alpha + p, acc * alpha + p * vals
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_bank_k"])  # rows follow the batch: no variant per count
 def _attn_res_kernel(
     prefix_ptr, bank_ptr, norm_ptr, proj_ptr, out_ptr,
     K, M, D, stride_prefix, stride_bank_k, stride_bank_m, stride_out, eps,

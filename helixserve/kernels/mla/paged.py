@@ -23,8 +23,8 @@ import torch
 from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape
 from helixserve.kernels._host import host_list
 from helixserve.kernels.mla import flashmla
-from helixserve.kernels.triton_common import (fast_kernels_enabled, gpu_num_seqs, has_triton, use_triton,
-                                              value_checks_enabled)
+from helixserve.kernels.triton_common import (batch_invariant_enabled, fast_kernels_enabled, gpu_num_seqs, has_triton,
+                                              use_triton, value_checks_enabled)
 
 if has_triton():
     from helixserve.kernels.mla import triton_mla
@@ -133,7 +133,7 @@ def mla_paged_attention(
     check_integer("kv_lens", kv_lens)
     if is_decode and T != B:
         raise ValueError(f"is_decode: q has {T} rows for {B} sequences (one query per sequence expected)")
-    if is_decode and _fast_path(kv_cache) and flashmla.skip_reason(q, kv_cache, block_tables, kv_lens, v_dim) is None:
+    if is_decode and _fast_path(kv_cache) and not batch_invariant_enabled() and flashmla.skip_reason(q, kv_cache, block_tables, kv_lens, v_dim) is None:
         return flashmla.paged_decode(q, kv_cache, block_tables, kv_lens, float(scale), v_dim)
     if is_fast and use_triton(q):  # Triton, no host syncs (the bound checks below read the tables on the host)
         return triton_mla.paged_attention(q, kv_cache, block_tables, cu_seqlens_q, q_positions, kv_lens,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helixserve.kernels.triton_common import is_interpreting, next_pow2, seq_ids_of_rows
+from helixserve.kernels.triton_common import batch_invariant_enabled, is_interpreting, next_pow2, seq_ids_of_rows
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -37,7 +37,10 @@ _TARGET_PROGRAMS = 640
 _MAX_SPLITS = 16
 
 
-@triton.jit
+# integer arguments that follow the batch (rows, table width, split count) are not specialized
+# (Triton compiles a variant per "== 1" and "% 16 == 0" of each int argument): a prompt length
+# or batch first seen after warm-up must not compile a kernel
+@triton.jit(do_not_specialize=["stride_table"])
 def _write_kv_kernel(
     kv_ptr, table_ptr, seq_ptr, pos_ptr, latent_ptr,
     stride_table, stride_latent, BS, D,
@@ -73,7 +76,7 @@ def write_kv(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table", "stride_os", "stride_ls", "NUM_SPLITS"])
 def _paged_attention_kernel(
     q_ptr, kv_ptr, table_ptr, seq_ptr, pos_ptr, kv_len_ptr, o_ptr, lse_ptr,
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
@@ -162,7 +165,10 @@ def _paged_attention_kernel(
 
 
 def choose_num_splits(num_rows: int, num_head_programs: int) -> int:
-    """KV splits per (row, head block, value part): enough programs to fill the GPU, at most 16."""
+    """KV splits per (row, head block, value part): enough programs to fill the GPU, at most 16;
+    batch-invariant mode: always the most (a row's merge order then ignores the batch)."""
+    if batch_invariant_enabled():
+        return _MAX_SPLITS
     programs = max(1, num_rows * num_head_programs)
     return max(1, min(_MAX_SPLITS, math.ceil(_TARGET_PROGRAMS / programs)))
 
@@ -244,7 +250,7 @@ def paged_attention(
     return lse_combine(o_parts, lse_parts, out_dtype=q.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "stride_op", "stride_lp"])
 def _lse_combine_kernel(
     o_parts_ptr, lse_parts_ptr, o_ptr, lse_ptr,
     P, H, D, stride_op, stride_ot, stride_oh, stride_lp, stride_lt, stride_out_t, stride_out_h,

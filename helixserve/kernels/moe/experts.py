@@ -98,7 +98,7 @@ def moe_experts(
             return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, lambda g, u: (
                 _act_and_mul_torch(g, u, activation, situ_beta, situ_linear_beta)))
         w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # the reference: dequantize, then matmul
-    if x.is_cuda:  # grouped GEMM (bf16) or gathered bmm: no loop over experts, no host sync
+    if x.is_cuda:  # grouped GEMM (bf16), gathered bmm or every expert: no host sync (graph-safe)
         if T == 0:  # a rank that received no rows in the token-sliced all-to-all
             return x.new_zeros(0, D)
         def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -108,6 +108,7 @@ def moe_experts(
             return moe_gpu.grouped_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
         if moe_gpu.can_gather(topk_ids, w13):
             return moe_gpu.gathered_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
+        return moe_gpu.dense_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
     return _moe_experts_torch(x, topk_ids, topk_weights, w13, w2, expert_offset, activation,
                               situ_beta, situ_linear_beta)
 

@@ -2,11 +2,15 @@
 
 The (token, k) pairs are sorted by local expert on the device; ``torch._grouped_mm`` (bf16, CUTLASS
 grouped GEMM on Hopper) runs every expert's gate/up and down projections in one call each over the
-sorted rows, with the group ends as a device tensor. Pairs routed to experts held elsewhere (expert
-parallelism) sort after the last group, are left out of both GEMMs and masked to zero. Weighted
-rows are summed back per token with ``index_add_``. Other dtypes (the fp32 test presets) gather
-each pair's expert weights and use ``bmm`` when that fits in memory; the caller falls back to the
-PyTorch reference otherwise.
+sorted rows, with the group ends as a device tensor (a binary search of the sorted ids: no atomic
+count). Pairs routed to experts held elsewhere (expert parallelism) sort after the last group, are
+left out of both GEMMs and masked to zero. Weighted rows go back to (token, k) order and are summed
+per token over k in order (:func:`sum_pairs`): no atomic adds, so a token's sum is the same on
+every run and whatever else is in the batch. Other dtypes (fp32 models) gather each pair's
+expert weights and use ``bmm`` when that fits in memory, else run every local expert over every
+token and weight its output by a ``[T, E_local]`` combine matrix (zero where not routed):
+:func:`dense_experts`, static shapes and no host read, so a decode step captures in a CUDA graph,
+and a fixed sum order (experts ascending).
 """
 
 from __future__ import annotations
@@ -52,9 +56,7 @@ def grouped_experts(
     I = two_I // 2
     top_k = topk_ids.shape[1]
     order, sorted_ids, valid = _sort_pairs(topk_ids, E, expert_offset)
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids, dtype=torch.int32))
-    offs = torch.cumsum(counts[:E], 0, dtype=torch.int32)
+    offs = group_ends(sorted_ids, E)
     rows = order // top_k
     xs = x.index_select(0, rows)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
@@ -63,9 +65,25 @@ def grouped_experts(
     weights = topk_weights.flatten().index_select(0, order).float()
     # rows past the last group are not written by _grouped_mm: mask, never multiply
     y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    out.index_add_(0, rows, y)
-    return out.to(x.dtype)
+    return sum_pairs(y, order, top_k).to(x.dtype)
+
+
+def group_ends(sorted_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[num_groups]`` int32: the end of each group ``e`` in ascending ``sorted_ids`` (the pairs with
+    an id ``<= e``), by binary search: exact, no atomics, no host read."""
+    bounds = torch.arange(1, num_groups + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
+    return torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+
+
+def sum_pairs(y: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, D]`` fp32: ``y [P, D]`` (rows in ``order``, a permutation of the ``T * top_k`` pairs)
+    put back in pair order and summed per token over ``k = 0, 1, ...`` in turn: a fixed order
+    that depends on nothing but the token's own rows (``index_add_`` adds with atomics on CUDA)."""
+    by_pair = torch.empty_like(y).index_copy_(0, order, y).view(-1, top_k, y.shape[1])
+    out = by_pair[:, 0].contiguous()
+    for j in range(1, top_k):
+        out.add_(by_pair[:, j])
+    return out
 
 
 def gathered_experts(
@@ -85,6 +103,38 @@ def gathered_experts(
     y = torch.bmm(w2.index_select(0, safe).float(), act[:, :, None]).squeeze(-1)
     weights = torch.where(is_local, topk_weights.flatten().float(), 0.0)
     return (y * weights[:, None]).view(T, topk_ids.shape[1], D).sum(1).to(x.dtype)
+
+
+def dense_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    expert_offset: int, act_and_mul,
+) -> torch.Tensor:
+    """``moe_experts`` as every local expert over every token, in fixed order (experts ascending):
+    ``y = sum_e c[:, e] * w2[e] act(w13[e] x)`` with ``c [T, E_local]`` the routing weights
+    (0 where a token did not pick the expert). Shapes depend on ``T`` only: no sort, no host read.
+    Reads each expert's weights once; costs ``E_local / k`` times the routed FLOPs."""
+    T, D = x.shape
+    E, two_I, _ = w13.shape
+    I = two_I // 2
+    combine = combine_weights(topk_ids, topk_weights, E, expert_offset)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        h = torch.nn.functional.linear(x, w13[e])
+        act = act_and_mul(h[:, :I], h[:, I:]).to(w2.dtype)
+        out.addcmul_(torch.nn.functional.linear(act, w2[e]).float(), combine[:, e:e + 1])
+    return out.to(x.dtype)
+
+
+def combine_weights(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_local: int,
+                    expert_offset: int) -> torch.Tensor:
+    """``[T, num_local]`` fp32: each token's routing weight of each local expert, 0 where it did not
+    pick it (a token picks an expert at most once, so each entry is written by one pair at most)."""
+    local = topk_ids.to(torch.int64) - expert_offset
+    is_local = (local >= 0) & (local < num_local)
+    # pairs of experts held elsewhere land in one extra column, dropped
+    combine = torch.zeros(topk_ids.shape[0], num_local + 1, dtype=torch.float32, device=topk_ids.device)
+    combine.scatter_(1, torch.where(is_local, local, num_local), torch.where(is_local, topk_weights.float(), 0.0))
+    return combine[:, :num_local]
 
 
 def mxfp4_experts(
@@ -113,6 +163,4 @@ def mxfp4_experts(
     weights = topk_weights.flatten().index_select(0, order).float()
     # rows of experts held elsewhere are not written: mask, never multiply
     y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    out.index_add_(0, rows, y)
-    return out.to(x.dtype)
+    return sum_pairs(y, order, top_k).to(x.dtype)

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from helixserve.kernels.moe.mxfp4 import MXFP4_GROUP_SIZE, MXFP4Weight
 from helixserve.kernels.moe.mxfp4_decode import decode_selected, word_scales
-from helixserve.kernels.triton_common import is_interpreting
+from helixserve.kernels.triton_common import batch_invariant_enabled, is_interpreting
 
 DECODES = {"fp32": 0, "bf16x2": 1, "lut": 2}  # name -> the kernel's DECODE (see .mxfp4_decode)
 # what grouped_gemm_mxfp4 runs on a GPU, by the largest row-block size it is the fastest for (H200
@@ -69,7 +69,10 @@ class BlockSchedule:
 
 
 def choose_block_m(num_rows: int, num_experts: int) -> int:
-    """16 rows per block at decode sizes (a few rows per expert: tl.dot's minimum), up to 64 at prefill."""
+    """16 rows per block at decode sizes (a few rows per expert: tl.dot's minimum), up to 64 at
+    prefill; batch-invariant mode: 16 always (one tile config, so one K order per row)."""
+    if batch_invariant_enabled():
+        return 16
     per_expert = num_rows / max(1, num_experts)
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 

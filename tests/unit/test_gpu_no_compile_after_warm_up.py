@@ -1,0 +1,55 @@
+"""Nothing compiles after ``/ready``: an engine warmed as a worker warms itself
+(:func:`~helixserve.serving.warm_up.warm_up_prompts`, alone and batched) compiles no Triton kernel
+(ours or fla's) for prompts of any length in 1..4096, alone or beside another request.
+
+Counted through Triton's JIT compile hook (``triton.knobs.runtime.jit_post_compile_hook``: called
+once per kernel variant compiled, never on a cache hit). ``kimi-k3-mid`` with dummy weights, bf16."""
+
+from __future__ import annotations
+
+import pytest
+
+from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.llm import LLM
+from helixserve.engine.request import SamplingParams
+from helixserve.serving.warm_up import warm_up_prompts
+
+pytestmark = pytest.mark.gpu
+# every length class Triton tells apart (== 1, % 16 == 0, neither) and the page / chunk edges
+LENGTHS = sorted({1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 500,
+                  511, 512, 513, 1000, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 4095, 4096})
+
+
+@pytest.fixture
+def compilations():
+    triton = pytest.importorskip("triton")
+    compiled: list[str] = []
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        compiled.append(str(getattr(fn, "name", fn)))
+        return None
+
+    runtime = triton.knobs.runtime
+    before = runtime.jit_post_compile_hook
+    runtime.jit_post_compile_hook = hook
+    yield compiled
+    runtime.jit_post_compile_hook = before
+
+
+def test_gpu_no_triton_compilation_after_warm_up(compilations):
+    cache, sched = CacheConfig(memory_budget_mib=8192, max_num_seqs=16), SchedulerConfig()
+    llm = LLM("kimi-k3-mid", load_format="dummy", device="cuda", cache=cache, scheduler=sched)
+    layout = llm.engine.layout
+    for prompt, params, copies in warm_up_prompts(layout.max_model_len, layout.max_model_len,
+                                                  llm.model_config.vocab_size, layout.tokens_per_block,
+                                                  sched.max_num_batched_tokens):
+        llm.generate([prompt] * copies, params)
+    assert compilations, "the hook saw no compilation during warm-up: it is not counting"
+    compilations.clear()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for n in LENGTHS:
+        prompt = [1 + (i * 31) % 500 for i in range(n)]
+        llm.generate([prompt], params)
+        llm.generate([prompt, [7] * (n % 37 + 1)], params)
+        assert not compilations, f"a prompt of {n} tokens compiled {compilations}"
