@@ -77,15 +77,17 @@ class Deployment:
     def save(self) -> None:
         self.config.to_yaml(self.config_file)
 
-    def start(self, role: str, *extra: str, env: dict[str, str] | None = None, name: str | None = None) -> None:
+    def start(self, role: str, *extra: str, env: dict[str, str] | None = None, name: str | None = None,
+              module: str = "helixserve.cli") -> None:
         """Start ``role`` (``ctx``, ``gen``, ``baseline`` or ``router``) as process ``name``
-        (default: the role), with ``env`` added to this environment."""
+        (default: the role), with ``env`` added to this environment; ``module``: the CLI to run
+        (a test's fault injector wrapping ``helixserve.cli``)."""
         command = {"ctx": ["serve-ctx"], "gen": ["serve-gen"], "baseline": ["serve-gen", "--index", "1"],
                    "router": ["router"]}[role]
         name = name or role
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (kept for the process)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "helixserve.cli", "--log-level", "WARNING", *command,
+            [sys.executable, "-m", module, "--log-level", "WARNING", *command,
              "-c", str(self.config_file), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=self.environment(env))
