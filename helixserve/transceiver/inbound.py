@@ -10,7 +10,8 @@ the ctx says it already posted are still received, because an unmatched rendezvo
 pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `retract`; the
 endpoint to the ctx worker is shared by all requests and stays open). A RequestShard the ctx
 refused goes straight to CLOSED (its posted receives retracted): nothing was or will be sent for
-it, and a Cancel would stop the pickup for whichever rank holds it.
+it, and a Cancel would stop the pickup for whichever rank holds it. A ctx whose control connection
+closes mid-stream (it died) fails it at once and goes straight to CLOSED, sinks posted: no drain.
 
 Pulled (`pull`, `cuda_ipc`): when this rank holds the ctx's opened pools, RequestShard names their
 epoch and no receive is posted; a ctx that answers with `pull` sends nothing: the shard is copied
