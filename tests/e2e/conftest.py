@@ -168,6 +168,14 @@ class Deployment:
         url = {"ctx": self.ctx_url, "gen": self.gen_url}[role]
         return http("GET", f"{url}/stats")[1]
 
+    def prefill_on_ctx(self, prompt: list[int]) -> dict:
+        """A context_only request straight to the ctx worker: its generation_only params."""
+        status, answer = http("POST", f"{self.ctx_url}/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "disaggregated_params": {"request_type": "context_only"}})
+        assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
+        return {**answer["disaggregated_params"], "request_type": "generation_only"}
+
     def rank_pids(self) -> list[int]:
         """The gen world's spawned ranks (1 .. dp*cp-1), from the gen worker's /health."""
         return http("GET", f"{self.gen_url}/health")[1]["world"]["rank_pids"][1:]

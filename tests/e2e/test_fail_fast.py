@@ -78,8 +78,13 @@ async def _burst(dep: Deployment, num: int) -> tuple[list[httpx.Response], list[
     return answered_frozen, list(rest)
 
 
+def _ctx_requests(dep: Deployment, status: str) -> float:
+    return metric(dep.ctx_url, f'helixserve_worker_requests_total{{role="ctx",status="{status}"}}', default=0.0)
+
+
 def test_router_answers_overload_itself_and_never_overfills_a_worker(dep):
     assert http("GET", f"{dep.ctx_url}/ready")[1]["capacity"] == CTX_RUNNING_SLOTS
+    served_before = _ctx_requests(dep, "200")
     answered_frozen, rest = asyncio.run(_burst(dep, BURST))
     # the router refused the excess while the ctx could not answer anything: from its own queue
     num_refused = BURST - CTX_RUNNING_SLOTS - ROUTER_QUEUE
@@ -90,22 +95,15 @@ def test_router_answers_overload_itself_and_never_overfills_a_worker(dep):
         assert error["code"] == "queue_full" and "the router is at capacity" in error["message"], error
     # what it forwarded (its slots, then its queue) was served: no worker refused anything
     assert [r.status_code for r in rest] == [200] * (CTX_RUNNING_SLOTS + ROUTER_QUEUE), [r.text for r in rest]
+    assert _ctx_requests(dep, "200") == served_before + len(rest)  # (the counter read below is live)
     for url, role in ((dep.ctx_url, "ctx"), (dep.gen_url, "gen")):
         refused = metric(url, f'helixserve_worker_requests_total{{role="{role}",status="429"}}', default=0.0)
         assert refused == 0, f"{role} worker refused {refused} requests the router forwarded"
     wait_until(dep.is_idle, 10, "nothing allocated on ctx and gen")
 
 
-def _prefill_on_ctx(dep: Deployment, prompt: list[int]) -> dict:
-    status, answer = http("POST", f"{dep.ctx_url}/v1/completions", {
-        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-        "disaggregated_params": {"request_type": "context_only"}})
-    assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
-    return {**answer["disaggregated_params"], "request_type": "generation_only"}
-
-
 def test_ctx_killed_mid_transfer_fails_it_on_every_rank_at_once(dep):
-    params = _prefill_on_ctx(dep, list(range(40, 75)))
+    params = dep.prefill_on_ctx(list(range(40, 75)))
     dep.held_sends.touch()  # the ctx accepts the shard requests and sends nothing
     out: dict = {}
 
