@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -42,30 +44,59 @@ ROUTER_OPERATIONS = {
 
 
 class Admission:
-    """At most ``max_inflight`` requests on the workers; up to ``max_queue_len`` more wait for a
-    slot; beyond that, 429."""
+    """At most :attr:`limit` requests on the workers: ``max_inflight``, lowered to what the
+    workers admit (``capacity()``: the smallest pool's, see ``router.pool``); up to
+    ``max_queue_len`` more wait for a slot, first come first served; beyond that, 429 at once."""
 
-    def __init__(self, max_inflight: int, max_queue_len: int) -> None:
+    def __init__(self, max_inflight: int, max_queue_len: int,
+                 capacity: Callable[[], int | None] = lambda: None) -> None:
         self.max_inflight = max_inflight
         self.max_queue_len = max_queue_len
-        self._slots = asyncio.Semaphore(max_inflight)
-        self.num_waiting = 0
+        self._capacity = capacity
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.num_inflight = 0
 
+    @property
+    def limit(self) -> int:
+        capacity = self._capacity()
+        return self.max_inflight if capacity is None else min(self.max_inflight, capacity)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
     async def acquire(self) -> None:
-        if self._slots.locked() and self.num_waiting >= self.max_queue_len:
+        if not self._waiters and self.num_inflight < self.limit:
+            self.num_inflight += 1
+            return
+        if len(self._waiters) >= self.max_queue_len:
             raise QueueFullError(f"the router is at capacity ({self.num_inflight} requests in "
-                                 f"flight, {self.num_waiting} waiting); retry later")
-        self.num_waiting += 1
+                                 f"flight, the workers admit {self.limit}; {len(self._waiters)} "
+                                 f"waiting); retry later")
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
         try:
-            await self._slots.acquire()
-        finally:
-            self.num_waiting -= 1
-        self.num_inflight += 1
+            await waiter
+        except BaseException:  # cancelled (client gone) while waiting, or just as it got a slot
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            raise
 
     def release(self) -> None:
         self.num_inflight -= 1
-        self._slots.release()
+        self.wake()
+
+    def wake(self) -> None:
+        """Hand free slots to the waiters in order (after a release, or the workers' capacity
+        grew)."""
+        while self._waiters and self.num_inflight < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.num_inflight += 1
+                waiter.set_result(None)
 
 
 def _check_api_key(request: Request, api_keys: tuple[str, ...]) -> None:
@@ -97,7 +128,7 @@ class RouterService:
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
         self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model)
-        self.admission = Admission(config.max_inflight, config.max_queue_len)
+        self.admission = Admission(config.max_inflight, config.max_queue_len, self._capacity)
         self.orchestrator: Orchestrator | None = None
 
     @contextlib.asynccontextmanager
@@ -121,7 +152,13 @@ class RouterService:
         while True:
             await asyncio.gather(self.ctx_pool.check(client, timeout_s),
                                  self.gen_pool.check(client, timeout_s))
+            self.admission.wake()  # the workers' capacity may have grown
             await asyncio.sleep(self.config.health_check_interval_s)
+
+    def _capacity(self) -> int | None:
+        """What the workers admit at once (a request holds at most one ctx and one gen worker)."""
+        known = [c for c in (self.ctx_pool.capacity, self.gen_pool.capacity) if c is not None]
+        return min(known) if known else None
 
     def _parse(self, cls: type, raw_bytes: bytes) -> tuple:
         """The body as a request model and as the JSON object forwarded to the workers (parsed
@@ -184,7 +221,7 @@ class RouterService:
         """200 when at least one ctx and one gen worker are healthy; the pools either way."""
         is_ready = bool(self.ctx_pool.healthy and self.gen_pool.healthy)
         pools = {pool.role: [{"url": w.url, "healthy": w.is_healthy, "error": w.last_error,
-                              "inflight": w.num_inflight} for w in pool.workers]
+                              "inflight": w.num_inflight, "capacity": w.capacity} for w in pool.workers]
                  for pool in (self.ctx_pool, self.gen_pool)}
         return JSONResponse({"ready": is_ready, **pools}, status_code=200 if is_ready else 503)
 

@@ -4,6 +4,12 @@ A worker starts unknown (not healthy) and becomes healthy when its ``GET /ready`
 (alive and warmed up: ``/health`` is liveness only, 200 while the worker still warms up).
 A failed health check, or a request that could not reach it, marks it unhealthy with the cause;
 the next passing health check brings it back (rejoin).
+
+Capacity: a worker's ``/ready`` answer says how many requests it admits at once (``capacity``:
+its running slots plus its queue); beyond that it answers 429. The router never sends a worker
+more than that: :meth:`WorkerPool.pick` skips a worker at its capacity, and the router's
+admission holds its requests in flight to the pools' :attr:`WorkerPool.capacity`, so overload
+is queued or refused by the router itself, at once.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from helixserve.protocol import ServiceUnavailableError
+from helixserve.protocol import QueueFullError, ServiceUnavailableError
 from helixserve.router.upstream import Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +37,18 @@ class WorkerState:
     num_inflight: int = 0  # requests this router has on it now
     last_error: str | None = "not checked yet"
     stats: dict[str, Any] = field(default_factory=dict)  # the worker's last /ready answer
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests it admits at once, from its last ``/ready`` answer (None: not said)."""
+        capacity = self.stats.get("capacity")
+        is_count = isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 0
+        return capacity if is_count else None
+
+    @property
+    def has_room(self) -> bool:
+        capacity = self.capacity
+        return capacity is None or self.num_inflight < capacity
 
     def describe(self) -> str:
         return f"{self.url} ({'healthy' if self.is_healthy else self.last_error})"
@@ -51,13 +69,24 @@ class WorkerPool:
     def healthy(self) -> list[WorkerState]:
         return [w for w in self.workers if w.is_healthy]
 
+    @property
+    def capacity(self) -> int | None:
+        """Requests the healthy workers admit at once, summed (None: none is healthy, or one
+        does not say: no limit known)."""
+        capacities = [w.capacity for w in self.healthy]
+        return None if not capacities or None in capacities else sum(capacities)
+
     def pick(self) -> WorkerState:
-        """A healthy worker by the policy; 503 naming every worker's state when none is."""
+        """A healthy worker with room by the policy; 503 naming every worker's state when none is
+        healthy, 429 when every healthy one is at its capacity."""
         healthy = self.healthy
         if not healthy:
             states = "; ".join(w.describe() for w in self.workers)
             raise ServiceUnavailableError(f"no healthy {self.role} worker: {states}",
                                           code=f"no_healthy_{self.role}_worker")
+        healthy = [w for w in healthy if w.has_room]
+        if not healthy:
+            raise QueueFullError(f"every healthy {self.role} worker is at its capacity; retry later")
         start = next(self._rr)
         rotated = [healthy[(start + i) % len(healthy)] for i in range(len(healthy))]
         if self.policy == "least_loaded":

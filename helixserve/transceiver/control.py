@@ -148,9 +148,11 @@ def target(endpoint: TransceiverEndpoint) -> str:
 # channel has its own subchannels (gRPC shares them, backoff included, across equal channels).
 # grpc.min_reconnect_backoff_ms is also the least time one connection attempt gets to finish its
 # HTTP/2 handshake: at 100 ms a loaded peer failed it ("connection attempt timed out before
-# receiving SETTINGS frame"); calls are bounded by their deadlines, not by this
+# receiving SETTINGS frame"); calls are bounded by their deadlines, not by this. No client idle
+# timeout: a connection closes only when the ctx goes away (receivers read that as its death)
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 20_000),
-                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1),
+                   ("grpc.client_idle_timeout_ms", 2**31 - 1)]
 
 
 # internal: RequestShard ends this much before its transfer's deadline (the reply must still
@@ -217,11 +219,23 @@ class ControlClient:
         self._pool = futures.ThreadPoolExecutor(ASYNC_CALL_THREADS, thread_name_prefix="kv-control-client")
         self.state = grpc.ChannelConnectivity.IDLE
         self._has_connected = False
+        self.num_losses = 0  # connections to the ctx that closed under us (see `is_lost_since`)
         self._channel.subscribe(self._on_state)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        ready = grpc.ChannelConnectivity.READY
+        if self.state is ready and state is not ready:
+            self.num_losses += 1
+            logger.warning("control connection to ctx worker %s lost (channel %s)", target(self.endpoint),
+                           state.name.lower())
         self.state = state
-        self._has_connected = self._has_connected or state is grpc.ChannelConnectivity.READY
+        self._has_connected = self._has_connected or state is ready
+
+    def is_lost_since(self, num_losses: int) -> bool:
+        """An established connection to the ctx closed since `num_losses` was read: the ctx
+        worker went away (its service never closes a connection while it serves: no idle or age
+        limit), so what it was sending will not come."""
+        return self.num_losses != num_losses
 
     @property
     def is_failing(self) -> bool:

@@ -10,7 +10,8 @@ the ctx says it already posted are still received, because an unmatched rendezvo
 pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `retract`; the
 endpoint to the ctx worker is shared by all requests and stays open). A RequestShard the ctx
 refused goes straight to CLOSED (its posted receives retracted): nothing was or will be sent for
-it, and a Cancel would stop the pickup for whichever rank holds it.
+it, and a Cancel would stop the pickup for whichever rank holds it. A ctx whose control connection
+closes mid-stream (it died) fails it at once and goes straight to CLOSED, sinks posted: no drain.
 
 Pulled (`pull`, `cuda_ipc`): when this rank holds the ctx's opened pools, RequestShard names their
 epoch and no receive is posted; a ctx that answers with `pull` sends nothing: the shard is copied
@@ -81,6 +82,7 @@ class Inbound:
         self.peer: Hashable | None = None  # the plane's shared endpoint to the ctx worker, once known
         self.ctx = f"ctx worker {target(params.ctx_endpoint)}"
         self.client = receiver.clients.get(params.ctx_endpoint)
+        self.num_losses = self.client.num_losses  # its connection closing from now on: ctx gone
         spec = ShardSpec(receiver.layout, len(params.prompt_token_ids), receiver.cp_rank, receiver.cp_size)
         self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot,
                                            receiver.config.message_bytes)
@@ -125,6 +127,8 @@ class Inbound:
 
     def advance(self) -> None:
         """Non-blocking progress of whatever phase the stream is in."""
+        if self.phase in (Phase.REQUESTING, Phase.RECEIVING) and self.error is None and self.is_ctx_gone:
+            self._fail(f"{self.ctx} went away mid-transfer (its control connection closed)")
         if self.phase is Phase.REQUESTING and self.future.done():
             self._on_reply()
         if self.phase in (Phase.REQUESTING, Phase.RECEIVING, Phase.DRAINING):
@@ -308,6 +312,8 @@ class Inbound:
                          self.ctx, self.r.config.drain_timeout_s)
         if self.phase is Phase.REQUESTING and self.future is not None:
             self.future.cancel()
+        if self.is_ctx_gone:  # nothing more can come from it, and nobody is left to tell
+            return self._close(may_still_send=None)  # (a sink still absorbs a straggler)
         self.phase = Phase.DRAINING
         self.drain_end = self.r.clock.monotonic() + self.r.config.drain_timeout_s
         cancel = pb.CancelRequest(ctx_request_id=self.params.ctx_request_id, cp_rank=self.plan.spec.cp_rank,
@@ -316,6 +322,8 @@ class Inbound:
         self.num_to_drain = -1  # unknown until the Cancel reply
 
     def _drain(self) -> None:
+        if self.is_ctx_gone:
+            return self._close(may_still_send=None)
         if self.num_to_drain < 0 and self.future.done():
             try:
                 reply = self.future.result()
@@ -355,6 +363,11 @@ class Inbound:
                                      may_still_arrive=index < limit)
         self.phase = Phase.CLOSED
         self._collect()
+
+    @property
+    def is_ctx_gone(self) -> bool:
+        """The connection to the ctx worker closed since this stream began (see `control`)."""
+        return self.client.is_lost_since(self.num_losses)
 
     # -- Stream protocol (task handles) -------------------------------------------------------
     def kind_state(self, kind: PayloadKind) -> TransferState:

@@ -77,15 +77,17 @@ class Deployment:
     def save(self) -> None:
         self.config.to_yaml(self.config_file)
 
-    def start(self, role: str, *extra: str, env: dict[str, str] | None = None, name: str | None = None) -> None:
+    def start(self, role: str, *extra: str, env: dict[str, str] | None = None, name: str | None = None,
+              module: str = "helixserve.cli") -> None:
         """Start ``role`` (``ctx``, ``gen``, ``baseline`` or ``router``) as process ``name``
-        (default: the role), with ``env`` added to this environment."""
+        (default: the role), with ``env`` added to this environment; ``module``: the CLI to run
+        (a test's fault injector wrapping ``helixserve.cli``)."""
         command = {"ctx": ["serve-ctx"], "gen": ["serve-gen"], "baseline": ["serve-gen", "--index", "1"],
                    "router": ["router"]}[role]
         name = name or role
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (kept for the process)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "helixserve.cli", "--log-level", "WARNING", *command,
+            [sys.executable, "-m", module, "--log-level", "WARNING", *command,
              "-c", str(self.config_file), *extra],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=self.environment(env))
@@ -165,6 +167,14 @@ class Deployment:
     def stats(self, role: str) -> dict:
         url = {"ctx": self.ctx_url, "gen": self.gen_url}[role]
         return http("GET", f"{url}/stats")[1]
+
+    def prefill_on_ctx(self, prompt: list[int]) -> dict:
+        """A context_only request straight to the ctx worker: its generation_only params."""
+        status, answer = http("POST", f"{self.ctx_url}/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "disaggregated_params": {"request_type": "context_only"}})
+        assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
+        return {**answer["disaggregated_params"], "request_type": "generation_only"}
 
     def rank_pids(self) -> list[int]:
         """The gen world's spawned ranks (1 .. dp*cp-1), from the gen worker's /health."""

@@ -45,15 +45,6 @@ def _ask(dep: Deployment, max_tokens: int = 3) -> str:
     return r.choices[0].finish_reason
 
 
-def _prefill_on_ctx(dep: Deployment, prompt: list[int]) -> dict:
-    """A context_only request straight to the ctx worker: its generation_only params."""
-    status, answer = http("POST", f"{dep.ctx_url}/v1/completions", {
-        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-        "disaggregated_params": {"request_type": "context_only"}})
-    assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
-    return {**answer["disaggregated_params"], "request_type": "generation_only"}
-
-
 def _decode_on_gen(dep: Deployment, params: dict, out: dict) -> None:
     began = time.monotonic()
     out["answer"] = http("POST", f"{dep.gen_url}/v1/completions", {
@@ -75,7 +66,7 @@ def _ctx_endpoint(params: dict) -> str:
 
 
 def test_unpicked_prefill_expires_and_frees_its_cache(dep):
-    params = _prefill_on_ctx(dep, list(range(20)))
+    params = dep.prefill_on_ctx(list(range(20)))
     assert params["prompt_token_ids"] == list(range(20)) and len(params["first_gen_tokens"]) == 1
     assert params["layout"]["tokens_per_block"] == 4 and params["ctx_endpoint"]["port"] > 0
     assert dep.stats("ctx")["num_held"] == 1 and dep.stats("ctx")["num_used_blocks"] == 5
@@ -94,7 +85,7 @@ def test_unpicked_prefill_expires_and_frees_its_cache(dep):
 
 
 def test_gen_rejects_a_mismatched_layout(dep):
-    params = _prefill_on_ctx(dep, [5, 6, 7])
+    params = dep.prefill_on_ctx([5, 6, 7])
     params["layout"] = {**params["layout"], "tokens_per_block": 64}
     status, err = http("POST", f"{dep.gen_url}/v1/completions", {
         "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "disaggregated_params": params})
@@ -106,7 +97,7 @@ def test_gen_rejects_a_mismatched_layout(dep):
 def test_silent_ctx_times_the_transfer_out_on_every_rank(dep):
     """The ctx worker stops answering (SIGSTOP) after its prefill: the gen world's pickup times
     out within kv_transfer_timeout_ms, the client gets a 504 naming the ctx, gen frees all."""
-    params = _prefill_on_ctx(dep, list(range(30, 47)))
+    params = dep.prefill_on_ctx(list(range(30, 47)))
     os.killpg(dep.procs["ctx"].pid, signal.SIGSTOP)
     out: dict = {}
     try:
@@ -130,7 +121,7 @@ def test_client_gone_during_the_pickup_frees_ctx_and_every_gen_rank(dep):
                 + metric(dep.ctx_url, "helixserve_worker_pickups_expired_total"))
 
     before = ended()
-    params = _prefill_on_ctx(dep, list(range(100, 123)))
+    params = dep.prefill_on_ctx(list(range(100, 123)))
     os.killpg(dep.procs["ctx"].pid, signal.SIGSTOP)  # the pickup stays pending
     try:
         conn = _open_stream(dep.gen_url, {"model": MODEL, "prompt": [1], "max_tokens": 8, "stream": True,
@@ -150,7 +141,7 @@ def test_client_gone_during_the_pickup_frees_ctx_and_every_gen_rank(dep):
 
 
 def test_ctx_killed_mid_pickup_fails_fast_then_router_recovers(dep):
-    params = _prefill_on_ctx(dep, list(range(60, 90)))
+    params = dep.prefill_on_ctx(list(range(60, 90)))
     os.killpg(dep.procs["ctx"].pid, signal.SIGSTOP)  # the pickup hangs on it...
     out: dict = {}
     decode = threading.Thread(target=_decode_on_gen, args=(dep, params, out))

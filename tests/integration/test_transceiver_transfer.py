@@ -10,7 +10,7 @@ Checked: each rank's received cache equals, byte for byte, its shard of the ctx 
 and two requests on two DP groups at once); cp = 1 decoding from the received state gives the
 same tokens as the engine decoding after its own prefill; a killed ctx, a stalled CP rank, a
 layout mismatch, an expired pickup and a cancel mid-transfer each end with a named error within
-the timeout and nothing left allocated on either side. Every wait is bounded.
+the timeout (the killed ctx before it) and nothing left allocated on either side. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -421,7 +421,7 @@ def test_cp1_decode_from_received_state_equals_single_process(world, model):
     assert out["used"] == 0
 
 
-def test_killed_ctx_fails_the_request_on_every_rank_within_the_timeout(world):
+def test_killed_ctx_fails_the_request_on_every_rank_before_the_timeout(world):
     commands, results = world.ctx_mp.Queue(), world.ctx_mp.Queue()
     victim = world.ctx_mp.Process(target=_victim_main, args=(commands, results))
     victim.start()
@@ -440,10 +440,10 @@ def test_killed_ctx_fails_the_request_on_every_rank_within_the_timeout(world):
             victim.kill()
     errors = [got[(f"gen{r}", tag)]["error"] for r in (0, 1)]
     assert errors[0] == errors[1]  # one agreed error on every rank
-    assert f"ctx worker {endpoint['host']}:{endpoint['port']}" in errors[0] and "timed out" in errors[0]
+    assert f"ctx worker {endpoint['host']}:{endpoint['port']} went away" in errors[0]
     for r in (0, 1):
         result = got[(f"gen{r}", tag)]
-        assert result["elapsed"] < GEN_TIMEOUT_MS / 1000 + 1.5
+        assert result["elapsed"] < GEN_TIMEOUT_MS / 1000  # its control connection closed: no wait
         assert result["leaked"] == (0, 0)
 
 

@@ -52,7 +52,7 @@ class _Handler:
 @pytest.fixture
 def server():
     handler = _Handler()
-    srv = ControlServer(handler, "127.0.0.1", 0)
+    srv = handler.server = ControlServer(handler, "127.0.0.1", 0)
     port = srv.start()
     client = ControlClient(TransceiverEndpoint(host="127.0.0.1", port=port), timeout_s=0.3)
     yield handler, client
@@ -293,3 +293,18 @@ def test_tls_control_plane_with_a_self_signed_certificate(tmp_path, is_mutual):
         for client in clients.values():
             client.close()
         srv.stop(0.1)
+
+
+def test_a_closed_connection_is_seen_as_the_ctx_gone(server):
+    """A connection that was up and closed (the ctx's process ended) is counted at once; one
+    that stays up, idle, is not."""
+    handler, client = server
+    assert client.acknowledge(pb.AckRequest(ctx_request_id="r")).known
+    seen = client.num_losses
+    time.sleep(0.3)  # idle: the connection stays up
+    assert not client.is_lost_since(seen) and client.state is grpc.ChannelConnectivity.READY
+    handler.server.stop(0)
+    deadline = time.monotonic() + 2.0
+    while not client.is_lost_since(seen) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.is_lost_since(seen) and client.num_losses == seen + 1
