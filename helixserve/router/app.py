@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import logging
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -96,14 +97,20 @@ class RouterService:
         self.started_at = int(time.time())  # /v1/models "created": when the router started
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
-        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model)
+        self.connections: Any = None  # the server's ConnectionGuard, once serving/http.py set it up
+        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model, self._connection_counts)
         self.admission = Admission(config.max_inflight, config.max_queue_len)
         self.orchestrator: Orchestrator | None = None
 
+    def _connection_counts(self) -> tuple[int, dict[str, int]] | None:
+        guard = self.connections
+        return None if guard is None else (len(guard.open), dict(guard.num_closed))
+
     @contextlib.asynccontextmanager
-    async def lifespan(self, _: FastAPI):
+    async def lifespan(self, app: FastAPI):
         """One HTTP client to the workers and the health loop, for the app's lifetime."""
         config = self.config
+        self.connections = getattr(app.state, "connection_guard", None)
         async with Upstream(config.connect_timeout_s, config.request_timeout_s,
                             max_connections=2 * config.max_inflight + 16,
                             headers=internal_headers(self.internal_secret)) as client:
