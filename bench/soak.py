@@ -17,6 +17,11 @@ world rank 1 (SIGKILL: the gen worker restarts its world). Reported:
 - each fault: when, and seconds until the router's ``/ready`` answered 200 again;
 - RSS per process at the start (after a warm-up) and the end, and the growth (psutil when
   installed, else /proc); a process that was restarted is a new one (its pid changes);
+- slowloris: ``--idle-connections`` idle and ``--slow-connections`` slow-header connections held
+  on the router during the whole run (the clients above run beside them), and how many of each
+  the router closed;
+- refused large bodies after the run (``--refused-bodies``, 413 and 404 in turn) and each
+  process's RSS before and after them;
 - cache blocks and state slots left allocated on ctx and gen once the clients stopped (from the
   workers' ``/stats``, after at most ``--settle`` seconds; ``settled_after_s`` says how long
   freeing everything took, e.g. a prefill whose gen died is freed by its pickup timeout).
@@ -40,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
 from serve import MODEL, REPO, Servers, _get, _pct  # noqa: E402
+from _soak_hostile import refused_bodies, slowloris  # noqa: E402
 
 KINDS = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
 WORDS = "helix prefill decode cache block rank world router stream token latent expert".split()
@@ -192,10 +198,11 @@ async def _soak(servers: Servers, args, began: float) -> tuple[list, list]:  # n
     tasks = [_client(i, servers.router_url, end, records, args.error_pause, args.timeout) for i in range(args.clients)]
     tasks += [_fault(servers, "kill ctx", began + args.seconds / 3, faults),
               _fault(servers, "kill gen rank 1", began + 2 * args.seconds / 3, faults)]
-    await asyncio.gather(*tasks)
+    held = slowloris(servers.router_url, args.idle_connections, args.slow_connections, end)
+    *_, held_result = await asyncio.gather(*tasks, held)
     for fault in faults:
         fault["at_s"] = args.seconds / 3 if fault["fault"] == "kill ctx" else 2 * args.seconds / 3
-    return records, faults
+    return records, faults, held_result
 
 
 # ---------------------------------------------------------------- run and report
@@ -227,17 +234,20 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
         warm = asyncio.run(_soak_warmup(servers, args))
         rss_start = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
         began = time.monotonic()
-        records, faults = asyncio.run(_soak(servers, args, began))
+        records, faults, held = asyncio.run(_soak(servers, args, began))
         wall = time.monotonic() - began
         left = _left(servers, args.settle)
         rss_end = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
+        refused = refused_bodies(servers.router_url, args.refused_bodies, args.max_body_bytes)
+        rss_refused = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
     finally:
         servers.stop()
     return {"machine": machine_info(), "model": str(args.model), "seconds": args.seconds, "wall_s": wall,
             "clients": args.clients, "warmup_requests": warm,
             "deployment": "helixserve launch: 1 ctx + gen world dp 1 x cp 2 (kv_source ucx), CPU",
             "statuses": _statuses(records), "latency": _latency(records), "faults": faults,
-            "rss": _rss(rss_start, rss_end), "left_allocated": left}
+            "rss": _rss(rss_start, rss_end), "left_allocated": left, "slowloris": held,
+            "refused_bodies": {"statuses": refused, "rss": _rss(rss_end, rss_refused)}}
 
 
 async def _soak_warmup(servers: Servers, args) -> int:  # noqa: ANN001
@@ -284,7 +294,12 @@ def report(payload: dict) -> str:
              markdown_table(["process", "pid start", "pid end", "RSS start MB", "RSS end MB", "growth MB"],
                             [[r["process"], r["pid_start"], r["pid_end"], r["rss_start_mb"], r["rss_end_mb"],
                               r["growth_mb"] if not r["restarted"] else "restarted"] for r in payload["rss"]]),
-             markdown_table(list(payload["left_allocated"]), [list(payload["left_allocated"].values())])]
+             markdown_table(list(payload["left_allocated"]), [list(payload["left_allocated"].values())]),
+             markdown_table(list(payload["slowloris"]), [list(payload["slowloris"].values())]),
+             "refused large bodies: " + json.dumps(payload["refused_bodies"]["statuses"]),
+             markdown_table(["process", "RSS before MB", "RSS after MB", "growth MB"],
+                            [[r["process"], r["rss_start_mb"], r["rss_end_mb"], r["growth_mb"]]
+                             for r in payload["refused_bodies"]["rss"]])]
     return "\n\n".join(parts)
 
 
@@ -298,6 +313,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="length in seconds (overrides --minutes)")
     parser.add_argument("--clients", type=int, default=None, help="concurrent clients (default 32; quick: 6)")
     parser.add_argument("--error-pause", type=float, default=0.25, help="a client's pause after an error (s)")
+    parser.add_argument("--idle-connections", type=int, default=100, help="idle connections held during the run")
+    parser.add_argument("--slow-connections", type=int, default=50,
+                        help="slow-header connections (a header line a second) held during the run")
+    parser.add_argument("--refused-bodies", type=int, default=108,
+                        help="large bodies sent after the run, refused (413 over the limit, 404 just under)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                        help="the deployment's limits.max_body_bytes")
     parser.add_argument("--settle", type=float, default=45.0,
                         help="longest wait for the workers to free all (s; > the ctx's pickup_timeout_s)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")

@@ -146,7 +146,8 @@ def _cmd_serve_ctx(args: argparse.Namespace) -> int:
     server = _worker_config(deploy, "ctx", args)
     app = build_ctx_app(deploy, server)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # see _cmd_serve_gen
-    serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s)
+    serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s,
+          server.connections)
     return _warm_up_exit_code("serve-ctx", app)
 
 
@@ -179,7 +180,8 @@ def _cmd_serve_gen(args: argparse.Namespace) -> int:
     # that this function returns (exit code 0, or 1 when the world failed for good or the warm-up
     # failed, and the worker stopped itself with that SIGTERM) instead of dying of the signal
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s)
+    serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s,
+          server.connections)
     world = getattr(app.state, "world", None)
     code = world.exit_code if world is not None else None
     if code:  # its world failed for good: whatever started this worker should restart it
@@ -196,7 +198,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if args.port:
         deploy = deploy.model_copy(update={"router": deploy.router.model_copy(update={"port": args.port})})
     serve(build_router_app_from(deploy), deploy.router.host, deploy.router.port, args.log_level,
-          deploy.shutdown.connections_grace_s)
+          deploy.shutdown.connections_grace_s, deploy.router.connections)
     return 0
 
 

@@ -4,7 +4,8 @@ Only this module reads the environment. Roles: the model to load, the caches, th
 engine, the KV transceiver (:class:`~helixserve.transceiver.config.TransceiverConfig`, torch-free)
 and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`;
 process lifecycles (restarts, shutdown, the launchers' and offline worlds' waits) in
-:mod:`helixserve.config_lifecycle`, re-exported here. Every wait's default is set once, here or
+:mod:`helixserve.config_lifecycle` and an HTTP server's client connections in
+:mod:`helixserve.config_http`, re-exported here. Every wait's default is set once, here or
 there (``tests/unit/test_layering_timeouts.py`` checks that none is written elsewhere).
 """
 
@@ -23,6 +24,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from helixserve.config_env import (RESERVED_PORTS_ENV, DistEnv, SlurmEnv, dist_env_from,  # noqa: F401 (re-exported)
                                    reserved_ports_from, slurm_env_from, with_reserved_ports)
+from helixserve.config_http import UPSTREAM_KEEPALIVE_S, ConnectionsConfig, WorkerConnectionsConfig  # noqa: F401 (re-exported)
 from helixserve.config_lifecycle import (LaunchConfig, RestartPolicy, ShutdownConfig,  # noqa: F401 (re-exported)
                                          SlurmJobConfig, Strict, WorldRunConfig)
 from helixserve.transceiver.config import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
@@ -105,6 +107,7 @@ class CtxServerConfig(_Strict):
     warm_up: bool = True
     warm_up_timeout_s: float = Field(600.0, gt=0, description=(
         "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
+    connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
 
     @property
     def url(self) -> str:
@@ -143,6 +146,7 @@ class GenServerConfig(_Strict):
     warm_up: bool = True
     warm_up_timeout_s: float = Field(600.0, gt=0, description=(
         "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
+    connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
 
     @property
     def world_size(self) -> int:
@@ -175,6 +179,7 @@ class RouterConfig(_Strict):
         "one /v1/abort or /v1/release call from the router to a worker"))
     max_inflight: int = Field(128, ge=1)  # requests forwarded to workers at once
     max_queue_len: int = Field(256, ge=0)  # requests waiting for an inflight slot; then 429
+    connections: ConnectionsConfig = ConnectionsConfig()  # the clients' connections to the router
 
 
 class SecurityConfig(_Strict):

@@ -7,6 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from helixserve.config import CtxServerConfig, DeploymentConfig
 from helixserve.ctx_server.lifecycle import (CancelRequested, CtxState, Finished, ReleaseCause,
@@ -21,10 +22,18 @@ from helixserve.serving.http import run_unless_disconnected
 from helixserve.serving.loading import make_worker
 from helixserve.serving.openai_serving import PreparedRequest, collect_outputs
 from helixserve.serving.warm_up import WarmUp
-from helixserve.serving.worker_app import (AbortRequest, Worker, aggregated_handler,
-                                           build_worker_app)
+from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app
 
 logger = logging.getLogger(__name__)
+
+
+class ReleaseRequest(BaseModel):
+    """``POST /v1/release``: the router is done with ``request_id``'s admission ``admission`` (the
+    ``ctx_admission`` of the ctx's answer); a release naming another admission frees nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=128)
+    admission: int = Field(ge=1, lt=1 << 63)
 
 
 class ContextOnlyHandler:
@@ -68,7 +77,8 @@ class ContextOnlyHandler:
         disagg = DisaggregatedParams(
             request_type=RequestType.CONTEXT_ONLY, ctx_request_id=rid,
             first_gen_tokens=done.token_ids, prompt_token_ids=prepared.prompt_token_ids,
-            ctx_endpoint=self.transceiver.endpoint, layout=self.worker.layout, pull_grant=grant)
+            ctx_endpoint=self.transceiver.endpoint, layout=self.worker.layout, pull_grant=grant,
+            ctx_admission=token)
         choice = CompletionChoice(text=done.text if is_finished else "",
                                   finish_reason=done.finish_reason if is_finished else None)
         answer = CompletionResponse(**prepared.meta.header(), choices=[choice], usage=done.usage,
@@ -106,8 +116,8 @@ def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
 
     @app.post("/v1/release")
     async def release(http_request: Request) -> Response:
-        body = parse_model(AbortRequest, await http_request.body())
-        moved = await requests.request(ReleaseRequested(body.request_id))
+        body = parse_model(ReleaseRequest, await http_request.body())
+        moved = await requests.request(ReleaseRequested(body.request_id, body.admission))
         if moved.before is CtxState.SENDING:
             transceiver.cancel_later(body.request_id, "released by the router")
         is_released = moved.before in (CtxState.HELD, CtxState.SENDING)

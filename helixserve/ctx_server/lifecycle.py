@@ -112,7 +112,11 @@ class Expired:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRequested:
+    """The router is done with the admission ``token`` (the ctx answer's ``ctx_admission``): a
+    late release never frees a later request that reused the id."""
+
     request_id: str
+    token: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -45,7 +46,9 @@ class CtxRequests:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.life = CtxRequestLife(timeout_s, clock)
-        self._tokens = itertools.count(1)
+        # admission tokens start at random, so a release meant for a worker before its restart
+        # names no admission of this one
+        self._tokens = itertools.count(secrets.randbelow(1 << 40) + 1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
 

@@ -136,6 +136,9 @@ class DisaggregatedParams(_Strict):
     ctx_endpoint: TransceiverEndpoint | None = None
     layout: KVLayout | None = None
     pull_grant: PullGrant | None = None  # set by a ctx whose pools a gen rank may copy from
+    # the ctx's admission of this request: its POST /v1/release names it, so a late release frees
+    # no later request that reused the id
+    ctx_admission: Annotated[StrictInt, Field(ge=1, lt=1 << 63)] | None = None
 
     @model_validator(mode="after")
     def _check_generation_only(self) -> Self:

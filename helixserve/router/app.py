@@ -25,6 +25,7 @@ from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
 from helixserve.router.upstream import Upstream
 from helixserve.serving.auth import internal_headers
+from helixserve.serving.connections import ConnectionGuard
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
                                     install_error_handlers, run_unless_disconnected)
 from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
@@ -127,14 +128,20 @@ class RouterService:
         self.started_at = int(time.time())  # /v1/models "created": when the router started
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
-        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model)
+        self.connections: ConnectionGuard | None = None  # the server's, once serving/http.py set it up
+        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model, self._connection_counts)
         self.admission = Admission(config.max_inflight, config.max_queue_len, self._capacity)
         self.orchestrator: Orchestrator | None = None
 
+    def _connection_counts(self) -> tuple[int, dict[str, int]] | None:
+        guard = self.connections
+        return None if guard is None else (len(guard.open), dict(guard.num_closed))
+
     @contextlib.asynccontextmanager
-    async def lifespan(self, _: FastAPI):
+    async def lifespan(self, app: FastAPI):
         """One HTTP client to the workers and the health loop, for the app's lifetime."""
         config = self.config
+        self.connections = getattr(app.state, "connection_guard", None)
         async with Upstream(config.connect_timeout_s, config.request_timeout_s,
                             max_connections=2 * config.max_inflight + 16,
                             headers=internal_headers(self.internal_secret)) as client:

@@ -52,6 +52,7 @@ class Flight:
         self.t_arrival = t_arrival
         self.on_close = on_close
         self.ctx: WorkerState | None = None  # set while ctx may still hold or run the request
+        self.ctx_admission: int | None = None  # the ctx's admission of it, named by the release
         self.gen: WorkerState | None = None
         self.gen_response: Stream | None = None
         self.status = "499"  # until something better is known: the client went away
@@ -115,9 +116,11 @@ class Orchestrator:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def post_quietly(self, worker: WorkerState, path: str, request_id: str) -> None:
+    async def post_quietly(self, worker: WorkerState, path: str, request_id: str, **fields: Any) -> None:
+        """POST ``{"request_id": request_id, **fields}`` to a worker's control ``path``; a failure
+        is logged, never raised."""
         try:
-            await self.client.post(f"{worker.url}{path}", {"request_id": request_id},
+            await self.client.post(f"{worker.url}{path}", {"request_id": request_id, **fields},
                                    timeout_s=self.control_timeout_s)
         except UpstreamError as exc:
             logger.info("%s %s%s failed: %s", request_id, worker.url, path, exc)
@@ -143,6 +146,7 @@ class Orchestrator:
         try:
             params = DisaggregatedParams.model_validate(ctx_answer.get("disaggregated_params"))
             gen_params = params.for_generation()
+            flight.ctx_admission = params.ctx_admission
         except ValidationError as exc:
             raise flight.fail(InternalServerError(
                 f"ctx worker {flight.ctx.url} answered without usable disaggregated_params: "
@@ -189,7 +193,7 @@ class Orchestrator:
         ctx, flight.ctx = flight.ctx, None
         if ctx is not None:
             ctx.num_inflight -= 1
-            self.fire(self.post_quietly(ctx, "/v1/release", flight.request_id))
+            self.fire(self.post_quietly(ctx, "/v1/release", flight.request_id, admission=flight.ctx_admission))
 
     async def _decode(self, flight: Flight, path: str, body: GenerationRequest, gen_body: dict
                       ) -> Response:

@@ -25,10 +25,9 @@ from typing import Any
 
 import aiohttp
 
-from helixserve.serving.http import KEEPALIVE_S as WORKER_KEEPALIVE_S
-
-# under the workers' keep-alive, so the router never reuses a connection a worker is closing
-KEEPALIVE_S = WORKER_KEEPALIVE_S - 1.0
+# under the workers' keep-alive (WorkerConnectionsConfig validates it), so the router never
+# reuses a connection a worker is closing at that moment
+from helixserve.config import UPSTREAM_KEEPALIVE_S
 # compact and strict, like the router's own parsing of the client's JSON
 _dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
@@ -117,7 +116,7 @@ class Upstream:
 
     async def __aenter__(self) -> Upstream:
         connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
-                                         keepalive_timeout=KEEPALIVE_S)
+                                         keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         # no cookie jar (no state carried from one request's answer into another's hop) and
         # no redirects followed (a worker's answer is relayed, never chased)
         self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,

@@ -1,6 +1,7 @@
 """HTTP plumbing shared by the workers and the router (torch-free): OpenAI-shaped error handlers,
 the body-size limit, a bounded pool for a request's CPU work, client-disconnect detection, the
-``X-Request-Id`` header, uvicorn start-up."""
+``X-Request-Id`` header, uvicorn start-up (its client connections guarded by
+:mod:`.connections`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from helixserve.config import ConnectionsConfig
 from helixserve.protocol import (InternalServerError, InvalidRequestError, NotFoundError,
                                  OpenAIError, PayloadTooLargeError, RequestCancelledError)
+from helixserve.serving.connections import (ACCEPT_BACKLOG, ConnectionGuard, GuardedH11Protocol, GuardedServer,
+                                            fd_allowed_connections)
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +32,6 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # bodies up to this size are parsed (and their prompts tokenized) on the event loop; larger ones
 # in the :class:`OffLoop` pool, so one large request does not stall /health and everyone else
 OFF_LOOP_BYTES = 16 * 1024
-# how long a server keeps an idle keep-alive connection (uvicorn's default, set explicitly): the
-# router's client drops its idle connections before this (router/upstream.py), so it never sends
-# a request on a connection the worker is closing at that moment
-KEEPALIVE_S = 5.0
 
 
 class ClientDisconnected(RequestCancelledError):
@@ -44,8 +45,9 @@ def error_response(err: OpenAIError) -> JSONResponse:
 class BodyLimit:
     """ASGI middleware: a request body over ``max_body_bytes`` is refused with a 413 before it is
     parsed. A declared ``Content-Length`` over the limit fails the app's first read of the body
-    (before any of it is kept); a chunked body fails the read that crosses the limit. The error
-    rises in the route, so its handler and the request metrics see it like any other 4xx."""
+    (before any of it is kept); a chunked body fails the read that crosses the limit. A client
+    gone before its body is complete fails the read with :class:`ClientDisconnected` (499). The
+    error rises in the route, so its handler and the request metrics see it like any other 4xx."""
 
     def __init__(self, app: Any, max_body_bytes: int) -> None:
         self.app = app
@@ -59,20 +61,24 @@ class BodyLimit:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         num_declared = int(declared) if declared is not None and declared.isdigit() else None
         num_received = 0
+        is_body_complete = False
 
         def too_large(size: str) -> PayloadTooLargeError:
             return PayloadTooLargeError(f"The request body is {size} bytes; this server accepts at "
                                         f"most {limit} bytes (limits.max_body_bytes).")
 
         async def limited_receive() -> dict:
-            nonlocal num_received
+            nonlocal num_received, is_body_complete
             if num_declared is not None and num_declared > limit:
                 raise too_large(str(num_declared))
             message = await receive()
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
+                is_body_complete = not message.get("more_body", False)
                 if num_received > limit:
                     raise too_large(f"more than {limit}")
+            elif message["type"] == "http.disconnect" and not is_body_complete:
+                raise ClientDisconnected(f"the client went away after {num_received} bytes of its request body")
             return message
 
         await self.app(scope, limited_receive, send)
@@ -193,12 +199,21 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected("the client disconnected before the answer was ready")
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str, connections_grace_s: float) -> None:
-    """Run ``app`` with uvicorn until SIGINT/SIGTERM (which run its shutdown; open connections
-    get ``connections_grace_s``, the deployment's ``shutdown.connections_grace_s``)."""
-    import uvicorn
-
+def build_server(app: FastAPI, host: str, port: int, log_level: str, connections_grace_s: float,
+                 connections: ConnectionsConfig) -> uvicorn.Server:
+    """A ``uvicorn.Server`` for ``app`` whose client connections ``connections`` bounds (its
+    :class:`~.connections.ConnectionGuard` is ``app.state.connection_guard``). SIGINT/SIGTERM run
+    its shutdown; open connections get ``connections_grace_s`` (``shutdown.connections_grace_s``)."""
+    guard = ConnectionGuard(connections, fd_allowed_connections(connections.max_connections))
+    app.state.connection_guard = guard
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=connections_grace_s, access_log=False,
-                            timeout_keep_alive=KEEPALIVE_S)
-    uvicorn.Server(config).run()
+                            timeout_keep_alive=connections.timeout_keep_alive,
+                            http=functools.partial(GuardedH11Protocol, guard=guard), backlog=ACCEPT_BACKLOG)
+    return GuardedServer(config, guard)
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str, connections_grace_s: float,
+          connections: ConnectionsConfig) -> None:
+    """Run ``app`` (:func:`build_server`) until SIGINT/SIGTERM."""
+    build_server(app, host, port, log_level, connections_grace_s, connections).run()

@@ -16,6 +16,7 @@ import logging
 
 import grpc
 
+from helixserve.log_throttle import ThrottledLog
 from helixserve.transceiver.config import ControlTLSConfig
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class SecretInterceptor(grpc.ServerInterceptor):
             raise ValueError("the internal secret must not be empty")
         self._secret = secret.encode()
         self._denied = grpc.unary_unary_rpc_method_handler(_deny)
+        self.refusals = ThrottledLog(logger)  # a caller without the secret may call at any rate
 
     def is_authorized(self, metadata) -> bool:  # noqa: ANN001 (grpc metadata tuple)
         for key, value in metadata or ():
@@ -47,7 +49,9 @@ class SecretInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
         if self.is_authorized(handler_call_details.invocation_metadata):
             return continuation(handler_call_details)
-        logger.warning("refused %s: the caller does not hold the internal secret", handler_call_details.method)
+        # one key for every method: the method name is the caller's to choose
+        self.refusals.log("unauthenticated", "refused %s: the caller does not hold the internal secret",
+                          handler_call_details.method)
         return self._denied
 
 

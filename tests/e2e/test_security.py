@@ -54,7 +54,8 @@ def _assert_openai_error(status: int, body: dict, code: int) -> None:
 
 
 def _release(dep: Deployment, params: dict) -> None:
-    http("POST", f"{dep.ctx_url}/v1/release", {"request_id": params["ctx_request_id"]})
+    http("POST", f"{dep.ctx_url}/v1/release", {"request_id": params["ctx_request_id"],
+                                               "admission": params["ctx_admission"]})
     wait_until(dep.is_idle, 10, "nothing held or allocated", state=lambda: (dep.stats("ctx"), dep.stats("gen")))
 
 
@@ -64,7 +65,7 @@ def test_workers_answer_only_callers_holding_the_internal_secret(dep):
     routes = [("POST", "/v1/completions", plain), ("POST", "/v1/chat/completions", chat),
               ("POST", "/v1/completions", {**plain, "disaggregated_params": {"request_type": "context_only"}}),
               ("POST", "/v1/abort", {"request_id": "x"}), ("GET", "/v1/models", None), ("GET", "/stats", None)]
-    release = ("POST", "/v1/release", {"request_id": "x"})
+    release = ("POST", "/v1/release", {"request_id": "x", "admission": 1})
     for url in (dep.ctx_url, dep.gen_url):
         for method, path, body in [*routes, *([release] if url == dep.ctx_url else [])]:
             for headers in ({}, {SECRET_HEADER: "guessed"}, {SECRET_HEADER: dep.secret + "x"}, {SECRET_HEADER: ""}):
@@ -204,3 +205,19 @@ def test_a_router_without_the_deployments_secret_says_so_instead_of_relaying_401
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_release_frees_only_the_admission_it_names(dep):
+    """A late ``/v1/release`` of an earlier admission of the same request id (another admission
+    number) leaves the current holder's cache alone; its own release frees it."""
+    params = _prefill(dep, list(range(60, 77)))
+    rid, admission = params["ctx_request_id"], params["ctx_admission"]
+    for other in (admission - 1, admission + 1):
+        status, answer = http("POST", f"{dep.ctx_url}/v1/release", {"request_id": rid, "admission": other})
+        assert (status, answer) == (200, {"request_id": rid, "released": False})
+    assert dep.stats("ctx")["pickups_held"] == 1
+    status, answer = http("POST", f"{dep.ctx_url}/v1/release", {"request_id": rid})
+    _assert_openai_error(status, answer, 400)  # a release must name its admission
+    status, answer = http("POST", f"{dep.ctx_url}/v1/release", {"request_id": rid, "admission": admission})
+    assert (status, answer) == (200, {"request_id": rid, "released": True})
+    wait_until(dep.is_idle, 10, "nothing held or allocated", state=lambda: (dep.stats("ctx"), dep.stats("gen")))

@@ -50,17 +50,17 @@ LEGAL = [
     (P, Finished("a", 1, ReleaseCause.FAILED), R, False),
     (P, Finished("a", 1, ReleaseCause.REFUSED), R, False),
     (P, CancelRequested("a"), P, False),  # flagged: the engine's abort frees it
-    (P, ReleaseRequested("a"), P, False),
+    (P, ReleaseRequested("a", 1), P, False),
     (P, Stopped("a"), R, False),
     (H, Offered("a", 1), S, False),
     (H, Finished("a", 1, ReleaseCause.FINISHED), R, True),
     (H, Finished("a", 1, ReleaseCause.OFFER_FAILED), R, True),
     (H, Expired("a"), R, True),
-    (H, ReleaseRequested("a"), R, True),
+    (H, ReleaseRequested("a", 1), R, True),
     (H, CancelRequested("a"), R, True),
     (H, Stopped("a"), R, True),
     (S, SenderFreed("a"), R, True),
-    (S, ReleaseRequested("a"), S, False),  # the sender frees it once quiesced
+    (S, ReleaseRequested("a", 1), S, False),  # the sender frees it once quiesced
     (S, CancelRequested("a"), S, False),
     (S, Stopped("a"), R, True),
 ]
@@ -125,9 +125,22 @@ def test_an_id_is_free_again_once_released_and_only_the_new_admission_moves_it()
 
 def test_release_and_cancel_of_an_unknown_id_do_nothing():
     life = CtxRequestLife(timeout_s=1.0)
-    for event in (ReleaseRequested("nobody"), CancelRequested("nobody")):
+    for event in (ReleaseRequested("nobody", 1), CancelRequested("nobody")):
         moved = life.apply(event)
         assert (moved.before, moved.after, moved.frees_held_cache) == (None, None, False)
+
+
+def test_a_late_release_of_a_reused_id_leaves_the_new_holder_alone():
+    """The router releases admission 1 of "a" after "a" was freed and admitted again (2): the
+    release names admission 1, so the new holder keeps its cache; its own release frees it."""
+    life = life_in(H, token=1)
+    assert life.apply(Expired("a")).frees_held_cache  # the first holder is gone
+    life.apply(Admitted("a", 2))
+    life.apply(Prefilled("a", 2, (9,)))
+    late = life.apply(ReleaseRequested("a", 1))
+    assert (late.before, late.after, late.frees_held_cache) == (None, None, False)
+    assert life.state_of("a") is H and life.num_released == 1
+    assert life.apply(ReleaseRequested("a", 2)).frees_held_cache
 
 
 def test_cancelled_while_prefilling_is_released_at_its_prefill_without_freeing():
@@ -214,8 +227,9 @@ def test_duplicates_of_a_held_prefill_leave_its_cache_alone(llm):
             await asyncio.sleep(0.2)  # an abort the refusals might have sent is applied by now
             assert ((await _core_stats(engine)).num_held, (await _core_stats(engine)).num_used_blocks) == (1, 8)
             assert requests.life.state_of("a") is H
-            assert (await requests.request(ReleaseRequested("a"))).frees_held_cache
-            assert (await requests.request(ReleaseRequested("a"))).before is None
+            assert (await requests.request(ReleaseRequested("a", token + 1))).before is None  # not its admission
+            assert (await requests.request(ReleaseRequested("a", token))).frees_held_cache
+            assert (await requests.request(ReleaseRequested("a", token))).before is None
             assert requests.life.num_released == 1
             stats = await _core_stats(engine)
             assert stats.num_held == stats.num_used_blocks == 0

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "helixserve"
 
 # what helixserve/config.py may import from the package: torch-free leaf config only
-CONFIG_MAY_IMPORT = {"helixserve.config_env", "helixserve.config_lifecycle", "helixserve.transceiver.config"}
+CONFIG_MAY_IMPORT = {"helixserve.config_env", "helixserve.config_lifecycle", "helixserve.config_http",
+                     "helixserve.transceiver.config"}
 # the modules that read os.environ (the config modules) ...
 ENV_READERS = {"helixserve/config.py", "helixserve/config_env.py"}
 # ... and the short allow-list of others, each with its reason
@@ -51,7 +52,7 @@ def reads_environ(path: Path) -> bool:
 
 
 def test_config_imports_only_leaf_config() -> None:
-    for name in ("config.py", "config_env.py", "config_lifecycle.py", "transceiver/config.py"):
+    for name in ("config.py", "config_env.py", "config_lifecycle.py", "config_http.py", "transceiver/config.py"):
         imported = helixserve_imports(PKG / name)
         assert imported <= CONFIG_MAY_IMPORT, f"helixserve/{name} imports {sorted(imported - CONFIG_MAY_IMPORT)}"
 
@@ -61,7 +62,7 @@ def test_config_imports_no_launcher_server_or_model_at_runtime() -> None:
     variables) pulls in no launcher, server, engine or model module, nor torch."""
     code = ("import sys, helixserve.config as c; c.dist_env({}); "
             "bad = sorted(m for m in sys.modules if m == 'torch' or (m.startswith('helixserve.') and "
-            "m not in ('helixserve.config', 'helixserve.config_env', 'helixserve.config_lifecycle') and not m.startswith('helixserve.transceiver')))"
+            "m not in ('helixserve.config', 'helixserve.config_env', 'helixserve.config_lifecycle', 'helixserve.config_http') and not m.startswith('helixserve.transceiver')))"
             "; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     loaded = [m for m in eval(out.stdout.strip()) if m != "helixserve.transceiver"]  # the package __init__

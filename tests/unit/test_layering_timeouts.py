@@ -18,6 +18,7 @@ from pydantic import ValidationError
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "helixserve"
 CONFIG_MODULES = {"helixserve/config.py", "helixserve/config_env.py", "helixserve/config_lifecycle.py",
+                  "helixserve/config_http.py",
                   "helixserve/transceiver/config.py"}
 WAIT_NAME = re.compile(r"timeout|grace|deadline|heartbeat|interval", re.IGNORECASE)
 DURATION_CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]*_(S|MS|NS)$")  # module constants holding a duration
@@ -52,10 +53,8 @@ INTERNAL = {
     ("helixserve/transceiver/ucxx_backend/plane.py", "NOTIFIER_STOP_S"): "shutdown only: the notifier thread",
     ("helixserve/transceiver/ucxx_backend/plane.py", "NOTIFIER_PERIOD_NS"): "the notifier's close check",
     ("helixserve/engine/engine_thread.py", "INBOX_TICK_S"): "idle engine thread; a command wakes it at once",
-    ("helixserve/serving/http.py", "KEEPALIVE_S"):
-        "how long a server keeps an idle keep-alive connection (uvicorn's default); no one waits on it",
-    ("helixserve/router/upstream.py", "KEEPALIVE_S"):
-        "the router's idle connections to workers, 1 s under theirs (serving/http.py); no one waits on it",
+    ("helixserve/log_throttle.py", "THROTTLE_INTERVAL_S"):
+        "how often a throttled warning may repeat; no one waits on it",
     ("helixserve/engine/async_engine.py", "DRAIN_TICK_S"): "how often a shutdown re-checks live requests",
     ("helixserve/engine/async_engine.py", "THREAD_JOIN_S"): "shutdown only: the step in progress ends",
     ("helixserve/ctx_server/pickup.py", "EXPIRY_TICK_S"): "pickup_timeout_s is the bound; this is its sweep",

@@ -193,11 +193,14 @@ def test_no_redirect_is_followed_and_no_cookie_carried_over() -> None:
 def test_an_idle_connection_is_dropped_before_the_workers_keep_alive_ends() -> None:
     """A connection idle for longer than the router's keep-alive (but not the worker's) is not
     reused: the next hop opens a new one, so it can never land on a connection the worker is
-    closing at that moment (uvicorn closes idle ones after serving.http.KEEPALIVE_S)."""
-    from helixserve.router.upstream import KEEPALIVE_S
-    from helixserve.serving.http import KEEPALIVE_S as WORKER_KEEPALIVE_S
+    closing at that moment (a worker closes idle ones after its connections.timeout_keep_alive,
+    which must exceed the router's)."""
+    from helixserve.config import UPSTREAM_KEEPALIVE_S as KEEPALIVE_S
+    from helixserve.config import WorkerConnectionsConfig
 
-    assert KEEPALIVE_S < WORKER_KEEPALIVE_S
+    assert KEEPALIVE_S < WorkerConnectionsConfig().timeout_keep_alive
+    with pytest.raises(ValueError, match="timeout_keep_alive"):
+        WorkerConnectionsConfig(timeout_keep_alive=KEEPALIVE_S)
     connections: list[int] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -5,6 +5,7 @@ TLS (one-way and mutual) works with a self-signed certificate."""
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import socket
@@ -15,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from helixserve.log_throttle import ThrottledLog
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.testing.servers import free_ports
@@ -252,6 +254,40 @@ def test_the_service_answers_only_callers_holding_the_secret():
         for client in (*strangers, insider):
             client.close()
         srv.stop(0.1)
+
+
+def test_refused_callers_log_one_throttled_warning_not_one_per_call(caplog):
+    """A stranger calling in a loop (300 refused calls) leaves one WARNING line in the log, not
+    300; every refusal is still counted."""
+    srv = ControlServer(_CountingHandler(), "127.0.0.1", 0, config=_tx(internal_secret="s3cret"))
+    endpoint = TransceiverEndpoint(host="127.0.0.1", port=srv.start())
+    stranger = ControlClient(endpoint, 2.0)
+    caplog.set_level(logging.WARNING, logger="helixserve.transceiver.control_auth")
+    try:
+        for _ in range(100):
+            for call in _calls(stranger):
+                with pytest.raises(grpc.RpcError):
+                    call()
+    finally:
+        stranger.close()
+        srv.stop(0.1)
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1, len(refusals)
+    assert "does not hold the internal secret" in refusals[0].getMessage()
+
+
+def test_a_throttled_warning_repeats_after_its_interval_with_the_count_it_held_back(caplog):
+    clock = [0.0]
+    log = ThrottledLog(logging.getLogger("throttle-test"), interval_s=10.0, clock=lambda: clock[0])
+    with caplog.at_level(logging.WARNING, logger="throttle-test"):
+        for _ in range(5):
+            log.log("k", "refused %s", "x")
+        clock[0] = 9.99
+        log.log("k", "refused %s", "x")
+        clock[0] = 10.0
+        log.log("k", "refused %s", "x")
+    assert [r.getMessage() for r in caplog.records] == ["refused x", "refused x (and 5 more in the last 10 s)"]
+    assert log.counts == {"k": 7}
 
 
 def _self_signed(tmp_path, name: str) -> tuple:
