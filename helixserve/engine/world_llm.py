@@ -321,7 +321,7 @@ def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: World
     ``local_rank``: rank 0's CUDA device index under NCCL (spawned rank r uses r).
     """
     model_dir = Path(model_dir)
-    _check_fits_world(model_dir, dp, cp)
+    _check_fits_world(model_config_of(model_dir, options.load_format), dp, cp)
     world_size = dp * cp
     init_method = f"tcp://127.0.0.1:{free_port(reserved=reserved_ports())}"
     ctx = mp.get_context("forkserver")
