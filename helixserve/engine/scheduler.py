@@ -247,11 +247,15 @@ class Scheduler:
                 continue
             token = request.next_output_token(sampled_token_ids[seq.request_id])
             request.output_token_ids.append(token)
-            status = stop_status(request, token, self.eos_token_ids, self._stop_checkers.get(request.request_id),
-                                 self.max_model_len)
+            try:
+                status = stop_status(request, token, self.eos_token_ids,
+                                     self._stop_checkers.get(request.request_id), self.max_model_len)
+            except Exception as exc:  # noqa: BLE001 - its stop rules (a detokenizer) failed: it alone ends
+                request.error = f"stop rules failed: {type(exc).__name__}: {exc}"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(request, status)
-            updates.append(RequestUpdate(request.request_id, token, request.status))
+            updates.append(RequestUpdate(request.request_id, token, request.status, error=request.error))
         self._pending, self._pending_requests = self._ahead, self._ahead_requests
         self._ahead, self._ahead_requests = None, {}
         self._releases.step_updated(self._pending_requests if self._pending is not None else ())
