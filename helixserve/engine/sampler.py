@@ -128,7 +128,8 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> torch.Tensor:
         """The tokens as a device tensor, every kernel enqueued, no host sync yet."""
-        generators = [self._generator(rid, p) for rid, p in zip(request_ids, params, strict=True)]
+        generators = [None if p.is_greedy else self._generator(rid, p)
+                      for rid, p in zip(request_ids, params, strict=True)]
         return sample_on_device(logits, params, generators)
 
     def check(self, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> dict[str, str]:

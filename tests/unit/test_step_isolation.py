@@ -7,12 +7,15 @@ stays allocated. Faults: sampling parameters that passed no validation
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 import helixserve.engine.runner as runner_module
 from helixserve.config import CacheConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
-from helixserve.engine.request import Request, SamplingParams
+from helixserve.engine.request import INT32_MAX, Request, SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(20, 47)), [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], list(range(100, 118))]
 FAULT = "injected fault"
@@ -136,3 +139,70 @@ def test_a_failure_no_request_explains_fails_its_step(llm, monkeypatch):
         assert r.finish_reason == "error" and r.error == f"engine step failed: RuntimeError: {FAULT}"
     assert engine.cache_manager.stats() == before
     assert llm.generate([PROMPTS[0]], greedy())[0].token_ids == alone(llm, PROMPTS[0], greedy())
+
+
+# -- property: random parameters in mixed batches ---------------------------------------------
+
+VOCAB = 512  # kimi-k3-tiny's; checked in the test
+FIELDS = {  # field -> (valid values, invalid values)
+    "temperature": (st.sampled_from([0.0, 0.0, 0.7, 1.0, 2.0]), st.sampled_from([float("nan"), float("inf"), -1.0])),
+    "top_k": (st.sampled_from([-1, 0, 1, 7, VOCAB - 1, VOCAB, VOCAB + 1, INT32_MAX]),
+              st.sampled_from([2**31, 2**63, -2])),
+    "top_p": (st.sampled_from([1e-300, 0.5, 0.95, 1.0]), st.sampled_from([0.0, 1.5, float("nan")])),
+    "seed": (st.integers(-(2**63), 2**64 - 1), st.sampled_from([2**64, -(2**63) - 1])),
+    "max_tokens": (st.integers(1, 4), st.sampled_from([0, 2**31])),
+}
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[list[int], dict[str, object], set[str], bool, bool]:
+    """A prompt, its sampling fields, which of them are out of range, whether the fields reach
+    the engine unvalidated, and whether it arrives once the others decode."""
+    fields: dict[str, object] = {}
+    invalid: set[str] = set()
+    for name, (valid, bad) in FIELDS.items():
+        if draw(st.integers(0, 9)) == 0:
+            fields[name], _ = draw(bad), invalid.add(name)
+        else:
+            fields[name] = draw(valid)
+    bypass = draw(st.booleans()) and "max_tokens" not in invalid
+    return draw(st.sampled_from(PROMPTS)), fields, invalid, bypass, draw(st.booleans())
+
+
+@settings(max_examples=100, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(requests(), min_size=2, max_size=5))
+def test_random_parameters_in_mixed_batches_fail_only_their_own_request(llm, batch):
+    assert llm.model_config.vocab_size == VOCAB
+    engine = llm.engine
+    before = engine.cache_manager.stats()
+    planned, refused = [], []
+    for i, (prompt, fields, invalid, bypass, late) in enumerate(batch):
+        if bypass:
+            planned.append((late, (f"r{i}", prompt, unvalidated(**fields)), invalid))
+            continue
+        try:
+            planned.append((late, (f"r{i}", prompt, SamplingParams(**fields, ignore_eos=True)), invalid))
+        except ValidationError as err:
+            refused.append((invalid, {e["loc"][0] for e in err.errors()}))
+    for invalid, named in refused:  # refused at once, naming what is out of range
+        assert invalid and named <= invalid, (invalid, named)
+    ordered = sorted(planned, key=lambda x: x[0])  # the late ones last
+    results = run(engine, [req for _, req, _ in ordered], late=sum(late for late, _, _ in ordered))
+    for _, (rid, prompt, params), invalid in ordered:
+        r = results[rid]
+        if invalid:  # past no validator: it ends with an error naming the value, or runs harmlessly
+            assert r.finish_reason == "length" or any(f"{name} " in (r.error or "") for name in invalid), r
+        else:
+            assert (r.error, r.finish_reason) == (None, "length"), r
+            assert r.output_token_ids == alone_cached(llm, prompt, params), rid
+    assert engine.cache_manager.stats() == before
+
+
+_ALONE: dict[tuple[tuple[int, ...], str], list[int]] = {}
+
+
+def alone_cached(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    key = (tuple(prompt), params.model_dump_json())
+    if key not in _ALONE:
+        _ALONE[key] = alone(llm, prompt, params)
+    return _ALONE[key]
