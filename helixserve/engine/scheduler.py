@@ -15,7 +15,7 @@ Each ``schedule()`` step, under a token budget of ``max_num_batched_tokens``:
 ``update_from_output`` appends the sampled tokens, applies the stop rules
 (:func:`helixserve.engine.stop.stop_status`: eos unless ``ignore_eos``, ``stop_token_ids``, stop
 strings through a ``detokenize`` callable, ``max_tokens``, ``max_model_len``) and frees finished
-requests' caches. ``schedule_ahead`` schedules the next decode step before the pending one's
+requests' caches; a request whose stop rules raise ends alone with the error. ``schedule_ahead`` schedules the next decode step before the pending one's
 tokens are known (overlapped decoding; its rules: :mod:`helixserve.engine.lookahead`).
 
 A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting pickup) that finishes by
