@@ -33,10 +33,11 @@ from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
                                           decode_graphs_off_reason, size_cache, step_token_budget)
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
-from helixserve.engine.runner import LaunchedStep, ModelRunner
+from helixserve.engine.runner import LaunchedStep, ModelRunner, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.executor import SPMDExecutor
+from helixserve.host_copy import to_device
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheManager
 from helixserve.models.config import KimiModelConfig
@@ -276,10 +277,15 @@ class EngineCore:
         fed the sampled tokens on the device) before this step's tokens are read back, so the
         device runs it while the host applies them; the next call starts from that step.
 
-        A step that raises (the model, a kernel, sampling) ends the requests it concerns (those
-        of the failed step and of a step enqueued ahead; every unfinished one when scheduling
-        itself failed) with ``FINISHED_ERROR`` updates whose ``error`` names the exception, frees
-        their caches and leaves the engine ready for the next step. In a world, a failure that
+        A request's failure is its own: a step is prepared (each request's sampling, the batch)
+        before any model code runs, and one that cannot be runs again without the requests the
+        failure is traced to (else without each request that fails to prepare alone); those end
+        with a ``FINISHED_ERROR`` update naming the cause and nothing of them stays allocated. A
+        request whose stop rules raise ends alone likewise. A step that raises past that (the
+        model, a kernel, sampling: the caches were written, it cannot run again) ends the requests
+        it concerns (those of the failed step and of a step enqueued ahead; every unfinished one
+        when scheduling itself failed) with ``FINISHED_ERROR`` updates whose ``error`` names the
+        exception, frees their caches and leaves the engine ready for the next step. In a world, a failure that
         leaves the ranks' collectives unmatched (a :class:`CollectiveError`: a forward or message
         failed) is raised instead: the world has stopped.
 
@@ -309,24 +315,68 @@ class EngineCore:
             return updates + self._fail_step(exc)
 
     def _step(self) -> list[RequestUpdate]:
-        executor = self.executor
+        failed: list[RequestUpdate] = []
         if self._in_flight is not None:
             (out, launched), self._in_flight = self._in_flight, None
         else:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return []
-            launched = executor.launch(out, self._params)
-        if self.overlap_decode:
+            launched = self._launch(out, None, failed)
+        if self.overlap_decode and launched.tokens is not None:
             ahead = self.scheduler.schedule_ahead()
             if ahead is not None:
-                self._in_flight = (ahead, executor.launch(ahead, self._params, input_tokens=launched.tokens))
+                self._in_flight = (ahead, self._launch(ahead, launched.tokens, failed))
         updates = self.scheduler.update_from_output(out, launched.result())
         self._forget([u.request_id for u in updates if u.is_finished])
-        return updates
+        return failed + updates
+
+    def _launch(self, out: SchedulerOutput, input_tokens: torch.Tensor | None,
+                failed: list[RequestUpdate]) -> LaunchedStep:
+        """Launch ``out``. A step that cannot be prepared (nothing of it ran) runs again without
+        the requests the failure is traced to, else without those that fail to prepare alone;
+        they end with an error (appended to ``failed``). A failure no request explains raises."""
+        while True:
+            try:
+                return self.executor.launch(out, self._params, input_tokens)
+            except StepPreparationError as exc:
+                culprits = exc.failures or self._failing_alone(out, input_tokens)
+                if not culprits:
+                    raise
+                input_tokens = self._drop(out, input_tokens, culprits, failed)
+
+    def _failing_alone(self, out: SchedulerOutput, input_tokens: torch.Tensor | None) -> dict[str, str]:
+        """Each request of ``out`` whose part of the step fails to prepare alone, and why."""
+        failures: dict[str, str] = {}
+        for j, seq in enumerate(out.seqs):
+            tokens = None if input_tokens is None else input_tokens[j:j + 1]
+            try:
+                self.runner.prepare_step(SchedulerOutput(seqs=[seq]), self._params, tokens)
+            except StepPreparationError as exc:
+                failures[seq.request_id] = exc.failures.get(seq.request_id, str(exc))
+        return failures
+
+    def _drop(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, culprits: dict[str, str],
+              failed: list[RequestUpdate]) -> torch.Tensor | None:
+        """Take ``culprits`` out of ``out`` (and their rows out of ``input_tokens``, returned),
+        end them with their error and free what they hold."""
+        keep = [j for j, s in enumerate(out.seqs) if s.request_id not in culprits]
+        if input_tokens is not None:
+            input_tokens = input_tokens.index_select(0, to_device(torch.tensor(keep), input_tokens.device))
+        out.seqs[:] = [out.seqs[j] for j in keep]
+        for rid, why in culprits.items():
+            message = f"engine step failed{self._where}: {why}"
+            logger.error("%s; failed request %s alone", message, rid)
+            self.scheduler.abort(rid, error=message)
+            failed.append(RequestUpdate(rid, -1, RequestStatus.FINISHED_ERROR, error=message))
+        self.num_step_errors += 1
+        self._forget(list(culprits))
+        return input_tokens
 
     def _fail_step(self, exc: Exception) -> list[RequestUpdate]:
         self.num_step_errors += 1
+        if isinstance(exc, StepPreparationError) and exc.__cause__ is not None:
+            exc = exc.__cause__  # type: ignore[assignment] - name what failed to prepare
         message = f"engine step failed{self._where}: {type(exc).__name__}: {exc}"
         self._in_flight = None
         request_ids = self.scheduler.fail_pending_step(message)

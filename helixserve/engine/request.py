@@ -6,45 +6,52 @@ Lifecycle: ``WAITING -> RUNNING -> FINISHED_*``; a preempted request goes back t
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, StrictInt, field_validator
 
 
 _GREEDY_BELOW = 1e-5  # temperatures this small are greedy (avoids overflow in logits / T)
+INT32_MAX = 2**31 - 1  # integer parameters stay within int32, as vLLM's and the sampler's tensors
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 
 
 class SamplingParams(BaseModel):
-    """Per-request sampling and stopping. Invalid values raise ``ValueError`` naming the value.
+    """Per-request sampling and stopping. An invalid value raises pydantic's ``ValidationError``
+    (a ``ValueError``) naming the field and the value.
 
-    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 is off. ``stop`` strings need a detokenizer
-    (see :mod:`helixserve.engine.stop`). A stop/eos token is kept in ``output_token_ids``.
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 is off; a ``top_k`` above the vocabulary
+    keeps every token, as ``top_k`` = vocabulary size does. Integers stay within int32 (``seed``:
+    what ``torch.Generator.manual_seed`` takes), floats are finite. ``stop`` strings need a
+    detokenizer (see :mod:`helixserve.engine.stop`). A stop/eos token is kept in
+    ``output_token_ids``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_tokens: int = 16
+    max_tokens: StrictInt = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    top_k: StrictInt = 0
+    seed: StrictInt | None = None
+    stop_token_ids: tuple[StrictInt, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {v}")
+        if not 1 <= v <= INT32_MAX:
+            raise ValueError(f"max_tokens must be in [1, {INT32_MAX}], got {v}")
         return v
 
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v: float) -> float:
-        if not v >= 0 or v == float("inf"):
+        if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v}")
         return v
 
@@ -58,8 +65,23 @@ class SamplingParams(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v < -1:
-            raise ValueError(f"top_k must be >= 0 (0 = off) or -1 (off), got {v}")
+        if not -1 <= v <= INT32_MAX:
+            raise ValueError(f"top_k must be -1 or 0 (off) or in [1, {INT32_MAX}], got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_RANGE[0] <= v < SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {v}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [t for t in v if not 0 <= t <= INT32_MAX]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {INT32_MAX}], got {bad[:8]}")
         return v
 
     @field_validator("stop", mode="before")

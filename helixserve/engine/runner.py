@@ -1,5 +1,10 @@
 """Model runner: turns a :class:`SchedulerOutput` into a :class:`ForwardBatch`, runs the model and
 samples. It owns the model, the cache tensors and the sampler; it never touches queues.
+
+A step is prepared (:meth:`ModelRunner.prepare_step`: each sampled request's sampling, the
+batch) before any model code runs; a failure there is a :class:`StepPreparationError` naming the
+requests it is traced to, and leaves the caches (and, in a world, the other ranks) untouched, so
+the step can run again without them.
 """
 
 from __future__ import annotations
@@ -83,6 +88,15 @@ def slot_order(out: SchedulerOutput) -> list[int] | None:
     if slots == list(range(first, first + len(slots))) or sorted(slots) != list(range(first, first + len(slots))):
         return None
     return sorted(range(len(seqs)), key=slots.__getitem__)
+
+
+class StepPreparationError(Exception):
+    """A step failed before any model code ran. ``failures``: request id -> why, for each request
+    the failure is traced to (empty: not traced to any)."""
+
+    def __init__(self, message: str, failures: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or {}
 
 
 @dataclass(slots=True)
@@ -187,13 +201,45 @@ class ModelRunner:
             return logits
         return logits.index_select(0, to_device(torch.tensor(prepared.inverse), logits.device))
 
+    def prepare_step(
+        self, out: SchedulerOutput, params: Mapping[str, SamplingParams], input_tokens: torch.Tensor | None = None,
+    ) -> PreparedStep | None:
+        """What a step needs before the model runs: each sampled request's sampling
+        (:meth:`Sampler.check`) and the batch (``None``: a captured decode graph builds its own).
+        :class:`StepPreparationError` when one of them cannot be built; nothing has run then."""
+        sampled_ids = [s.request_id for s in out.seqs if s.sample]
+        failures = self.sampler.check(sampled_ids, [params[r] for r in sampled_ids])
+        if failures:
+            raise StepPreparationError(f"sampling could not be set up for {sorted(failures)}", failures)
+        if self.decode_graphs is not None and self.decode_graphs.fits(out):
+            return None
+        try:
+            return self.prepare(out, input_tokens)
+        except Exception as exc:
+            raise StepPreparationError(f"{type(exc).__name__}: {exc}") from exc
+
+    @torch.inference_mode()
+    def run_step(self, out: SchedulerOutput, prepared: PreparedStep | None,
+                 input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of a step :meth:`prepare_step` prepared (``None``: its decode graph's)."""
+        if prepared is not None:
+            return self.run(prepared)
+        assert self.decode_graphs is not None
+        if out.reset_slot_ids:
+            reset_slots(self.caches, out.reset_slot_ids)
+        logits = self.decode_graphs.run(out, input_tokens)
+        assert logits is not None, "prepare_step found the step fits the decode graphs"
+        return logits
+
     def launch(
         self, out: SchedulerOutput, params: Mapping[str, SamplingParams], input_tokens: torch.Tensor | None = None,
     ) -> LaunchedStep:
-        """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for it."""
+        """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for it;
+        :class:`StepPreparationError` when it cannot be prepared (nothing ran)."""
         if out.is_empty:
             return LaunchedStep([], None, None, None)
-        return self.sample(out, self.forward(out, input_tokens), params)
+        prepared = self.prepare_step(out, params, input_tokens)
+        return self.sample(out, self.run_step(out, prepared, input_tokens), params)
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
         """Sample ``out``'s sampled rows from ``logits`` and enqueue the tokens' copy to the host."""

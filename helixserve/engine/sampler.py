@@ -4,16 +4,31 @@ A seeded request draws from its own ``torch.Generator`` (seeded once, kept acros
 same seed gives the same tokens whatever else is in the batch. Unseeded requests share one
 generator seeded with ``Sampler(seed=...)``: CP ranks that build their samplers with the same seed
 and see the same logits and batches sample the same tokens.
+
+A ``top_k`` above the vocabulary keeps every token (it is clamped to the vocabulary size, which
+masks nothing). :meth:`Sampler.check` tries each request's part of a step (its values, its
+generator) before the step runs, so that a request whose part cannot be built is failed alone.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from helixserve.engine.request import SamplingParams
 from helixserve.host_copy import to_device
+
+
+def _check_row(p: SamplingParams) -> None:
+    """``ValueError`` naming a sampled row's value that its int64 / float32 rows cannot hold
+    (``top_k`` is clamped to the vocabulary, so only its type and lower end matter)."""
+    if type(p.top_k) is not int or p.top_k < -(2**63):
+        raise ValueError(f"top_k {p.top_k!r} does not fit an int64 row")
+    for name, value in (("temperature", p.temperature), ("top_p", p.top_p)):
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ValueError(f"{name} {value!r} is not a finite number")
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -56,7 +71,7 @@ def sample_on_device(
     device = logits.device
     sub = [params[i] for i in sampled_rows]
     host = torch.tensor(
-        [sampled_rows, [p.top_k if p.is_top_k_on else vocab for p in sub]], dtype=torch.int64,
+        [sampled_rows, [min(p.top_k, vocab) if p.is_top_k_on else vocab for p in sub]], dtype=torch.int64,
         pin_memory=logits.is_cuda,
     )
     host_f = torch.tensor([[p.temperature for p in sub], [p.top_p for p in sub]], pin_memory=logits.is_cuda)
@@ -64,7 +79,7 @@ def sample_on_device(
     rows, top_k = ints[0], ints[1]
     temperature, top_p = floats[0], floats[1]
     scaled = logits.index_select(0, rows) / temperature.unsqueeze(1)
-    if any(p.is_top_k_on or p.top_p < 1 for p in sub):
+    if any(p.is_top_k_on and p.top_k < vocab or p.top_p < 1 for p in sub):
         scaled = _mask_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
     # Gumbel-max via exponential noise: argmax(p / q), q ~ Exp(1). Rows sharing a generator draw
@@ -113,8 +128,28 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> torch.Tensor:
         """The tokens as a device tensor, every kernel enqueued, no host sync yet."""
-        generators = [self._generator(rid, p) for rid, p in zip(request_ids, params, strict=True)]
+        generators = [None if p.is_greedy else self._generator(rid, p)
+                      for rid, p in zip(request_ids, params, strict=True)]
         return sample_on_device(logits, params, generators)
+
+    def check(self, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> dict[str, str]:
+        """Why each request whose sampling cannot be set up fails (request id -> reason; empty:
+        none): its values must pack into the step's int64 / float32 rows and its seed must seed
+        a generator (created here, kept for the step). Nothing is drawn."""
+        failures: dict[str, str] = {}
+        for rid, p in zip(request_ids, params, strict=True):
+            if p.is_greedy:
+                continue
+            try:
+                _check_row(p)
+            except Exception as exc:  # noqa: BLE001 - reported as this request's failure
+                failures[rid] = f"{type(exc).__name__}: {exc}"
+                continue
+            try:
+                self._generator(rid, p)
+            except Exception as exc:  # noqa: BLE001
+                failures[rid] = f"seed {p.seed!r} does not seed a generator: {type(exc).__name__}: {exc}"
+        return failures
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:

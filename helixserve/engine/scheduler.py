@@ -15,7 +15,7 @@ Each ``schedule()`` step, under a token budget of ``max_num_batched_tokens``:
 ``update_from_output`` appends the sampled tokens, applies the stop rules
 (:func:`helixserve.engine.stop.stop_status`: eos unless ``ignore_eos``, ``stop_token_ids``, stop
 strings through a ``detokenize`` callable, ``max_tokens``, ``max_model_len``) and frees finished
-requests' caches. ``schedule_ahead`` schedules the next decode step before the pending one's
+requests' caches; a request whose stop rules raise ends alone with the error. ``schedule_ahead`` schedules the next decode step before the pending one's
 tokens are known (overlapped decoding; its rules: :mod:`helixserve.engine.lookahead`).
 
 A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting pickup) that finishes by
@@ -247,11 +247,15 @@ class Scheduler:
                 continue
             token = request.next_output_token(sampled_token_ids[seq.request_id])
             request.output_token_ids.append(token)
-            status = stop_status(request, token, self.eos_token_ids, self._stop_checkers.get(request.request_id),
-                                 self.max_model_len)
+            try:
+                status = stop_status(request, token, self.eos_token_ids,
+                                     self._stop_checkers.get(request.request_id), self.max_model_len)
+            except Exception as exc:  # noqa: BLE001 - its stop rules (a detokenizer) failed: it alone ends
+                request.error = f"stop rules failed: {type(exc).__name__}: {exc}"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(request, status)
-            updates.append(RequestUpdate(request.request_id, token, request.status))
+            updates.append(RequestUpdate(request.request_id, token, request.status, error=request.error))
         self._pending, self._pending_requests = self._ahead, self._ahead_requests
         self._ahead, self._ahead_requests = None, {}
         self._releases.step_updated(self._pending_requests if self._pending is not None else ())

@@ -22,10 +22,10 @@ class GenerationDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    max_tokens: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # the engine's bounds (SamplingParams)
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
 
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any], source: str = GENERATION_CONFIG) -> GenerationDefaults:

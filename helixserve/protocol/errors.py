@@ -248,7 +248,18 @@ def validation_error_to_openai(exc: ValidationError) -> InvalidRequestError:
         return InvalidRequestError(msg, param=param, code=ctx.get("code", kind))
     is_type_error = kind.endswith("_type") or kind.endswith("_parsing")
     code = "invalid_type" if is_type_error else "invalid_value"
-    return InvalidRequestError(f"Invalid value for {name}: {msg}.", param=param, code=code)
+    return InvalidRequestError(f"Invalid value for {name}: {msg}{_got(first.get('input'))}.",
+                               param=param, code=code)
+
+
+def _got(value: Any) -> str:
+    """`` (got 9223372036854775808)`` for a number a client sent (ints up to 128 bits: a longer
+    one is named by its size, its digits could run to the body limit)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return ""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f" (got an integer of {value.bit_length()} bits)"
+    return f" (got {value!r})"
 
 
 def parse_json(raw: bytes | str) -> Any:

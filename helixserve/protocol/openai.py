@@ -6,9 +6,11 @@ into a 400 naming the parameter. What a request may ask for:
 - supported: ``model``, ``prompt`` (a non-empty string or token id list; a one-element list is
   unwrapped, a batch of several prompts is rejected), ``messages`` (roles system/developer/user/
   assistant, content a string or a list of text parts, joined with ``"\\n"``), ``max_tokens`` /
-  ``max_completion_tokens`` (>= 1), ``temperature`` [0, 2], ``top_p`` (0, 1], ``seed``, ``stop``
-  (a string or up to 4 strings), ``stream``, ``stream_options`` (only with ``stream``), ``user``;
-  extensions ``top_k`` (>= -1; -1 or 0 = off), ``stop_token_ids``, ``ignore_eos`` and
+  ``max_completion_tokens`` [1, 2**31 - 1], ``temperature`` [0, 2], ``top_p`` (0, 1] (floats
+  finite: NaN and infinities are refused), ``seed`` [-2**63, 2**64), ``stop`` (a string or up to
+  4 strings), ``stream``, ``stream_options`` (only with ``stream``), ``user``; extensions ``top_k``
+  ([-1, 2**31 - 1]; -1 or 0 = off, above the vocabulary = every token), ``stop_token_ids``
+  (within the vocabulary), ``ignore_eos`` and
   ``disaggregated_params`` (router <-> workers, see :mod:`helixserve.protocol.disagg`).
 - accepted only at their neutral value, else 400 ``unsupported_parameter`` (see the ``_NEUTRAL``
   tables): ``n`` (1), penalties (0), ``logit_bias``, ``logprobs``, ``best_of``, ``echo``,

@@ -23,6 +23,7 @@ def _integral(value: Any) -> Any:
     return value
 
 
+INT32_MAX = 2**31 - 1  # the engine's bound on integer parameters (top_k, max_tokens)
 TokenId = Annotated[StrictInt, Field(ge=0)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]

@@ -10,9 +10,10 @@ from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictSt
 
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.protocol.errors import ContextLengthExceededError
-from helixserve.protocol.openai_common import IntegralInt, TokenId, param_error
+from helixserve.protocol.openai_common import INT32_MAX, IntegralInt, TokenId, param_error
 
-Count = Annotated[IntegralInt, Field(ge=1)]  # max_tokens and the like: >= 1, 76.0 reads as 76
+# max_tokens and the like: in [1, int32 max], 76.0 reads as 76
+Count = Annotated[IntegralInt, Field(ge=1, le=INT32_MAX)]
 
 MAX_STOP_STRINGS = 4
 
@@ -67,9 +68,10 @@ class _GenerationRequest(BaseModel):
 
     model: Annotated[StrictStr, Field(min_length=1)]
     max_tokens: Count | None = None
-    temperature: Annotated[float, Strict(), Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
-    top_k: Annotated[IntegralInt, Field(ge=-1)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    # -1 or 0: off; above the vocabulary: every token (the engine clamps it to the vocabulary)
+    top_k: Annotated[IntegralInt, Field(ge=-1, le=INT32_MAX)] | None = None
     seed: Annotated[IntegralInt, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: list[str] | None = None
     stop_token_ids: list[TokenId] | None = None

@@ -39,7 +39,13 @@ HOSTILE_BODIES = {
     "huge_integer": b'{"model": "%s", "prompt": [1], "max_tokens": 1%s}' % (MODEL.encode(),
                                                                          b"0" * 4000),
     "fractional_top_k": b'{"model": "%s", "prompt": "hi", "top_k": 76.5}' % MODEL.encode(),
+    "top_k_2_63": b'{"model": "%s", "prompt": "hi", "top_k": 9223372036854775808}' % MODEL.encode(),
+    "top_k_1e30": b'{"model": "%s", "prompt": "hi", "top_k": 1e30}' % MODEL.encode(),
+    "temperature_1e999": b'{"model": "%s", "prompt": "hi", "temperature": 1e999}' % MODEL.encode(),
 }
+# (parameter, JSON value) out of range, sent among well-formed requests
+OUT_OF_RANGE = [("top_k", b"9223372036854775808"), ("top_k", b"1e30"), ("top_k", b"2147483648"),
+                ("seed", b"18446744073709551616"), ("max_tokens", b"2147483648"), ("top_p", b"1e999")]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +132,38 @@ def test_integral_float_top_k_is_accepted(dep):
     status, answer = http("POST", f"{dep.router_url}/v1/completions", json.loads(_good(top_k=76.5)))
     error = _assert_openai_error(status, answer, 400, code="invalid_type", param="top_k")
     assert "76.5" in error["message"]
+
+
+def _post_raw(url: str, body: bytes) -> tuple[int, object]:
+    conn = _conn(url)
+    try:
+        status, _, payload = _send(conn, "POST", "/v1/completions", body)
+        return status, payload
+    finally:
+        conn.close()
+
+
+def test_out_of_range_parameters_are_400s_and_the_requests_beside_them_get_their_tokens(dep):
+    """Out-of-range parameters sent at once with 24 greedy requests: each a 400 naming the
+    parameter; every greedy request answers as it does alone."""
+    prompts = [f"request {i} of the batch" for i in range(24)]
+    alone = [http("POST", f"{dep.router_url}/v1/completions", json.loads(_good(p, max_tokens=4)))
+             for p in prompts]
+    assert all(status == 200 for status, _ in alone), alone
+    bad = [b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "%s": %s}' % (MODEL.encode(), name.encode(), raw)
+           for name, raw in OUT_OF_RANGE]
+    with ThreadPoolExecutor(len(prompts) + len(bad)) as pool:
+        refused = [pool.submit(_post_raw, dep.router_url, body) for body in bad[:3]]
+        answers = [pool.submit(_post_raw, dep.router_url, _good(p, max_tokens=4)) for p in prompts]
+        refused += [pool.submit(_post_raw, dep.router_url, body) for body in bad[3:]]
+        for (name, raw), future in zip(OUT_OF_RANGE, refused):
+            status, payload = future.result()
+            _assert_openai_error(status, payload, 400, param=name)
+        for (_, want), future in zip(alone, answers):
+            status, got = future.result()
+            assert status == 200, got
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["usage"] == want["usage"]
 
 
 @pytest.mark.parametrize("role", ["router", "ctx", "gen"])

@@ -1,7 +1,8 @@
 """The gen world (gloo) at its limits: chunked prefill of prompts around and far past the step's
 token budget, up to the context length, mixed with decodes, equal to the single-process engine;
 and step failures outside the forward (sampling on the CP leader; building a batch on one DP
-group's rank), which end that step's requests with an error while the world goes on.
+group's rank), which end that step's requests with an error while the world goes on; a request
+whose sampling cannot be set up fails alone, on the leader, before its group's step is sent.
 
 A forward that raises stops the world instead (its collectives are left unmatched):
 ``test_helix_world.py::test_a_failing_rank_stops_the_world``.
@@ -76,6 +77,12 @@ def _limits_world(rank: int, world_size: int, init_method: str, model_dir: str) 
                 driver.add_request("too-long", _prompt(9, MAX_MODEL_LEN), greedy())
             except ValueError as exc:
                 out["too_long"] = str(exc)
+            # sampling parameters no validator saw: the leader fails that request before the
+            # step is sent, the group runs the step without it
+            culprit = SamplingParams.model_construct(**{**greedy(12).model_dump(), "temperature": 1.0,
+                                                        "seed": 2**70})
+            out["culprit"] = _result(drive_to_completion(driver, [*FAULT_PROMPTS, AFTER],
+                                                         [greedy(12), culprit, greedy(12)]))
             part.runner.sampler = _FaultySampler(part.runner.sampler)  # the CP leader's next sampling fails
             out["fault"] = _result(drive_to_completion(driver, FAULT_PROMPTS, [greedy(12), greedy(12)]))
             out["after"] = _result(drive_to_completion(driver, [AFTER], [greedy()]))
@@ -115,6 +122,14 @@ def test_world_sampling_failure_fails_the_step_and_the_world_goes_on(limits, sin
     assert front["after"] == [(single.generate([AFTER], greedy())[0].token_ids, "length", None)]
     assert front["stats"].num_used_blocks == front["stats"].num_used_slots == 0
     assert [(s.num_used_blocks, s.num_used_slots) for s in front["rank_stats"].values()] == [(0, 0), (0, 0)]
+
+
+def test_world_request_whose_sampling_cannot_be_set_up_fails_alone(limits, single) -> None:
+    front = limits[0]
+    first, culprit, last = front["culprit"]
+    want = [r.token_ids for r in single.generate([FAULT_PROMPTS[0], AFTER], greedy(12))]
+    assert (first, last) == ((want[0], "length", None), (want[1], "length", None))
+    assert culprit[:2] == ([], "error") and culprit[2].startswith(f"engine step failed on gen rank 0: seed {2**70} ")
 
 
 def _dp_fault_world(rank: int, world_size: int, init_method: str, model_dir: str) -> dict:

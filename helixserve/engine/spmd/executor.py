@@ -61,20 +61,19 @@ class SPMDExecutor:
                input_tokens: torch.Tensor | None = None) -> LaunchedStep:
         if out.is_empty:
             return self.runner.launch(out, params)
-        graphs = self.runner.decode_graphs
+        # the step is prepared (each request's sampling, the batch) before anything is sent: one
+        # that cannot be (StepPreparationError) fails on this leader alone, the ranks never saw
+        # it, and the core runs it again without the requests it is traced to. A captured decode
+        # step (static helix step) replays on every rank of the group (the followers'
+        # runner.forward decides alike).
+        prepared = self.runner.prepare_step(out, params, input_tokens)
+        self.num_forwards += 1
         if self.world_size == 1:
-            self.num_forwards += 1
-            logits = self.runner.forward(out, input_tokens)
+            logits = self.runner.run_step(out, prepared, input_tokens)
         else:
-            # a captured decode step (static helix step) replays on every rank of the group (the
-            # followers' runner.forward decides alike); any other batch is built before anything
-            # is sent: one that fails to build fails this group's step only (the world's front
-            # then runs the group's empty step)
-            prepared = None if graphs is not None and graphs.fits(out) else self.runner.prepare(out, input_tokens)
             self._send_launch(out, input_tokens)
-            self.num_forwards += 1
             try:
-                logits = self.runner.forward(out, input_tokens) if prepared is None else self.runner.run(prepared)
+                logits = self.runner.run_step(out, prepared, input_tokens)
             except Exception as exc:  # the ranks' collectives are unmatched now
                 raise CollectiveError(f"forward failed on rank {self.channel.mapping.rank}: "
                                       f"{type(exc).__name__}: {exc}") from exc
