@@ -17,9 +17,9 @@ padding and never read.
   emitted token is distributed as the target's. A deterministic drafter (n-gram) has a one-hot
   ``q`` (``draft_probs=None``).
 
-Random draws: every sampled row takes ``n_b`` uniforms then ``V`` exponentials (Gumbel-max, as
-the sampler) from its generator, in batch order among rows sharing one; a seeded request's own
-generator draws only its row, so its tokens do not depend on the batch.
+Random draws: uniforms for the acceptance tests, then ``V`` exponentials for the next token
+(Gumbel-max, as the sampler); a seeded request's own generator draws only its row (its ``n_b``
+uniforms, then the exponentials), so its tokens do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -102,16 +102,26 @@ def greedy_accept(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 
 def _draws(num_draft_tokens: Sequence[int], K: int, vocab: int, device: torch.device,
            generators: Sequence[torch.Generator | None] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms ``[B, K]`` (1 past each row's drafts) and exponentials ``[B, V]``: each row
-    draws its ``n_b`` uniforms then ``V`` exponentials from its generator, rows in batch order."""
+    """Uniforms ``[B, K]`` (1 past each row's drafts) and exponentials ``[B, V]``. A row with a
+    generator of its own draws its ``n_b`` uniforms then ``V`` exponentials; rows sharing one
+    draw together (``K`` uniforms each, then the exponentials), as the sampler groups them."""
     B = len(num_draft_tokens)
     uniforms = torch.ones(B, K, device=device)
     noise = torch.empty(B, vocab, device=device)
-    for b, n in enumerate(num_draft_tokens):
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for b in range(B):
         gen = generators[b] if generators is not None else None
-        if n:
-            uniforms[b, :n].uniform_(generator=gen)
-        noise[b].exponential_(generator=gen)
+        groups.setdefault(id(gen), (gen, []))[1].append(b)
+    for gen, rows in groups.values():
+        if len(rows) == 1:
+            b, n = rows[0], num_draft_tokens[rows[0]]
+            if n:
+                uniforms[b, :n].uniform_(generator=gen)
+            noise[b].exponential_(generator=gen)
+            continue
+        where = to_device(torch.tensor(rows, dtype=torch.int64), device)
+        uniforms.index_copy_(0, where, torch.rand(len(rows), K, generator=gen, device=device))
+        noise.index_copy_(0, where, torch.empty(len(rows), vocab, device=device).exponential_(generator=gen))
     return uniforms, noise.clamp_(min=1e-20)
 
 
