@@ -29,10 +29,24 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    if args.train_on is not None:
+        return _train_checkpoint(args)
     from helixserve.models.presets import make_checkpoint
 
     make_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer=args.tokenizer)
     print(f"wrote {args.preset} checkpoint to {args.out}")
+    return 0
+
+
+def _train_checkpoint(args: argparse.Namespace) -> int:
+    from helixserve.training.trainer import TrainingConfig, train_checkpoint
+
+    if args.tokenizer != "hf":
+        raise ValueError("--train-on trains with the byte-level tokenizer: leave --tokenizer at hf")
+    report = train_checkpoint(args.preset, args.out, args.train_on,
+                              TrainingConfig(steps=args.train_steps, seed=args.seed), dtype=args.dtype)
+    print(f"trained {args.preset} for {len(report.losses)} steps in {report.seconds:.0f} s "
+          f"(loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}); wrote {args.out}")
     return 0
 
 
@@ -87,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--tokenizer", choices=["hf", "kimi"], default="hf",
                     help="hf: tokenizer.json; kimi: tiktoken.model + tokenizer_config.json + "
                          "chat_template.jinja + generation_config.json, as Moonshot publishes")
+    mk.add_argument("--train-on", default=None, metavar="DIR",
+                    help="train the preset on the .py files under DIR (e.g. Python's standard library) "
+                         "instead of writing random weights")
+    mk.add_argument("--train-steps", type=int, default=300, help="training steps with --train-on")
     mk.set_defaults(func=_cmd_make_checkpoint)
 
     gen = sub.add_parser("generate", help="generate from a prompt with the built-in engine")
