@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from helixserve.cache_layout import ModelCaches, head_slice
+from helixserve.dtypes import dtype_name, itemsize
 from helixserve.kvcache.helix import local_logical_blocks
 from helixserve.protocol.disagg import KVLayout
 from helixserve.transceiver.base import PayloadKind
@@ -48,20 +49,10 @@ AUX_MAGIC = 0x48454C4958  # "HELIX"
 MAX_FIRST_TOKENS = AUX_WORDS - 3
 SMALL_SEGMENT_UNITS = 16  # segments of at most this many units are mapped without numpy
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
 
 
 class LayoutMismatchError(ValueError):
     """The two sides of a transfer disagree on the cache layout (names every differing field)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype} cannot travel in a KVLayout; use one of {sorted(_DTYPES)}")
-    return _DTYPE_NAMES[dtype]
 
 
 def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str) -> KVLayout:
@@ -88,10 +79,6 @@ def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: 
     if diffs:
         raise LayoutMismatchError(
             f"KV layout mismatch ({ours_name} != {theirs_name}): " + "; ".join(diffs))
-
-
-def itemsize(name: str) -> int:
-    return _ITEMSIZE[name]
 
 
 @dataclass(frozen=True, slots=True)
