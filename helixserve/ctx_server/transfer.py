@@ -26,12 +26,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from helixserve.config import CtxServerConfig
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.ctx_server.lifecycle import SenderFreed
 from helixserve.ctx_server.pickup import CtxRequests, OfferFn
 from helixserve.engine.core import EngineCore
 from helixserve.protocol import KVLayout, TransceiverEndpoint
 from helixserve.protocol.disagg import PullGrant
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.polling import TransferMetrics
 
 logger = logging.getLogger(__name__)

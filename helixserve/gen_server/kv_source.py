@@ -31,13 +31,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import ClassVar
 
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.errors import EngineError
 from helixserve.protocol import DisaggregatedParams, KVLayout
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.serving.auth import PermissionDeniedError
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.polling import TransferMetrics
 
 

@@ -15,6 +15,8 @@ from functools import cache
 
 import torch
 
+from helixserve.config import kernel_backend
+
 _value_checks = False
 
 
@@ -31,8 +33,6 @@ def value_checks_enabled() -> bool:
 @cache
 def fast_kernels_enabled() -> bool:
     """``HELIXSERVE_KERNELS=auto``: GPU fast paths (Triton, fla, FlashMLA) where installed."""
-    from helixserve.config import kernel_backend
-
     return kernel_backend() == "auto"
 
 

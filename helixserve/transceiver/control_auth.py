@@ -16,7 +16,7 @@ import logging
 
 import grpc
 
-from helixserve.transceiver.config import ControlTLSConfig
+from helixserve.config_transceiver import ControlTLSConfig
 
 logger = logging.getLogger(__name__)
 

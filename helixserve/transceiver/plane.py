@@ -24,9 +24,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
+from helixserve.config_transceiver import TransceiverBackendKind, TransceiverConfig
+
 if TYPE_CHECKING:
     from helixserve.transceiver.base import TransferState
-    from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
 
 
 class TransferHandle(ABC):
@@ -101,8 +102,6 @@ class DataPlane(ABC):
 
 def load_data_plane(kind: TransceiverBackendKind) -> type[DataPlane]:
     """The DataPlane class for `kind`, imported lazily (ucxx is only needed when chosen)."""
-    from helixserve.transceiver.config import TransceiverBackendKind
-
     if kind is TransceiverBackendKind.UCXX:
         from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 

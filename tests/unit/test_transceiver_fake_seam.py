@@ -12,9 +12,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from helixserve.config_transceiver import TransceiverBackendKind, TransceiverConfig
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.transceiver.base import TransferState
-from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
 from helixserve.transceiver.fake import FakeDataPlane, FakeFabric, FakeFault, install_fabric
 from helixserve.transceiver.layout import wire_tag
 from helixserve.transceiver.plane import open_data_plane
