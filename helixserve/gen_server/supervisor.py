@@ -30,7 +30,7 @@ from typing import Any
 
 from helixserve.config import GenServerConfig
 from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.engine.world_llm import LocalWorld
+from helixserve.gen_server.local_world import LocalWorld
 from helixserve.launch.restarts import RestartBudget
 from helixserve.serving.shutdown import stop_this_process
 

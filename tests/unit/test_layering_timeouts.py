@@ -189,7 +189,7 @@ def test_new_wait_fields_validate_and_load(section: tuple, field: str) -> None:
 @pytest.mark.parametrize("field", ["collective_timeout_s", "run_timeout_s", "stop_grace_s"])
 def test_offline_world_waits_validate_and_default_the_world_options(field: str) -> None:
     from helixserve.config import WorldRunConfig
-    from helixserve.engine.world_llm import WorldOptions
+    from helixserve.engine.world_rank import WorldOptions
 
     with pytest.raises(ValidationError, match=field):
         WorldRunConfig(**{field: 0})
