@@ -33,6 +33,7 @@ from helixserve.engine.core import EngineCore
 from helixserve.protocol import KVLayout, TransceiverEndpoint
 from helixserve.protocol.disagg import PullGrant
 from helixserve.transceiver.polling import TransferMetrics
+from helixserve.transceiver.sender import KVSender
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ class CtxTransceiver:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CtxTransceiver]:
         """Start the sender (UCX worker, gRPC server); stop it on exit."""
-        from helixserve.transceiver.sender import KVSender
-
         self._loop = asyncio.get_running_loop()
         server = self.server
         self.sender = KVSender(self.config, self.layout, self.core.runner.caches, self._on_free,

@@ -16,6 +16,7 @@ from functools import cache
 import torch
 
 from helixserve.config import kernel_backend
+from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape, check_slot_ids
 
 _value_checks = False
 
@@ -73,8 +74,6 @@ def seq_ids_of_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def gpu_num_seqs(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int) -> int:
     """Sequences in ``cu_seqlens`` on the GPU path: shape/dtype checks always, values only when enabled."""
-    from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim
-
     if cu_seqlens is None:
         return 1
     if value_checks_enabled():
@@ -88,8 +87,6 @@ def gpu_num_seqs(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int) ->
 
 def gpu_check_slot_ids(name: str, slot_ids: torch.Tensor, batch: int, num_slots: int) -> None:
     """Slot ids on the GPU path: shape/dtype checks always, range/uniqueness only when enabled."""
-    from helixserve.kernels._checks import check_integer, check_shape, check_slot_ids
-
     if value_checks_enabled():
         check_slot_ids(name, slot_ids, batch, num_slots)
         return

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from helixserve.config import DeploymentConfig
 from helixserve.dtypes import MODEL_DTYPES, check_dtype, itemsize
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import GIB, RankMemory
@@ -104,8 +105,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_kwargs: dict[str, Any] = {}
     gpu_gib = args.gpu_memory_gib
     if args.config:
-        from helixserve.config import DeploymentConfig
-
         deploy = DeploymentConfig.from_yaml(args.config)
         cache, gen = deploy.cache, deploy.gen[0]
         gpu_gib = gpu_gib if gpu_gib is not None else cache.gpu_memory_gib

@@ -30,7 +30,7 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.dtypes import torch_dtype
 from helixserve.transceiver.base import PayloadKind
-from helixserve.transceiver.layout import Segment, SegmentMemory, ShardSpec
+from helixserve.transceiver.segments import Segment, SegmentMemory, ShardSpec
 
 
 @dataclass(frozen=True, slots=True)

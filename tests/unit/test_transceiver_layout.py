@@ -9,10 +9,10 @@ import torch
 from helixserve.cache_layout import head_slice
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
-import helixserve.transceiver.layout as layout_module
-from helixserve.transceiver.layout import (AUX_WORDS, SMALL_SEGMENT_UNITS, LayoutMismatchError, SegmentMemory,
-                                           ShardSpec, check_layout, decode_aux, encode_aux, layout_for, plan_messages,
-                                           shard_segments, wire_tag)
+import helixserve.transceiver.segments as segments_module
+from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, decode_aux,
+                                           encode_aux, layout_for, plan_messages, shard_segments, wire_tag)
+from helixserve.transceiver.segments import SMALL_SEGMENT_UNITS, SegmentMemory
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
 LAYOUT = layout_for(CFG, torch.float32, 4, "kimi-k3-tiny")
@@ -122,7 +122,7 @@ def test_small_segments_map_like_the_numpy_path(seed, monkeypatch):
     few = SegmentMemory.of(parent, offsets, unit)
     with pytest.raises(ValueError, match="outside"):
         SegmentMemory.of(parent, bad, unit)
-    monkeypatch.setattr(layout_module, "SMALL_SEGMENT_UNITS", -1)  # every segment through numpy
+    monkeypatch.setattr(segments_module, "SMALL_SEGMENT_UNITS", -1)  # every segment through numpy
     many = SegmentMemory.of(parent, offsets, unit)
     with pytest.raises(ValueError, match="outside"):
         SegmentMemory.of(parent, bad, unit)
