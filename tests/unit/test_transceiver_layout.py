@@ -3,6 +3,8 @@ cuts, memory runs, the AUX payload and layout-descriptor checks (pure, no transp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -153,3 +155,12 @@ def test_every_mla_layer_maps_the_blocks_once_and_reads_its_own_pool():
     caches.mla_kv[5] = caches.mla_kv[5].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, strided
     with pytest.raises(ValueError, match="must be contiguous"):
         ShardPlan.for_sender(ShardSpec(LAYOUT, 23), caches, blocks, 0, [1], 1 << 20).prepare()
+
+
+def test_one_kv_layout_builder():
+    """Every cache layout a worker announces comes from ``layout_for``: no other module of
+    helixserve constructs a KVLayout."""
+    root = Path(__file__).resolve().parents[2] / "helixserve"
+    builders = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                      if "KVLayout(" in p.read_text() and not p.is_relative_to(root / "protocol"))
+    assert builders == ["transceiver/layout.py"], builders
