@@ -19,10 +19,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.ctx_server.lifecycle import (Admitted, CtxRequestLife, CtxState, Event, Expired,
                                              Finished, IllegalTransitionError, Offered, Prefilled,
                                              ReleaseCause, Stopped, Transition)
@@ -42,9 +42,9 @@ class CtxRequests:
     """Every ctx request's state (one :class:`CtxRequestLife`), moved on ``engine``'s thread."""
 
     def __init__(self, engine: AsyncEngine, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock | None = None) -> None:
         self.engine = engine
-        self.life = CtxRequestLife(timeout_s, clock)
+        self.life = CtxRequestLife(timeout_s, clock or MonotonicClock())
         self._tokens = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()

@@ -13,6 +13,7 @@ Transfer path: `layout` (which bytes a receiver gets, the message plan, each sid
 allocation + consensus). Those are imported on first use (they need gRPC and ucxx).
 """
 
+from helixserve.clock import Clock, FakeClock, MonotonicClock
 from helixserve.config_transceiver import TransceiverBackendKind, TransceiverConfig
 from helixserve.transceiver.base import (
     DataPlane,
@@ -25,7 +26,6 @@ from helixserve.transceiver.base import (
     load_data_plane,
     open_data_plane,
 )
-from helixserve.transceiver.clock import Clock, FakeClock, MonotonicClock
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
 
 _LAZY = {

@@ -31,8 +31,8 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.config_transceiver import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
-from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.plane import DataPlane, TransferHandle, load_data_plane, open_data_plane
 
 __all__ = [  # the data-plane seam lives in `plane`; re-exported here for existing importers

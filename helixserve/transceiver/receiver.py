@@ -35,12 +35,12 @@ from collections.abc import Sequence
 import torch
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.config_transceiver import TransceiverConfig
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import DisaggregatedParams, KVLayout, TransceiverEndpoint
 from helixserve.transceiver.base import ReceiverSession, TransferState
-from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.control import ControlClient, ControlClients, target
 from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.inbound import Inbound, Phase

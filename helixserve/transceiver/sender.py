@@ -54,13 +54,13 @@ from dataclasses import replace
 from pydantic import ValidationError
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.clock import MonotonicClock
 from helixserve.config_transceiver import TransceiverConfig
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, PullGrant, TransceiverEndpoint
 from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
-from helixserve.transceiver.clock import MonotonicClock
 from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.grant import GRANT_TASK, adopt_cp_group, grant_pickup
 from helixserve.transceiver.cache_check import check_caches

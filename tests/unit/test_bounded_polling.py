@@ -9,6 +9,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from helixserve.clock import SPIN_BELOW_S, FakeClock, MonotonicClock
 from helixserve.config_transceiver import TransceiverConfig
 from helixserve.transceiver.base import (
     DEFAULT_SLICE_S,
@@ -20,7 +21,6 @@ from helixserve.transceiver.base import (
     resolve_slice,
     resolve_timeout,
 )
-from helixserve.transceiver.clock import SPIN_BELOW_S, FakeClock, MonotonicClock
 from helixserve.transceiver.fake import FakeFault, FakeHandle
 from helixserve.transceiver.polling import TransferPoller
 

@@ -227,3 +227,10 @@ def test_the_checks_can_fail(tmp_path):
     graph = package_graph(tmp_path)
     assert graph == {"a": {"b": "helixserve/a/x.py"}, "b": {"a": "helixserve/b/y.py"}}
     assert package_cycles(graph) == [["a", "b"]]
+
+
+@pytest.mark.parametrize("leaf", ["clock", "dtypes", "cache_layout", "host_copy"])
+def test_leaf_modules_import_no_helixserve_package(leaf):
+    """The clock protocol, the dtype table, the cache layout and the host copy sit under everything."""
+    assert leaf in {package_of(_module_of(p, ROOT)) for p in PKG.glob("*.py")}
+    assert not package_graph().get(leaf), package_graph()[leaf]

@@ -41,7 +41,7 @@ INTERNAL = {
         "how often a bounded wait for a launched copy polls its event (drain_timeout_ms bounds it)",
     ("helixserve/transceiver/receiver.py", "RETRACT_WAIT_S"):
         "a local 0-byte retraction after drain_timeout_ms already ran out; bounds a broken plane",
-    ("helixserve/transceiver/clock.py", "SPIN_BELOW_S"):
+    ("helixserve/clock.py", "SPIN_BELOW_S"):
         "the length under which the real clock spins a wait instead of sleeping it (no wait of its own)",
     ("helixserve/transceiver/receiver.py", "PULL_TICK_S"):
         "how often a poll probes in-flight device copies between sweeps; the poll's own interval bounds the wait",
