@@ -31,9 +31,9 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("helixserve/models/presets.py", "helixserve.models.tokenizer_tiktoken"): "tiktoken: only the kimi layout writes it",
     ("helixserve/models/tokenizer.py", "helixserve.models.tokenizer_tiktoken"):
         "tiktoken: only a checkpoint without tokenizer.json reads it",
-    ("helixserve/transceiver/plane.py", "helixserve.transceiver.ucxx_backend"):
+    ("helixserve/transceiver/backends.py", "helixserve.transceiver.ucxx_backend"):
         "ucxx (optional extra): the backend picked by TransceiverBackendKind is imported when chosen",
-    ("helixserve/transceiver/plane.py", "helixserve.transceiver.fake"):
+    ("helixserve/transceiver/backends.py", "helixserve.transceiver.fake"):
         "the backend picked by TransceiverBackendKind is imported when chosen (the fake only in tests)",
     ("helixserve/kernels/attn_res/mix.py", "helixserve.kernels.attn_res"): _TRITON,
     ("helixserve/kernels/mla/combine.py", "helixserve.kernels.mla"): _TRITON,
@@ -234,3 +234,39 @@ def test_leaf_modules_import_no_helixserve_package(leaf):
     """The clock protocol, the dtype table, the cache layout and the host copy sit under everything."""
     assert leaf in {package_of(_module_of(p, ROOT)) for p in PKG.glob("*.py")}
     assert not package_graph().get(leaf), package_graph()[leaf]
+
+
+# file cycles left, through the function-level imports allow-listed above (GPU-switch work owns them)
+KNOWN_FILE_CYCLES = {
+    ("helixserve.models.checkpoint", "helixserve.models.helix_hooks", "helixserve.models.kimi",
+     "helixserve.models.quantization"): "load_model <-> KimiForCausalLM.from_pretrained; quantization reads checkpoint",
+    ("helixserve.models.tokenizer", "helixserve.models.tokenizer_hf", "helixserve.models.tokenizer_tiktoken"):
+        "the tokenizer loader picks a backend module that imports the HelixTokenizer protocol from it",
+    ("helixserve.kernels.copy.triton_units", "helixserve.kernels.copy.unit_graphs", "helixserve.kernels.copy.units"):
+        "unit_graphs captures triton_units' launches and triton_units builds UnitGraphs",
+}
+
+
+def module_graph(root: Path = ROOT) -> dict[str, dict[str, str]]:
+    """``{module: {helixserve module it imports anywhere (functions, TYPE_CHECKING too): path}}``."""
+    paths = {_module_of(p, root).removesuffix(".__init__"): p for p in (root / "helixserve").rglob("*.py")}
+    graph: dict[str, dict[str, str]] = {}
+    for module, path in paths.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(node, module, is_package)
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            for name in names:
+                if name in paths and name != module:
+                    graph.setdefault(module, {})[name] = path.relative_to(root).as_posix()
+    return graph
+
+
+def test_the_file_cycles_are_only_the_known_ones():
+    cycles = {tuple(c) for c in package_cycles(module_graph())}
+    assert cycles <= set(KNOWN_FILE_CYCLES), f"new file cycles: {sorted(cycles - set(KNOWN_FILE_CYCLES))}"
+    assert set(KNOWN_FILE_CYCLES) <= cycles, f"drop {sorted(set(KNOWN_FILE_CYCLES) - cycles)} from KNOWN_FILE_CYCLES"

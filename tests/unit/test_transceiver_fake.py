@@ -7,8 +7,8 @@ import torch
 
 from helixserve.clock import FakeClock
 from helixserve.config_transceiver import TransceiverBackendKind
-from helixserve.transceiver.base import (
-    PayloadKind, ReceiverSession, SenderSession, TransferState, load_data_plane)
+from helixserve.transceiver.backends import load_data_plane
+from helixserve.transceiver.base import PayloadKind, ReceiverSession, SenderSession, TransferState
 from helixserve.transceiver.fake import FakeDataPlane, FakeFabric, FakeFault
 from helixserve.transceiver.polling import TransferPoller
 
