@@ -32,10 +32,10 @@ def _setup(preset: str, max_tokens: int, cuda_ipc: bool = True):
     import torch
 
     from helixserve.cache_layout import cache_spec_for
+    from helixserve.config_transceiver import TransceiverConfig
     from helixserve.kvcache.manager import CacheManager
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
-    from helixserve.transceiver.config import TransceiverConfig
     from helixserve.transceiver.layout import layout_for
 
     cfg = get_preset(preset)

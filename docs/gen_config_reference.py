@@ -41,7 +41,7 @@ HEADER = """# Configuration reference
      Regenerate with `make docs-reference`. -->
 
 Every key of the deployment YAML (`helixserve/config.py`, `helixserve/config_lifecycle.py`,
-`helixserve/transceiver/config.py`), generated from the pydantic models. Unknown keys are
+`helixserve/config_transceiver.py`), generated from the pydantic models. Unknown keys are
 errors. A key written `ctx[].port` is a key of every entry of the `ctx` list. Durations are in
 seconds unless the key ends in `_ms`. The guide to these keys is [Configuration](configuration.md).
 """

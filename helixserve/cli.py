@@ -63,7 +63,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     if args.dp * args.cp > 1:
-        from helixserve.engine.world_llm import generate_on_world
+        from helixserve.launch.offline import generate_on_world
 
         result = generate_on_world(args.model, args.prompt, args.prompt_ids, params, dp=args.dp, cp=args.cp,
                                    dtype=args.dtype, load_format=args.load_format, enforce_eager=args.enforce_eager)

@@ -1,7 +1,7 @@
 """Validated configuration: one pydantic model per role, loaded from one YAML file.
 
 Only this module reads the environment. Roles: the model to load, the caches, the single-process
-engine, the KV transceiver (:class:`~helixserve.transceiver.config.TransceiverConfig`, torch-free)
+engine, the KV transceiver (:class:`~helixserve.config_transceiver.TransceiverConfig`, torch-free)
 and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`;
 process lifecycles (restarts, shutdown, the launchers' and offline worlds' waits) in
 :mod:`helixserve.config_lifecycle` and an HTTP server's client connections in
@@ -27,7 +27,7 @@ from helixserve.config_env import (RESERVED_PORTS_ENV, DistEnv, SlurmEnv, dist_e
 from helixserve.config_http import UPSTREAM_KEEPALIVE_S, ConnectionsConfig, WorkerConnectionsConfig  # noqa: F401 (re-exported)
 from helixserve.config_lifecycle import (LaunchConfig, RestartPolicy, ShutdownConfig,  # noqa: F401 (re-exported)
                                          SlurmJobConfig, Strict, WorldRunConfig)
-from helixserve.transceiver.config import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
+from helixserve.config_transceiver import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 INTERNAL_SECRET_ENV = "HELIXSERVE_INTERNAL_SECRET"

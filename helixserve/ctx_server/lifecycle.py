@@ -30,10 +30,9 @@ allow raises :class:`IllegalTransitionError` naming the request, its state and t
 from __future__ import annotations
 
 import enum
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.engine.errors import DuplicateRequestIdError
 
 
@@ -165,7 +164,7 @@ class CtxRequestLife:
     """Every live ctx request's state by request id (see the module docstring)."""
 
     timeout_s: float  # pickup deadline of a HELD entry not offered
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = field(default_factory=MonotonicClock)
     entries: dict[str, CtxRequestState] = field(default_factory=dict)
     num_released: int = 0  # held caches freed (any cause)
     num_expired: int = 0
@@ -187,7 +186,7 @@ class CtxRequestLife:
 
     def due(self) -> list[str]:
         """HELD entries past their deadline (for :class:`Expired`)."""
-        now = self.clock()
+        now = self.clock.monotonic()
         return [rid for rid, e in self.entries.items() if e.state is CtxState.HELD and e.deadline <= now]
 
     def apply(self, event: Event) -> Transition:
@@ -213,7 +212,7 @@ class CtxRequestLife:
             if entry.is_cancelled:  # the engine's abort freed it
                 return self._release(entry, ReleaseCause.CANCELLED)
             entry.first_gen_tokens = tuple(event.first_gen_tokens)
-            entry.deadline = self.clock() + self.timeout_s
+            entry.deadline = self.clock.monotonic() + self.timeout_s
             return self._to(entry, CtxState.HELD)
         if isinstance(event, Offered) and state is CtxState.HELD:
             return self._to(entry, CtxState.SENDING)

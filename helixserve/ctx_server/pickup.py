@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import secrets
 import logging
-import time
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.ctx_server.lifecycle import (Admitted, CtxRequestLife, CtxState, Event, Expired,
                                              Finished, IllegalTransitionError, Offered, Prefilled,
                                              ReleaseCause, Stopped, Transition)
@@ -43,9 +43,9 @@ class CtxRequests:
     """Every ctx request's state (one :class:`CtxRequestLife`), moved on ``engine``'s thread."""
 
     def __init__(self, engine: AsyncEngine, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock | None = None) -> None:
         self.engine = engine
-        self.life = CtxRequestLife(timeout_s, clock)
+        self.life = CtxRequestLife(timeout_s, clock or MonotonicClock())
         # admission tokens start at random, so a release meant for a worker before its restart
         # names no admission of this one
         self._tokens = itertools.count(secrets.randbelow(1 << 40) + 1)

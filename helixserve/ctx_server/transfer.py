@@ -26,13 +26,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from helixserve.config import CtxServerConfig
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.ctx_server.lifecycle import SenderFreed
 from helixserve.ctx_server.pickup import CtxRequests, OfferFn
 from helixserve.engine.core import EngineCore
 from helixserve.protocol import KVLayout, TransceiverEndpoint
 from helixserve.protocol.disagg import PullGrant
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.polling import TransferMetrics
+from helixserve.transceiver.sender import KVSender
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ class CtxTransceiver:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CtxTransceiver]:
         """Start the sender (UCX worker, gRPC server); stop it on exit."""
-        from helixserve.transceiver.sender import KVSender
-
         self._loop = asyncio.get_running_loop()
         server = self.server
         self.sender = KVSender(self.config, self.layout, self.core.runner.caches, self._on_free,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.dtypes import MODEL_DTYPES, torch_dtype
 from helixserve.engine.core import EngineCore
 from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.stop import truncate_at_stop
@@ -16,9 +17,6 @@ from helixserve.kernels.triton_common import set_batch_invariant
 from helixserve.models.checkpoint import ExpertFormat, load_model
 from helixserve.models.dummy import LoadFormat, dummy_tokenizer, load_dummy_model, model_config_of
 from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(slots=True)
 class GenerationResult:
@@ -49,9 +47,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return dtype
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
+    return torch_dtype(dtype, MODEL_DTYPES)
 
 
 class LLM:

@@ -2,7 +2,7 @@
 layout (sizes from the budget through :mod:`helixserve.planning`, ``H / cp`` KDA heads), its cache
 tensors, the token budget of a step and the shape of its decode CUDA graphs (and why it captures
 none). Used by :class:`~helixserve.engine.core.EngineCore` (leaders, single processes) and by the
-followers of a gen world (:func:`~helixserve.engine.world_llm.build_rank`)."""
+followers of a gen world (:func:`~helixserve.engine.world_rank.build_rank`)."""
 
 from __future__ import annotations
 

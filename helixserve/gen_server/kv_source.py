@@ -31,14 +31,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import ClassVar
 
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.errors import EngineError
 from helixserve.protocol import DisaggregatedParams, KVLayout
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.serving.auth import PermissionDeniedError
-from helixserve.transceiver.config import TransceiverConfig
+from helixserve.transceiver.layout import ShardSpec, shard_segments
 from helixserve.transceiver.polling import TransferMetrics
+from helixserve.transceiver.receiver import KVReceiver
 
 
 class KVSource(ABC):
@@ -117,8 +119,6 @@ class UcxReceiverFactory:
     ctx_endpoints: tuple[tuple[str, int], ...] = ()  # their control planes (asked for their pools at start)
 
     def __call__(self, mapping, device) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping, torch.device)
-        from helixserve.transceiver.receiver import KVReceiver
-
         # the data plane comes from config.backend's factory (transceiver.plane), which may bind
         # toward the ctx hosts (ucxx: this rank's interface on the route to them)
         receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
@@ -198,8 +198,6 @@ class UcxKVSource(KVSource):
             raise
 
     def _count_received(self, num_prompt_tokens: int, seconds: float) -> None:
-        from helixserve.transceiver.layout import ShardSpec, shard_segments
-
         self.num_completed += 1
         self.seconds_received += seconds
         self.bytes_received += sum(segment.nbytes for cp_rank in range(self.cp) for segment in

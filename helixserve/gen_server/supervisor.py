@@ -23,8 +23,6 @@ started it (compose, SLURM, ``helixserve launch``) starts it again.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +30,9 @@ from typing import Any
 
 from helixserve.config import GenServerConfig
 from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.engine.world_llm import LocalWorld
+from helixserve.gen_server.local_world import LocalWorld
 from helixserve.launch.restarts import RestartBudget
+from helixserve.serving.shutdown import stop_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +40,6 @@ logger = logging.getLogger(__name__)
 # exit shows; the failure's cause waits this long for it (only to name the rank; nothing hangs on it)
 DEAD_RANK_WAIT_S = 1.0
 DEAD_RANK_TICK_S = 0.02
-
-
-def stop_this_process() -> None:
-    """Ask this process to shut down the way Ctrl-C / ``docker stop`` would."""
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class WorldSupervisor:

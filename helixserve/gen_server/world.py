@@ -3,7 +3,7 @@
 Where the ranks come from:
 
 - by default this server process is rank 0 and spawns ranks 1 .. dp*cp-1 on this machine
-  (:func:`~helixserve.engine.world_llm.start_local_world`: gloo on CPU, one GPU per rank under
+  (:func:`~helixserve.gen_server.local_world.start_local_world`: gloo on CPU, one GPU per rank under
   NCCL);
 - under ``srun -n dp*cp`` (the SLURM launcher's gen step) or torchrun, every task runs
   ``helixserve serve-gen``: task 0 is rank 0 and serves HTTP, every other task runs
@@ -33,9 +33,9 @@ from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.messages import WorldStoppedError
-from helixserve.engine.world_llm import (KVReceiverFactory, LocalWorld, WorldOptions,
-                                         drive_to_completion, pick_backend, run_rank, start_local_world,
-                                         start_rank0)
+from helixserve.engine.world_rank import (KVReceiverFactory, WorldOptions, drive_to_completion, pick_backend,
+                                          run_rank, start_rank0)
+from helixserve.gen_server.local_world import LocalWorld, start_local_world
 from helixserve.gen_server.supervisor import GenWorld, WorldSupervisor
 from helixserve.models.dummy import model_config_of
 from helixserve.parallel import DistEnv, Mapping

@@ -15,6 +15,9 @@ from functools import cache
 
 import torch
 
+from helixserve.config import kernel_backend
+from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape, check_slot_ids
+
 _value_checks = False
 
 
@@ -51,8 +54,6 @@ def batch_invariant_enabled() -> bool:
 @cache
 def fast_kernels_enabled() -> bool:
     """``HELIXSERVE_KERNELS=auto``: GPU fast paths (Triton, fla, FlashMLA) where installed."""
-    from helixserve.config import kernel_backend
-
     return kernel_backend() == "auto"
 
 
@@ -93,8 +94,6 @@ def seq_ids_of_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def gpu_num_seqs(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int) -> int:
     """Sequences in ``cu_seqlens`` on the GPU path: shape/dtype checks always, values only when enabled."""
-    from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim
-
     if cu_seqlens is None:
         return 1
     if value_checks_enabled():
@@ -108,8 +107,6 @@ def gpu_num_seqs(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int) ->
 
 def gpu_check_slot_ids(name: str, slot_ids: torch.Tensor, batch: int, num_slots: int) -> None:
     """Slot ids on the GPU path: shape/dtype checks always, range/uniqueness only when enabled."""
-    from helixserve.kernels._checks import check_integer, check_shape, check_slot_ids
-
     if value_checks_enabled():
         check_slot_ids(name, slot_ids, batch, num_slots)
         return

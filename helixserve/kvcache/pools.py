@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from helixserve.cache_layout import CacheSpec, ModelCaches
+from helixserve.dtypes import dtype_name, itemsize
 from helixserve.host_copy import to_device
 from helixserve.kvcache.sizing import kda_slot_bytes, mla_block_bytes, pools_from_budget
 
@@ -69,13 +70,13 @@ def _allocate(
 
 def bytes_per_block(spec: CacheSpec) -> int:
     """Bytes one physical block costs over all MLA layers (:func:`.sizing.mla_block_bytes`)."""
-    return mla_block_bytes(len(spec.mla_layer_ids), spec.tokens_per_block, spec.mla_entry_dim, _itemsize(spec.dtype))
+    return mla_block_bytes(len(spec.mla_layer_ids), spec.tokens_per_block, spec.mla_entry_dim, itemsize(dtype_name(spec.dtype)))
 
 
 def bytes_per_slot(spec: CacheSpec) -> int:
     """Bytes one state slot costs over all KDA layers, fp32 state + conv state (:func:`.sizing.kda_slot_bytes`)."""
     return kda_slot_bytes(len(spec.kda_layer_ids), spec.kda_num_heads, spec.kda_head_dim, spec.conv_kernel_size,
-                          _itemsize(spec.dtype))
+                          itemsize(dtype_name(spec.dtype)))
 
 
 def size_from_budget(spec: CacheSpec, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
@@ -83,10 +84,6 @@ def size_from_budget(spec: CacheSpec, budget_bytes: int, max_num_seqs: int) -> t
     (:func:`.sizing.pools_from_budget`; ``ValueError`` when the budget cannot hold the slots plus
     one block per sequence; a model without MLA layers gets ``num_blocks = 0``)."""
     return pools_from_budget(bytes_per_block(spec), bytes_per_slot(spec), budget_bytes, max_num_seqs)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def allocate_model_caches(

@@ -12,15 +12,9 @@ Per rank, with ``L_mla`` MLA and ``L_kda`` KDA layers and ``b`` bytes per model-
 
 from __future__ import annotations
 
-FP32_BYTES = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from helixserve.dtypes import ITEMSIZE
 
-
-def dtype_bytes(name: str) -> int:
-    """Bytes per value of a model dtype name (``"bfloat16"``, ``"float32"``, ``"float16"``)."""
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
+FP32_BYTES = ITEMSIZE["float32"]
 
 
 def mla_block_bytes(num_mla_layers: int, tokens_per_block: int, entry_dim: int, itemsize: int) -> int:

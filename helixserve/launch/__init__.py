@@ -6,6 +6,7 @@ below it imports it, see ``tests/unit/test_layering.py``).
 - :mod:`.restarts`: bounded restarts (:class:`~.restarts.RestartBudget`), torch-free.
 - :mod:`.processes`: :func:`~.processes.run_local_world`, a function on a local world of processes
   (the CLI's ``generate --dp --cp``, tests).
+- :mod:`.offline`: the CLI's ``generate --dp --cp``, prompts through a local world of processes.
 
 Nothing is imported here, so ``import helixserve.launch.restarts`` stays torch-free.
 """

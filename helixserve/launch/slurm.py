@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from helixserve.config import (DeploymentConfig, child_environment, ensure_internal_secret, load_yaml, slurm_env,
                                with_reserved_ports)
 from helixserve.config_env import SlurmEnv
+from helixserve.launch.local import resolve_deployment
 from helixserve.launch.probe import is_ready
 
 logger = logging.getLogger(__name__)
@@ -264,8 +265,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare(args: argparse.Namespace, env: SlurmEnv) -> tuple[DeploymentConfig, list[Step], Path]:
     """Steps 1-3 and the step plan; writes config.yaml and plan.json into the job directory."""
-    from helixserve.launch.local import resolve_deployment
-
     job_dir = Path(args.job_dir or Path(env.submit_dir or ".") / f"helixserve-job-{env.job_id}").resolve()
     job_dir.mkdir(parents=True, exist_ok=True)
     deploy = resolve_deployment(args.config, args.model, args.port)

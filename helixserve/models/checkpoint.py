@@ -30,7 +30,9 @@ from safetensors.torch import save_file
 
 from helixserve.models.config import KimiModelConfig
 from helixserve.kernels.moe.mxfp4 import scale_bytes
+from helixserve.models.moe import RoutedExperts
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from helixserve.models.packing import pack_for_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +241,6 @@ def resolve_expert_format(experts: ExpertFormat, cfg: KimiModelConfig, dtype: to
 
 def use_mxfp4_experts(model: torch.nn.Module) -> None:
     """Every routed-expert stack of ``model`` held as MXFP4 bytes (:meth:`RoutedExperts.use_mxfp4`)."""
-    from helixserve.models.moe import RoutedExperts
-
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             module.use_mxfp4()
@@ -261,7 +261,6 @@ def load_model(
     (:func:`~helixserve.models.packing.pack_for_cpu`: fused input projections, column-major storage;
     same names, shapes and values)."""
     from helixserve.models.kimi import KimiForCausalLM
-    from helixserve.models.packing import pack_for_cpu
     from helixserve.models.quantization import check_checkpoint_quantization
 
     cfg = KimiModelConfig.from_pretrained(model_dir)

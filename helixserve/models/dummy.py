@@ -32,6 +32,7 @@ from helixserve.models.kimi import WORLD_OF_ONE, KimiForCausalLM
 from helixserve.models.presets import PRESETS, get_preset, random_value
 from helixserve.models.tokenizer import (DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKENS, HelixTokenizer,
                                          load_tokenizer_or_none)
+from helixserve.models.tokenizer_hf import HFTokenizer, build_byte_tokenizer
 from helixserve.parallel import Mapping
 
 LoadFormat = Literal["auto", "dummy"]
@@ -68,8 +69,6 @@ def dummy_tokenizer(model: str | Path) -> HelixTokenizer:
     found = load_tokenizer_or_none(model) if Path(model).is_dir() else None
     if found is not None:
         return found
-    from helixserve.models.tokenizer_hf import HFTokenizer, build_byte_tokenizer
-
     tok = build_byte_tokenizer()
     bos, eos = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[1])
     return HFTokenizer(tok, DEFAULT_CHAT_TEMPLATE, [eos], bos,

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 _KIMI_LINEAR_48B: dict[str, Any] = {
@@ -160,8 +162,6 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
     ``tokenizer``: ``"hf"`` writes ``tokenizer.json`` (byte-level); ``"kimi"`` writes the layout
     Moonshot publishes (``tiktoken.model``, ``tokenizer_config.json`` with
     ``added_tokens_decoder``, ``chat_template.jinja``, ``generation_config.json``)."""
-    from helixserve.models.checkpoint import save_checkpoint
-    from helixserve.models.kimi import KimiForCausalLM
     from helixserve.models.tokenizer_hf import write_tokenizer_files
     from helixserve.models.tokenizer_tiktoken import tiny_ranks, write_kimi_tokenizer_files
 

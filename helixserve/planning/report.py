@@ -12,7 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from helixserve.kvcache.sizing import dtype_bytes
+from helixserve.config import DeploymentConfig
+from helixserve.dtypes import MODEL_DTYPES, check_dtype, itemsize
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import GIB, RankMemory
 from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, plan_configured, smallest_layout
@@ -104,8 +105,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_kwargs: dict[str, Any] = {}
     gpu_gib = args.gpu_memory_gib
     if args.config:
-        from helixserve.config import DeploymentConfig
-
         deploy = DeploymentConfig.from_yaml(args.config)
         cache, gen = deploy.cache, deploy.gen[0]
         gpu_gib = gpu_gib if gpu_gib is not None else cache.gpu_memory_gib
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_kwargs.setdefault("tokens_per_block", args.tokens_per_block)
     t_kwargs.setdefault("max_num_batched_tokens", args.max_num_batched_tokens)
     target = PlanTarget(context_len=args.context_len, batch=args.batch, ctx_batch=args.ctx_batch,
-                        itemsize=dtype_bytes(args.dtype), **t_kwargs)
+                        itemsize=itemsize(check_dtype(args.dtype, MODEL_DTYPES)), **t_kwargs)
     return build_plan(cfg, name, gpu_gib, target, configured)
 
 
@@ -146,5 +145,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx-batch", type=int, default=1, help="prefilled sequences a ctx worker holds at once")
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="bfloat16")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -14,6 +14,7 @@ from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
 from helixserve.serving.worker_app import Worker
+from helixserve.transceiver.layout import layout_for
 
 logger = logging.getLogger(__name__)
 
@@ -29,17 +30,9 @@ def load_engine(deploy: DeploymentConfig) -> tuple[EngineCore, HelixTokenizer | 
 
 
 def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLayout:
-    """The cache layout ``core`` holds (ctx sends it; gen checks it against its own)."""
-    dtype = str(core.runner.model.dtype).removeprefix("torch.")
-    kda = set(cfg.kda_layer_ids)
-    return KVLayout(
-        model=served_model, tokens_per_block=core.layout.tokens_per_block,
-        layer_kinds=["kda" if i in kda else "mla" for i in range(cfg.num_hidden_layers)],
-        kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
-        num_kda_heads=cfg.kda_num_heads, kda_head_dim=cfg.kda_head_dim,
-        conv_kernel_size=cfg.conv_kernel_size, kv_dtype=dtype, state_dtype="float32",
-        conv_dtype=dtype,
-    )
+    """The cache layout ``core`` holds (ctx sends it; gen checks it against its own): the one
+    builder, :func:`~helixserve.transceiver.layout.layout_for`, on the engine's model dtype."""
+    return layout_for(cfg, core.runner.model.dtype, core.layout.tokens_per_block, served_model)
 
 
 def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None

@@ -27,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +35,7 @@ from helixserve.config import DeploymentConfig
 from helixserve.engine.async_engine import AsyncEngine
 from helixserve.engine.request import SamplingParams
 from helixserve.serving.openai_serving import ServingLimits
+from helixserve.serving.shutdown import stop_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +43,6 @@ NUM_DECODE_STEPS = 4
 SETTLE_S = 2.0  # internal: how long the engine may take to free the warm-up's cache after it ended
 SETTLE_TICK_S = 0.01  # internal: how often it is asked meanwhile
 _PRIME = 7919  # spreads the prompt's ids over the vocabulary, deterministically
-
-
-def stop_this_process() -> None:
-    """Ask this process to shut down the way Ctrl-C / ``docker stop`` would."""
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class WarmUpState(enum.Enum):

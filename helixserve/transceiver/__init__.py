@@ -1,18 +1,21 @@
 """helixserve.transceiver: KV / KDA-state transfer between ctx and gen ranks.
 
-Core logic (backend-free): `base` (poll states, sessions, tasks, data-plane interface),
-`polling` (bounded local poll), `consensus` (one batched all-gather per check over the CP
-group), `bounce` (staging pool, fan-in scatter, untrusted-plan validation). Backends are picked
-by `TransceiverConfig.backend` through `plane.open_data_plane` (the one factory; `plane` declares
+Core logic (backend-free): `states` (poll states), `base` (sessions, tasks), `polling` (bounded
+local poll), `consensus` (one batched all-gather per check over the CP group), `bounce` (staging
+pool, fan-in scatter, untrusted-plan validation). Backends are picked by
+`TransceiverConfig.backend` through `backends.open_data_plane` (the one factory; `plane` declares
 the `DataPlane` seam, all the sender and receiver use), which imports them lazily: `ucxx_backend`
 (UCX via ucxx) and `fake` (in-process: fault injection, the real sender and receiver in tests).
 
-Transfer path: `layout` (which bytes a receiver gets, the message plan, each side's memory map),
+Transfer path: `segments` (a shard's stream types), `layout` (which bytes a receiver gets, the
+message plan), `memory_map` (each side's memory map),
 `control` (the KVTransfer gRPC service and client), `sender` (ctx: `KVSender`, with
 `pickup` and `outbound`), `receiver` (gen: `KVReceiver`, with `inbound`) and `group` (`CPGroupReceiver`:
 allocation + consensus). Those are imported on first use (they need gRPC and ucxx).
 """
 
+from helixserve.clock import Clock, FakeClock, MonotonicClock
+from helixserve.config_transceiver import TransceiverBackendKind, TransceiverConfig
 from helixserve.transceiver.base import (
     DataPlane,
     PayloadKind,
@@ -21,11 +24,8 @@ from helixserve.transceiver.base import (
     TransferHandle,
     TransferSession,
     TransferState,
-    load_data_plane,
-    open_data_plane,
 )
-from helixserve.transceiver.clock import Clock, FakeClock, MonotonicClock
-from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
+from helixserve.transceiver.backends import load_data_plane, open_data_plane
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
 
 _LAZY = {

@@ -4,7 +4,8 @@ A **session** is one request's transfer on one rank: a `SenderSession` on a ctx 
 `ReceiverSession` on a gen rank. It owns **tasks**, one per (peer rank, payload kind): MLA KV
 blocks, KDA recurrent state, conv state and aux data (first token, prompt length). Each task is
 driven by one `TransferHandle` of a `DataPlane` backend (ucxx in deployments, the in-process fake
-in fault-injection tests); the seam itself and its factory `open_data_plane` live in `plane`.
+in fault-injection tests); the seam itself lives in `plane`, the states in `states` and the
+factory `open_data_plane`, which picks the backend, in `backends`.
 
 Session lifecycle (states are `TransferState`):
 
@@ -31,13 +32,14 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from helixserve.transceiver.clock import Clock, MonotonicClock
-from helixserve.transceiver.config import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
-from helixserve.transceiver.plane import DataPlane, TransferHandle, load_data_plane, open_data_plane
+from helixserve.clock import Clock, MonotonicClock
+from helixserve.config_transceiver import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
+from helixserve.transceiver.plane import DataPlane, TransferHandle
+from helixserve.transceiver.states import TransferState
 
-__all__ = [  # the data-plane seam lives in `plane`; re-exported here for existing importers
+__all__ = [  # the data-plane seam lives in `plane`, the states in `states`; re-exported here
     "DataPlane", "PayloadKind", "ReceiverSession", "SenderSession", "TransceiverError", "TransferHandle",
-    "TransferSession", "TransferState", "TransferTask", "load_data_plane", "open_data_plane",
+    "TransferSession", "TransferState", "TransferTask",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,32 +47,6 @@ logger = logging.getLogger(__name__)
 # finite fallbacks for a missing / invalid overall timeout or blocking slice: the config's defaults
 DEFAULT_TIMEOUT_S = DEFAULT_KV_TRANSFER_TIMEOUT_MS / 1000.0
 DEFAULT_SLICE_S = TransceiverConfig.model_fields["slice_ms"].default / 1000.0
-
-
-class TransferState(enum.Enum):
-    """Poll state of a task or session. Terminal: COMPLETED, FAILED, CANCELLED.
-
-    TIMEOUT is reported (a sender whose deadline passed without acknowledgement) but is not a
-    success; like the terminal states it is *settled*: it never changes again.
-    """
-
-    PENDING = "pending"
-    TRANSFERRING = "transferring"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    TIMEOUT = "timeout"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in _TERMINAL
-
-    @property
-    def is_settled(self) -> bool:
-        return self in _TERMINAL or self is TransferState.TIMEOUT
-
-
-_TERMINAL = frozenset({TransferState.COMPLETED, TransferState.FAILED, TransferState.CANCELLED})
 
 
 class PayloadKind(enum.Enum):

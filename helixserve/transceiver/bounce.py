@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.kvcache.pools import host_zeros
 from helixserve.transceiver.base import TransferState, resolve_slice, resolve_timeout
-from helixserve.transceiver.clock import Clock, MonotonicClock
 
 logger = logging.getLogger(__name__)
 

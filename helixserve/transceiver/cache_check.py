@@ -11,7 +11,7 @@ import torch
 
 from helixserve.cache_layout import ModelCaches
 from helixserve.protocol.disagg import KVLayout
-from helixserve.transceiver.layout import _DTYPES
+from helixserve.dtypes import torch_dtype
 
 _LOCK = threading.Lock()  # the engine and the sender's threads check
 # (layout id, caches id, heads) -> (the layout, the caches' identity, weak references whose
@@ -68,7 +68,7 @@ def _checked(pools: dict[int, torch.Tensor], layer_id: int, dtype: str, inner: t
     pool = pools.get(layer_id)
     if pool is None:
         raise ValueError(f"no cache tensor for layer {layer_id}")
-    if pool.dtype != _DTYPES[dtype] or tuple(pool.shape[1:]) != inner:
+    if pool.dtype != torch_dtype(dtype) or tuple(pool.shape[1:]) != inner:
         raise ValueError(f"layer {layer_id} cache is {pool.dtype} {tuple(pool.shape)}, the layout "
                          f"says {dtype} [*, {', '.join(map(str, inner))}]")
     return pool

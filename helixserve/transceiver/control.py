@@ -34,10 +34,10 @@ from typing import Protocol
 
 import grpc
 
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol import transfer_pb2_grpc as pb_grpc
 from helixserve.protocol.disagg import TransceiverEndpoint
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control_auth import (SecretInterceptor, call_metadata, channel_credentials,
                                                  channel_options, server_credentials)
 

@@ -16,8 +16,8 @@ import logging
 
 import grpc
 
+from helixserve.config_transceiver import ControlTLSConfig
 from helixserve.log_throttle import ThrottledLog
-from helixserve.transceiver.config import ControlTLSConfig
 
 logger = logging.getLogger(__name__)
 

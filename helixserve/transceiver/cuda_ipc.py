@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.dtypes import ITEMSIZE, dtype_name, itemsize, torch_dtype
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
 from helixserve.transceiver.lease import LeaseBoard, LeaseError
 from helixserve.transceiver.cache_check import caches_device, check_caches
-from helixserve.transceiver.layout import _DTYPES, dtype_name, itemsize
 
 logger = logging.getLogger(__name__)
 
@@ -175,14 +175,14 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
     flats = [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (s.nbytes(),)) for s in storages]
     caches = ModelCaches(layout.tokens_per_block)
     for t in reply.tensors:
-        if t.kind not in _KIND_FIELDS or t.storage >= len(storages) or t.dtype not in _DTYPES:
+        if t.kind not in _KIND_FIELDS or t.storage >= len(storages) or t.dtype not in ITEMSIZE:
             raise IpcOpenError(f"malformed pool entry for layer {t.layer_id}")
         size = itemsize(t.dtype)
         nbytes = math.prod(int(dim) for dim in t.shape) * size
         flat = flats[t.storage]
         if t.byte_offset + nbytes > flat.numel() or t.byte_offset % size:
             raise IpcOpenError(f"layer {t.layer_id}'s pool does not fit its {flat.numel()}-byte storage")
-        view = flat[t.byte_offset : t.byte_offset + nbytes].view(_DTYPES[t.dtype]).view(tuple(t.shape))
+        view = flat[t.byte_offset : t.byte_offset + nbytes].view(torch_dtype(t.dtype)).view(tuple(t.shape))
         getattr(caches, _KIND_FIELDS[t.kind])[int(t.layer_id)] = view
     try:
         check_caches(layout, caches, layout.num_kda_heads)

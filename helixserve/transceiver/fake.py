@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.transceiver.base import TransferState
-from helixserve.transceiver.clock import Clock, MonotonicClock
 from helixserve.transceiver.plane import DataPlane, TransferHandle
 
 

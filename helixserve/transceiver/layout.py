@@ -21,23 +21,24 @@ sender to its full-head cache and its physical blocks, a receiver to its local-h
 coalesced, so a message whose bytes are one run is sent / received in place; others are
 gathered / scattered through a staging buffer. The map is built by :mod:`memory_map` (per-pool
 constants read once, one run list per pool shape shared by its layers); the segment and message
-lists of a stream shape are built once and copied (:func:`_stream`).
+lists of a stream shape are built once and copied (:func:`_stream`). The shard, segment, message
+and segment-memory types are :mod:`.segments`' (both this module and :mod:`.memory_map` build on them).
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from helixserve.cache_layout import ModelCaches, head_slice
-from helixserve.kvcache.helix import local_logical_blocks
+from helixserve.cache_layout import ModelCaches
+from helixserve.dtypes import dtype_name, itemsize
 from helixserve.protocol.disagg import KVLayout
 from helixserve.transceiver.base import PayloadKind
+from helixserve.transceiver import memory_map
+from helixserve.transceiver.segments import Message, Segment, SegmentMemory, ShardSpec
 
 KIND_ORDER = (PayloadKind.AUX, PayloadKind.KDA_STATE, PayloadKind.CONV_STATE, PayloadKind.KV_BLOCKS)
 MESSAGE_INDEX_BITS = 20
@@ -46,22 +47,10 @@ MAX_TAG_BASE = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
 AUX_WORDS = 64
 AUX_MAGIC = 0x48454C4958  # "HELIX"
 MAX_FIRST_TOKENS = AUX_WORDS - 3
-SMALL_SEGMENT_UNITS = 16  # segments of at most this many units are mapped without numpy
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
 
 
 class LayoutMismatchError(ValueError):
     """The two sides of a transfer disagree on the cache layout (names every differing field)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype} cannot travel in a KVLayout; use one of {sorted(_DTYPES)}")
-    return _DTYPE_NAMES[dtype]
 
 
 def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str) -> KVLayout:
@@ -88,61 +77,6 @@ def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: 
     if diffs:
         raise LayoutMismatchError(
             f"KV layout mismatch ({ours_name} != {theirs_name}): " + "; ".join(diffs))
-
-
-def itemsize(name: str) -> int:
-    return _ITEMSIZE[name]
-
-
-@dataclass(frozen=True, slots=True)
-class ShardSpec:
-    """One receiver's share of one request."""
-
-    layout: KVLayout
-    num_tokens: int
-    cp_rank: int = 0
-    cp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 1:
-            raise ValueError(f"a shard needs >= 1 prompt token, got {self.num_tokens}")
-        head_slice(self.layout.num_kda_heads, self.cp_rank, self.cp_size)  # validates
-
-    @property
-    def blocks(self) -> list[int]:
-        """Global logical MLA blocks of this shard, ascending."""
-        return local_logical_blocks(self.num_tokens, self.layout.tokens_per_block, self.cp_rank, self.cp_size)
-
-    @property
-    def heads(self) -> tuple[int, int]:
-        return head_slice(self.layout.num_kda_heads, self.cp_rank, self.cp_size)
-
-    @property
-    def num_local_heads(self) -> int:
-        return self.layout.num_kda_heads // self.cp_size
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    kind: PayloadKind
-    layer_id: int  # -1 for AUX
-    unit_bytes: int
-    num_units: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.unit_bytes * self.num_units
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """Bytes ``[offset, offset + nbytes)`` of segment `segment`; travels with tag index `index`."""
-
-    index: int
-    kind: PayloadKind
-    segment: int
-    offset: int
-    nbytes: int
 
 
 def shard_segments(spec: ShardSpec) -> list[Segment]:
@@ -179,70 +113,6 @@ def wire_tag(tag_base: int, message_index: int) -> int:
     if not 0 <= tag_base <= MAX_TAG_BASE or not 0 <= message_index < MAX_MESSAGES:
         raise ValueError(f"tag base {tag_base} / message index {message_index} out of range")
     return (tag_base << MESSAGE_INDEX_BITS) | message_index
-
-
-@dataclass(slots=True)
-class SegmentMemory:
-    """Where one segment's bytes live on one side: coalesced runs of a parent tensor's bytes."""
-
-    flat: torch.Tensor  # uint8 view of the whole parent tensor
-    runs: list[tuple[int, int]]  # (byte offset in flat, nbytes), in stream order
-    starts: list[int] = field(default_factory=list)  # stream offset of each run
-
-    @classmethod
-    def of(cls, parent: torch.Tensor, unit_offsets: Sequence[int], unit_bytes: int) -> SegmentMemory:
-        """Units at byte `unit_offsets` of `parent` (in stream order), adjacent ones coalesced."""
-        if not parent.is_contiguous():
-            raise ValueError(f"cache tensor {tuple(parent.shape)} must be contiguous")
-        flat = parent.reshape(-1).view(torch.uint8)
-        if len(unit_offsets) <= SMALL_SEGMENT_UNITS:  # AUX, KDA and conv states: plain Python is faster
-            return cls._of_few(flat, [int(o) for o in unit_offsets], unit_bytes)
-        offsets = np.asarray(unit_offsets, dtype=np.int64)
-        if offsets.size == 0:
-            return cls(flat, [], [])
-        bad = offsets[(offsets < 0) | (offsets > flat.numel() - unit_bytes)]
-        if bad.size:
-            raise ValueError(f"unit at byte {int(bad[0])} (+{unit_bytes}) outside a {flat.numel()}-byte tensor")
-        first = np.concatenate([[0], np.flatnonzero(np.diff(offsets) != unit_bytes) + 1])
-        sizes = np.diff(np.concatenate([first, [offsets.size]])) * unit_bytes
-        runs = list(zip(offsets[first].tolist(), sizes.tolist()))
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-        return cls(flat, runs, starts)
-
-    @classmethod
-    def _of_few(cls, flat: torch.Tensor, offsets: list[int], unit_bytes: int) -> SegmentMemory:
-        runs: list[list[int]] = []
-        for offset in offsets:
-            if not 0 <= offset <= flat.numel() - unit_bytes:
-                raise ValueError(f"unit at byte {offset} (+{unit_bytes}) outside a {flat.numel()}-byte tensor")
-            if runs and runs[-1][0] + runs[-1][1] == offset:
-                runs[-1][1] += unit_bytes
-            else:
-                runs.append([offset, unit_bytes])
-        starts = [0]
-        for _, size in runs[:-1]:
-            starts.append(starts[-1] + size)
-        return cls(flat, [(o, n) for o, n in runs], starts if runs else [])
-
-    def spans(self, offset: int, nbytes: int) -> list[torch.Tensor]:
-        """Views of stream bytes ``[offset, offset + nbytes)``, in order."""
-        out, end = [], offset + nbytes
-        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        while offset < end:
-            run_offset, run_bytes = self.runs[i]
-            skip = offset - self.starts[i]
-            take = min(run_bytes - skip, end - offset)
-            out.append(self.flat[run_offset + skip : run_offset + skip + take])
-            offset += take
-            i += 1
-        return out
-
-
-def _memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,
-            physical_blocks: Sequence[int], slot: int | None, num_heads: int, head0: int) -> list[SegmentMemory]:
-    from helixserve.transceiver.memory_map import map_memory  # built on this module's types
-
-    return map_memory(spec, segments, caches, aux, physical_blocks, slot, num_heads, head0)
 
 
 _STREAMS: dict[tuple, tuple[list[Segment], list[Message]]] = {}  # see _stream
@@ -323,7 +193,7 @@ class ShardPlan:
         physical = list(block_ids[blocks[0] : blocks[-1] + 1 : spec.cp_size]) if blocks else []  # block_ids[b]
 
         def map_memory() -> list[SegmentMemory]:
-            return _memory(spec, segments, caches, aux, physical, slot, spec.layout.num_kda_heads, spec.heads[0])
+            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.layout.num_kda_heads, spec.heads[0])
         return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     @classmethod
@@ -338,7 +208,7 @@ class ShardPlan:
         physical = list(local_block_ids[:num_blocks])
 
         def map_memory() -> list[SegmentMemory]:
-            return _memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads, 0)
+            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads, 0)
         return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:

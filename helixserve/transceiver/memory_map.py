@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.dtypes import torch_dtype
 from helixserve.transceiver.base import PayloadKind
-from helixserve.transceiver.layout import _DTYPES, Segment, SegmentMemory, ShardSpec
+from helixserve.transceiver.segments import Segment, SegmentMemory, ShardSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,7 @@ def map_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches
             else:
                 code, pools, dtype = 2, caches.conv_state, lay.conv_dtype
                 inner = (3 * num_heads * k, lay.conv_kernel_size - 1)
-            want = _DTYPES[dtype]
+            want = torch_dtype(dtype)
         info = _checked(pools, seg.layer_id, dtype, want, inner)
         key = (code, info.geometry, seg.unit_bytes, seg.num_units)
         pattern = patterns.get(key)

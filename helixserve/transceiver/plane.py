@@ -4,7 +4,8 @@ A `DataPlane` is one rank's endpoint of a tagged-message fabric (ucxx in deploym
 in-process fake in tests). The transfer path calls exactly these methods:
 
 - `for_transceiver(config, wakeup, host, peer_hosts)`: the plane of a KV sender or receiver
-  (built only through `open_data_plane`, which picks the class by `TransceiverConfig.backend`);
+  (built only through `backends.open_data_plane`, which picks the class by
+  `TransceiverConfig.backend`);
 - `address`: this worker's address, handed to peers through the control plane;
 - `connect_worker(address)`: the shared, long-lived endpoint to a peer worker (its key);
 - `send_message` / `recv_message`: one message with a caller-built 64-bit wire tag; receives are
@@ -22,11 +23,10 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from helixserve.transceiver.base import TransferState
-    from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
+from helixserve.config_transceiver import TransceiverConfig
+from helixserve.transceiver.states import TransferState
 
 
 class TransferHandle(ABC):
@@ -97,25 +97,3 @@ class DataPlane(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
-
-
-def load_data_plane(kind: TransceiverBackendKind) -> type[DataPlane]:
-    """The DataPlane class for `kind`, imported lazily (ucxx is only needed when chosen)."""
-    from helixserve.transceiver.config import TransceiverBackendKind
-
-    if kind is TransceiverBackendKind.UCXX:
-        from helixserve.transceiver.ucxx_backend import UcxxDataPlane
-
-        return UcxxDataPlane
-    if kind is TransceiverBackendKind.FAKE:
-        from helixserve.transceiver.fake import FakeDataPlane
-
-        return FakeDataPlane
-    raise ValueError(f"unknown transceiver backend {kind!r}")
-
-
-def open_data_plane(config: TransceiverConfig, wakeup: threading.Event, host: str | None = None,
-                    peer_hosts: tuple[str, ...] = ()) -> DataPlane:
-    """THE way a KV sender or receiver gets its plane: the `config.backend` class's
-    `for_transceiver(config, wakeup, host, peer_hosts)`."""
-    return load_data_plane(config.backend).for_transceiver(config, wakeup, host, tuple(peer_hosts))

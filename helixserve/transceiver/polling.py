@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from helixserve.clock import Clock, MonotonicClock
 from helixserve.transceiver.base import TransferSession, TransferState
-from helixserve.transceiver.clock import Clock, MonotonicClock
 
 logger = logging.getLogger(__name__)
 

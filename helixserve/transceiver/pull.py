@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.dtypes import torch_dtype
 from helixserve.kernels.copy.units import UnitCopier, UnitGroup, unit_copy
-from helixserve.transceiver.layout import _DTYPES, ShardSpec
+from helixserve.transceiver.layout import ShardSpec
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.memory_map import PoolInfo, _checked, _unit_offsets
 
@@ -89,7 +90,7 @@ class PullPair:
         self._head_units: dict[tuple[int, int, int], list[UnitGroup]] = {}  # (src slot, dst slot, head0)
 
     def _flat(self, flats: list[torch.Tensor], pools: dict, layer: int, dtype: str, inner: tuple[int, ...]) -> PoolInfo:
-        info = _checked(pools, layer, dtype, _DTYPES[dtype], inner)
+        info = _checked(pools, layer, dtype, torch_dtype(dtype), inner)
         if info.flat is None:
             raise ValueError(f"cache tensor {info.shape} must be contiguous")
         flats.append(info.flat)

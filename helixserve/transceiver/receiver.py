@@ -35,18 +35,19 @@ from collections.abc import Sequence
 import torch
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.clock import Clock, MonotonicClock
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import DisaggregatedParams, KVLayout, TransceiverEndpoint
+from helixserve.transceiver.backends import open_data_plane
 from helixserve.transceiver.base import ReceiverSession, TransferState
-from helixserve.transceiver.clock import Clock, MonotonicClock
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import ControlClient, ControlClients, target
 from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.inbound import Inbound, Phase
 from helixserve.transceiver.cache_check import check_caches
 from helixserve.transceiver.layout import ShardSpec, check_layout
-from helixserve.transceiver.plane import DataPlane, open_data_plane
+from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
 from helixserve.transceiver.retract import Retractor

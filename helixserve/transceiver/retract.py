@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from helixserve.transceiver.clock import Clock
+from helixserve.clock import Clock
 from helixserve.transceiver.plane import DataPlane, TransferHandle
 
 logger = logging.getLogger(__name__)

@@ -54,13 +54,14 @@ from dataclasses import replace
 from pydantic import ValidationError
 
 from helixserve.cache_layout import ModelCaches
+from helixserve.clock import MonotonicClock
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, PullGrant, TransceiverEndpoint
+from helixserve.transceiver.backends import open_data_plane
 from helixserve.transceiver.base import TransferState
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
-from helixserve.transceiver.clock import MonotonicClock
 from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.grant import GRANT_TASK, adopt_cp_group, grant_pickup
 from helixserve.transceiver.cache_check import check_caches
@@ -68,7 +69,7 @@ from helixserve.transceiver.layout import ShardPlan, check_layout
 from helixserve.transceiver.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
 from helixserve.transceiver.pickup import Pickup, PickupSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
-from helixserve.transceiver.plane import DataPlane, open_data_plane
+from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.polling import TransferPoller
 from helixserve.transceiver.shard_request import check_shard_request
 from helixserve.transceiver.stream import KindHandle, staging_for

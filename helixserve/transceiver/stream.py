@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.plane import TransferHandle
 from helixserve.transceiver.bounce import BouncePool, Reservation, bounce_pool_bytes
-from helixserve.transceiver.config import TransceiverConfig
 
 
 class Stream(Protocol):

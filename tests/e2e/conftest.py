@@ -4,7 +4,11 @@ deployment YAML with free ports, and stopped (process group) when its fixture en
 The deployment is the default shape: one ctx worker (its KV sender on a free port) and one gen
 world of dp 1 x cp 2 (rank 0 is the gen server, rank 1 its child) receiving the KV over UCX.
 ``baseline_gen=True`` adds a single-process gen worker (dp = cp = 1, ``recompute``) that the
-router does not use: the aggregated baseline of the equivalence tests."""
+router does not use: the aggregated baseline of the equivalence tests.
+
+A test module gets its running deployment from the ``dep`` fixture (one per module, stopped when
+the module ends). It changes the deployment by overriding ``dep_options`` (the keyword arguments
+of :class:`Deployment`) and, to serve another checkpoint, ``dep_checkpoint``."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,9 @@ def metric(url: str, name: str, default: float | None = None) -> float:
 
 
 class Deployment:
-    """ctx + gen workers and a router as subprocesses, from one YAML."""
+    """ctx + gen workers and a router as subprocesses, from one YAML. ``overrides`` update the
+    default deployment's sections: a dict merges into a section (for ``ctx`` and ``gen``: into
+    the first worker's entry), anything else replaces it."""
 
     def __init__(self, tmp: Path, model_dir: Path, baseline_gen: bool = False, **overrides: Any) -> None:
         ctx_port, gen_port, router_port, tx_port, baseline_port = free_ports(5)
@@ -60,7 +67,12 @@ class Deployment:
                        "health_check_timeout_s": 1.0, "gen_urls": [f"http://127.0.0.1:{gen_port}"]},
         }
         for key, value in overrides.items():
-            data[key] = {**data[key], **value} if isinstance(value, dict) else value
+            if isinstance(value, dict) and isinstance(data.get(key), list):
+                data[key] = [{**data[key][0], **value}, *data[key][1:]]
+            elif isinstance(value, dict):
+                data[key] = {**data[key], **value}
+            else:
+                data[key] = value
         self.config = DeploymentConfig.model_validate(data)
         self.config_file = tmp / "deployment.yaml"
         self.config.to_yaml(self.config_file)
@@ -198,3 +210,28 @@ class Deployment:
 @pytest.fixture(scope="module")
 def k3_tiny(tiny_checkpoints) -> Path:
     return tiny_checkpoints[MODEL]
+
+
+@pytest.fixture(scope="module")
+def dep_checkpoint(k3_tiny) -> Path:
+    """The checkpoint the module's ``dep`` serves (a module overrides this fixture for another)."""
+    return k3_tiny
+
+
+@pytest.fixture(scope="module")
+def dep_options() -> dict[str, Any]:
+    """The module's :class:`Deployment` keyword arguments (a module overrides this fixture);
+    none: the default deployment."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def dep(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, dep_checkpoint: Path,
+        dep_options: dict[str, Any]) -> Iterator[Deployment]:
+    """The module's deployment, every role started and ready; stopped when the module ends."""
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    d = Deployment(tmp_path_factory.mktemp(name), dep_checkpoint, **dep_options)
+    try:
+        yield d.start_all()
+    finally:
+        d.stop()

@@ -9,23 +9,12 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from tests.e2e.conftest import MODEL, Deployment, http, wait_until
 
 PROMPT = list(range(100, 117))  # 17 tokens: 5 blocks of 4, the last one partial
 OTHER_PROMPTS = [list(range(300 + 40 * i, 333 + 40 * i)) for i in range(4)]  # 33 tokens each
 BODY = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 CONTEXT_ONLY = {"request_type": "context_only"}
-
-
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("duplicates"), k3_tiny)
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
 
 
 def _post(url: str, body: dict, request_id: str | None = None) -> tuple[int, dict]:

@@ -26,17 +26,9 @@ FAIL_BOUND_S = TRANSFER_TIMEOUT_S + 2 * 1.0 + 2.0
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("failures"), k3_tiny,
-                   transceiver={"kv_transfer_timeout_ms": TRANSFER_TIMEOUT_S * 1000})
-    d.config = d.config.model_copy(update={
-        "ctx": [d.config.ctx[0].model_copy(update={"pickup_timeout_s": 3.0})],
-        "gen": [d.config.gen[0].model_copy(update={"world_restart": RestartPolicy(backoff_s=2.0)})]})
-    d.save()
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+def dep_options() -> dict:
+    return {"transceiver": {"kv_transfer_timeout_ms": TRANSFER_TIMEOUT_S * 1000},
+            "ctx": {"pickup_timeout_s": 3.0}, "gen": {"world_restart": RestartPolicy(backoff_s=2.0)}}
 
 
 def _ask(dep: Deployment, max_tokens: int = 3) -> str:

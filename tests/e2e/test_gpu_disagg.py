@@ -11,9 +11,8 @@ import time
 import pytest
 import torch
 
-from helixserve.config import DeploymentConfig
 from helixserve.testing.servers import http
-from tests.e2e.conftest import MODEL, Deployment, metric
+from tests.e2e.conftest import MODEL, metric
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,18 +21,10 @@ PROMPT_LENS = [1, 3, 4, 5, BUDGET - 1, BUDGET, BUDGET + 1, 2 * BUDGET + 3]
 
 
 @pytest.fixture(scope="module")
-def gpu_dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("gpu-disagg"), k3_tiny, baseline_gen=True,
-                   scheduler={"max_num_batched_tokens": BUDGET})
-    data = d.config.model_dump(mode="json")
-    data["model"].update(device="cuda:0", dtype="float32")
-    data["gen"][0]["cp"] = 1  # one GPU: a world of one
-    d.config = DeploymentConfig.model_validate(data)
-    d.save()
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+def dep_options() -> dict:
+    # one GPU: the gen world is a world of one
+    return {"baseline_gen": True, "scheduler": {"max_num_batched_tokens": BUDGET},
+            "model": {"device": "cuda:0", "dtype": "float32"}, "gen": {"cp": 1}}
 
 
 def _complete(url: str, prompt: list[int]) -> str:
@@ -44,20 +35,20 @@ def _complete(url: str, prompt: list[int]) -> str:
     return reply["choices"][0]["text"]
 
 
-def test_gpu_disaggregated_equals_aggregated(gpu_dep):
-    before = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total")
-    granted = metric(gpu_dep.ctx_url, "helixserve_worker_kv_pickups_granted_total")
+def test_gpu_disaggregated_equals_aggregated(dep):
+    before = metric(dep.gen_url, "helixserve_worker_kv_transfers_completed_total")
+    granted = metric(dep.ctx_url, "helixserve_worker_kv_pickups_granted_total")
     for n in PROMPT_LENS:
         prompt = [(7 * i + n) % 250 + 1 for i in range(n)]
-        got, want = _complete(gpu_dep.router_url, prompt), _complete(gpu_dep.baseline_url, prompt)
+        got, want = _complete(dep.router_url, prompt), _complete(dep.baseline_url, prompt)
         assert got == want, f"prompt of {n} tokens"
-    moved = metric(gpu_dep.gen_url, "helixserve_worker_kv_transfers_completed_total") - before
+    moved = metric(dep.gen_url, "helixserve_worker_kv_transfers_completed_total") - before
     assert moved == len(PROMPT_LENS)  # every answer decoded from the ctx's KV
     # copied on the ctx's grant (no RequestShard round trip), as the served path on one host does;
     # the ctx counts a pickup once its ack arrived (after the answer): wait for the last one, bounded
     end, seen = time.monotonic() + 10, -1.0
     while seen != len(PROMPT_LENS) and time.monotonic() < end:
-        seen = metric(gpu_dep.ctx_url, "helixserve_worker_kv_pickups_granted_total") - granted
+        seen = metric(dep.ctx_url, "helixserve_worker_kv_pickups_granted_total") - granted
         time.sleep(0.1)
     assert seen == len(PROMPT_LENS), f"{seen} of {len(PROMPT_LENS)} pickups were copied on their grant"
-    assert gpu_dep.is_idle()
+    assert dep.is_idle()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from helixserve.config import DeploymentConfig
 from tests.e2e.conftest import Deployment
 
 
@@ -26,3 +27,13 @@ def test_stop_stops_every_role_when_one_already_exited() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
+
+
+def test_section_overrides_merge_into_the_first_worker_and_keep_the_baseline(tmp_path) -> None:
+    d = Deployment(tmp_path, tmp_path / "ckpt", baseline_gen=True, ctx={"pickup_timeout_s": 3.0},
+                   gen={"cp": 1}, scheduler={"max_num_batched_tokens": 32})
+    assert d.config.ctx[0].pickup_timeout_s == 3.0 and d.config.ctx[0].port > 0
+    assert (d.config.gen[0].cp, d.config.gen[0].kv_source) == (1, "ucx")
+    assert (d.config.gen[1].cp, d.config.gen[1].kv_source) == (1, "recompute")
+    assert d.config.scheduler.max_num_batched_tokens == 32 and d.config.cache.tokens_per_block == 4
+    assert DeploymentConfig.from_yaml(d.config_file) == d.config

@@ -20,7 +20,7 @@ import pytest
 
 from helixserve.config import LimitsConfig
 from helixserve.testing.servers import SECRET_HEADER, secret_for
-from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
+from tests.e2e.conftest import MODEL, http, metric, wait_until
 
 MAX_PROMPT_TOKENS = 64  # of a 256-token context
 MAX_BODY_BYTES = 4 * 1024 * 1024  # the default
@@ -49,13 +49,8 @@ OUT_OF_RANGE = [("top_k", b"9223372036854775808"), ("top_k", b"1e30"), ("top_k",
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("hostile"), k3_tiny,
-                   limits=LimitsConfig(max_prompt_tokens=MAX_PROMPT_TOKENS))
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+def dep_options() -> dict:
+    return {"limits": LimitsConfig(max_prompt_tokens=MAX_PROMPT_TOKENS)}
 
 
 def _conn(url: str, timeout: float = 60) -> httplib.HTTPConnection:

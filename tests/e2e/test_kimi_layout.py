@@ -6,6 +6,7 @@ the sampling defaults and the eos ids."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -26,12 +27,8 @@ def kimi_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory, kimi_ckpt):
-    d = Deployment(tmp_path_factory.mktemp("kimi_serving"), kimi_ckpt)
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+def dep_checkpoint(kimi_ckpt) -> Path:
+    return kimi_ckpt
 
 
 def test_chat_and_text_prompts_use_the_published_tokenizer(dep, kimi_ckpt):

@@ -40,13 +40,9 @@ MANY_MESSAGES = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("long"), k3_tiny, baseline_gen=True,
-                   scheduler={"max_num_batched_tokens": BUDGET}, cache={"max_model_len": MAX_MODEL_LEN})
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+def dep_options() -> dict:
+    return {"baseline_gen": True, "scheduler": {"max_num_batched_tokens": BUDGET},
+            "cache": {"max_model_len": MAX_MODEL_LEN}}
 
 
 def complete(client: openai.OpenAI, prompt: list[int], stream: bool = False) -> tuple[str, str | None, dict]:

@@ -11,22 +11,11 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
-import pytest
-
 from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
 RANK_GAUGES = ("rank_cache_blocks_used", "rank_cache_blocks_total", "rank_state_slots_used",
                "rank_state_slots_total")
 SAMPLE = re.compile(r"^helixserve_worker_(\w+)\{(.*)\} (\S+)$")
-
-
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("metrics_ranks"), k3_tiny)
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
 
 
 def rank_samples(url: str) -> dict[str, dict[tuple[int, int], float]]:

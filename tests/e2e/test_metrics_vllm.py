@@ -10,7 +10,6 @@ import http.client as httplib
 import json
 from urllib.parse import urlparse
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MODEL, Deployment, http, wait_until
@@ -30,15 +29,6 @@ ALIASES = {
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 Samples = dict[tuple[str, frozenset], float]
-
-
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("metrics_vllm"), k3_tiny)
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
 
 
 def scrape(url: str) -> tuple[dict[str, str], Samples]:
@@ -71,7 +61,6 @@ def assert_aliases_equal_ours(dep: Deployment, types: dict[str, str], samples: S
             total = samples[("helixserve_router_worker_cache_blocks_total", frozenset(labels))]
             assert total > 0, (role, total)
             assert samples[(alias, frozenset({*labels, model}))] == used / total, (alias, role)
-
 
 
 def test_vllm_names_equal_ours_after_requests_and_while_a_stream_holds_the_cache(dep: Deployment):

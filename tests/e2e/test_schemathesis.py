@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                response_schema_conformance,
                                                status_code_conformance)
 
-from tests.e2e.conftest import MODEL, SECRET_HEADER, Deployment, http
+from tests.e2e.conftest import MODEL, SECRET_HEADER, http
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
@@ -29,14 +29,10 @@ MAX_EXAMPLES = 12  # per operation and generation mode
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
+def dep_options() -> dict:
     # the baseline worker is a gen worker without a KV source: fuzzed generation_only params
     # are served by recomputing the prompt, never by dialling whatever ctx endpoint they name
-    d = Deployment(tmp_path_factory.mktemp("schemathesis"), k3_tiny, baseline_gen=True)
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+    return {"baseline_gen": True}
 
 
 def _run(url: str, headers: dict[str, str]) -> list[str]:

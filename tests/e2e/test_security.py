@@ -24,15 +24,6 @@ from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, wait_u
 WILDCARDS = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0 and :: in /proc/net/tcp*
 
 
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("security"), k3_tiny)
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
-
-
 def _prefill(dep: Deployment, prompt: list[int], **headers: str) -> dict:
     """A context_only request as the router sends it: the generation_only params."""
     status, answer = http("POST", f"{dep.ctx_url}/v1/completions", {

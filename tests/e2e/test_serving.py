@@ -28,12 +28,8 @@ IGNORE_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("serving"), k3_tiny, baseline_gen=True)
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+def dep_options() -> dict:
+    return {"baseline_gen": True}
 
 
 def complete(client: openai.OpenAI, prompt, max_tokens: int = 8, stream: bool = False,

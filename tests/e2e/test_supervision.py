@@ -26,15 +26,8 @@ FAIL_BOUND_S = 10
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory, k3_tiny):
-    d = Deployment(tmp_path_factory.mktemp("supervision"), k3_tiny)
-    gen = d.config.gen[0].model_copy(update={"world_restart": RestartPolicy(max_restarts=5, backoff_s=0.2)})
-    d.config = d.config.model_copy(update={"gen": [gen]})
-    d.save()
-    try:
-        yield d.start_all()
-    finally:
-        d.stop()
+def dep_options() -> dict:
+    return {"gen": {"world_restart": RestartPolicy(max_restarts=5, backoff_s=0.2)}}
 
 
 def _long_body(stream: bool, chat: bool = False) -> dict:

@@ -28,7 +28,7 @@ from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower
 from helixserve.engine.spmd.messages import WorldStoppedError
-from helixserve.engine.world_llm import WorldOptions, build_rank, drive_to_completion, serve_rank
+from helixserve.engine.world_rank import WorldOptions, build_rank, drive_to_completion, serve_rank
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.launch.processes import LocalWorldError, run_local_world
 from helixserve.models.caches import SeqChunk, build_batch
@@ -306,7 +306,7 @@ def test_cli_world_json_equals_single_process(tiny_checkpoints, capsys) -> None:
 @pytest.mark.gpu
 def test_nccl_world_generates_like_single_process(tiny_checkpoints) -> None:
     """2 GPUs, NCCL, cp = 2, fp32: tokens of the single-process engine on one GPU."""
-    from helixserve.engine.world_llm import generate_many_on_world
+    from helixserve.launch.offline import generate_many_on_world
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
@@ -326,7 +326,7 @@ def test_async_engine_drives_a_local_world(tiny_checkpoints) -> None:
     import asyncio
 
     from helixserve.engine.async_engine import AsyncEngine
-    from helixserve.engine.world_llm import start_local_world
+    from helixserve.gen_server.local_world import start_local_world
 
     model = str(tiny_checkpoints[PRESET])
     prompts, params = [p for p, _, _ in REQUESTS[:3]], [p for _, p, _ in REQUESTS[:3]]
@@ -357,7 +357,7 @@ def test_a_world_of_one_is_the_single_engine(tiny_checkpoints) -> None:
     """dp 1 x cp 1: the same EngineCore, runner and forward as ``LLM`` (greedy, seeded sampling,
     chunked prefill of a prompt past the step budget): the same tokens and finish reasons."""
     from helixserve.config import SchedulerConfig
-    from helixserve.engine.world_llm import generate_many_on_world
+    from helixserve.launch.offline import generate_many_on_world
 
     model = str(tiny_checkpoints[PRESET])
     scheduler = SchedulerConfig(max_num_batched_tokens=16)

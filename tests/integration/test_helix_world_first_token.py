@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from helixserve.engine.llm import LLM
 from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.engine.world_llm import build_rank, serve_rank
+from helixserve.engine.world_rank import build_rank, serve_rank
 from helixserve.launch.processes import run_local_world
 from helixserve.parallel import Mapping, init_parallel
 from tests.integration.test_helix_world import (CACHE, KV_PARAMS, KV_PROMPTS, OPTIONS, PRESET, REQUESTS,

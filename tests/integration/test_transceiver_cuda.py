@@ -49,7 +49,7 @@ def _layout():
 
 
 def _config(cuda_ipc: bool = True):
-    from helixserve.transceiver.config import TransceiverConfig
+    from helixserve.config_transceiver import TransceiverConfig
 
     return TransceiverConfig(kv_transfer_timeout_ms=TIMEOUT_MS, cuda_ipc=cuda_ipc, message_bytes=64 << 10,
                              drain_timeout_ms=1000.0, rpc_timeout_ms=2000.0)

@@ -41,7 +41,7 @@ FIRST = [5]
 
 
 def _gen_config():
-    from helixserve.transceiver.config import TransceiverConfig
+    from helixserve.config_transceiver import TransceiverConfig
 
     return TransceiverConfig(kv_transfer_timeout_ms=GEN_TIMEOUT_MS, message_bytes=MESSAGE_BYTES,
                              rpc_timeout_ms=2000, drain_timeout_ms=1000)
@@ -82,9 +82,9 @@ def _fault(ctx_request_id: str, kind: str, index: int) -> None:
 
 def _ctx_main(commands, results) -> None:
     _quiet()
+    from helixserve.config_transceiver import TransceiverConfig
     from helixserve.kvcache.manager import CacheManager
     from helixserve.kvcache.pools import allocate_model_caches
-    from helixserve.transceiver.config import TransceiverConfig
     from helixserve.transceiver.sender import KVSender
 
     layout, spec = _layout_and_spec()

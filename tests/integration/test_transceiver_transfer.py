@@ -39,7 +39,7 @@ PROMPT = [(7 * i + 3) % 250 + 1 for i in range(23)]  # 6 blocks of 4, the last o
 
 
 def _gen_config():
-    from helixserve.transceiver.config import TransceiverConfig
+    from helixserve.config_transceiver import TransceiverConfig
 
     return TransceiverConfig(kv_transfer_timeout_ms=GEN_TIMEOUT_MS, message_bytes=1024, rpc_timeout_ms=2000,
                              drain_timeout_ms=1000)
@@ -80,9 +80,9 @@ def _stall(num_messages: int | None, cp_rank: int | None = None) -> None:
 def _ctx_main(checkpoints: dict, commands, results) -> None:
     _quiet()
     from helixserve.config import CacheConfig
+    from helixserve.config_transceiver import TransceiverConfig
     from helixserve.engine.llm import LLM
     from helixserve.engine.request import SamplingParams
-    from helixserve.transceiver.config import TransceiverConfig
     from helixserve.transceiver.layout import layout_for
     from helixserve.transceiver.sender import KVSender
 
@@ -137,10 +137,10 @@ def _victim_main(commands, results) -> None:
     """A ctx process without a model (random cache contents) that the test kills mid-transfer."""
     _quiet()
     from helixserve.cache_layout import cache_spec_for
+    from helixserve.config_transceiver import TransceiverConfig
     from helixserve.kvcache.manager import CacheManager
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
-    from helixserve.transceiver.config import TransceiverConfig
     from helixserve.transceiver.layout import layout_for
     from helixserve.transceiver.sender import KVSender
 

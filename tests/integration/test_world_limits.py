@@ -17,7 +17,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.engine.world_llm import WorldOptions, build_rank, drive_to_completion, serve_rank
+from helixserve.engine.world_rank import WorldOptions, build_rank, drive_to_completion, serve_rank
 from helixserve.launch.processes import run_local_world
 from helixserve.parallel import Mapping, init_parallel
 

@@ -24,7 +24,7 @@ from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower
-from helixserve.engine.world_llm import WorldOptions, build_rank, drive_to_completion, serve_rank, uses_static_moe
+from helixserve.engine.world_rank import WorldOptions, build_rank, drive_to_completion, serve_rank, uses_static_moe
 from helixserve.kernels.triton_common import has_fla
 from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_hooks import static_moe_capacity

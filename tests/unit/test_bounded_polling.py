@@ -9,6 +9,8 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from helixserve.clock import SPIN_BELOW_S, FakeClock, MonotonicClock
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.transceiver.base import (
     DEFAULT_SLICE_S,
     DEFAULT_TIMEOUT_S,
@@ -19,8 +21,6 @@ from helixserve.transceiver.base import (
     resolve_slice,
     resolve_timeout,
 )
-from helixserve.transceiver.clock import SPIN_BELOW_S, FakeClock, MonotonicClock
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.fake import FakeFault, FakeHandle
 from helixserve.transceiver.polling import TransferPoller
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helixserve.clock import FakeClock
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.bounce import (
     BouncePool,
@@ -16,8 +18,6 @@ from helixserve.transceiver.bounce import (
     ScatterTarget,
     bounce_pool_bytes,
 )
-from helixserve.transceiver.clock import FakeClock
-from helixserve.transceiver.config import TransceiverConfig
 
 MIB = 1 << 20
 BLOCK = 64

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from helixserve.clock import FakeClock
 from helixserve.transceiver.base import PayloadKind, ReceiverSession
-from helixserve.transceiver.clock import FakeClock
 from helixserve.transceiver.consensus import LocalStatus, TransferConsensus, combine
 from helixserve.transceiver.fake import FakeFault, FakeHandle
 from helixserve.transceiver.polling import TransferPoller

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from helixserve.clock import FakeClock
 from helixserve.config import CacheConfig
 from helixserve.ctx_server.lifecycle import (Admitted, CancelRequested, CtxRequestLife, CtxState,
                                              DuplicateRequestError, Expired, Finished,
@@ -25,16 +26,8 @@ from helixserve.serving.engine_errors import to_openai_error
 P, H, S, R = CtxState.PREFILLING, CtxState.HELD, CtxState.SENDING, CtxState.RELEASED
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def life_in(state: CtxState, rid: str = "a", token: int = 1, clock: Clock | None = None) -> CtxRequestLife:
-    life = CtxRequestLife(timeout_s=5.0, clock=clock or Clock())
+def life_in(state: CtxState, rid: str = "a", token: int = 1, clock: FakeClock | None = None) -> CtxRequestLife:
+    life = CtxRequestLife(timeout_s=5.0, clock=clock or FakeClock())
     life.apply(Admitted(rid, token))
     if state in (H, S):
         life.apply(Prefilled(rid, token, (7,)))
@@ -152,18 +145,18 @@ def test_cancelled_while_prefilling_is_released_at_its_prefill_without_freeing()
 
 
 def test_only_held_entries_past_their_deadline_are_due():
-    clock = Clock()
+    clock = FakeClock()
     life = CtxRequestLife(timeout_s=5.0, clock=clock)
     life.apply(Admitted("held", 1))
     life.apply(Admitted("slow", 2))  # still prefilling: never due
     life.apply(Admitted("sent", 3))
-    clock.now = 4.0
+    clock.advance_to(4.0)
     life.apply(Prefilled("held", 1, (1,)))  # its deadline starts now: t = 9
     life.apply(Prefilled("sent", 3, (1,)))
     life.apply(Offered("sent", 3))  # the sender's own deadline applies
-    clock.now = 8.999
+    clock.advance_to(8.999)
     assert life.due() == []
-    clock.now = 9.0
+    clock.advance_to(9.0)
     assert life.due() == ["held"]
     moved = life.apply(Expired("held"))
     assert moved.cause is ReleaseCause.EXPIRED and life.num_expired == life.num_released == 1
@@ -240,18 +233,18 @@ def test_duplicates_of_a_held_prefill_leave_its_cache_alone(llm):
 
 def test_sweeper_expires_only_prefilled_holds_and_exit_frees_the_rest(llm):
     async def main():
-        clock = Clock()
+        clock = FakeClock()
         engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=1)
         engine.start()
         requests = CtxRequests(engine, timeout_s=5.0, clock=clock)
         async with requests.running(interval_s=0.05):
             token, first = await _prefill(requests, "a")
-            clock.now = 4.0
+            clock.advance_to(4.0)
             await requests.request(Prefilled("a", token, tuple(first)))  # deadline t = 9
             slow, _ = requests.generate("slow", PROMPT, greedy(1))  # not started: never expires
-            clock.now = 8.0
+            clock.advance_to(8.0)
             assert await requests.expire_due() == []
-            clock.now = 9.0
+            clock.advance_to(9.0)
             for _ in range(100):  # the sweeper's turn (every 0.05 s)
                 if requests.life.num_expired:
                     break

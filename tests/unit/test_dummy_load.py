@@ -13,7 +13,7 @@ from helixserve.cli import main as cli_main
 from helixserve.config import DeploymentConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.world_llm import generate_on_world
+from helixserve.launch.offline import generate_on_world
 from helixserve.models.checkpoint import load_model, model_tensors
 from helixserve.models.dummy import load_dummy_model, model_config_of
 from helixserve.models.presets import get_preset

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.gen_server.kv_source import UcxReceiverFactory
 from helixserve.parallel.mapping import Mapping
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.ucxx_backend.devices import local_address_toward, net_devices_for, ucx_net_devices
 from tests.unit.transceiver_harness import LAYOUT
 
@@ -26,7 +26,7 @@ import json, sys
 import torch
 from helixserve.gen_server.kv_source import UcxReceiverFactory
 from helixserve.parallel.mapping import Mapping
-from helixserve.transceiver.config import TransceiverConfig
+from helixserve.config_transceiver import TransceiverConfig
 from tests.unit.transceiver_harness import LAYOUT
 
 factory = UcxReceiverFactory(TransceiverConfig(backend="fake", kv_transfer_timeout_ms=5000), LAYOUT, ctx_hosts=("127.0.0.1",))

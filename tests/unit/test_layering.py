@@ -135,8 +135,6 @@ def test_the_cache_layout_is_defined_once_and_imported_from_the_leaf():
 # launch code sits in one package at the top: it may import servers, engine and config; below it,
 # only these import it, each with its reason
 LAUNCH_IMPORTERS_ALLOWED = {
-    # engine/world_llm starts local worlds of processes (launch code below the launch layer)
-    "helixserve/engine/world_llm.py": "helixserve.launch.processes",
     # a gen worker restarts its world under the same bounded-restart policy as `helixserve launch`
     "helixserve/gen_server/supervisor.py": "helixserve.launch.restarts",
 }
@@ -162,7 +160,7 @@ def test_the_launch_allow_list_is_still_needed():
 def test_launch_code_is_in_one_package():
     assert not [m for m in OLD_LAUNCH_MODULES if (ROOT / m).exists()]
     assert {p.name for p in (ROOT / "helixserve" / "launch").glob("*.py")} == {
-        "__init__.py", "local.py", "probe.py", "processes.py", "restarts.py", "slurm.py"}
+        "__init__.py", "local.py", "offline.py", "probe.py", "processes.py", "restarts.py", "slurm.py"}
     out = subprocess.run([sys.executable, "-m", "helixserve.launch.slurm", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "python -m helixserve.launch.slurm" in out.stdout, out.stderr[-2000:]
@@ -206,3 +204,14 @@ def test_every_engine_error_class_has_a_mapping():
 def test_a_refusal_is_still_a_value_error():
     assert isinstance(engine_errors.RequestRejectedError("x"), ValueError)
     assert isinstance(engine_errors.DuplicateRequestIdError("x", request_id="a"), ValueError)
+
+
+def test_the_engine_starts_no_process():
+    """Starting processes is the launchers' (and a gen worker's local world's): nothing under
+    ``helixserve/engine`` imports multiprocessing or subprocess, nor calls ``os.fork``."""
+    spawners = ("multiprocessing", "subprocess", "concurrent.futures.process")
+    bad = {rel(p): found for p in ENGINE_MODULES
+           if (found := sorted({n for n in imported_modules(p) if n.split(".")[0] in spawners
+                                or any(n == s or n.startswith(s + ".") for s in spawners)}))}
+    forks = [rel(p) for p in ENGINE_MODULES if "os.fork" in p.read_text()]
+    assert not bad and not forks, (bad, forks)

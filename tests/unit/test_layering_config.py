@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "helixserve"
 
 # what helixserve/config.py may import from the package: torch-free leaf config only
-CONFIG_MAY_IMPORT = {"helixserve.config_env", "helixserve.config_lifecycle", "helixserve.config_http",
-                     "helixserve.transceiver.config"}
+CONFIG_MODULES = ("config.py", "config_env.py", "config_lifecycle.py", "config_http.py", "config_transceiver.py")
+CONFIG_MAY_IMPORT = {f"helixserve.{name.removesuffix('.py')}" for name in CONFIG_MODULES}
 # the modules that read os.environ (the config modules) ...
 ENV_READERS = {"helixserve/config.py", "helixserve/config_env.py"}
 # ... and the short allow-list of others, each with its reason
@@ -52,21 +52,19 @@ def reads_environ(path: Path) -> bool:
 
 
 def test_config_imports_only_leaf_config() -> None:
-    for name in ("config.py", "config_env.py", "config_lifecycle.py", "config_http.py", "transceiver/config.py"):
+    for name in CONFIG_MODULES:
         imported = helixserve_imports(PKG / name)
         assert imported <= CONFIG_MAY_IMPORT, f"helixserve/{name} imports {sorted(imported - CONFIG_MAY_IMPORT)}"
 
 
 def test_config_imports_no_launcher_server_or_model_at_runtime() -> None:
     """The import graph as Python runs it: loading the config (and resolving the launcher
-    variables) pulls in no launcher, server, engine or model module, nor torch."""
+    variables) pulls in nothing but the config modules: no package (transceiver, launcher,
+    server, engine, model), nor torch."""
     code = ("import sys, helixserve.config as c; c.dist_env({}); "
-            "bad = sorted(m for m in sys.modules if m == 'torch' or (m.startswith('helixserve.') and "
-            "m not in ('helixserve.config', 'helixserve.config_env', 'helixserve.config_lifecycle', 'helixserve.config_http') and not m.startswith('helixserve.transceiver')))"
-            "; print(bad)")
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('helixserve.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
-    loaded = [m for m in eval(out.stdout.strip()) if m != "helixserve.transceiver"]  # the package __init__
-    assert loaded in ([], ["helixserve.transceiver.config"]), loaded
+    assert eval(out.stdout.strip()) == sorted(CONFIG_MAY_IMPORT)
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in PKG.rglob("*.py")))

@@ -18,8 +18,7 @@ from pydantic import ValidationError
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "helixserve"
 CONFIG_MODULES = {"helixserve/config.py", "helixserve/config_env.py", "helixserve/config_lifecycle.py",
-                  "helixserve/config_http.py",
-                  "helixserve/transceiver/config.py"}
+                  "helixserve/config_http.py", "helixserve/config_transceiver.py"}
 WAIT_NAME = re.compile(r"timeout|grace|deadline|heartbeat|interval", re.IGNORECASE)
 DURATION_CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]*_(S|MS|NS)$")  # module constants holding a duration
 
@@ -42,7 +41,7 @@ INTERNAL = {
         "how often a bounded wait for a launched copy polls its event (drain_timeout_ms bounds it)",
     ("helixserve/transceiver/receiver.py", "RETRACT_WAIT_S"):
         "a local 0-byte retraction after drain_timeout_ms already ran out; bounds a broken plane",
-    ("helixserve/transceiver/clock.py", "SPIN_BELOW_S"):
+    ("helixserve/clock.py", "SPIN_BELOW_S"):
         "the length under which the real clock spins a wait instead of sleeping it (no wait of its own)",
     ("helixserve/transceiver/receiver.py", "PULL_TICK_S"):
         "how often a poll probes in-flight device copies between sweeps; the poll's own interval bounds the wait",
@@ -188,7 +187,7 @@ def test_new_wait_fields_validate_and_load(section: tuple, field: str) -> None:
 @pytest.mark.parametrize("field", ["collective_timeout_s", "run_timeout_s", "stop_grace_s"])
 def test_offline_world_waits_validate_and_default_the_world_options(field: str) -> None:
     from helixserve.config import WorldRunConfig
-    from helixserve.engine.world_llm import WorldOptions
+    from helixserve.engine.world_rank import WorldOptions
 
     with pytest.raises(ValidationError, match=field):
         WorldRunConfig(**{field: 0})

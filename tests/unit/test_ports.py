@@ -61,7 +61,7 @@ def test_a_reserved_port_is_never_drawn(monkeypatch):
 
 def test_the_reservation_travels_from_the_launcher_to_the_draw(monkeypatch):
     """child_environment names every port of the deployment (and keeps its parent's); the
-    child's config.reserved_ports() reads them back: the path world_llm and processes use."""
+    child's config.reserved_ports() reads them back: the path local_world and processes use."""
     from helixserve import config
 
     monkeypatch.setenv(config.RESERVED_PORTS_ENV, "31000")

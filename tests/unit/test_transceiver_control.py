@@ -16,11 +16,11 @@ import time
 import grpc
 import pytest
 
+from helixserve.config_transceiver import ControlTLSConfig, TransceiverConfig
 from helixserve.log_throttle import ThrottledLog
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.testing.servers import free_ports
-from helixserve.transceiver.config import ControlTLSConfig, TransceiverConfig
 from helixserve.transceiver.control import GENERATED, PROTO, ControlClient, ControlServer, generate_stubs
 from helixserve.transceiver.payloads import check_payloads
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helixserve.transceiver.base import (
-    PayloadKind, ReceiverSession, SenderSession, TransferState, load_data_plane)
-from helixserve.transceiver.clock import FakeClock
-from helixserve.transceiver.config import TransceiverBackendKind
+from helixserve.clock import FakeClock
+from helixserve.config_transceiver import TransceiverBackendKind
+from helixserve.transceiver.backends import load_data_plane
+from helixserve.transceiver.base import PayloadKind, ReceiverSession, SenderSession, TransferState
 from helixserve.transceiver.fake import FakeDataPlane, FakeFabric, FakeFault
 from helixserve.transceiver.polling import TransferPoller
 

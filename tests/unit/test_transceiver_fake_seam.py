@@ -12,12 +12,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from helixserve.config_transceiver import TransceiverBackendKind, TransceiverConfig
 from helixserve.protocol.disagg import DisaggregatedParams
+from helixserve.transceiver.backends import open_data_plane
 from helixserve.transceiver.base import TransferState
-from helixserve.transceiver.config import TransceiverBackendKind, TransceiverConfig
 from helixserve.transceiver.fake import FakeDataPlane, FakeFabric, FakeFault, install_fabric
 from helixserve.transceiver.layout import wire_tag
-from helixserve.transceiver.plane import open_data_plane
 from helixserve.transceiver.receiver import KVReceiver
 from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools
 

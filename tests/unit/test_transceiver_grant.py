@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("ucxx")
 
+from helixserve.config_transceiver import TransceiverConfig  # noqa: E402
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import PullGrant  # noqa: E402
-from helixserve.transceiver.config import TransceiverConfig  # noqa: E402
 from helixserve.transceiver.control import ControlClient  # noqa: E402
 from helixserve.transceiver.grant import grant_matches, make_grant, request_bytes  # noqa: E402
 from helixserve.transceiver.lease import LeaseBoard, LeaseError  # noqa: E402

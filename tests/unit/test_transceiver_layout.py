@@ -3,16 +3,18 @@ cuts, memory runs, the AUX payload and layout-descriptor checks (pure, no transp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from helixserve.cache_layout import head_slice
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
-import helixserve.transceiver.layout as layout_module
-from helixserve.transceiver.layout import (AUX_WORDS, SMALL_SEGMENT_UNITS, LayoutMismatchError, SegmentMemory,
-                                           ShardSpec, check_layout, decode_aux, encode_aux, layout_for, plan_messages,
-                                           shard_segments, wire_tag)
+import helixserve.transceiver.segments as segments_module
+from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, decode_aux,
+                                           encode_aux, layout_for, plan_messages, shard_segments, wire_tag)
+from helixserve.transceiver.segments import SMALL_SEGMENT_UNITS, SegmentMemory
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
 LAYOUT = layout_for(CFG, torch.float32, 4, "kimi-k3-tiny")
@@ -122,7 +124,7 @@ def test_small_segments_map_like_the_numpy_path(seed, monkeypatch):
     few = SegmentMemory.of(parent, offsets, unit)
     with pytest.raises(ValueError, match="outside"):
         SegmentMemory.of(parent, bad, unit)
-    monkeypatch.setattr(layout_module, "SMALL_SEGMENT_UNITS", -1)  # every segment through numpy
+    monkeypatch.setattr(segments_module, "SMALL_SEGMENT_UNITS", -1)  # every segment through numpy
     many = SegmentMemory.of(parent, offsets, unit)
     with pytest.raises(ValueError, match="outside"):
         SegmentMemory.of(parent, bad, unit)
@@ -153,3 +155,12 @@ def test_every_mla_layer_maps_the_blocks_once_and_reads_its_own_pool():
     caches.mla_kv[5] = caches.mla_kv[5].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, strided
     with pytest.raises(ValueError, match="must be contiguous"):
         ShardPlan.for_sender(ShardSpec(LAYOUT, 23), caches, blocks, 0, [1], 1 << 20).prepare()
+
+
+def test_one_kv_layout_builder():
+    """Every cache layout a worker announces comes from ``layout_for``: no other module of
+    helixserve constructs a KVLayout."""
+    root = Path(__file__).resolve().parents[2] / "helixserve"
+    builders = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                      if "KVLayout(" in p.read_text() and not p.is_relative_to(root / "protocol"))
+    assert builders == ["transceiver/layout.py"], builders

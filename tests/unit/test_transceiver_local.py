@@ -14,11 +14,11 @@ import torch
 
 pytest.importorskip("ucxx")
 
+from helixserve.config_transceiver import TransceiverConfig  # noqa: E402
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint  # noqa: E402
 from helixserve.transceiver import sender as sender_module  # noqa: E402
 from helixserve.transceiver.outbound import Outbound  # noqa: E402
-from helixserve.transceiver.config import TransceiverConfig  # noqa: E402
 from helixserve.transceiver.control import ControlClient  # noqa: E402
 from helixserve.transceiver.group import CPGroupReceiver  # noqa: E402
 from helixserve.transceiver.layout import LayoutMismatchError  # noqa: E402

@@ -139,9 +139,9 @@ def test_prefetch_opens_no_channel_where_nothing_can_be_pulled(monkeypatch):
     """A gen rank on host memory (or with cuda_ipc off) dials no ctx at start: a channel opened
     before the ctx listens could leave the first request's RequestShard behind a pending
     connection attempt (the compose deployment's first request failed so)."""
+    from helixserve.config_transceiver import TransceiverConfig
     from helixserve.protocol.disagg import TransceiverEndpoint
     from helixserve.transceiver import receiver as receiver_module
-    from helixserve.transceiver.config import TransceiverConfig
     from helixserve.transceiver.receiver import KVReceiver
 
     def no_client(*args, **kwargs):

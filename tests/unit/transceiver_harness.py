@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from helixserve.cache_layout import cache_spec_for
+from helixserve.config_transceiver import TransceiverConfig
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.protocol.disagg import DisaggregatedParams
-from helixserve.transceiver.config import TransceiverConfig
 from helixserve.transceiver.layout import layout_for
 from helixserve.transceiver.sender import KVSender
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from helixserve.config import flashmla_library, mla_backend
+
 logger = logging.getLogger(__name__)
 
 CAPI_VERSION = 1  # flashmla_capi_version() of the capi.cu this module speaks to
@@ -56,16 +58,12 @@ _logged: set[str] = set()
 
 
 def library_path() -> Path:
-    from helixserve.config import flashmla_library
-
     return flashmla_library()
 
 
 @functools.cache
 def setting() -> str:
     """``HELIXSERVE_MLA_BACKEND``, read once (``setting.cache_clear()`` reads it again)."""
-    from helixserve.config import mla_backend
-
     return mla_backend()
 
 

@@ -62,8 +62,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from helixserve.config import import_without_env_default
 from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.plane import DataPlane, TransferHandle
+from helixserve.transceiver.ucxx_backend.devices import ucx_net_devices
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +92,6 @@ def import_ucxx() -> Any:
         if torch.cuda.is_available():
             import ucxx._lib.libucxx as ucx_api
             return ucx_api
-        from helixserve.config import import_without_env_default
-
         return import_without_env_default("ucxx._lib.libucxx", "UCX_MEMTYPE_CACHE", "n")
     except ModuleNotFoundError as error:
         if (error.name or "").split(".")[0] != "ucxx":
@@ -269,8 +269,6 @@ class UcxxDataPlane(DataPlane):
         """A KV sender's or receiver's plane: progress thread, wakeups per ``config``
         (``TransceiverConfig``), network devices of ``config.ucx_net_devices`` for a worker at
         ``host`` (a receiver: at its address on the route to ``peer_hosts``)."""
-        from helixserve.transceiver.ucxx_backend.devices import ucx_net_devices
-
         return cls(progress_thread=True, wakeup=wakeup, wakeup_on_completion=config.wake_on_completion,
                    net_devices=ucx_net_devices(config.ucx_net_devices, host, peer_hosts))
 

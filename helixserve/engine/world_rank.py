@@ -1,38 +1,33 @@
-"""Starting helix_a2a gen worlds: rank bootstrap, a server's world, the CLI's ``generate --dp --cp``.
+"""What a rank of a helix_a2a gen world runs: its bootstrap, its part, its serve loop. Starting
+the processes is not the engine's: a gen worker's local world is
+:mod:`helixserve.gen_server.local_world`, the CLI's offline ``generate --dp --cp`` is
+:mod:`helixserve.launch.offline`, and srun/torchrun start the tasks of a multi-node world.
 
 - :func:`build_rank`: one rank's part from a checkpoint (sharded load): a CP group's leader gets
   the group's :class:`~helixserve.engine.core.EngineCore`, another rank a
   :class:`~helixserve.engine.spmd.follower.Follower` (its cache shard, sized alike, and runner).
-- :func:`start_local_world`: a server process becomes rank 0 (its
-  :class:`~helixserve.engine.spmd.driver.WorldDriver` goes to ``AsyncEngine``) and spawns ranks
-  1..world-1 as local processes; :func:`run_rank` is what those ranks (or srun/torchrun tasks of a
-  multi-node world) run.
-- :func:`generate_on_world` / :func:`generate_many_on_world`: spawn dp x cp local processes (gloo
-  on CPU; NCCL, one GPU per rank, when enough GPUs are present), run the prompts through rank 0's
-  :class:`~helixserve.engine.spmd.driver.WorldDriver`, return results like ``LLM.generate``'s.
+- :func:`start_rank0`: rank 0 joins and gets the world's
+  :class:`~helixserve.engine.spmd.driver.WorldDriver` (which goes to ``AsyncEngine``);
+  :func:`run_rank` is what every other rank runs until shutdown.
+- :func:`drive_to_completion`: the prompts through rank 0's driver, results like ``LLM.generate``'s.
+- :func:`check_fits_world`: a world's start-up errors, before any process is started.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import logging
-import multiprocessing as mp
-import signal
-from collections.abc import Callable
-
 import torch
 
-from helixserve.cache_layout import cache_spec_for
-from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig, reserved_ports
-from helixserve.engine.llm import GenerationResult, resolve_dtype
-from helixserve.engine.request import RequestStatus, SamplingParams
+from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
+from helixserve.engine.kv_intake import KVReceiver, RankTransfers
+from helixserve.engine.llm import GenerationResult, resolve_dtype
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
                                           size_cache, step_token_budget)
-from helixserve.engine.kv_intake import KVReceiver, RankTransfers
+from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.driver import WorldDriver
@@ -40,19 +35,15 @@ from helixserve.engine.spmd.follower import Follower, serve_follower
 from helixserve.engine.spmd.leader import serve_leader
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.kernels.triton_common import set_batch_invariant
-from helixserve.launch.processes import run_local_world
 from helixserve.models.checkpoint import ExpertFormat
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.dummy import LoadFormat, load_dummy_model, model_config_of, tokenizer_of
 from helixserve.models.helix_load import load_helix_model
-from helixserve.models.tokenizer import HelixTokenizer, no_tokenizer_message
+from helixserve.models.sharding import check_helix_config
+from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel
-from helixserve.parallel.ports import free_port
 from helixserve.transceiver.consensus import TransferConsensus
 
-logger = logging.getLogger(__name__)
-
-_MIB = 1 << 20
 _OFFLINE = WorldRunConfig()  # the waits' defaults (config.py); a gen worker passes its own
 
 
@@ -142,25 +133,6 @@ def pick_backend(world_size: int, backend: str | None = None) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _world_main(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
-                prompts: list[list[int]], params: list[SamplingParams], options: WorldOptions) -> list[GenerationResult] | int:
-    mapping = Mapping(world_size, rank, dp=dp, cp=cp)
-    groups = init_parallel(mapping, init_method, backend=pick_backend(world_size, options.backend),
-                           local_rank=rank, timeout_s=options.timeout_s)
-    try:
-        part = build_rank(model_dir, groups, options)
-        if rank != 0:
-            return serve_rank(part, dp)
-        assert isinstance(part, EngineCore)
-        driver = WorldDriver(part)
-        try:
-            return drive_to_completion(driver, prompts, params, tokenizer_of(model_dir, options.load_format))
-        finally:
-            driver.shutdown()
-    finally:
-        groups.destroy()
-
-
 def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
                         tokenizer: HelixTokenizer | None = None) -> list[GenerationResult]:
     """Add every prompt, step the world until all finish; results in prompt order."""
@@ -184,55 +156,9 @@ def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], param
     return results
 
 
-def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[int]],
-                           params: SamplingParams | Sequence[SamplingParams], *, dp: int, cp: int,
-                           options: WorldOptions = WorldOptions()) -> list[GenerationResult]:
-    """Run every prompt on a fresh local dp x cp world (bounded by ``options.run_timeout_s``);
-    results in prompt order."""
-    model_dir = Path(model_dir)
-    cfg = model_config_of(model_dir, options.load_format)
-    if dp < 1 or cp < 1:
-        raise ValueError(f"dp={dp} and cp={cp} must be >= 1")
-    tokenizer = tokenizer_of(model_dir, options.load_format)
-    encoded = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ValueError(no_tokenizer_message(model_dir))
-            prompt = tokenizer.encode(prompt)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        encoded.append(list(prompt))
-    params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
-    _check_fits_world(cfg, dp, cp)
-    results = run_local_world(_world_main, dp * cp, str(model_dir), dp, cp, encoded, params_list, options,
-                              timeout_s=options.run_timeout_s, grace_s=options.stop_grace_s)
-    return results[0]
-
-
-def _check_fits_world(cfg: KimiModelConfig, dp: int, cp: int) -> None:
+def check_fits_world(cfg: KimiModelConfig, dp: int, cp: int) -> None:
     """Start-up errors (indivisible heads / experts, layer order) before spawning anything."""
-    from helixserve.models.sharding import check_helix_config
-
     check_helix_config(cfg, Mapping(dp * cp, 0, dp=dp, cp=cp))
-
-
-def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: list[int] | None,
-                      params: SamplingParams, *, dp: int, cp: int, dtype: str | None = None,
-                      load_format: LoadFormat = "auto", enforce_eager: bool = False) -> GenerationResult:
-    """One prompt (text or ids) on a local dp x cp world; what ``helixserve generate --dp --cp`` prints.
-
-    ``dtype`` None means float32, the single-process CLI's CPU default, on GPUs too: the output is
-    meant to equal ``helixserve generate`` without ``--dp/--cp`` on the same checkpoint.
-    """
-    source = prompt_ids if prompt_ids is not None else prompt
-    if source is None:
-        raise ValueError("give a prompt or prompt ids")
-    return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(
-        dtype=dtype or "float32", load_format=load_format, use_cuda_graphs=not enforce_eager))[0]
-
-
-# ---------------------------------------------------------------- a server's world
 
 
 def _join(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions,
@@ -272,71 +198,3 @@ def start_rank0(model_dir: str | Path, mapping: Mapping, init_method: str, optio
     core = _join(model_dir, mapping, init_method, options, kv_receiver_factory, local_rank)
     assert isinstance(core, EngineCore)
     return driver_cls(core, heartbeat_s)
-
-
-def _local_rank_main(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
-                     options: WorldOptions, kv_receiver_factory: KVReceiverFactory | None) -> None:
-    torch.set_num_threads(1)
-    # a SIGTERM to the server's process group is rank 0's to handle: it sends the shutdown plan
-    # (and if rank 0 dies instead, this rank's next collective fails and the process ends)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_rank(model_dir, Mapping(world_size, rank, dp=dp, cp=cp), init_method, options, kv_receiver_factory)
-
-
-@dataclass(slots=True)
-class LocalWorld:
-    """Rank 0 (this process) and the spawned ranks of a one-machine gen world."""
-
-    driver: WorldDriver
-    processes: list[mp.process.BaseProcess]
-    stop_grace_s: float  # WorldOptions.stop_grace_s: close()'s default
-
-    def is_alive(self) -> bool:
-        return self.driver.failure is None and all(p.is_alive() for p in self.processes)
-
-    def close(self, grace_s: float | None = None) -> None:
-        """Shut the ranks down (or kill them after ``grace_s``, default ``stop_grace_s``) and
-        leave the process groups."""
-        grace_s = self.stop_grace_s if grace_s is None else grace_s
-        try:
-            self.driver.shutdown()
-        except Exception as exc:  # noqa: BLE001 - the world is going away anyway
-            logger.warning("gen world shutdown plan failed: %s", exc)
-        for proc in self.processes:
-            proc.join(timeout=grace_s)
-            if proc.is_alive():
-                logger.warning("killing gen world rank process %d", proc.pid)
-                proc.kill()
-                proc.join()
-        self.driver.groups.destroy()
-
-
-def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: WorldOptions = WorldOptions(),
-                      kv_receiver_factory: KVReceiverFactory | None = None,
-                      heartbeat_s: float | None = None, local_rank: int = 0,
-                      driver_cls: type[WorldDriver] = WorldDriver) -> LocalWorld:
-    """Make this process rank 0 of a dp x cp world whose other ranks are spawned here.
-
-    ``local_rank``: rank 0's CUDA device index under NCCL (spawned rank r uses r).
-    """
-    model_dir = Path(model_dir)
-    _check_fits_world(model_config_of(model_dir, options.load_format), dp, cp)
-    world_size = dp * cp
-    init_method = f"tcp://127.0.0.1:{free_port(reserved=reserved_ports())}"
-    ctx = mp.get_context("forkserver")
-    processes = [
-        ctx.Process(target=_local_rank_main, name=f"gen-world-rank-{rank}", daemon=True,
-                    args=(rank, world_size, init_method, str(model_dir), dp, cp, options, kv_receiver_factory))
-        for rank in range(1, world_size)
-    ]
-    for proc in processes:
-        proc.start()
-    try:
-        driver = start_rank0(model_dir, Mapping(world_size, 0, dp=dp, cp=cp), init_method, options,
-                             kv_receiver_factory, heartbeat_s, local_rank, driver_cls)
-    except BaseException:
-        for proc in processes:
-            proc.kill()
-        raise
-    return LocalWorld(driver, processes, options.stop_grace_s)

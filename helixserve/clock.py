@@ -1,4 +1,5 @@
-"""Injectable clocks: every deadline and wait in the transceiver goes through a `Clock`.
+"""Injectable clocks (stdlib only, a leaf): every deadline and wait in the transceiver and the
+ctx worker's request lifecycle goes through a `Clock`.
 
 Production code uses `MonotonicClock`; tests use `FakeClock`, whose time only moves when code
 waits on it (or a test advances it), so timing tests need no sleeps and are deterministic.
@@ -91,6 +92,10 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         """Move time forward by `seconds`, firing due callbacks."""
         self._run_until(self._now + max(0.0, seconds), None)
+
+    def advance_to(self, when: float) -> None:
+        """Move time forward to `when` exactly (never back), firing due callbacks."""
+        self._run_until(max(self._now, when), None)
 
     def wait(self, event: threading.Event | None, timeout: float) -> bool:
         self.waits.append(timeout)
