@@ -210,6 +210,7 @@ class CacheManager:
         if keep < len(handle.block_ids):
             self.blocks.free(handle.block_ids[keep:])
             del handle.block_ids[keep:]
+            handle._table_key = None  # noqa: SLF001 - a re-extend may reach the same length with other blocks
         self._num_reserved_blocks -= self._charge(handle.num_tokens) - self._charge(new_num_tokens)
         handle.num_tokens = new_num_tokens
 
