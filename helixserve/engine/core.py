@@ -12,6 +12,11 @@ HTTP. It runs in two places:
   ranks before running it here. Requests whose prompt cache arrives from a ctx worker enter
   through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
+With ``speculative`` (a single process; the ``ngram`` drafter) a decoding request's row carries
+its draft tokens, the target verifies them in the same forward and a rejection rolls its KDA
+state back (:mod:`helixserve.engine.spec`); verify steps run eagerly (no decode CUDA graph fits
+them) and overlapped decoding is off. Without it nothing of that runs.
+
 A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
 and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
 run one forward per world step (the MoE all-to-alls pair them up), so overlapped decoding,
@@ -22,12 +27,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_new_request
+from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
@@ -35,6 +40,9 @@ from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_sha
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from helixserve.engine.spec.drafting import NgramDrafter
+from helixserve.engine.spec.stats import SpecDecodeStats
+from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.executor import SPMDExecutor
 from helixserve.host_copy import to_device
@@ -46,19 +54,6 @@ from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.consensus import TransferConsensus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, frozen=True)
-class EngineStats:
-    """A snapshot for health, load balancing and metrics."""
-
-    num_running: int
-    num_waiting: int
-    num_held: int  # finished, cache kept for pickup
-    num_blocks: int
-    num_used_blocks: int
-    num_slots: int
-    num_used_slots: int
 
 
 class EngineCore:
@@ -78,12 +73,15 @@ class EngineCore:
         use_cuda_graphs: bool = True,
         groups: ParallelGroups | None = None,
         kv_receiver: KVReceiver | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         mapping = groups.mapping if groups is not None else None
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
+        if speculative is not None and groups is not None:
+            raise ValueError("speculative decoding runs in a single-process engine only, not in a gen world")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
@@ -118,13 +116,15 @@ class EngineCore:
             max_model_len=max_model_len,
             eos_token_ids=eos,
             detokenize=tokenizer.decode if tokenizer else None,
+            drafter=NgramDrafter(speculative, max_model_len) if speculative is not None else None,
         )
+        self.spec_stats = SpecDecodeStats()
         self._params: dict[str, SamplingParams] = {}
         # overlapped decoding pays where the device runs ahead of the host: with CUDA graphs
         overlap = scheduler.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
-        if mapping is not None and mapping.dp > 1:
-            self.overlap_decode = False  # one forward per world step (see the module docstring)
+        if (mapping is not None and mapping.dp > 1) or speculative is not None:
+            self.overlap_decode = False  # one forward per world step; a verify step's runs are read back
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_step_errors = 0
         self._where = f" on gen rank {mapping.rank}" if mapping is not None else ""
@@ -265,7 +265,7 @@ class EngineCore:
         updates = self.scheduler.add_prefilled(request)
         params = request.sampling_params
         if params.seed is not None and not params.is_greedy:
-            generator = self.runner.sampler._generator(request.request_id, params)  # noqa: SLF001
+            generator = self.runner.sampler.generator(request.request_id, params)
             for _ in request.forced_output_token_ids:  # the draws sampling the first tokens would have made
                 torch.empty(self.model_config.vocab_size, device=self.runner.device).exponential_(generator=generator)
         return updates
@@ -328,6 +328,10 @@ class EngineCore:
             if ahead is not None:
                 self._in_flight = (ahead, self._launch(ahead, launched.tokens, failed))
         updates = self.scheduler.update_from_output(out, launched.result())
+        if launched.verified is not None:
+            self.spec_stats.add(launched.verified.accepted)
+            if launched.kda_record is not None:
+                self.runner.rollback(launched.kda_record, kept_rows(out, launched.kda_record, self.scheduler.get_request))
         self._forget([u.request_id for u in updates if u.is_finished])
         return failed + updates
 

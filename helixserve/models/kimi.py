@@ -207,6 +207,10 @@ class KimiForCausalLM(nn.Module):
 
     # ---- forward
 
+    def kda_mixers(self) -> list[nn.Module]:
+        """The KDA mixers (:class:`~helixserve.models.kda.KimiDeltaAttention`), in layer order."""
+        return [layer.self_attn for layer in self.model.layers if layer.is_kda]
+
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         helix = self.helix
         hooks = None if helix.is_world_of_one and helix.timer is None else helix
