@@ -15,6 +15,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from helixserve.config_speculative import SpeculativeConfig  # (a torch-free leaf)
+
 logger = logging.getLogger("helixserve")
 
 
@@ -64,8 +66,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     speculative = None
     if args.speculative is not None:
-        from helixserve.config_speculative import SpeculativeConfig
-
         if args.dp * args.cp > 1:
             raise SystemExit("--speculative runs in a single process (dp = cp = 1)")
         speculative = SpeculativeConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens)
