@@ -19,6 +19,7 @@ from helixserve.engine.world_rank import (KVReceiverFactory, WorldOptions, check
                                           start_rank0)
 from helixserve.models.dummy import model_config_of
 from helixserve.parallel import Mapping
+from helixserve.parallel.forkserver import start_forkserver
 from helixserve.parallel.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: World
     world_size = dp * cp
     init_method = f"tcp://127.0.0.1:{free_port(reserved=reserved_ports())}"
     ctx = mp.get_context("forkserver")
+    start_forkserver()  # a SIGTERM to this worker's group leaves it (and so the ranks' exit status) alone
     processes = [
         ctx.Process(target=_local_rank_main, name=f"gen-world-rank-{rank}", daemon=True,
                     args=(rank, world_size, init_method, str(model_dir), dp, cp, options, kv_receiver_factory))

@@ -37,6 +37,7 @@ from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  prompt_too_long, raw_prompt_length)
 from helixserve.config import SecurityConfig, ShutdownConfig
 from helixserve.serving.auth import install_internal_auth
+from helixserve.serving.connection_metrics import ConnectionCollector, guard_counts
 from helixserve.serving.engine_errors import install_engine_error_handler, openai_outputs, to_openai_error
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
                                     install_error_handlers, request_id_from,
@@ -301,6 +302,8 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
                     await asyncio.to_thread(fn)
 
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
+    worker.registry.register(ConnectionCollector("helixserve_worker", lambda: guard_counts(getattr(app.state, "connection_guard", None)),
+                                                 {"role": worker.role}))
     install_internal_auth(app, worker.security)  # innermost: the body limit applies first
     app.add_middleware(BodyLimit, max_body_bytes=worker.limits.max_body_bytes)
     app.add_middleware(InternalErrors)

@@ -185,6 +185,9 @@ def test_dead_world_rank_fails_requests_fast_then_the_world_restarts(dep):
     dep.wait_ready()  # the gen worker restarted its world by itself
     assert rank1 not in dep.rank_pids()
     assert _ask(dep) == "length"
+    # a rank's death is what an operator alerts on: one ERROR line naming it
+    assert (f"ERROR helixserve.gen_server.supervisor: gen world failed: gen world rank 1 (pid {rank1}) exited"
+            in (dep.log_dir / "gen.log").read_text())
 
 
 def dep_ctx_idle(dep: Deployment):  # noqa: ANN201
