@@ -1,5 +1,5 @@
 """What the transceiver benches' ctx process does, on CPU and on the GPU alike: hold requests for
-pickup and answer raw ucxx sends between the same two processes (the same-run peers)."""
+hold and answer raw ucxx sends between the same two processes (the same-run peers)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ def payload_bound(caches) -> int:  # noqa: ANN001 (a ModelCaches)
 
 def serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s: float) -> None:  # noqa: ANN001
     """Run the gen process's commands until "stop": ``hold`` a request of N tokens (waiting for the
-    previous pickup's free on its ack when the cache is full), ``connect`` the raw plane, send
+    previous hold's free on its ack when the cache is full), ``connect`` the raw plane, send
     ``raw`` bytes or ``raw_messages`` (tag, offset, nbytes) pieces of ``raw`` to the gen, polling
     every ``tick_s``. Stops the sender and the plane at the end."""
     while (cmd := inbox.get())[0] != "stop":
         if cmd[0] == "hold":
             _, rid, num_tokens = cmd
-            while not manager.can_allocate(num_tokens):  # the previous pickup is freed on its ack
+            while not manager.can_allocate(num_tokens):  # the previous hold is freed on its ack
                 manager.free(freed.get())
             grant = sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
             outbox.put(("held", grant.model_dump() if grant is not None else None))

@@ -35,7 +35,7 @@ from helixserve.transceiver.consensus import ConsensusResult, LocalStatus, Trans
 logger = logging.getLogger(__name__)
 
 
-class KVReceiver(Protocol):
+class ShardReceiver(Protocol):
     """One rank's receiver of ctx-prefilled shards (the transceiver plugs in here).
 
     ``start`` must fill exactly this rank's shard: the blocks of ``handle.block_ids`` (global
@@ -54,7 +54,7 @@ class KVReceiver(Protocol):
 class RankTransfers:
     """One rank's receptions and its end of the CP group's consensus (see the module docstring)."""
 
-    def __init__(self, receiver: KVReceiver | None, caches: ModelCaches, consensus: TransferConsensus) -> None:
+    def __init__(self, receiver: ShardReceiver | None, caches: ModelCaches, consensus: TransferConsensus) -> None:
         self.receiver, self.caches, self.consensus = receiver, caches, consensus
         self._active: set[str] = set()  # started here, not yet agreed
         self._outcomes: dict[str, str | None] = {}  # polled: None ok, else the error

@@ -79,13 +79,13 @@ class RecomputeKVSource(KVSource):
 
 
 class PacedKVReceiver:
-    """A rank's :class:`~helixserve.transceiver.receiver.KVReceiver` as the gen world's
-    ``KVReceiver``: a step's poll waits at most ``interval_s`` for a transfer to end when the
+    """A rank's :class:`~helixserve.transceiver.receiver.KVReceiver` (the transfer machine) as the
+    engine's :class:`~helixserve.engine.kv_intake.ShardReceiver` (its seam): a step's poll waits at most ``interval_s`` for a transfer to end when the
     engine has nothing else to run (bounded local poll, no collective), so a world that only
     waits on transfers does not spin; with requests decoding it is one non-blocking pass, so
     their steps never wait on a transfer."""
 
-    def __init__(self, receiver, interval_s: float) -> None:  # noqa: ANN001 (transceiver KVReceiver)
+    def __init__(self, receiver: KVReceiver, interval_s: float) -> None:
         self.receiver = receiver
         self.interval_s = interval_s
 

@@ -10,7 +10,7 @@ the ctx says it already posted are still received, because an unmatched rendezvo
 pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `retract`; the
 endpoint to the ctx worker is shared by all requests and stays open). A RequestShard the ctx
 refused goes straight to CLOSED (its posted receives retracted): nothing was or will be sent for
-it, and a Cancel would stop the pickup for whichever rank holds it. A ctx whose control connection
+it, and a Cancel would stop the hold for whichever rank holds it. A ctx whose control connection
 closes mid-stream (it died) fails it at once and goes straight to CLOSED, sinks posted: no drain.
 
 Pulled (`pull`, `cuda_ipc`): when this rank holds the ctx's opened pools, RequestShard names their
@@ -149,7 +149,7 @@ class Inbound:
         except Exception as error:
             return self._fail(f"{self.ctx} did not answer RequestShard: {rpc_error_text(error)}")
         if not reply.accepted:  # final (see KVSender.request_shard): no stream exists for us, so
-            # no Cancel: it would stop the pickup for the rank that holds it (e.g. a duplicate's)
+            # no Cancel: it would stop the hold for the rank that holds it (e.g. a duplicate's)
             return self.fail_unsent(f"{self.ctx} refused the transfer: {reply.error}")
         if reply.HasField("pull"):
             return self._start_pull(reply.pull)

@@ -1,4 +1,4 @@
-"""Kimi's published tokenizer layout (tiktoken.model + tokenizer_config.json + chat_template.jinja +
+"""Kimi's published tokenizer format (tiktoken.model + tokenizer_config.json + chat_template.jinja +
 generation_config.json, no tokenizer.json) through the tiktoken backend."""
 
 from __future__ import annotations

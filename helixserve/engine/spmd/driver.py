@@ -86,7 +86,7 @@ class WorldDriver:
         """Queue a request on the least-loaded CP group; ``ValueError`` if it could never run.
 
         ``kv_ticket``: the prompt's KV comes from a ctx worker (passed to every rank's
-        ``KVReceiver.start``); ``forced_output_token_ids`` are then the ctx's first tokens.
+        ``ShardReceiver.start``); ``forced_output_token_ids`` are then the ctx's first tokens.
         """
         self._check_alive()
         if request_id in self.life:

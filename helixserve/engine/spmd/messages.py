@@ -34,7 +34,7 @@ class AddCommand:
     params: SamplingParams
     hold_cache: bool = False
     forced_output_token_ids: tuple[int, ...] = ()
-    kv_ticket: Any = None  # set: the prompt's KV arrives through the ranks' KVReceiver
+    kv_ticket: Any = None  # set: the prompt's KV arrives through the ranks' ShardReceiver
 
 
 @dataclass(slots=True, frozen=True)
