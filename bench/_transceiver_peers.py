@@ -84,12 +84,13 @@ def receive_one(transfers, manager, layout, rid: str, num_tokens: int, endpoint,
     request is ready (with the ctx's pull `grant` when given); its cache freed after.
     ``(perf_counter at the allocation, seconds)``."""
     from helixserve.protocol.disagg import DisaggregatedParams
+    from helixserve.transceiver.ticket import KVTicket
 
     params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
                                  prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout,
                                  pull_grant=grant)
     start = time.perf_counter()
-    transfers.start(rid, manager.allocate(rid, num_tokens), params)
+    transfers.start(rid, manager.allocate(rid, num_tokens), KVTicket.from_params(params))
     while rid not in (agreed := transfers.agree(wait=True)).ready:
         assert rid not in agreed.failed | agreed.cancelled, agreed.errors
     elapsed = time.perf_counter() - start

@@ -44,6 +44,7 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.consensus import TransferConsensus
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class EngineCore:
         *,
         hold_cache: bool = False,
         forced_output_token_ids: Sequence[int] = (),
-        kv_ticket: object = None,
+        kv_ticket: KVTicket | None = None,
     ) -> Request:
         """Queue a request; ``ValueError`` if it could never run (too long, bad ids).
 

@@ -44,6 +44,7 @@ from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTra
 from helixserve.protocol import KVLayout
 from helixserve.serving.warm_up import warm_up_prompts
 from helixserve.transceiver.layout import layout_for
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class GenWorldCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),
-                    kv_ticket: Any = None) -> None:
+                    kv_ticket: KVTicket | None = None) -> None:
         self._supervise()
         cause = self.world.failure()
         if cause is not None:

@@ -20,10 +20,8 @@ from helixserve.models.tokenizer import (
     EOS_ID,
     SPECIAL_TOKENS,
     TokenizerError,
-    has_tokenizer,
-    load_tokenizer,
-    load_tokenizer_or_none,
 )
+from helixserve.models.tokenizer_loader import has_tokenizer, load_tokenizer, load_tokenizer_or_none
 from helixserve.models.tokenizer_tiktoken import (
     KIMI_PAT_STR,
     MAX_RUN_CHARS,
