@@ -33,7 +33,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_new_request
 from helixserve.engine.engine_stats import EngineStats
-from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
+from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
                                           decode_graphs_off_reason, size_cache, step_token_budget)
@@ -52,6 +52,7 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.consensus import TransferConsensus
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class EngineCore:
         seed: int = 0,
         use_cuda_graphs: bool = True,
         groups: ParallelGroups | None = None,
-        kv_receiver: KVReceiver | None = None,
+        kv_receiver: ShardReceiver | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model_config = model_config
@@ -163,15 +164,15 @@ class EngineCore:
         *,
         hold_cache: bool = False,
         forced_output_token_ids: Sequence[int] = (),
-        kv_ticket: object = None,
+        kv_ticket: KVTicket | None = None,
     ) -> Request:
         """Queue a request; ``ValueError`` if it could never run (too long, bad ids).
 
         ``hold_cache``: on a stop/length finish keep the cache until :meth:`release` (a ctx
-        prefill awaiting pickup). ``forced_output_token_ids``: the first outputs are these tokens
+        prefill awaiting its gen worker). ``forced_output_token_ids``: the first outputs are these tokens
         instead of the sampled ones (sampling still runs, so a seeded generator advances as if it
         had drawn them). ``kv_ticket``: the prompt's cache comes from a ctx worker (passed to
-        every rank's ``KVReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
+        every rank's ``ShardReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
         """
         self.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
         if self.kv_intake is not None and request_id in self.kv_intake:
@@ -198,7 +199,7 @@ class EngineCore:
         return aborted
 
     def release(self, request_id: str) -> bool:
-        """Free a held request's cache (picked up, or its pickup deadline passed)."""
+        """Free a held request's cache (picked up, or its hold deadline passed)."""
         return self.scheduler.release(request_id)
 
     def abort_all(self, error: str) -> list[str]:

@@ -11,7 +11,7 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
-    num_held: int  # finished, cache kept for pickup
+    num_held: int  # finished, cache kept for its gen worker
     num_blocks: int
     num_used_blocks: int
     num_slots: int

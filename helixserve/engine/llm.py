@@ -15,9 +15,11 @@ from helixserve.engine.core import EngineCore
 from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.kernels.triton_common import set_batch_invariant
-from helixserve.models.checkpoint import ExpertFormat, load_model
+from helixserve.models.checkpoint import ExpertFormat
+from helixserve.models.loading import load_model
 from helixserve.models.dummy import LoadFormat, dummy_tokenizer, load_dummy_model, model_config_of
-from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
+from helixserve.models.tokenizer import HelixTokenizer
+from helixserve.models.tokenizer_loader import load_tokenizer_or_none, no_tokenizer_message
 
 @dataclass(slots=True)
 class GenerationResult:

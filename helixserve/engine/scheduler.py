@@ -21,7 +21,7 @@ strings through a ``detokenize`` callable, ``max_tokens``, ``max_model_len``) an
 requests' caches; a request whose stop rules raise ends alone with the error. ``schedule_ahead`` schedules the next decode step before the pending one's
 tokens are known (overlapped decoding; its rules: :mod:`helixserve.engine.lookahead`).
 
-A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting pickup) that finishes by
+A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting its gen worker) that finishes by
 stop or length keeps its cache, *held*, until ``release(request_id)``; an abort or error frees at
 once. Held caches and frees deferred past a step scheduled ahead:
 :mod:`helixserve.engine.cache_release`.

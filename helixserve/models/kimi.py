@@ -26,7 +26,6 @@ would be identities) and the model is the single-process model: same names, shap
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,14 +163,6 @@ class KimiForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @classmethod
-    def from_pretrained(
-        cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> KimiForCausalLM:
-        from helixserve.models.checkpoint import load_model
-
-        return load_model(model_dir, dtype=dtype, device=device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -26,7 +26,7 @@ class _PoolCollector:
             ("inflight", "requests this router has on the worker", None),
             ("requests_running", "running requests (worker's engine)", "num_running"),
             ("requests_waiting", "waiting requests (worker's engine)", "num_waiting"),
-            ("requests_held", "prefills held for pickup (ctx)", "num_held"),
+            ("requests_held", "prefills held for its gen worker (ctx)", "num_held"),
             ("cache_blocks_used", "MLA cache blocks in use", "num_used_blocks"),
             ("cache_blocks_total", "MLA cache blocks", "num_blocks"),
             ("kv_transfer_bytes", "KV bytes transferred (ctx: sent and acknowledged; gen: "

@@ -104,8 +104,8 @@ class Worker:
     limits: ServingLimits
     layout: KVLayout
     extra_gauges: Callable[[], list[tuple[str, str, float]]] = lambda: []
-    on_abort: Callable[[str], None] = lambda request_id: None  # after /v1/abort (ctx: pickups)
-    # asked first on /v1/abort: True when the role frees the request its own way (ctx: a pickup
+    on_abort: Callable[[str], None] = lambda request_id: None  # after /v1/abort (ctx: holds)
+    # asked first on /v1/abort: True when the role frees the request its own way (ctx: a hold
     # the KV sender holds is freed once no send can read it), so the engine abort is skipped
     abort_override: Callable[[str], Awaitable[bool]] | None = None
     failure: Callable[[], str | None] = lambda: None  # why the worker cannot serve (None: it can)
@@ -163,7 +163,7 @@ class Worker:
             ("requests_running", "requests in the running batch", s.num_running),
             ("requests_waiting", "requests queued in the engine", s.num_waiting),
             ("requests_live", "requests admitted and not finished", self.engine.num_live_requests),
-            ("requests_held", "finished prefills holding their cache for pickup", s.num_held),
+            ("requests_held", "finished prefills holding their cache for its gen worker", s.num_held),
             ("cache_blocks_total", "MLA cache blocks", s.num_blocks),
             ("cache_blocks_used", "MLA cache blocks in use", s.num_used_blocks),
             ("state_slots_total", "KDA state slots", s.num_slots),

@@ -108,7 +108,7 @@ def test_silent_ctx_times_the_transfer_out_on_every_rank(dep):
 def test_client_gone_during_the_pickup_frees_ctx_and_every_gen_rank(dep):
     """The client leaves while the CP ranks wait for their shards: each rank cancels its
     transfer (the ctx stops serving it) and frees its blocks; the router's abort frees the ctx."""
-    def ended() -> float:  # cancelled, or expired if the frozen ctx saw its pickup deadline first
+    def ended() -> float:  # cancelled, or expired if the frozen ctx saw its hold deadline first
         return (metric(dep.ctx_url, "helixserve_worker_kv_transfers_cancelled_total")
                 + metric(dep.ctx_url, "helixserve_worker_pickups_expired_total"))
 

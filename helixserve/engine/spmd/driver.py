@@ -41,6 +41,7 @@ from helixserve.engine.spmd.messages import (
 from helixserve.engine.spmd.executor import SPMDExecutor
 from helixserve.engine.spmd.leader import group_stats, leader_step
 from helixserve.parallel import ParallelGroups
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +83,11 @@ class WorldDriver:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),
-                    kv_ticket: Any = None) -> None:
+                    kv_ticket: KVTicket | None = None) -> None:
         """Queue a request on the least-loaded CP group; ``ValueError`` if it could never run.
 
         ``kv_ticket``: the prompt's KV comes from a ctx worker (passed to every rank's
-        ``KVReceiver.start``); ``forced_output_token_ids`` are then the ctx's first tokens.
+        ``ShardReceiver.start``); ``forced_output_token_ids`` are then the ctx's first tokens.
         """
         self._check_alive()
         if request_id in self.life:

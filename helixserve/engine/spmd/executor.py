@@ -29,6 +29,7 @@ from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Idle, Launc
                                             output_for_rank)
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.parallel import CollectiveError
+from helixserve.transceiver.ticket import KVTicket
 
 
 class SPMDExecutor:
@@ -101,7 +102,7 @@ class SPMDExecutor:
         except Exception as exc:
             raise CollectiveError(f"empty step failed on rank {self.channel.mapping.rank}: {exc}") from exc
 
-    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool, wait: bool) -> None:
+    def transfers(self, starts: list[tuple[str, KVTicket]], cancels: list[str], agree: bool, wait: bool) -> None:
         """Tell the other ranks which receptions to start (each its own handle) and cancel,
         whether to agree on the outcomes now, and whether their polls may wait first."""
         if self.channel.is_alone:
