@@ -12,13 +12,9 @@ from safetensors.torch import load_file
 
 from helixserve.kernels import MXFP4Weight
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
-from helixserve.models.checkpoint import (
-    CheckpointError,
-    load_model,
-    resolve_expert_format,
-    save_checkpoint,
-)
+from helixserve.models.checkpoint import CheckpointError, save_checkpoint
 from helixserve.models.helix_load import load_helix_model
+from helixserve.models.loading import load_model, resolve_expert_format
 from helixserve.models.moe import RoutedExperts
 from helixserve.models.presets import get_preset, make_checkpoint
 from helixserve.parallel import Mapping
