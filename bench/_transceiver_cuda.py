@@ -50,7 +50,7 @@ def _setup(preset: str, max_tokens: int, cuda_ipc: bool = True):
 def _ctx_main(preset: str, max_tokens: int, inbox, outbox) -> None:
     import torch
 
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(preset, max_tokens)
@@ -81,7 +81,8 @@ def _record_phases(marks: dict[str, float]) -> None:
 
     from helixserve.kernels.copy import triton_units, unit_graphs
     from helixserve.kvcache.manager import CacheManager
-    from helixserve.transceiver import base, inbound, polling, pull, receiver
+    from helixserve.transceiver import base, polling
+    from helixserve.transceiver.gen import inbound, pull, receiver
 
     def after(name: str, fn):  # noqa: ANN001, ANN202
         def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -125,7 +126,7 @@ def _gen_main(preset: str, max_tokens: int, inbox, outbox, profile: bool = False
 
     from helixserve.protocol.disagg import TransceiverEndpoint
     from helixserve.transceiver.control import target
-    from helixserve.transceiver.receiver import KVReceiver
+    from helixserve.transceiver.gen.receiver import KVReceiver
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(preset, max_tokens)

@@ -100,7 +100,7 @@ def _plane():  # noqa: ANN202
 def _ctx_main(inbox, outbox) -> None:  # noqa: ANN001
     import torch
 
-    from helixserve.transceiver.control import ControlServer
+    from helixserve.transceiver.ctx.control_server import ControlServer
 
     plane, wakeup = _plane()
     request, reply = _messages(plane.address)
@@ -127,7 +127,7 @@ def _gen_main(port: int, ctx_address: bytes, ctx_reply: bytes, inbox, outbox, wa
 
     from helixserve.protocol import transfer_pb2 as pb
     from helixserve.protocol.disagg import TransceiverEndpoint
-    from helixserve.transceiver.control import ControlClient
+    from helixserve.transceiver.gen.control_client import ControlClient
 
     plane, wakeup = _plane()
     outbox.put(plane.address)

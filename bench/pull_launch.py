@@ -1,6 +1,6 @@
 """Host cost of planning and launching one pulled shard's copy, next to the launch floor.
 
-A gen rank that pulls a request's shard out of a ctx's opened pools (`transceiver.pull`) spends,
+A gen rank that pulls a request's shard out of a ctx's opened pools (`transceiver.gen.pull`) spends,
 on its engine thread: its own plan (``ShardPlan.for_receiver`` at request start: the stream's
 segments and messages; no memory map is built for a pull), the unit groups of the shard (the
 cached ``PullPair`` of the two pool sets, then ``groups``: the two block tables times the block
@@ -76,7 +76,7 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
     from helixserve.transceiver.layout import ShardPlan, ShardSpec, layout_for
-    from helixserve.transceiver.pull import pull_pair
+    from helixserve.transceiver.gen.pull import pull_pair
 
     cfg = get_preset(preset)
     layout = layout_for(cfg, torch.bfloat16, TPB, preset)

@@ -65,7 +65,7 @@ def _ctx_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     import torch
 
     from helixserve.kvcache.pools import host_zeros
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)
@@ -81,7 +81,7 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
     import torch
 
     from helixserve.kvcache.pools import host_zeros
-    from helixserve.transceiver.receiver import KVReceiver
+    from helixserve.transceiver.gen.receiver import KVReceiver
     from helixserve.transceiver.ucxx_backend import UcxxDataPlane
 
     config, layout, caches, manager = _setup(max_tokens, message_mib, window_mib)

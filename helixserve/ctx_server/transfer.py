@@ -1,6 +1,6 @@
 """Stages 3 -> 4 of the ctx worker over the transceiver: a KV sender serves the held prefills.
 
-:class:`CtxTransceiver` runs a :class:`~helixserve.transceiver.sender.KVSender` (gRPC control plane
+:class:`CtxTransceiver` runs a :class:`~helixserve.transceiver.ctx.sender.KVSender` (gRPC control plane
 on ``transceiver_host:transceiver_port``, UCX data plane) over the engine's cache for the app's
 lifetime:
 
@@ -33,7 +33,7 @@ from helixserve.engine.core import EngineCore
 from helixserve.protocol import KVLayout, TransceiverEndpoint
 from helixserve.protocol.disagg import PullGrant
 from helixserve.transceiver.polling import TransferMetrics
-from helixserve.transceiver.sender import KVSender
+from helixserve.transceiver.ctx.sender import KVSender
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.serving.auth import PermissionDeniedError
 from helixserve.transceiver.layout import ShardSpec, shard_segments
 from helixserve.transceiver.polling import TransferMetrics
-from helixserve.transceiver.receiver import KVReceiver
+from helixserve.transceiver.gen.receiver import KVReceiver
 from helixserve.transceiver.ticket import KVTicket
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.cache_layout import ModelCaches
@@ -82,7 +82,7 @@ class RecomputeKVSource(KVSource):
 
 
 class PacedKVReceiver:
-    """A rank's :class:`~helixserve.transceiver.receiver.KVReceiver` (the transfer machine) as the
+    """A rank's :class:`~helixserve.transceiver.gen.receiver.KVReceiver` (the transfer machine) as the
     engine's :class:`~helixserve.engine.kv_intake.ShardReceiver` (its seam): a step's poll waits at most ``interval_s`` for a transfer to end when the
     engine has nothing else to run (bounded local poll, no collective), so a world that only
     waits on transfers does not spin; with requests decoding it is one non-blocking pass, so

@@ -9,9 +9,12 @@ the `DataPlane` seam, all the sender and receiver use), which imports them lazil
 
 Transfer path: `segments` (a shard's stream types), `layout` (which bytes a receiver gets, the
 message plan), `memory_map` (each side's memory map),
-`control` (the KVTransfer gRPC service and client), `sender` (ctx: `KVSender`, with
-`hold` and `outbound`), `receiver` (gen: `KVReceiver`, with `inbound`) and `group` (`CPGroupReceiver`:
-allocation + consensus). Those are imported on first use (they need gRPC and ucxx).
+`control` (the KVTransfer gRPC service's shared pieces), `grant` (a pull grant's MAC), `cuda_ipc`
+(pools exported and opened) and `group` (`CPGroupReceiver`: allocation + consensus). Each side's
+own modules live in its subpackage, which never imports the other: `ctx` (what a ctx worker runs:
+`sender.KVSender`, with `hold`, `outbound`, `grant_issue`, `shard_request`, `control_server`) and
+`gen` (what a gen rank runs: `receiver.KVReceiver`, with `inbound`, `pull`, `retract`,
+`control_client`). Those are imported on first use (they need gRPC and ucxx).
 """
 
 from helixserve.clock import Clock, FakeClock, MonotonicClock
@@ -29,7 +32,7 @@ from helixserve.transceiver.backends import load_data_plane, open_data_plane
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
 
 _LAZY = {
-    "KVSender": "sender", "SenderStats": "sender", "KVReceiver": "receiver", "CPGroupReceiver": "group",
+    "KVSender": "ctx.sender", "SenderStats": "ctx.sender", "KVReceiver": "gen.receiver", "CPGroupReceiver": "group",
     "ReadyRequest": "group", "TransferCheck": "group", "LayoutMismatchError": "layout", "layout_for": "layout",
 }
 

@@ -3,7 +3,7 @@
 The gen server builds one from a ``generation_only`` request's ``disaggregated_params``
 (:meth:`KVTicket.from_params`); the engine passes it unread to every rank of the request's CP
 group (``EngineCore.add_request(..., kv_ticket=...)``, the SPMD world's messages), and each rank's
-receiver (:class:`~helixserve.transceiver.receiver.KVReceiver`) reads it to ask the ctx worker for
+receiver (:class:`~helixserve.transceiver.gen.receiver.KVReceiver`) reads it to ask the ctx worker for
 its shard, or to copy it on the ctx's pull grant. Frozen and picklable: it crosses to the ranks.
 """
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from helixserve import cli
-from helixserve.transceiver.outbound import Outbound
+from helixserve.transceiver.ctx.outbound import Outbound
 
 HELD_SENDS_ENV = "HELD_SENDS_FILE"
 

@@ -57,7 +57,7 @@ def _config(cuda_ipc: bool = True):
 
 def _ctx_main(inbox, outbox) -> None:
     from helixserve.kvcache.manager import CacheManager
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
 
     caches = _caches(fill=True)
     torch.cuda.synchronize()
@@ -100,7 +100,7 @@ def ctx_worker():
 def _receiver(cuda_ipc: bool, cp_rank: int, cp_size: int, endpoint):
     from helixserve.protocol.disagg import TransceiverEndpoint
     from helixserve.transceiver.control import target
-    from helixserve.transceiver.receiver import KVReceiver
+    from helixserve.transceiver.gen.receiver import KVReceiver
 
     rx = KVReceiver(_config(cuda_ipc), _layout(), cp_rank=cp_rank, cp_size=cp_size)
     if cuda_ipc:  # open the ctx's pools before the transfer (the first request would go tagged)

@@ -62,7 +62,7 @@ def _fault(ctx_request_id: str, kind: str, index: int) -> None:
     aborts it mid-transfer); "oversize": message `index` goes out 64 bytes longer than planned,
     so the gen's receive of it fails (UCX message truncated) while the transfer is in flight."""
     from helixserve.transceiver.layout import wire_tag
-    from helixserve.transceiver.outbound import Outbound
+    from helixserve.transceiver.ctx.outbound import Outbound
 
     original = Outbound._post
 
@@ -85,7 +85,7 @@ def _ctx_main(commands, results) -> None:
     from helixserve.config_transceiver import TransceiverConfig
     from helixserve.kvcache.manager import CacheManager
     from helixserve.kvcache.pools import allocate_model_caches
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
 
     layout, spec = _layout_and_spec()
     caches = allocate_model_caches(spec, NUM_BLOCKS, NUM_SLOTS)
@@ -142,7 +142,7 @@ class _Rank:
     def __init__(self, cp_rank: int) -> None:
         from helixserve.kvcache.manager import CacheManager
         from helixserve.kvcache.pools import allocate_model_caches
-        from helixserve.transceiver.receiver import KVReceiver
+        from helixserve.transceiver.gen.receiver import KVReceiver
 
         layout, spec = _layout_and_spec(cp_size=2)
         self.cp_rank = cp_rank

@@ -29,7 +29,7 @@ pytest.importorskip("ucxx")
 
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import DisaggregatedParams  # noqa: E402
-from helixserve.transceiver.control import ControlClient  # noqa: E402
+from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
 
 MODELS = ("kimi-k3-tiny", "kimi-linear-tiny")
 TPB = 4
@@ -61,7 +61,7 @@ def _exit(results) -> None:
 
 def _stall(num_messages: int | None, cp_rank: int | None = None) -> None:
     """In a ctx process: stop posting after `num_messages` per stream (of `cp_rank` only)."""
-    from helixserve.transceiver.outbound import Outbound
+    from helixserve.transceiver.ctx.outbound import Outbound
 
     original = getattr(Outbound, "_original_post", Outbound._post)
     Outbound._original_post = original
@@ -84,7 +84,7 @@ def _ctx_main(checkpoints: dict, commands, results) -> None:
     from helixserve.engine.llm import LLM
     from helixserve.engine.request import SamplingParams
     from helixserve.transceiver.layout import layout_for
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
 
     freed: queue.SimpleQueue = queue.SimpleQueue()  # sender thread -> this (engine) thread
     released: dict[str, list[str]] = {m: [] for m in MODELS}
@@ -142,7 +142,7 @@ def _victim_main(commands, results) -> None:
     from helixserve.kvcache.pools import allocate_model_caches
     from helixserve.models.presets import get_preset
     from helixserve.transceiver.layout import layout_for
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
 
     cfg = get_preset("kimi-k3-tiny")
     caches = allocate_model_caches(cache_spec_for(cfg, torch.float32, TPB), 16, 2)
@@ -234,7 +234,7 @@ def _gen_main(rank: int, init_method: str, checkpoints: dict, commands, results)
     from helixserve.transceiver.consensus import TransferConsensus
     from helixserve.transceiver.group import CPGroupReceiver
     from helixserve.transceiver.layout import layout_for
-    from helixserve.transceiver.receiver import KVReceiver
+    from helixserve.transceiver.gen.receiver import KVReceiver
 
     mapping = Mapping(world_size=4, rank=rank, dp=2, cp=2)
     groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=60)

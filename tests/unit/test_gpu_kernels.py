@@ -306,7 +306,7 @@ def test_warm_up_copy_checks_direct_and_graph_copies():
     """The gen's warm-up of the pull: direct launches for one to three groups and a captured
     graph replay (a process's first capture and pinned tables, before any request); it raises
     if either copy is wrong."""
-    from helixserve.transceiver.pull import warm_up_copy
+    from helixserve.transceiver.gen.pull import warm_up_copy
 
     warm_up_copy(torch.device("cuda", torch.cuda.current_device()))
 

@@ -83,8 +83,8 @@ def rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
-def imports_from(path: Path, prefixes: tuple[str, ...]) -> list[str]:
-    return [n for n in imported_modules(path) if any(n == f or n.startswith(f + ".") for f in prefixes)]
+def imports_from(path: Path, prefixes: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    return [n for n in imported_modules(path, root) if any(n == f or n.startswith(f + ".") for f in prefixes)]
 
 
 # the cache layout: one leaf that models, kvcache and transceiver import
@@ -215,3 +215,55 @@ def test_the_engine_starts_no_process():
                                 or any(n == s or n.startswith(s + ".") for s in spawners)}))}
     forks = [rel(p) for p in ENGINE_MODULES if "os.fork" in p.read_text()]
     assert not bad and not forks, (bad, forks)
+
+
+# the transceiver's two sides: what a ctx worker runs and what a gen rank runs
+TRANSCEIVER = ROOT / "helixserve" / "transceiver"
+SIDES = {"ctx": "helixserve.transceiver.ctx", "gen": "helixserve.transceiver.gen"}
+# shared modules that still reach a side: CPGroupReceiver's (it drives the gen receiver), which goes
+SHARED_ON_A_SIDE = {"helixserve/transceiver/group.py", "helixserve/transceiver/receiver.py"}
+
+
+def side_imports(path: Path, root: Path = ROOT) -> dict[str, list[str]]:
+    """``{side: modules of that side path imports}`` (function-level imports too)."""
+    return {side: found for side, prefix in SIDES.items() if (found := imports_from(path, (prefix,), root))}
+
+
+def test_both_sides_of_the_transceiver_are_found():
+    assert {p.name for p in (TRANSCEIVER / "ctx").glob("*.py")} >= {"sender.py", "hold.py", "control_server.py"}
+    assert {p.name for p in (TRANSCEIVER / "gen").glob("*.py")} >= {"receiver.py", "inbound.py", "control_client.py"}
+
+
+@pytest.mark.parametrize("side,other", [("ctx", "gen"), ("gen", "ctx")])
+def test_a_transceiver_side_never_imports_the_other(side, other):
+    bad = {rel(p): found for p in sorted((TRANSCEIVER / side).rglob("*.py"))
+           if (found := side_imports(p).get(other))}
+    assert not bad, f"transceiver.{side} imports transceiver.{other}: {bad}"
+
+
+def test_the_shared_transceiver_modules_import_neither_side():
+    shared = [p for p in sorted(TRANSCEIVER.rglob("*.py"))
+              if p.parent.name not in SIDES and rel(p) not in SHARED_ON_A_SIDE]
+    bad = {rel(p): found for p in shared if (found := side_imports(p))}
+    assert not bad, f"shared transceiver modules import a side (move them into it): {bad}"
+
+
+@pytest.mark.parametrize("packages,other", [(("ctx_server",), "gen"), (("gen_server", "engine"), "ctx")])
+def test_each_server_uses_only_its_own_side(packages, other):
+    bad = {rel(p): found for p in package_modules(*packages) if (found := side_imports(p).get(other))}
+    assert not bad, f"{packages} import transceiver.{other}: {bad}"
+
+
+def test_the_side_check_sees_absolute_relative_and_function_level_imports(tmp_path):
+    ctx = tmp_path / "helixserve" / "transceiver" / "ctx"
+    ctx.mkdir(parents=True)
+    (ctx / "a.py").write_text("from helixserve.transceiver.gen.receiver import KVReceiver\n")
+    (ctx / "b.py").write_text("from ..gen import inbound\n")
+    (ctx / "c.py").write_text("def f():\n    import helixserve.transceiver.gen.pull\n")
+    (ctx / "d.py").write_text("from helixserve.transceiver import layout\nfrom . import hold\n")
+    found = {p.name: side_imports(p, tmp_path) for p in sorted(ctx.glob("*.py"))}
+    assert found == {"a.py": {"gen": ["helixserve.transceiver.gen.receiver",
+                                      "helixserve.transceiver.gen.receiver.KVReceiver"]},
+                     "b.py": {"gen": ["helixserve.transceiver.gen", "helixserve.transceiver.gen.inbound"]},
+                     "c.py": {"gen": ["helixserve.transceiver.gen.pull"]},
+                     "d.py": {"ctx": ["helixserve.transceiver.ctx", "helixserve.transceiver.ctx.hold"]}}

@@ -27,25 +27,25 @@ DURATION_CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]*_(S|MS|NS)$")  # module constan
 INTERNAL = {
     ("helixserve/transceiver/polling.py", "DEFAULT_TICK_S"):
         "a poller's longest wait between sweeps; a completion's wakeup ends it earlier",
-    ("helixserve/transceiver/sender.py", "ACTIVE_TICK_S"): "sender-thread tick while messages are in flight",
-    ("helixserve/transceiver/sender.py", "IDLE_TICK_S"): "sender-thread tick while idle",
-    ("helixserve/transceiver/sender.py", "STOP_JOIN_S"): "shutdown only: joining the sender thread",
-    ("helixserve/transceiver/control.py", "SERVER_STOP_GRACE_S"):
+    ("helixserve/transceiver/ctx/sender.py", "ACTIVE_TICK_S"): "sender-thread tick while messages are in flight",
+    ("helixserve/transceiver/ctx/sender.py", "IDLE_TICK_S"): "sender-thread tick while idle",
+    ("helixserve/transceiver/ctx/sender.py", "STOP_JOIN_S"): "shutdown only: joining the sender thread",
+    ("helixserve/transceiver/ctx/control_server.py", "SERVER_STOP_GRACE_S"):
         "shutdown only; every gRPC call is bounded by its own deadline (rpc_timeout_ms)",
-    ("helixserve/transceiver/control.py", "SHARD_DEADLINE_MARGIN_S"):
+    ("helixserve/transceiver/gen/control_client.py", "SHARD_DEADLINE_MARGIN_S"):
         "a margin under the configured transfer deadline, not a wait of its own",
     ("helixserve/serving/warm_up.py", "SETTLE_S"):
         "how long an overlapped engine may take to free the warm-up's cache (warm_up_timeout_s bounds the whole)",
     ("helixserve/serving/warm_up.py", "SETTLE_TICK_S"): "how often the settling engine's stats are asked",
-    ("helixserve/transceiver/pull.py", "WAIT_TICK_S"):
+    ("helixserve/transceiver/gen/pull.py", "WAIT_TICK_S"):
         "how often a bounded wait for a launched copy polls its event (drain_timeout_ms bounds it)",
-    ("helixserve/transceiver/receiver.py", "RETRACT_WAIT_S"):
+    ("helixserve/transceiver/gen/receiver.py", "RETRACT_WAIT_S"):
         "a local 0-byte retraction after drain_timeout_ms already ran out; bounds a broken plane",
     ("helixserve/clock.py", "SPIN_BELOW_S"):
         "the length under which the real clock spins a wait instead of sleeping it (no wait of its own)",
-    ("helixserve/transceiver/receiver.py", "PULL_TICK_S"):
+    ("helixserve/transceiver/gen/receiver.py", "PULL_TICK_S"):
         "how often a poll probes in-flight device copies between sweeps; the poll's own interval bounds the wait",
-    ("helixserve/transceiver/receiver.py", "PREFETCH_RETRY_S"):
+    ("helixserve/transceiver/gen/receiver.py", "PREFETCH_RETRY_S"):
         "the interval between DescribePools asks at a gen rank's start (no one waits on it; a request "
         "that comes first asks with RequestShard)",
     ("helixserve/transceiver/ucxx_backend/plane.py", "PROGRESS_EPOLL_TIMEOUT_MS"): "one UCX progress wait",

@@ -21,7 +21,9 @@ from helixserve.log_throttle import ThrottledLog
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.testing.servers import free_ports
-from helixserve.transceiver.control import GENERATED, PROTO, ControlClient, ControlServer, generate_stubs
+from helixserve.transceiver.control import GENERATED, PROTO, generate_stubs
+from helixserve.transceiver.gen.control_client import ControlClient
+from helixserve.transceiver.ctx.control_server import ControlServer
 from helixserve.transceiver.payloads import check_payloads
 
 

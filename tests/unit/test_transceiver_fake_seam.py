@@ -18,7 +18,7 @@ from helixserve.transceiver.backends import open_data_plane
 from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.fake import FakeDataPlane, FakeFabric, FakeFault, install_fabric
 from helixserve.transceiver.layout import wire_tag
-from helixserve.transceiver.receiver import KVReceiver
+from helixserve.transceiver.gen.receiver import KVReceiver
 from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools
 
 
@@ -150,7 +150,7 @@ def test_a_failed_send_fails_the_receivers_request_by_name_and_frees_everything(
 def test_every_receive_is_posted_before_the_ctx_answers_one_round_trip(world, fabric, monkeypatch):
     """The receiver posts its whole stream (on its worker) right after RequestShard went out, so the
     ctx's sends find their receives waiting; the reply is only checked against them."""
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
 
     answer = threading.Event()
     original = KVSender.request_shard

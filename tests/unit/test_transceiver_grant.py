@@ -19,8 +19,9 @@ pytest.importorskip("ucxx")
 from helixserve.config_transceiver import TransceiverConfig  # noqa: E402
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import PullGrant  # noqa: E402
-from helixserve.transceiver.control import ControlClient  # noqa: E402
-from helixserve.transceiver.grant import grant_matches, make_grant, request_bytes  # noqa: E402
+from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
+from helixserve.transceiver.grant import grant_matches, make_grant
+from helixserve.transceiver.ctx.grant_issue import request_bytes  # noqa: E402
 from helixserve.transceiver.lease import LeaseBoard, LeaseError  # noqa: E402
 from tests.unit.transceiver_harness import NUM_TOKENS, Ctx  # noqa: E402
 
@@ -205,7 +206,7 @@ def test_pools_are_asked_for_again_until_a_late_ctx_answers():
     from helixserve.parallel.ports import free_ports
     from helixserve.protocol.disagg import TransceiverEndpoint
     from helixserve.transceiver.cuda_ipc import ask_until_answered
-    from helixserve.transceiver.sender import KVSender
+    from helixserve.transceiver.ctx.sender import KVSender
     from tests.unit.transceiver_harness import LAYOUT
 
     cfg = _config(rpc_timeout_ms=300)

@@ -17,12 +17,12 @@ pytest.importorskip("ucxx")
 from helixserve.config_transceiver import TransceiverConfig  # noqa: E402
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint  # noqa: E402
-from helixserve.transceiver import sender as sender_module  # noqa: E402
-from helixserve.transceiver.outbound import Outbound  # noqa: E402
-from helixserve.transceiver.control import ControlClient  # noqa: E402
+from helixserve.transceiver.ctx import sender as sender_module  # noqa: E402
+from helixserve.transceiver.ctx.outbound import Outbound  # noqa: E402
+from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
 from helixserve.transceiver.group import CPGroupReceiver  # noqa: E402
 from helixserve.transceiver.layout import LayoutMismatchError  # noqa: E402
-from helixserve.transceiver.receiver import KVReceiver  # noqa: E402
+from helixserve.transceiver.gen.receiver import KVReceiver  # noqa: E402
 from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools  # noqa: E402
 
 
@@ -285,7 +285,7 @@ def test_a_hold_answered_busy_never_starts_later(ctx):
 def test_commands_of_a_stuck_sender_are_a_named_busy_error(ctx):
     """The engine thread's hold / stats on a sender whose state stays locked fail by name within
     the RPC timeout instead of waiting for ever, and the refused hold registered nothing."""
-    from helixserve.transceiver.sender import SenderBusyError
+    from helixserve.transceiver.ctx.sender import SenderBusyError
 
     c = ctx(rpc_timeout_ms=200)
     stuck = threading.Thread(target=c.sender._locked, args=(time.sleep, 1.0))

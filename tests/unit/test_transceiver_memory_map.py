@@ -20,7 +20,7 @@ from helixserve.transceiver import memory_map
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.layout import (MAX_FIRST_TOKENS, SegmentMemory, ShardPlan,
                                            ShardSpec, encode_aux, gather, layout_for, plan_messages, shard_segments)
-from helixserve.transceiver.pull import PullPair
+from helixserve.transceiver.gen.pull import PullPair
 from tests.unit._pull_reference import reference_aux, reference_memory
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32

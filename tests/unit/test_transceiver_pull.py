@@ -18,7 +18,7 @@ from helixserve.models.presets import get_preset
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.cuda_ipc import PoolDirectory, PoolExport, host_id
 from helixserve.transceiver.layout import ShardSpec, layout_for
-from helixserve.transceiver.pull import MAX_PAIRS, PullPair, pull_pair
+from helixserve.transceiver.gen.pull import MAX_PAIRS, PullPair, pull_pair
 
 PRESET = "kimi-k3-tiny"
 
@@ -141,8 +141,8 @@ def test_prefetch_opens_no_channel_where_nothing_can_be_pulled(monkeypatch):
     connection attempt (the compose deployment's first request failed so)."""
     from helixserve.config_transceiver import TransceiverConfig
     from helixserve.protocol.disagg import TransceiverEndpoint
-    from helixserve.transceiver import receiver as receiver_module
-    from helixserve.transceiver.receiver import KVReceiver
+    from helixserve.transceiver.gen import receiver as receiver_module
+    from helixserve.transceiver.gen.receiver import KVReceiver
 
     def no_client(*args, **kwargs):
         raise AssertionError("prefetch opened a control channel")

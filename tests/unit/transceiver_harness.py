@@ -13,7 +13,7 @@ from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.protocol.disagg import DisaggregatedParams
 from helixserve.transceiver.layout import layout_for
-from helixserve.transceiver.sender import KVSender
+from helixserve.transceiver.ctx.sender import KVSender
 
 CFG = get_preset("kimi-k3-tiny")
 TPB = 4

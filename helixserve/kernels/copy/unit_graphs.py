@@ -1,6 +1,6 @@
 """CUDA graphs of the unit copy between fixed tensors (GPU only): Triton's launch cost paid once.
 
-A pull issues one unit copy per request between the same two pool sets (`transceiver.pull`).
+A pull issues one unit copy per request between the same two pool sets (`transceiver.gen.pull`).
 Through Triton's launcher, with a fresh pinned upload of its request table, that cost about
 0.2 ms of host time per request on an H200 host (`bench/transceiver.py --device cuda`, the
 ``copy_prepared`` stamps), more than the copy of a short prompt's shard takes on the device.

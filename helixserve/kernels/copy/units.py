@@ -1,6 +1,6 @@
 """One launch that copies equal-sized units of many tensors, the addresses computed on the device.
 
-A request's KV shard, pulled out of a ctx's pools (``transceiver.pull``), is a few groups of
+A request's KV shard, pulled out of a ctx's pools (``transceiver.gen.pull``), is a few groups of
 equal-sized units repeated over layers: every MLA layer copies the same block ids (the ctx's
 block ``src_blocks[i]`` to our ``dst_blocks[i]``), every KDA layer the same slot and head slice.
 A :class:`UnitGroup` says exactly that: for every segment ``s`` (a (source tensor, destination
@@ -89,7 +89,7 @@ class UnitCopier:
     per group, given here; a pull: one ctx's pools into ours, per layer): the tensors and the
     segment indices are checked once, and on the GPU the segment rows stay on the device, so a
     copy sends only its units. :meth:`copy` does not check the units: the caller keeps them
-    inside the tensors (`transceiver.pull` range-checks every block id and slot). With `graphs`,
+    inside the tensors (`transceiver.gen.pull` range-checks every block id and slot). With `graphs`,
     GPU copies replay CUDA graphs of the launch where they can (`unit_graphs`: the first GPU copy
     captures them)."""
 

@@ -35,7 +35,7 @@ UCX facts measured here (ucxx-cu12 0.52, UCX 1.21, CPU host):
   when the peer is dead. A rendezvous *send* that the peer never matches can NOT be cancelled
   (neither by closing the endpoint nor by `cancel_inflight_requests`): its buffer stays pinned.
   The transceiver therefore never leaves a posted send unmatched while the receiver lives (the
-  receiver drains what was posted before it closes, see `transceiver.receiver`).
+  receiver drains what was posted before it closes, see `transceiver.gen.receiver`).
 - Connecting to the address of a dead process raises (UCXXShmemSegmentError) at once.
 - UCX matches the endpoints two workers create to each other's addresses into ONE connection:
   closing either side's endpoint breaks the other's (a later rendezvous on it fails as

@@ -47,7 +47,7 @@ from helixserve.transceiver.grant import grant_matches
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
 from helixserve.transceiver.plane import TransferHandle
-from helixserve.transceiver.pull import Pull, pull_pair
+from helixserve.transceiver.gen.pull import Pull, pull_pair
 from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from helixserve.transceiver.base import SenderSession, TransferState
-from helixserve.transceiver.outbound import Outbound, PulledShard
+from helixserve.transceiver.ctx.outbound import Outbound, PulledShard
 from helixserve.transceiver.polling import TransferMetrics
 
 

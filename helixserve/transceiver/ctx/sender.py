@@ -61,17 +61,17 @@ from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, PullGrant, TransceiverEndpoint
 from helixserve.transceiver.backends import open_data_plane
 from helixserve.transceiver.base import TransferState
-from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
+from helixserve.transceiver.ctx.control_server import SERVER_STOP_GRACE_S, ControlServer
 from helixserve.transceiver.cuda_ipc import PoolExport
-from helixserve.transceiver.grant import GRANT_TASK, adopt_cp_group, grant_hold
+from helixserve.transceiver.ctx.grant_issue import GRANT_TASK, adopt_cp_group, grant_hold
 from helixserve.transceiver.cache_check import check_caches
 from helixserve.transceiver.layout import ShardPlan, check_layout
-from helixserve.transceiver.outbound import Outbound, PulledShard
+from helixserve.transceiver.ctx.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
-from helixserve.transceiver.hold import Hold, HoldSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
+from helixserve.transceiver.ctx.hold import Hold, HoldSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
 from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.polling import TransferPoller
-from helixserve.transceiver.shard_request import check_shard_request
+from helixserve.transceiver.ctx.shard_request import check_shard_request
 from helixserve.transceiver.stream import KindHandle, staging_for
 
 logger = logging.getLogger(__name__)
