@@ -102,12 +102,12 @@ def test_packed_model_saves_the_same_bytes(k3_tiny: Path, tmp_path: Path) -> Non
 
 
 def test_expert_format_option(k3_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from helixserve.kernels import triton_common
+    from helixserve.models import loading
 
     k3, linear = get_preset("kimi-k3-tiny"), get_preset("kimi-linear-tiny")
-    monkeypatch.setattr(triton_common, "has_triton", lambda: True)  # as on a GPU machine with the gpu extra
+    monkeypatch.setattr(loading, "has_triton", lambda: True)  # as on a GPU machine with the gpu extra
     assert resolve_expert_format("auto", k3, torch.bfloat16, "cuda") == "packed"
-    monkeypatch.setattr(triton_common, "has_triton", lambda: False)
+    monkeypatch.setattr(loading, "has_triton", lambda: False)
     assert resolve_expert_format("auto", k3, torch.bfloat16, "cuda") == "dense"  # no Triton: dequantized
     # auto: dense on the CPU, in fp32, and for dense checkpoints, whatever the device
     assert resolve_expert_format("auto", k3, torch.bfloat16, "cpu") == "dense"
