@@ -1,5 +1,6 @@
 """Hostile phases of ``bench/soak.py``: slow and idle connections held while the clients run
-(slowloris), and many large bodies the router refuses, with each process's RSS around them."""
+(slowloris), and large bodies refused in each of the ways a deployment refuses them, with each
+process's RSS around every case."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 
@@ -46,22 +48,55 @@ async def slowloris(url: str, num_idle: int, num_slow: int, end: float) -> dict:
             "slow_closed_by_server": sum(c for c, slow in zip(closed, kinds) if slow)}
 
 
-def refused_bodies(url: str, num_bodies: int, max_body_bytes: int) -> dict:
-    """``num_bodies`` large bodies the router refuses, in turn: one byte over ``max_body_bytes``
-    (413) and one just under it naming an unknown model (404, after the router parsed it)."""
+REFUSALS = ("413 over the limit", "404 unknown model", "400 prompt too long (ctx)", "400 invalid JSON",
+            "400 chat of many messages (ctx)")
+
+
+def refused_body(case: str, max_body_bytes: int, model: str) -> bytes:
+    """A body of about ``max_body_bytes`` the deployment refuses as ``case`` says (one of
+    ``REFUSALS``): one byte over the limit (the router's 413 before parsing); just under it and
+    naming an unknown model (the router parses it, then 404); just under it with a prompt far over
+    the context (parsed by the router, forwarded, 400 from the ctx); not JSON (the router's 400);
+    a chat of ~50-byte messages just under it (the router validates every message, the ctx renders
+    the chat, then 400)."""
+    room = max_body_bytes - 256
+    if case == REFUSALS[0]:
+        return json.dumps({"model": model, "prompt": "x" * max_body_bytes}).encode()[:max_body_bytes + 1]
+    if case == REFUSALS[1]:
+        return json.dumps({"model": "no-such-model", "prompt": "x" * room}).encode()
+    if case == REFUSALS[2]:
+        return json.dumps({"model": model, "prompt": "helix prefill " * (room // 14), "max_tokens": 4}).encode()
+    if case == REFUSALS[3]:
+        return b'{"model": "' + model.encode() + b'", "prompt": "' + b"x" * room  # never closed
+    if case == REFUSALS[4]:
+        message = {"role": "user", "content": "helix prefill decode cache"}
+        num_messages = room // (len(json.dumps(message)) + 2)
+        return json.dumps({"model": model, "messages": [message] * num_messages, "max_tokens": 4}).encode()
+    raise ValueError(f"unknown refusal case {case!r}; one of {REFUSALS}")
+
+
+def refused_round(url: str, model: str, num_each: int, max_body_bytes: int,
+                  rss: Callable[[], dict[str, tuple[int, int | None]]]) -> list[dict]:
+    """``num_each`` bodies of every case in ``REFUSALS`` in turn, one at a time; for each case the
+    statuses answered and every process's RSS (``rss()``: ``{name: (pid, bytes)}``) before and
+    after it."""
     import httpx
 
-    statuses: Counter[str] = Counter()
-    prompt_bytes = max_body_bytes - 64
-    with httpx.Client(timeout=60) as client:
-        for i in range(num_bodies):
-            size = max_body_bytes + 1 if i % 2 == 0 else prompt_bytes
-            body = json.dumps({"model": "no-such-model", "prompt": "x" * (size - 40)}).encode()
-            body = body[:max_body_bytes + 1] if i % 2 == 0 else body
-            try:
-                status = str(client.post(f"{url}/v1/completions", content=body,
-                                         headers={"Content-Type": "application/json"}).status_code)
-            except httpx.HTTPError as exc:
-                status = f"transport {type(exc).__name__}"
-            statuses[status] += 1
-    return dict(statuses)
+    rows = []
+    with httpx.Client(timeout=120) as client:
+        for case in REFUSALS:
+            body = refused_body(case, max_body_bytes, model)
+            statuses: Counter[str] = Counter()
+            before = rss()
+            for _ in range(num_each):
+                try:
+                    status = str(client.post(f"{url}/v1/completions" if "chat" not in case else
+                                             f"{url}/v1/chat/completions", content=body,
+                                             headers={"Content-Type": "application/json"}).status_code)
+                except httpx.HTTPError as exc:
+                    status = f"transport {type(exc).__name__}"
+                statuses[status] += 1
+            del body
+            rows.append({"case": case, "bodies": num_each, "statuses": dict(statuses), "rss_before": before,
+                         "rss_after": rss()})
+    return rows
