@@ -11,6 +11,8 @@ from collections import Counter
 from collections.abc import Callable
 from urllib.parse import urlparse
 
+from _common import markdown_table
+
 
 async def _hold(host: str, port: int, end: float, is_slow: bool) -> bool:
     """One connection that never completes a request: nothing at all (idle) or a header line
@@ -100,3 +102,47 @@ def refused_round(url: str, model: str, num_each: int, max_body_bytes: int,
             rows.append({"case": case, "bodies": num_each, "statuses": dict(statuses), "rss_before": before,
                          "rss_after": rss()})
     return rows
+
+
+def rss_rows(start: dict, end: dict) -> list[dict]:
+    rows = []
+    for name in sorted(set(start) | set(end)):
+        (pid0, rss0), (pid1, rss1) = start.get(name, (None, None)), end.get(name, (None, None))
+        rows.append({"process": name, "pid_start": pid0, "pid_end": pid1, "restarted": pid0 != pid1,
+                     "rss_start_mb": rss0 / 2**20 if rss0 else None, "rss_end_mb": rss1 / 2**20 if rss1 else None,
+                     "growth_mb": (rss1 - rss0) / 2**20 if rss0 and rss1 and pid0 == pid1 else None})
+    return rows
+
+
+def round_growth(cases: list[dict]) -> list[dict]:
+    """Each process's RSS over each whole round of refused bodies: from the first case's start to
+    the last case's end (what the allocator gave back between cases counts)."""
+    rows = []
+    for number in sorted({c["round"] for c in cases}):
+        in_round = [c for c in cases if c["round"] == number]
+        start = {r["process"]: (r["pid_start"], r["rss_start_mb"]) for r in in_round[0]["rss"]}
+        end = {r["process"]: (r["pid_end"], r["rss_end_mb"]) for r in in_round[-1]["rss"]}
+        mb = {name: (pid, rss * 2**20 if rss else None) for name, (pid, rss) in start.items()}
+        rows.append({"round": number, "rss": rss_rows(mb, {name: (pid, rss * 2**20 if rss else None)
+                                                       for name, (pid, rss) in end.items()})})
+    return rows
+
+
+def growth_cell(rows: list[dict], name: str) -> str:
+    """``start -> end (+growth)`` MB of one process."""
+    row = next((r for r in rows if r["process"] == name), None)
+    if row is None or row["rss_start_mb"] is None or row["rss_end_mb"] is None:
+        return "-"
+    if row["restarted"]:
+        return "restarted"
+    return f"{row['rss_start_mb']:.1f} -> {row['rss_end_mb']:.1f} ({row['growth_mb']:+.1f})"
+
+
+def refused_table(refused: dict) -> str:
+    """Each case's and each round's RSS per process, ``start -> end (+growth)`` MB."""
+    names = sorted({r["process"] for c in refused["cases"] for r in c["rss"]})
+    return markdown_table(
+        ["round", "case", "statuses"] + [f"{n} MB" for n in names],
+        [[c["round"], c["case"], json.dumps(c["statuses"])] + [growth_cell(c["rss"], n) for n in names]
+         for c in refused["cases"]]
+        + [[r["round"], "whole round", ""] + [growth_cell(r["rss"], n) for n in names] for r in refused["rounds"]])

@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
 from serve import MODEL, REPO, Servers, _get, _pct  # noqa: E402
-from _soak_hostile import refused_round, slowloris  # noqa: E402
+from _soak_hostile import refused_round, refused_table, round_growth, rss_rows, slowloris  # noqa: E402
 
 KINDS = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
 WORDS = "helix prefill decode cache block rank world router stream token latent expert".split()
@@ -224,6 +224,7 @@ def _left(servers: Servers, settle_s: float) -> dict:
         ctx, gen = _get(f"{servers.ctx_url}/stats"), _get(f"{servers.gen_url}/stats")
         left = {"ctx_used_blocks": ctx["num_used_blocks"], "ctx_used_slots": ctx["num_used_slots"],
                 "ctx_held": ctx["num_held"], "ctx_pickups_held": ctx.get("pickups_held"),
+                "ctx_quarantined": ctx.get("kv_pickups_quarantined"),
                 "gen_used_blocks": gen["num_used_blocks"], "gen_used_slots": gen["num_used_slots"],
                 "gen_live_requests": gen["num_live_requests"]}
         if not any(left.values()) or time.monotonic() > deadline:
@@ -249,15 +250,17 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
             soak = _clients_phase(servers, args)
         rounds = [refused_round(servers.router_url, MODEL, args.refused_bodies, args.max_body_bytes,
                                 lambda: _rss_now(servers)) for _ in range(args.refused_rounds)]
+        if soak:  # the quarantined holds a send may still read, long after the clients stopped
+            soak["left_after_refused"] = _left(servers, 0.0)
     finally:
         servers.stop()
-    refused = [{**row, "round": i, "rss": _rss(row.pop("rss_before"), row.pop("rss_after"))}
+    refused = [{**row, "round": i, "rss": rss_rows(row.pop("rss_before"), row.pop("rss_after"))}
                for i, rows in enumerate(rounds, start=1) for row in rows]
     return {"machine": machine_info(), "model": str(args.model), "clients": args.clients,
             "deployment": "helixserve launch: 1 ctx + gen world dp 1 x cp 2 (kv_source ucx), CPU",
             "malloc_arena_max": args.malloc_arena_max, **soak,
             "refused_bodies": {"bodies_per_case": args.refused_bodies, "max_body_bytes": args.max_body_bytes,
-                               "cases": refused, "rounds": _round_growth(refused)}}
+                               "cases": refused, "rounds": round_growth(refused)}}
 
 
 def _clients_phase(servers: Servers, args) -> dict:  # noqa: ANN001
@@ -269,21 +272,7 @@ def _clients_phase(servers: Servers, args) -> dict:  # noqa: ANN001
     left = _left(servers, args.settle)
     return {"seconds": args.seconds, "wall_s": wall, "warmup_requests": warm,
             "statuses": _statuses(records), "latency": _latency(records), "faults": faults,
-            "rss": _rss(rss_start, _rss_now(servers)), "left_allocated": left, "slowloris": held}
-
-
-def _round_growth(cases: list[dict]) -> list[dict]:
-    """Each process's RSS over each whole round of refused bodies: from the first case's start to
-    the last case's end (what the allocator gave back between cases counts)."""
-    rows = []
-    for number in sorted({c["round"] for c in cases}):
-        in_round = [c for c in cases if c["round"] == number]
-        start = {r["process"]: (r["pid_start"], r["rss_start_mb"]) for r in in_round[0]["rss"]}
-        end = {r["process"]: (r["pid_end"], r["rss_end_mb"]) for r in in_round[-1]["rss"]}
-        mb = {name: (pid, rss * 2**20 if rss else None) for name, (pid, rss) in start.items()}
-        rows.append({"round": number, "rss": _rss(mb, {name: (pid, rss * 2**20 if rss else None)
-                                                       for name, (pid, rss) in end.items()})})
-    return rows
+            "rss": rss_rows(rss_start, _rss_now(servers)), "left_allocated": left, "slowloris": held}
 
 
 async def _soak_warmup(servers: Servers, args) -> int:  # noqa: ANN001
@@ -309,36 +298,10 @@ def _latency(records: list) -> list[dict]:
     return rows
 
 
-def _rss(start: dict, end: dict) -> list[dict]:
-    rows = []
-    for name in sorted(set(start) | set(end)):
-        (pid0, rss0), (pid1, rss1) = start.get(name, (None, None)), end.get(name, (None, None))
-        rows.append({"process": name, "pid_start": pid0, "pid_end": pid1, "restarted": pid0 != pid1,
-                     "rss_start_mb": rss0 / 2**20 if rss0 else None, "rss_end_mb": rss1 / 2**20 if rss1 else None,
-                     "growth_mb": (rss1 - rss0) / 2**20 if rss0 and rss1 and pid0 == pid1 else None})
-    return rows
-
-
 def report(payload: dict) -> str:
     parts = _soak_report(payload) if "statuses" in payload else []
-    refused = payload["refused_bodies"]
-    names = sorted({r["process"] for c in refused["cases"] for r in c["rss"]})
-    parts.append(markdown_table(
-        ["round", "case", "statuses"] + [f"{n} MB" for n in names],
-        [[c["round"], c["case"], json.dumps(c["statuses"])] + [_growth_cell(c["rss"], n) for n in names]
-         for c in refused["cases"]]
-        + [[r["round"], "whole round", ""] + [_growth_cell(r["rss"], n) for n in names] for r in refused["rounds"]]))
+    parts.append(refused_table(payload["refused_bodies"]))
     return "\n\n".join(parts)
-
-
-def _growth_cell(rows: list[dict], name: str) -> str:
-    """``start -> end (+growth)`` MB of one process."""
-    row = next((r for r in rows if r["process"] == name), None)
-    if row is None or row["rss_start_mb"] is None or row["rss_end_mb"] is None:
-        return "-"
-    if row["restarted"]:
-        return "restarted"
-    return f"{row['rss_start_mb']:.1f} -> {row['rss_end_mb']:.1f} ({row['growth_mb']:+.1f})"
 
 
 def _soak_report(payload: dict) -> list[str]:
@@ -353,7 +316,8 @@ def _soak_report(payload: dict) -> list[str]:
                            [[r["process"], r["pid_start"], r["pid_end"], r["rss_start_mb"], r["rss_end_mb"],
                              r["growth_mb"] if not r["restarted"] else "restarted"] for r in payload["rss"]]),
             markdown_table(list(payload["left_allocated"]), [list(payload["left_allocated"].values())]),
-            markdown_table(list(payload["slowloris"]), [list(payload["slowloris"].values())])]
+            markdown_table(list(payload["slowloris"]), [list(payload["slowloris"].values())]),
+            "left allocated after the refused bodies: " + json.dumps(payload["left_after_refused"])]
 
 
 def main() -> None:
