@@ -29,7 +29,9 @@ world rank 1 (SIGKILL: the gen worker restarts its world). Reported:
   per thread that allocates, up to 8 per core by default) and ``--refused-only`` skips the clients;
 - cache blocks and state slots left allocated on ctx and gen once the clients stopped (from the
   workers' ``/stats``, after at most ``--settle`` seconds; ``settled_after_s`` says how long
-  freeing everything took, e.g. a prefill whose gen died is freed by its hold timeout).
+  freeing everything took, e.g. a prefill whose gen died is freed by its hold timeout; a hold
+  whose UCX send may still read its cache stays, counted as ``ctx_quarantined``), and again once
+  the refused bodies ended.
 
     python bench/soak.py --quick --out bench/results/soak_quick.json
     python bench/soak.py --minutes 3 --clients 32 --out bench/results/soak.json
