@@ -20,14 +20,22 @@ world rank 1 (SIGKILL: the gen worker restarts its world). Reported:
 - slowloris: ``--idle-connections`` idle and ``--slow-connections`` slow-header connections held
   on the router during the whole run (the clients above run beside them), and how many of each
   the router closed;
-- refused large bodies after the run (``--refused-bodies``, 413 and 404 in turn) and each
-  process's RSS before and after them;
+- refused large bodies after the run, ``--refused-bodies`` of each case in turn (413 over
+  ``limits.max_body_bytes``; just under it: 404 unknown model, 400 prompt too long from the ctx,
+  400 invalid JSON, 400 chat of many messages from the ctx), ``--refused-rounds`` times in the same
+  deployment, with each process's RSS before and after every case and its growth (a second round
+  that grows ~0 points to the allocator's high-water mark, not to something kept per request);
+  ``--malloc-arena-max N`` starts the deployment with ``MALLOC_ARENA_MAX=N`` (glibc's arenas, one
+  per thread that allocates, up to 8 per core by default) and ``--refused-only`` skips the clients;
 - cache blocks and state slots left allocated on ctx and gen once the clients stopped (from the
   workers' ``/stats``, after at most ``--settle`` seconds; ``settled_after_s`` says how long
-  freeing everything took, e.g. a prefill whose gen died is freed by its hold timeout).
+  freeing everything took, e.g. a prefill whose gen died is freed by its hold timeout; a hold
+  whose UCX send may still read its cache stays, counted as ``ctx_quarantined``), and again once
+  the refused bodies ended.
 
     python bench/soak.py --quick --out bench/results/soak_quick.json
     python bench/soak.py --minutes 3 --clients 32 --out bench/results/soak.json
+    python bench/soak.py --refused-only --malloc-arena-max 2 --out bench/results/soak_arenas2.json
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
 from serve import MODEL, REPO, Servers, _get, _pct  # noqa: E402
-from _soak_hostile import refused_bodies, slowloris  # noqa: E402
+from _soak_hostile import refused_round, refused_table, round_growth, rss_rows, slowloris  # noqa: E402
 
 KINDS = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
 WORDS = "helix prefill decode cache block rank world router stream token latent expert".split()
@@ -64,8 +72,8 @@ def _ppid_and_cmd(pid: int) -> tuple[int, str] | None:
 
 
 def launch_children(launcher_pid: int) -> dict[str, int]:
-    """``{"ctx" | "gen" | "router": pid}`` of ``helixserve launch``'s children."""
-    roles = {"serve-ctx": "ctx", "serve-gen": "gen", " router ": "router"}
+    """``{"ctx" | "gen rank 0" | "router": pid}`` of ``helixserve launch``'s children."""
+    roles = {"serve-ctx": "ctx", "serve-gen": "gen rank 0", " router ": "router"}
     found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (info := _ppid_and_cmd(int(entry.name))) and info[0] == launcher_pid:
@@ -218,6 +226,7 @@ def _left(servers: Servers, settle_s: float) -> dict:
         ctx, gen = _get(f"{servers.ctx_url}/stats"), _get(f"{servers.gen_url}/stats")
         left = {"ctx_used_blocks": ctx["num_used_blocks"], "ctx_used_slots": ctx["num_used_slots"],
                 "ctx_held": ctx["num_held"], "ctx_pickups_held": ctx.get("pickups_held"),
+                "ctx_quarantined": ctx.get("kv_pickups_quarantined"),
                 "gen_used_blocks": gen["num_used_blocks"], "gen_used_slots": gen["num_used_slots"],
                 "gen_live_requests": gen["num_live_requests"]}
         if not any(left.values()) or time.monotonic() > deadline:
@@ -225,29 +234,47 @@ def _left(servers: Servers, settle_s: float) -> dict:
         time.sleep(0.5)
 
 
+def _rss_now(servers: Servers) -> dict[str, tuple[int, int | None]]:
+    return {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
+
+
 def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
     args.seconds = args.seconds or (20.0 if args.quick else 60.0 * args.minutes)
     args.clients = args.clients or (6 if args.quick else 32)
+    args.refused_bodies = args.refused_bodies or (2 if args.quick else 24)
+    if args.malloc_arena_max:
+        os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)  # launch's processes inherit it
     servers = Servers(Path(args.model), Path(args.log))
+    soak: dict = {}
     try:
         servers.start()
-        warm = asyncio.run(_soak_warmup(servers, args))
-        rss_start = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
-        began = time.monotonic()
-        records, faults, held = asyncio.run(_soak(servers, args, began))
-        wall = time.monotonic() - began
-        left = _left(servers, args.settle)
-        rss_end = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
-        refused = refused_bodies(servers.router_url, args.refused_bodies, args.max_body_bytes)
-        rss_refused = {name: (pid, rss_bytes(pid)) for name, pid in processes(servers).items()}
+        if not args.refused_only:
+            soak = _clients_phase(servers, args)
+        rounds = [refused_round(servers.router_url, MODEL, args.refused_bodies, args.max_body_bytes,
+                                lambda: _rss_now(servers)) for _ in range(args.refused_rounds)]
+        if soak:  # the quarantined holds a send may still read, long after the clients stopped
+            soak["left_after_refused"] = _left(servers, 0.0)
     finally:
         servers.stop()
-    return {"machine": machine_info(), "model": str(args.model), "seconds": args.seconds, "wall_s": wall,
-            "clients": args.clients, "warmup_requests": warm,
+    refused = [{**row, "round": i, "rss": rss_rows(row.pop("rss_before"), row.pop("rss_after"))}
+               for i, rows in enumerate(rounds, start=1) for row in rows]
+    return {"machine": machine_info(), "model": str(args.model), "clients": args.clients,
             "deployment": "helixserve launch: 1 ctx + gen world dp 1 x cp 2 (kv_source ucx), CPU",
+            "malloc_arena_max": args.malloc_arena_max, **soak,
+            "refused_bodies": {"bodies_per_case": args.refused_bodies, "max_body_bytes": args.max_body_bytes,
+                               "cases": refused, "rounds": round_growth(refused)}}
+
+
+def _clients_phase(servers: Servers, args) -> dict:  # noqa: ANN001
+    warm = asyncio.run(_soak_warmup(servers, args))
+    rss_start = _rss_now(servers)
+    began = time.monotonic()
+    records, faults, held = asyncio.run(_soak(servers, args, began))
+    wall = time.monotonic() - began
+    left = _left(servers, args.settle)
+    return {"seconds": args.seconds, "wall_s": wall, "warmup_requests": warm,
             "statuses": _statuses(records), "latency": _latency(records), "faults": faults,
-            "rss": _rss(rss_start, rss_end), "left_allocated": left, "slowloris": held,
-            "refused_bodies": {"statuses": refused, "rss": _rss(rss_end, rss_refused)}}
+            "rss": rss_rows(rss_start, _rss_now(servers)), "left_allocated": left, "slowloris": held}
 
 
 async def _soak_warmup(servers: Servers, args) -> int:  # noqa: ANN001
@@ -273,34 +300,26 @@ def _latency(records: list) -> list[dict]:
     return rows
 
 
-def _rss(start: dict, end: dict) -> list[dict]:
-    rows = []
-    for name in sorted(set(start) | set(end)):
-        (pid0, rss0), (pid1, rss1) = start.get(name, (None, None)), end.get(name, (None, None))
-        rows.append({"process": name, "pid_start": pid0, "pid_end": pid1, "restarted": pid0 != pid1,
-                     "rss_start_mb": rss0 / 2**20 if rss0 else None, "rss_end_mb": rss1 / 2**20 if rss1 else None,
-                     "growth_mb": (rss1 - rss0) / 2**20 if rss0 and rss1 and pid0 == pid1 else None})
-    return rows
-
-
 def report(payload: dict) -> str:
-    parts = [markdown_table(["kind", "status", "requests"],
-                            [[r["kind"], r["status"], r["requests"]] for r in payload["statuses"]]),
-             markdown_table(["kind", "requests", "ok", "p50 ms", "p99 ms"],
-                            [[r["kind"], r["requests"], r["ok"], r["p50_ms"], r["p99_ms"]] for r in payload["latency"]]),
-             markdown_table(["fault", "at s", "pid", "router ready again after s"],
-                            [[f["fault"], f.get("at_s"), f.get("pid"), f.get("recovered_s") or f.get("error")]
-                             for f in payload["faults"]]),
-             markdown_table(["process", "pid start", "pid end", "RSS start MB", "RSS end MB", "growth MB"],
-                            [[r["process"], r["pid_start"], r["pid_end"], r["rss_start_mb"], r["rss_end_mb"],
-                              r["growth_mb"] if not r["restarted"] else "restarted"] for r in payload["rss"]]),
-             markdown_table(list(payload["left_allocated"]), [list(payload["left_allocated"].values())]),
-             markdown_table(list(payload["slowloris"]), [list(payload["slowloris"].values())]),
-             "refused large bodies: " + json.dumps(payload["refused_bodies"]["statuses"]),
-             markdown_table(["process", "RSS before MB", "RSS after MB", "growth MB"],
-                            [[r["process"], r["rss_start_mb"], r["rss_end_mb"], r["growth_mb"]]
-                             for r in payload["refused_bodies"]["rss"]])]
+    parts = _soak_report(payload) if "statuses" in payload else []
+    parts.append(refused_table(payload["refused_bodies"]))
     return "\n\n".join(parts)
+
+
+def _soak_report(payload: dict) -> list[str]:
+    return [markdown_table(["kind", "status", "requests"],
+                           [[r["kind"], r["status"], r["requests"]] for r in payload["statuses"]]),
+            markdown_table(["kind", "requests", "ok", "p50 ms", "p99 ms"],
+                           [[r["kind"], r["requests"], r["ok"], r["p50_ms"], r["p99_ms"]] for r in payload["latency"]]),
+            markdown_table(["fault", "at s", "pid", "router ready again after s"],
+                           [[f["fault"], f.get("at_s"), f.get("pid"), f.get("recovered_s") or f.get("error")]
+                            for f in payload["faults"]]),
+            markdown_table(["process", "pid start", "pid end", "RSS start MB", "RSS end MB", "growth MB"],
+                           [[r["process"], r["pid_start"], r["pid_end"], r["rss_start_mb"], r["rss_end_mb"],
+                             r["growth_mb"] if not r["restarted"] else "restarted"] for r in payload["rss"]]),
+            markdown_table(list(payload["left_allocated"]), [list(payload["left_allocated"].values())]),
+            markdown_table(list(payload["slowloris"]), [list(payload["slowloris"].values())]),
+            "left allocated after the refused bodies: " + json.dumps(payload["left_after_refused"])]
 
 
 def main() -> None:
@@ -316,8 +335,14 @@ def main() -> None:
     parser.add_argument("--idle-connections", type=int, default=100, help="idle connections held during the run")
     parser.add_argument("--slow-connections", type=int, default=50,
                         help="slow-header connections (a header line a second) held during the run")
-    parser.add_argument("--refused-bodies", type=int, default=108,
-                        help="large bodies sent after the run, refused (413 over the limit, 404 just under)")
+    parser.add_argument("--refused-bodies", type=int, default=None,
+                        help="large bodies of each refused case per round, sent after the run (default 24; quick: 2)")
+    parser.add_argument("--refused-rounds", type=int, default=2,
+                        help="rounds of refused bodies in the same deployment (default 2)")
+    parser.add_argument("--refused-only", action="store_true",
+                        help="no clients, faults or slowloris: only the refused bodies")
+    parser.add_argument("--malloc-arena-max", type=int, default=None,
+                        help="start the deployment with MALLOC_ARENA_MAX set to this (glibc)")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                         help="the deployment's limits.max_body_bytes")
     parser.add_argument("--settle", type=float, default=45.0,
@@ -327,8 +352,11 @@ def main() -> None:
                         help="where the servers' output goes")
     args = parser.parse_args()
     payload = run(args)
-    print(f"\n{payload['deployment']}; {payload['clients']} clients for {payload['seconds']:.0f} s "
-          f"(faults at 1/3 and 2/3)\n")
+    if not args.refused_only:
+        print(f"\n{payload['deployment']}; {payload['clients']} clients for {payload['seconds']:.0f} s "
+              f"(faults at 1/3 and 2/3)\n")
+    print(f"refused bodies: RSS per process (MB) around {payload['refused_bodies']['bodies_per_case']} "
+          f"of each case, MALLOC_ARENA_MAX {payload['malloc_arena_max'] or 'unset'}\n")
     print(report(payload))
     write_json(args.out, payload)
 
