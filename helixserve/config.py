@@ -2,7 +2,8 @@
 
 Only this module reads the environment. Roles: the model to load, the caches, the single-process
 engine, the KV transceiver (:class:`~helixserve.config_transceiver.TransceiverConfig`, torch-free)
-and the servers (ctx worker, gen worker, router) gathered in one :class:`DeploymentConfig`;
+and the servers (ctx worker, gen worker: :mod:`helixserve.config_workers`; router) gathered in
+one :class:`DeploymentConfig`;
 process lifecycles (restarts, shutdown, the launchers' and offline worlds' waits) in
 :mod:`helixserve.config_lifecycle` and an HTTP server's client connections in
 :mod:`helixserve.config_http`, re-exported here. Every wait's default is set once, here or
@@ -27,7 +28,9 @@ from helixserve.config_env import (RESERVED_PORTS_ENV, DistEnv, SlurmEnv, dist_e
 from helixserve.config_http import UPSTREAM_KEEPALIVE_S, ConnectionsConfig, WorkerConnectionsConfig  # noqa: F401 (re-exported)
 from helixserve.config_lifecycle import (LaunchConfig, RestartPolicy, ShutdownConfig,  # noqa: F401 (re-exported)
                                          SlurmJobConfig, Strict, WorldRunConfig)
+from helixserve.config_speculative import SpeculativeConfig  # noqa: F401 (re-exported)
 from helixserve.config_transceiver import DEFAULT_KV_TRANSFER_TIMEOUT_MS, TransceiverConfig
+from helixserve.config_workers import CtxServerConfig, GenServerConfig  # noqa: F401 (re-exported)
 
 DType = Literal["float32", "bfloat16", "float16"]
 INTERNAL_SECRET_ENV = "HELIXSERVE_INTERNAL_SECRET"
@@ -89,77 +92,6 @@ class EngineConfig(_Strict):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
-
-
-class CtxServerConfig(_Strict):
-    """One context (prefill) worker: HTTP server over one engine; holds prefills for its gen worker."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(8100, ge=1, le=65535)
-    max_queue_len: int = Field(64, ge=0)  # requests waiting beyond the running slots; then 429
-    pickup_timeout_s: float = Field(30.0, gt=0)  # hold deadline: a held prefill no gen worker fetched by then is freed
-    release_grace_s: float = Field(1.0, gt=0, description=(
-        "a router's release of a picked-up prefill waits this long for the gen ranks' acknowledgements"))
-    transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
-    transceiver_port: int = Field(18100, ge=1, le=65535)
-    device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
-    # one short request through the engine before /ready answers 200 (serving/warm_up.py)
-    warm_up: bool = True
-    warm_up_timeout_s: float = Field(600.0, gt=0, description=(
-        "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
-    connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-
-class GenServerConfig(_Strict):
-    """One generation (decode) worker: HTTP server on gen rank 0 of a dp x cp world.
-
-    ``kv_source``: how ``generation_only`` requests get their prompt state. ``ucx``: every rank of
-    the request's CP group receives its shard from the ctx worker's transceiver (the data path);
-    ``recompute``: gen re-prefills the prompt (a fallback; nothing is transferred). A ``ucx``
-    worker, or any dp x cp > 1, runs the SPMD helix world (one rank when dp = cp = 1).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = Field(8200, ge=1, le=65535)
-    max_queue_len: int = Field(64, ge=0)
-    dp: int = Field(1, ge=1)
-    cp: int = Field(2, ge=1)
-    kv_source: Literal["ucx", "recompute"] = "ucx"
-    device: str | None = None  # overrides model.device for this worker (e.g. "cuda:1")
-    collective_timeout_s: float = Field(60.0, gt=0)  # a world collective waiting longer fails
-    # a gen world whose rank died (or whose collective failed) is restarted in place under this
-    # policy; past it, or when srun / torchrun started the ranks, the worker exits non-zero
-    world_restart: RestartPolicy = RestartPolicy()
-    heartbeat_s: float = Field(2.0, gt=0, description=(
-        "longest idle gap between world steps: a dead srun rank shows within it"))
-    world_stop_grace_s: float = Field(10.0, gt=0, description=(
-        "a healthy world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
-    failed_world_grace_s: float = Field(2.0, gt=0, description=(
-        "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
-    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
-        "a worker shutting down waits this long for a world restart in progress"))
-    # one short request through the engine (the world) before /ready answers 200 (serving/warm_up.py)
-    warm_up: bool = True
-    warm_up_timeout_s: float = Field(600.0, gt=0, description=(
-        "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
-    connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp
-
-    @property
-    def runs_world(self) -> bool:
-        """Whether this worker drives the SPMD world (else a single-process engine)."""
-        return self.world_size > 1 or self.kv_source == "ucx"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 class RouterConfig(_Strict):

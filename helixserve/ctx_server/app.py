@@ -88,7 +88,7 @@ class ContextOnlyHandler:
 
 def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
     """Load the engine and build the app (the engine thread, then the KV sender, start with it)."""
-    worker, core = make_worker("ctx", deploy, server.max_queue_len, server.device)
+    worker, core = make_worker("ctx", deploy, server.max_queue_len, server.device, server.speculative)
     requests = CtxRequests(worker.engine, server.pickup_timeout_s)
     transceiver = CtxTransceiver(requests, core, worker.layout, deploy.transceiver, server)
     worker.extra_gauges = lambda: [

@@ -52,7 +52,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
     and the world is shut down after the engine thread stops.
     """
     if not server.runs_world:
-        worker, _ = make_worker("gen", deploy, server.max_queue_len, server.device)
+        worker, _ = make_worker("gen", deploy, server.max_queue_len, server.device, server.speculative)
         kv_source = make_kv_source(server.kv_source, worker.layout, deploy.transceiver, server.cp,
                                    deploy.ctx_transceivers)
         return _app(worker, kv_source, deploy, server)

@@ -18,7 +18,7 @@ from helixserve import kernels
 from helixserve.cache_layout import ModelCaches
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
-from helixserve.models.kda_spec import KdaRecord, replay
+from helixserve.models.kda_spec import KdaRecord, replay, verify_rows
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
 from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear
@@ -128,6 +128,8 @@ class KimiDeltaAttention(nn.Module):
             o = kernels.kda_recurrent_step(
                 q, k, v, g, beta, state_pool, slots, scale=K**-0.5, use_qk_l2norm=True
             )
+        elif batch.kda_record is not None and batch.kda_record.steps is not None:  # decodes and verify rows
+            o = verify_rows(self, qkv, g, beta, conv_pool, state_pool, batch.kda_record).view(T, H, K)
         else:
             has_context = (batch.context_lens > 0).view(-1, 1, 1)
             conv_init = torch.where(has_context, conv_pool[slots], torch.zeros_like(conv_pool[slots]))

@@ -1,15 +1,21 @@
-"""KDA state under speculative decoding: roll a verify step's slots back to the last accepted token.
+"""KDA under speculative decoding: a verify step row by row, and the rollback of a rejection.
 
-A verify step runs each speculating sequence's last token and its ``n`` drafts through the
-chunked (prefill) path, which leaves the slot's recurrent and conv state advanced past all
-``n + 1`` rows. When the target accepts ``a < n`` drafts only the first ``a + 1`` rows belong to
-the sequence. Rollback by *recompute*: during the forward each KDA layer saves, for the verify
-rows only, its conv inputs (``qkv`` before the short conv), the gate ``g`` and ``beta``, and the
-slot's conv and recurrent state before the step (:meth:`KdaRecord.save`); after acceptance
-:func:`replay` restores the saved state and runs the decode kernels (``short_conv_step`` then
-``kda_recurrent_step``) over the kept rows, one row per sequence at a time, exactly as plain
-decoding would have advanced the slot from the same projected inputs. The conv state after
-the replay is the last ``W - 1`` inputs ending at the last kept row.
+A verify step runs each speculating sequence's last token and its ``n`` drafts. When every
+sequence of the step continues a cached context (decodes and verify rows, no prompt chunk) the
+step runs *row by row* (:func:`advance`): row ``j`` of every sequence that has one goes through
+the decode kernels (``short_conv_step`` then ``kda_recurrent_step``) together, so a sequence
+without drafts is advanced exactly as a plain decode step advances it, and ``n + 1`` rows cost
+``n + 1`` decode steps instead of a chunked prefill padded to its chunk size. A step that also
+carries prompt chunks runs the chunked (prefill) path for all of its sequences.
+
+Either way the slot's recurrent and conv state end advanced past all ``n + 1`` rows. When the
+target accepts ``a < n`` drafts only the first ``a + 1`` rows belong to the sequence. Rollback by
+*recompute*: during the forward each KDA layer saves, for the verify rows only, its conv inputs
+(``qkv`` before the short conv), the gate ``g`` and ``beta``, and the slot's conv and recurrent
+state before the step (:meth:`KdaRecord.save`); after acceptance :func:`replay` restores the
+saved state and runs :func:`advance` over the kept rows, exactly as plain decoding would have
+advanced the slot from the same projected inputs. The conv state after the replay is the last
+``W - 1`` inputs ending at the last kept row.
 
 Cost per speculating sequence and KDA layer: ``(n + 1) * (3 H K + H K + H)`` saved values, one
 state ``H K V`` fp32 and one conv state; the alternative, keeping the per-position states of the
@@ -47,6 +53,9 @@ class KdaRecord:
         num_rows: host, each one's row count (``n + 1``).
         slots: ``[Bv]`` int64, their state slots.
         batch_seqs: host, ``seq_index``.
+        steps: the step row by row (``None``: it carries prompt chunks, the chunked path runs):
+            per row offset ``j``, the flat rows of every batch sequence with more than ``j``
+            rows and those sequences' state slots.
     """
 
     seq_index: torch.Tensor
@@ -55,15 +64,52 @@ class KdaRecord:
     num_rows: list[int]
     slots: torch.Tensor
     batch_seqs: list[int]
+    steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     layers: dict[int, KdaSaved] = field(default_factory=dict)
 
     def save(self, layer_idx: int, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             conv_state: torch.Tensor, kda_state: torch.Tensor) -> None:
+             conv_state: torch.Tensor, kda_state: torch.Tensor, per_seq: bool = True) -> None:
         """Keep the verify rows of one layer's ``qkv``/``g``/``beta`` (all rows of the batch) and
-        the speculating slots' rows of its pre-step states (one row per batch sequence)."""
+        the speculating slots' rows of its pre-step states (``per_seq``: one row per batch
+        sequence; else one per speculating sequence already)."""
+        if per_seq:
+            conv_state, kda_state = conv_state.index_select(0, self.seq_index), kda_state.index_select(0, self.seq_index)
         self.layers[layer_idx] = KdaSaved(
             qkv.index_select(0, self.rows), g.index_select(0, self.rows), beta.index_select(0, self.rows),
-            conv_state.index_select(0, self.seq_index), kda_state.index_select(0, self.seq_index))
+            conv_state, kda_state)
+
+
+def advance(mixer: torch.nn.Module, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            conv_pool: torch.Tensor, state_pool: torch.Tensor,
+            steps: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """Advance slots row by row with the decode kernels of ``mixer`` (a
+    :class:`~helixserve.models.kda.KimiDeltaAttention`): for each ``(rows, slots)`` of ``steps``,
+    ``qkv``/``g``/``beta`` rows ``rows`` are one decode step of ``slots``. Returns the outputs
+    ``[R, H, K]`` (``R = qkv.shape[0]``, rows no step names left unset; ``None``: no step)."""
+    H, K = mixer.num_heads, mixer.head_dim
+    weight = mixer.conv_weight()
+    out: torch.Tensor | None = None
+    for rows, slots in steps:
+        x = kernels.short_conv_step(qkv.index_select(0, rows), weight, conv_pool, slots, activation="silu")
+        q, k, v = x.reshape(rows.shape[0], 3, H, K).unbind(1)
+        o = kernels.kda_recurrent_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
+                                       state_pool, slots, scale=K**-0.5, use_qk_l2norm=True)
+        if out is None:
+            out = o.new_empty(qkv.shape[0], *o.shape[1:])
+        out.index_copy_(0, rows, o)
+    return out
+
+
+def verify_rows(mixer: torch.nn.Module, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                conv_pool: torch.Tensor, state_pool: torch.Tensor, record: KdaRecord) -> torch.Tensor:
+    """A verify step of one KDA layer row by row (``record.steps``), its speculating slots'
+    pre-step states saved for :func:`replay`; returns the outputs ``[T, H, K]``."""
+    assert record.steps is not None
+    record.save(mixer.layer_idx, qkv, g, beta, conv_pool.index_select(0, record.slots),
+                state_pool.index_select(0, record.slots), per_seq=False)
+    out = advance(mixer, qkv, g, beta, conv_pool, state_pool, record.steps)
+    assert out is not None  # a verify step has rows
+    return out
 
 
 def replay(mixer: torch.nn.Module, saved: KdaSaved, conv_pool: torch.Tensor, state_pool: torch.Tensor,
@@ -71,21 +117,16 @@ def replay(mixer: torch.nn.Module, saved: KdaSaved, conv_pool: torch.Tensor, sta
     """Restore the slots of the speculating sequences ``keep`` names (index into the record's
     sequences -> rows to keep, fewer than its rows) and advance them over their kept rows with
     the decode kernels of ``mixer`` (a :class:`~helixserve.models.kda.KimiDeltaAttention`)."""
-    H, K = mixer.num_heads, mixer.head_dim
     device = saved.qkv.device
     which = sorted(keep)
     index = torch.tensor(which, dtype=torch.int64, device=device)
     slots = record.slots.index_select(0, index)
     conv_pool.index_copy_(0, slots, saved.conv_state.index_select(0, index))
     state_pool.index_copy_(0, slots, saved.kda_state.index_select(0, index).to(state_pool.dtype))
-    weight = mixer.conv_weight()
+    steps = []
     for j in range(max(keep.values())):
         live = [(p, i) for p, i in enumerate(which) if keep[i] > j]
         pos = torch.tensor([p for p, _ in live], dtype=torch.int64, device=device)
         rows = torch.tensor([record.row_starts[i] + j for _, i in live], dtype=torch.int64, device=device)
-        step_slots = slots.index_select(0, pos)
-        qkv = kernels.short_conv_step(saved.qkv.index_select(0, rows), weight, conv_pool, step_slots,
-                                      activation="silu")
-        q, k, v = qkv.reshape(len(live), 3, H, K).unbind(1)
-        kernels.kda_recurrent_step(q, k, v, saved.g.index_select(0, rows), saved.beta.index_select(0, rows),
-                                   state_pool, step_slots, scale=K**-0.5, use_qk_l2norm=True)
+        steps.append((rows, slots.index_select(0, pos)))
+    advance(mixer, saved.qkv, saved.g, saved.beta, conv_pool, state_pool, steps)

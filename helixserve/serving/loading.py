@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from helixserve.config import DeploymentConfig
+from helixserve.config import DeploymentConfig, SpeculativeConfig
 from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
@@ -13,19 +13,22 @@ from helixserve.models.generation_config import load_generation_defaults
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
+from helixserve.serving.spec_metrics import SpecDecodeCollector
 from helixserve.serving.worker_app import Worker
 from helixserve.transceiver.layout import layout_for
 
 logger = logging.getLogger(__name__)
 
 
-def load_engine(deploy: DeploymentConfig) -> tuple[EngineCore, HelixTokenizer | None, KimiModelConfig]:
-    """Load the checkpoint, its tokenizer and a single-process engine."""
+def load_engine(deploy: DeploymentConfig, speculative: SpeculativeConfig | None = None
+                ) -> tuple[EngineCore, HelixTokenizer | None, KimiModelConfig]:
+    """Load the checkpoint, its tokenizer and a single-process engine (``speculative``: its
+    speculative decoding, the worker's ``speculative`` key)."""
     spec = deploy.model
     llm = LLM(spec.path, dtype=spec.dtype, device=spec.device, cache=deploy.cache,
               scheduler=deploy.scheduler, seed=deploy.seed, experts=spec.experts,
               enforce_eager=spec.enforce_eager, load_format=spec.load_format,
-              deterministic=spec.deterministic)
+              deterministic=spec.deterministic, speculative=speculative)
     return llm.engine, llm.tokenizer, llm.model_config
 
 
@@ -35,16 +38,19 @@ def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLa
     return layout_for(cfg, core.runner.model.dtype, core.layout.tokens_per_block, served_model)
 
 
-def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None
-                ) -> tuple[Worker, EngineCore]:
-    """Load a single-process engine (on ``device``, default ``model.device``) and wrap it in a
+def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None,
+                speculative: SpeculativeConfig | None = None) -> tuple[Worker, EngineCore]:
+    """Load a single-process engine (on ``device``, default ``model.device``; ``speculative``:
+    its speculative decoding, whose counters the worker exports) and wrap it in a
     :class:`Worker` (its :class:`AsyncEngine` is started by the app's lifespan); the core is
     returned too (its caches are what a ctx worker's KV sender reads)."""
     if device is not None:
         deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"device": device})})
-    core, tokenizer, cfg = load_engine(deploy)
+    core, tokenizer, cfg = load_engine(deploy, speculative)
     worker = wrap_core(role, deploy, core, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
                        core.layout.max_model_len, max_queue_len)
+    if speculative is not None:
+        worker.registry.register(SpecDecodeCollector(lambda: core.spec_stats, {"role": role}))
     logger.info("%s worker ready: %s", role, core.layout)
     return worker, core
 

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "helixserve"
 
 # what helixserve/config.py may import from the package: torch-free leaf config only
-CONFIG_MODULES = ("config.py", "config_env.py", "config_lifecycle.py", "config_http.py", "config_transceiver.py")
+CONFIG_MODULES = ("config.py", "config_env.py", "config_lifecycle.py", "config_http.py", "config_speculative.py",
+                  "config_transceiver.py", "config_workers.py")
 CONFIG_MAY_IMPORT = {f"helixserve.{name.removesuffix('.py')}" for name in CONFIG_MODULES}
 # the modules that read os.environ (the config modules) ...
 ENV_READERS = {"helixserve/config.py", "helixserve/config_env.py"}

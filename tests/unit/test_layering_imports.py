@@ -191,7 +191,7 @@ def test_config_is_a_leaf_of_the_package_graph():
     graph = package_graph()
     config_nodes = {n for n in set(graph) | {t for v in graph.values() for t in v} if n.startswith("config")}
     assert config_nodes == {"config", "config_env", "config_http", "config_lifecycle", "config_speculative",
-                            "config_transceiver"}, config_nodes
+                            "config_transceiver", "config_workers"}, config_nodes
     for node in config_nodes:
         assert set(graph.get(node, {})) <= config_nodes, (node, graph.get(node))
 

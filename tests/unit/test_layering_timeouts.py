@@ -18,7 +18,7 @@ from pydantic import ValidationError
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "helixserve"
 CONFIG_MODULES = {"helixserve/config.py", "helixserve/config_env.py", "helixserve/config_lifecycle.py",
-                  "helixserve/config_http.py", "helixserve/config_transceiver.py"}
+                  "helixserve/config_http.py", "helixserve/config_transceiver.py", "helixserve/config_workers.py"}
 WAIT_NAME = re.compile(r"timeout|grace|deadline|heartbeat|interval", re.IGNORECASE)
 DURATION_CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]*_(S|MS|NS)$")  # module constants holding a duration
 

@@ -140,9 +140,8 @@ def test_kda_state_after_a_rejection_matches_plain_decoding(ckpt, plain, wrong, 
     """After a verify step that rejected draft ``j`` the slot's recurrent and conv state are
     plain decoding's at the same position. Not byte-equal: the rollback replays plain decoding's
     kernels (conv step, recurrent step) on the verify forward's projections, and a projection
-    GEMM over ``n + 1`` rows rounds differently from one over one row (and the layers below ran
-    the chunked path), so the states agree to fp32 rounding (1e-5). Without the rollback they
-    are far apart."""
+    GEMM over ``n + 1`` rows rounds differently from one over one row (as do the layers below),
+    so the states agree to fp32 rounding (1e-5). Without the rollback they are far apart."""
     prompt, params = PROMPTS[0], greedy(12)
     plain_llm = make_llm(ckpt, speculative=None)
     plain_request = _step_to(plain_llm, prompt, params, min(wrong) + 2)

@@ -46,7 +46,9 @@ def logits_rows(out: SchedulerOutput) -> list[int]:
 
 
 def kda_record(out: SchedulerOutput, device: torch.device) -> KdaRecord | None:
-    """The record a verify step's KDA layers fill (``None``: no speculating sequence)."""
+    """The record a verify step's KDA layers fill (``None``: no speculating sequence). When every
+    sequence continues a cached context (no prompt chunk beside the verify rows) the step runs
+    row by row (``KdaRecord.steps``, :mod:`helixserve.models.kda_spec`)."""
     seq_index: list[int] = []
     rows: list[int] = []
     starts: list[int] = []
@@ -64,7 +66,26 @@ def kda_record(out: SchedulerOutput, device: torch.device) -> KdaRecord | None:
     if not seq_index:
         return None
     as_tensor = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), device)  # noqa: E731
-    return KdaRecord(as_tensor(seq_index), as_tensor(rows), starts, counts, as_tensor(slots), seq_index)
+    record = KdaRecord(as_tensor(seq_index), as_tensor(rows), starts, counts, as_tensor(slots), seq_index)
+    if all(s.context_len > 0 and s.slot is not None and s.num_tokens == 1 + s.num_draft_tokens for s in out.seqs):
+        record.steps = _row_steps(out, device)
+    return record
+
+
+def _row_steps(out: SchedulerOutput, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row offset ``j``: the flat rows of the sequences with more than ``j`` rows and their
+    slots (views of one tensor: one copy to the device)."""
+    begins, begin = [], 0
+    for s in out.seqs:
+        begins.append(begin)
+        begin += s.num_tokens
+    parts: list[list[int]] = []
+    for j in range(max(s.num_tokens for s in out.seqs)):
+        live = [i for i, s in enumerate(out.seqs) if s.num_tokens > j]
+        parts += [[begins[i] + j for i in live], [out.seqs[i].slot for i in live]]  # type: ignore[misc]
+    flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
+    views = flat.split_with_sizes([len(part) for part in parts])
+    return [(views[2 * j], views[2 * j + 1]) for j in range(len(parts) // 2)]
 
 
 def verify_step(sampler: Sampler, out: SchedulerOutput, logits: torch.Tensor,

@@ -1,0 +1,97 @@
+"""The workers' server settings (torch-free leaf of :mod:`helixserve.config`, re-exported there):
+one context (prefill) worker, one generation (decode) worker."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from helixserve.config_http import WorkerConnectionsConfig
+from helixserve.config_lifecycle import RestartPolicy, Strict
+from helixserve.config_speculative import SpeculativeConfig
+
+
+class CtxServerConfig(Strict):
+    """One context (prefill) worker: HTTP server over one engine; holds prefills for its gen worker."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    max_queue_len: int = Field(64, ge=0)  # requests waiting beyond the running slots; then 429
+    pickup_timeout_s: float = Field(30.0, gt=0)  # hold deadline: a held prefill no gen worker fetched by then is freed
+    release_grace_s: float = Field(1.0, gt=0, description=(
+        "a router's release of a picked-up prefill waits this long for the gen ranks' acknowledgements"))
+    transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
+    transceiver_port: int = Field(18100, ge=1, le=65535)
+    device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
+    # one short request through the engine before /ready answers 200 (serving/warm_up.py)
+    warm_up: bool = True
+    warm_up_timeout_s: float = Field(600.0, gt=0, description=(
+        "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
+    connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
+    speculative: SpeculativeConfig | None = Field(None, description=(
+        "speculative decoding in this worker's engine (None: off)"))
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class GenServerConfig(Strict):
+    """One generation (decode) worker: HTTP server on gen rank 0 of a dp x cp world.
+
+    ``kv_source``: how ``generation_only`` requests get their prompt state. ``ucx``: every rank of
+    the request's CP group receives its shard from the ctx worker's transceiver (the data path);
+    ``recompute``: gen re-prefills the prompt (a fallback; nothing is transferred). A ``ucx``
+    worker, or any dp x cp > 1, runs the SPMD helix world (one rank when dp = cp = 1).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8200, ge=1, le=65535)
+    max_queue_len: int = Field(64, ge=0)
+    dp: int = Field(1, ge=1)
+    cp: int = Field(2, ge=1)
+    kv_source: Literal["ucx", "recompute"] = "ucx"
+    device: str | None = None  # overrides model.device for this worker (e.g. "cuda:1")
+    collective_timeout_s: float = Field(60.0, gt=0)  # a world collective waiting longer fails
+    # a gen world whose rank died (or whose collective failed) is restarted in place under this
+    # policy; past it, or when srun / torchrun started the ranks, the worker exits non-zero
+    world_restart: RestartPolicy = RestartPolicy()
+    heartbeat_s: float = Field(2.0, gt=0, description=(
+        "longest idle gap between world steps: a dead srun rank shows within it"))
+    world_stop_grace_s: float = Field(10.0, gt=0, description=(
+        "a healthy world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
+    failed_world_grace_s: float = Field(2.0, gt=0, description=(
+        "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
+    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
+        "a worker shutting down waits this long for a world restart in progress"))
+    # one short request through the engine (the world) before /ready answers 200 (serving/warm_up.py)
+    warm_up: bool = True
+    warm_up_timeout_s: float = Field(600.0, gt=0, description=(
+        "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
+    connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
+    speculative: SpeculativeConfig | None = Field(None, description=(
+        "speculative decoding in this worker's engine (None: off); a single-process gen worker "
+        "only (kv_source recompute, dp = cp = 1)"))
+
+    @model_validator(mode="after")
+    def _check_speculative(self) -> GenServerConfig:
+        if self.speculative is not None and self.runs_world:
+            raise ValueError(
+                f"gen.speculative is not supported in a gen world yet (dp={self.dp}, cp={self.cp}, "
+                f"kv_source={self.kv_source!r}): it runs in a single-process gen worker only "
+                "(kv_source: recompute, dp: 1, cp: 1)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def runs_world(self) -> bool:
+        """Whether this worker drives the SPMD world (else a single-process engine)."""
+        return self.world_size > 1 or self.kv_source == "ucx"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
