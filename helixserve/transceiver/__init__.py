@@ -10,8 +10,9 @@ the `DataPlane` seam, all the sender and receiver use), which imports them lazil
 Transfer path: `segments` (a shard's stream types), `layout` (which bytes a receiver gets, the
 message plan), `memory_map` (each side's memory map),
 `control` (the KVTransfer gRPC service and client), `sender` (ctx: `KVSender`, with
-`pickup` and `outbound`), `receiver` (gen: `KVReceiver`, with `inbound`) and `group` (`CPGroupReceiver`:
-allocation + consensus). Those are imported on first use (they need gRPC and ucxx).
+`pickup` and `outbound`) and `receiver` (gen: `KVReceiver`, with `inbound`; a gen world's ranks
+allocate and agree through `engine.kv_intake`). Those are imported on first use (they need gRPC
+and ucxx).
 """
 
 from helixserve.clock import Clock, FakeClock, MonotonicClock
@@ -29,8 +30,8 @@ from helixserve.transceiver.backends import load_data_plane, open_data_plane
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
 
 _LAZY = {
-    "KVSender": "sender", "SenderStats": "sender", "KVReceiver": "receiver", "CPGroupReceiver": "group",
-    "ReadyRequest": "group", "TransferCheck": "group", "LayoutMismatchError": "layout", "layout_for": "layout",
+    "KVSender": "sender", "SenderStats": "sender", "KVReceiver": "receiver",
+    "LayoutMismatchError": "layout", "layout_for": "layout",
 }
 
 
@@ -43,9 +44,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CPGroupReceiver", "Clock", "DataPlane", "FakeClock", "KVReceiver", "KVSender", "LayoutMismatchError",
-    "MonotonicClock", "PayloadKind", "PollResult", "ReadyRequest", "ReceiverSession", "SenderSession",
-    "SenderStats", "TransceiverBackendKind", "TransceiverConfig", "TransferCheck", "TransferHandle",
+    "Clock", "DataPlane", "FakeClock", "KVReceiver", "KVSender", "LayoutMismatchError",
+    "MonotonicClock", "PayloadKind", "PollResult", "ReceiverSession", "SenderSession",
+    "SenderStats", "TransceiverBackendKind", "TransceiverConfig", "TransferHandle",
     "TransferMetrics", "TransferPoller", "TransferSession", "TransferState", "layout_for", "load_data_plane",
     "open_data_plane",
 ]

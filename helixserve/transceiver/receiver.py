@@ -1,8 +1,8 @@
 """gen side: receives requests' shards into this rank's cache pools (engine thread only).
 
 `KVReceiver` is the rank's transfer machine; the caller owns the cache handles. This is the seam
-the SPMD gen world plugs in (`engine.spmd.KVReceiver`); `group.CPGroupReceiver` wraps it for
-callers that want the receiver to allocate and to agree over the CP group itself.
+the SPMD gen world plugs in (`engine.kv_intake.KVReceiver`; its `RankTransfers` agree over the CP
+group).
 
 1. `start(request_id, handle, caches, ticket)`: the ticket (``DisaggregatedParams``) is checked
    (generation_only, layout equal to ours) and RequestShard goes to the ctx worker
@@ -70,8 +70,7 @@ PULL_TICK_S = 0.00002  # (a wait this short spins: clock.SPIN_BELOW_S)
 class KVReceiver:
     """One gen rank's receiver; the caller (the engine) allocates and frees the cache handles.
 
-    This is the seam of `engine.spmd.KVReceiver`: `start` / `poll` / `cancel`. For a receiver
-    that allocates and agrees over its CP group itself, see `group.CPGroupReceiver`.
+    This is the seam of `engine.kv_intake.KVReceiver`: `start` / `poll` / `cancel`.
 
     Args:
         config: transceiver settings (timeouts, message size, bounce pool).
