@@ -8,6 +8,7 @@ from helixserve.config import DeploymentConfig
 from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
+from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.generation_config import load_generation_defaults
 from helixserve.models.tokenizer import HelixTokenizer
@@ -19,14 +20,15 @@ from helixserve.transceiver.layout import layout_for
 logger = logging.getLogger(__name__)
 
 
-def load_engine(deploy: DeploymentConfig) -> tuple[EngineCore, HelixTokenizer | None, KimiModelConfig]:
-    """Load the checkpoint, its tokenizer and a single-process engine."""
+def load_engine(deploy: DeploymentConfig) -> tuple[WorldDriver, HelixTokenizer | None, KimiModelConfig]:
+    """Load the checkpoint, its tokenizer and a single-process engine, under its driver (a world
+    of one: the engine loop of every role runs the one driver)."""
     spec = deploy.model
     llm = LLM(spec.path, dtype=spec.dtype, device=spec.device, cache=deploy.cache,
               scheduler=deploy.scheduler, seed=deploy.seed, experts=spec.experts,
               enforce_eager=spec.enforce_eager, load_format=spec.load_format,
               deterministic=spec.deterministic)
-    return llm.engine, llm.tokenizer, llm.model_config
+    return llm.driver, llm.tokenizer, llm.model_config
 
 
 def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLayout:
@@ -42,8 +44,9 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
     returned too (its caches are what a ctx worker's KV sender reads)."""
     if device is not None:
         deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"device": device})})
-    core, tokenizer, cfg = load_engine(deploy)
-    worker = wrap_core(role, deploy, core, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
+    driver, tokenizer, cfg = load_engine(deploy)
+    core = driver.core
+    worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
                        core.layout.max_model_len, max_queue_len)
     logger.info("%s worker ready: %s", role, core.layout)
     return worker, core

@@ -6,6 +6,8 @@ are counted:
 
 - served gen world of one: the loop is ``EngineThread._run`` (the ``AsyncEngine``'s thread) over
   the gen server's ``GenWorldCore`` around rank 0's ``WorldDriver`` (a real gloo world of one);
+- served single process (a ctx or aggregated worker): the loop is ``EngineThread._run`` over the
+  same driver, a world of one;
 - offline: the loop is ``drive_to_completion``, under ``LLM.generate``.
 """
 
@@ -51,6 +53,26 @@ def _frames_between(stack: list[inspect.FrameInfo], loop: str) -> list[str]:
     return [function for function, filename in names[:depth] if filename.startswith(PACKAGE)]
 
 
+def _assert_within_bound(stacks: list[list[inspect.FrameInfo]], loop: str, outermost: list[str]) -> None:
+    """Both steps (prefill, decode) reach the forward within the bound, through ``outermost``
+    (the calls next to the loop, innermost first)."""
+    assert len(stacks) == 2
+    for stack in stacks:
+        frames = _frames_between(stack, loop)
+        assert frames[-len(outermost):] == outermost, frames
+        assert len(frames) <= MAX_FRAMES, frames
+
+
+async def _serve_one(core) -> list[int]:  # noqa: ANN001 (an EngineCoreLike)
+    """One request through the served engine loop (an AsyncEngine over ``core``): its tokens."""
+    engine = AsyncEngine(core, None, max_num_seqs=CACHE.max_num_seqs, max_queue_len=1)
+    engine.start()
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    tokens = [t async for out in engine.generate("r", PROMPT, params) for t in out.token_ids]
+    await engine.shutdown()
+    return tokens
+
+
 def test_a_served_gen_world_step_reaches_the_forward_within_six_frames(tiny_checkpoints) -> None:
     options = WorldOptions(cache=CACHE, dtype="float32", backend="gloo", timeout_s=30)
     driver = start_rank0(tiny_checkpoints["kimi-k3-tiny"], Mapping(1, 0, dp=1, cp=1),
@@ -58,31 +80,24 @@ def test_a_served_gen_world_step_reaches_the_forward_within_six_frames(tiny_chec
     world = GenWorld(driver, None, WorldSupervisor(GenServerConfig(cp=1), None))
     stacks = _capture_stacks(driver.core.runner.model)
     try:
-        async def serve() -> list[int]:
-            engine = AsyncEngine(GenWorldCore(world), None, max_num_seqs=CACHE.max_num_seqs, max_queue_len=1)
-            engine.start()
-            params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-            tokens = [t async for out in engine.generate("r", PROMPT, params) for t in out.token_ids]
-            await engine.shutdown()
-            return tokens
-
-        assert len(asyncio.run(serve())) == 2
+        assert len(asyncio.run(_serve_one(GenWorldCore(world)))) == 2
     finally:
         driver.shutdown()
         driver.groups.destroy()
-    assert len(stacks) == 2  # prefill, decode
-    for stack in stacks:
-        frames = _frames_between(stack, "_run")
-        assert frames[-2:] == ["step", "_step"], frames  # GenWorldCore.step, EngineThread._step
-        assert len(frames) <= MAX_FRAMES, frames
+    _assert_within_bound(stacks, "_run", ["step", "_step"])  # GenWorldCore.step, EngineThread._step
+
+
+def test_a_served_single_process_step_reaches_the_forward_within_six_frames(tiny_checkpoints) -> None:
+    llm = LLM(tiny_checkpoints["kimi-k3-tiny"], cache=CACHE)
+    stacks = _capture_stacks(llm.engine.runner.model)
+
+    assert len(asyncio.run(_serve_one(llm.driver))) == 2
+    _assert_within_bound(stacks, "_run", ["step", "_step"])  # WorldDriver.step, EngineThread._step
 
 
 def test_an_offline_step_reaches_the_forward_within_six_frames(tiny_checkpoints) -> None:
     llm = LLM(tiny_checkpoints["kimi-k3-tiny"], cache=CACHE)
     stacks = _capture_stacks(llm.engine.runner.model)
     [result] = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    assert len(result.token_ids) == 2 and len(stacks) == 2
-    for stack in stacks:
-        frames = _frames_between(stack, "drive_to_completion")
-        assert frames[-1] == "step", frames  # WorldDriver.step
-        assert len(frames) <= MAX_FRAMES, frames
+    assert len(result.token_ids) == 2
+    _assert_within_bound(stacks, "drive_to_completion", ["step"])  # WorldDriver.step

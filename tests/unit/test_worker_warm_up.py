@@ -153,7 +153,7 @@ def test_a_failed_warm_up_is_a_503_naming_it_and_stops_the_worker(tiny_checkpoin
     worker = app.state.worker
     stopped = threading.Event()
     worker.warm_up.on_failure = stopped.set  # instead of SIGTERM to this test process
-    core = worker.engine._core  # noqa: SLF001
+    core = worker.engine._core.core  # noqa: SLF001 - the driver's engine
 
     def broken_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("injected kernel failure")
