@@ -1,5 +1,5 @@
 """What the transceiver benches' ctx process does, on CPU and on the GPU alike: hold requests for
-pickup and answer raw ucxx sends between the same two processes (the same-run peers)."""
+hold and answer raw ucxx sends between the same two processes (the same-run peers)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ def payload_bound(caches) -> int:  # noqa: ANN001 (a ModelCaches)
 
 def serve_ctx(sender, manager, freed, plane, raw, inbox, outbox, tick_s: float) -> None:  # noqa: ANN001
     """Run the gen process's commands until "stop": ``hold`` a request of N tokens (waiting for the
-    previous pickup's free on its ack when the cache is full), ``connect`` the raw plane, send
+    previous hold's free on its ack when the cache is full), ``connect`` the raw plane, send
     ``raw`` bytes or ``raw_messages`` (tag, offset, nbytes) pieces of ``raw`` to the gen, polling
     every ``tick_s``. Stops the sender and the plane at the end."""
     while (cmd := inbox.get())[0] != "stop":
         if cmd[0] == "hold":
             _, rid, num_tokens = cmd
-            while not manager.can_allocate(num_tokens):  # the previous pickup is freed on its ack
+            while not manager.can_allocate(num_tokens):  # the previous hold is freed on its ack
                 manager.free(freed.get())
             grant = sender.hold(rid, manager.allocate(rid, num_tokens), num_tokens, [1])
             outbox.put(("held", grant.model_dump() if grant is not None else None))
@@ -84,12 +84,13 @@ def receive_one(transfers, manager, layout, rid: str, num_tokens: int, endpoint,
     request is ready (with the ctx's pull `grant` when given); its cache freed after.
     ``(perf_counter at the allocation, seconds)``."""
     from helixserve.protocol.disagg import DisaggregatedParams
+    from helixserve.transceiver.ticket import KVTicket
 
     params = DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[1],
                                  prompt_token_ids=[1] * num_tokens, ctx_endpoint=endpoint, layout=layout,
                                  pull_grant=grant)
     start = time.perf_counter()
-    transfers.start(rid, manager.allocate(rid, num_tokens), params)
+    transfers.start(rid, manager.allocate(rid, num_tokens), KVTicket.from_params(params))
     while rid not in (agreed := transfers.agree(wait=True)).ready:
         assert rid not in agreed.failed | agreed.cancelled, agreed.errors
     elapsed = time.perf_counter() - start

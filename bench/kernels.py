@@ -26,7 +26,12 @@ host's launch latency (decode steps run as CUDA graphs, where no launch latency 
 Without CUDA, ``--quick`` times the PyTorch references on tiny shapes instead and marks the GPU rows
 skipped (the numbers are then CPU figures, not the H200 ones).
 
-    python bench/kernels.py [--quick] [--out FILE] [--only kda,mla,moe,engine]
+- Decode MBU ("mbu" rows, ``--only mbu``): ``kimi-k3-mid`` and ``kimi-linear-48b`` with dummy
+  weights (``model.load_format: dummy``, bf16) at batch 1 / 8 / 64, decode tok/s and the bytes a
+  step must read over the step time as a share of the copy bandwidth (``bench/_mbu.py`` says what
+  is counted); the JSON's ``results`` holds these rows (``model``, ``batch``, ``tok_s``, ``mbu``).
+
+    python bench/kernels.py [--quick] [--out FILE] [--only kda,mla,moe,engine,mbu]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
 from _common import base_parser, gpu_timer as timer, machine_info, markdown_table, write_json  # noqa: E402
 from _decode_rate import decode_rate, find_runner  # noqa: E402
+from _mbu import bench_mbu  # noqa: E402
 
 from helixserve import kernels  # noqa: E402
 
@@ -333,6 +339,23 @@ def bench_world(args, on_gpu: bool, preset: str, checkpoint: Path, llm, batches:
         world.close()
 
 
+def mbu_rows(args, on_gpu: bool, copy_bw: float | None) -> None:
+    """Decode MBU of dummy-weight models (``bench/_mbu.py``); on the CPU a tiny preset, no MBU."""
+    from helixserve.config import CacheConfig
+    from helixserve.engine.llm import LLM
+
+    models = ("kimi-k3-mid", "kimi-linear-48b") if on_gpu else ("kimi-k3-tiny",)
+    batches = (1, 8, 64) if on_gpu else (1, 4)
+    for name in models:
+        llm = LLM(name, load_format="dummy", device="cuda" if on_gpu else "cpu",
+                  dtype="bfloat16" if on_gpu else "float32",
+                  cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256))
+        bench_mbu(llm, name, batches, 128 if on_gpu else 32, 16 if args.quick else 64, copy_bw, row)
+        del llm
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+
 def _median_rate(rates: list[tuple[float, float | None]]) -> tuple[float, float | None]:
     shares = [o for _, o in rates if o is not None]
     return statistics.median(r for r, _ in rates), statistics.median(shares) if shares else None
@@ -340,7 +363,7 @@ def _median_rate(rates: list[tuple[float, float | None]]) -> tuple[float, float 
 
 def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="kda,mla,moe,engine")
+    parser.add_argument("--only", default="kda,mla,moe,engine,mbu")
     parser.add_argument("--checkpoint", type=Path, default=None, help="an existing kimi-k3-mid bf16 checkpoint")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--tokens-per-block", type=int, default=16, help="the engine rows' cache page size")
@@ -353,7 +376,7 @@ def main() -> None:
     started = time.perf_counter()
     if not on_gpu:
         print("no CUDA: timing the PyTorch references on tiny shapes; GPU baselines skipped", flush=True)
-    copy_bw = copy_bandwidth(args) if on_gpu and "mla" in only else None
+    copy_bw = copy_bandwidth(args) if on_gpu and only & {"mla", "mbu"} else None
     if "kda" in only:
         bench_kda(args, on_gpu)
     if "mla" in only:
@@ -362,6 +385,8 @@ def main() -> None:
         bench_moe(args, on_gpu)
     if "engine" in only:
         bench_engine(args, on_gpu, args.checkpoint)
+    if "mbu" in only:
+        mbu_rows(args, on_gpu, copy_bw)
     info = machine_info()
     if on_gpu:
         info["gpu"] = torch.cuda.get_device_name()
@@ -370,7 +395,8 @@ def main() -> None:
                                       r["ratio"], r["note"]] for r in ROWS])
     print(f"\n{info.get('gpu') or info['processor']}, torch {info['torch']}, {time.perf_counter() - started:.0f} s\n")
     print(table)
-    write_json(args.out, {"machine": info, "rows": ROWS, "table": table})
+    write_json(args.out, {"machine": info, "rows": ROWS, "table": table,
+                          "results": [r for r in ROWS if r["section"] == "mbu"]})
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ world rank 1 (SIGKILL: the gen worker restarts its world). Reported:
   process's RSS before and after them;
 - cache blocks and state slots left allocated on ctx and gen once the clients stopped (from the
   workers' ``/stats``, after at most ``--settle`` seconds; ``settled_after_s`` says how long
-  freeing everything took, e.g. a prefill whose gen died is freed by its pickup timeout).
+  freeing everything took, e.g. a prefill whose gen died is freed by its hold timeout).
 
     python bench/soak.py --quick --out bench/results/soak_quick.json
     python bench/soak.py --minutes 3 --clients 32 --out bench/results/soak.json

@@ -15,6 +15,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from helixserve.config_speculative import SpeculativeConfig  # (a torch-free leaf)
+
 logger = logging.getLogger("helixserve")
 
 
@@ -62,6 +64,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    speculative = None
+    if args.speculative is not None:
+        if args.dp * args.cp > 1:
+            raise SystemExit("--speculative runs in a single process (dp = cp = 1)")
+        speculative = SpeculativeConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens)
     if args.dp * args.cp > 1:
         from helixserve.launch.offline import generate_on_world
 
@@ -69,7 +76,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                    dtype=args.dtype, load_format=args.load_format, enforce_eager=args.enforce_eager)
     else:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-                  load_format=args.load_format)
+                  load_format=args.load_format, speculative=speculative)
         prompt = args.prompt_ids if args.prompt_ids is not None else args.prompt
         result = llm.generate([prompt], params)[0]
     if args.json:
@@ -126,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode without CUDA graphs (model.enforce_eager)")
     gen.add_argument("--dp", type=int, default=1)
     gen.add_argument("--cp", type=int, default=1)
+    gen.add_argument("--speculative", choices=["ngram"], default=None,
+                     help="speculative decoding: draft tokens by prompt lookup, verify them in one forward")
+    gen.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step (1-7)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)
     _add_server_commands(sub)

@@ -92,12 +92,12 @@ class EngineConfig(_Strict):
 
 
 class CtxServerConfig(_Strict):
-    """One context (prefill) worker: HTTP server over one engine; holds prefills for pickup."""
+    """One context (prefill) worker: HTTP server over one engine; holds prefills for its gen worker."""
 
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=1, le=65535)
     max_queue_len: int = Field(64, ge=0)  # requests waiting beyond the running slots; then 429
-    pickup_timeout_s: float = Field(30.0, gt=0)  # a held prefill not picked up by then is freed
+    pickup_timeout_s: float = Field(30.0, gt=0)  # hold deadline: a held prefill no gen worker fetched by then is freed
     release_grace_s: float = Field(1.0, gt=0, description=(
         "a router's release of a picked-up prefill waits this long for the gen ranks' acknowledgements"))
     transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen

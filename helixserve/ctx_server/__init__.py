@@ -15,12 +15,12 @@ A ``context_only`` request passes these stages, each a named queue:
    gen ranks pick their shards up over UCX.
 4. **RELEASED** by the KV sender: when every expected gen rank acknowledged its shard, on cancel
    (``POST /v1/abort``: client gone; ``POST /v1/release``: the router is done, e.g. with a gen
-   worker that recomputes) or when the pickup deadline passes (counted as expired), and only
+   worker that recomputes) or when the hold deadline passes (counted as expired), and only
    once no send can still read the blocks. A request that already finished at its first token
    (stop, or ``max_tokens == 1``) is freed at once and answered with its final text.
 
 These states live in one table, :class:`~helixserve.ctx_server.lifecycle.CtxRequestLife`, moved
-by typed events on the engine thread (:class:`~helixserve.ctx_server.pickup.CtxRequests`).
+by typed events on the engine thread (:class:`~helixserve.ctx_server.ctx_requests.CtxRequests`).
 
 Requests without ``disaggregated_params`` run aggregated here (prefill and decode).
 """

@@ -1,5 +1,5 @@
 """The ctx worker's app: ``context_only`` requests (stages in the package docstring), plain
-requests aggregated, the KV sender (:mod:`.transfer`) and ``POST /v1/release`` for pickups."""
+requests aggregated, the KV sender (:mod:`.transfer`) and ``POST /v1/release`` for holds."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from helixserve.config import CtxServerConfig, DeploymentConfig
 from helixserve.ctx_server.lifecycle import (CancelRequested, CtxState, Finished, ReleaseCause,
                                              ReleaseRequested)
-from helixserve.ctx_server.pickup import CtxRequests
+from helixserve.ctx_server.ctx_requests import CtxRequests
 from helixserve.ctx_server.transfer import CtxTransceiver
 from helixserve.protocol import (DisaggregatedParams, InternalServerError, RequestCancelledError,
                                  RequestType, parse_model)
@@ -105,7 +105,7 @@ def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
         return True  # freed now (HELD), or by the sender once no send can read it
 
     worker.abort_override = abort_offered
-    # a context_only prefill's way: held at its finish, then released (as a pickup would)
+    # a context_only prefill's way: held at its finish, then released (as a gen worker's fetch would)
     worker.warm_up = WarmUp.for_deployment("ctx", deploy, server.warm_up, server.warm_up_timeout_s,
                                            hold_cache=True)
     handlers = {

@@ -7,7 +7,7 @@ records where a ctx request is:
    A second request with an id in the table is refused (:class:`DuplicateRequestError`, 400)
    before it reaches the engine: a refused request never touches the holder's cache.
 2. **HELD** (:class:`Prefilled`): the prompt is in the cache and the first token known; the
-   pickup deadline starts (a hold never offered is freed by :class:`Expired` past it).
+   hold deadline starts (a hold never offered is freed by :class:`Expired` past it).
 3. **SENDING** (:class:`Offered`): the KV sender took it; from now on only the sender decides
    when the cache may be freed (every gen rank acknowledged, cancelled, or its own deadline,
    and only once no send can still read the blocks).
@@ -21,7 +21,7 @@ A :class:`Transition` says whether the move freed a cache the engine still holds
 the engine's hold in the same engine-thread call, so the table and the scheduler's holds never
 disagree. Leaving PREFILLING never frees anything: the engine's own abort or failure did.
 
-Threads: the table is bookkeeping only (no engine, no locks); :mod:`.pickup` applies every event
+Threads: the table is bookkeeping only (no engine, no locks); :mod:`.ctx_requests` applies every event
 on the engine thread. Events that name an admission (``token``) apply only to that admission, so
 a stale event of an earlier request with the same id changes nothing. An event the state does not
 allow raises :class:`IllegalTransitionError` naming the request, its state and the event.
@@ -49,7 +49,7 @@ class ReleaseCause(enum.Enum):
     FINISHED = "finished at its first token"
     OFFER_FAILED = "the KV sender did not take it"
     SENT = "freed by the KV sender"
-    EXPIRED = "not offered within the pickup deadline"
+    EXPIRED = "not offered within the hold deadline"
     RELEASED = "released by the router"
     CANCELLED = "cancelled (client gone)"
     STOPPED = "the ctx worker stopped"
@@ -163,7 +163,7 @@ class Transition:
 class CtxRequestLife:
     """Every live ctx request's state by request id (see the module docstring)."""
 
-    timeout_s: float  # pickup deadline of a HELD entry not offered
+    timeout_s: float  # hold deadline of a HELD entry not offered
     clock: Clock = field(default_factory=MonotonicClock)
     entries: dict[str, CtxRequestState] = field(default_factory=dict)
     num_released: int = 0  # held caches freed (any cause)
@@ -171,7 +171,7 @@ class CtxRequestLife:
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
-            raise ValueError(f"pickup timeout must be > 0 s, got {self.timeout_s}")
+            raise ValueError(f"hold timeout must be > 0 s, got {self.timeout_s}")
 
     @property
     def num_live(self) -> int:

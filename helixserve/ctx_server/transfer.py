@@ -6,12 +6,12 @@ lifetime:
 
 - :meth:`CtxTransceiver.offer`: a finished prefill (HELD in the ctx requests' life,
   :mod:`~helixserve.ctx_server.lifecycle`) goes to the sender on the engine thread, where its
-  block ids and state slot are read; its pickup deadline starts there (HELD -> SENDING).
+  block ids and state slot are read; its hold deadline starts there (HELD -> SENDING).
 - The sender frees it once every expected gen rank acknowledged its shard, on cancel, or when the
-  pickup deadline passed (counted as expired), and only once no send can still read its blocks (a
+  hold deadline passed (counted as expired), and only once no send can still read its blocks (a
   hold whose send may still be in flight is quarantined, never freed under it). Its ``on_free``
   posts ``SenderFreed``: on the engine thread the request becomes RELEASED and the engine's hold
-  is released (:class:`~helixserve.ctx_server.pickup.CtxRequests`).
+  is released (:class:`~helixserve.ctx_server.ctx_requests.CtxRequests`).
 - :meth:`CtxTransceiver.cancel`: the client left (``POST /v1/abort``); :meth:`cancel_later`: the
   router released the hold (``POST /v1/release``, sent once a gen worker answered; a gen worker
   that received the shards has acknowledged by then, one that recomputes never asks for them).
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from helixserve.config import CtxServerConfig
 from helixserve.config_transceiver import TransceiverConfig
 from helixserve.ctx_server.lifecycle import SenderFreed
-from helixserve.ctx_server.pickup import CtxRequests, OfferFn
+from helixserve.ctx_server.ctx_requests import CtxRequests, OfferFn
 from helixserve.engine.core import EngineCore
 from helixserve.protocol import KVLayout, TransceiverEndpoint
 from helixserve.protocol.disagg import PullGrant
@@ -55,19 +55,19 @@ class SenderSnapshot:
         return {"kv_transfer_bytes": m.bytes_transferred, "kv_transfer_seconds": m.seconds_transferred,
                 "kv_transfers_completed": m.completed, "kv_transfer_failures": m.failures,
                 "kv_transfer_timeouts": m.timeouts, "kv_transfers_cancelled": m.cancellations,
-                "kv_transfers_in_flight": m.in_flight, "kv_pickups_expired": m.expired_pickups,
+                "kv_transfers_in_flight": m.in_flight, "kv_pickups_expired": m.expired_holds,
                 "kv_pickups_quarantined": self.num_quarantined, "kv_pickups_granted": self.num_granted}
 
 
 # (stats key, metric name under helixserve_worker_, help); the counters never decrease
 _GAUGES = [
-    ("kv_transfer_bytes", "kv_transfer_bytes_total", "KV bytes sent to gen ranks (acknowledged pickups)"),
-    ("kv_transfer_seconds", "kv_transfer_seconds_total", "pickup hold to last acknowledgement, summed"),
-    ("kv_transfers_completed", "kv_transfers_completed_total", "pickups acknowledged by every gen rank"),
-    ("kv_transfer_failures", "kv_transfer_failures_total", "pickups failed or expired"),
-    ("kv_transfer_timeouts", "kv_transfer_timeouts_total", "pickups that hit their deadline"),
-    ("kv_transfers_cancelled", "kv_transfers_cancelled_total", "pickups cancelled (client gone, released)"),
-    ("kv_transfers_in_flight", "kv_transfers_in_flight", "pickups not settled yet"),
+    ("kv_transfer_bytes", "kv_transfer_bytes_total", "KV bytes sent to gen ranks (acknowledged holds)"),
+    ("kv_transfer_seconds", "kv_transfer_seconds_total", "hold to last acknowledgement, summed"),
+    ("kv_transfers_completed", "kv_transfers_completed_total", "holds acknowledged by every gen rank"),
+    ("kv_transfer_failures", "kv_transfer_failures_total", "holds failed or expired"),
+    ("kv_transfer_timeouts", "kv_transfer_timeouts_total", "holds that hit their deadline"),
+    ("kv_transfers_cancelled", "kv_transfers_cancelled_total", "holds cancelled (client gone, released)"),
+    ("kv_transfers_in_flight", "kv_transfers_in_flight", "holds not settled yet"),
     ("kv_pickups_quarantined", "kv_pickups_quarantined", "settled pickups a send may still read"),
     ("kv_pickups_granted", "kv_pickups_granted_total", "pickups every gen rank copied on the ctx's grant, "
                                                         "without RequestShard (same host, CUDA IPC)"),
@@ -103,7 +103,7 @@ class CtxTransceiver:
         server = self.server
         self.sender = KVSender(self.config, self.layout, self.core.runner.caches, self._on_free,
                                host=server.transceiver_host, port=server.transceiver_port,
-                               pickup_timeout_s=server.pickup_timeout_s)
+                               hold_timeout_s=server.pickup_timeout_s)
         await asyncio.to_thread(self.sender.start)
         refresher = asyncio.create_task(self._refresh_stats_forever())
         try:
@@ -137,7 +137,7 @@ class CtxTransceiver:
         return self._grants.pop(request_id, None)
 
     async def cancel(self, request_id: str, reason: str) -> bool:
-        """Stop serving a pickup; it is freed once quiesced. False if the sender does not hold it."""
+        """Stop serving a hold; it is freed once quiesced. False if the sender does not hold it."""
         if self.sender is None:
             return False
         return await asyncio.to_thread(self.sender.cancel, request_id, reason)

@@ -1,7 +1,7 @@
 """When a finished or preempted request's cache is freed (torch-free): held caches and frees
 deferred past steps still on the device.
 
-- **Held.** A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting pickup) that
+- **Held.** A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting its gen worker) that
   finishes by stop or length keeps its cache: it no longer runs or counts as unfinished, but its
   blocks and slot stay allocated until ``release(request_id)``. An abort or error frees at once.
 - **Deferred.** A request in a step scheduled ahead (``Scheduler.schedule_ahead``) and not yet
@@ -24,7 +24,7 @@ class CacheReleases:
 
     def __init__(self, cache: CacheManager) -> None:
         self.cache = cache
-        self._held: dict[str, Request] = {}  # finished, cache kept for pickup until release()
+        self._held: dict[str, Request] = {}  # finished, cache kept for its gen worker until release()
         # requests of a step scheduled ahead and not yet updated: caches freed once it is
         self._in_flight: set[str] = set()
         self._deferred_frees: list[str] = []

@@ -12,6 +12,11 @@ HTTP. It runs in two places:
   before it runs here and shares the sampled tokens. Requests whose prompt cache arrives from a ctx worker enter
   through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
+With ``speculative`` (a single process; the ``ngram`` drafter) a decoding request's row carries
+its draft tokens, the target verifies them in the same forward and a rejection rolls its KDA
+state back (:mod:`helixserve.engine.spec`); verify steps run eagerly (no decode CUDA graph fits
+them) and overlapped decoding is off. Without it nothing of that runs.
+
 A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
 and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
 run one forward per world step (the MoE all-to-alls pair them up), so overlapped decoding,
@@ -22,19 +27,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
-from helixserve.engine.kv_intake import KVIntake, KVReceiver, RankTransfers
+from helixserve.engine.engine_stats import EngineStats
+from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
                                           decode_graphs_off_reason, size_cache, step_token_budget)
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, PreparedStep, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from helixserve.engine.spec.drafting import NgramDrafter
+from helixserve.engine.spec.stats import SpecDecodeStats
+from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.leader import GroupLeader
 from helixserve.engine.step_prepare import failing_alone, without
@@ -44,21 +52,9 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.consensus import TransferConsensus
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, frozen=True)
-class EngineStats:
-    """A snapshot for health, load balancing and metrics."""
-
-    num_running: int
-    num_waiting: int
-    num_held: int  # finished, cache kept for pickup
-    num_blocks: int
-    num_used_blocks: int
-    num_slots: int
-    num_used_slots: int
 
 
 class EngineCore:
@@ -66,24 +62,18 @@ class EngineCore:
     docstring. ``groups``: this process is the leader (``cp_rank == 0``) of a gen world's CP
     group; ``kv_receiver``: its receiver of prompt caches from ctx workers."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        model_config: KimiModelConfig,
-        tokenizer: HelixTokenizer | None,
-        cache: CacheConfig = CacheConfig(),
-        scheduler: SchedulerConfig = SchedulerConfig(),
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        use_cuda_graphs: bool = True,
-        groups: ParallelGroups | None = None,
-        kv_receiver: KVReceiver | None = None,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, model_config: KimiModelConfig, tokenizer: HelixTokenizer | None,
+                 cache: CacheConfig = CacheConfig(), scheduler: SchedulerConfig = SchedulerConfig(),
+                 device: torch.device | str = "cpu", seed: int = 0, use_cuda_graphs: bool = True,
+                 groups: ParallelGroups | None = None, kv_receiver: ShardReceiver | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         mapping = groups.mapping if groups is not None else None
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
+        if speculative is not None and groups is not None:
+            raise ValueError("speculative decoding runs in a single-process engine only, not in a gen world")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
@@ -118,13 +108,15 @@ class EngineCore:
             max_model_len=max_model_len,
             eos_token_ids=eos,
             detokenize=tokenizer.decode if tokenizer else None,
+            drafter=NgramDrafter(speculative, max_model_len) if speculative is not None else None,
         )
+        self.spec_stats = SpecDecodeStats()
         self._params: dict[str, SamplingParams] = {}
         # overlapped decoding pays where the device runs ahead of the host: with CUDA graphs
         overlap = scheduler.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
-        if mapping is not None and mapping.dp > 1:
-            self.overlap_decode = False  # one forward per world step (see the module docstring)
+        if (mapping is not None and mapping.dp > 1) or speculative is not None:
+            self.overlap_decode = False  # one forward per world step; a verify step's runs are read back
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_step_errors = 0
         self._where = f" on gen rank {mapping.rank}" if mapping is not None else ""
@@ -149,15 +141,15 @@ class EngineCore:
         *,
         hold_cache: bool = False,
         forced_output_token_ids: Sequence[int] = (),
-        kv_ticket: object = None,
+        kv_ticket: KVTicket | None = None,
     ) -> Request:
         """Queue a request; ``ValueError`` if it could never run (too long, bad ids).
 
         ``hold_cache``: on a stop/length finish keep the cache until :meth:`release` (a ctx
-        prefill awaiting pickup). ``forced_output_token_ids``: the first outputs are these tokens
+        prefill awaiting its gen worker). ``forced_output_token_ids``: the first outputs are these tokens
         instead of the sampled ones (sampling still runs, so a seeded generator advances as if it
         had drawn them). ``kv_ticket``: the prompt's cache comes from a ctx worker (passed to
-        every rank's ``KVReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
+        every rank's ``ShardReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
         """
         self.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
         if self.kv_intake is not None and request_id in self.kv_intake:
@@ -184,7 +176,7 @@ class EngineCore:
         return aborted
 
     def release(self, request_id: str) -> bool:
-        """Free a held request's cache (picked up, or its pickup deadline passed)."""
+        """Free a held request's cache (picked up, or its hold deadline passed)."""
         return self.scheduler.release(request_id)
 
     def abort_all(self, error: str) -> list[str]:
@@ -251,7 +243,7 @@ class EngineCore:
         updates = self.scheduler.add_prefilled(request)
         params = request.sampling_params
         if params.seed is not None and not params.is_greedy:
-            generator = self.runner.sampler._generator(request.request_id, params)  # noqa: SLF001
+            generator = self.runner.sampler.generator(request.request_id, params)
             for _ in request.forced_output_token_ids:  # the draws sampling the first tokens would have made
                 torch.empty(self.model_config.vocab_size, device=self.runner.device).exponential_(generator=generator)
         return updates
@@ -301,6 +293,8 @@ class EngineCore:
                 if ahead is not None:
                     self._in_flight = (ahead, self._launch(ahead, launched.tokens, failed))
             applied = self.scheduler.update_from_output(out, launched.result())
+            if launched.verified is not None:
+                self._verified(out, launched)
             self._forget([u.request_id for u in applied if u.is_finished])
             return updates + failed + applied
         except CollectiveError:
@@ -339,7 +333,9 @@ class EngineCore:
                 raise CollectiveError(f"forward failed on rank {self.group.channel.mapping.rank}: "
                                       f"{type(exc).__name__}: {exc}") from exc
             raise
-        return self._sample(out, logits)
+        launched = self._sample(out, logits)
+        launched.kda_record = prepared.batch.kda_record if prepared is not None else None
+        return launched
 
     def _prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, failed: list[RequestUpdate]
                  ) -> tuple[PreparedStep | None, torch.Tensor | None]:
@@ -359,14 +355,18 @@ class EngineCore:
                 input_tokens = self._drop(out, input_tokens, culprits, failed)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> LaunchedStep:
-        """Sample ``out``'s sampled rows (a world's leader shares the tokens with its group)."""
-        sampled_ids = [s.request_id for s in out.seqs if s.sample]
-        if not sampled_ids:  # only unsampled prompt chunks: the caches were written, nothing to draw
-            return LaunchedStep([], None, None, None)
-        params = [self._params[r] for r in sampled_ids]
-        if self.group is not None:
-            return self.group.sample(logits, sampled_ids, params)
-        return self.runner.launched(sampled_ids, self.runner.sampler.launch(logits, sampled_ids, params))
+        """Sample ``out``'s sampled rows (a world's leader shares the tokens with its group; a
+        verify step's drafts are a single process's: speculative decoding runs there only)."""
+        if self.group is None:
+            return self.runner.sample(out, logits, self._params)
+        return self.group.sample(out, logits, self._params)
+
+    def _verified(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
+        """A verify step's accepted drafts counted, the KDA state of rejected ones rolled back."""
+        assert launched.verified is not None
+        self.spec_stats.add(launched.verified.accepted)
+        if launched.kda_record is not None:
+            self.runner.rollback(launched.kda_record, kept_rows(out, launched.kda_record, self.scheduler.get_request))
 
     def _drop(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, culprits: dict[str, str],
               failed: list[RequestUpdate]) -> torch.Tensor | None:

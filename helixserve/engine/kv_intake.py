@@ -31,11 +31,12 @@ from helixserve.engine.request import Request, RequestStatus
 from helixserve.engine.scheduler_output import RequestUpdate
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.transceiver.consensus import ConsensusResult, LocalStatus, TransferConsensus
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
 
-class KVReceiver(Protocol):
+class ShardReceiver(Protocol):
     """One rank's receiver of ctx-prefilled shards (the transceiver plugs in here).
 
     ``start`` must fill exactly this rank's shard: the blocks of ``handle.block_ids`` (global
@@ -43,7 +44,7 @@ class KVReceiver(Protocol):
     of every KDA state / conv pool (this rank's heads, ``[q | k | v]`` conv sections).
     """
 
-    def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches, ticket: Any) -> None: ...
+    def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches, ticket: KVTicket) -> None: ...
     def poll(self, wait: bool = False) -> dict[str, str | None]:
         """Transfers finished since the last poll: ``request_id -> None`` (ok) or an error message.
         Local and bounded (no collective). ``wait``: nothing else would run this step, so the
@@ -54,12 +55,12 @@ class KVReceiver(Protocol):
 class RankTransfers:
     """One rank's receptions and its end of the CP group's consensus (see the module docstring)."""
 
-    def __init__(self, receiver: KVReceiver | None, caches: ModelCaches, consensus: TransferConsensus) -> None:
+    def __init__(self, receiver: ShardReceiver | None, caches: ModelCaches, consensus: TransferConsensus) -> None:
         self.receiver, self.caches, self.consensus = receiver, caches, consensus
         self._active: set[str] = set()  # started here, not yet agreed
         self._outcomes: dict[str, str | None] = {}  # polled: None ok, else the error
 
-    def start(self, request_id: str, handle: CacheHandle, ticket: Any) -> None:
+    def start(self, request_id: str, handle: CacheHandle, ticket: KVTicket) -> None:
         """Start receiving into ``handle``; a reception that cannot start is this rank's failed
         outcome (the group agrees on it like on any other failure)."""
         self.consensus.mark_active()  # every rank of the group starts it in the same message
@@ -102,13 +103,13 @@ class RankTransfers:
 @dataclass(slots=True)
 class _Received:
     request: Request
-    ticket: Any
+    ticket: KVTicket
 
 
 class TransferSender(Protocol):
     """How the leader tells the other ranks of its group (``GroupExecutor.transfers``)."""
 
-    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool, wait: bool) -> None: ...
+    def transfers(self, starts: list[tuple[str, KVTicket]], cancels: list[str], agree: bool, wait: bool) -> None: ...
 
 
 class KVIntake:
@@ -125,7 +126,7 @@ class KVIntake:
         self._waiting: dict[str, _Received] = {}  # no cache yet (FIFO)
         self._receiving: dict[str, Request] = {}  # cache allocated, reception started
         self._ready: dict[str, Request] = {}  # arrived on every rank, no running slot yet (FIFO)
-        self._starts: list[tuple[str, Any]] = []  # (request id, ticket) for the other ranks
+        self._starts: list[tuple[str, KVTicket]] = []  # (request id, ticket) for the other ranks
         self._cancels: list[str] = []
 
     def __contains__(self, request_id: str) -> bool:
@@ -135,7 +136,7 @@ class KVIntake:
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._receiving) + len(self._ready)
 
-    def add(self, request: Request, ticket: Any) -> None:
+    def add(self, request: Request, ticket: KVTicket) -> None:
         self._waiting[request.request_id] = _Received(request, ticket)
 
     def abort(self, request_id: str) -> bool:

@@ -10,14 +10,17 @@ from pathlib import Path
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.config_speculative import SpeculativeConfig
 from helixserve.dtypes import MODEL_DTYPES, torch_dtype
 from helixserve.engine.core import EngineCore
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import GenerationResult, WorldDriver, drive_to_completion
 from helixserve.kernels.triton_common import set_batch_invariant
-from helixserve.models.checkpoint import ExpertFormat, load_model
+from helixserve.models.checkpoint import ExpertFormat
+from helixserve.models.loading import load_model
 from helixserve.models.dummy import LoadFormat, dummy_tokenizer, load_dummy_model, model_config_of
-from helixserve.models.tokenizer import HelixTokenizer, load_tokenizer_or_none, no_tokenizer_message
+from helixserve.models.tokenizer import HelixTokenizer
+from helixserve.models.tokenizer_loader import load_tokenizer_or_none, no_tokenizer_message
 
 __all__ = ["LLM", "GenerationError", "GenerationResult", "resolve_dtype"]
 
@@ -59,11 +62,13 @@ class LLM:
         enforce_eager: bool = False,
         load_format: LoadFormat = "auto",
         deterministic: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``enforce_eager``: capture no decode CUDA graphs (``model.enforce_eager``);
         ``load_format="dummy"``: random weights (seeded by ``seed``) at the shapes of ``model_dir``'s
         config or of the preset it names (:mod:`helixserve.models.dummy`); ``deterministic``: the
-        process's kernels batch-invariant from now on (``model.deterministic``)."""
+        process's kernels batch-invariant from now on (``model.deterministic``); ``speculative``:
+        draft and verify tokens each step (:mod:`helixserve.engine.spec`)."""
         if deterministic:
             set_batch_invariant(True)
         self.model_dir = Path(model_dir)
@@ -77,7 +82,7 @@ class LLM:
             self.tokenizer = load_tokenizer_or_none(self.model_dir)
             model = load_model(self.model_dir, dtype=torch_dtype, device=dev, experts=experts)
         self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed,
-                                 use_cuda_graphs=not enforce_eager)
+                                 use_cuda_graphs=not enforce_eager, speculative=speculative)
         self.driver = WorldDriver(self.engine)
         self._ids = itertools.count()
 

@@ -19,7 +19,7 @@ from helixserve.planning.memory import engine_pool_sizes
 
 
 @dataclass(slots=True, frozen=True)
-class CacheLayout:
+class CacheSizes:
     """Derived once at start-up from the cache config and the model."""
 
     num_blocks: int
@@ -29,7 +29,7 @@ class CacheLayout:
 
 
 def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1
-               ) -> tuple[CacheSpec, CacheLayout]:
+               ) -> tuple[CacheSpec, CacheSizes]:
     """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
     group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
@@ -37,10 +37,10 @@ def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheCo
                                               cache.memory_budget_mib, cache.max_num_seqs, cp)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
                         num_blocks * cache.tokens_per_block * cp)
-    return spec, CacheLayout(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
+    return spec, CacheSizes(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
 
 
-def allocate_rank_caches(spec: CacheSpec, layout: CacheLayout, device: torch.device | str) -> ModelCaches:
+def allocate_rank_caches(spec: CacheSpec, layout: CacheSizes, device: torch.device | str) -> ModelCaches:
     """The cache tensors; on CUDA one slot more than the manager hands out: the scratch slot of
     padded CUDA-graph rows."""
     return allocate_model_caches(spec, layout.num_blocks, layout.num_slots + int(torch.device(device).type == "cuda"),
@@ -53,7 +53,7 @@ def step_token_budget(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
     return max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
 
 
-def decode_graph_shape(cache: CacheConfig, layout: CacheLayout) -> tuple[int, int, int]:
+def decode_graph_shape(cache: CacheConfig, layout: CacheSizes) -> tuple[int, int, int]:
     """``(max_batch, max_blocks, scratch_slot)`` of a rank's decode CUDA graphs: the same on every
     rank of a world (each sizes its cache alike), so every rank captures the same graphs."""
     return min(cache.max_num_seqs, layout.num_slots), -(-layout.max_model_len // cache.tokens_per_block), layout.num_slots

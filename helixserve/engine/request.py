@@ -142,7 +142,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     error: str | None = None
     num_preemptions: int = 0
-    # ctx pickup: on a stop/length finish keep the cache until ``Scheduler.release`` (see there)
+    # ctx hold: on a stop/length finish keep the cache until ``Scheduler.release`` (see there)
     hold_cache_on_finish: bool = False
     # the first outputs are these tokens, not the sampled ones (a gen worker resuming a request
     # whose first token the ctx worker sampled); stop rules still apply to them

@@ -21,15 +21,18 @@ from helixserve.engine.cuda_graphs import DecodeGraphs
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.sampler import Sampler
 from helixserve.engine.scheduler import SchedulerOutput
+from helixserve.engine.spec.verify_step import VerifiedStep, kda_record, verify_step
 from helixserve.host_copy import to_device
 from helixserve.kvcache.pools import reset_slots
 from helixserve.models.context import ForwardBatch
+from helixserve.models.kda_spec import KdaRecord
 
 logger = logging.getLogger(__name__)
 
 
 def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu") -> ForwardBatch:
-    """Flatten the scheduled sequences; logits are wanted for the last row of sampled sequences:
+    """Flatten the scheduled sequences; logits are wanted for the last row of sampled sequences
+    (every row of a speculating one, :mod:`helixserve.engine.spec.verify_step`):
     ``logits_indices`` is ``None`` when that is every row (a decode step: no gather before the LM
     head) and empty when it is no row (only unsampled prompt chunks: no LM head at all)."""
     input_ids: list[int] = []
@@ -43,8 +46,8 @@ def build_forward_batch(out: SchedulerOutput, device: torch.device | str = "cpu"
         input_ids.extend(s.token_ids)
         positions.extend(range(s.context_len, s.context_len + n))
         cu_seqlens.append(cu_seqlens[-1] + n)
-        if s.sample:
-            logits_rows.append(cu_seqlens[-1] - 1)
+        if s.sample:  # a speculating sequence's every row (its verify rows), else the last
+            logits_rows.extend(range(cu_seqlens[-1] - 1 - s.num_draft_tokens, cu_seqlens[-1]))
         tables.append(list(s.block_table) + [-1] * (max_blocks - len(s.block_table)))
 
     is_every_row = 0 < len(logits_rows) == len(input_ids)
@@ -113,14 +116,19 @@ class PreparedStep:
 class LaunchedStep:
     """A step enqueued on the device: ``tokens`` (device, one per id of ``sampled_ids``) feed an
     overlapped next step; ``result()`` waits for their copy to the host only (not for work
-    enqueued after the step)."""
+    enqueued after the step). A step with drafts has its verified runs instead (no ``tokens``:
+    no step overlaps it)."""
 
     sampled_ids: list[str]
     tokens: torch.Tensor | None
     host_tokens: torch.Tensor | None
     copied: torch.cuda.Event | None
+    verified: VerifiedStep | None = None  # a step with drafts: its runs, read back already
+    kda_record: KdaRecord | None = None  # its speculating sequences' KDA record
 
-    def result(self) -> dict[str, int]:
+    def result(self) -> dict[str, int] | dict[str, list[int]]:
+        if self.verified is not None:
+            return self.verified.runs
         if self.host_tokens is None:
             return {}
         if self.copied is not None:
@@ -180,6 +188,8 @@ class ModelRunner:
         order = slot_order(out)
         by_slot = out if order is None else SchedulerOutput(seqs=[out.seqs[i] for i in order])
         batch = build_forward_batch(by_slot, self.device)
+        if out.num_draft_tokens and self.caches.kda_state:
+            batch.kda_record = kda_record(out, self.device)
         if input_tokens is not None:
             if order is not None:
                 input_tokens = input_tokens[to_device(torch.tensor(order), input_tokens.device)]
@@ -239,13 +249,17 @@ class ModelRunner:
         if out.is_empty:
             return LaunchedStep([], None, None, None)
         prepared = self.prepare_step(out, params, input_tokens)
-        return self.sample(out, self.run_step(out, prepared, input_tokens), params)
+        launched = self.sample(out, self.run_step(out, prepared, input_tokens), params)
+        launched.kda_record = prepared.batch.kda_record if prepared is not None else None
+        return launched
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
         """Sample ``out``'s sampled rows from ``logits`` and enqueue the tokens' copy to the host."""
         sampled_ids = [s.request_id for s in out.seqs if s.sample]
         if not sampled_ids:  # only unsampled prompt chunks: the caches were written, nothing to draw
             return LaunchedStep([], None, None, None)
+        if out.num_draft_tokens:
+            return LaunchedStep(sampled_ids, None, None, None, verify_step(self.sampler, out, logits, params))
         return self.launched(sampled_ids, self.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids]))
 
     def launched(self, sampled_ids: list[str], tokens: torch.Tensor) -> LaunchedStep:
@@ -257,6 +271,14 @@ class ModelRunner:
         copied = torch.cuda.Event()
         copied.record()
         return LaunchedStep(sampled_ids, tokens, host, copied)
+
+    @torch.inference_mode()
+    def rollback(self, record: KdaRecord, keep: dict[int, int]) -> None:
+        """Roll the KDA state of a verify step's speculating sequences back to their kept rows
+        (``keep``: index into ``record``'s sequences -> rows kept, fewer than it ran)."""
+        if keep:
+            for mixer in self.model.kda_mixers():
+                mixer.rollback(self.caches, record, keep)
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)

@@ -31,7 +31,7 @@ def _check_row(p: SamplingParams) -> None:
             raise ValueError(f"{name} {value!r} is not a finite number")
 
 
-def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``logits`` [B, V] with tokens outside each row's top-k / top-p nucleus set to -inf.
 
     ``top_k`` [B] int64 (``V`` = off), ``top_p`` [B] float32 (1 = off). The top-1 token is kept.
@@ -80,7 +80,7 @@ def sample_on_device(
     temperature, top_p = floats[0], floats[1]
     scaled = logits.index_select(0, rows) / temperature.unsqueeze(1)
     if any(p.is_top_k_on and p.top_k < vocab or p.top_p < 1 for p in sub):
-        scaled = _mask_top_k_top_p(scaled, top_k, top_p)
+        scaled = mask_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
     # Gumbel-max via exponential noise: argmax(p / q), q ~ Exp(1). Rows sharing a generator draw
     # together; a seeded request's own generator draws exactly its row, whatever the batch.
@@ -128,7 +128,7 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> torch.Tensor:
         """The tokens as a device tensor, every kernel enqueued, no host sync yet."""
-        generators = [None if p.is_greedy else self._generator(rid, p)
+        generators = [None if p.is_greedy else self.generator(rid, p)
                       for rid, p in zip(request_ids, params, strict=True)]
         return sample_on_device(logits, params, generators)
 
@@ -146,12 +146,13 @@ class Sampler:
                 failures[rid] = f"{type(exc).__name__}: {exc}"
                 continue
             try:
-                self._generator(rid, p)
+                self.generator(rid, p)
             except Exception as exc:  # noqa: BLE001
                 failures[rid] = f"seed {p.seed!r} does not seed a generator: {type(exc).__name__}: {exc}"
         return failures
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        """The generator a sampled request draws from (its own when seeded, kept until released)."""
         if params.seed is None:
             return self._shared
         gen = self._generators.get(request_id)

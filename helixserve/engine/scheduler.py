@@ -12,13 +12,16 @@ Each ``schedule()`` step, under a token budget of ``max_num_batched_tokens``:
    sequence slots, budget and cache for their whole prompt (back-pressure: the head of the queue
    waits, nobody jumps it; :mod:`helixserve.engine.admission`).
 
-``update_from_output`` appends the sampled tokens, applies the stop rules
+With a ``drafter`` (speculative decoding, :mod:`helixserve.engine.spec.drafting`) a decoding
+request's row carries its draft tokens after its last sampled one, counted against the budget.
+
+``update_from_output`` appends the sampled tokens (or verified runs), applies the stop rules
 (:func:`helixserve.engine.stop.stop_status`: eos unless ``ignore_eos``, ``stop_token_ids``, stop
 strings through a ``detokenize`` callable, ``max_tokens``, ``max_model_len``) and frees finished
 requests' caches; a request whose stop rules raise ends alone with the error. ``schedule_ahead`` schedules the next decode step before the pending one's
 tokens are known (overlapped decoding; its rules: :mod:`helixserve.engine.lookahead`).
 
-A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting pickup) that finishes by
+A request with ``hold_cache_on_finish`` (a ctx worker's prefill awaiting its gen worker) that finishes by
 stop or length keeps its cache, *held*, until ``release(request_id)``; an abort or error frees at
 once. Held caches and frees deferred past a step scheduled ahead:
 :mod:`helixserve.engine.cache_release`.
@@ -27,7 +30,7 @@ once. Held caches and frees deferred past a step scheduled ahead:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from helixserve.engine.admission import can_admit, check_new_request, check_prefilled_request, has_free_slot
 from helixserve.engine.cache_release import CacheReleases
@@ -35,8 +38,10 @@ from helixserve.engine.lookahead import build_ahead
 from helixserve.engine.preemption import schedule_decodes
 from helixserve.engine.request import Request, RequestStatus
 from helixserve.engine.scheduler_output import RequestUpdate, ScheduledSeq, SchedulerOutput
+from helixserve.engine.spec.accept import append_verified_tokens
+from helixserve.engine.spec.drafting import NgramDrafter
 from helixserve.engine.step_rows import is_decode, schedule_chunk
-from helixserve.engine.stop import Detokenize, StopChecker, stop_checker_for, stop_status
+from helixserve.engine.stop import Detokenize, StopChecker, stop_checker_for
 from helixserve.kvcache.manager import CacheManager
 
 __all__ = ["RequestUpdate", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -51,6 +56,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         detokenize: Detokenize | None = None,
+        drafter: NgramDrafter | None = None,
     ) -> None:
         if not 1 <= max_num_seqs <= max_num_batched_tokens:
             raise ValueError(
@@ -65,6 +71,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
+        self.drafter = drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; preemption takes from the end
         self._requests: dict[str, Request] = {}
@@ -205,7 +212,11 @@ class Scheduler:
 
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens - schedule_decodes(self.running, self.waiting, self._releases, out)
+        draft_budget = 0
+        if self.drafter is not None:
+            draft_budget = self.max_num_batched_tokens - sum(map(is_decode, self.running))
+        budget = self.max_num_batched_tokens - schedule_decodes(
+            self.running, self.waiting, self._releases, out, self.drafter, draft_budget)
         for request in self.running:
             if budget == 0:
                 break
@@ -227,12 +238,16 @@ class Scheduler:
     # -- postprocess ---------------------------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int]]
     ) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, finish and free stopped requests.
 
-        ``sampled_token_ids`` must hold a token for every seq with ``sample=True``. Seqs of
-        requests aborted since ``schedule()`` are skipped.
+        ``sampled_token_ids`` must hold a token for every seq with ``sample=True``: one token, or
+        a speculating seq's verified run (its accepted drafts, then the correction or bonus
+        token), appended through :func:`~helixserve.engine.spec.accept.append_verified_tokens`
+        (one token is the one-token run); one update per appended token. A speculating seq's
+        computed count advances by the tokens appended, and the blocks only its rejected drafts
+        took go back. Seqs of requests aborted since ``schedule()`` are skipped.
         """
         if output is not self._pending and output.seqs:
             raise ValueError("update_from_output() got an output that is not the pending step")
@@ -242,24 +257,33 @@ class Scheduler:
             raise ValueError(f"no sampled token for requests {missing}")
         updates: list[RequestUpdate] = []
         for seq, request in live:
-            request.num_computed_tokens += len(seq.token_ids)
             if not seq.sample:
+                request.num_computed_tokens += len(seq.token_ids)
                 continue
-            token = request.next_output_token(sampled_token_ids[seq.request_id])
-            request.output_token_ids.append(token)
-            try:
-                status = stop_status(request, token, self.eos_token_ids,
-                                     self._stop_checkers.get(request.request_id), self.max_model_len)
-            except Exception as exc:  # noqa: BLE001 - its stop rules (a detokenizer) failed: it alone ends
-                request.error = f"stop rules failed: {type(exc).__name__}: {exc}"
-                status = RequestStatus.FINISHED_ERROR
-            if status is not None:
-                self._finish(request, status)
-            updates.append(RequestUpdate(request.request_id, token, request.status, error=request.error))
+            sampled = sampled_token_ids[seq.request_id]
+            updates.extend(self._append_run(seq, request, [sampled] if isinstance(sampled, int) else sampled))
         self._pending, self._pending_requests = self._ahead, self._ahead_requests
         self._ahead, self._ahead_requests = None, {}
         self._releases.step_updated(self._pending_requests if self._pending is not None else ())
         return updates
+
+    def _append_run(self, seq: ScheduledSeq, request: Request, run: Sequence[int]) -> list[RequestUpdate]:
+        first = len(request.output_token_ids)
+        try:
+            appended = append_verified_tokens(request, run, self.eos_token_ids,
+                                              self._stop_checkers.get(request.request_id), self.max_model_len)
+            status, num_appended = appended.status, appended.num_appended
+        except Exception as exc:  # noqa: BLE001 - its stop rules (a detokenizer) failed: it alone ends
+            request.error = f"stop rules failed: {type(exc).__name__}: {exc}"
+            status, num_appended = RequestStatus.FINISHED_ERROR, len(request.output_token_ids) - first
+        request.num_computed_tokens += num_appended if seq.num_draft_tokens else len(seq.token_ids)
+        if status is not None:
+            self._finish(request, status)
+        elif seq.num_draft_tokens:
+            self.cache.shrink(self.cache.get(request.request_id), request.num_computed_tokens)
+        tokens = request.output_token_ids[first:]
+        return [RequestUpdate(request.request_id, token, RequestStatus.RUNNING) for token in tokens[:-1]] + [
+            RequestUpdate(request.request_id, tokens[-1] if tokens else -1, request.status, error=request.error)]
 
     def _is_live(self, request_id: str) -> bool:
         request = self._requests.get(request_id)

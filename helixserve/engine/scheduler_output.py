@@ -23,6 +23,8 @@ class ScheduledSeq:
         is_prefill: False for a decode step (the one token sampled last step), True for a
             prompt chunk (or a recompute chunk after preemption).
         sample: sample from this chunk's last row.
+        num_draft_tokens: a speculating decode: ``token_ids`` is the last sampled token followed
+            by this many draft tokens, every row is scored and the drafts verified (0: none).
     """
 
     request_id: str
@@ -32,6 +34,7 @@ class ScheduledSeq:
     slot: int | None
     is_prefill: bool
     sample: bool
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +49,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft_tokens for s in self.seqs)
 
     @property
     def is_empty(self) -> bool:

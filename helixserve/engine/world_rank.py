@@ -23,7 +23,7 @@ import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
-from helixserve.engine.kv_intake import KVReceiver, RankTransfers
+from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
                                           size_cache, step_token_budget)
@@ -75,15 +75,15 @@ def uses_static_moe(options: WorldOptions, mapping: Mapping, device: torch.devic
     return mapping.world_size > 1 and options.static_moe  # a world of one calls no hook
 
 
-# ``factory(mapping) -> KVReceiver`` for a rank (module-level / picklable for spawned ranks)
-KVReceiverFactory = Callable[[Mapping, torch.device], KVReceiver]  # (this rank, its device)
+# ``factory(mapping) -> ShardReceiver`` for a rank (module-level / picklable for spawned ranks)
+ShardReceiverFactory = Callable[[Mapping, torch.device], ShardReceiver]  # (this rank, its device)
 
 
 RankPart = EngineCore | Follower
 
 
 def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOptions = WorldOptions(),
-               kv_receiver: KVReceiver | None = None) -> RankPart:
+               kv_receiver: ShardReceiver | None = None) -> RankPart:
     """Load this rank's model shard; a CP leader's EngineCore or a follower's parts (same cache sizes)."""
     model_dir = Path(model_dir)
     mapping = groups.mapping
@@ -135,7 +135,7 @@ def check_fits_world(cfg: KimiModelConfig, dp: int, cp: int) -> None:
 
 
 def _join(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions,
-          kv_receiver_factory: KVReceiverFactory | None, local_rank: int) -> RankPart:
+          kv_receiver_factory: ShardReceiverFactory | None, local_rank: int) -> RankPart:
     groups = init_parallel(mapping, init_method, backend=pick_backend(mapping.world_size, options.backend),
                            local_rank=local_rank, timeout_s=options.timeout_s)
     try:
@@ -147,7 +147,7 @@ def _join(model_dir: str | Path, mapping: Mapping, init_method: str, options: Wo
 
 
 def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),
-             kv_receiver_factory: KVReceiverFactory | None = None, local_rank: int | None = None) -> int:
+             kv_receiver_factory: ShardReceiverFactory | None = None, local_rank: int | None = None) -> int:
     """A rank != 0 of a gen world: join, load its shard, serve until shutdown; step count.
 
     Raises when the world fails (the process should then exit so the other ranks fail fast).
@@ -163,7 +163,7 @@ def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options:
 
 
 def start_rank0(model_dir: str | Path, mapping: Mapping, init_method: str, options: WorldOptions = WorldOptions(),
-                kv_receiver_factory: KVReceiverFactory | None = None, heartbeat_s: float | None = None,
+                kv_receiver_factory: ShardReceiverFactory | None = None, heartbeat_s: float | None = None,
                 local_rank: int = 0, driver_cls: type[WorldDriver] = WorldDriver) -> WorldDriver:
     """Rank 0 joins the world (blocks until every rank did) and returns its driver."""
     if mapping.rank != 0:

@@ -6,7 +6,7 @@ A ``generation_only`` request passes these stages, each a named queue:
    ctx-given ``prompt_token_ids``; the ctx :class:`~helixserve.protocol.KVLayout` must match this
    worker's (400 naming the fields otherwise); at most ``dp * max_num_seqs + max_queue_len`` live
    requests, else 429.
-2. **KV pickup** (:class:`~helixserve.gen_server.kv_source.KVSource`): the request's prompt state
+2. **KV intake** (:class:`~helixserve.gen_server.kv_source.KVSource`): the request's prompt state
    enters the cache. :class:`~.kv_source.UcxKVSource` (``kv_source: ucx``, the default): the
    request waits in :class:`~.world.GenWorldCore` until its shard fits, then rank 0 assigns it to
    a CP group (attention DP), every rank of that group allocates its shard and its receiver asks

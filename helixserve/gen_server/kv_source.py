@@ -41,6 +41,9 @@ from helixserve.serving.auth import PermissionDeniedError
 from helixserve.transceiver.layout import ShardSpec, shard_segments
 from helixserve.transceiver.polling import TransferMetrics
 from helixserve.transceiver.receiver import KVReceiver
+from helixserve.transceiver.ticket import KVTicket
+from helixserve.kvcache.manager import CacheHandle
+from helixserve.cache_layout import ModelCaches
 
 
 class KVSource(ABC):
@@ -79,17 +82,17 @@ class RecomputeKVSource(KVSource):
 
 
 class PacedKVReceiver:
-    """A rank's :class:`~helixserve.transceiver.receiver.KVReceiver` as the gen world's
-    ``KVReceiver``: a step's poll waits at most ``interval_s`` for a transfer to end when the
+    """A rank's :class:`~helixserve.transceiver.receiver.KVReceiver` (the transfer machine) as the
+    engine's :class:`~helixserve.engine.kv_intake.ShardReceiver` (its seam): a step's poll waits at most ``interval_s`` for a transfer to end when the
     engine has nothing else to run (bounded local poll, no collective), so a world that only
     waits on transfers does not spin; with requests decoding it is one non-blocking pass, so
     their steps never wait on a transfer."""
 
-    def __init__(self, receiver, interval_s: float) -> None:  # noqa: ANN001 (transceiver KVReceiver)
+    def __init__(self, receiver: KVReceiver, interval_s: float) -> None:
         self.receiver = receiver
         self.interval_s = interval_s
 
-    def start(self, request_id: str, handle, caches, ticket: DisaggregatedParams) -> None:  # noqa: ANN001
+    def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches, ticket: KVTicket) -> None:
         self.receiver.start(request_id, handle, caches, ticket)
 
     def poll(self, wait: bool = False) -> dict[str, str | None]:
@@ -129,7 +132,7 @@ class UcxReceiverFactory:
 
 
 class UcxKVSource(KVSource):
-    """THE data path: the request goes to the gen world (``kv_ticket`` = its params); every rank
+    """THE data path: the request goes to the gen world with its ``KVTicket`` (built from its params); every rank
     of the CP group it lands on allocates its shard and its receiver asks the ctx sender for
     exactly that shard, polled once per executor step (bounded); the group's ranks agree through
     ``transceiver.consensus``: decoding starts once every rank has its shard, and the request fails
@@ -179,10 +182,11 @@ class UcxKVSource(KVSource):
     async def _generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
                         sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
         prompt = list(params.prompt_token_ids)
+        ticket = KVTicket.from_params(params)
 
         def start(core) -> None:  # noqa: ANN001 (the world's rank-0 core, on the engine thread)
             core.add_request(request_id, prompt, sampling,
-                             forced_output_token_ids=params.first_gen_tokens, kv_ticket=params)
+                             forced_output_token_ids=params.first_gen_tokens, kv_ticket=ticket)
 
         began, is_received = time.monotonic(), False
         try:

@@ -15,17 +15,18 @@ import torch
 
 from helixserve.config import reserved_ports
 from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.engine.world_rank import (KVReceiverFactory, WorldOptions, check_fits_world, run_rank,
+from helixserve.engine.world_rank import (ShardReceiverFactory, WorldOptions, check_fits_world, run_rank,
                                           start_rank0)
 from helixserve.models.dummy import model_config_of
 from helixserve.parallel import Mapping
+from helixserve.parallel.forkserver import start_forkserver
 from helixserve.parallel.ports import free_port
 
 logger = logging.getLogger(__name__)
 
 
 def _local_rank_main(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
-                     options: WorldOptions, kv_receiver_factory: KVReceiverFactory | None) -> None:
+                     options: WorldOptions, kv_receiver_factory: ShardReceiverFactory | None) -> None:
     torch.set_num_threads(1)
     # a SIGTERM to the server's process group is rank 0's to handle: it sends the shutdown plan
     # (and if rank 0 dies instead, this rank's next collective fails and the process ends)
@@ -63,7 +64,7 @@ class LocalWorld:
 
 
 def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: WorldOptions = WorldOptions(),
-                      kv_receiver_factory: KVReceiverFactory | None = None,
+                      kv_receiver_factory: ShardReceiverFactory | None = None,
                       heartbeat_s: float | None = None, local_rank: int = 0,
                       driver_cls: type[WorldDriver] = WorldDriver) -> LocalWorld:
     """Make this process rank 0 of a dp x cp world whose other ranks are spawned here.
@@ -75,6 +76,7 @@ def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: World
     world_size = dp * cp
     init_method = f"tcp://127.0.0.1:{free_port(reserved=reserved_ports())}"
     ctx = mp.get_context("forkserver")
+    start_forkserver()  # a SIGTERM to this worker's group leaves it (and so the ranks' exit status) alone
     processes = [
         ctx.Process(target=_local_rank_main, name=f"gen-world-rank-{rank}", daemon=True,
                     args=(rank, world_size, init_method, str(model_dir), dp, cp, options, kv_receiver_factory))

@@ -34,7 +34,7 @@ from helixserve.engine.scheduler import RequestUpdate
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.messages import WorldStoppedError
 from helixserve.engine.spmd.driver import drive_to_completion
-from helixserve.engine.world_rank import (KVReceiverFactory, WorldOptions, pick_backend,
+from helixserve.engine.world_rank import (ShardReceiverFactory, WorldOptions, pick_backend,
                                           run_rank, start_rank0)
 from helixserve.gen_server.local_world import LocalWorld, start_local_world
 from helixserve.gen_server.supervisor import GenWorld, WorldSupervisor
@@ -45,6 +45,7 @@ from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTra
 from helixserve.protocol import KVLayout
 from helixserve.serving.warm_up import warm_up_prompts
 from helixserve.transceiver.layout import layout_for
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class GenWorldCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),
-                    kv_ticket: Any = None) -> None:
+                    kv_ticket: KVTicket | None = None) -> None:
         self._supervise()
         cause = self.world.failure()
         if cause is not None:
@@ -175,7 +176,7 @@ class GenWorldCore:
 
 
 def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions,
-                    kv_receiver_factory: KVReceiverFactory | None, env: DistEnv | None = None) -> GenWorld:
+                    kv_receiver_factory: ShardReceiverFactory | None, env: DistEnv | None = None) -> GenWorld:
     """This process as rank 0: of the srun / torchrun world ``env`` describes when it has
     ``dp * cp`` ranks, else of a world whose other ranks are spawned here."""
     model_dir = Path(deploy.model.path)
@@ -234,7 +235,7 @@ def check_env(env: DistEnv, server: GenServerConfig) -> None:
 
 
 def serve_world_rank(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions,
-                     kv_receiver_factory: KVReceiverFactory | None, env: DistEnv) -> int:
+                     kv_receiver_factory: ShardReceiverFactory | None, env: DistEnv) -> int:
     """A task != 0 of an srun / torchrun gen world: serve plans until rank 0 shuts the world down
     (raises when the world fails, so the task ends and srun notices)."""
     check_env(env, server)

@@ -60,6 +60,11 @@ class GroupCacheManager:
         for manager in self.ranks[1:]:
             manager.extend(manager.get(handle.request_id), new_num_tokens)
 
+    def shrink(self, handle: CacheHandle, new_num_tokens: int) -> None:
+        self._leader.shrink(handle, new_num_tokens)
+        for manager in self.ranks[1:]:
+            manager.shrink(manager.get(handle.request_id), new_num_tokens)
+
     def free(self, request_id: str) -> None:
         for manager in self.ranks:
             manager.free(request_id)

@@ -6,7 +6,8 @@ a CP group, given the same requests, therefore answers every ``can_*`` identical
 out physically before rank 0 would; ranks ``> 0`` may leave up to one block per request unused.
 With ``cp_size == 1`` this is exact accounting.
 
-Check/act pairs: ``can_allocate``/``allocate``, ``can_extend``/``extend``. An act that does not
+Check/act pairs: ``can_allocate``/``allocate``, ``can_extend``/``extend``; ``shrink`` gives
+back the blocks past a shorter span. An act that does not
 fit raises :class:`CacheCapacityError` with the numbers; nothing is ever evicted silently.
 """
 
@@ -195,6 +196,22 @@ class CacheManager:
         num_new = self._local(new_num_tokens) - len(handle.block_ids)
         handle.block_ids.extend(self.blocks.allocate(num_new))
         self._num_reserved_blocks += extra
+        handle.num_tokens = new_num_tokens
+
+    def shrink(self, handle: CacheHandle, new_num_tokens: int) -> None:
+        """Cover only ``[0, new_num_tokens)``: the blocks this rank holds past it go back (positions
+        written for draft tokens the target rejected). Block ``b`` stays on rank ``b % cp_size``,
+        so the handle keeps exactly the local blocks of the shorter span."""
+        self._own(handle)
+        if not 0 <= new_num_tokens <= handle.num_tokens:
+            raise ValueError(f"cannot shrink request {handle.request_id!r} from {handle.num_tokens} "
+                             f"to {new_num_tokens} tokens")
+        keep = self._local(new_num_tokens)
+        if keep < len(handle.block_ids):
+            self.blocks.free(handle.block_ids[keep:])
+            del handle.block_ids[keep:]
+            handle._table_key = None  # noqa: SLF001 - a re-extend may reach the same length with other blocks
+        self._num_reserved_blocks -= self._charge(handle.num_tokens) - self._charge(new_num_tokens)
         handle.num_tokens = new_num_tokens
 
     def free(self, request_id: str) -> None:

@@ -16,7 +16,7 @@ from helixserve.engine.world_rank import (WorldOptions, build_rank, check_fits_w
                                           pick_backend, serve_rank)
 from helixserve.launch.processes import run_local_world
 from helixserve.models.dummy import LoadFormat, model_config_of, tokenizer_of
-from helixserve.models.tokenizer import no_tokenizer_message
+from helixserve.models.tokenizer_loader import no_tokenizer_message
 from helixserve.parallel import Mapping, init_parallel
 
 

@@ -8,7 +8,8 @@ every failing rank's traceback; ranks still running after a grace period are kil
 world ends with an error, never a hang.
 
 Processes come from a ``forkserver`` with torch preloaded (about 50 ms per world instead of a
-few seconds of ``spawn``); ``fn`` and its args must be picklable (a module-level function).
+few seconds of ``spawn``); ``fn`` and its args must be picklable (a module-level function). The
+forkserver ignores SIGTERM (:mod:`helixserve.parallel.forkserver`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helixserve.config import WorldRunConfig, reserved_ports
+from helixserve.parallel.forkserver import start_forkserver
 from helixserve.parallel.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ def run_local_world(
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    start_forkserver()
     init_method = f"tcp://127.0.0.1:{free_port(reserved=reserved_ports())}"
     results = ctx.Queue()
     procs = [

@@ -1,4 +1,5 @@
-"""Load and save Kimi checkpoints in the original (published) tensor names.
+"""Kimi checkpoints' tensors in the original (published) names: read, canonicalized and checked
+for loading (:mod:`~helixserve.models.loading` builds the model from them), and saved.
 
 Accepted on load:
 
@@ -6,7 +7,7 @@ Accepted on load:
 - K3: names under ``language_model.`` (``vision_tower.*`` / ``mm_projector.*`` are skipped);
 - routed experts as ``.weight`` or MXFP4 ``.weight_packed`` + ``.weight_scale``: dequantized here, or
   kept as MXFP4 bytes (``experts="packed"``, the default on CUDA in bf16 with Triton; see
-  :func:`resolve_expert_format`);
+  :func:`~helixserve.models.loading.resolve_expert_format`);
 - ``A_log`` as ``[1, 1, H, 1]``, ``[H]``, or K3's zero-padded ``[>= H]`` (first H kept);
 - what transformers' ``save_pretrained`` writes for ``KimiLinearForCausalLM``: the original names,
   except that its reverse mapping puts the dense layer-0 FFN under ``block_sparse_moe.*``; also
@@ -30,9 +31,7 @@ from safetensors.torch import save_file
 
 from helixserve.models.config import KimiModelConfig
 from helixserve.kernels.moe.mxfp4 import scale_bytes
-from helixserve.models.moe import RoutedExperts
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from helixserve.models.packing import pack_for_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -217,68 +216,6 @@ def to_internal(canonical: dict[str, torch.Tensor], cfg: KimiModelConfig) -> dic
 
 
 # ---------------------------------------------------------------- model load
-
-
-def resolve_expert_format(experts: ExpertFormat, cfg: KimiModelConfig, dtype: torch.dtype,
-                          device: str | torch.device) -> Literal["packed", "dense"]:
-    """How routed experts are held: ``"packed"`` (the checkpoint's MXFP4 bytes, dequantized inside
-    the expert GEMM) or ``"dense"`` (dequantized to ``dtype`` at load). ``"auto"``: packed when the
-    checkpoint is MXFP4 and the model runs in bf16 on CUDA with the Triton kernels, else dense (the
-    CPU, fp32 models and dense checkpoints). ``"packed"`` of a dense checkpoint is an error."""
-    if experts not in ("auto", "packed", "dense"):
-        raise ValueError(f"experts must be 'auto', 'packed' or 'dense', got {experts!r}")
-    is_mxfp4 = cfg.routed_expert_format == "mxfp4"
-    if experts == "packed" and not is_mxfp4:
-        raise CheckpointError("experts='packed' needs a checkpoint with MXFP4 routed experts "
-                              f"(quantization_config); this one's are {cfg.routed_expert_format!r}")
-    if experts != "auto":
-        return experts
-    from helixserve.kernels.triton_common import has_triton
-
-    on_cuda = torch.device(device).type == "cuda"
-    return "packed" if is_mxfp4 and on_cuda and dtype == torch.bfloat16 and has_triton() else "dense"
-
-
-def use_mxfp4_experts(model: torch.nn.Module) -> None:
-    """Every routed-expert stack of ``model`` held as MXFP4 bytes (:meth:`RoutedExperts.use_mxfp4`)."""
-    for module in model.modules():
-        if isinstance(module, RoutedExperts):
-            module.use_mxfp4()
-
-
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What ``load_state_dict`` fills: parameters (tied ones under each name) and persistent buffers."""
-    return {**model.state_dict(keep_vars=True), **dict(model.named_parameters(remove_duplicate=False))}
-
-
-def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    experts: ExpertFormat = "auto",
-) -> torch.nn.Module:
-    """Build :class:`~helixserve.models.kimi.KimiForCausalLM` from an HF-format checkpoint dir.
-
-    ``experts``: see :func:`resolve_expert_format`. On the CPU its weights are packed for inference
-    (:func:`~helixserve.models.packing.pack_for_cpu`: fused input projections, column-major storage;
-    same names, shapes and values)."""
-    from helixserve.models.kimi import KimiForCausalLM
-    from helixserve.models.quantization import check_checkpoint_quantization
-
-    cfg = KimiModelConfig.from_pretrained(model_dir)
-    check_checkpoint_quantization(model_dir, cfg)
-    is_packed = resolve_expert_format(experts, cfg, dtype, device) == "packed"
-    with torch.device("meta"):
-        model = KimiForCausalLM(cfg, dtype=dtype)
-    if is_packed:
-        use_mxfp4_experts(model)
-    canonical = canonicalize(read_checkpoint_tensors(model_dir, cfg), cfg, keep_mxfp4=is_packed)
-    check_tensors(canonical, expected_shapes(model))
-    internal = to_internal(canonical, cfg)
-    params = model_tensors(model)
-    state = {name: internal[name].to(device=device, dtype=params[name].dtype) for name in params}
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return pack_for_cpu(model.eval().requires_grad_(False))
 
 
 # ---------------------------------------------------------------- save

@@ -159,7 +159,7 @@ class KimiModelConfig(BaseModel):
     def weight_prefix(self) -> str:
         return K3_WEIGHT_PREFIX if self.model_type == "kimi_k3" else ""
 
-    def helix_layout_problems(self, dp: int, cp: int) -> list[str]:
+    def helix_mapping_problems(self, dp: int, cp: int) -> list[str]:
         """Why this model cannot be laid out on a ``dp x cp`` helix_a2a world (empty: it can)."""
         problems, world = [], dp * cp
         if self.kda_layer_ids and self.kda_num_heads % cp:

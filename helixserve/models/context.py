@@ -10,8 +10,12 @@ The cache tensors come in as :class:`~helixserve.cache_layout.ModelCaches` (layo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from helixserve.models.kda_spec import KdaRecord
 
 
 @dataclass(slots=True)
@@ -30,6 +34,8 @@ class ForwardBatch:
             model skips its LM head and returns ``[0, vocab]``).
         is_decode: host-side hint that every sequence adds one token on top of cached context
             (``None`` = derive it from the tensors, a device sync; CUDA-graph steps set it).
+        kda_record: a verify step's record of its speculating sequences' KDA inputs and
+            pre-step states, for the rollback after acceptance (:mod:`.kda_spec`).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +46,7 @@ class ForwardBatch:
     state_slots: torch.Tensor
     logits_indices: torch.Tensor | None = None
     is_decode: bool | None = None
+    kda_record: KdaRecord | None = None
 
     @property
     def wants_no_logits(self) -> bool:

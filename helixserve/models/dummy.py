@@ -24,15 +24,16 @@ from typing import Literal
 
 import torch
 
-from helixserve.models.checkpoint import ExpertFormat, model_tensors, resolve_expert_format, use_mxfp4_experts
+from helixserve.models.checkpoint import ExpertFormat
+from helixserve.models.loading import model_tensors, resolve_expert_format, use_mxfp4_experts
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.helix_hooks import MoeMode
 from helixserve.models.helix_load import materialize
 from helixserve.models.kimi import WORLD_OF_ONE, KimiForCausalLM
 from helixserve.models.presets import PRESETS, get_preset, random_value
-from helixserve.models.tokenizer import (DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKENS, HelixTokenizer,
-                                         load_tokenizer_or_none)
+from helixserve.models.tokenizer import DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKENS, HelixTokenizer
 from helixserve.models.tokenizer_hf import HFTokenizer, build_byte_tokenizer
+from helixserve.models.tokenizer_loader import load_tokenizer_or_none
 from helixserve.parallel import Mapping
 
 LoadFormat = Literal["auto", "dummy"]

@@ -37,7 +37,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -64,8 +64,18 @@ from helixserve.parallel import (
     split_rows,
 )
 
-if TYPE_CHECKING:
-    from helixserve.models.kimi import KimiDecoderLayer
+
+
+class HookedLayer(Protocol):
+    """What the hooks read of a decoder layer (``kimi.KimiDecoderLayer``, which imports this module)."""
+
+    layer_idx: int
+    is_moe: bool
+    self_attn: nn.Module
+    block_sparse_moe: nn.Module
+
+    @property
+    def ffn(self) -> nn.Module: ...
 
 MoeMode = Literal["sliced", "replicated"]
 NO_PHASE: AbstractContextManager[None] = nullcontext()
@@ -254,7 +264,7 @@ class HelixHooks:
 
     # ---- the layer hooks
 
-    def mixer(self, layer: KimiDecoderLayer, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+    def mixer(self, layer: HookedLayer, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Mixer of one layer on the rank's rows ``x`` (all T in the dense region, else c) -> the
         mixer output on the same rows (head-sharded partials summed over the CP group)."""
         num_tokens = batch.num_tokens
@@ -285,7 +295,7 @@ class HelixHooks:
         with self.phase("mla_output"):
             return attn.output(o_lat, x)
 
-    def ffn(self, layer: KimiDecoderLayer, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def ffn(self, layer: HookedLayer, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """FFN of one layer on the rank's rows (normed): the dense MLP in place, the MoE expert-parallel."""
         if not layer.is_moe:
             return layer.ffn(x)
@@ -329,7 +339,7 @@ class HelixHooks:
                            capacity=capacity)
 
     @torch.no_grad()
-    def empty_step(self, layers: Sequence[KimiDecoderLayer], dtype: torch.dtype, device: torch.device) -> None:
+    def empty_step(self, layers: Sequence[HookedLayer], dtype: torch.dtype, device: torch.device) -> None:
         """Take part in every MoE layer's world all-to-all with zero rows (an idle CP group);
         nothing to join at a world of one."""
         if self.is_world_of_one:

@@ -7,14 +7,14 @@ conv kernels, dt_bias, A_log, b_proj rows, o_proj columns), its MLA value heads 
 ``cp == 1`` the whole ``kv_b_proj``) and its experts (``[rank*E/world, (rank+1)*E/world)``);
 everything else (embeddings, norms, routers, shared experts, the dense MLP, the LM head) is
 replicated. A world of one loads the whole model and, on the CPU, packs it like
-:func:`~helixserve.models.checkpoint.load_model` (the single-process model).
+:func:`~helixserve.models.loading.load_model` (the single-process model).
 
 Checkpoints in the original tensor names (``save_checkpoint``'s output and the published
 layouts, MXFP4 experts included) are read lazily: per-head rows / columns through safetensors'
 ``get_slice``, and only the local experts' tensors. Any other layout accepted by
-:func:`~helixserve.models.checkpoint.load_model` (transformers' in-memory names, fused conv, stacked
+:func:`~helixserve.models.loading.load_model` (transformers' in-memory names, fused conv, stacked
 experts) is read whole, canonicalized and then sliced. Routed experts stay MXFP4 bytes when
-``experts`` resolves to ``"packed"`` (:func:`~helixserve.models.checkpoint.resolve_expert_format`).
+``experts`` resolves to ``"packed"`` (:func:`~helixserve.models.loading.resolve_expert_format`).
 """
 
 from __future__ import annotations
@@ -35,15 +35,13 @@ from helixserve.models.checkpoint import (
     check_tensors,
     expected_shapes,
     iter_checkpoint_keys,
-    model_tensors,
     read_checkpoint_tensors,
-    resolve_expert_format,
     to_internal,
-    use_mxfp4_experts,
 )
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.helix_hooks import MoeMode
 from helixserve.models.kimi import KimiForCausalLM
+from helixserve.models.loading import model_tensors, resolve_expert_format, use_mxfp4_experts
 from helixserve.models.mxfp4 import dequantize_mxfp4
 from helixserve.models.packing import pack_for_cpu
 from helixserve.models.quantization import check_checkpoint_quantization
@@ -67,7 +65,7 @@ def load_helix_model(
     device: str | torch.device = "cpu", moe_mode: MoeMode = "sliced", experts: ExpertFormat = "auto",
 ) -> KimiForCausalLM:
     """This rank's :class:`KimiForCausalLM` (unbound: call ``bind(groups)``); ``experts``: see
-    :func:`~helixserve.models.checkpoint.resolve_expert_format`.
+    :func:`~helixserve.models.loading.resolve_expert_format`.
 
     Raises :class:`~helixserve.models.sharding.HelixConfigError` before reading any weight when the
     model does not fit ``mapping``, and :class:`CheckpointError` for missing / mis-shaped tensors.

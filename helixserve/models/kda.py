@@ -18,6 +18,7 @@ from helixserve import kernels
 from helixserve.cache_layout import ModelCaches
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
+from helixserve.models.kda_spec import KdaRecord, replay
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
 from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear
@@ -130,12 +131,14 @@ class KimiDeltaAttention(nn.Module):
         else:
             has_context = (batch.context_lens > 0).view(-1, 1, 1)
             conv_init = torch.where(has_context, conv_pool[slots], torch.zeros_like(conv_pool[slots]))
+            state_init = state_pool[slots] * has_context.unsqueeze(-1)
+            if batch.kda_record is not None:  # a verify step: keep what a rollback replays
+                batch.kda_record.save(self.layer_idx, qkv, g, beta, conv_init, state_init)
             qkv, conv_new = kernels.short_conv_prefill(
                 qkv, self.conv_weight(), conv_state=conv_init, cu_seqlens=batch.cu_seqlens, activation="silu"
             )
             conv_pool[slots] = conv_new.to(conv_pool.dtype)
             q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, dim=-1))
-            state_init = state_pool[slots] * has_context.unsqueeze(-1)
             o, state_new = kernels.kda_chunk_prefill(
                 q, k, v, g, beta, scale=K**-0.5, initial_state=state_init,
                 cu_seqlens=batch.cu_seqlens, use_qk_l2norm=True,
@@ -144,6 +147,12 @@ class KimiDeltaAttention(nn.Module):
 
         o = kernels.gated_rms_norm(o, gate.view(T, H, K), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.reshape(T, H * K).to(x.dtype))
+
+
+    def rollback(self, caches: ModelCaches, record: KdaRecord, keep: dict[int, int]) -> None:
+        """Roll the speculating slots ``keep`` names back to their kept rows (see :mod:`.kda_spec`)."""
+        replay(self, record.layers[self.layer_idx], caches.conv_state[self.layer_idx],
+               caches.kda_state[self.layer_idx], record, keep)
 
 
 class _Conv(nn.Module):

@@ -26,7 +26,6 @@ would be identities) and the model is the single-process model: same names, shap
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -165,14 +164,6 @@ class KimiForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @classmethod
-    def from_pretrained(
-        cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> KimiForCausalLM:
-        from helixserve.models.checkpoint import load_model
-
-        return load_model(model_dir, dtype=dtype, device=device)
-
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
@@ -206,6 +197,10 @@ class KimiForCausalLM(nn.Module):
         self.helix.timer = timer
 
     # ---- forward
+
+    def kda_mixers(self) -> list[nn.Module]:
+        """The KDA mixers (:class:`~helixserve.models.kda.KimiDeltaAttention`), in layer order."""
+        return [layer.self_attn for layer in self.model.layers if layer.is_kda]
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         helix = self.helix

@@ -25,7 +25,7 @@ from helixserve.kernels import MXFP4Weight
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.mlp import GatedMLP, linear
 from helixserve.models.norm import RMSNorm
-from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear, relayout
+from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear, store_column_major
 
 
 class Router(nn.Module):
@@ -118,8 +118,8 @@ class KimiMoE(nn.Module):
             self.in_proj = fuse_weights([(m, "weight") for m in owners])
             self.in_proj_cols = column_major(self.in_proj)
         if not self.experts.is_mxfp4:
-            relayout(self.experts, "w13")
-            relayout(self.experts, "w2")
+            store_column_major(self.experts, "w13")
+            store_column_major(self.experts, "w2")
         if self.is_latent:
             pack_linears(self, "routed_expert_up_proj")
         if shared is not None:

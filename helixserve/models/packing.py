@@ -91,7 +91,7 @@ def fuse_weights(owners: Sequence[tuple[nn.Module, str]], is_column_major: bool 
     return fused
 
 
-def relayout(module: nn.Module, name: str) -> None:
+def store_column_major(module: nn.Module, name: str) -> None:
     """Store the parameter ``module.<name>`` column-major (same values)."""
     setattr(module, name, nn.Parameter(column_major(getattr(module, name)), requires_grad=False))
 

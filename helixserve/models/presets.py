@@ -152,7 +152,7 @@ def random_value(name: str, shape: torch.Size | tuple[int, ...], gen: torch.Gene
     return normal(1.0 / math.sqrt(shape[-1]))
 
 
-TOKENIZER_LAYOUTS = ("hf", "kimi")
+TOKENIZER_FORMATS = ("hf", "kimi")
 
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
@@ -165,8 +165,8 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
     from helixserve.models.tokenizer_hf import write_tokenizer_files
     from helixserve.models.tokenizer_tiktoken import tiny_ranks, write_kimi_tokenizer_files
 
-    if tokenizer not in TOKENIZER_LAYOUTS:
-        raise ValueError(f"unknown tokenizer layout {tokenizer!r}; choose one of {list(TOKENIZER_LAYOUTS)}")
+    if tokenizer not in TOKENIZER_FORMATS:
+        raise ValueError(f"unknown tokenizer format {tokenizer!r}; choose one of {list(TOKENIZER_FORMATS)}")
     cfg = get_preset(preset)
     if tokenizer == "kimi" and max(tiny_ranks().values()) >= cfg.vocab_size:
         raise ValueError(f"the tiny kimi tokenizer needs vocab_size > {max(tiny_ranks().values())}, "

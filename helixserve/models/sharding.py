@@ -35,7 +35,7 @@ class HelixConfigError(ValueError):
 
 def check_helix_config(cfg: KimiModelConfig, mapping: Mapping) -> None:
     """Raise :class:`HelixConfigError` listing every reason ``cfg`` does not fit ``mapping``."""
-    problems = cfg.helix_layout_problems(mapping.dp, mapping.cp)
+    problems = cfg.helix_mapping_problems(mapping.dp, mapping.cp)
     if problems:
         raise HelixConfigError(f"{cfg.model_type} model does not fit dp={mapping.dp} cp={mapping.cp}: " + "; ".join(problems))
 

@@ -1,7 +1,9 @@
-"""Tokenizer interface, the checkpoint files it loads from, and the chat template.
+"""Tokenizer interface, the checkpoint files it loads from, and the chat template (a leaf of
+``models``: the backends import it, :mod:`~helixserve.models.tokenizer_loader` picks one).
 
-Two layouts of a checkpoint directory load through :func:`load_tokenizer` into one
-:class:`HelixTokenizer` interface:
+Two formats of a checkpoint directory load through
+:func:`~helixserve.models.tokenizer_loader.load_tokenizer` into one :class:`HelixTokenizer`
+interface:
 
 - ``tokenizer.json`` (HF ``tokenizers``; :mod:`helixserve.models.tokenizer_hf`);
 - ``tiktoken.model`` without ``tokenizer.json``, as Moonshot publishes Kimi models: base64 token +
@@ -14,8 +16,8 @@ a list) complete it. The chat template is ``chat_template.jinja``, else ``tokeni
 ``chat_template``, else :data:`DEFAULT_CHAT_TEMPLATE`; it renders in Jinja's sandbox, as
 transformers renders it (``trim_blocks``, ``lstrip_blocks``).
 
-The tiny presets' vocabulary (either layout): ids 0..255 are the 256 bytes, then
-:data:`SPECIAL_TOKENS` at 256..263; the ``kimi`` layout adds a few merges after them.
+The tiny presets' vocabulary (either format): ids 0..255 are the 256 bytes, then
+:data:`SPECIAL_TOKENS` at 256..263; the ``kimi`` format adds a few merges after them.
 """
 
 from __future__ import annotations
@@ -196,44 +198,3 @@ def template_special_tokens(tokenizer_config: dict[str, Any]) -> dict[str, str]:
         if content is not None:
             out[key] = content
     return out
-
-
-# ---------------------------------------------------------------- loading
-
-
-def has_tokenizer(model_dir: str | Path) -> bool:
-    """Whether ``model_dir`` holds a tokenizer either backend loads."""
-    path = Path(model_dir)
-    return (path / TOKENIZER_JSON).is_file() or (path / TIKTOKEN_MODEL).is_file()
-
-
-def load_tokenizer(model_dir: str | Path) -> HelixTokenizer:
-    """The tokenizer of ``model_dir``: ``tokenizer.json`` if present, else ``tiktoken.model``."""
-    path = Path(model_dir)
-    if (path / TOKENIZER_JSON).is_file():
-        from helixserve.models.tokenizer_hf import load_hf_tokenizer
-
-        return load_hf_tokenizer(path)
-    if (path / TIKTOKEN_MODEL).is_file():
-        from helixserve.models.tokenizer_tiktoken import load_tiktoken_tokenizer
-
-        return load_tiktoken_tokenizer(path)
-    raise TokenizerError(f"no {TOKENIZER_JSON} or {TIKTOKEN_MODEL} in {path}")
-
-
-def load_tokenizer_or_none(model_dir: str | Path) -> HelixTokenizer | None:
-    """:func:`load_tokenizer`, or None when ``model_dir`` has no tokenizer (token ids only)."""
-    return load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
-
-
-def no_tokenizer_message(model_dir: str | Path) -> str:
-    return f"{model_dir} has no {TOKENIZER_JSON} or {TIKTOKEN_MODEL}: pass token ids"
-
-
-def __getattr__(name: str) -> Any:
-    # the byte-level tokenizer's builders moved to tokenizer_hf; older imports keep working
-    if name in ("build_byte_tokenizer", "write_tokenizer_files"):
-        from helixserve.models import tokenizer_hf
-
-        return getattr(tokenizer_hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

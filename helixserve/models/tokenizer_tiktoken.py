@@ -1,4 +1,4 @@
-"""The ``tiktoken`` backend: Kimi's published tokenizer layout, without running its Python.
+"""The ``tiktoken`` backend: Kimi's published tokenizer format, without running its Python.
 
 Moonshot ships ``tiktoken.model`` (one ``base64(token bytes) rank`` line per mergeable token; the
 rank is the token id and the merge priority), ``tokenizer_config.json`` whose

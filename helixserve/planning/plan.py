@@ -1,10 +1,10 @@
-"""Plans for a role on a layout, and the smallest layouts that fit (torch-free).
+"""Plans for a role on a mapping, and the smallest mappings that fit (torch-free).
 
-A **gen** layout is a ``dp x cp`` helix_a2a world (:mod:`helixserve.models.sharding`); its
+A **gen** mapping is a ``dp x cp`` helix_a2a world (:mod:`helixserve.models.sharding`); its
 target is ``batch`` sequences of ``context_len`` tokens decoding at once over the world (each
-CP group holds ``1 / dp`` of them). A **ctx** layout is one worker (``dp = 1``): one GPU, or a
+CP group holds ``1 / dp`` of them). A **ctx** mapping is one worker (``dp = 1``): one GPU, or a
 ``cp``-rank world sharded the same way when one GPU cannot hold the model (``serve-ctx`` runs one
-process today, so such a ctx layout is what the model needs, not what starts); its target is
+process today, so such a ctx mapping is what the model needs, not what starts); its target is
 ``ctx_batch`` prefilled sequences held at once.
 
 Two ways to size the pools: from a config's ``cache.memory_budget_mib`` / ``max_num_seqs``
@@ -53,7 +53,7 @@ class PlanTarget:
 
 @dataclass(frozen=True, slots=True)
 class RolePlan:
-    """One role on one layout: a GPU's memory, the sequences the layout holds, the target."""
+    """One role on one mapping: a GPU's memory, the sequences the mapping holds, the target."""
 
     memory: RankMemory
     sequences_per_group: int
@@ -85,7 +85,7 @@ def _memory(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: int, t
 def _check(cfg: KimiModelConfig, role: str, dp: int, cp: int, t: PlanTarget) -> tuple[str, ...]:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    problems = cfg.helix_layout_problems(dp, cp) if dp * cp > 1 else []
+    problems = cfg.helix_mapping_problems(dp, cp) if dp * cp > 1 else []
     if role == "ctx" and dp != 1:
         problems.append(f"a ctx worker is one world (dp 1), got dp {dp}")
     if t.context_len > cfg.max_position_embeddings:
@@ -140,21 +140,21 @@ def plan_filled(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: in
     return best
 
 
-def layouts(cfg: KimiModelConfig, role: str, world_size: int) -> list[tuple[int, int]]:
+def mappings(cfg: KimiModelConfig, role: str, world_size: int) -> list[tuple[int, int]]:
     """The ``(dp, cp)`` of ``world_size`` ranks the model can be laid out on for ``role``."""
     cps = [world_size] if role == "ctx" else [c for c in range(1, world_size + 1) if world_size % c == 0]
     return [(world_size // c, c) for c in cps
-            if world_size == 1 or not cfg.helix_layout_problems(world_size // c, c)]
+            if world_size == 1 or not cfg.helix_mapping_problems(world_size // c, c)]
 
 
-def smallest_layout(cfg: KimiModelConfig, role: str, gpu_bytes: int, t: PlanTarget,
+def smallest_mapping(cfg: KimiModelConfig, role: str, gpu_bytes: int, t: PlanTarget,
                     max_world_size: int = MAX_WORLD_SIZE) -> RolePlan | None:
     """The plan with the fewest GPUs that fits (``None``: none up to ``max_world_size``); among
-    layouts of that many GPUs, the one holding the most sequences, then the smaller ``cp``."""
+    mappings of that many GPUs, the one holding the most sequences, then the smaller ``cp``."""
     for n in range(1, max_world_size + 1):
         if n > 1 and cfg.moe_layer_ids and cfg.num_experts % n:
             continue  # experts are partitioned over the whole world
-        fitting = [p for dp, cp in layouts(cfg, role, n) if (p := plan_filled(cfg, role, dp, cp, gpu_bytes, t)).fits]
+        fitting = [p for dp, cp in mappings(cfg, role, n) if (p := plan_filled(cfg, role, dp, cp, gpu_bytes, t)).fits]
         if fitting:
             return max(fitting, key=lambda p: (p.sequences, -p.memory.cp))
     return None

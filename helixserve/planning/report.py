@@ -1,9 +1,9 @@
 """``helixserve plan``: the plans as one JSON object or a table (torch-free).
 
-JSON (``--json``): ``ctx_gpus`` / ``gen_gpus`` (the smallest layouts' GPU counts, ``null`` when
-none fits), ``roles.{ctx,gen}`` (that layout, per-GPU bytes, sequences at the context length,
+JSON (``--json``): ``ctx_gpus`` / ``gen_gpus`` (the smallest mappings' GPU counts, ``null`` when
+none fits), ``roles.{ctx,gen}`` (that mapping, per-GPU bytes, sequences at the context length,
 the cache settings to configure), and with ``-c CONFIG`` ``config.{ctx,gen}``: the config's own
-layouts with its cache settings, sized as the servers size them.
+mappings with its cache settings, sized as the servers size them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from helixserve.config import DeploymentConfig
 from helixserve.dtypes import MODEL_DTYPES, check_dtype, itemsize
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import GIB, RankMemory
-from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, plan_configured, smallest_layout
+from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, plan_configured, smallest_mapping
 
 
 CTX_WORLD_NOTE = ("one GPU cannot hold the model: a ctx worker needs this world, and serve-ctx "
@@ -49,7 +49,7 @@ def build_plan(cfg: KimiModelConfig, name: str, gpu_memory_gib: float, t: PlanTa
                configured: dict[str, tuple[int, int, float, int]] | None = None) -> dict[str, Any]:
     """The JSON object; ``configured``: role -> (dp, cp, memory_budget_mib, max_num_seqs)."""
     gpu_bytes = int(gpu_memory_gib * GIB)
-    best = {role: smallest_layout(cfg, role, gpu_bytes, t) for role in ROLES}
+    best = {role: smallest_mapping(cfg, role, gpu_bytes, t) for role in ROLES}
     out: dict[str, Any] = {
         "model": name, "gpu_memory_gib": float(gpu_memory_gib), "context_len": t.context_len, "batch": t.batch,
         "ctx_batch": t.ctx_batch, "tokens_per_block": t.tokens_per_block,
@@ -138,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="a named model config (kimi-k3, kimi-linear-48b, ...)")
     src.add_argument("--model", help="checkpoint directory (its config.json)")
-    p.add_argument("-c", "--config", help="deployment YAML: plan its layouts and cache settings too")
+    p.add_argument("-c", "--config", help="deployment YAML: plan its mappings and cache settings too")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, GiB")
     p.add_argument("--context-len", type=int, default=32768, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences decoding at once on the gen world")

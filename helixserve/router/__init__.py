@@ -7,7 +7,7 @@ The request path, one file per hop:
 2. ``router/pool.py``: a healthy ctx worker by policy (round robin / least loaded).
 3. ``router/proxy.py``: ctx ``context_only`` call; a finished ctx answer is returned directly.
 4. ``ctx_server/app.py`` -> ``engine/async_engine.py``: prefill + first token, cache held
-   (``ctx_server/pickup.py``).
+   (``ctx_server/ctx_requests.py``).
 5. ``router/proxy.py``: a healthy gen worker; ``generation_only`` call with the ctx params.
 6. ``gen_server/app.py`` -> ``gen_server/kv_source.py``: prompt state into the gen engine, decode.
 7. ``router/proxy.py``: the gen answer or SSE stream relayed as produced; the ctx hold released.

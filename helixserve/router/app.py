@@ -25,6 +25,7 @@ from helixserve.router.pool import WorkerPool
 from helixserve.router.proxy import Flight, Orchestrator
 from helixserve.router.upstream import Upstream
 from helixserve.serving.auth import internal_headers
+from helixserve.serving.connection_metrics import guard_counts
 from helixserve.serving.connections import ConnectionGuard
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
                                     install_error_handlers, run_unless_disconnected)
@@ -129,13 +130,10 @@ class RouterService:
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
         self.connections: ConnectionGuard | None = None  # the server's, once serving/http.py set it up
-        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model, self._connection_counts)
+        self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model,
+                                     lambda: guard_counts(self.connections))
         self.admission = Admission(config.max_inflight, config.max_queue_len, self._capacity)
         self.orchestrator: Orchestrator | None = None
-
-    def _connection_counts(self) -> tuple[int, dict[str, int]] | None:
-        guard = self.connections
-        return None if guard is None else (len(guard.open), dict(guard.num_closed))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):

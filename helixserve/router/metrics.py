@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 from helixserve.router.metric_aliases import VllmAliases, worker_stat
 from helixserve.router.pool import WorkerPool
+from helixserve.serving.connection_metrics import ConnectionCollector, ConnectionCounts
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -25,7 +26,7 @@ class _PoolCollector:
             ("inflight", "requests this router has on the worker", None),
             ("requests_running", "running requests (worker's engine)", "num_running"),
             ("requests_waiting", "waiting requests (worker's engine)", "num_waiting"),
-            ("requests_held", "prefills held for pickup (ctx)", "num_held"),
+            ("requests_held", "prefills held for its gen worker (ctx)", "num_held"),
             ("cache_blocks_used", "MLA cache blocks in use", "num_used_blocks"),
             ("cache_blocks_total", "MLA cache blocks", "num_blocks"),
             ("kv_transfer_bytes", "KV bytes transferred (ctx: sent and acknowledged; gen: "
@@ -48,35 +49,13 @@ class _PoolCollector:
             yield family
 
 
-class _ConnectionCollector:
-    """The router's client connections, read at scrape time from its connection guard
-    (``serving/connections.py``): open now, and closed by the router by reason."""
-
-    def __init__(self, connections: Callable[[], tuple[int, Mapping[str, int]] | None]) -> None:
-        self._connections = connections
-
-    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
-        state = self._connections()
-        if state is None:  # not served by helixserve's uvicorn set-up
-            return
-        num_open, num_closed = state
-        yield GaugeMetricFamily("helixserve_router_connections_open", "open client connections", value=num_open)
-        closed = CounterMetricFamily("helixserve_router_connections_closed",
-                                     "client connections the router closed, by reason (idle_timeout, "
-                                     "header_timeout, body_timeout, evicted at max_connections, refused)",
-                                     labels=["reason"])
-        for reason, count in sorted(num_closed.items()):
-            closed.add_metric([reason], count)
-        yield closed
-
-
 class RouterMetrics:
     """Ours (``helixserve_router_*``) and, from the same metric objects, vLLM's names for the
     latency, token, running/waiting and KV usage ones (``metric_aliases.py``), labelled with
     ``model_name``."""
 
     def __init__(self, pools: Callable[[], list[WorkerPool]], model_name: str,
-                 connections: Callable[[], tuple[int, Mapping[str, int]] | None] = lambda: None) -> None:
+                 connections: ConnectionCounts = lambda: None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("helixserve_router_requests", "requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
@@ -102,7 +81,7 @@ class RouterMetrics:
                                         "requests that failed on gen after ctx prefilled them",
                                         registry=r)
         r.register(_PoolCollector(pools))
-        r.register(_ConnectionCollector(connections))
+        r.register(ConnectionCollector("helixserve_router", connections))
         r.register(VllmAliases(model_name, [
             (self.ttft, "vllm:time_to_first_token_seconds"),
             (self.itl, "vllm:inter_token_latency_seconds"),

@@ -10,7 +10,7 @@
    (Triton specializes each integer argument apart: a length divisible by 16 with one sequence
    is its own case); each then runs :data:`NUM_DECODE_STEPS` greedy decode steps.
    They go through the worker's ``AsyncEngine`` (a gen world: every rank, through its driver); a
-   ctx worker holds its cache at the finish and releases it, as a pickup would. Kernels compile
+   ctx worker holds its cache at the finish and releases it, as a gen worker's fetch would. Kernels compile
    (Triton, fla) and first-step costs are paid here, not by the first client. Several lengths,
    because kernels specialize and autotune on length classes: fla's ``l2norm_fwd`` autotunes
    25 configurations per ``cdiv(tokens * heads, 65536)``, and Triton specializes integer

@@ -37,6 +37,7 @@ from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  prompt_too_long, raw_prompt_length)
 from helixserve.config import SecurityConfig, ShutdownConfig
 from helixserve.serving.auth import install_internal_auth
+from helixserve.serving.connection_metrics import ConnectionCollector, guard_counts
 from helixserve.serving.engine_errors import install_engine_error_handler, openai_outputs, to_openai_error
 from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, OffLoop,
                                     install_error_handlers, request_id_from,
@@ -103,8 +104,8 @@ class Worker:
     limits: ServingLimits
     layout: KVLayout
     extra_gauges: Callable[[], list[tuple[str, str, float]]] = lambda: []
-    on_abort: Callable[[str], None] = lambda request_id: None  # after /v1/abort (ctx: pickups)
-    # asked first on /v1/abort: True when the role frees the request its own way (ctx: a pickup
+    on_abort: Callable[[str], None] = lambda request_id: None  # after /v1/abort (ctx: holds)
+    # asked first on /v1/abort: True when the role frees the request its own way (ctx: a hold
     # the KV sender holds is freed once no send can read it), so the engine abort is skipped
     abort_override: Callable[[str], Awaitable[bool]] | None = None
     failure: Callable[[], str | None] = lambda: None  # why the worker cannot serve (None: it can)
@@ -162,7 +163,7 @@ class Worker:
             ("requests_running", "requests in the running batch", s.num_running),
             ("requests_waiting", "requests queued in the engine", s.num_waiting),
             ("requests_live", "requests admitted and not finished", self.engine.num_live_requests),
-            ("requests_held", "finished prefills holding their cache for pickup", s.num_held),
+            ("requests_held", "finished prefills holding their cache for its gen worker", s.num_held),
             ("cache_blocks_total", "MLA cache blocks", s.num_blocks),
             ("cache_blocks_used", "MLA cache blocks in use", s.num_used_blocks),
             ("state_slots_total", "KDA state slots", s.num_slots),
@@ -301,6 +302,8 @@ def build_worker_app(worker: Worker, handlers: Mapping[RequestType | None, Reque
                     await asyncio.to_thread(fn)
 
     app = FastAPI(title=f"helixserve {worker.role} worker", lifespan=lifespan)
+    worker.registry.register(ConnectionCollector("helixserve_worker", lambda: guard_counts(getattr(app.state, "connection_guard", None)),
+                                                 {"role": worker.role}))
     install_internal_auth(app, worker.security)  # innermost: the body limit applies first
     app.add_middleware(BodyLimit, max_body_bytes=worker.limits.max_body_bytes)
     app.add_middleware(InternalErrors)

@@ -10,7 +10,7 @@ the `DataPlane` seam, all the sender and receiver use), which imports them lazil
 Transfer path: `segments` (a shard's stream types), `layout` (which bytes a receiver gets, the
 message plan), `memory_map` (each side's memory map),
 `control` (the KVTransfer gRPC service and client), `sender` (ctx: `KVSender`, with
-`pickup` and `outbound`) and `receiver` (gen: `KVReceiver`, with `inbound`; a gen world's ranks
+`hold` and `outbound`) and `receiver` (gen: `KVReceiver`, with `inbound`; a gen world's ranks
 allocate and agree through `engine.kv_intake`). Those are imported on first use (they need gRPC
 and ucxx).
 """

@@ -29,7 +29,7 @@ from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.layout import ShardSpec, shard_segments
 
 MAC_BYTES = 16
-GRANT_TASK = (-1, PayloadKind.AUX)  # a granted pickup's session task (no peer: the acks complete it)
+GRANT_TASK = (-1, PayloadKind.AUX)  # a granted hold's session task (no peer: the acks complete it)
 
 
 class _Granted:
@@ -81,27 +81,27 @@ def grant_matches(key: bytes, grant: PullGrant, ctx_request_id: str, num_prompt_
     return hmac.compare_digest(expected, grant.mac)
 
 
-def grant_pickup(export, pickup, serial: int, layout_json: str) -> PullGrant:  # noqa: ANN001
-    """ctx, holding the sender's lock: grant a pull of a just-held `pickup` (a `sender.Pickup`)
-    from `export` (its `cuda_ipc.PoolExport`, with a lease board). The pickup's session gets a
+def grant_hold(export, hold, serial: int, layout_json: str) -> PullGrant:  # noqa: ANN001
+    """ctx, holding the sender's lock: grant a pull of a just-held `hold` (a `sender.Hold`)
+    from `export` (its `cuda_ipc.PoolExport`, with a lease board). The hold's session gets a
     task complete from the start, carrying the whole request's bytes, so its acks alone decide."""
-    pickup.grant_serial = serial
-    pickup.session.add_task(*GRANT_TASK, request_bytes(layout_json, pickup.num_prompt_tokens))
-    pickup.session.attach(*GRANT_TASK, GRANTED)
+    hold.grant_serial = serial
+    hold.session.add_task(*GRANT_TASK, request_bytes(layout_json, hold.num_prompt_tokens))
+    hold.session.attach(*GRANT_TASK, GRANTED)
     export.lease.grant(serial)
-    return make_grant(export.grant_key, pickup.session.request_id, pickup.num_prompt_tokens, pickup.first_tokens,
-                      export.epoch, serial, pickup.block_ids, pickup.slot)
+    return make_grant(export.grant_key, hold.session.request_id, hold.num_prompt_tokens, hold.first_tokens,
+                      export.epoch, serial, hold.block_ids, hold.slot)
 
 
-def adopt_cp_group(pickup, cp_rank: int, cp_size: int, layout: KVLayout) -> str:  # noqa: ANN001
-    """The first ack of a granted pickup that no rank asked for names its CP group: expect an
+def adopt_cp_group(hold, cp_rank: int, cp_size: int, layout: KVLayout) -> str:  # noqa: ANN001
+    """The first ack of a granted hold that no rank asked for names its CP group: expect an
     ack from each of its ranks. An error text ("" if adopted) when the group cannot exist."""
     try:
         head_slice(layout.num_kda_heads, cp_rank, cp_size)  # the CP geometry every shard obeys
     except ValueError as error:
         return f"cp_rank {cp_rank} of cp_size {cp_size} does not fit this request: {error}"
-    pickup.cp_size = cp_size
-    pickup.session.expected_acks = set(range(cp_size))
+    hold.cp_size = cp_size
+    hold.session.expected_acks = set(range(cp_size))
     return ""
 
 

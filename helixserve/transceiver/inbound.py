@@ -10,7 +10,7 @@ the ctx says it already posted are still received, because an unmatched rendezvo
 pin the ctx's cache) -> CLOSED (every receive still posted is retracted, see `retract`; the
 endpoint to the ctx worker is shared by all requests and stays open). A RequestShard the ctx
 refused goes straight to CLOSED (its posted receives retracted): nothing was or will be sent for
-it, and a Cancel would stop the pickup for whichever rank holds it. A ctx whose control connection
+it, and a Cancel would stop the hold for whichever rank holds it. A ctx whose control connection
 closes mid-stream (it died) fails it at once and goes straight to CLOSED, sinks posted: no drain.
 
 Pulled (`pull`, `cuda_ipc`): when this rank holds the ctx's opened pools, RequestShard names their
@@ -39,7 +39,7 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
-from helixserve.protocol.disagg import DisaggregatedParams, PullGrant
+from helixserve.protocol.disagg import PullGrant
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.control import rpc_error_text, target
 from helixserve.transceiver.cuda_ipc import RemotePools
@@ -48,6 +48,7 @@ from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, scatter, wire_tag
 from helixserve.transceiver.plane import TransferHandle
 from helixserve.transceiver.pull import Pull, pull_pair
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +72,19 @@ class _Recv:
 class Inbound:
     """One request's shard stream into this rank (engine thread only)."""
 
-    def __init__(self, receiver, request_id: str, params: DisaggregatedParams,
+    def __init__(self, receiver, request_id: str, ticket: KVTicket,
                  handle: CacheHandle, caches: ModelCaches, tag_base: int, device: torch.device | None) -> None:
         self.r = receiver
         self.request_id = request_id
         self.handle = handle
         self.caches = caches
-        self.params = params
+        self.ticket = ticket
         self.tag_base = tag_base
         self.peer: Hashable | None = None  # the plane's shared endpoint to the ctx worker, once known
-        self.ctx = f"ctx worker {target(params.ctx_endpoint)}"
-        self.client = receiver.clients.get(params.ctx_endpoint)
+        self.ctx = f"ctx worker {target(ticket.ctx_endpoint)}"
+        self.client = receiver.clients.get(ticket.ctx_endpoint)
         self.num_losses = self.client.num_losses  # its connection closing from now on: ctx gone
-        spec = ShardSpec(receiver.layout, len(params.prompt_token_ids), receiver.cp_rank, receiver.cp_size)
+        spec = ShardSpec(receiver.layout, ticket.num_prompt_tokens, receiver.cp_rank, receiver.cp_size)
         self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot,
                                            receiver.config.message_bytes)
         self.phase = Phase.REQUESTING
@@ -104,15 +105,15 @@ class Inbound:
     def request(self, deadline_s: float) -> None:
         self.deadline_at = self.r.clock.monotonic() + deadline_s
         if self.device is not None and self.device.type == "cuda":
-            self.pools = self.r.pools.get(target(self.params.ctx_endpoint), self.client, self.device)
-            if self.params.pull_grant is not None and self._start_granted(self.params.pull_grant):
+            self.pools = self.r.pools.get(target(self.ticket.ctx_endpoint), self.client, self.device)
+            if self.ticket.pull_grant is not None and self._start_granted(self.ticket.pull_grant):
                 return
         self._request_shard(deadline_s)
 
     def _request_shard(self, deadline_s: float) -> None:
         handle = self.handle
         req = pb.ShardRequest(
-            ctx_request_id=self.params.ctx_request_id, gen_rank=self.r.gen_rank,
+            ctx_request_id=self.ticket.ctx_request_id, gen_rank=self.r.gen_rank,
             cp_rank=self.plan.spec.cp_rank, cp_size=self.plan.spec.cp_size,
             layout_json=self.r.layout.model_dump_json(), ucx_worker_address=self.r.plane.address,
             tag_base=self.tag_base, num_prompt_tokens=self.plan.spec.num_tokens,
@@ -149,12 +150,12 @@ class Inbound:
         except Exception as error:
             return self._fail(f"{self.ctx} did not answer RequestShard: {rpc_error_text(error)}")
         if not reply.accepted:  # final (see KVSender.request_shard): no stream exists for us, so
-            # no Cancel: it would stop the pickup for the rank that holds it (e.g. a duplicate's)
+            # no Cancel: it would stop the hold for the rank that holds it (e.g. a duplicate's)
             return self.fail_unsent(f"{self.ctx} refused the transfer: {reply.error}")
         if reply.HasField("pull"):
             return self._start_pull(reply.pull)
         if self.pools is not None:  # it chose the tagged stream: it restarted, describe it again
-            self.r.pools.forget(target(self.params.ctx_endpoint))
+            self.r.pools.forget(target(self.ticket.ctx_endpoint))
             self.pools = None
         try:
             if reply.message_bytes != self.plan.message_bytes:  # our receives are posted with our cut
@@ -181,8 +182,8 @@ class Inbound:
         if pools is None or pools.lease is None or grant.epoch != pools.epoch:
             return False  # not opened (yet), or from another export of that ctx: ask
         spec = self.plan.spec
-        if not grant_matches(pools.grant_key, grant, self.params.ctx_request_id, spec.num_tokens,
-                             self.params.first_gen_tokens):
+        if not grant_matches(pools.grant_key, grant, self.ticket.ctx_request_id, spec.num_tokens,
+                             self.ticket.first_gen_tokens):
             logger.warning("request %s: %s's pull grant does not match the request; asking instead",
                            self.request_id, self.ctx)
             return False
@@ -283,14 +284,14 @@ class Inbound:
             num_tokens, first = decode_aux(aux)
         except ValueError as error:
             return self._fail(f"{self.ctx}: {error}")
-        if num_tokens != self.plan.spec.num_tokens or first != list(self.params.first_gen_tokens):
+        if num_tokens != self.plan.spec.num_tokens or first != list(self.ticket.first_gen_tokens):
             # the cause goes to the client: it must tell nothing of what ctx holds (its true first
             # tokens belong to another request's answer); the details stay in this log
             logger.warning("%s: %s holds prompt length %d, first tokens %s; the request has %d, %s",
                            self.request_id, self.ctx, num_tokens, first, self.plan.spec.num_tokens,
-                           list(self.params.first_gen_tokens))
+                           list(self.ticket.first_gen_tokens))
             self._fail(f"{self.ctx} holds a different prefill under ctx_request_id "
-                       f"{self.params.ctx_request_id!r} than this request describes")
+                       f"{self.ticket.ctx_request_id!r} than this request describes")
 
     def _finish(self) -> None:
         self.r.num_granted += self.grant is not None
@@ -316,7 +317,7 @@ class Inbound:
             return self._close(may_still_send=None)  # (a sink still absorbs a straggler)
         self.phase = Phase.DRAINING
         self.drain_end = self.r.clock.monotonic() + self.r.config.drain_timeout_s
-        cancel = pb.CancelRequest(ctx_request_id=self.params.ctx_request_id, cp_rank=self.plan.spec.cp_rank,
+        cancel = pb.CancelRequest(ctx_request_id=self.ticket.ctx_request_id, cp_rank=self.plan.spec.cp_rank,
                                   gen_rank=self.r.gen_rank, reason=self.error or reason)
         self.future = self.client.cancel_async(cancel)
         self.num_to_drain = -1  # unknown until the Cancel reply

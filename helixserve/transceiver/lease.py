@@ -3,7 +3,7 @@
 A granted pull (`PullGrant`, see `cuda_ipc` and `inbound`) lets a gen rank on the same host copy
 a request's blocks out of the ctx's opened pools without asking first: the ctx's answer to the
 router carries the block table, so the request costs no control round trip before its copy. The
-ctx may still free those blocks at any time (the pickup expired, the client left, the router
+ctx may still free those blocks at any time (the hold expired, the client left, the router
 released it), and freed blocks are reused by the next prefill. The lease word closes that gap:
 
 - ctx (`LeaseBoard.create`): granting a pull writes the grant's serial (unique, never 0) into

@@ -63,7 +63,7 @@ class TransferMetrics:
     failures: int = 0
     timeouts: int = 0
     cancellations: int = 0
-    expired_pickups: int = 0
+    expired_holds: int = 0
 
 
 class TransferPoller:
@@ -205,4 +205,4 @@ class TransferPoller:
             if session.is_timed_out:
                 m.timeouts += 1
             if state is TransferState.TIMEOUT:
-                m.expired_pickups += 1
+                m.expired_holds += 1

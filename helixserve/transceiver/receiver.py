@@ -1,11 +1,11 @@
 """gen side: receives requests' shards into this rank's cache pools (engine thread only).
 
 `KVReceiver` is the rank's transfer machine; the caller owns the cache handles. This is the seam
-the SPMD gen world plugs in (`engine.kv_intake.KVReceiver`; its `RankTransfers` agree over the CP
-group).
+the SPMD gen world plugs in (as `engine.kv_intake.ShardReceiver`, through the gen server's
+`PacedKVReceiver`; its `RankTransfers` agree over the CP group).
 
-1. `start(request_id, handle, caches, ticket)`: the ticket (``DisaggregatedParams``) is checked
-   (generation_only, layout equal to ours) and RequestShard goes to the ctx worker
+1. `start(request_id, handle, caches, ticket)`: the ticket (a `ticket.KVTicket`) is checked
+   (layout equal to ours) and RequestShard goes to the ctx worker
    asynchronously, with a deadline; the request's overall deadline is anchored now. Every
    receive is posted while the ctx answers (see `inbound`): ucxx's own thread moves the bytes
    straight into the pools (or staging) as the ctx sends, so transfers progress while the engine
@@ -52,6 +52,7 @@ from helixserve.transceiver.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
 from helixserve.transceiver.retract import Retractor
 from helixserve.transceiver.stream import KindHandle, staging_for
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ PULL_TICK_S = 0.00002  # (a wait this short spins: clock.SPIN_BELOW_S)
 class KVReceiver:
     """One gen rank's receiver; the caller (the engine) allocates and frees the cache handles.
 
-    This is the seam of `engine.kv_intake.KVReceiver`: `start` / `poll` / `cancel`.
+    It serves the engine's seam `engine.kv_intake.ShardReceiver`: `start` / `poll` / `cancel`.
 
     Args:
         config: transceiver settings (timeouts, message size, bounce pool).
@@ -103,12 +104,16 @@ class KVReceiver:
         self._acks: list = []
         self._tags = itertools.count(1)
 
-    def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches, ticket: DisaggregatedParams) -> None:
+    def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches,
+              ticket: KVTicket | DisaggregatedParams) -> None:
         """Receive `request_id`'s shard into `handle` (blocks and slot of `caches`).
 
         Transfer-level problems (layout mismatch, refused, unreachable, timeout) are reported by
-        `poll`, never raised; a duplicate id or a handle too small for the prompt raises ValueError.
+        `poll`, never raised; a duplicate id, a handle too small for the prompt or params that are
+        not ``generation_only`` raise ValueError. (``DisaggregatedParams`` are read as their ticket.)
         """
+        if isinstance(ticket, DisaggregatedParams):
+            ticket = KVTicket.from_params(ticket)
         if request_id in self.inbounds:
             raise ValueError(f"request {request_id} is already being received here")
         device = check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size, remember=True)
@@ -125,8 +130,6 @@ class KVReceiver:
         for kind in kind_bytes:
             session.attach(0, kind, KindHandle(inbound, kind))  # anchors the deadline
         try:
-            if not ticket.is_generation_only:
-                raise ValueError("disaggregated_params must be generation_only")
             check_layout(self.layout, ticket.layout, "gen", inbound.ctx)
         except ValueError as error:
             return inbound.fail_unsent(str(error))
@@ -274,7 +277,7 @@ class KVReceiver:
                 self.pools.expect(target(endpoint), self.pools.opened(answer, device))
 
     def send_ack(self, inbound: Inbound, success: bool, error: str) -> None:
-        ack = pb.AckRequest(ctx_request_id=inbound.params.ctx_request_id, cp_rank=inbound.plan.spec.cp_rank,
+        ack = pb.AckRequest(ctx_request_id=inbound.ticket.ctx_request_id, cp_rank=inbound.plan.spec.cp_rank,
                             gen_rank=self.gen_rank, success=success, error=error,
                             cp_size=inbound.plan.spec.cp_size)
         self._acks.append(inbound.client.acknowledge_async(ack))

@@ -1,9 +1,9 @@
-"""ctx side: serves pickups of finished prefills over UCX, negotiated by the KVTransfer service.
+"""ctx side: serves finished prefills' held caches over UCX, negotiated by the KVTransfer service.
 
-Lifecycle of one held request (a `Pickup`):
+Lifecycle of one held request (a `Hold`):
 
 1. **Held**: `hold(request_id, handle, num_prompt_tokens, first_gen_tokens)` (engine thread, once
-   the prefill finished with ``hold_cache``) registers it; its pickup deadline starts now.
+   the prefill finished with ``hold_cache``) registers it; its hold deadline starts now.
 2. **Requested**: a gen rank's RequestShard is checked (known request, layout, prompt length, CP
    geometry, no duplicate) and accepted; the rank's shard becomes an outbound stream.
 3. **Sending**: the sender thread posts each stream's messages in order, at most `send_window_bytes`
@@ -11,8 +11,8 @@ Lifecycle of one held request (a `Pickup`):
    Runs that are contiguous in the cache are sent in place; others are gathered into staging
    (bounce) buffers first.
 4. **Settled**: every expected gen rank (cp ranks ``0..cp_size-1``) acknowledged -> COMPLETED; a
-   Cancel, a negative ack or `cancel()` -> CANCELLED; the pickup deadline passed first -> TIMEOUT
-   (an expired pickup, counted). Streams of a settled pickup post nothing more.
+   Cancel, a negative ack or `cancel()` -> CANCELLED; the hold deadline passed first -> TIMEOUT
+   (an expired hold, counted). Streams of a settled hold post nothing more.
 5. **Freed**: once no posted send can still read the cache (quiesced), `on_free(request_id)` runs
    and the request is forgotten. Until then it is *quarantined*: a UCX rendezvous send whose
    receiver died is never matched and cannot be cancelled, so those blocks are never reused.
@@ -28,7 +28,7 @@ with their epoch; its shard is then a `PulledShard`: nothing is sent, the reply 
 table, slot and AUX words, and the blocks stay held until that rank acknowledged or cancelled
 (it copies first), or its stated deadline plus the drain time passed.
 
-Threads: every pickup and stream is guarded by one state lock. The sender thread takes it for
+Threads: every hold and stream is guarded by one state lock. The sender thread takes it for
 each pass (post what the windows allow, settle what the poller reports) and waits outside it. A
 gRPC handler or the engine thread runs its command on its own thread holding the lock, waiting for
 it at most ``rpc_timeout_ms``: a handler that cannot have it answers "busy", which therefore never
@@ -63,12 +63,12 @@ from helixserve.transceiver.backends import open_data_plane
 from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.control import SERVER_STOP_GRACE_S, ControlServer
 from helixserve.transceiver.cuda_ipc import PoolExport
-from helixserve.transceiver.grant import GRANT_TASK, adopt_cp_group, grant_pickup
+from helixserve.transceiver.grant import GRANT_TASK, adopt_cp_group, grant_hold
 from helixserve.transceiver.cache_check import check_caches
 from helixserve.transceiver.layout import ShardPlan, check_layout
 from helixserve.transceiver.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
-from helixserve.transceiver.pickup import Pickup, PickupSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
+from helixserve.transceiver.hold import Hold, HoldSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
 from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.polling import TransferPoller
 from helixserve.transceiver.shard_request import check_shard_request
@@ -92,19 +92,19 @@ class KVSender:
         on_free: called on the sender thread with a request id once its cache may be freed.
         host / port: where the control plane listens (port 0: any free port).
         advertise_host: host put in `endpoint` (default `host`).
-        pickup_timeout_s: default pickup deadline (default: the transfer timeout).
+        hold_timeout_s: default hold deadline (default: the transfer timeout).
     """
 
     def __init__(self, config: TransceiverConfig, layout: KVLayout, caches: ModelCaches,
                  on_free: Callable[[str], None], *, host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, pickup_timeout_s: float | None = None) -> None:
+                 advertise_host: str | None = None, hold_timeout_s: float | None = None) -> None:
         check_layout(layout, layout, "ctx", "ctx")  # ctx_tp_size == 1 only
         check_caches(layout, caches, layout.num_kda_heads)
         self.config = config
         self.layout = layout
         self.caches = caches
         self.on_free = on_free
-        self.pickup_timeout_s = pickup_timeout_s or config.timeout_s
+        self.hold_timeout_s = hold_timeout_s or config.timeout_s
         self._wakeup = threading.Event()
         self.poller = TransferPoller(wakeup=self._wakeup)
         self.plane: DataPlane = open_data_plane(config, self._wakeup, host)  # config.backend picks it
@@ -113,8 +113,8 @@ class KVSender:
         self._clock = MonotonicClock()
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
-        self._pickups: dict[str, Pickup] = {}
-        self._lock = threading.Lock()  # guards the pickups, their streams and the poller
+        self._holds: dict[str, Hold] = {}
+        self._lock = threading.Lock()  # guards the holds, their streams and the poller
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._is_stopping = False
         self._num_freed = 0
@@ -134,20 +134,20 @@ class KVSender:
         return self.endpoint
 
     def hold(self, request_id: str, handle: CacheHandle, num_prompt_tokens: int,
-             first_gen_tokens: Sequence[int], *, pickup_timeout_s: float | None = None) -> PullGrant | None:
-        """Offer a finished prefill for pickup (call on the engine thread, right after it finished
+             first_gen_tokens: Sequence[int], *, hold_timeout_s: float | None = None) -> PullGrant | None:
+        """Offer a finished prefill for its gen worker (call on the engine thread, right after it finished
         with hold_cache). `handle` is read now: block_ids[b] must hold logical block b. Returns
         the pull granted for it (None: the pools are not exported), for the ctx's answer."""
         if handle.cp_size != 1 or handle.num_tokens < num_prompt_tokens or num_prompt_tokens < 1:
             raise ValueError(f"request {request_id}: cannot hold a cp_size={handle.cp_size} handle of "
                              f"{handle.num_tokens} tokens for {num_prompt_tokens} prompt tokens")
-        pickup = Pickup(
-            PickupSession(request_id, timeout_s=pickup_timeout_s or self.pickup_timeout_s),
+        hold = Hold(
+            HoldSession(request_id, timeout_s=hold_timeout_s or self.hold_timeout_s),
             list(handle.block_ids), handle.slot, num_prompt_tokens, list(first_gen_tokens))
-        return self._locked(self._do_hold, pickup)
+        return self._locked(self._do_hold, hold)
 
     def cancel(self, request_id: str, reason: str = "cancelled by the ctx worker") -> bool:
-        """Stop serving a pickup (client gone); its cache is freed once quiesced. False if unknown."""
+        """Stop serving a hold (client gone); its cache is freed once quiesced. False if unknown."""
         return self._locked(self._do_cancel, request_id, reason)
 
     def stats(self) -> SenderStats:
@@ -167,7 +167,7 @@ class KVSender:
 
     def request_shard(self, request: pb.ShardRequest) -> pb.ShardReply:
         """``accepted=False`` is final: no stream exists or will exist for this request, so the
-        gen rank closes without a Cancel (which would stop the pickup of whoever holds it)."""
+        gen rank closes without a Cancel (which would stop the hold of whoever holds it)."""
         return self._answer(self._do_request_shard, request, pb.ShardReply(accepted=False, error=(
             f"ctx sender busy: no answer within {self.config.rpc_timeout_s:.1f}s")))
 
@@ -213,13 +213,13 @@ class KVSender:
                     wait_s = ACTIVE_TICK_S if is_busy else self._idle_wait()
                 self._wakeup.wait(wait_s)
         except Exception:
-            logger.exception("KV sender thread crashed; pickups stay held until their owner frees them")
+            logger.exception("KV sender thread crashed; holds stay held until their owner frees them")
         finally:
             with self._lock:
                 self._settle(self.poller.poll(wait_num=0))
 
     def _pump(self) -> bool:
-        streams = [ob for p in self._pickups.values() for ob in p.outbounds.values()]
+        streams = [ob for p in self._holds.values() for ob in p.outbounds.values()]
         if streams:  # round-robin: a different stream posts first each tick
             start = next(self._rotation) % len(streams)
             streams = streams[start:] + streams[:start]
@@ -229,34 +229,34 @@ class KVSender:
         return any(ob.has_work for ob in streams)
 
     def _idle_wait(self) -> float:
-        remaining = [p.session.remaining() for p in self._pickups.values() if not p.session.state.is_settled]
+        remaining = [p.session.remaining() for p in self._holds.values() if not p.session.state.is_settled]
         return max(ACTIVE_TICK_S, min([IDLE_TICK_S, *remaining]))
 
     def _settle(self, result) -> None:
         settled = [*result.completed, *result.failed, *result.cancelled, *result.timed_out]
         for request_id in settled:
-            pickup = self._pickups.get(request_id)
-            if pickup is None:
+            hold = self._holds.get(request_id)
+            if hold is None:
                 continue
-            for outbound in pickup.outbounds.values():
-                outbound.stop("pickup settled")
-            if pickup.session.is_quiesced:
-                self._free(request_id, pickup)
-            elif not pickup.is_quarantine_logged:
-                pickup.is_quarantine_logged = True
+            for outbound in hold.outbounds.values():
+                outbound.stop("hold settled")
+            if hold.session.is_quiesced:
+                self._free(request_id, hold)
+            elif not hold.is_quarantine_logged:
+                hold.is_quarantine_logged = True
                 logger.warning("request %s %s but a send may still read its cache: quarantined",
-                               request_id, pickup.session.state.value)
+                               request_id, hold.session.state.value)
 
-    def _free(self, request_id: str, pickup: Pickup) -> None:
-        if pickup.grant_serial and self._export.lease is not None:
-            self._export.lease.revoke(pickup.grant_serial)  # before the blocks can be reused
+    def _free(self, request_id: str, hold: Hold) -> None:
+        if hold.grant_serial and self._export.lease is not None:
+            self._export.lease.revoke(hold.grant_serial)  # before the blocks can be reused
         self.poller.retire(request_id)
-        del self._pickups[request_id]
+        del self._holds[request_id]
         self._num_freed += 1
-        if pickup.session.state is TransferState.COMPLETED and pickup.grant_serial and not pickup.outbounds:
+        if hold.session.state is TransferState.COMPLETED and hold.grant_serial and not hold.outbounds:
             self._num_granted += 1
-        if pickup.session.state is not TransferState.COMPLETED:
-            logger.info("ctx request %s freed: %s", request_id, pickup.session.error)
+        if hold.session.state is not TransferState.COMPLETED:
+            logger.info("ctx request %s freed: %s", request_id, hold.session.error)
         try:
             self.on_free(request_id)
         except Exception:
@@ -264,42 +264,42 @@ class KVSender:
 
     # -- commands (any thread, holding the state lock) ----------------------------------------
 
-    def _do_hold(self, pickup: Pickup) -> None:
-        request_id = pickup.session.request_id
-        if request_id in self._pickups:
-            raise ValueError(f"request {request_id} is already held for pickup")
-        pickup.session.anchor_deadline()  # the pickup deadline starts at hold
-        self.poller.add(pickup.session)
-        self._pickups[request_id] = pickup
+    def _do_hold(self, hold: Hold) -> None:
+        request_id = hold.session.request_id
+        if request_id in self._holds:
+            raise ValueError(f"request {request_id} is already held for its gen worker")
+        hold.session.anchor_deadline()  # the hold deadline starts at hold
+        self.poller.add(hold.session)
+        self._holds[request_id] = hold
         if self._export.lease is None:
             return None
-        return grant_pickup(self._export, pickup, next(self._serials), self._layout_json)
+        return grant_hold(self._export, hold, next(self._serials), self._layout_json)
 
     def _do_cancel(self, request_id: str, reason: str) -> bool:
-        pickup = self._pickups.get(request_id)
-        if pickup is None:
+        hold = self._holds.get(request_id)
+        if hold is None:
             return False
-        self._stop_pickup(pickup, reason)
+        self._stop_hold(hold, reason)
         return True
 
-    def _stop_pickup(self, pickup: Pickup, reason: str) -> None:
-        if not pickup.session.state.is_settled:
-            pickup.session.cancel(reason)
-        for outbound in pickup.outbounds.values():
+    def _stop_hold(self, hold: Hold, reason: str) -> None:
+        if not hold.session.state.is_settled:
+            hold.session.cancel(reason)
+        for outbound in hold.outbounds.values():
             outbound.stop(reason)
 
     def _do_stats(self) -> SenderStats:
-        quarantined = sum(p.session.state.is_settled for p in self._pickups.values())
-        return SenderStats(len(self._pickups), quarantined, self._num_freed, replace(self.poller.metrics),
+        quarantined = sum(p.session.state.is_settled for p in self._holds.values())
+        return SenderStats(len(self._holds), quarantined, self._num_freed, replace(self.poller.metrics),
                            self._num_granted)
 
     def _do_cancel_shard(self, request: pb.CancelRequest) -> pb.CancelReply:
-        pickup = self._pickups.get(request.ctx_request_id)
-        if pickup is None:
+        hold = self._holds.get(request.ctx_request_id)
+        if hold is None:
             return pb.CancelReply(known=False)
-        self._stop_pickup(pickup, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) "
+        self._stop_hold(hold, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) "
                                   f"cancelled: {request.reason}")
-        outbound = pickup.outbounds.get(request.cp_rank)
+        outbound = hold.outbounds.get(request.cp_rank)
         if isinstance(outbound, PulledShard):
             outbound.release()  # the receiver cancels only once its copy ended (it posted nothing)
         if outbound is None:
@@ -308,44 +308,44 @@ class KVSender:
                               message_bytes=outbound.plan.message_bytes, ucx_worker_address=self.plane.address)
 
     def _do_acknowledge(self, request: pb.AckRequest) -> pb.AckReply:
-        pickup = self._pickups.get(request.ctx_request_id)
-        if pickup is None:
+        hold = self._holds.get(request.ctx_request_id)
+        if hold is None:
             return pb.AckReply(known=False, error=f"ctx request {request.ctx_request_id} is not held here")
-        pulled = pickup.outbounds.get(request.cp_rank)
+        pulled = hold.outbounds.get(request.cp_rank)
         if isinstance(pulled, PulledShard):
             pulled.release()  # the receiver acknowledges only once its copy ended
         if not request.success:
-            self._stop_pickup(pickup, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) gave up: "
+            self._stop_hold(hold, f"gen rank {request.gen_rank} (cp_rank {request.cp_rank}) gave up: "
                                       f"{request.error}")
             return pb.AckReply(known=True)
-        if pickup.cp_size is None and pickup.grant_serial:  # a granted pull: no RequestShard came first
-            error = adopt_cp_group(pickup, request.cp_rank, request.cp_size, self.layout)
+        if hold.cp_size is None and hold.grant_serial:  # a granted pull: no RequestShard came first
+            error = adopt_cp_group(hold, request.cp_rank, request.cp_size, self.layout)
             if error:
                 return pb.AckReply(known=True, error=error)
         try:
-            pickup.session.acknowledge(request.cp_rank)
+            hold.session.acknowledge(request.cp_rank)
         except ValueError as error:
             return pb.AckReply(known=True, error=str(error))
         return pb.AckReply(known=True)
 
     def _do_request_shard(self, request: pb.ShardRequest) -> pb.ShardReply:
         who = f"gen rank {request.gen_rank} (cp_rank {request.cp_rank} of {request.cp_size})"
-        pickup = self._pickups.get(request.ctx_request_id)
+        hold = self._holds.get(request.ctx_request_id)
         try:
-            if pickup is None:
+            if hold is None:
                 raise ValueError(f"ctx request {request.ctx_request_id} is not held here (never held, "
                                  "already picked up and freed, cancelled, or expired)")
-            spec = check_shard_request(pickup, request, who, self.layout, self.config.message_bytes)
+            spec = check_shard_request(hold, request, who, self.layout, self.config.message_bytes)
         except (ValueError, ValidationError) as error:
-            logger.warning("refused %s's pickup of %s: %s", who, request.ctx_request_id, error)
+            logger.warning("refused %s's hold of %s: %s", who, request.ctx_request_id, error)
             return pb.ShardReply(accepted=False, error=str(error))
         message_bytes = request.max_message_bytes  # the receiver's cut: its receives are posted with it
-        plan = ShardPlan.for_sender(spec, self.caches, pickup.block_ids, pickup.slot,
-                                    pickup.first_tokens, message_bytes)
+        plan = ShardPlan.for_sender(spec, self.caches, hold.block_ids, hold.slot,
+                                    hold.first_tokens, message_bytes)
         if self._export.names(request.pull_epoch):
             release_at = self._clock.monotonic() + request.deadline_ms / 1e3 + self.config.drain_timeout_s
-            return self._accept(pickup, request, plan, PulledShard(plan, release_at, self._clock), pull=pb.PullShard(
-                src_block_ids=pickup.block_ids, src_slot=-1 if pickup.slot is None else pickup.slot,
+            return self._accept(hold, request, plan, PulledShard(plan, release_at, self._clock), pull=pb.PullShard(
+                src_block_ids=hold.block_ids, src_slot=-1 if hold.slot is None else hold.slot,
                 aux=plan.aux.tolist()))
         # One long-lived endpoint per gen worker, shared by its requests (tags tell them apart):
         # per-request endpoints between the same two workers get paired arbitrarily by UCX, and
@@ -357,19 +357,19 @@ class KVSender:
                                                        f"{type(error).__name__}: {error}")
         outbound = Outbound(request.ctx_request_id, request.cp_rank, plan, peer, request.tag_base, who,
                             self.staging, self.config.send_window_bytes)
-        return self._accept(pickup, request, plan, outbound)
+        return self._accept(hold, request, plan, outbound)
 
-    def _accept(self, pickup: Pickup, request: pb.ShardRequest, plan: ShardPlan, outbound: Outbound | PulledShard,
+    def _accept(self, hold: Hold, request: pb.ShardRequest, plan: ShardPlan, outbound: Outbound | PulledShard,
                 pull: pb.PullShard | None = None) -> pb.ShardReply:
-        session = pickup.session
-        if pickup.grant_serial:  # this rank asked after all: its tasks count its bytes
+        session = hold.session
+        if hold.grant_serial:  # this rank asked after all: its tasks count its bytes
             session.tasks[GRANT_TASK].nbytes = 0
-        pickup.cp_size = request.cp_size
+        hold.cp_size = request.cp_size
         session.expected_acks = set(range(request.cp_size))
         for kind in plan.kinds:
             session.add_task(request.cp_rank, kind, sum(m.nbytes for m in plan.kind_messages(kind)))
             session.attach(request.cp_rank, kind, KindHandle(outbound, kind))
-        pickup.outbounds[request.cp_rank] = outbound
+        hold.outbounds[request.cp_rank] = outbound
         return pb.ShardReply(accepted=True, ucx_worker_address=self.plane.address, message_bytes=plan.message_bytes,
                              payloads=payload_descriptors(plan.messages, plan.kinds), pull=pull)
 

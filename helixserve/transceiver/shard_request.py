@@ -11,13 +11,13 @@ from helixserve.transceiver.layout import MAX_TAG_BASE, LayoutMismatchError, Sha
 MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
 
 
-def check_shard_request(pickup, request: pb.ShardRequest, who: str, layout: KVLayout, message_bytes: int) -> ShardSpec:  # noqa: ANN001
-    """The ShardSpec a RequestShard asks for from `pickup` (a held request), or ValueError naming
-    what is wrong: a settled pickup, a malformed or different layout, another prompt length or CP
+def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayout, message_bytes: int) -> ShardSpec:  # noqa: ANN001
+    """The ShardSpec a RequestShard asks for from `hold` (a held request), or ValueError naming
+    what is wrong: a settled hold, a malformed or different layout, another prompt length or CP
     geometry, a duplicate cp rank, a malformed address, tag base or message size."""
-    state = pickup.session.state
+    state = hold.session.state
     if state.is_settled:
-        raise ValueError(f"ctx request {request.ctx_request_id} is {state.value}: {pickup.session.error}")
+        raise ValueError(f"ctx request {request.ctx_request_id} is {state.value}: {hold.session.error}")
     try:
         theirs = KVLayout.model_validate_json(request.layout_json)
     except ValidationError as error:
@@ -26,12 +26,12 @@ def check_shard_request(pickup, request: pb.ShardRequest, who: str, layout: KVLa
         check_layout(layout, theirs, "ctx", who)
     except LayoutMismatchError as error:
         raise ValueError(str(error)) from None
-    if request.num_prompt_tokens != pickup.num_prompt_tokens:
+    if request.num_prompt_tokens != hold.num_prompt_tokens:
         raise ValueError(f"{who} expects {request.num_prompt_tokens} prompt tokens, the ctx request "
-                         f"has {pickup.num_prompt_tokens}")
-    if pickup.cp_size not in (None, request.cp_size):
-        raise ValueError(f"{who}: request already picked up with cp_size {pickup.cp_size}")
-    if request.cp_rank in pickup.outbounds:
+                         f"has {hold.num_prompt_tokens}")
+    if hold.cp_size not in (None, request.cp_size):
+        raise ValueError(f"{who}: request already picked up with cp_size {hold.cp_size}")
+    if request.cp_rank in hold.outbounds:
         raise ValueError(f"{who}: cp_rank {request.cp_rank} already picked this request up")
     if not MIN_ADDRESS_BYTES <= len(request.ucx_worker_address) <= MAX_ADDRESS_BYTES:
         raise ValueError(f"{who}: malformed UCX worker address ({len(request.ucx_worker_address)} bytes)")
@@ -42,4 +42,4 @@ def check_shard_request(pickup, request: pb.ShardRequest, who: str, layout: KVLa
         raise ValueError(f"{who} cuts the stream into messages of {request.max_message_bytes} bytes, more "
                          f"than this ctx's message_bytes {message_bytes}: configure "
                          "the same transceiver.message_bytes on both sides")
-    return ShardSpec(layout, pickup.num_prompt_tokens, request.cp_rank, request.cp_size)
+    return ShardSpec(layout, hold.num_prompt_tokens, request.cp_rank, request.cp_size)

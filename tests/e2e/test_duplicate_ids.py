@@ -83,7 +83,8 @@ def test_duplicate_id_on_gen_does_not_touch_the_decoding_request(dep):
         runner.join(60)
     assert got["status"] == 200, got
     assert got["answer"]["choices"][0]["text"] == expected
-    status, released = http("POST", f"{dep.ctx_url}/v1/release", {"request_id": "dup-gen-b"})
+    status, released = http("POST", f"{dep.ctx_url}/v1/release",
+                            {"request_id": "dup-gen-b", "admission": second["disaggregated_params"]["ctx_admission"]})
     assert status == 200 and released["released"], released
     wait_until(dep.is_idle, 10, "nothing held on ctx or gen", state=lambda: dep.stats("ctx"))
 

@@ -108,7 +108,7 @@ def test_silent_ctx_times_the_transfer_out_on_every_rank(dep):
 def test_client_gone_during_the_pickup_frees_ctx_and_every_gen_rank(dep):
     """The client leaves while the CP ranks wait for their shards: each rank cancels its
     transfer (the ctx stops serving it) and frees its blocks; the router's abort frees the ctx."""
-    def ended() -> float:  # cancelled, or expired if the frozen ctx saw its pickup deadline first
+    def ended() -> float:  # cancelled, or expired if the frozen ctx saw its hold deadline first
         return (metric(dep.ctx_url, "helixserve_worker_kv_transfers_cancelled_total")
                 + metric(dep.ctx_url, "helixserve_worker_pickups_expired_total"))
 
@@ -185,6 +185,9 @@ def test_dead_world_rank_fails_requests_fast_then_the_world_restarts(dep):
     dep.wait_ready()  # the gen worker restarted its world by itself
     assert rank1 not in dep.rank_pids()
     assert _ask(dep) == "length"
+    # a rank's death is what an operator alerts on: one ERROR line naming it
+    assert (f"ERROR helixserve.gen_server.supervisor: gen world failed: gen world rank 1 (pid {rank1}) exited"
+            in (dep.log_dir / "gen.log").read_text())
 
 
 def dep_ctx_idle(dep: Deployment):  # noqa: ANN201

@@ -316,3 +316,27 @@ def test_429_has_retry_after_and_a_queued_client_that_leaves_frees_its_place(dep
         proc.wait(10)
     wait_until(lambda: http("GET", f"{dep.router_url}/ready")[0] == 200, 30, "gen healthy again")
     assert http("POST", f"{dep.router_url}/v1/completions", json.loads(_good()))[0] == 200
+
+
+def _closed_by(url: str, role: str, reason: str) -> float:
+    return metric(url, f'helixserve_worker_connections_closed_total{{reason="{reason}",role="{role}"}}', default=0.0)
+
+
+def test_workers_export_their_connection_counts(dep):
+    """A worker's ``/metrics`` shows its connection guard as the router's does: open connections
+    now, and those it closed by reason (an idle one here, closed at its keep-alive deadline)."""
+    urls = {"ctx": dep.ctx_url, "gen": dep.gen_url}
+    before = {role: _closed_by(url, role, "idle_timeout") for role, url in urls.items()}
+    idle = {role: socket.create_connection((urlparse(url).hostname, urlparse(url).port), timeout=30)
+            for role, url in urls.items()}
+    try:
+        for role, url in urls.items():
+            # this idle socket and the scrape's own connection
+            assert metric(url, f'helixserve_worker_connections_open{{role="{role}"}}') >= 2
+        for sock in idle.values():
+            assert sock.recv(1) == b""  # the worker closes it (bounded by the socket's timeout)
+        for role, url in urls.items():
+            assert _closed_by(url, role, "idle_timeout") == before[role] + 1
+    finally:
+        for sock in idle.values():
+            sock.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helixserve.models.presets import make_checkpoint
-from helixserve.models.tokenizer import load_tokenizer
+from helixserve.models.tokenizer_loader import load_tokenizer
 from tests.e2e.conftest import MODEL, Deployment
 
 GEN_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 5}

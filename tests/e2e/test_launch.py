@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from helixserve.config import DeploymentConfig
@@ -120,3 +121,44 @@ def test_serve_gen_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
         d.procs.pop("gen-task0")
     finally:
         d.stop()
+
+
+STOPS = 3  # the stop is a race between the worker's shutdown and its ranks: a few in one test
+
+
+def test_a_sigterm_stops_launch_cleanly_with_requests_in_flight(tmp_path, k3_tiny):
+    """SIGTERM (what a process manager sends) after some requests, with a few more in flight:
+    ``launch`` exits 0 and nothing logs an ERROR or a traceback (a gen world rank's exit during
+    the stop is not a failure), every time."""
+    router_port, ctx_port, gen_port, tx_port = free_ports(4)
+    config = DeploymentConfig.model_validate({
+        "model": {"path": str(k3_tiny), "served_name": MODEL},
+        "cache": {"memory_budget_mib": 16, "max_num_seqs": 4},
+        "ctx": [{"port": ctx_port, "transceiver_port": tx_port}], "gen": [{"port": gen_port}],
+        "router": {"port": router_port, "health_check_interval_s": 0.25}})
+    config.to_yaml(tmp_path / "local.yaml")
+    url = f"http://127.0.0.1:{router_port}"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for attempt in range(STOPS):
+        log_path = tmp_path / f"launch{attempt}.log"
+        with open(log_path, "wb") as log:
+            launcher = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "launch", "-c",
+                                         str(tmp_path / "local.yaml")], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: "helixserve is ready" in log_path.read_text() or launcher.poll() is not None,
+                       120, "launch to report ready", interval=0.3)
+            for _ in range(2):
+                assert http("POST", f"{url}/v1/completions", body)[0] == 200
+            in_flight = [threading.Thread(target=http, args=("POST", f"{url}/v1/completions", body), daemon=True)
+                         for _ in range(3)]
+            for thread in in_flight:
+                thread.start()
+            wait_until(lambda: metric(f"http://127.0.0.1:{gen_port}", "helixserve_worker_requests_live") >= 1,
+                       30, "a request to be in the gen worker", interval=0.02)
+        finally:
+            launcher.send_signal(signal.SIGTERM)
+            code = launcher.wait(60)
+        out = log_path.read_text()
+        noisy = [line for line in out.splitlines() if "ERROR" in line or "Traceback" in line]
+        assert code == 0 and not noisy, out[-4000:]
+        assert "stopped" in out

@@ -26,7 +26,7 @@ from helixserve.kernels import _host
 from helixserve.kvcache import CacheManager, local_logical_blocks
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.launch.processes import run_local_world
-from helixserve.models.checkpoint import load_model
+from helixserve.models.loading import load_model
 from helixserve.models.context import ForwardBatch
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.sharding import HelixConfigError, check_helix_config

@@ -33,8 +33,12 @@ from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.launch.processes import LocalWorldError, run_local_world
 from helixserve.models.caches import SeqChunk, build_batch
-from helixserve.models.checkpoint import load_model
+from helixserve.models.loading import load_model
+from helixserve.models.presets import get_preset
 from helixserve.parallel import Mapping, init_parallel
+from helixserve.protocol.disagg import TransceiverEndpoint
+from helixserve.transceiver.layout import layout_for
+from helixserve.transceiver.ticket import KVTicket
 
 CACHE = CacheConfig(tokens_per_block=4, memory_budget_mib=4, max_num_seqs=6)
 OPTIONS = WorldOptions(cache=CACHE, timeout_s=30)
@@ -58,6 +62,15 @@ HELD = "held"
 KV_PROMPTS = [_prompt(6, 10), _prompt(7, 5), _prompt(8, 7)]  # the second fails on rank 3
 KV_PARAMS = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 2 + [
     SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)]
+FAILING_RANK = 3
+
+
+def _ticket(j: int, first_token: int, failing: bool = False) -> KVTicket:
+    """KV_PROMPTS[j]'s ticket (the fake receiver reads the prompt and the failing rank off its id;
+    the endpoint is never dialled)."""
+    return KVTicket(f"kv{j}" + ("-failing" if failing else ""), TransceiverEndpoint(host="127.0.0.1", port=1),
+                    layout_for(get_preset(PRESET), torch.float32, CACHE.tokens_per_block, PRESET),
+                    len(KV_PROMPTS[j]), (first_token,))
 
 
 class _FakeReceiver:
@@ -71,7 +84,8 @@ class _FakeReceiver:
         self.waits: list[bool] = []  # each poll's `wait`
 
     def start(self, request_id, handle, caches, ticket) -> None:
-        prompt, fail_on_rank = ticket
+        prompt = KV_PROMPTS[int(ticket.ctx_request_id.removeprefix("kv").removesuffix("-failing"))]
+        fail_on_rank = FAILING_RANK if ticket.ctx_request_id.endswith("-failing") else None
         cfg, tpb = self.ref.cfg, caches.tokens_per_block
         full = allocate_model_caches(cache_spec_for(cfg, torch.float32, tpb), 16, 1)
         self.ref(build_batch([SeqChunk(prompt, 0, 0)], tpb, 16), full)
@@ -155,7 +169,7 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
             driver.add_request(HELD, _prompt(10, 4), SamplingParams(max_tokens=2, temperature=0), hold_cache=True)
             for j, (prompt, params) in enumerate(zip(KV_PROMPTS, KV_PARAMS)):
                 driver.add_request(f"kv{j}", prompt, params, forced_output_token_ids=[first_tokens[j]],
-                                   kv_ticket=(prompt, 3 if j == 1 else None))
+                                   kv_ticket=_ticket(j, first_tokens[j], failing=j == 1))
                 owners[f"kv{j}"] = driver.life.get(f"kv{j}").dp_rank
         step()
     assert driver.abort(ABORTED) and not driver.abort(ABORTED)
@@ -169,7 +183,7 @@ def _drive(driver: WorldDriver, first_tokens: list[int]) -> dict:
     assert driver.release(HELD) and not driver.release(HELD)
     # alone in an idle world: a reception aborted mid-way is cancelled on every rank of its group
     driver.add_request(KV_ABORTED, KV_PROMPTS[0], KV_PARAMS[0], forced_output_token_ids=[first_tokens[0]],
-                       kv_ticket=(KV_PROMPTS[0], None))
+                       kv_ticket=_ticket(0, first_tokens[0]))
     owners[KV_ABORTED] = driver.life.get(KV_ABORTED).dp_rank
     step()  # the group allocates and starts receiving (it arrives after two polls)
     assert driver.abort(KV_ABORTED)

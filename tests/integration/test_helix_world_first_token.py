@@ -10,7 +10,7 @@ from helixserve.engine.world_rank import build_rank, serve_rank
 from helixserve.launch.processes import run_local_world
 from helixserve.parallel import Mapping, init_parallel
 from tests.integration.test_helix_world import (CACHE, KV_PARAMS, KV_PROMPTS, OPTIONS, PRESET, REQUESTS,
-                                                _FakeReceiver)
+                                                _FakeReceiver, _ticket)
 
 
 def _first_token_world(rank: int, world_size: int, init_method: str, model_dir: str, first: int) -> list:
@@ -21,7 +21,7 @@ def _first_token_world(rank: int, world_size: int, init_method: str, model_dir: 
         driver = WorldDriver(part, heartbeat_s=0.2)
         try:
             driver.add_request("kv", KV_PROMPTS[0], KV_PARAMS[0], forced_output_token_ids=[first],
-                               kv_ticket=(KV_PROMPTS[0], None))
+                               kv_ticket=_ticket(0, first))
             steps = []
             while driver.has_unfinished_requests():
                 forwards = part.group.num_forwards
@@ -63,7 +63,7 @@ def _poll_wait_world(rank: int, world_size: int, init_method: str, model_dir: st
                 pass
             busy_from = len(receiver.waits)
             driver.add_request("kv", KV_PROMPTS[0], KV_PARAMS[0], forced_output_token_ids=[1],
-                               kv_ticket=(KV_PROMPTS[0], None))
+                               kv_ticket=_ticket(0, 1))
             while not any(u.request_id == "kv" for u in driver.step()):
                 pass
             busy_to = len(receiver.waits)
@@ -71,7 +71,7 @@ def _poll_wait_world(rank: int, world_size: int, init_method: str, model_dir: st
                 driver.step()
             idle_from = len(receiver.waits)
             driver.add_request("kv2", KV_PROMPTS[1], KV_PARAMS[1], forced_output_token_ids=[1],
-                               kv_ticket=(KV_PROMPTS[1], None))
+                               kv_ticket=_ticket(1, 1))
             while not any(u.request_id == "kv2" for u in driver.step()):
                 pass
             idle_to = len(receiver.waits)

@@ -123,7 +123,7 @@ def _params(rid: str, endpoint, grant: dict | None = None):
 
 
 def _ctx_held_after(inbox, outbox, limit_s: float = 10.0) -> int:
-    """The ctx's held pickups once they dropped to 0, or its count after `limit_s`."""
+    """The ctx's holds once they dropped to 0, or its count after `limit_s`."""
     end = time.monotonic() + limit_s
     while True:
         inbox.put(("stats",))
@@ -225,7 +225,7 @@ def test_cuda_killed_ctx_fails_the_transfer_within_its_deadline(ctx_worker):
 
 
 def test_cuda_grant_of_a_freed_request_is_never_read(ctx_worker):
-    """The ctx cancelled (and so freed) the pickup before the gen used its grant: its lease word
+    """The ctx cancelled (and so freed) the hold before the gen used its grant: its lease word
     is zeroed, so the gen rank never copies and asks instead, which the ctx refuses."""
     from helixserve.kvcache.manager import CacheManager
 

@@ -7,7 +7,7 @@ forgotten) while long ones are still moving, some are aborted by gen mid-transfe
 ctx, and one has a receive that fails mid-transfer (the ctx sends a message longer than the posted
 receive: a real UCX truncation error). Checked: every other request arrives byte for byte on
 both ranks, failures name their cause, and afterwards nothing is held on either side (blocks,
-slots, pickups, transfers, sinks). The gen process frees like the engine does: on completion, and
+slots, holds, transfers, sinks). The gen process frees like the engine does: on completion, and
 after `cancel()` returned for a failed or aborted transfer (rank failures are shared by both
 ranks, as the CP consensus does). Every wait is bounded.
 

@@ -10,7 +10,7 @@ single-process engine per model (cp = 1) that decodes from a received cache.
 Checked: each rank's received cache equals, byte for byte, its shard of the ctx cache (cp = 2,
 and two requests on two DP groups at once); cp = 1 decoding from the received state gives the
 same tokens as the engine decoding after its own prefill; a killed ctx, a stalled CP rank, a
-layout mismatch and an expired pickup each end with a named error within the timeout (the killed
+layout mismatch and an expired hold each end with a named error within the timeout (the killed
 ctx before it), a cancel mid-transfer (the client went away: the leader's abort reaches every rank
 of the group) ends without one, and nothing is left allocated on either side. Every wait is bounded.
 """
@@ -114,14 +114,14 @@ def _ctx_main(checkpoints: dict, commands, results) -> None:
             _stall(*args)
             results.put(("ctx", tag, None))
         elif cmd == "prefill":
-            model, rid, prompt, pickup_timeout_s = args
+            model, rid, prompt, hold_timeout_s = args
             engine = engines[model]
             engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0), hold_cache=True)
             updates = []
             while engine.has_unfinished_requests():
                 updates += engine.step()
             handle = engine.cache_manager.get(rid)
-            senders[model].hold(rid, handle, len(prompt), [updates[-1].token_id], pickup_timeout_s=pickup_timeout_s)
+            senders[model].hold(rid, handle, len(prompt), [updates[-1].token_id], hold_timeout_s=hold_timeout_s)
             caches, nb = engine.runner.caches, handle.num_logical_blocks
             state = {"mla": {i: p[handle.block_ids[:nb]].clone() for i, p in caches.mla_kv.items()},
                      "kda": {i: p[handle.slot].clone() for i, p in caches.kda_state.items()},
@@ -346,8 +346,8 @@ class World(Mailbox):
         return DisaggregatedParams(request_type="generation_only", ctx_request_id=rid, first_gen_tokens=[first],
                                    prompt_token_ids=prompt, ctx_endpoint=endpoint or ep, layout=layout).model_dump_json()
 
-    def prefill(self, model: str, rid: str, prompt=PROMPT, pickup_timeout_s: float | None = None):
-        return self.ask(["ctx"], "prefill", model, rid, prompt, pickup_timeout_s)[0]
+    def prefill(self, model: str, rid: str, prompt=PROMPT, hold_timeout_s: float | None = None):
+        return self.ask(["ctx"], "prefill", model, rid, prompt, hold_timeout_s)[0]
 
 
 
@@ -488,7 +488,7 @@ def test_layout_mismatch_is_a_clear_error_at_the_first_request_and_leaks_nothing
     bad = params.model_copy(update={"layout": params.layout.model_copy(update={"kv_lora_rank": 64})})
     got = world.ask(["gen0", "gen1"], "receive", model, "g-lay", bad.model_dump_json(), None)
     assert all("kv_lora_rank: 32 != 64" in r["error"] and r["leaked"] == (0, 0) for r in got)
-    # the ctx side checks the receiver's layout too, and keeps the pickup for a correct request
+    # the ctx side checks the receiver's layout too, and keeps the hold for a correct request
     client = ControlClient(params.ctx_endpoint, timeout_s=2.0)
     reply = client.request_shard(pb.ShardRequest(
         ctx_request_id="lay", cp_size=1, num_prompt_tokens=len(PROMPT), max_message_bytes=1024,
@@ -500,10 +500,10 @@ def test_layout_mismatch_is_a_clear_error_at_the_first_request_and_leaks_nothing
     assert all("state" in r for r in got)
 
 
-def test_pickup_deadline_frees_and_counts_expired(world):
+def test_hold_deadline_frees_and_counts_expired(world):
     model = "kimi-linear-tiny"
     _, before, _ = world.ask(["ctx"], "stats", model)[0]
-    world.prefill(model, "forgotten", pickup_timeout_s=0.3)
+    world.prefill(model, "forgotten", hold_timeout_s=0.3)
     engine_stats, sender_stats, released = _ctx_settled(world, model, "forgotten")
     assert "forgotten" in released and engine_stats.num_held == 0
-    assert sender_stats.metrics.expired_pickups == before.metrics.expired_pickups + 1
+    assert sender_stats.metrics.expired_holds == before.metrics.expired_holds + 1

@@ -31,7 +31,7 @@ from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_hooks import static_moe_capacity
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.kimi import KimiForCausalLM
-from helixserve.models.packing import relayout
+from helixserve.models.packing import store_column_major
 from helixserve.models.presets import get_preset
 from helixserve.parallel import Mapping, init_parallel
 from tests.integration.host_sync_guard import HostReadError, no_host_reads
@@ -161,8 +161,8 @@ def _no_host_read_worker(rank: int, world_size: int, init_method: str, model_dir
         model = load_helix_model(model_dir, mapping).bind(groups)
         layer = next(layer for layer in model.model.layers if layer.is_moe)
         experts = layer.block_sparse_moe.experts
-        relayout(experts, "w13")  # column-major stacks (a CPU world of one's layout): the expert
-        relayout(experts, "w2")  # sum is the kernels' embedding-bag form, host-free
+        store_column_major(experts, "w13")  # column-major stacks (a CPU world of one's layout): the expert
+        store_column_major(experts, "w2")  # sum is the kernels' embedding-bag form, host-free
         hooks = model.helix
         x = torch.randn(ROWS[rank], model.cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
         out: dict = {}

@@ -11,7 +11,7 @@ from helixserve.config import CacheConfig
 from helixserve.engine.async_engine import AsyncEngine, IncrementalDetokenizer
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
-from helixserve.models.tokenizer import build_byte_tokenizer
+from helixserve.models.tokenizer_hf import build_byte_tokenizer
 from helixserve.engine.errors import (EngineQueueFullError, EngineUnavailableError, RequestAbortedError,
                                       RequestRejectedError, StepFailedError)
 

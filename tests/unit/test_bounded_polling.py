@@ -231,7 +231,7 @@ def test_bounded_polling_sender_past_deadline_frees_only_when_quiesced():
     assert sorted(result.timed_out) == ["quiet", "stuck"]
     assert result.quiesced == ["quiet"] and result.quarantined == ["stuck"]
     assert "no acknowledgement from gen ranks [1]" in stuck.error
-    assert poller.metrics.expired_pickups == 2
+    assert poller.metrics.expired_holds == 2
     poller.retire("quiet")
     with pytest.raises(ValueError, match="in flight"):
         poller.retire("stuck")

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helixserve.models.checkpoint import CheckpointError, load_model
+from helixserve.models.checkpoint import CheckpointError
+from helixserve.models.loading import load_model
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.presets import make_checkpoint
 from helixserve.models.quantization import check_checkpoint_quantization, parse_quantization_config

@@ -16,7 +16,7 @@ from helixserve.ctx_server.lifecycle import (Admitted, CancelRequested, CtxReque
                                              DuplicateRequestError, Expired, Finished,
                                              IllegalTransitionError, Offered, Prefilled,
                                              ReleaseCause, ReleaseRequested, SenderFreed, Stopped)
-from helixserve.ctx_server.pickup import CtxRequests
+from helixserve.ctx_server.ctx_requests import CtxRequests
 from helixserve.engine.async_engine import AsyncEngine
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams

@@ -14,7 +14,7 @@ from helixserve.config import DeploymentConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.launch.offline import generate_on_world
-from helixserve.models.checkpoint import load_model, model_tensors
+from helixserve.models.loading import load_model, model_tensors
 from helixserve.models.dummy import load_dummy_model, model_config_of
 from helixserve.models.presets import get_preset
 from helixserve.serving.loading import load_engine

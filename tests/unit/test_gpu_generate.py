@@ -22,7 +22,7 @@ from helixserve.config import CacheConfig  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch  # noqa: E402
-from helixserve.models.checkpoint import load_model  # noqa: E402
+from helixserve.models.loading import load_model  # noqa: E402
 from helixserve.models.presets import make_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -112,7 +112,7 @@ def test_k3_tiny_loads_packed_on_cuda_and_matches_dense(tmp_path):
     what the dequantized (dense bf16) model's does on the same input (whole-model logits are not
     compared: random-weight K3 routing flips on bf16 rounding), and the packed model runs a step."""
     from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
-    from helixserve.models.checkpoint import load_model
+    from helixserve.models.loading import load_model
     from helixserve.models.moe import KimiMoE, RoutedExperts
     from helixserve.models.presets import get_preset, make_checkpoint
 

@@ -9,7 +9,10 @@ import pytest
 from helixserve.engine.kv_intake import KVIntake, RankTransfers
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.kvcache.manager import CacheManager
+from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.transceiver.consensus import TransferConsensus
+from helixserve.transceiver.ticket import KVTicket
+from tests.unit.transceiver_harness import LAYOUT
 
 TPB = 4
 
@@ -25,7 +28,7 @@ class _Receiver:
 
     def start(self, request_id, handle, caches, ticket) -> None:  # noqa: ANN001
         if request_id in self.refuse:
-            raise RuntimeError(f"bad ticket {ticket!r}")
+            raise RuntimeError(f"bad ticket of ctx request {ticket.ctx_request_id!r}")
         self.started.append(request_id)
         self.pending[request_id] = self.polls
 
@@ -52,6 +55,11 @@ def _request(rid: str, n: int) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4), forced_output_token_ids=[7])
 
 
+def _ticket(rid: str, n: int) -> KVTicket:
+    """Its ticket (the fake receiver dials nothing)."""
+    return KVTicket(f"ctx-{rid}", TransceiverEndpoint(host="127.0.0.1", port=1), LAYOUT, n, (7,))
+
+
 class _Starts:
     def __init__(self, slots: int = 8) -> None:
         self.slots, self.started = slots, []
@@ -67,9 +75,9 @@ class _Starts:
 def test_requests_wait_fifo_while_the_cache_is_full_and_start_as_it_frees() -> None:
     receiver = _Receiver()
     intake, cache = _intake(receiver, num_blocks=4)
-    intake.add(_request("a", 3 * TPB), "ta")  # 3 blocks
-    intake.add(_request("b", 2 * TPB), "tb")  # 2 blocks: does not fit beside a
-    intake.add(_request("c", 1), "tc")  # 1 block: would fit, but waits behind b (FIFO)
+    intake.add(_request("a", 3 * TPB), _ticket("a", 3 * TPB))  # 3 blocks
+    intake.add(_request("b", 2 * TPB), _ticket("b", 2 * TPB))  # 2 blocks: does not fit beside a
+    intake.add(_request("c", 1), _ticket("c", 1))  # 1 block: would fit, but waits behind b (FIFO)
     starts = _Starts()
     intake.step(starts.can_start, starts)
     assert receiver.started == ["a"] and "b" in intake and "c" in intake
@@ -83,8 +91,8 @@ def test_requests_wait_fifo_while_the_cache_is_full_and_start_as_it_frees() -> N
 def test_a_full_cache_at_exactly_its_capacity_admits_and_one_more_block_waits() -> None:
     receiver = _Receiver(polls=5)
     intake, cache = _intake(receiver, num_blocks=4)
-    intake.add(_request("full", 4 * TPB), None)  # exactly the cache
-    intake.add(_request("one", 1), None)
+    intake.add(_request("full", 4 * TPB), _ticket("full", 4 * TPB))  # exactly the cache
+    intake.add(_request("one", 1), _ticket("one", 1))
     starts = _Starts()
     intake.step(starts.can_start, starts)
     assert receiver.started == ["full"] and cache.stats().num_free_blocks == 0
@@ -94,8 +102,8 @@ def test_a_full_cache_at_exactly_its_capacity_admits_and_one_more_block_waits() 
 def test_a_failed_transfer_fails_only_its_request_and_frees_its_cache() -> None:
     receiver = _Receiver(fail=frozenset({"bad"}))
     intake, cache = _intake(receiver)
-    intake.add(_request("bad", 5), None)
-    intake.add(_request("good", 5), None)
+    intake.add(_request("bad", 5), _ticket("bad", 5))
+    intake.add(_request("good", 5), _ticket("good", 5))
     starts = _Starts()
     updates = intake.step(starts.can_start, starts)
     assert [(u.request_id, u.status, u.error) for u in updates] == [
@@ -106,11 +114,11 @@ def test_a_failed_transfer_fails_only_its_request_and_frees_its_cache() -> None:
 def test_a_reception_that_cannot_start_fails_its_request_through_the_consensus() -> None:
     receiver = _Receiver(refuse=frozenset({"x"}))
     intake, cache = _intake(receiver)
-    intake.add(_request("x", 5), "ticket-x")
+    intake.add(_request("x", 5), _ticket("x", 5))
     starts = _Starts()
     updates = intake.step(starts.can_start, starts)
     assert len(updates) == 1 and updates[0].status is RequestStatus.FINISHED_ERROR
-    assert "bad ticket 'ticket-x'" in updates[0].error
+    assert "bad ticket of ctx request 'ctx-x'" in updates[0].error
     assert "x" not in cache and cache.stats().num_used_slots == 0
 
 
@@ -119,8 +127,8 @@ def test_an_abort_in_every_state_frees_everything(state: str) -> None:
     receiver = _Receiver(polls=1 if state == "ready" else 3)
     intake, cache = _intake(receiver, num_blocks=2)
     if state == "waiting":
-        intake.add(_request("blocker", 2 * TPB), None)
-    intake.add(_request("r", TPB), None)
+        intake.add(_request("blocker", 2 * TPB), _ticket("blocker", 2 * TPB))
+    intake.add(_request("r", TPB), _ticket("r", TPB))
     starts = _Starts(slots=0)  # nothing may start: a ready request stays ready
     intake.step(starts.can_start, starts)
     assert "r" in intake
@@ -135,8 +143,8 @@ def test_an_abort_in_every_state_frees_everything(state: str) -> None:
 def test_a_ready_request_starts_only_when_a_running_slot_is_free() -> None:
     receiver = _Receiver()
     intake, _ = _intake(receiver)
-    intake.add(_request("a", 3), None)
-    intake.add(_request("b", 3), None)
+    intake.add(_request("a", 3), _ticket("a", 3))
+    intake.add(_request("b", 3), _ticket("b", 3))
     starts = _Starts(slots=1)
     intake.step(starts.can_start, starts)
     assert starts.started == ["a"] and "b" in intake  # b arrived and waits for a slot

@@ -9,6 +9,7 @@ from helixserve.kvcache import (
     KVCacheError,
     local_logical_blocks,
 )
+from helixserve.kvcache.group_cache import GroupCacheManager
 
 
 def test_allocate_extend_free_single_rank():
@@ -155,3 +156,23 @@ def test_try_extend_and_the_reused_block_table_match_extend(cp_rank, cp_size):
     fast.free("r")
     with pytest.raises(AllocationError, match="'r' is not live"):
         fast.try_extend(hf, hf.num_tokens + 1)
+
+
+def test_shrink_gives_back_the_blocks_past_the_span_on_every_cp_rank():
+    group = GroupCacheManager(16, 4, 4, cp_size=2)
+    other = group.allocate("other", 1)
+    handle = group.allocate("r", 9)  # logical blocks 0, 1, 2: rank 0 holds 0 and 2, rank 1 holds 1
+    group.extend(handle, 17)  # blocks 3, 4: rank 1 gets 3, rank 0 gets 4
+    assert [len(m.get("r").block_ids) for m in group.ranks] == [3, 2]
+    group.shrink(handle, 12)  # blocks 0..2 stay: rank 0 keeps 0, 2; rank 1 keeps 1
+    assert [len(m.get("r").block_ids) for m in group.ranks] == [2, 1]
+    assert [m.get("r").num_tokens for m in group.ranks] == [12, 12]
+    assert group.stats().num_reserved_blocks == 2 * (2 + 1)  # r: 2 blocks of rank 0's share, other: 1
+    before = group.handle_on(1, "r").block_table()
+    group.allocate("taker", 4)  # takes the freed blocks
+    group.extend(handle, 16)  # back to block 3 on rank 1, another physical block
+    table = group.handle_on(1, "r").block_table()
+    assert table[:3] == before[:3] and table[3] == group.handle_on(1, "r").block_ids[-1] != -1
+    with pytest.raises(ValueError, match="cannot shrink"):
+        group.shrink(handle, 17)
+    assert other.num_tokens == 1

@@ -56,7 +56,7 @@ INTERNAL = {
         "how often a throttled warning may repeat; no one waits on it",
     ("helixserve/engine/async_engine.py", "DRAIN_TICK_S"): "how often a shutdown re-checks live requests",
     ("helixserve/engine/async_engine.py", "THREAD_JOIN_S"): "shutdown only: the step in progress ends",
-    ("helixserve/ctx_server/pickup.py", "EXPIRY_TICK_S"): "pickup_timeout_s is the bound; this is its sweep",
+    ("helixserve/ctx_server/ctx_requests.py", "EXPIRY_TICK_S"): "ctx[].pickup_timeout_s (the hold deadline) is the bound; this is its sweep",
     ("helixserve/ctx_server/transfer.py", "STATS_INTERVAL_S"): "staleness of a /metrics gauge, no wait",
     ("helixserve/gen_server/supervisor.py", "DEAD_RANK_WAIT_S"):
         "only to name a dead rank in a failure already detected; nothing hangs on it",
@@ -294,7 +294,7 @@ def test_the_scontrol_timeout_bounds_a_hanging_scontrol(tmp_path: Path, monkeypa
 
 
 def test_the_ctx_release_grace_delays_the_cancel() -> None:
-    """``ctx[].release_grace_s`` is how long a router release waits before cancelling the pickup."""
+    """``ctx[].release_grace_s`` is how long a router release waits before cancelling the hold."""
     from helixserve.config import CtxServerConfig, DeploymentConfig
     from helixserve.ctx_server.transfer import CtxTransceiver
 

@@ -10,7 +10,9 @@ import random
 import pytest
 
 from helixserve.config import DeploymentConfig, LimitsConfig
-from helixserve.models.tokenizer import SPECIAL_TOKENS, load_tokenizer, write_tokenizer_files
+from helixserve.models.tokenizer import SPECIAL_TOKENS
+from helixserve.models.tokenizer_hf import write_tokenizer_files
+from helixserve.models.tokenizer_loader import load_tokenizer
 from helixserve.protocol import (ChatCompletionRequest, CompletionRequest,
                                  ContextLengthExceededError, parse_model)
 from helixserve.serving.http import OffLoop

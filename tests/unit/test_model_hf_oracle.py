@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch, greedy_generate
-from helixserve.models.checkpoint import load_model
+from helixserve.models.loading import load_model
 from helixserve.models.presets import get_preset
 from helixserve.testing.hf_reference import build_hf_reference
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
-from helixserve.models.checkpoint import load_model
+from helixserve.models.loading import load_model
 from helixserve.models.presets import get_preset, make_checkpoint
 from tests._testing import load_functions_from_source, load_module_by_path
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
-from helixserve.models.checkpoint import load_model, save_checkpoint
+from helixserve.models.checkpoint import save_checkpoint
+from helixserve.models.loading import load_model
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.packing import PackedLinear, pack_for_cpu, packed_linear
 from helixserve.models.presets import get_preset, init_random_weights

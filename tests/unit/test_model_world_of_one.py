@@ -21,7 +21,7 @@ from helixserve import kernels
 from helixserve.cache_layout import cache_spec_for
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
-from helixserve.models.checkpoint import load_model
+from helixserve.models.loading import load_model
 from helixserve.cache_layout import ModelCaches
 from helixserve.models.context import ForwardBatch
 from helixserve.models.helix_hooks import PhaseTimer

@@ -1,5 +1,5 @@
 """``helixserve plan`` on the command line: the JSON object (GPU counts per role as integer
-``*gpu*`` fields), the table, a deployment config's own layouts, and clear errors."""
+``*gpu*`` fields), the table, a deployment config's own mappings, and clear errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import yaml
 from helixserve.cli import main
 from helixserve.models.presets import get_preset
 from helixserve.planning.memory import GIB
-from helixserve.planning.plan import PlanTarget, plan_configured, smallest_layout
+from helixserve.planning.plan import PlanTarget, plan_configured, smallest_mapping
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_k3_json_gives_the_gpu_counts_per_role():
     assert gpu_ints == {"ctx_gpus": 16, "gen_gpus": 16}
     t = PlanTarget(context_len=32768, batch=16)
     for role in ("ctx", "gen"):
-        best = smallest_layout(get_preset("kimi-k3"), role, 141 * GIB, t)
+        best = smallest_mapping(get_preset("kimi-k3"), role, 141 * GIB, t)
         r = plan["roles"][role]
         assert (r["num_gpus"], r["dp"], r["cp"], r["fits"]) == (best.num_gpus, best.memory.dp, best.memory.cp, True)
         assert r["per_rank"]["total_bytes"] == best.memory.total_bytes <= 141 * GIB
@@ -68,7 +68,7 @@ def test_a_checkpoint_directory_is_planned_from_its_config(tiny_checkpoints, cap
     model = tiny_checkpoints["kimi-linear-tiny"]
     assert main(["plan", "--model", str(model), "--gpu-memory-gib", "2", "--context-len", "4096", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    best = smallest_layout(get_preset("kimi-linear-tiny"), "gen", 2 * GIB, PlanTarget(context_len=4096, batch=16))
+    best = smallest_mapping(get_preset("kimi-linear-tiny"), "gen", 2 * GIB, PlanTarget(context_len=4096, batch=16))
     assert (plan["model"], plan["gen_gpus"], plan["ctx_gpus"]) == ("kimi-linear-tiny", 1, 1)
     assert plan["roles"]["gen"]["sequences_at_context"] == best.sequences > 16
 

@@ -1,5 +1,5 @@
 """``helixserve plan``'s arithmetic: weights by format and sharding, pools, the
-smallest layouts, against a hand computation from the published configs (kimi.md) and against
+smallest mappings, against a hand computation from the published configs (kimi.md) and against
 the modules the model really builds (on the meta device)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from helixserve.planning.memory import (
     activation_bytes,
     pool_unit_bytes,
 )
-from helixserve.planning.plan import PlanTarget, plan_configured, plan_filled, smallest_layout
+from helixserve.planning.plan import PlanTarget, plan_configured, plan_filled, smallest_mapping
 from helixserve.planning.weights import WeightBytes, mxfp4_bytes, rank_weight_bytes
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -130,7 +130,7 @@ def hand_filled_sequences(weights: int, block: int, slot: int, blocks_per_seq: i
 def test_k3_on_141_gib_gpus_needs_16_per_role_at_32k():
     cfg = get_preset("kimi-k3")
     t = PlanTarget(context_len=32768, batch=16)
-    gen, ctx = smallest_layout(cfg, "gen", H200, t), smallest_layout(cfg, "ctx", H200, t)
+    gen, ctx = smallest_mapping(cfg, "gen", H200, t), smallest_mapping(cfg, "ctx", H200, t)
     assert (gen.memory.dp, gen.memory.cp, gen.num_gpus) == (1, 16, 16) == (ctx.memory.dp, ctx.memory.cp, ctx.num_gpus)
     weights = hand_bytes(k3_hand, 1, 16, True)
     assert gen.memory.weights.total_bytes == weights
@@ -148,7 +148,7 @@ def test_k3_on_141_gib_gpus_needs_16_per_role_at_32k():
 def test_48b_on_141_gib_gpus_at_128k_context():
     cfg = get_preset("kimi-linear-48b")
     t = PlanTarget(context_len=131072, batch=64)
-    ctx, gen = smallest_layout(cfg, "ctx", H200, t), smallest_layout(cfg, "gen", H200, t)
+    ctx, gen = smallest_mapping(cfg, "ctx", H200, t), smallest_mapping(cfg, "gen", H200, t)
     block, slot = 7 * 16 * 576 * 2, 20 * (2 * 2**20 + 73_728)
     one = hand_filled_sequences(hand_bytes(linear48b_hand, 1, 1, False), block, slot, 8192, 2048, 2304)
     assert (ctx.num_gpus, ctx.sequences) == (1, one) == (1, 46)
@@ -182,13 +182,13 @@ def test_budget_boundary_and_the_shortfall_message():
         RankMemory("engine", 1, 1, weights, pools, 9, 0, 153).check()
 
 
-def test_layouts_the_model_cannot_take_and_bad_targets():
+def test_mappings_the_model_cannot_take_and_bad_targets():
     cfg, t = get_preset("kimi-k3"), PlanTarget(context_len=4096)
     assert plan_filled(cfg, "gen", 1, 3, H200, t).problems  # 896 experts over 3 ranks
     assert not plan_filled(cfg, "ctx", 2, 8, H200, t).fits  # a ctx worker is one world
     too_long = PlanTarget(context_len=cfg.max_position_embeddings + 1)
     assert "exceeds the model's" in plan_filled(cfg, "gen", 1, 16, H200, too_long).problems[0]
-    assert smallest_layout(cfg, "gen", 8 * GIB, t, max_world_size=64) is None
+    assert smallest_mapping(cfg, "gen", 8 * GIB, t, max_world_size=64) is None
     assert activation_bytes(cfg, 2, 1, 1) == 7168 * 32 * 2 + 2 * 163840 * 4
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.sampler import Sampler, _mask_top_k_top_p, sample, sample_on_device
+from helixserve.engine.sampler import Sampler, mask_top_k_top_p, sample, sample_on_device
 
 V = 50
 
@@ -19,7 +19,7 @@ def test_greedy_is_argmax():
 def test_top_k_mask_keeps_exactly_k_largest():
     logits = _logits(3)
     k = torch.tensor([1, 5, V])
-    masked = _mask_top_k_top_p(logits, k, torch.ones(3))
+    masked = mask_top_k_top_p(logits, k, torch.ones(3))
     for row, kk in enumerate(k.tolist()):
         kept = torch.isfinite(masked[row]).nonzero().flatten()
         assert set(kept.tolist()) == set(logits[row].topk(kk).indices.tolist())
@@ -29,7 +29,7 @@ def test_top_k_mask_keeps_exactly_k_largest():
 def test_top_p_mask_is_smallest_nucleus():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5], [0.9, 0.05, 0.03, 0.02]])
     logits = probs.log()
-    masked = _mask_top_k_top_p(logits, torch.full((3,), 4), torch.tensor([0.8, 0.81, 0.5]))
+    masked = mask_top_k_top_p(logits, torch.full((3,), 4), torch.tensor([0.8, 0.81, 0.5]))
     kept = torch.isfinite(masked)
     assert kept.tolist() == [
         [True, True, False, False],  # 0.5 + 0.3 reaches 0.8

@@ -12,9 +12,9 @@ from helixserve.models.tokenizer import (
     EOS_ID,
     PAD_ID,
     TokenizerError,
-    load_tokenizer,
-    write_tokenizer_files,
 )
+from helixserve.models.tokenizer_hf import write_tokenizer_files
+from helixserve.models.tokenizer_loader import load_tokenizer
 
 TEXTS = ["hello", "héllo, wörld 🙂", " leading space\nand\ttabs", "", "\x00\x7f\xff"]
 

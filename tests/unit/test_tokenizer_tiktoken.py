@@ -1,4 +1,4 @@
-"""Kimi's published tokenizer layout (tiktoken.model + tokenizer_config.json + chat_template.jinja +
+"""Kimi's published tokenizer format (tiktoken.model + tokenizer_config.json + chat_template.jinja +
 generation_config.json, no tokenizer.json) through the tiktoken backend."""
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from helixserve.models.tokenizer import (
     EOS_ID,
     SPECIAL_TOKENS,
     TokenizerError,
-    has_tokenizer,
-    load_tokenizer,
-    load_tokenizer_or_none,
 )
+from helixserve.models.tokenizer_loader import has_tokenizer, load_tokenizer, load_tokenizer_or_none
 from helixserve.models.tokenizer_tiktoken import (
     KIMI_PAT_STR,
     MAX_RUN_CHARS,

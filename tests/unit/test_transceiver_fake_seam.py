@@ -140,7 +140,7 @@ def test_a_failed_send_fails_the_receivers_request_by_name_and_frees_everything(
     gen.manager.free("g1")
     assert gen.used() == gen.baseline
     assert not gen.rx.inbounds and not gen.rx.poller.sessions
-    wait_for(lambda: ctx.freed == ["r1"])  # the ctx's pickup failed on its side and was freed
+    wait_for(lambda: ctx.freed == ["r1"])  # the ctx's hold failed on its side and was freed
     stats = ctx.sender.stats()
     assert stats.num_held == 0 and stats.num_quarantined == 0 and stats.metrics.completed == 0
     assert fabric.in_flight() == []  # no receive left posted into the freed blocks, no send pinned

@@ -1,7 +1,7 @@
 """Granted pulls on the ctx side, over the real KVSender and its gRPC service: the lease word is
 held from `hold` until the request is freed, and zeroed *before* the engine gets the blocks back
-whatever frees them (every cp rank's ack, a cancel, the pickup deadline, a stop); acks of a pull
-that never asked first complete the pickup only once every cp rank of the stated group acked; a
+whatever frees them (every cp rank's ack, a cancel, the hold deadline, a stop); acks of a pull
+that never asked first complete the hold only once every cp rank of the stated group acked; a
 grant's MAC names exactly its request. The gen side's copy needs two processes on a GPU:
 tests/integration/test_transceiver_cuda.py (GPU-marked).
 
@@ -86,7 +86,7 @@ def test_a_grant_matches_only_its_own_request():
     assert not grant_matches(key, grant, "r1", 83, [7, 1 << 64])  # no int64: no grant, no exception
 
 
-# -- the sender's granted pickups ----------------------------------------------------------------
+# -- the sender's granted holds ----------------------------------------------------------------
 
 @pytest.fixture
 def granting(tmp_path):
@@ -127,12 +127,12 @@ def _ack(client: ControlClient, rid: str, cp_rank: int, cp_size: int, success: b
 
 
 @pytest.mark.parametrize("cp_size", [1, 2])
-def test_acks_of_every_cp_rank_complete_a_granted_pickup_and_revoke_before_the_free(granting, cp_size):
+def test_acks_of_every_cp_rank_complete_a_granted_hold_and_revoke_before_the_free(granting, cp_size):
     c = granting()
     grant = _hold(c, "r1")
     lease = c.sender._export.lease
     assert lease.holds(grant.serial)
-    time.sleep(0.05)  # sender passes: a pickup nobody acked yet is not complete (no cp_size known)
+    time.sleep(0.05)  # sender passes: a hold nobody acked yet is not complete (no cp_size known)
     assert c.freed == [] and c.sender.stats().num_held == 1
     client = ControlClient(c.endpoint, timeout_s=2.0)
     for rank in range(cp_size):
@@ -147,17 +147,17 @@ def test_acks_of_every_cp_rank_complete_a_granted_pickup_and_revoke_before_the_f
     client.close()
 
 
-def test_every_way_a_granted_pickup_ends_revokes_its_lease_first(granting):
+def test_every_way_a_granted_hold_ends_revokes_its_lease_first(granting):
     c = granting(kv_transfer_timeout_ms=300)
     _hold(c, "cancelled")
-    _hold(c, "expired", pickup_timeout_s=0.2)
+    _hold(c, "expired", hold_timeout_s=0.2)
     _hold(c, "gave-up")
     client = ControlClient(c.endpoint, timeout_s=2.0)
     assert c.sender.cancel("cancelled", "the client went away")
     assert _ack(client, "gave-up", 0, 1, success=False).known
     _wait_for(lambda: sorted(c.freed) == ["cancelled", "expired", "gave-up"])
     assert c.revoked_at_free == {"cancelled": True, "expired": True, "gave-up": True}
-    assert c.sender.stats().metrics.expired_pickups == 1 and c.sender.stats().num_granted == 0
+    assert c.sender.stats().metrics.expired_holds == 1 and c.sender.stats().num_granted == 0
     client.close()
 
 

@@ -1,5 +1,5 @@
 """Sender and receivers in ONE process over real UCX (two workers) and real gRPC: shard contents,
-refusals with named causes, pickup expiry, cancel and timeout drains, hostile plans. Cache
+refusals with named causes, hold expiry, cancel and timeout drains, hostile plans. Cache
 contents are random (no model): the oracle slices the ctx tensors directly."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_each_rank_receives_exactly_its_shard(ctx, cp_size, overrides):
                     got[part][layer].shape).view(torch.uint8)), (rank, part, layer)
     wait_for(lambda: c.freed == ["r1"])
     stats = c.sender.stats()
-    assert stats.num_held == 0 and stats.metrics.completed == 1 and stats.metrics.expired_pickups == 0
+    assert stats.num_held == 0 and stats.metrics.completed == 1 and stats.metrics.expired_holds == 0
 
 
 def test_layout_mismatch_is_refused_at_the_first_request_on_both_sides(ctx):
@@ -134,7 +134,7 @@ def test_layout_mismatch_is_refused_at_the_first_request_on_both_sides(ctx):
         ucx_worker_address=gen.rx.receiver.plane.address, num_prompt_tokens=NUM_TOKENS, max_message_bytes=1 << 20))
     assert not reply.accepted
     assert "num_kda_heads: 4 != 8" in reply.error and "kv_dtype: 'float32' != 'bfloat16'" in reply.error
-    gen.rx.begin("g1", params)  # the pickup is still held: a correct request gets it
+    gen.rx.begin("g1", params)  # the hold is still held: a correct request gets it
     assert drive([gen], lambda o: "g1" in o["ready"] or o["failed"])["ready"] == {"g1": [0]}
     client.close()
 
@@ -172,13 +172,13 @@ def test_refusals_name_their_cause(ctx):
     client.close()
 
 
-def test_pickup_deadline_frees_and_counts_expired(ctx):
+def test_hold_deadline_frees_and_counts_expired(ctx):
     c = ctx()
-    c.hold("never", pickup_timeout_s=0.2)
+    c.hold("never", hold_timeout_s=0.2)
     c.hold("soon")
     wait_for(lambda: c.freed == ["never"], timeout_s=3.0)
     stats = c.sender.stats()
-    assert stats.num_held == 1 and stats.metrics.expired_pickups == 1 and stats.num_quarantined == 0
+    assert stats.num_held == 1 and stats.metrics.expired_holds == 1 and stats.num_quarantined == 0
 
 
 def _stall_after(monkeypatch, num_messages: int) -> None:
@@ -258,10 +258,10 @@ def test_hostile_plan_from_the_sender_is_rejected(ctx, monkeypatch):
     wait_for(lambda: c.freed == ["r1"])
 
 
-def test_a_pickup_answered_busy_never_starts_later(ctx):
+def test_a_hold_answered_busy_never_starts_later(ctx):
     """The sender's state stays locked past the RPC timeout (its thread stuck in a pass): the gen
     is told "busy", the RequestShard had no effect (no stream, nothing sent), and once the lock is
-    free the pickup can still be made."""
+    free the hold can still be made."""
     c = ctx(rpc_timeout_ms=300)
     c.hold("r1")
     client = ControlClient(c.endpoint, timeout_s=2.0)
@@ -276,8 +276,8 @@ def test_a_pickup_answered_busy_never_starts_later(ctx):
     assert not busy.accepted and "busy" in busy.error and "0.3s" in busy.error
     assert 0.25 <= time.monotonic() - began < 1.0  # answered at the RPC timeout, not when the lock freed
     stuck.join(5)
-    assert c.sender._pickups["r1"].outbounds == {}  # the busy command never ran
-    assert client.request_shard(request).accepted  # and the pickup can still be made
+    assert c.sender._holds["r1"].outbounds == {}  # the busy command never ran
+    assert client.request_shard(request).accepted  # and the hold can still be made
     client.close()
 
 
@@ -299,9 +299,9 @@ def test_commands_of_a_stuck_sender_are_a_named_busy_error(ctx):
     c.manager.free("r2")  # the caller frees what it allocated (as the ctx worker does on OFFER_FAILED)
 
 
-def test_a_refused_duplicate_pickup_leaves_the_live_one_alone(ctx):
+def test_a_refused_duplicate_hold_leaves_the_live_one_alone(ctx):
     """A second receiver asking for a cp_rank already picked up is refused, and its failure sends
-    no Cancel: the pickup goes on, the other cp_rank still gets its shard and the ctx frees it as
+    no Cancel: the hold goes on, the other cp_rank still gets its shard and the ctx frees it as
     completed (a rejected request never touches another's cache)."""
     c = ctx()
     params = c.hold("r1")

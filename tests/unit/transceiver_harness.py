@@ -21,6 +21,7 @@ from helixserve.transceiver.consensus import TransferConsensus
 from helixserve.transceiver.layout import layout_for
 from helixserve.transceiver.receiver import KVReceiver
 from helixserve.transceiver.sender import KVSender
+from helixserve.transceiver.ticket import KVTicket
 
 CFG = get_preset("kimi-k3-tiny")
 TPB = 4
@@ -116,7 +117,7 @@ class RankReception:
     def begin(self, request_id: str, params: DisaggregatedParams) -> CacheHandle:
         handle = self.cache_manager.allocate(request_id, len(params.prompt_token_ids))
         self._started[request_id] = params
-        self.transfers.start(request_id, handle, params)
+        self.transfers.start(request_id, handle, KVTicket.from_params(params))  # as the gen server does
         return handle
 
     def check(self) -> Agreed:

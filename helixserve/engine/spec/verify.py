@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.sampler import _mask_top_k_top_p
+from helixserve.engine.sampler import mask_top_k_top_p
 from helixserve.host_copy import to_device
 
 
@@ -59,7 +59,7 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     if any(p.is_top_k_on or p.top_p < 1 for p in params):
         top_k = to_device(torch.tensor([p.top_k if p.is_top_k_on else vocab for p in params]), device)
         top_p = to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32), device)
-        scaled = _mask_top_k_top_p(scaled, top_k, top_p)
+        scaled = mask_top_k_top_p(scaled, top_k, top_p)
     return scaled.softmax(dim=-1)
 
 

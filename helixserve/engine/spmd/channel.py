@@ -29,6 +29,7 @@ from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.parallel import CollectiveError, ParallelGroups
+from helixserve.transceiver.ticket import KVTicket
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ class Idle:
 
 @dataclass(slots=True)
 class Transfers:
-    starts: list[tuple[str, CacheHandle, Any]] = field(default_factory=list)  # (request id, handle, ticket)
+    starts: list[tuple[str, CacheHandle, KVTicket]] = field(default_factory=list)  # (request id, handle, ticket)
     cancels: list[str] = field(default_factory=list)
     agree: bool = False
     wait: bool = False  # the leader's poll may wait (nothing else to run): the others' may too

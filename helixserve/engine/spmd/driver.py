@@ -32,7 +32,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from helixserve.engine.core import EngineCore, EngineStats
 from helixserve.engine.request import RequestStatus, SamplingParams
@@ -53,6 +52,7 @@ from helixserve.engine.spmd.messages import (
 )
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import Mapping, ParallelGroups
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +103,11 @@ class WorldDriver:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     hold_cache: bool = False, forced_output_token_ids: Sequence[int] = (),
-                    kv_ticket: Any = None) -> None:
+                    kv_ticket: KVTicket | None = None) -> None:
         """Queue a request on the least-loaded CP group; ``ValueError`` if it could never run.
 
         ``kv_ticket``: the prompt's KV comes from a ctx worker (passed to every rank's
-        ``KVReceiver.start``); ``forced_output_token_ids`` are then the ctx's first tokens.
+        ``ShardReceiver.start``); ``forced_output_token_ids`` are then the ctx's first tokens.
         """
         self._check_alive()
         if request_id in self.life:

@@ -17,6 +17,7 @@ forward per world step and every rank's wait bounded (:meth:`keep_in_step`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Idle, Launc
                                             output_for_rank)
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.parallel import CollectiveError
+from helixserve.transceiver.ticket import KVTicket
 
 
 class GroupLeader:
@@ -47,11 +49,14 @@ class GroupLeader:
             use_previous = input_tokens is not None
             self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous) for r in range(1, self.cp)])
 
-    def sample(self, logits: torch.Tensor, sampled_ids: list[str], params: list[SamplingParams]) -> LaunchedStep:
-        """Sample on the leader and broadcast the tokens over the group; a sampling that raises
-        still broadcasts (``-1`` tokens) first, so no rank is left waiting."""
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
+        """Sample ``out``'s sampled rows on the leader and broadcast the tokens over the group; a
+        sampling that raises still broadcasts (``-1`` tokens) first, so no rank is left waiting."""
+        sampled_ids = [s.request_id for s in out.seqs if s.sample]
+        if not sampled_ids:  # only unsampled prompt chunks: the caches were written, nothing to draw
+            return LaunchedStep([], None, None, None)
         try:
-            tokens = self.runner.sampler.launch(logits, sampled_ids, params)
+            tokens = self.runner.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids])
         except Exception:
             self.channel.broadcast_tokens(torch.full((len(sampled_ids),), -1, dtype=torch.int64,
                                                      device=self.runner.device))
@@ -76,7 +81,7 @@ class GroupLeader:
         if self.num_messages == num_messages:
             self.heartbeat()
 
-    def transfers(self, starts: list[tuple[str, Any]], cancels: list[str], agree: bool, wait: bool) -> None:
+    def transfers(self, starts: list[tuple[str, KVTicket]], cancels: list[str], agree: bool, wait: bool) -> None:
         """Tell the other ranks which receptions to start (each its own handle) and cancel,
         whether to agree on the outcomes now, and whether their polls may wait first."""
         if self.channel.is_alone:

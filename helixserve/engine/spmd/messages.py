@@ -14,6 +14,7 @@ from helixserve.engine.core import EngineStats
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.parallel import CollectiveError, ParallelGroups
+from helixserve.transceiver.ticket import KVTicket
 
 
 class WorldStoppedError(ValueError):
@@ -34,7 +35,7 @@ class AddCommand:
     params: SamplingParams
     hold_cache: bool = False
     forced_output_token_ids: tuple[int, ...] = ()
-    kv_ticket: Any = None  # set: the prompt's KV arrives through the ranks' KVReceiver
+    kv_ticket: KVTicket | None = None  # set: the prompt's KV arrives through the ranks' ShardReceiver
 
 
 @dataclass(slots=True, frozen=True)

@@ -24,8 +24,8 @@ or 1 bytes) that every address and size allows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,8 +36,12 @@ from helixserve.host_copy import to_device
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # (units imports this module)
-    from helixserve.kernels.copy.units import UnitGroup
+if TYPE_CHECKING:
+    from helixserve.kernels.copy.unit_group import UnitGroup
+
+# builds the CUDA graphs of a table's copy: unit_graphs.UnitGraphs(rows, src, dst, num_groups), passed
+# in by the caller (that module launches through this one)
+GraphsFactory = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], Any]
 
 CHUNK_BYTES = 64 << 10  # a unit is cut into chunks of about this size, one program each
 BLOCK_WORDS = 1024  # words per loop iteration of a program
@@ -173,11 +177,11 @@ def unit_copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], groups
 
 class SegmentTable:
     """The segment rows of fixed groups of segments between fixed tensors, on their device in
-    8-byte words (:func:`copy_prepared` sends only each request's units); with `graphs`, also
-    the CUDA graphs that launch their copy (`unit_graphs`)."""
+    8-byte words (:func:`copy_prepared` sends only each request's units); with `graphs` (the
+    `unit_graphs.UnitGraphs` class, passed in), also the CUDA graphs that launch their copy."""
 
     def __init__(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor],
-                 segments: Sequence[np.ndarray], graphs: bool = False) -> None:
+                 segments: Sequence[np.ndarray], graphs: GraphsFactory | None = None) -> None:
         self.srcs, self.dsts, self.segments = srcs, dsts, list(segments)
         src_base, dst_base, self.bits = anchored_bases(srcs, dsts)
         rows = [segment_rows(src_base, dst_base, s, 8) for s in segments]
@@ -185,10 +189,9 @@ class SegmentTable:
         self.offsets = dict(zip(map(id, segments), self.starts))
         self.rows = _upload(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), dsts[0].device)
         self.graphs = None
-        if graphs and self.segments and self.bits % 16 == 0:
-            from helixserve.kernels.copy.unit_graphs import UnitGraphs  # (it imports this module)
+        if graphs is not None and self.segments and self.bits % 16 == 0:
             try:
-                self.graphs = UnitGraphs(self.rows, srcs[0], dsts[0], len(self.segments))
+                self.graphs = graphs(self.rows, srcs[0], dsts[0], len(self.segments))
             except Exception:  # noqa: BLE001 (every copy launches directly instead)
                 logger.warning("unit copy graphs could not be captured on %s; launching directly",
                                dsts[0].device, exc_info=True)

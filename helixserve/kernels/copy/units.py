@@ -23,37 +23,20 @@ check (:func:`check_units`) is O(segments + units) on the host and always runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from helixserve.kernels.copy.unit_group import UnitGroup
 from helixserve.kernels.triton_common import has_triton, use_triton
 
 if has_triton():
     from helixserve.kernels.copy import triton_units
+    from helixserve.kernels.copy.unit_graphs import UnitGraphs
 
 
 class CopyUnitsError(ValueError):
     """A unit group names a tensor that does not exist or bytes outside it."""
-
-
-@dataclass(frozen=True, slots=True)
-class UnitGroup:
-    """Units of ``unit_bytes`` each: ``segments`` int64 ``[S, 2]`` (source index, destination
-    index), ``units`` int64 ``[U, 2]`` (source byte offset, destination byte offset). ``align``:
-    a number that every unit offset has at least as many trailing zero bits as (a stride the
-    offsets are multiples of, or their OR), so the GPU path picks its word size without reading
-    the units; 0: not known, the units are read."""
-
-    unit_bytes: int
-    segments: np.ndarray
-    units: np.ndarray
-    align: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.unit_bytes * len(self.segments) * len(self.units)
 
 
 def _check_tensors(name: str, tensors: Sequence[torch.Tensor]) -> np.ndarray:
@@ -130,7 +113,8 @@ class UnitCopier:
             return
         if use_triton(self.dsts[0]) and all(id(g.segments) in self._segment_ids for g in groups):
             if self._table is None:
-                self._table = triton_units.SegmentTable(self.srcs, self.dsts, self.segments, self.graphs)
+                self._table = triton_units.SegmentTable(self.srcs, self.dsts, self.segments,
+                                                        UnitGraphs if self.graphs else None)
             if triton_units.copy_prepared(self._table, groups, stream):
                 return
         unit_copy(self.srcs, self.dsts, groups)

@@ -209,7 +209,7 @@ def _few_pairs_experts(
 
 def _can_bag(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """The embedding-bag form applies: CPU fp32 stacks stored column-major (each expert's ``[D, 2I]``
-    and ``[I, D]`` rows contiguous, as :func:`helixserve.models.packing.relayout` leaves them), so
+    and ``[I, D]`` rows contiguous, as :func:`helixserve.models.packing.store_column_major` leaves them), so
     both stacks are tables of rows without a copy."""
     return (x.device.type == "cpu" and w13.dtype == w2.dtype == torch.float32
             and _is_column_major_stack(w13) and _is_column_major_stack(w2))

@@ -1,4 +1,4 @@
-"""A request the ctx holds for pickup, as the KV sender keeps it (see `sender` for the lifecycle)."""
+"""A request the ctx holds for its gen worker, as the KV sender keeps it (see `sender` for the lifecycle)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class SenderBusyError(TimeoutError):
     """The sender's state lock was not free within ``rpc_timeout_ms``: the command did not run."""
 
 
-class PickupSession(SenderSession):
+class HoldSession(SenderSession):
     """A held request: deadline anchored at hold; COMPLETED once every cp rank acknowledged
     (never before some rank said how many there are)."""
 
@@ -23,13 +23,13 @@ class PickupSession(SenderSession):
     def _expired_outcome(self) -> tuple[TransferState, str]:
         expected = sorted(self.expected_acks)
         return TransferState.TIMEOUT, (
-            f"request {self.request_id}: pickup deadline passed after {self.timeout_s * 1e3:.0f} ms; "
+            f"request {self.request_id}: hold deadline passed after {self.timeout_s * 1e3:.0f} ms; "
             f"acknowledged by cp ranks {sorted(self.acked)} of {expected if expected else 'none (never requested)'}")
 
 
 @dataclass(slots=True)
-class Pickup:
-    session: PickupSession
+class Hold:
+    session: HoldSession
     block_ids: list[int]
     slot: int | None
     num_prompt_tokens: int
@@ -42,8 +42,8 @@ class Pickup:
 
 @dataclass(frozen=True, slots=True)
 class SenderStats:
-    num_held: int  # pickups not freed yet (waiting, sending, or quarantined)
+    num_held: int  # holds not freed yet (waiting, sending, or quarantined)
     num_quarantined: int  # settled, but a send may still read their cache
     num_freed: int
-    metrics: TransferMetrics  # expired_pickups = pickups whose deadline passed
-    num_granted: int = 0  # completed pickups every cp rank copied on the grant (no RequestShard)
+    metrics: TransferMetrics  # expired_holds = holds whose deadline passed
+    num_granted: int = 0  # completed holds every cp rank copied on the grant (no RequestShard)

@@ -139,10 +139,10 @@ class CtxRequests:
 
     def gauges(self, num_expired_by_sender: int = 0) -> list[tuple[str, str, float]]:
         return [
-            ("pickups_held", "ctx requests prefilling or holding their cache for pickup", self.num_live),
+            ("pickups_held", "ctx requests prefilling or holding their cache for its gen worker", self.num_live),
             ("pickups_released_total", "holds freed (picked up, cancelled or expired)",
              self.life.num_released),
-            ("pickups_expired_total", "holds freed at the pickup deadline",
+            ("pickups_expired_total", "holds freed at the hold deadline",
              self.life.num_expired + num_expired_by_sender),
         ]
 

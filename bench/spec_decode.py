@@ -1,0 +1,124 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, single process, CPU.
+
+Decode tok/s of greedy decoding at batch 1 and 8 with and without the n-gram drafter, in the
+same run on the same checkpoint (``_common.run_decode``: timed from the prefill's last token to
+the last token), on two prompt sets: ``repetitive`` (prompts made of a repeated short pattern)
+and ``random`` (uniform random ids: the cost when nothing is accepted). Each row says whether the
+speculative tokens equal plain decoding's, the acceptance rate and acceptance per draft
+position. The random-weight presets do not continue their prompts' patterns, so acceptance
+stays low on both sets here; the rows measure the verify step's cost (k + 1 rows per sequence,
+eager, no overlap) against a plain decode step.
+
+Also printed: the KDA rollback's memory per speculating sequence for the full presets, replay
+(saved inputs + one pre-step state, what the engine does) against keeping the verify step's
+per-position states.
+
+    python bench/spec_decode.py [--quick] [--out FILE] [--num-draft-tokens K]
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.modules.setdefault("triton", None)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import base_parser, machine_info, markdown_table, run_decode, write_json  # noqa: E402
+
+from helixserve.config import CacheConfig  # noqa: E402
+from helixserve.config_speculative import SpeculativeConfig  # noqa: E402
+from helixserve.engine.llm import LLM  # noqa: E402
+from helixserve.engine.request import SamplingParams  # noqa: E402
+from helixserve.models.presets import get_preset, make_checkpoint  # noqa: E402
+
+
+def prompt_sets(batch: int, length: int, vocab: int, seed: int) -> dict[str, list[list[int]]]:
+    rng = random.Random(seed)
+    repetitive = []
+    for _ in range(batch):
+        pattern = [rng.randrange(vocab) for _ in range(rng.randrange(3, 7))]
+        repetitive.append((pattern * length)[:length])
+    return {"repetitive": repetitive, "random": [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]}
+
+
+def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[float, list[list[int]]]:
+    run = run_decode(llm.engine, [f"{tag}-{i}" for i in range(len(prompts))], prompts, params)
+    return run.decode_tokens / run.decode_seconds, run.tokens
+
+
+def rows_for(ckpt: Path, k: int, quick: bool) -> list[dict[str, Any]]:
+    cache = CacheConfig(tokens_per_block=16, max_num_seqs=8)
+    plain = LLM(ckpt, cache=cache)
+    spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
+                                                                prompt_lookup_min=1, prompt_lookup_max=3))
+    params = SamplingParams(max_tokens=24 if quick else 64, temperature=0.0, ignore_eos=True)
+    rows = []
+    for batch in (1, 8):
+        for name, prompts in prompt_sets(batch, 64, plain.model_config.vocab_size, seed=batch).items():
+            decode(plain, prompts[:1], params, "warm-plain")
+            decode(spec, prompts[:1], params, "warm-spec")
+            before = spec.engine.spec_stats
+            drafted, accepted = before.num_draft_tokens, before.num_accepted_tokens
+            per_pos, drafts = list(before.accepted_per_position), before.num_drafts
+            plain_rate, plain_tokens = decode(plain, prompts, params, f"plain-{name}-{batch}")
+            spec_rate, spec_tokens = decode(spec, prompts, params, f"spec-{name}-{batch}")
+            stats = spec.engine.spec_stats
+            n = stats.num_drafts - drafts
+            positions = [(stats.accepted_per_position[j] - (per_pos[j] if j < len(per_pos) else 0)) / n
+                         if n else 0.0 for j in range(len(stats.accepted_per_position))]
+            new_drafted = stats.num_draft_tokens - drafted
+            rows.append({"prompts": name, "batch": batch, "plain_tok_s": plain_rate, "spec_tok_s": spec_rate,
+                         "ratio": spec_rate / plain_rate, "equal": spec_tokens == plain_tokens,
+                         "drafted": new_drafted, "acceptance": (stats.num_accepted_tokens - accepted) / new_drafted
+                         if new_drafted else 0.0, "acceptance_per_position": [round(p, 3) for p in positions]})
+    return rows
+
+
+def rollback_memory(k: int) -> list[dict[str, Any]]:
+    """Bytes per speculating sequence over every KDA layer: replay vs per-position states."""
+    out = []
+    for preset in ("kimi-linear-48b", "kimi-k3"):
+        cfg = get_preset(preset)
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        layers = len(cfg.kda_layer_ids)
+        rows = k + 1
+        state = H * K * K * 4
+        conv = 3 * H * K * (cfg.conv_kernel_size - 1) * 2
+        replay = layers * (rows * (3 * H * K * 2 + H * K * 4 + H * 4) + state + conv)
+        per_position = layers * rows * state
+        out.append({"preset": preset, "kda_layers": layers, "replay_mib": replay / 2**20,
+                    "per_position_mib": per_position / 2**20})
+    return out
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
+        rows = rows_for(ckpt, args.num_draft_tokens, args.quick)
+    memory = rollback_memory(args.num_draft_tokens)
+    print(f"kimi-linear-tiny, k = {args.num_draft_tokens}, CPU, {args.threads} threads")
+    print(markdown_table(["prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
+                          "acceptance", "per position"],
+                         [[r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
+                           r["drafted"], r["acceptance"], r["acceptance_per_position"]] for r in rows]))
+    print()
+    print(markdown_table(["preset", "KDA layers", "replay MiB/seq", "per-position states MiB/seq"],
+                         [[m["preset"], m["kda_layers"], m["replay_mib"], m["per_position_mib"]] for m in memory]))
+    write_json(args.out, {"machine": machine_info(), "num_draft_tokens": args.num_draft_tokens,
+                          "decode": rows, "rollback_memory": memory})
+
+
+if __name__ == "__main__":
+    main()
