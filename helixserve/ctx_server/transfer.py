@@ -120,11 +120,12 @@ class CtxTransceiver:
         """``offer(core)`` on the engine thread hands a finished, held prefill to the sender (it
         reads the request's cache handle there); raises if the sender does not take it."""
 
-        def hold(core: EngineCore) -> None:
+        def hold(driver: object) -> None:  # (the engine driver; the handle is this worker's core's)
+            del driver
             sender = self.sender
             if sender is None:
                 raise RuntimeError("the ctx KV sender is not running")
-            handle = core.cache_manager.get(request_id)
+            handle = self.core.cache_manager.get(request_id)
             grant = sender.hold(request_id, handle, num_prompt_tokens, first_gen_tokens)
             if grant is not None:
                 self._grants[request_id] = grant  # the answer carries it (take_grant)

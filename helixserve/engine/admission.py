@@ -2,6 +2,9 @@
 
 - ``check_new_request``: a request for ``Scheduler.add_request`` that could never run (too long
   for ``max_model_len``, more cache than the whole cache holds) raises ``ValueError`` at once.
+- ``check_engine_request``: what an engine checks first of any request (token ids in the
+  vocabulary, forced tokens within ``max_tokens``, stop strings need a tokenizer, a received
+  cache needs a receiving engine and its first tokens), then ``check_new_request``.
 - ``check_prefilled_request``: a request for ``Scheduler.add_prefilled`` (its prompt already in
   the cache through a KV transfer) needs its cache handle, a forced first token and a free slot.
 - ``can_admit``: the head of ``waiting`` is admitted FCFS when there is a free sequence slot and
@@ -32,6 +35,26 @@ def check_new_request(request: Request, max_model_len: int, cache: CacheManager)
             f"fewer ({cache.stats().num_blocks} blocks of "
             f"{cache.tokens_per_block} tokens, cp_size={cache.cp_size})"
         )
+
+
+def check_engine_request(request: Request, vocab_size: int, max_model_len: int, cache: CacheManager, *,
+                         can_detokenize: bool, has_kv: bool, receives_kv: bool) -> None:
+    """Raises ``ValueError`` for a request an engine could never run (see the module docstring)."""
+    params, forced = request.sampling_params, request.forced_output_token_ids
+    bad = [t for t in (*request.prompt_token_ids, *forced) if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:8]}")
+    if len(forced) > params.max_tokens:
+        raise ValueError(f"{len(forced)} forced output tokens exceed max_tokens={params.max_tokens}")
+    check_new_request(request, max_model_len, cache)
+    if params.stop and not can_detokenize:
+        raise ValueError("request has stop strings but the engine has no tokenizer")
+    if has_kv:
+        if not receives_kv:
+            raise ValueError("this engine receives no prompt caches (not a gen world)")
+        if not 1 <= len(forced) < params.max_tokens:
+            raise ValueError(f"a request with received KV needs 1 <= len(first_gen_tokens) < "
+                             f"max_tokens={params.max_tokens}, got {len(forced)}")
 
 
 def check_prefilled_request(

@@ -1,15 +1,15 @@
-"""Engine core: one scheduler, one executor, continuous batching; the only engine.
+"""Engine core: one scheduler, one model runner, continuous batching; the only engine.
 
 ``step()`` is schedule -> launch -> postprocess. Servers and the Python API drive it; it knows no
 HTTP. It runs in two places:
 
-- a single process (``LLM``, ctx workers, aggregated workers): the executor is the
-  :class:`~helixserve.engine.runner.ModelRunner` itself;
+- a single process (``LLM``, ctx workers, aggregated workers): steps run on its
+  :class:`~helixserve.engine.runner.ModelRunner`;
 - the leader of each CP group of a gen world (``groups`` given): the scheduler is the group's
   only one, over the group's cache (every CP rank's allocator,
-  :class:`~helixserve.kvcache.group_cache.GroupCacheManager`), and the executor an
-  :class:`~helixserve.engine.spmd.executor.SPMDExecutor` that sends each step to the group's other
-  ranks before running it here. Requests whose prompt cache arrives from a ctx worker enter
+  :class:`~helixserve.kvcache.group_cache.GroupCacheManager`), and its
+  :class:`~helixserve.engine.spmd.leader.GroupLeader` sends each step to the group's other ranks
+  before it runs here and shares the sampled tokens. Requests whose prompt cache arrives from a ctx worker enter
   through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
 With ``speculative`` (a single process; the ``ngram`` drafter) a decoding request's row carries
@@ -31,21 +31,21 @@ import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.admission import check_new_request
+from helixserve.engine.admission import check_engine_request
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
                                           decode_graphs_off_reason, size_cache, step_token_budget)
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
-from helixserve.engine.runner import LaunchedStep, ModelRunner, StepPreparationError
+from helixserve.engine.runner import LaunchedStep, ModelRunner, PreparedStep, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.engine.spec.drafting import NgramDrafter
 from helixserve.engine.spec.stats import SpecDecodeStats
 from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
-from helixserve.engine.spmd.executor import SPMDExecutor
-from helixserve.host_copy import to_device
+from helixserve.engine.spmd.leader import GroupLeader
+from helixserve.engine.step_prepare import failing_alone, without
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheManager
 from helixserve.models.config import KimiModelConfig
@@ -58,24 +58,15 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the scheduler (queues, cache accounting) and the executor (tensors); see the module
+    """Owns the scheduler (queues, cache accounting) and the model runner (tensors); see the module
     docstring. ``groups``: this process is the leader (``cp_rank == 0``) of a gen world's CP
     group; ``kv_receiver``: its receiver of prompt caches from ctx workers."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        model_config: KimiModelConfig,
-        tokenizer: HelixTokenizer | None,
-        cache: CacheConfig = CacheConfig(),
-        scheduler: SchedulerConfig = SchedulerConfig(),
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        use_cuda_graphs: bool = True,
-        groups: ParallelGroups | None = None,
-        kv_receiver: ShardReceiver | None = None,
-        speculative: SpeculativeConfig | None = None,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, model_config: KimiModelConfig, tokenizer: HelixTokenizer | None,
+                 cache: CacheConfig = CacheConfig(), scheduler: SchedulerConfig = SchedulerConfig(),
+                 device: torch.device | str = "cpu", seed: int = 0, use_cuda_graphs: bool = True,
+                 groups: ParallelGroups | None = None, kv_receiver: ShardReceiver | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         mapping = groups.mapping if groups is not None else None
@@ -100,13 +91,13 @@ class EngineCore:
             CacheManager(num_blocks, num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
             if cp == 1 else
             GroupCacheManager(num_blocks, num_slots, cache.tokens_per_block, cp, has_mla=has_mla, has_kda=has_kda))
-        self.executor: ModelRunner | SPMDExecutor = self.runner
+        self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
         if groups is not None:
-            self.executor = SPMDExecutor(self.runner, self.cache_manager, GroupChannel(groups))
+            self.group = GroupLeader(self.runner, self.cache_manager, GroupChannel(groups))  # type: ignore[arg-type]
             consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
             self.transfers = RankTransfers(kv_receiver, self.caches, consensus)
-            self.kv_intake = KVIntake(self.cache_manager, self.transfers, self.executor if cp > 1 else None)
+            self.kv_intake = KVIntake(self.cache_manager, self.transfers, self.group if cp > 1 else None)
         eos = set(tokenizer.eos_token_ids) if tokenizer else set()
         if model_config.eos_token_id is not None:
             eos.add(model_config.eos_token_id)
@@ -136,25 +127,11 @@ class EngineCore:
                       request_id: str = "request") -> None:
         """``ValueError`` for a request this engine could never run (what ``add_request`` checks
         first; a world's front checks with it before choosing the request's group)."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in (*prompt_token_ids, *forced_output_token_ids) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:8]}")
-        if len(forced_output_token_ids) > params.max_tokens:
-            raise ValueError(
-                f"{len(forced_output_token_ids)} forced output tokens exceed max_tokens={params.max_tokens}"
-            )
-        check_new_request(Request(request_id, list(prompt_token_ids), params), self.scheduler.max_model_len,
-                          self.cache_manager)
-        if params.stop and self.scheduler.detokenize is None:
-            raise ValueError("request has stop strings but the engine has no tokenizer")
-        if has_kv:
-            if self.kv_intake is None:
-                raise ValueError("this engine receives no prompt caches (not a gen world)")
-            if not 1 <= len(forced_output_token_ids) < params.max_tokens:
-                raise ValueError(
-                    f"a request with received KV needs 1 <= len(first_gen_tokens) < max_tokens={params.max_tokens}, "
-                    f"got {len(forced_output_token_ids)}")
+        request = Request(request_id, list(prompt_token_ids), params,
+                          forced_output_token_ids=list(forced_output_token_ids))
+        check_engine_request(request, self.model_config.vocab_size, self.scheduler.max_model_len, self.cache_manager,
+                             can_detokenize=self.scheduler.detokenize is not None, has_kv=has_kv,
+                             receives_kv=self.kv_intake is not None)
 
     def add_request(
         self,
@@ -299,76 +276,103 @@ class EngineCore:
         others' decoding), as with a step in flight. The transfers' poll waits (a bounded while,
         for one to end) only when nothing else would run: decode steps never wait on it.
         """
-        updates: list[RequestUpdate] = []
-        if self.kv_intake is not None:
-            idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
-            updates = self.kv_intake.step(self.scheduler.can_add_prefilled, self._start_prefilled, idle)
-            self._forget([u.request_id for u in updates if u.is_finished])
-            started = {u.request_id for u in updates if not u.is_finished}
-            if (started and self._in_flight is None and not self.scheduler.waiting
-                    and all(r.request_id in started for r in self.scheduler.running)):
-                return updates
+        updates, is_done = self._intake()
+        if is_done:
+            return updates
+        failed: list[RequestUpdate] = []
         try:
-            return updates + self._step()
+            if self._in_flight is not None:
+                (out, launched), self._in_flight = self._in_flight, None
+            else:
+                out = self.scheduler.schedule()
+                if out.is_empty:
+                    return updates
+                launched = self._launch(out, None, failed)
+            if self.overlap_decode and launched.tokens is not None:
+                ahead = self.scheduler.schedule_ahead()
+                if ahead is not None:
+                    self._in_flight = (ahead, self._launch(ahead, launched.tokens, failed))
+            applied = self.scheduler.update_from_output(out, launched.result())
+            if launched.verified is not None:
+                self._verified(out, launched)
+            self._forget([u.request_id for u in applied if u.is_finished])
+            return updates + failed + applied
         except CollectiveError:
             raise
         except Exception as exc:  # noqa: BLE001 - the failure is reported on the requests
-            return updates + self._fail_step(exc)
+            return updates + failed + self._fail_step(exc)
 
-    def _step(self) -> list[RequestUpdate]:
-        failed: list[RequestUpdate] = []
-        if self._in_flight is not None:
-            (out, launched), self._in_flight = self._in_flight, None
-        else:
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                return []
-            launched = self._launch(out, None, failed)
-        if self.overlap_decode and launched.tokens is not None:
-            ahead = self.scheduler.schedule_ahead()
-            if ahead is not None:
-                self._in_flight = (ahead, self._launch(ahead, launched.tokens, failed))
-        updates = self.scheduler.update_from_output(out, launched.result())
-        if launched.verified is not None:
-            self.spec_stats.add(launched.verified.accepted)
-            if launched.kda_record is not None:
-                self.runner.rollback(launched.kda_record, kept_rows(out, launched.kda_record, self.scheduler.get_request))
+    def _intake(self) -> tuple[list[RequestUpdate], bool]:
+        """Received requests admitted, agreed on and started (see :meth:`step`); their updates,
+        and whether the step returns with them at once."""
+        if self.kv_intake is None:
+            return [], False
+        idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
+        updates = self.kv_intake.step(self.scheduler.can_add_prefilled, self._start_prefilled, idle)
         self._forget([u.request_id for u in updates if u.is_finished])
-        return failed + updates
+        started = {u.request_id for u in updates if not u.is_finished}
+        is_done = bool(started and self._in_flight is None and not self.scheduler.waiting
+                       and all(r.request_id in started for r in self.scheduler.running))
+        return updates, is_done
 
     def _launch(self, out: SchedulerOutput, input_tokens: torch.Tensor | None,
                 failed: list[RequestUpdate]) -> LaunchedStep:
-        """Launch ``out``. A step that cannot be prepared (nothing of it ran) runs again without
-        the requests the failure is traced to, else without those that fail to prepare alone;
-        they end with an error (appended to ``failed``). A failure no request explains raises."""
+        """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for
+        it; in a world the group's other ranks run it too. ``failed`` gets the requests dropped
+        from a step that could not be prepared (:meth:`_prepare`)."""
+        prepared, input_tokens = self._prepare(out, input_tokens, failed)
+        if out.is_empty:
+            return LaunchedStep([], None, None, None)
+        if self.group is not None:
+            self.group.send_launch(out, input_tokens)
+        try:
+            logits = (self.runner.run(prepared) if prepared is not None
+                      else self.runner.run_step(out, None, input_tokens))
+        except Exception as exc:
+            if self.group is not None and self.group.world_size > 1:  # the ranks' collectives are unmatched now
+                raise CollectiveError(f"forward failed on rank {self.group.channel.mapping.rank}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+            raise
+        launched = self._sample(out, logits)
+        launched.kda_record = prepared.batch.kda_record if prepared is not None else None
+        return launched
+
+    def _prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, failed: list[RequestUpdate]
+                 ) -> tuple[PreparedStep | None, torch.Tensor | None]:
+        """Prepare ``out`` (nothing of it runs here). A step that cannot be prepared runs again
+        without the requests the failure is traced to, else without those that fail to prepare
+        alone; they end with an error (appended to ``failed``). A failure no request explains
+        raises. Returns the prepared step and the input tokens left."""
         while True:
+            if out.is_empty:
+                return None, input_tokens
             try:
-                return self.executor.launch(out, self._params, input_tokens)
+                return self.runner.prepare_step(out, self._params, input_tokens), input_tokens
             except StepPreparationError as exc:
-                culprits = exc.failures or self._failing_alone(out, input_tokens)
+                culprits = exc.failures or failing_alone(self.runner, out, self._params, input_tokens)
                 if not culprits:
                     raise
                 input_tokens = self._drop(out, input_tokens, culprits, failed)
 
-    def _failing_alone(self, out: SchedulerOutput, input_tokens: torch.Tensor | None) -> dict[str, str]:
-        """Each request of ``out`` whose part of the step fails to prepare alone, and why."""
-        failures: dict[str, str] = {}
-        for j, seq in enumerate(out.seqs):
-            tokens = None if input_tokens is None else input_tokens[j:j + 1]
-            try:
-                self.runner.prepare_step(SchedulerOutput(seqs=[seq]), self._params, tokens)
-            except StepPreparationError as exc:
-                failures[seq.request_id] = exc.failures.get(seq.request_id, str(exc))
-        return failures
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> LaunchedStep:
+        """Sample ``out``'s sampled rows (a world's leader shares the tokens with its group; a
+        verify step's drafts are a single process's: speculative decoding runs there only)."""
+        if self.group is None:
+            return self.runner.sample(out, logits, self._params)
+        return self.group.sample(out, logits, self._params)
+
+    def _verified(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
+        """A verify step's accepted drafts counted, the KDA state of rejected ones rolled back."""
+        assert launched.verified is not None
+        self.spec_stats.add(launched.verified.accepted)
+        if launched.kda_record is not None:
+            self.runner.rollback(launched.kda_record, kept_rows(out, launched.kda_record, self.scheduler.get_request))
 
     def _drop(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, culprits: dict[str, str],
               failed: list[RequestUpdate]) -> torch.Tensor | None:
         """Take ``culprits`` out of ``out`` (and their rows out of ``input_tokens``, returned),
         end them with their error and free what they hold."""
-        keep = [j for j, s in enumerate(out.seqs) if s.request_id not in culprits]
-        if input_tokens is not None:
-            input_tokens = input_tokens.index_select(0, to_device(torch.tensor(keep), input_tokens.device))
-        out.seqs[:] = [out.seqs[j] for j in keep]
+        input_tokens = without(out, input_tokens, culprits)
         for rid, why in culprits.items():
             message = f"engine step failed{self._where}: {why}"
             logger.error("%s; failed request %s alone", message, rid)

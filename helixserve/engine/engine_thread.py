@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCoreLike(Protocol):
-    """What :class:`AsyncEngine` drives: :class:`EngineCore`, or a gen world's rank-0 driver.
+    """What :class:`AsyncEngine` drives: the engine driver
+    (:class:`~helixserve.engine.spmd.driver.WorldDriver`, a single process's included), what a
+    server composes around it (the gen server's ``GenWorldCore``), or an :class:`EngineCore`.
 
     Optional: ``failure_error(request_id) -> EngineError | None``, why a request the core
     finished with an error status failed (asked once, when its error update is delivered);

@@ -1,9 +1,10 @@
-"""Python API: ``LLM(model_dir).generate(prompts, params)``."""
+"""Python API: ``LLM(model_dir).generate(prompts, params)``: the engine of one process, driven
+by the one engine driver (:class:`~helixserve.engine.spmd.driver.WorldDriver`, a world of one)
+through the one offline loop (:func:`~helixserve.engine.spmd.driver.drive_to_completion`)."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,8 +13,8 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.dtypes import MODEL_DTYPES, torch_dtype
 from helixserve.engine.core import EngineCore
-from helixserve.engine.request import Request, SamplingParams
-from helixserve.engine.stop import truncate_at_stop
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.spmd.driver import GenerationResult, WorldDriver, drive_to_completion
 from helixserve.kernels.triton_common import set_batch_invariant
 from helixserve.models.checkpoint import ExpertFormat
 from helixserve.models.loading import load_model
@@ -21,14 +22,7 @@ from helixserve.models.dummy import LoadFormat, dummy_tokenizer, load_dummy_mode
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.models.tokenizer_loader import load_tokenizer_or_none, no_tokenizer_message
 
-@dataclass(slots=True)
-class GenerationResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    error: str | None = None  # why the engine failed this request (finish_reason "error")
+__all__ = ["LLM", "GenerationError", "GenerationResult", "resolve_dtype"]
 
 
 class GenerationError(RuntimeError):
@@ -89,6 +83,7 @@ class LLM:
             model = load_model(self.model_dir, dtype=torch_dtype, device=dev, experts=experts)
         self.engine = EngineCore(model, self.model_config, self.tokenizer, cache, scheduler, dev, seed,
                                  use_cuda_graphs=not enforce_eager, speculative=speculative)
+        self.driver = WorldDriver(self.engine)
         self._ids = itertools.count()
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -113,24 +108,9 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        requests: list[Request] = []
-        try:
-            for prompt, p in zip(prompts, params_list, strict=True):
-                requests.append(self.engine.add_request(f"llm-{next(self._ids)}", self.encode(prompt), p))
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
-        finally:
-            for r in requests:
-                if not r.is_finished:
-                    self.engine.abort(r.request_id)
-        results = [self._result(r) for r in requests]
+        prompt_ids = [self.encode(prompt) for prompt in prompts]
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        results = drive_to_completion(self.driver, prompt_ids, params_list, self.tokenizer, ids)
         if any(r.finish_reason == "error" for r in results):
             raise GenerationError(results)
         return results
-
-    def _result(self, r: Request) -> GenerationResult:
-        text = ""
-        if self.tokenizer is not None:
-            text = truncate_at_stop(self.tokenizer.decode(r.output_token_ids), r.sampling_params.stop)
-        return GenerationResult(r.request_id, r.prompt_token_ids, list(r.output_token_ids), text,
-                                r.status.finish_reason, r.error)

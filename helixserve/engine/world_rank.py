@@ -8,14 +8,14 @@ the processes is not the engine's: a gen worker's local world is
   :class:`~helixserve.engine.spmd.follower.Follower` (its cache shard, sized alike, and runner).
 - :func:`start_rank0`: rank 0 joins and gets the world's
   :class:`~helixserve.engine.spmd.driver.WorldDriver` (which goes to ``AsyncEngine``);
-  :func:`run_rank` is what every other rank runs until shutdown.
-- :func:`drive_to_completion`: the prompts through rank 0's driver, results like ``LLM.generate``'s.
+  :func:`run_rank` is what every other rank runs until shutdown: a leader its own
+  :class:`~helixserve.engine.spmd.driver.WorldDriver`'s steps, a follower its leader's messages.
 - :func:`check_fits_world`: a world's start-up errors, before any process is started.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,23 +24,19 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
-from helixserve.engine.llm import GenerationResult, resolve_dtype
+from helixserve.engine.llm import resolve_dtype
 from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
                                           size_cache, step_token_budget)
-from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import GroupChannel
-from helixserve.engine.spmd.driver import WorldDriver
+from helixserve.engine.spmd.driver import WorldDriver, serve_leader
 from helixserve.engine.spmd.follower import Follower, serve_follower
-from helixserve.engine.spmd.leader import serve_leader
-from helixserve.engine.stop import truncate_at_stop
 from helixserve.kernels.triton_common import set_batch_invariant
 from helixserve.models.checkpoint import ExpertFormat
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.dummy import LoadFormat, load_dummy_model, model_config_of, tokenizer_of
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.sharding import check_helix_config
-from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel
 from helixserve.transceiver.consensus import TransferConsensus
 
@@ -115,45 +111,22 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     return Follower(runner, GroupChannel(groups), RankTransfers(kv_receiver, caches, TransferConsensus(groups.cp_cpu)))
 
 
-def serve_rank(part: RankPart, dp: int) -> int:
+def serve_rank(part: RankPart) -> int:
     """A rank != 0: a leader serves rank 0's plans, a follower its leader's messages; until
     shutdown. Returns the steps run."""
     if isinstance(part, Follower):
         return serve_follower(part)
-    return serve_leader(part, dp)
+    return serve_leader(WorldDriver(part))
 
 
 def groups_of(part: RankPart) -> ParallelGroups:
-    return part.channel.groups if isinstance(part, Follower) else part.executor.channel.groups  # type: ignore[union-attr]
+    return part.channel.groups if isinstance(part, Follower) else part.group.channel.groups  # type: ignore[union-attr]
 
 
 def pick_backend(world_size: int, backend: str | None = None) -> str:
     if backend is not None:
         return backend
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-
-
-def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-                        tokenizer: HelixTokenizer | None = None) -> list[GenerationResult]:
-    """Add every prompt, step the world until all finish; results in prompt order."""
-    ids = [f"world-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    reasons: dict[str, str | None] = {}
-    errors: dict[str, str | None] = {}
-    for rid, prompt, p in zip(ids, prompts, params, strict=True):
-        driver.add_request(rid, list(prompt), p)
-    while driver.has_unfinished_requests():
-        for update in driver.step():
-            if update.status not in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED):
-                tokens[update.request_id].append(update.token_id)
-            if update.is_finished:
-                reasons[update.request_id] = update.status.finish_reason
-                errors[update.request_id] = update.error
-    results = []
-    for rid, prompt, p in zip(ids, prompts, params, strict=True):
-        text = truncate_at_stop(tokenizer.decode(tokens[rid]), p.stop) if tokenizer else ""
-        results.append(GenerationResult(rid, list(prompt), tokens[rid], text, reasons.get(rid), errors.get(rid)))
-    return results
 
 
 def check_fits_world(cfg: KimiModelConfig, dp: int, cp: int) -> None:
@@ -184,7 +157,7 @@ def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options:
     part = _join(model_dir, mapping, init_method, options, kv_receiver_factory,
                  mapping.rank if local_rank is None else local_rank)
     try:
-        return serve_rank(part, mapping.dp)
+        return serve_rank(part)
     finally:
         groups_of(part).destroy()
 

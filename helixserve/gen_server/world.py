@@ -33,7 +33,8 @@ from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.messages import WorldStoppedError
-from helixserve.engine.world_rank import (ShardReceiverFactory, WorldOptions, drive_to_completion, pick_backend,
+from helixserve.engine.spmd.driver import drive_to_completion
+from helixserve.engine.world_rank import (ShardReceiverFactory, WorldOptions, pick_backend,
                                           run_rank, start_rank0)
 from helixserve.gen_server.local_world import LocalWorld, start_local_world
 from helixserve.gen_server.supervisor import GenWorld, WorldSupervisor

@@ -10,10 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from helixserve.engine.core import EngineCore
-from helixserve.engine.llm import GenerationResult
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.engine.world_rank import (WorldOptions, build_rank, check_fits_world, drive_to_completion,
+from helixserve.engine.spmd.driver import GenerationResult, WorldDriver, drive_to_completion
+from helixserve.engine.world_rank import (WorldOptions, build_rank, check_fits_world,
                                           pick_backend, serve_rank)
 from helixserve.launch.processes import run_local_world
 from helixserve.models.dummy import LoadFormat, model_config_of, tokenizer_of
@@ -29,7 +28,7 @@ def _world_main(rank: int, world_size: int, init_method: str, model_dir: str, dp
     try:
         part = build_rank(model_dir, groups, options)
         if rank != 0:
-            return serve_rank(part, dp)
+            return serve_rank(part)
         assert isinstance(part, EngineCore)
         driver = WorldDriver(part)
         try:

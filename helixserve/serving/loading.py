@@ -8,6 +8,7 @@ from helixserve.config import DeploymentConfig, SpeculativeConfig
 from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
+from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.generation_config import load_generation_defaults
 from helixserve.models.tokenizer import HelixTokenizer
@@ -21,15 +22,16 @@ logger = logging.getLogger(__name__)
 
 
 def load_engine(deploy: DeploymentConfig, speculative: SpeculativeConfig | None = None
-                ) -> tuple[EngineCore, HelixTokenizer | None, KimiModelConfig]:
-    """Load the checkpoint, its tokenizer and a single-process engine (``speculative``: its
-    speculative decoding, the worker's ``speculative`` key)."""
+                ) -> tuple[WorldDriver, HelixTokenizer | None, KimiModelConfig]:
+    """Load the checkpoint, its tokenizer and a single-process engine, under its driver (a world
+    of one: the engine loop of every role runs the one driver); ``speculative``: its speculative
+    decoding, the worker's ``speculative`` key."""
     spec = deploy.model
     llm = LLM(spec.path, dtype=spec.dtype, device=spec.device, cache=deploy.cache,
               scheduler=deploy.scheduler, seed=deploy.seed, experts=spec.experts,
               enforce_eager=spec.enforce_eager, load_format=spec.load_format,
               deterministic=spec.deterministic, speculative=speculative)
-    return llm.engine, llm.tokenizer, llm.model_config
+    return llm.driver, llm.tokenizer, llm.model_config
 
 
 def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLayout:
@@ -46,8 +48,9 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
     returned too (its caches are what a ctx worker's KV sender reads)."""
     if device is not None:
         deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"device": device})})
-    core, tokenizer, cfg = load_engine(deploy, speculative)
-    worker = wrap_core(role, deploy, core, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
+    driver, tokenizer, cfg = load_engine(deploy, speculative)
+    core = driver.core
+    worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
                        core.layout.max_model_len, max_queue_len)
     if speculative is not None:
         worker.registry.register(SpecDecodeCollector(lambda: core.spec_stats, {"role": role}))

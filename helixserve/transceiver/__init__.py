@@ -9,12 +9,13 @@ the `DataPlane` seam, all the sender and receiver use), which imports them lazil
 
 Transfer path: `segments` (a shard's stream types), `layout` (which bytes a receiver gets, the
 message plan), `memory_map` (each side's memory map),
-`control` (the KVTransfer gRPC service's shared pieces), `grant` (a pull grant's MAC), `cuda_ipc`
-(pools exported and opened) and `group` (`CPGroupReceiver`: allocation + consensus). Each side's
-own modules live in its subpackage, which never imports the other: `ctx` (what a ctx worker runs:
-`sender.KVSender`, with `hold`, `outbound`, `grant_issue`, `shard_request`, `control_server`) and
-`gen` (what a gen rank runs: `receiver.KVReceiver`, with `inbound`, `pull`, `retract`,
-`control_client`). Those are imported on first use (they need gRPC and ucxx).
+`control` (the KVTransfer gRPC service's shared pieces), `grant` (a pull grant's MAC) and `cuda_ipc`
+(pools exported and opened). Each side's own modules live in its subpackage, which never imports
+the other: `ctx` (what a ctx worker runs: `sender.KVSender`, with `hold`, `outbound`,
+`grant_issue`, `shard_request`, `control_server`) and `gen` (what a gen rank runs:
+`receiver.KVReceiver`, with `inbound`, `pull`, `retract`, `control_client`; a gen world's ranks
+allocate and agree through `engine.kv_intake`). Those are imported on first use (they need gRPC
+and ucxx).
 """
 
 from helixserve.clock import Clock, FakeClock, MonotonicClock
@@ -32,8 +33,8 @@ from helixserve.transceiver.backends import load_data_plane, open_data_plane
 from helixserve.transceiver.polling import PollResult, TransferMetrics, TransferPoller
 
 _LAZY = {
-    "KVSender": "ctx.sender", "SenderStats": "ctx.sender", "KVReceiver": "gen.receiver", "CPGroupReceiver": "group",
-    "ReadyRequest": "group", "TransferCheck": "group", "LayoutMismatchError": "layout", "layout_for": "layout",
+    "KVSender": "ctx.sender", "SenderStats": "ctx.sender", "KVReceiver": "gen.receiver",
+    "LayoutMismatchError": "layout", "layout_for": "layout",
 }
 
 
@@ -46,9 +47,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CPGroupReceiver", "Clock", "DataPlane", "FakeClock", "KVReceiver", "KVSender", "LayoutMismatchError",
-    "MonotonicClock", "PayloadKind", "PollResult", "ReadyRequest", "ReceiverSession", "SenderSession",
-    "SenderStats", "TransceiverBackendKind", "TransceiverConfig", "TransferCheck", "TransferHandle",
+    "Clock", "DataPlane", "FakeClock", "KVReceiver", "KVSender", "LayoutMismatchError",
+    "MonotonicClock", "PayloadKind", "PollResult", "ReceiverSession", "SenderSession",
+    "SenderStats", "TransceiverBackendKind", "TransceiverConfig", "TransferHandle",
     "TransferMetrics", "TransferPoller", "TransferSession", "TransferState", "layout_for", "load_data_plane",
     "open_data_plane",
 ]

@@ -28,7 +28,8 @@ from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower
 from helixserve.engine.spmd.messages import WorldStoppedError
-from helixserve.engine.world_rank import WorldOptions, build_rank, drive_to_completion, serve_rank
+from helixserve.engine.spmd.driver import drive_to_completion
+from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.launch.processes import LocalWorldError, run_local_world
 from helixserve.models.caches import SeqChunk, build_batch
@@ -122,7 +123,7 @@ def _serving_world(rank: int, world_size: int, init_method: str, model_dir: str,
     try:
         part = build_rank(model_dir, groups, OPTIONS, _FakeReceiver(model_dir, mapping))
         if rank != 0:
-            return {"steps": serve_rank(part, mapping.dp), "forwards": _forwards(part), **_consensus_of(part),
+            return {"steps": serve_rank(part), "forwards": _forwards(part), **_consensus_of(part),
                     "cancelled": part.transfers.receiver.cancelled}
         driver = WorldDriver(part, heartbeat_s=0.2)
         try:
@@ -135,7 +136,7 @@ def _serving_world(rank: int, world_size: int, init_method: str, model_dir: str,
 
 
 def _forwards(part) -> int:
-    return part.num_steps if isinstance(part, Follower) else part.executor.num_forwards
+    return part.num_steps if isinstance(part, Follower) else part.group.num_forwards
 
 
 def _consensus_of(part) -> dict:
@@ -274,7 +275,7 @@ def _failing_world(rank: int, world_size: int, init_method: str, model_dir: str,
 
         model.forward = flaky
     if rank != 0:
-        return str(serve_rank(part, mapping.dp))
+        return str(serve_rank(part))
     driver = WorldDriver(part)
     prompts = [_prompt(20 + i, 5) for i in range(4)]
     start = time.monotonic()

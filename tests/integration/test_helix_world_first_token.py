@@ -24,9 +24,9 @@ def _first_token_world(rank: int, world_size: int, init_method: str, model_dir: 
                                kv_ticket=_ticket(0, first))
             steps = []
             while driver.has_unfinished_requests():
-                forwards = part.executor.num_forwards
+                forwards = part.group.num_forwards
                 tokens = [u.token_id for u in driver.step() if u.request_id == "kv"]
-                steps.append((tokens, part.executor.num_forwards - forwards))
+                steps.append((tokens, part.group.num_forwards - forwards))
             return steps
         finally:
             driver.shutdown()
@@ -54,7 +54,7 @@ def _poll_wait_world(rank: int, world_size: int, init_method: str, model_dir: st
         part = build_rank(model_dir, groups, OPTIONS, _FakeReceiver(model_dir, mapping))
         receiver = part.transfers.receiver
         if rank != 0:
-            serve_rank(part, mapping.dp)
+            serve_rank(part)
             return {"waits": receiver.waits}
         driver = WorldDriver(part, heartbeat_s=0.2)
         try:

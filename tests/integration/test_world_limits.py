@@ -17,7 +17,8 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.engine.world_rank import WorldOptions, build_rank, drive_to_completion, serve_rank
+from helixserve.engine.spmd.driver import drive_to_completion
+from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
 from helixserve.launch.processes import run_local_world
 from helixserve.parallel import Mapping, init_parallel
 
@@ -68,7 +69,7 @@ def _limits_world(rank: int, world_size: int, init_method: str, model_dir: str) 
     try:
         part = build_rank(model_dir, groups, OPTIONS)
         if rank != 0:
-            return {"steps": serve_rank(part, 1)}
+            return {"steps": serve_rank(part)}
         driver = WorldDriver(part)
         try:
             out = {"alone": [_result(drive_to_completion(driver, [p], [greedy()]))[0] for p in PROMPTS],
@@ -150,7 +151,7 @@ def _dp_fault_world(rank: int, world_size: int, init_method: str, model_dir: str
                 return build(*args, **kwargs)
 
             runner_module.build_forward_batch = faulty
-            return {"steps": serve_rank(part, 2)}
+            return {"steps": serve_rank(part)}
         driver = WorldDriver(part)
         try:
             both = drive_to_completion(driver, FAULT_PROMPTS, [greedy(12), greedy(12)])

@@ -24,7 +24,8 @@ from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.spmd.follower import Follower
-from helixserve.engine.world_rank import WorldOptions, build_rank, drive_to_completion, serve_rank, uses_static_moe
+from helixserve.engine.spmd.driver import drive_to_completion
+from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank, uses_static_moe
 from helixserve.kernels.triton_common import has_fla
 from helixserve.launch.processes import run_local_world
 from helixserve.models.helix_hooks import static_moe_capacity
@@ -62,7 +63,7 @@ def _options(static: bool) -> WorldOptions:
 def _rank_report(part) -> dict:  # noqa: ANN001
     helix = part.runner.model.helix
     return {"capacity": helix.moe_capacity(1), "per_step": helix.per_step, "lse_buffers": len(helix._lse_store),
-            "forwards": part.num_steps if isinstance(part, Follower) else part.executor.num_forwards}
+            "forwards": part.num_steps if isinstance(part, Follower) else part.group.num_forwards}
 
 
 def _world(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int, static: bool) -> dict:
@@ -71,7 +72,7 @@ def _world(rank: int, world_size: int, init_method: str, model_dir: str, dp: int
     try:
         part = build_rank(model_dir, groups, _options(static))
         if rank != 0:
-            serve_rank(part, dp)
+            serve_rank(part)
             return _rank_report(part)
         driver = WorldDriver(part)
         try:

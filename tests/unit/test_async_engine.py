@@ -148,16 +148,16 @@ def test_async_engine_bounds_admission(llm):
 
 def test_failing_step_fails_its_requests_and_the_loop_goes_on(llm, monkeypatch):
     runner = llm.engine.runner
-    real_launch = runner.launch
+    real_run = runner.run
     calls = {"n": 0}
 
-    def flaky(out, params, input_tokens=None):
+    def flaky(prepared):  # noqa: ANN001, ANN202 - the model forward of a step
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("kernel exploded")
-        return real_launch(out, params, input_tokens)
+        return real_run(prepared)
 
-    monkeypatch.setattr(runner, "launch", flaky)
+    monkeypatch.setattr(runner, "run", flaky)
 
     async def main():
         engine = AsyncEngine(llm.engine, None, max_num_seqs=2, max_queue_len=2)

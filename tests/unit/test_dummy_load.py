@@ -97,9 +97,9 @@ def test_cli_generate_dummy_equals_the_api(capsys):
 def test_worker_loader_takes_the_config_keys():
     deploy = DeploymentConfig.model_validate(
         {"model": {"path": "kimi-k3-tiny", "load_format": "dummy", "enforce_eager": True}})
-    core, tokenizer, cfg = load_engine(deploy)
+    driver, tokenizer, cfg = load_engine(deploy)
     assert cfg == get_preset("kimi-k3-tiny") and tokenizer is not None
-    assert core.runner.decode_graphs is None
+    assert driver.core.runner.decode_graphs is None
     assert deploy.model.name == "kimi-k3-tiny"
 
 

@@ -218,13 +218,13 @@ def test_schedule_ahead_defers_the_frees_of_finished_requests():
 
 
 def test_a_failing_launch_ahead_fails_both_steps_requests(tiny_checkpoints, monkeypatch):
-    """The model raising while a step is enqueued ahead: the step ends every request of both steps
-    with an error update, drops both steps, frees every cache (deferred ones too), and the engine
-    serves the next request."""
+    """A step enqueued ahead failing as it launches (past its preparation's own errors): the step
+    ends every request of both steps with an error update, drops both steps, frees every cache
+    (deferred ones too), and the engine serves the next request."""
     llm = LLM(tiny_checkpoints["kimi-k3-tiny"], cache=CacheConfig(tokens_per_block=4, max_num_seqs=4),
               scheduler=SchedulerConfig(overlap_decode=True))
     engine, runner = llm.engine, llm.engine.runner
-    real_launch = runner.launch
+    real_prepare = runner.prepare_step
     ahead_calls = [0]
 
     def flaky(out, params, input_tokens=None):
@@ -232,9 +232,9 @@ def test_a_failing_launch_ahead_fails_both_steps_requests(tiny_checkpoints, monk
             ahead_calls[0] += 1
             if ahead_calls[0] == 3:
                 raise RuntimeError("kernel exploded")
-        return real_launch(out, params, input_tokens)
+        return real_prepare(out, params, input_tokens)
 
-    monkeypatch.setattr(runner, "launch", flaky)
+    monkeypatch.setattr(runner, "prepare_step", flaky)
     reqs = [engine.add_request(f"f{i}", p, greedy(8)) for i, p in enumerate(PROMPTS[:2])]
     failed = []
     while engine.has_unfinished_requests():
@@ -244,7 +244,7 @@ def test_a_failing_launch_ahead_fails_both_steps_requests(tiny_checkpoints, monk
     assert ahead_calls[0] == 3 and engine.abort_all("unused") == []
     assert all(r.finish_reason == "error" for r in reqs)
     assert_nothing_held(llm)
-    monkeypatch.setattr(runner, "launch", real_launch)
+    monkeypatch.setattr(runner, "prepare_step", real_prepare)
     assert llm.generate([PROMPTS[2]], greedy(5))[0].token_ids == LLM(
         tiny_checkpoints["kimi-k3-tiny"], cache=CacheConfig(tokens_per_block=4, max_num_seqs=4)
     ).generate([PROMPTS[2]], greedy(5))[0].token_ids

@@ -20,10 +20,8 @@ from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint 
 from helixserve.transceiver.ctx import sender as sender_module  # noqa: E402
 from helixserve.transceiver.ctx.outbound import Outbound  # noqa: E402
 from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
-from helixserve.transceiver.group import CPGroupReceiver  # noqa: E402
-from helixserve.transceiver.layout import LayoutMismatchError  # noqa: E402
 from helixserve.transceiver.gen.receiver import KVReceiver  # noqa: E402
-from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools  # noqa: E402
+from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools, RankReception  # noqa: E402
 
 
 
@@ -43,12 +41,12 @@ def _close_gens():
 
 
 class Gen(GenPools):
-    """One gen rank: its pools and a CPGroupReceiver (group of one)."""
+    """One gen rank: its pools and its receptions as a gen world runs them (a group of one)."""
 
     def __init__(self, cfg: TransceiverConfig, cp_rank: int = 0, cp_size: int = 1, layout=LAYOUT) -> None:
         super().__init__(cp_rank, cp_size)
-        self.rx = CPGroupReceiver(KVReceiver(cfg, layout, cp_rank=cp_rank, cp_size=cp_size, gen_rank=cp_rank),
-                                  self.manager, self.caches)
+        self.rx = RankReception(KVReceiver(cfg, layout, cp_rank=cp_rank, cp_size=cp_size, gen_rank=cp_rank),
+                                self.manager, self.caches)
         _GENS.append(self)
 
 
@@ -61,8 +59,8 @@ def drive(gens: list[Gen], until: Callable[[dict], bool], timeout_s: float = 10.
         assert time.monotonic() < end, f"no outcome within {timeout_s}s: {outcomes}"
         for rank, gen in enumerate(gens):
             check = gen.rx.check()
-            for ready in check.ready:
-                outcomes["ready"].setdefault(ready.request_id, []).append(rank)
+            for rid in check.ready:
+                outcomes["ready"].setdefault(rid, []).append(rank)
             for rid, error in check.failed.items():
                 outcomes["failed"].setdefault(rid, []).append(error)
             for rid in check.freed:
@@ -124,8 +122,9 @@ def test_layout_mismatch_is_refused_at_the_first_request_on_both_sides(ctx):
     params = c.hold("r1")
     gen = Gen(config())
     bad = params.model_copy(update={"layout": LAYOUT.model_copy(update={"tokens_per_block": 8})})
-    with pytest.raises(LayoutMismatchError, match="tokens_per_block: 4 != 8"):
-        gen.rx.begin("g1", bad)
+    gen.rx.begin("g1", bad)  # refused before anything is asked of the ctx; its blocks freed once agreed
+    out = drive([gen], lambda o: "g1" in o["freed"])
+    assert "tokens_per_block: 4 != 8" in out["failed"]["g1"][0] and "g1" not in out["ready"]
     assert gen.used() == (2, 2) and gen.rx.receiver.inbounds == {}  # only the padding requests
 
     client = ControlClient(c.endpoint, timeout_s=2.0)
@@ -201,10 +200,10 @@ def test_cancel_mid_transfer_drains_posted_messages_then_both_sides_free(ctx, mo
         gen.rx.begin("g1", params)
     inbound = gens[0].rx.receiver.inbounds["g1"]
     wait_for(lambda: (gens[0].rx.check(), gens[1].rx.check()) and sum(r.is_done for r in inbound.recvs) == 3)
-    for gen in gens:  # (each rank is its own group here; with a real group one cancel suffices)
-        gen.rx.cancel("g1", "client went away")
+    for gen in gens:  # the client went away: the leader's abort reaches every rank of the group
+        assert gen.rx.cancel("g1") and not gen.rx.cancel("g1")
     out = drive(gens, lambda o: len(o["freed"].get("g1", [])) == 2)
-    assert out["failed"]["g1"][0].endswith("client went away") and "g1" not in out["ready"]
+    assert "g1" not in out["failed"] and "g1" not in out["ready"]  # aborted: nothing more to report
     assert [g.used() for g in gens] == [(2, 2), (2, 2)]  # only the padding requests
     wait_for(lambda: c.freed == ["r1"])
     assert c.sender.stats().num_quarantined == 0

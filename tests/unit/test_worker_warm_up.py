@@ -153,12 +153,12 @@ def test_a_failed_warm_up_is_a_503_naming_it_and_stops_the_worker(tiny_checkpoin
     worker = app.state.worker
     stopped = threading.Event()
     worker.warm_up.on_failure = stopped.set  # instead of SIGTERM to this test process
-    core = worker.engine._core  # noqa: SLF001
+    core = worker.engine._core.core  # noqa: SLF001 - the driver's engine
 
-    def broken_launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def broken_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("injected kernel failure")
 
-    core.executor.launch = broken_launch
+    core.runner.run = broken_forward
     with _serving(app, port) as url:
         wait_until(stopped.is_set, 60, "the warm-up to fail")
         assert worker.warm_up.state is WarmUpState.FAILED and worker.exit_code == 1
@@ -195,16 +195,16 @@ def test_warm_up_off_is_ready_at_once(tiny_checkpoints):
     gate.set()
 
 
-# the real command, its model runner's launch failing (a kernel that cannot run on this device)
+# the real command, its model runner's forward failing (a kernel that cannot run on this device)
 _BROKEN_SERVE_CTX = """
 import sys
 from helixserve.cli import main
 from helixserve.engine.runner import ModelRunner
 
-def broken_launch(self, *args, **kwargs):
+def broken_run(self, *args, **kwargs):
     raise RuntimeError("injected kernel failure")
 
-ModelRunner.launch = broken_launch
+ModelRunner.run = broken_run
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -1,19 +1,27 @@
 """The ctx and gen ends the transceiver's in-process tests share (no model: seeded random cache
 contents; the oracle slices the ctx tensors directly). Test files add their receiver on top of
-:class:`GenPools` (a plain ``KVReceiver`` or a ``CPGroupReceiver``)."""
+:class:`GenPools`: a plain ``KVReceiver``, or :class:`RankReception`, a gen world rank's
+receptions through the servers' own ``RankTransfers`` and ``TransferConsensus``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from helixserve.cache_layout import cache_spec_for
+from helixserve.cache_layout import ModelCaches, cache_spec_for
 from helixserve.config_transceiver import TransceiverConfig
-from helixserve.kvcache.manager import CacheManager
+from helixserve.engine.kv_intake import RankTransfers
+from helixserve.gen_server.kv_source import PacedKVReceiver
+from helixserve.kvcache.manager import CacheHandle, CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.protocol.disagg import DisaggregatedParams
+from helixserve.transceiver.consensus import TransferConsensus
 from helixserve.transceiver.layout import layout_for
 from helixserve.transceiver.ctx.sender import KVSender
+from helixserve.transceiver.gen.receiver import KVReceiver
+from helixserve.transceiver.ticket import KVTicket
 
 CFG = get_preset("kimi-k3-tiny")
 TPB = 4
@@ -80,3 +88,62 @@ class GenPools:
     def used(self) -> tuple[int, int]:
         stats = self.manager.stats()
         return stats.num_used_blocks, stats.num_used_slots
+
+
+@dataclass(slots=True)
+class Agreed:
+    """One :meth:`RankReception.check`: identical on every rank of the group."""
+
+    ready: list[str] = field(default_factory=list)  # received on every rank: may start decoding
+    failed: dict[str, str] = field(default_factory=dict)  # failed on some rank -> the first cause
+    freed: list[str] = field(default_factory=list)  # failed, cancelled or aborted: blocks freed here
+
+
+class RankReception:
+    """One gen rank's receptions as a gen world runs them, without the engine: the blocks and
+    slot allocated in this rank's cache manager (the leader's ``KVIntake`` does it for every
+    rank), the transfer started and agreed on through :class:`RankTransfers` over the gen
+    server's :class:`PacedKVReceiver` and the CP group's :class:`TransferConsensus` (local
+    without one). Every rank of a group calls :meth:`check` the same number of times."""
+
+    def __init__(self, receiver: KVReceiver, manager: CacheManager, caches: ModelCaches,
+                 consensus: TransferConsensus | None = None) -> None:
+        self.receiver, self.cache_manager, self.caches = receiver, manager, caches
+        paced = PacedKVReceiver(receiver, receiver.config.poll_interval_s)
+        self.transfers = RankTransfers(paced, caches, consensus or TransferConsensus(is_local=True))
+        self._started: dict[str, DisaggregatedParams] = {}
+        self._freed: list[str] = []
+
+    def begin(self, request_id: str, params: DisaggregatedParams) -> CacheHandle:
+        handle = self.cache_manager.allocate(request_id, len(params.prompt_token_ids))
+        self._started[request_id] = params
+        self.transfers.start(request_id, handle, KVTicket.from_params(params))  # as the gen server does
+        return handle
+
+    def check(self) -> Agreed:
+        """One poll and one agreement; an agreed failure is cancelled here and its blocks freed."""
+        agreed = self.transfers.agree()
+        out = Agreed()
+        for request_id in sorted((agreed.failed | agreed.cancelled) & self._started.keys()):
+            out.failed[request_id] = agreed.errors.get(request_id) or f"request {request_id}: KV transfer failed"
+            self._free(request_id)
+        out.ready = [rid for rid in sorted(agreed.ready) if self._started.pop(rid, None) is not None]
+        out.freed, self._freed = self._freed, []
+        return out
+
+    def cancel(self, request_id: str) -> bool:
+        """The client went away: what the leader's abort does on this rank (the reception stops,
+        then its blocks are freed)."""
+        if request_id not in self._started:
+            return False
+        self.transfers.cancel(request_id)
+        self._free(request_id)
+        return True
+
+    def _free(self, request_id: str) -> None:
+        del self._started[request_id]
+        self.cache_manager.free(request_id)
+        self._freed.append(request_id)
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,30 +1,42 @@
-"""Rank 0 of a gen world: :class:`WorldDriver`, the request front and world-step driver.
+"""The one engine driver: :class:`WorldDriver`, the step loop of every engine a server or the
+Python API runs, a gen world's (dp x cp ranks), a ctx worker's or a single process's (a world of
+one: its ``EngineCore`` built without groups).
 
-Rank 0 is also the leader of CP group 0: its :class:`~helixserve.engine.core.EngineCore` is that
-group's. The driver validates each request with that core's rules, assigns it to the
-least-loaded CP group (attention DP) and queues it as a command for that group's leader. A world
-step broadcasts the plan (every group's commands) to the other leaders (dp > 1; with dp = 1
-nothing is sent), runs group 0's :func:`~.leader.leader_step`, and gathers every leader's report
-(its updates, each CP rank's cache stats).
+A world step (:meth:`WorldDriver.step`) on a CP group's leader::
 
-Each request's state lives in one :class:`~helixserve.engine.spmd.lifecycle.GenRequestLife`
-(awaiting cache -> receiving -> decoding -> finished, see there), moved by the driver's typed
-events on the engine thread; the driver keeps only the commands queued for the next plan, each CP
-group's load and the causes of failed KV transfers beside it. Transfer outcomes are agreed by the
-ranks of each CP group among themselves (:class:`~helixserve.engine.kv_intake.RankTransfers`,
-through :mod:`helixserve.transceiver.consensus`); the driver hears the result in the group
-leader's updates (first tokens, or a failure with its cause)."""
+    plan      rank 0: the commands queued since the last step (add / abort / release, each for
+              the CP group the request was assigned to), broadcast to the other leaders (dp > 1);
+              another leader: receives it
+    apply     this group's commands to its EngineCore
+    step      EngineCore.step(): KV intake, schedule -> launch -> postprocess (the group's
+              other ranks run each launch with it, see :mod:`.leader`)
+    in step   dp > 1 and nothing launched: the idle step; nothing sent to the group: a heartbeat
+    report    every leader's updates and each CP rank's cache stats gathered on rank 0 (dp > 1)
+
+Rank 0 is also the world's front: it validates each request with its core's rules, assigns it
+to the least-loaded CP group (attention DP) and keeps each request's state in one
+:class:`~helixserve.engine.spmd.lifecycle.GenRequestLife` (awaiting cache -> receiving ->
+decoding -> finished), moved by typed events on the engine thread; beside it only the commands
+queued for the next plan, each CP group's load and the causes of failed KV transfers. Transfer
+outcomes are agreed by the ranks of each CP group among themselves
+(:class:`~helixserve.engine.kv_intake.RankTransfers`, through
+:mod:`helixserve.transceiver.consensus`); the driver hears the result in the group leader's
+updates. Another leader runs :func:`serve_leader` (its driver's steps until the shutdown plan).
+
+:func:`drive_to_completion` is the one offline loop (``LLM.generate`` and ``generate --dp --cp``).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 from helixserve.engine.core import EngineCore, EngineStats
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
+from helixserve.engine.stop import truncate_at_stop
 from helixserve.engine.spmd.lifecycle import (Aborted, Added, DecodingStarted, Dispatched, Finished,
                                               GenRequestLife, GenState, IllegalTransitionError, Released)
 from helixserve.engine.spmd.messages import (
@@ -38,34 +50,42 @@ from helixserve.engine.spmd.messages import (
     broadcast_plan,
     gather_reports,
 )
-from helixserve.engine.spmd.executor import SPMDExecutor
-from helixserve.engine.spmd.leader import group_stats, leader_step
-from helixserve.parallel import ParallelGroups
+from helixserve.models.tokenizer import HelixTokenizer
+from helixserve.parallel import Mapping, ParallelGroups
 from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class GenerationResult:
+    """One prompt's result from the offline loop (:func:`drive_to_completion`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+
+
 class WorldDriver:
-    """Rank 0's request front and step driver (an ``EngineCoreLike``; see the module docstring).
+    """A CP group leader's engine driver, rank 0's the world's request front (an
+    ``EngineCoreLike``; see the module docstring).
 
     Args:
-        core: CP group 0's engine (built with rank 0's ``groups``).
+        core: this leader's group's engine (built with the rank's ``groups``; without: a world of one).
         heartbeat_s: longest idle gap between world steps (default: a quarter of the group timeout).
     """
 
     max_kept_failures = 4096  # causes of failed transfers nobody asked for (aborted meanwhile)
 
     def __init__(self, core: EngineCore, heartbeat_s: float | None = None) -> None:
-        executor = core.executor
-        if not isinstance(executor, SPMDExecutor):
-            raise ValueError("the WorldDriver drives a world's EngineCore (built with its groups)")
         self.core = core
-        self.groups: ParallelGroups = executor.channel.groups
-        self.mapping = self.groups.mapping
-        if self.mapping.rank != 0:
-            raise ValueError(f"the WorldDriver runs on rank 0, not rank {self.mapping.rank}")
-        self.heartbeat_s = heartbeat_s or self.groups.timeout.total_seconds() / 4
+        self.groups: ParallelGroups | None = core.group.channel.groups if core.group is not None else None
+        self.mapping: Mapping = self.groups.mapping if self.groups is not None else Mapping(1, 0, dp=1, cp=1)
+        self.is_front = self.mapping.rank == 0
+        self.heartbeat_s = heartbeat_s or (self.groups.timeout.total_seconds() / 4 if self.groups else None)
         self._pending: list[list[Command]] = [[] for _ in range(self.mapping.dp)]
         self.life = GenRequestLife()  # every request's state (the only record of it)
         self._load: list[int] = [0] * self.mapping.dp  # live tokens budget per CP group
@@ -105,7 +125,12 @@ class WorldDriver:
         if entry is None:
             return False
         self._move(Aborted(request_id))
-        self._pending[entry.dp_rank].append(AbortCommand(request_id, error))
+        pending = self._pending[entry.dp_rank]
+        unsent = [c for c in pending if isinstance(c, AddCommand) and c.request_id == request_id]
+        if unsent:  # never reached its group: nothing to undo there
+            pending.remove(unsent[0])
+        else:
+            pending.append(AbortCommand(request_id, error))
         return True
 
     def release(self, request_id: str) -> bool:
@@ -125,30 +150,63 @@ class WorldDriver:
     def has_unfinished_requests(self) -> bool:
         if self.failure is not None or self.is_shut_down:
             return False
-        idle_too_long = time.monotonic() - self._last_plan > self.heartbeat_s
-        # the leader's overlapped step behind the last token holds that request's cache until read
-        return bool(self.life.num_live) or any(self._pending) or idle_too_long or self.core.has_step_in_flight
+        idle_too_long = self.heartbeat_s is not None and time.monotonic() - self._last_plan > self.heartbeat_s
+        # the leader's overlapped step behind the last token holds that request's cache until
+        # read; a request started on the core directly (a prefilled start) is the core's to finish
+        return (bool(self.life.num_live) or any(self._pending) or idle_too_long
+                or self.core.has_unfinished_requests())
 
     def step(self) -> list[RequestUpdate]:
-        """One world step; the new tokens of every CP group's requests."""
+        """One world step (see the module docstring); on rank 0 the new tokens of every CP
+        group's requests, on another leader none."""
         self._check_alive()
+        plan = self._take_plan() if self.is_front else broadcast_plan(None, self.groups)
+        if plan.shutdown:
+            self._leave()
+            return []
+        dp, group = self.mapping.dp, self.core.group
+        counts = (group.num_forwards, group.num_messages) if group is not None else (0, 0)
+        try:
+            if self.is_front and dp > 1:
+                broadcast_plan(plan, self.groups)
+            updates = self._apply(plan.commands[self.mapping.dp_rank])
+            updates += self.core.step()  # also with nothing to run: an abort's cancels still go to the ranks
+            if group is not None:
+                group.keep_in_step(dp > 1 and plan.run_model, *counts)
+            report = StepReport(self.mapping.rank, self.mapping.dp_rank, 0, updates, group_stats(self.core))
+            reports = gather_reports(report, self.groups) if dp > 1 else [report]
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            logger.error("gen world stopped at step %d on rank %d: %s", plan.step_id, self.mapping.rank, self.failure)
+            raise WorldStoppedError(f"the generation world stopped at step {plan.step_id}: {self.failure}") from exc
+        return self._absorb(reports) if reports is not None else []
+
+    def _take_plan(self) -> StepPlan:
         plan = StepPlan(self._step_id, self._pending, run_model=bool(self.life.num_live))
         self._pending = [[] for _ in range(self.mapping.dp)]
         for entry in self.life.in_state(GenState.AWAITING_CACHE):  # its AddCommand is in this plan
             self._move(Dispatched(entry.request_id))
         self._step_id += 1
         self._last_plan = time.monotonic()
-        try:
-            if self.mapping.dp > 1:
-                broadcast_plan(plan, self.groups)
-            report = leader_step(self.core, plan.commands[0], plan.run_model, self.mapping.dp)
-            reports = gather_reports(report, self.groups) if self.mapping.dp > 1 else [report]
-        except Exception as exc:
-            self.failure = f"{type(exc).__name__}: {exc}"
-            logger.error("gen world stopped at step %d: %s", plan.step_id, self.failure)
-            raise WorldStoppedError(f"the generation world stopped at step {plan.step_id}: {self.failure}") from exc
-        assert reports is not None
-        return self._absorb(reports)
+        return plan
+
+    def _apply(self, commands: list[Command]) -> list[RequestUpdate]:
+        """Rank 0 checked each request with the same rules; a refusal here is reported as an error."""
+        updates: list[RequestUpdate] = []
+        for cmd in commands:
+            if isinstance(cmd, AddCommand):
+                try:
+                    self.core.add_request(cmd.request_id, list(cmd.prompt_token_ids), cmd.params,
+                                          hold_cache=cmd.hold_cache, kv_ticket=cmd.kv_ticket,
+                                          forced_output_token_ids=cmd.forced_output_token_ids)
+                except ValueError as exc:
+                    logger.error("CP group leader refused request %s: %s", cmd.request_id, exc)
+                    updates.append(RequestUpdate(cmd.request_id, -1, RequestStatus.FINISHED_ERROR, error=str(exc)))
+            elif isinstance(cmd, AbortCommand):
+                self.core.abort(cmd.request_id, cmd.error)
+            else:
+                self.core.release(cmd.request_id)
+        return updates
 
     def stats(self) -> EngineStats:
         """World totals: request counts summed over DP groups (each CP group's requests are
@@ -176,15 +234,17 @@ class WorldDriver:
     # -- world lifetime
 
     def shutdown(self) -> None:
-        """Tell every rank to leave :func:`serve_rank` (idempotent; skipped after a failure)."""
+        """Tell every rank to leave its serve loop (idempotent; skipped after a failure)."""
         if self.is_shut_down or self.failure is not None:
             return
-        self.is_shut_down = True
-        if self.mapping.dp > 1:
+        if self.groups is not None and self.mapping.dp > 1:
             broadcast_plan(StepPlan(self._step_id, [[] for _ in range(self.mapping.dp)], False, True), self.groups)
-        executor = self.core.executor
-        assert isinstance(executor, SPMDExecutor)
-        executor.shutdown()
+        self._leave()
+
+    def _leave(self) -> None:
+        self.is_shut_down = True
+        if self.core.group is not None:
+            self.core.group.shutdown()
 
     def _check_alive(self) -> None:
         if self.failure is not None:
@@ -237,3 +297,55 @@ class WorldDriver:
 
 
 _HOLDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
+def group_stats(core: EngineCore) -> list[EngineStats]:
+    """Each CP rank's stats: the group's request counts, the rank's own blocks and slots."""
+    total = core.stats()
+    return [EngineStats(total.num_running, total.num_waiting, total.num_held, c.num_blocks, c.num_used_blocks,
+                        c.num_slots, c.num_used_slots) for c in core.cache_manager.rank_stats()]
+
+
+def serve_leader(driver: WorldDriver) -> int:
+    """The loop of a CP leader other than rank 0: world steps until the shutdown plan; the step
+    count. Raises on any failure (a collective timed out, a forward raised): the process should
+    then end, so that the other ranks' collectives fail fast."""
+    steps = 0
+    while True:
+        driver.step()
+        if driver.is_shut_down:
+            return steps
+        steps += 1
+
+
+def drive_to_completion(driver: WorldDriver, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+                        tokenizer: HelixTokenizer | None = None, request_ids: Sequence[str] | None = None,
+                        ) -> list[GenerationResult]:
+    """Add every prompt, step the driver until all finish; results in prompt order. Every request
+    it added and that did not finish is aborted when it raises."""
+    ids = list(request_ids) if request_ids is not None else [f"world-{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    reasons: dict[str, str | None] = {}
+    errors: dict[str, str | None] = {}
+    try:
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            driver.add_request(rid, list(prompt), p)
+        while driver.has_unfinished_requests():
+            for update in driver.step():
+                if update.request_id not in tokens:
+                    continue
+                if update.status not in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED):
+                    tokens[update.request_id].append(update.token_id)
+                if update.is_finished:
+                    reasons[update.request_id] = update.status.finish_reason
+                    errors[update.request_id] = update.error
+    finally:
+        for rid in ids:
+            if rid not in reasons:
+                driver.abort(rid)
+    results = []
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        text = truncate_at_stop(tokenizer.decode(tokens[rid]), p.stop) if tokenizer else ""
+        results.append(GenerationResult(rid, list(prompt), tokens[rid], text, reasons.get(rid), errors.get(rid)))
+    return results
+

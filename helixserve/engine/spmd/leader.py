@@ -1,83 +1,104 @@
-"""A CP group's leader in a world step: apply rank 0's commands to the group's EngineCore, step it,
-keep the group in step with the world, report.
+"""A CP group's leader end of its channel: :class:`GroupLeader`.
 
-:func:`leader_step` is the one world step of every leader (rank 0 included, inside
-:class:`~.driver.WorldDriver`); :func:`serve_leader` is the loop of a leader other than rank 0
-(dp > 1): receive the plan, :func:`leader_step`, send the report, until the shutdown plan.
+A world's :class:`~helixserve.engine.core.EngineCore` (on each CP group's leader) launches a step
+on its own ``ModelRunner`` after :meth:`GroupLeader.send_launch` sent every other rank of the
+group its own copy of the step (its block tables, :func:`~.channel.output_for_rank`); the same
+forward runs on every rank (helix collectives inside the model pair the ranks up), the leader
+samples and broadcasts the tokens (:meth:`GroupLeader.sample`) over the group, so every rank
+has them on its device for an overlapped next step. A failed sampling still broadcasts (``-1``
+tokens) before it raises, so no rank is left waiting. With ``cp == 1`` nothing is sent.
 
-Keeping in step: with dp > 1 the MoE all-to-alls span every DP group, so while any request is
-live in the world (``plan.run_model``) each group runs exactly one forward per world step, its
-idle step (no rows) when it has nothing to run or its step failed before its forward. A group
-that sent its ranks nothing this step sends a heartbeat, so its ranks' waits stay bounded.
+It also carries the group's other messages: KV reception starts / cancels / agreement
+(:meth:`transfers`), the empty step an idle DP group runs for the MoE all-to-alls
+(:meth:`idle_step`), heartbeats and shutdown. ``num_forwards`` counts model forwards (real or
+empty) and ``num_messages`` the messages sent, so the world step can keep every DP group at one
+forward per world step and every rank's wait bounded (:meth:`keep_in_step`).
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Mapping
+from typing import Any
 
-from helixserve.engine.core import EngineCore, EngineStats
-from helixserve.engine.request import RequestStatus
-from helixserve.engine.scheduler import RequestUpdate
-from helixserve.engine.spmd.executor import SPMDExecutor
-from helixserve.engine.spmd.messages import (AbortCommand, AddCommand, Command, StepPlan, StepReport,
-                                             broadcast_plan, gather_reports)
+import torch
 
-logger = logging.getLogger(__name__)
-
-
-def apply_commands(core: EngineCore, commands: list[Command]) -> list[RequestUpdate]:
-    """Rank 0 checked each request with the same rules; a refusal here is reported as an error."""
-    updates: list[RequestUpdate] = []
-    for cmd in commands:
-        if isinstance(cmd, AddCommand):
-            try:
-                core.add_request(cmd.request_id, list(cmd.prompt_token_ids), cmd.params, hold_cache=cmd.hold_cache,
-                                 forced_output_token_ids=cmd.forced_output_token_ids, kv_ticket=cmd.kv_ticket)
-            except ValueError as exc:
-                logger.error("CP group leader refused request %s: %s", cmd.request_id, exc)
-                updates.append(RequestUpdate(cmd.request_id, -1, RequestStatus.FINISHED_ERROR, error=str(exc)))
-        elif isinstance(cmd, AbortCommand):
-            core.abort(cmd.request_id, cmd.error)
-        else:
-            core.release(cmd.request_id)
-    return updates
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.runner import LaunchedStep, ModelRunner
+from helixserve.engine.scheduler_output import SchedulerOutput
+from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Idle, Launch, Shutdown, Transfers,
+                                            output_for_rank)
+from helixserve.kvcache.group_cache import GroupCacheManager
+from helixserve.parallel import CollectiveError
+from helixserve.transceiver.ticket import KVTicket
 
 
-def group_stats(core: EngineCore) -> list[EngineStats]:
-    """Each CP rank's stats: the group's request counts, the rank's own blocks and slots."""
-    total = core.stats()
-    return [EngineStats(total.num_running, total.num_waiting, total.num_held, c.num_blocks, c.num_used_blocks,
-                        c.num_slots, c.num_used_slots) for c in core.cache_manager.rank_stats()]
+class GroupLeader:
+    """The leader's side of a CP group's messages (see the module docstring)."""
 
+    def __init__(self, runner: ModelRunner, cache: GroupCacheManager, channel: GroupChannel) -> None:
+        self.runner, self.cache, self.channel = runner, cache, channel
+        self.cp = channel.mapping.cp
+        self.world_size = channel.mapping.world_size
+        self.num_forwards = 0
+        self.num_messages = 0
 
-def leader_step(core: EngineCore, commands: list[Command], run_model: bool, dp: int) -> StepReport:
-    """One world step of a CP group's leader (see the module docstring)."""
-    executor = core.executor
-    assert isinstance(executor, SPMDExecutor)
-    forwards, messages = executor.num_forwards, executor.num_messages
-    updates = apply_commands(core, commands)
-    updates += core.step()  # also with nothing to run: an abort's cancels still go to the ranks
-    if dp > 1 and run_model and executor.num_forwards == forwards:
-        executor.idle_step()
-    if executor.num_messages == messages:
-        executor.heartbeat()
-    mapping = executor.channel.mapping
-    return StepReport(mapping.rank, mapping.dp_rank, 0, updates, group_stats(core))
+    def send_launch(self, out: SchedulerOutput, input_tokens: torch.Tensor | None) -> None:
+        """Every other rank of the group runs ``out`` (its own block tables) with the leader."""
+        self.num_forwards += 1
+        if not self.channel.is_alone:
+            use_previous = input_tokens is not None
+            self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous) for r in range(1, self.cp)])
 
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
+        """Sample ``out``'s sampled rows on the leader and broadcast the tokens over the group; a
+        sampling that raises still broadcasts (``-1`` tokens) first, so no rank is left waiting."""
+        sampled_ids = [s.request_id for s in out.seqs if s.sample]
+        if not sampled_ids:  # only unsampled prompt chunks: the caches were written, nothing to draw
+            return LaunchedStep([], None, None, None)
+        try:
+            tokens = self.runner.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids])
+        except Exception:
+            self.channel.broadcast_tokens(torch.full((len(sampled_ids),), -1, dtype=torch.int64,
+                                                     device=self.runner.device))
+            raise
+        return self.runner.launched(sampled_ids, self.channel.broadcast_tokens(tokens))
 
-def serve_leader(core: EngineCore, dp: int) -> int:
-    """The loop of a CP leader other than rank 0: plans until the shutdown plan; the step count.
+    def idle_step(self) -> None:
+        """An idle DP group's step: the MoE all-to-alls with no rows, on every rank of the group."""
+        self._send_all(Idle())
+        self.num_forwards += 1
+        try:
+            self.runner.model.empty_step()
+        except Exception as exc:
+            raise CollectiveError(f"empty step failed on rank {self.channel.mapping.rank}: {exc}") from exc
 
-    Raises on any failure (a collective timed out, a forward raised): the process should then
-    end, so that the other ranks' collectives fail fast."""
-    executor = core.executor
-    assert isinstance(executor, SPMDExecutor)
-    groups = executor.channel.groups
-    steps = 0
-    while True:
-        plan: StepPlan = broadcast_plan(None, groups)
-        if plan.shutdown:
-            executor.shutdown()
-            return steps
-        gather_reports(leader_step(core, plan.commands[groups.mapping.dp_rank], plan.run_model, dp), groups)
-        steps += 1
+    def keep_in_step(self, needs_forward: bool, num_forwards: int, num_messages: int) -> None:
+        """After a world step that began at these counts: the idle step when the step ran no
+        forward and needs one (dp > 1 with a request live in the world), a heartbeat when nothing
+        was sent to the group."""
+        if needs_forward and self.num_forwards == num_forwards:
+            self.idle_step()
+        if self.num_messages == num_messages:
+            self.heartbeat()
+
+    def transfers(self, starts: list[tuple[str, KVTicket]], cancels: list[str], agree: bool, wait: bool) -> None:
+        """Tell the other ranks which receptions to start (each its own handle) and cancel,
+        whether to agree on the outcomes now, and whether their polls may wait first."""
+        if self.channel.is_alone:
+            return
+        self._send([None] + [Transfers([(rid, self.cache.handle_on(r, rid), ticket) for rid, ticket in starts],
+                                       list(cancels), agree, wait) for r in range(1, self.cp)])
+
+    def heartbeat(self) -> None:
+        self._send_all(Heartbeat())
+
+    def shutdown(self) -> None:
+        self._send_all(Shutdown())
+
+    def _send_all(self, message: Any) -> None:
+        if not self.channel.is_alone:
+            self._send([message] * self.cp)
+
+    def _send(self, messages: list[Any]) -> None:
+        self.num_messages += 1
+        self.channel.send(messages)

@@ -39,7 +39,7 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
-from helixserve.protocol.disagg import DisaggregatedParams, PullGrant
+from helixserve.protocol.disagg import PullGrant
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.control import rpc_error_text, target
 from helixserve.transceiver.cuda_ipc import RemotePools
@@ -79,7 +79,6 @@ class Inbound:
         self.handle = handle
         self.caches = caches
         self.ticket = ticket
-        self.params: DisaggregatedParams | None = None  # the params it came as, if it did
         self.tag_base = tag_base
         self.peer: Hashable | None = None  # the plane's shared endpoint to the ctx worker, once known
         self.ctx = f"ctx worker {target(ticket.ctx_endpoint)}"

@@ -2,8 +2,7 @@
 
 `KVReceiver` is the rank's transfer machine; the caller owns the cache handles. This is the seam
 the SPMD gen world plugs in (as `engine.kv_intake.ShardReceiver`, through the gen server's
-`PacedKVReceiver`); `group.CPGroupReceiver` wraps it for
-callers that want the receiver to allocate and to agree over the CP group itself.
+`PacedKVReceiver`; its `RankTransfers` agree over the CP group).
 
 1. `start(request_id, handle, caches, ticket)`: the ticket (a `ticket.KVTicket`) is checked
    (layout equal to ours) and RequestShard goes to the ctx worker
@@ -73,8 +72,7 @@ PULL_TICK_S = 0.00002  # (a wait this short spins: clock.SPIN_BELOW_S)
 class KVReceiver:
     """One gen rank's receiver; the caller (the engine) allocates and frees the cache handles.
 
-    It serves the engine's seam `engine.kv_intake.ShardReceiver`: `start` / `poll` / `cancel`. For a receiver
-    that allocates and agrees over its CP group itself, see `group.CPGroupReceiver`.
+    It serves the engine's seam `engine.kv_intake.ShardReceiver`: `start` / `poll` / `cancel`.
 
     Args:
         config: transceiver settings (timeouts, message size, bounce pool).
@@ -115,16 +113,14 @@ class KVReceiver:
         `poll`, never raised; a duplicate id, a handle too small for the prompt or params that are
         not ``generation_only`` raise ValueError. (``DisaggregatedParams`` are read as their ticket.)
         """
-        params = ticket if isinstance(ticket, DisaggregatedParams) else None
-        if params is not None:
-            ticket = KVTicket.from_params(params)
+        if isinstance(ticket, DisaggregatedParams):
+            ticket = KVTicket.from_params(ticket)
         if request_id in self.inbounds:
             raise ValueError(f"request {request_id} is already being received here")
         device = check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size, remember=True)
         session = ReceiverSession(request_id, timeout_s=self.config.timeout_s, clock=self.clock,
                                   wakeup=self.poller.wakeup)  # (the poller's: `add` sets it anyway)
         inbound = Inbound(self, request_id, ticket, handle, caches, next(self._tags), device)
-        inbound.params = params  # read by group.CPGroupReceiver
         kind_bytes = dict.fromkeys(inbound.plan.kinds, 0)
         for seg in inbound.plan.segments:  # (its messages cut its segments: the same bytes)
             kind_bytes[seg.kind] += seg.nbytes
