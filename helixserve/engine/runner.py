@@ -241,18 +241,6 @@ class ModelRunner:
         assert logits is not None, "prepare_step found the step fits the decode graphs"
         return logits
 
-    def launch(
-        self, out: SchedulerOutput, params: Mapping[str, SamplingParams], input_tokens: torch.Tensor | None = None,
-    ) -> LaunchedStep:
-        """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for it;
-        :class:`StepPreparationError` when it cannot be prepared (nothing ran)."""
-        if out.is_empty:
-            return LaunchedStep([], None, None, None)
-        prepared = self.prepare_step(out, params, input_tokens)
-        launched = self.sample(out, self.run_step(out, prepared, input_tokens), params)
-        launched.kda_record = prepared.batch.kda_record if prepared is not None else None
-        return launched
-
     def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
         """Sample ``out``'s sampled rows from ``logits`` and enqueue the tokens' copy to the host."""
         sampled_ids = [s.request_id for s in out.seqs if s.sample]
