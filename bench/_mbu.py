@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from _decode_rate import decode_rate, find_runner
 
+from helixserve.config import CacheConfig
+from helixserve.engine.llm import LLM
 from helixserve.models.moe import RoutedExperts
 
 
@@ -72,3 +74,17 @@ def bench_mbu(llm: Any, model_name: str, batches: tuple[int, ...], prompt_len: i
             + (f"{total / copy_bw * 1e3:.3f} ms" if copy_bw else "n/a"),
             model=model_name, batch=batch, tok_s=tok_s, mbu=mbu, step_ms=step_s * 1e3, bytes=need,
             host_outside=outside)
+
+
+def mbu_rows(quick: bool, on_gpu: bool, copy_bw: float | None, row) -> None:  # noqa: ANN001 (kernels.row)
+    """Decode MBU rows of dummy-weight models; on the CPU a tiny preset, no MBU."""
+    models = ("kimi-k3-mid", "kimi-linear-48b") if on_gpu else ("kimi-k3-tiny",)
+    batches = (1, 8, 64) if on_gpu else (1, 4)
+    for name in models:
+        llm = LLM(name, load_format="dummy", device="cuda" if on_gpu else "cpu",
+                  dtype="bfloat16" if on_gpu else "float32",
+                  cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256))
+        bench_mbu(llm, name, batches, 128 if on_gpu else 32, 16 if quick else 64, copy_bw, row)
+        del llm
+        if on_gpu:
+            torch.cuda.empty_cache()

@@ -49,7 +49,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
 from _common import base_parser, gpu_timer as timer, machine_info, markdown_table, write_json  # noqa: E402
 from _decode_rate import decode_rate, find_runner  # noqa: E402
-from _mbu import bench_mbu  # noqa: E402
+from _mbu import mbu_rows  # noqa: E402
 
 from helixserve import kernels  # noqa: E402
 
@@ -339,23 +339,6 @@ def bench_world(args, on_gpu: bool, preset: str, checkpoint: Path, llm, batches:
         world.close()
 
 
-def mbu_rows(args, on_gpu: bool, copy_bw: float | None) -> None:
-    """Decode MBU of dummy-weight models (``bench/_mbu.py``); on the CPU a tiny preset, no MBU."""
-    from helixserve.config import CacheConfig
-    from helixserve.engine.llm import LLM
-
-    models = ("kimi-k3-mid", "kimi-linear-48b") if on_gpu else ("kimi-k3-tiny",)
-    batches = (1, 8, 64) if on_gpu else (1, 4)
-    for name in models:
-        llm = LLM(name, load_format="dummy", device="cuda" if on_gpu else "cpu",
-                  dtype="bfloat16" if on_gpu else "float32",
-                  cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256))
-        bench_mbu(llm, name, batches, 128 if on_gpu else 32, 16 if args.quick else 64, copy_bw, row)
-        del llm
-        if on_gpu:
-            torch.cuda.empty_cache()
-
-
 def _median_rate(rates: list[tuple[float, float | None]]) -> tuple[float, float | None]:
     shares = [o for _, o in rates if o is not None]
     return statistics.median(r for r, _ in rates), statistics.median(shares) if shares else None
@@ -386,7 +369,7 @@ def main() -> None:
     if "engine" in only:
         bench_engine(args, on_gpu, args.checkpoint)
     if "mbu" in only:
-        mbu_rows(args, on_gpu, copy_bw)
+        mbu_rows(args.quick, on_gpu, copy_bw, row)
     info = machine_info()
     if on_gpu:
         info["gpu"] = torch.cuda.get_device_name()
