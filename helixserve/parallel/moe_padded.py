@@ -216,16 +216,22 @@ def moe_combine_padded(y: torch.Tensor, dispatch: PaddedMoeDispatch, group: Grou
     if y.shape[0] != dispatch.x.shape[0]:
         raise ValueError(f"expert output has {y.shape[0]} rows, dispatch delivered {dispatch.x.shape[0]}")
     acc_dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
-    num_slot_rows = y.shape[0] // dispatch.slots_per_row
-    # per slot row, its assignments' outputs in slot order; masked slots go to a trash row (an
-    # inf/nan from a masked slot never reaches a sum)
-    row_of_slot = torch.arange(num_slot_rows, device=y.device).repeat_interleave(dispatch.slots_per_row)
-    row_of_slot = torch.where(dispatch.valid, row_of_slot, num_slot_rows)
-    per_row = torch.zeros((num_slot_rows + 1, *y.shape[1:]), dtype=acc_dtype, device=y.device)
-    per_row.index_add_(0, row_of_slot, y.to(acc_dtype))
-    back = all_to_all_equal(per_row[:-1].to(y.dtype), group)
+    S = dispatch.slots_per_row
+    num_slot_rows = y.shape[0] // S
+    # per slot row, its assignments' outputs summed slot by slot; a masked slot is selected away
+    # (an inf/nan from a masked slot never reaches a sum)
+    by_slot = torch.where(dispatch.valid.view(num_slot_rows, S, *([1] * (y.dim() - 1))),
+                          y.to(acc_dtype).view(num_slot_rows, S, *y.shape[1:]), 0.0)
+    per_row = by_slot[:, 0].contiguous()
+    for j in range(1, S):
+        per_row.add_(by_slot[:, j])
+    back = all_to_all_equal(per_row.to(y.dtype), group)
     # returned slots in send order (destination rank, then row): each origin row's sum runs over
-    # ranks in rank order, as the host path's; unused slots go to the trash row c
+    # ranks in rank order, as the host path's, one rank's block at a time (a row comes back at
+    # most once from each rank, so no destination is added twice in one step); unused slots go
+    # to the trash row c
     out = torch.zeros((dispatch.num_rows + 1, *y.shape[1:]), dtype=acc_dtype, device=y.device)
-    out.index_add_(0, dispatch.origin_rows, back.to(acc_dtype))
+    cap = dispatch.capacity
+    for r in range(back.shape[0] // max(cap, 1)):
+        out.index_add_(0, dispatch.origin_rows[r * cap:(r + 1) * cap], back[r * cap:(r + 1) * cap].to(acc_dtype))
     return out[:-1].to(y.dtype)
