@@ -19,7 +19,12 @@ the range), the modes' median TTFT p50 and in how many rounds disagg met TTFT <=
 transfer) x 1.05. On a shared GPU the aggregated figures move between runs by about as much as
 the gap, so one pair of runs says little about a 0.9x target.
 
+``--modes agg`` starts one single-process gen worker alone (``serve-gen``, kv_source recompute)
+and measures only ``agg``: a model of which one copy fits the device, e.g. Kimi-Linear-48B's
+dummy weights on one H200 (``--load-format dummy --model kimi-linear-48b``: no checkpoint on disk).
+
     python bench/serve.py --quick --out bench/results/serve_quick.json
+    python bench/serve.py --device cuda --modes agg --load-format dummy --model kimi-linear-48b
 """
 
 from __future__ import annotations
@@ -58,13 +63,18 @@ def _get(url: str) -> dict:
 class Servers:
     """``helixserve launch`` on a copy of `config` (deploy/configs/local.yaml) with free ports."""
 
-    def __init__(self, model: Path, log: Path, config: Path = REPO / "deploy" / "configs" / "local.yaml") -> None:
+    def __init__(self, model: Path, log: Path, config: Path = REPO / "deploy" / "configs" / "local.yaml",
+                 load_format: str = "auto", agg_only: bool = False) -> None:
         from helixserve.config import DeploymentConfig
 
         router, ctx, gen, tx = free_ports(4)
         base = DeploymentConfig.from_yaml(config).model_dump(mode="json")
         base["model"]["path"] = str(model)
         base["model"]["served_name"] = MODEL
+        base["model"]["load_format"] = load_format
+        self.agg_only = agg_only
+        if agg_only:  # one single-process gen worker that prefills and decodes: no ctx, no router
+            base["gen"][0].update(kv_source="recompute", dp=1, cp=1)
         base["ctx"][0].update(port=ctx, transceiver_port=tx)
         base["gen"][0].update(port=gen)
         base["router"].update(port=router, health_check_interval_s=0.25)
@@ -79,15 +89,17 @@ class Servers:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "helixserve.cli", "launch", "-c", str(self.config_file)],
+        command = ["serve-gen", "--index", "0"] if self.agg_only else ["launch"]
+        self.process = subprocess.Popen([sys.executable, "-m", "helixserve.cli", *command, "-c", str(self.config_file)],
                                         cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, INTERNAL_SECRET_ENV: self.secret})
+        ready_url = f"{self.gen_url if self.agg_only else self.router_url}/ready"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"helixserve launch exited with {self.process.returncode}; see {self._log.name}")
+                raise RuntimeError(f"helixserve {command[0]} exited with {self.process.returncode}; see {self._log.name}")
             try:
-                if _get(f"{self.router_url}/ready")["ready"]:
+                if _get(ready_url).get("ready", True):  # a worker answers 200 when ready, the router {"ready": ...}
                     return
             except OSError:
                 pass
@@ -187,18 +199,24 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
     prompt_len = args.prompt_len or (48 if args.quick else 200)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     config = args.config or (GPU_CONFIG if args.device == "cuda" else REPO / "deploy" / "configs" / "local.yaml")
-    servers = Servers(Path(args.model), Path(args.log), config)
+    agg_only = args.modes == "agg"
+    servers = Servers(Path(args.model), Path(args.log), config, args.load_format, agg_only)
     rng = random.Random(0)
     rows = []
     try:
-        servers.start()
+        servers.start(args.ready_timeout)
         vocab = min(1000, _vocab(servers))
-        for url in (servers.router_url, servers.gen_url):  # warm-up, unrecorded
+        for url in (servers.gen_url,) if agg_only else (servers.router_url, servers.gen_url):  # warm-up, unrecorded
             asyncio.run(_level(url, _bodies(rng, 2, prompt_len, max_tokens, vocab), 2, args.timeout))
         for concurrency in levels:
             n = max(args.min_requests, (args.rounds or (2 if args.quick else 4)) * concurrency)
             for round_ in range(args.repeats):
                 bodies = _bodies(rng, n, prompt_len, max_tokens, vocab)
+                if agg_only:
+                    agg = asyncio.run(_level(servers.gen_url, bodies, concurrency, args.timeout))
+                    rows.append({**_summary("agg", concurrency, agg, None), "round": round_})
+                    print(f"concurrency {concurrency}: agg {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+                    continue
                 before = _kv_counters(servers)
                 disagg = asyncio.run(_level(servers.router_url, bodies, concurrency, args.timeout))
                 after = _kv_counters(servers)
@@ -212,21 +230,23 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
                       f"agg {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
     finally:
         servers.stop()
-    return {"machine": machine_info(), "model": str(args.model), "prompt_len": prompt_len,
+    return {"machine": machine_info(), "model": str(args.model), "load_format": args.load_format, "prompt_len": prompt_len,
             "max_tokens": max_tokens, "config": str(config), "deployment": _deployment(servers.config),
             "repeats": args.repeats, "rows": rows, "ratios": ratios(rows)}
 
 
 def _deployment(config) -> str:  # noqa: ANN001 (a DeploymentConfig)
     gen = config.gen[0]
+    if gen.kv_source == "recompute" and gen.world_size == 1:
+        return f"1 single-process gen worker ({gen.device or config.model.device}), {config.model.dtype}"
     return (f"1 ctx ({config.ctx[0].device or config.model.device}) + gen world dp {gen.dp} x cp {gen.cp} "
             f"({gen.device or config.model.device}, kv_source {gen.kv_source}), {config.model.dtype}")
 
 
 def _vocab(servers: Servers) -> int:
-    from helixserve.models.config import KimiModelConfig
+    from helixserve.models.dummy import model_config_of  # a checkpoint's config.json, or a preset's (dummy)
 
-    return KimiModelConfig.from_pretrained(servers.config.model.path).vocab_size
+    return model_config_of(servers.config.model.path, servers.config.model.load_format).vocab_size
 
 
 HEADERS = ["mode", "conc", "reqs", "TTFT p50", "p90", "p99", "ITL p50", "p90", "p99", "TPOT p50", "p90",
@@ -318,6 +338,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="requests per level = rounds x concurrency")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds per level, the two modes alternating (see the ratios table)")
+    parser.add_argument("--modes", choices=("both", "agg"), default="both",
+                        help="agg: one single-process gen worker alone (a model whose one copy fits the GPU)")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights at the real shapes; --model may name a preset")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds the servers may take to be ready")
     parser.add_argument("--min-requests", type=int, default=4,
                         help="at least this many requests per level (a steadier p50 at low concurrency)")
     args = parser.parse_args()
