@@ -53,8 +53,12 @@ def step_bytes(model: torch.nn.Module, caches: Any, batch: int, context_len: int
 
 
 def bench_mbu(llm: Any, model_name: str, batches: tuple[int, ...], prompt_len: int, new_tokens: int,
-              copy_bw: float | None, row) -> None:  # noqa: ANN001 (kernels.row)
-    """Decode tok/s at each batch size and its MBU against ``copy_bw`` (bytes/s); one row each."""
+              copy_bw: float | None, row, baseline: dict[int, float] | None = None,  # noqa: ANN001 (kernels.row)
+              ) -> dict[int, float]:
+    """Decode tok/s at each batch size and its MBU against ``copy_bw`` (bytes/s); one row each.
+    ``baseline``: tok/s per batch of the same model measured earlier in the run (the row's ratio).
+    Returns tok/s per batch."""
+    rates: dict[int, float] = {}
     engine = llm.engine
     runner = find_runner(engine)
     gen = torch.Generator().manual_seed(37)
@@ -67,24 +71,33 @@ def bench_mbu(llm: Any, model_name: str, batches: tuple[int, ...], prompt_len: i
         need = step_bytes(engine.runner.model, engine.runner.caches, batch, prompt_len + new_tokens // 2)
         total = sum(need.values())
         mbu = total / step_s / copy_bw if copy_bw else None
-        row("mbu", f"{model_name} decode bs{batch}", tok_s, None, "tok/s", "-",
-            f"MBU {mbu:.1%}" if mbu is not None else None,
+        rates[batch] = tok_s
+        base = (baseline or {}).get(batch)
+        row("mbu", f"{model_name} decode bs{batch}", tok_s, base, "tok/s", "plain" if base else "-",
+            ", ".join(([f"{tok_s / base:.3f}x"] if base else []) + ([f"MBU {mbu:.1%}"] if mbu is not None else [])),
             f"step {step_s * 1e3:.3f} ms, reads {total / 1e9:.3f} GB (weights {need['weights'] / 1e9:.3f}, "
             f"experts {need['experts'] / 1e9:.3f}, kv {need['kv'] / 1e9:.4f}); roofline "
             + (f"{total / copy_bw * 1e3:.3f} ms" if copy_bw else "n/a"),
             model=model_name, batch=batch, tok_s=tok_s, mbu=mbu, step_ms=step_s * 1e3, bytes=need,
             host_outside=outside)
+    return rates
 
 
 def mbu_rows(quick: bool, on_gpu: bool, copy_bw: float | None, row) -> None:  # noqa: ANN001 (kernels.row)
     """Decode MBU rows of dummy-weight models; on the CPU a tiny preset, no MBU."""
     models = ("kimi-k3-mid", "kimi-linear-48b") if on_gpu else ("kimi-k3-tiny",)
     batches = (1, 8, 64) if on_gpu else (1, 4)
-    for name in models:
+    plain: dict[int, float] = {}
+    # the batch-invariant mode is process-wide from the moment it is set: its rows come last
+    for name, deterministic in [(m, False) for m in models] + [(models[0], True)]:
         llm = LLM(name, load_format="dummy", device="cuda" if on_gpu else "cpu",
-                  dtype="bfloat16" if on_gpu else "float32",
+                  dtype="bfloat16" if on_gpu else "float32", deterministic=deterministic,
                   cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256))
-        bench_mbu(llm, name, batches, 128 if on_gpu else 32, 16 if quick else 64, copy_bw, row)
+        label = f"{name} deterministic" if deterministic else name
+        rates = bench_mbu(llm, label, batches, 128 if on_gpu else 32, 16 if quick else 64, copy_bw, row,
+                          baseline=plain if deterministic else None)
+        if name == models[0] and not deterministic:
+            plain = rates
         del llm
         if on_gpu:
             torch.cuda.empty_cache()
