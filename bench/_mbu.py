@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from _decode_rate import decode_rate, find_runner
+from _step_profile import step_profile_rows
 
 from helixserve.config import CacheConfig
 from helixserve.engine.llm import LLM
@@ -98,6 +99,8 @@ def mbu_rows(quick: bool, on_gpu: bool, copy_bw: float | None, row) -> None:  # 
                           baseline=plain if deterministic else None)
         if name == models[0] and not deterministic:
             plain = rates
+        if not deterministic:
+            step_profile_rows(llm, name, 8 if quick else 32, on_gpu, row)
         del llm
         if on_gpu:
             torch.cuda.empty_cache()
