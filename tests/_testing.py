@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -96,3 +97,30 @@ def run_under_triton_interpreter(test_file: str) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
                           cwd=str(Path(__file__).resolve().parents[1]))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def triton_interpreter_patches():
+    """Two patches of Triton's interpreter for this Triton / numpy pairing, undone on exit: a loaded
+    scalar used as a loop bound or in a branch is a 1-element array that numpy 2 refuses to
+    ``int()``; autotuned kernels run their first config (no GPU to time candidates on)."""
+    import numpy as np
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    patch_lang_tensor, autotune_run = interpreter._patch_lang_tensor, autotuner.Autotuner.run
+
+    def patched_lang_tensor(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    def first_config_run(self, *args, **kwargs):
+        self.configs = self.configs[:1]
+        return autotune_run(self, *args, **kwargs)
+
+    interpreter._patch_lang_tensor = patched_lang_tensor
+    autotuner.Autotuner.run = first_config_run
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor, autotuner.Autotuner.run = patch_lang_tensor, autotune_run

@@ -16,6 +16,7 @@ from functools import cache
 import torch
 
 from helixserve.config import kernel_backend
+from helixserve.kernels.gemm import set_batch_invariant as set_batch_invariant_gemms
 from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape, check_slot_ids
 
 _value_checks = False
@@ -37,14 +38,16 @@ _batch_invariant = False
 def set_batch_invariant(enabled: bool) -> None:
     """``model.deterministic``: reductions whose order does not depend on the batch where the
     kernels choose it (MLA decode: a fixed KV split count and the Triton kernel, not FlashMLA,
-    whose split plan follows the batch; MXFP4 experts: one row-block size), and PyTorch's
-    deterministic algorithms without reduced-precision GEMM reductions (split-K in bf16/fp16)."""
+    whose split plan follows the batch; MXFP4 experts: one row-block size), the fixed-tile Triton
+    GEMMs in place of cuBLAS's and ``torch._grouped_mm`` (:mod:`helixserve.kernels.gemm`, CUDA
+    with Triton), and PyTorch's deterministic algorithms."""
     global _batch_invariant
     _batch_invariant = bool(enabled)
     torch.use_deterministic_algorithms(_batch_invariant, warn_only=True)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not _batch_invariant
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = not _batch_invariant
     torch.backends.cudnn.deterministic = _batch_invariant
+    set_batch_invariant_gemms(_batch_invariant and fast_kernels_enabled())
 
 
 def batch_invariant_enabled() -> bool:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helixserve import kernels
-from tests._testing import assert_close, run_under_triton_interpreter
+from tests._testing import assert_close, run_under_triton_interpreter, triton_interpreter_patches
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not _INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -32,35 +32,16 @@ def test_kernels_under_triton_interpreter():
 
 @pytest.fixture(scope="module")
 def interp():
-    """Our Triton modules, interpreted; two interpreter patches for this Triton/numpy pairing."""
+    """Our Triton modules, interpreted (with the interpreter patches of ``tests._testing``)."""
     pytest.importorskip("triton")
-    import numpy as np
-    import triton.runtime.autotuner as autotuner
-    import triton.runtime.interpreter as interpreter
+    with triton_interpreter_patches():
+        from helixserve.kernels.attn_res import triton_attn_res
+        from helixserve.kernels.mla import triton_mla
+        from helixserve.kernels.moe import triton_route
+        from helixserve.kernels.short_conv import triton_conv
 
-    patch_lang_tensor, autotune_run = interpreter._patch_lang_tensor, autotuner.Autotuner.run
-
-    def patched_lang_tensor(tensor, scope):
-        # numpy 2 refuses int() of a 1-element array; loaded scalars used as loop bounds are such arrays
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    def first_config_run(self, *args, **kwargs):  # no GPU to time autotune candidates on
-        self.configs = self.configs[:1]
-        return autotune_run(self, *args, **kwargs)
-
-    interpreter._patch_lang_tensor = patched_lang_tensor
-    autotuner.Autotuner.run = first_config_run
-    from helixserve.kernels.attn_res import triton_attn_res
-    from helixserve.kernels.mla import triton_mla
-    from helixserve.kernels.moe import triton_route
-    from helixserve.kernels.short_conv import triton_conv
-
-    try:
         yield {"triton_mla": triton_mla, "triton_conv": triton_conv, "triton_attn_res": triton_attn_res,
                "triton_route": triton_route}
-    finally:
-        interpreter._patch_lang_tensor, autotuner.Autotuner.run = patch_lang_tensor, autotune_run
 
 
 def _paged_cache(seq_lens, D, BS, num_blocks, seed, fill=float("nan")):

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from helixserve.kernels.gemm import batch_invariant_gemms, grouped_mm
+from helixserve.kernels.triton_common import batch_invariant_enabled
+
 # the gathered-weights fallback may materialize at most this many elements of w13[ids]
 _MAX_GATHERED_ELEMENTS = 1 << 27
 # MXFP4 stacks: from this many (token, k) rows per local expert on (prefill), dequantize the stacks
@@ -25,7 +28,11 @@ MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT = 128
 
 
 def can_group(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` applies: bf16 operands and 16-byte aligned rows."""
+    """The grouped GEMMs apply: ``torch._grouped_mm``'s bf16 operands and 16-byte aligned rows, or
+    any float dtype while the batch-invariant grouped GEMM replaces it (a row's kernel then does
+    not depend on the batch's size, as the gathered / dense choice below would)."""
+    if batch_invariant_gemms():
+        return x.dtype == w13.dtype == w2.dtype and x.dtype.is_floating_point
     return x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _can_group_shapes(x.shape[1], w13.shape[1])
 
 
@@ -59,9 +66,9 @@ def grouped_experts(
     offs = group_ends(sorted_ids, E)
     rows = order // top_k
     xs = x.index_select(0, rows)
-    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    h = grouped_mm(xs, w13.transpose(1, 2), offs)
     act = act_and_mul(h[:, :I], h[:, I:]).to(x.dtype)
-    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    y = grouped_mm(act, w2.transpose(1, 2), offs)
     weights = topk_weights.flatten().index_select(0, order).float()
     # rows past the last group are not written by _grouped_mm: mask, never multiply
     y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
@@ -142,7 +149,8 @@ def mxfp4_experts(
 ) -> torch.Tensor:
     """``grouped_experts`` over :class:`~helixserve.kernels.moe.mxfp4.MXFP4Weight` stacks: the same
     sort and sum, the two GEMMs by the Triton MXFP4 grouped kernel (weights dequantized in registers);
-    at prefill sizes the stacks dequantized to bf16 for ``grouped_experts``."""
+    at prefill sizes the stacks dequantized to bf16 for ``grouped_experts`` (not while batch
+    invariance is on: which kernel sums a row must not depend on the batch)."""
     from helixserve.kernels.moe import triton_mxfp4
 
     T, D = x.shape
@@ -150,7 +158,7 @@ def mxfp4_experts(
     I = two_I // 2
     top_k = topk_ids.shape[1]
     if (T * top_k >= MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT * E and x.dtype == torch.bfloat16
-            and _can_group_shapes(D, two_I)):
+            and _can_group_shapes(D, two_I) and not batch_invariant_enabled()):
         return grouped_experts(x, topk_ids, topk_weights, triton_mxfp4.dequantize_bf16(w13),
                                triton_mxfp4.dequantize_bf16(w2), expert_offset, act_and_mul)
     order, sorted_ids, valid = _sort_pairs(topk_ids, E, expert_offset)
