@@ -101,3 +101,29 @@ def test_group_tiles_cover_every_row_once(counts):
         for r in rows:
             seen[r] += 1
     assert seen[:int(ends[-1])].eq(1).all() and seen[int(ends[-1]):].eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_linear_and_grouped_rows_batch_invariant_bf16():
+    """On CUDA with the mode on, ``nn.Linear`` (aten addmm/mm, replaced) and the grouped expert GEMM
+    give a row the same bits alone and in batches of other sizes; off, the mode restores cuBLAS."""
+    pytest.importorskip("triton")
+    from helixserve.kernels.gemm import batch_invariant_gemms, grouped_mm, set_batch_invariant
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lin = torch.nn.Linear(1024, 768, bias=False, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1030, 1024, dtype=torch.bfloat16, device="cuda", generator=gen)
+    w = torch.randn(4, 1024, 256, dtype=torch.bfloat16, device="cuda", generator=gen)
+    assert set_batch_invariant(True) and batch_invariant_gemms()
+    try:
+        alone = lin(x[:1])
+        assert_close("linear", x[:1].float() @ lin.weight.float().t(), alone.float(), 2e-2)
+        ends = lambda n: torch.tensor([n, n, n, n], dtype=torch.int32, device="cuda")  # noqa: E731 (one group used)
+        g_alone = grouped_mm(x[:1], w, ends(1))
+        for batch in (2, 7, 64, 65, 513, 1030):
+            assert torch.equal(lin(x[:batch])[:1], alone), batch
+            assert torch.equal(grouped_mm(x[:batch], w, ends(batch))[:1], g_alone), batch
+    finally:
+        set_batch_invariant(False)
+    assert not batch_invariant_gemms()
