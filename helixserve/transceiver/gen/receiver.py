@@ -169,7 +169,7 @@ class KVReceiver:
         if not session.is_quiesced:
             inbound = self.inbounds[request_id]
             if inbound.phase is not Phase.CLOSED:
-                inbound._close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
+                inbound.close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
             limit = self.clock.monotonic() + RETRACT_WAIT_S
             while not session.is_quiesced and self.clock.monotonic() < limit:
                 self.clock.wait(None, DEFAULT_TICK_S)
@@ -191,17 +191,16 @@ class KVReceiver:
         pools it has open); else a probe that says True once for each pulled copy that ended
         since it was made (pulls a sweep launches too), so that the poller sweeps at once."""
         inbounds = self.inbounds
-        if not any(i.phase is Phase.PULLING or (i.phase is Phase.REQUESTING and i.pools is not None)
-                   for i in inbounds.values()):
+        if not any(i.phase is Phase.TRANSFERRING and i.transport.pulls for i in inbounds.values()):
             return None
         seen: set[int] = set()
 
         def ended() -> bool:
             found = False
             for inbound in inbounds.values():
-                pull = inbound.pull
-                if inbound.phase is Phase.PULLING and pull is not None and id(pull) not in seen and pull.is_done():
-                    seen.add(id(pull))
+                copy = inbound.transport.copy
+                if inbound.phase is Phase.TRANSFERRING and copy is not None and id(copy) not in seen and copy.is_done():
+                    seen.add(id(copy))
                     found = True
             return found
         return ended
@@ -218,7 +217,7 @@ class KVReceiver:
             self.poller.retire(request_id)  # raises: not quiesced
         inbound = self.inbounds.pop(request_id)
         if inbound.phase is not Phase.CLOSED:
-            inbound._close(may_still_send=None)  # (nothing is posted any more once complete)
+            inbound.close(may_still_send=None)  # (nothing is posted any more once complete)
         self._reported.discard(request_id)
 
     def fail(self, request_id: str, reason: str) -> None:
@@ -241,7 +240,7 @@ class KVReceiver:
         """Shut down: close every transfer (frees nothing: the caller owns the handles)."""
         for inbound in self.inbounds.values():
             if inbound.phase is not Phase.CLOSED:
-                inbound._close()
+                inbound.close()
         self.plane.close()  # closing the endpoints cancels whatever is still posted
         self.clients.close()
 
