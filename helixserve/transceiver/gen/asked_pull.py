@@ -11,17 +11,14 @@ hands off to the tagged stream (`Progress.STREAMED`), whose receives are posted 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.control import target
 from helixserve.transceiver.cuda_ipc import RemotePools
-from helixserve.transceiver.gen.transport import Progress, PullTransport
-
-if TYPE_CHECKING:
-    from helixserve.transceiver.gen.inbound import Inbound
+from helixserve.transceiver.gen.transport import Progress, PullTransport, ShardOwner
 
 
 class AskedPull(PullTransport):
@@ -30,7 +27,7 @@ class AskedPull(PullTransport):
     name: ClassVar[str] = "asked pull"
     has_asked: ClassVar[bool] = True
 
-    def __init__(self, inbound: Inbound, pools: RemotePools) -> None:
+    def __init__(self, inbound: ShardOwner, pools: RemotePools) -> None:
         super().__init__(inbound, pools)
         self.future: Future | None = None  # RequestShard
         self.reply: pb.ShardReply | None = None  # the ctx's answer with the tagged stream (handed off)

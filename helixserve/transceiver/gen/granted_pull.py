@@ -12,15 +12,12 @@ blocks during the copy, so the copy is thrown away and the inbound hands off to 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from helixserve.protocol.disagg import PullGrant
 from helixserve.transceiver.cuda_ipc import RemotePools
 from helixserve.transceiver.grant import grant_matches
-from helixserve.transceiver.gen.transport import Progress, PullTransport
-
-if TYPE_CHECKING:
-    from helixserve.transceiver.gen.inbound import Inbound
+from helixserve.transceiver.gen.transport import Progress, PullTransport, ShardOwner
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +28,7 @@ class GrantedPull(PullTransport):
     name: ClassVar[str] = "granted pull"
     has_asked: ClassVar[bool] = False
 
-    def __init__(self, inbound: Inbound, pools: RemotePools, grant: PullGrant) -> None:
+    def __init__(self, inbound: ShardOwner, pools: RemotePools, grant: PullGrant) -> None:
         super().__init__(inbound, pools)
         self.grant = grant
 

@@ -20,17 +20,14 @@ from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.layout import ShardPlan, scatter, wire_tag
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.plane import TransferHandle
-from helixserve.transceiver.gen.transport import Progress
-
-if TYPE_CHECKING:
-    from helixserve.transceiver.gen.inbound import Inbound
+from helixserve.transceiver.gen.transport import Progress, ShardOwner
 
 
 @dataclass(slots=True)
@@ -51,7 +48,7 @@ class TaggedStream:
     has_asked: ClassVar[bool] = True
     copy = None  # (nothing is copied out of the ctx's pools)
 
-    def __init__(self, inbound: Inbound, message_bytes: int | None, *, is_live: bool = True) -> None:
+    def __init__(self, inbound: ShardOwner, message_bytes: int | None, *, is_live: bool = True) -> None:
         self.inbound = inbound
         self.plan: ShardPlan = inbound.plan
         self.recvs: list[_Recv] = []

@@ -33,14 +33,19 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from concurrent.futures import Future
+from typing import Any, ClassVar, Protocol
 
+import torch
+
+from helixserve.cache_layout import ModelCaches
+from helixserve.kvcache.manager import CacheHandle
+from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.cuda_ipc import RemotePools
 from helixserve.transceiver.gen.pull import Pull, pull_pair
-
-if TYPE_CHECKING:
-    from helixserve.transceiver.gen.inbound import Inbound
+from helixserve.transceiver.layout import ShardPlan
+from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,40 @@ class Progress(enum.Enum):
     LANDED = "landed"  # every byte of the shard is in place: the inbound acknowledges it
     REVOKED = "revoked"  # granted pull: the ctx freed the blocks during the copy: ask instead
     STREAMED = "streamed"  # asked pull: the ctx answered with the tagged stream: receive it
+
+
+class ShardOwner(Protocol):
+    """What a transport sees of its `inbound.Inbound`: the request, its handle, and the ctx
+    conversation and outcome, which stay with the inbound."""
+
+    r: Any  # the rank's `receiver.KVReceiver`: plane, staging, retractor, pool directory, counters
+    request_id: str
+    ctx: str  # "ctx worker host:port", as errors name it
+    ticket: KVTicket
+    plan: ShardPlan  # this rank's shard, cut with the rank's own message size
+    handle: CacheHandle
+    caches: ModelCaches
+    device: torch.device | None
+    tag_base: int
+    error: str | None  # the request's first error
+
+    def ask(self, deadline_s: float, pull_epoch: int | None = None) -> Future:
+        """Send RequestShard; its future."""
+        ...
+
+    def answer(self, future: Future) -> pb.ShardReply | None:
+        """The ctx's accepted reply; None once the request failed or closed."""
+        ...
+
+    def check_aux(self, aux: torch.Tensor) -> None:
+        """Fail the request unless the ctx's AUX names the ticket's prefill."""
+        ...
+
+    def fail(self, error: str) -> None: ...
+
+    def stop(self, reason: str) -> None:
+        """Give up: Cancel, drain, close."""
+        ...
 
 
 class ShardTransport(Protocol):
@@ -104,7 +143,7 @@ class PullTransport:
 
     pulls: ClassVar[bool] = True
 
-    def __init__(self, inbound: Inbound, pools: RemotePools) -> None:
+    def __init__(self, inbound: ShardOwner, pools: RemotePools) -> None:
         self.inbound = inbound
         self.pools = pools
         self.copy: Pull | None = None
