@@ -70,7 +70,7 @@ class Inbound:
         self.phase = Phase.TRANSFERRING
         self.error: str | None = None
         self.deadline_at = 0.0
-        self.transport: ShardTransport = TaggedStream(self, self.plan.message_bytes)  # until `request`
+        self.transport: ShardTransport = TaggedStream(self, None)  # until `request` (nothing planned or posted)
         self.retired: list[ShardTransport] = []  # handed off from, in order
         self.cancel_future: Future | None = None
         self.drain_end: float | None = None

@@ -23,8 +23,9 @@ the SPMD gen world plugs in (as `engine.kv_intake.ShardReceiver`, through the ge
    is shared by all requests and never closed per request (see `ucxx_backend`, `retract`).
 
 Threading: every method runs on the engine thread; only ucxx's thread (and a pull's copy, on the
-engine's stream) writes into the pools, and only into the blocks/slot of a transfer in flight, which the caller must not free or reuse until
-`poll` reported the transfer complete or `cancel` returned.
+engine's stream) writes into the pools, and only into the blocks/slot of a transfer in flight,
+which the caller must not free or reuse until `poll` reported the transfer complete or `cancel`
+returned.
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ class _Recv:
 class TaggedStream:
     """The receives of one shard's tagged messages (see the module docstring).
 
-    `message_bytes`: the cut of the ctx's messages (None: not known yet; a drain learns it from
-    the Cancel reply). `is_live`: it receives the shard (False: it only drains what was posted)."""
+    `message_bytes`: the cut of the ctx's messages (None: not known yet: `start` asks for the
+    inbound's own, a drain learns it from the Cancel reply). `is_live`: it receives the shard
+    (False: it only drains what was posted)."""
 
     name: ClassVar[str] = "tagged stream"
     pulls: ClassVar[bool] = False
@@ -73,6 +74,7 @@ class TaggedStream:
     # -- receiving ----------------------------------------------------------------------------
     def start(self, deadline_s: float) -> bool:
         self.future = self.inbound.ask(deadline_s)
+        self._replan(self.inbound.plan.message_bytes)  # the cut asked for
         self.post(len(self.recvs))  # while the request travels (maps our memory on the way)
         return True
 
