@@ -29,12 +29,24 @@ KEY = bytes(range(32))  # the export's grant key
 SERIAL = 3
 
 
-def open_pools(gen, caches, lease: LeaseBoard, monkeypatch) -> RemotePools:
-    """Give `gen`'s receiver `caches` as a ctx's pools it has open (what `PoolDirectory.get`
-    returns once a same-host ctx's DescribePools answer opened)."""
+@pytest.fixture
+def lease(tmp_path):
+    """The opened pools' lease words, holding grant SERIAL."""
+    board = LeaseBoard.create(num_words=16, directory=tmp_path)
+    board.grant(SERIAL)
+    yield board
+    board.close()
+
+
+def start(ctx, gen, caches, lease: LeaseBoard, monkeypatch, with_grant: bool):
+    """Hold "r1" on the ctx and start receiving it as "g1", `gen`'s receiver having `caches` open
+    as the ctx's pools (what `PoolDirectory.get` returns once a same-host ctx's DescribePools
+    answer opened); with the ctx's grant when `with_grant`. The inbound."""
     pools = RemotePools(EPOCH, caches, [], KEY, lease)
     monkeypatch.setattr(gen.rx.pools, "get", lambda key, client, device: pools)
-    return pools
+    params = ctx.hold("r1")
+    gen.start("g1", granted(ctx, params) if with_grant else params)
+    return gen.rx.inbounds["g1"]
 
 
 def stale_pools():
@@ -91,24 +103,21 @@ def assert_received_exactly(gen, ctx) -> None:
                                want[part][layer].reshape(got[part][layer].shape).view(torch.uint8)), (part, layer)
 
 
-def test_a_granted_pull_lands_without_asking(world, fabric, tmp_path, monkeypatch, shard_requests):
+def test_a_granted_pull_lands_without_asking(world, fabric, lease, monkeypatch, shard_requests):
+    """Copied at start, the lease word still held after the copy: landed, and no RequestShard.
+    (The ctx here issued no grant of its own, so it keeps its hold: its side is not checked.)"""
     ctx, (gen,) = world(config())
-    lease = LeaseBoard.create(num_words=16, directory=tmp_path)
-    lease.grant(SERIAL)
-    open_pools(gen, ctx.caches, lease, monkeypatch)
-    gen.start("g1", granted(ctx, ctx.hold("r1")))
-    inbound = gen.rx.inbounds["g1"]
+    inbound = start(ctx, gen, ctx.caches, lease, monkeypatch, with_grant=True)
     transport = inbound.transport
     assert transport.name == "granted pull" and transport.copy is not None and not transport.has_asked
     assert poll_until([gen], "g1") == [None]
     assert_received_exactly(gen, ctx)
     assert shard_requests == [] and inbound.retired == [] and transport.is_quiesced()
     assert (gen.rx.num_granted, gen.rx.num_pulled) == (1, 0)
-    lease.close()
 
 
 @pytest.mark.parametrize("with_grant", [True, False], ids=["granted-then-revoked", "asked"])
-def test_a_pull_hands_off_until_the_tagged_stream_rewrites_every_byte(world, fabric, tmp_path, monkeypatch,
+def test_a_pull_hands_off_until_the_tagged_stream_rewrites_every_byte(world, fabric, lease, monkeypatch,
                                                                       shard_requests, caplog, with_grant):
     """Granted, its lease word gone once the copy ended (the ctx began freeing the blocks, which
     were reused: the copy read other bytes) -> asked, naming the pools' epoch -> the ctx answers
@@ -116,12 +125,7 @@ def test_a_pull_hands_off_until_the_tagged_stream_rewrites_every_byte(world, fab
     quiesced and the switches are logged naming both."""
     caplog.set_level(logging.INFO, logger="helixserve.transceiver.gen.inbound")
     ctx, (gen,) = world(config(message_bytes=1000))
-    lease = LeaseBoard.create(num_words=16, directory=tmp_path)
-    lease.grant(SERIAL)
-    open_pools(gen, stale_pools(), lease, monkeypatch)
-    params = ctx.hold("r1")
-    gen.start("g1", granted(ctx, params) if with_grant else params)
-    inbound = gen.rx.inbounds["g1"]
+    inbound = start(ctx, gen, stale_pools(), lease, monkeypatch, with_grant)
     if with_grant:
         assert inbound.transport.name == "granted pull"
         assert all(bool((pool[gen.manager.get("g1").block_ids] == 0.5).all()) for pool in gen.caches.mla_kv.values())
@@ -136,19 +140,16 @@ def test_a_pull_hands_off_until_the_tagged_stream_rewrites_every_byte(world, fab
     assert (gen.rx.num_granted, gen.rx.num_pulled) == (0, 0)
     wait_for(lambda: ctx.freed == ["r1"])  # acknowledged over the tagged stream
     assert fabric.in_flight() == []
-    lease.close()
 
 
-def test_an_asked_pull_given_up_drains_what_the_ctx_posted_as_a_tagged_stream(world, fabric, tmp_path,
+def test_an_asked_pull_given_up_drains_what_the_ctx_posted_as_a_tagged_stream(world, fabric, lease,
                                                                                monkeypatch, caplog):
     """The ctx answered with the tagged stream and posted its first sends, but the rank gave up
     before it read the answer: the Cancel reply's count hands off to the tagged stream, which
     receives those messages, so no send of the ctx stays pinned and its hold is freed."""
     caplog.set_level(logging.INFO, logger="helixserve.transceiver.gen.inbound")
     ctx, (gen,) = world(config(message_bytes=1000, send_window_bytes=3000))
-    open_pools(gen, stale_pools(), LeaseBoard.create(num_words=16, directory=tmp_path), monkeypatch)
-    gen.start("g1", ctx.hold("r1"))
-    inbound = gen.rx.inbounds["g1"]
+    inbound = start(ctx, gen, stale_pools(), lease, monkeypatch, with_grant=False)
     assert inbound.transport.name == "asked pull"
     num_posted = window_of(inbound.plan.messages, 3000)
     assert 1 < num_posted < len(inbound.plan.messages)
@@ -164,18 +165,14 @@ def test_an_asked_pull_given_up_drains_what_the_ctx_posted_as_a_tagged_stream(wo
     assert fabric.in_flight() == [] and not gen.rx.retractor.sinks  # every posted send was received
 
 
-def test_a_granted_pull_given_up_closes_without_a_hand_off(world, fabric, tmp_path, monkeypatch, shard_requests):
+def test_a_granted_pull_given_up_closes_without_a_hand_off(world, fabric, lease, monkeypatch, shard_requests):
     """Nothing was asked, so the ctx posted nothing: the Cancel reply says so and the rank closes
     with the granted pull (no tagged stream is made to drain)."""
     ctx, (gen,) = world(config())
-    lease = LeaseBoard.create(num_words=16, directory=tmp_path)
-    lease.grant(SERIAL)
-    open_pools(gen, ctx.caches, lease, monkeypatch)
-    gen.start("g1", granted(ctx, ctx.hold("r1")))
-    inbound = gen.rx.inbounds["g1"]
+    inbound = start(ctx, gen, ctx.caches, lease, monkeypatch, with_grant=True)
+    assert inbound.transport.name == "granted pull"
     assert gen.rx.cancel("g1", "client gone")
     assert inbound.transport.name == "granted pull" and inbound.retired == [] and inbound.is_quiesced()
     assert inbound.num_to_drain == 0 and shard_requests == []
     wait_for(lambda: ctx.freed == ["r1"])  # the Cancel stopped the hold
     assert fabric.in_flight() == []
-    lease.close()
