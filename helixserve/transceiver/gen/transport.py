@@ -100,7 +100,7 @@ class ShardTransport(Protocol):
 
     name: ClassVar[str]  # as the log lines name it: "granted pull", "asked pull", "tagged stream"
     pulls: ClassVar[bool]  # its bytes come by a device copy, whose end sets no wakeup
-    has_asked: ClassVar[bool]  # it sent RequestShard: the ctx cuts its messages as this rank asked
+    has_asked: ClassVar[bool]  # it asks with RequestShard: a ctx stream cuts messages as this rank asked
     copy: Pull | None  # the copy launched out of the ctx's pools, if any
 
     def start(self, deadline_s: float) -> bool:
@@ -116,7 +116,8 @@ class ShardTransport(Protocol):
         ...
 
     def stop(self) -> None:
-        """The inbound gave up: end what this side has in flight (bounded)."""
+        """The inbound gave up (its Cancel, with the reason, follows): end what this side has in
+        flight, within ``drain_timeout_ms`` (a launched copy waited for, RequestShard cancelled)."""
         ...
 
     def drain(self, limit: int) -> bool:
