@@ -82,7 +82,7 @@ def _record_phases(marks: dict[str, float]) -> None:
     from helixserve.kernels.copy import triton_units, unit_graphs
     from helixserve.kvcache.manager import CacheManager
     from helixserve.transceiver import base, polling
-    from helixserve.transceiver.gen import inbound, pull, receiver
+    from helixserve.transceiver.gen import asked_pull, granted_pull, inbound, pull, receiver
 
     def after(name: str, fn):  # noqa: ANN001, ANN202
         def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -99,16 +99,16 @@ def _record_phases(marks: dict[str, float]) -> None:
 
     CacheManager.allocate = after("allocated", CacheManager.allocate)
     inbound.Inbound.__init__ = after("inbound", inbound.Inbound.__init__)
-    inbound.grant_matches = after("granted_ok", inbound.grant_matches)
+    granted_pull.grant_matches = after("granted_ok", granted_pull.grant_matches)
     pull.PullPair.groups = after("planned", pull.PullPair.groups)
     triton_units.request_table = after("table", triton_units.request_table)
     unit_graphs.UnitGraphs.replay_slot = after("replayed", unit_graphs.UnitGraphs.replay_slot)
     torch.cuda.CUDAGraph.replay = before("graph_replay", torch.cuda.CUDAGraph.replay)
     pull.UnitCopier.copy = after("copy_issued", pull.UnitCopier.copy)
     inbound.Inbound.request = after("request", inbound.Inbound.request)
-    inbound.Inbound._on_reply = before("reply", inbound.Inbound._on_reply)
-    inbound.Inbound._start_pull = after("launched", inbound.Inbound._start_pull)
-    inbound.Inbound._start_granted = after("launched", inbound.Inbound._start_granted)
+    inbound.Inbound.answer = before("reply", inbound.Inbound.answer)
+    asked_pull.AskedPull._start_pull = after("launched", asked_pull.AskedPull._start_pull)
+    granted_pull.GrantedPull.start = after("launched", granted_pull.GrantedPull.start)
     inbound.Inbound._finish = before("done", inbound.Inbound._finish)
     receiver.KVReceiver.send_ack = after("acked", receiver.KVReceiver.send_ack)
     base.TransferSession._settle = after("settled", base.TransferSession._settle)

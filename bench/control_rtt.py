@@ -143,7 +143,7 @@ def _gen_main(port: int, ctx_address: bytes, ctx_reply: bytes, inbox, outbox, wa
     def grpc_blocking() -> None:
         assert client.request_shard(request).accepted
 
-    def grpc_future() -> None:  # as Inbound.request: the call future, its reply seen through an event
+    def grpc_future() -> None:  # as Inbound.ask: the call future, its reply seen through an event
         answered.clear()
         future = client.request_shard_async(request)
         future.add_done_callback(lambda _: answered.set())

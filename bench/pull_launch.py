@@ -101,7 +101,7 @@ def bench_shape(preset: str, num_tokens: int, device: str, reps: int, warmup: in
                       else np.random.default_rng(num_tokens).permutation(num_blocks)[:n].tolist())
         times: dict[str, list[float]] = {k: [] for k in (*PHASES, "floor", "cold planning")}
 
-        def plan():  # noqa: ANN202 (what Inbound.__init__ and Inbound._launch run before the copy)
+        def plan():  # noqa: ANN202 (what Inbound.__init__ and PullTransport.launch run before the copy)
             ShardPlan.for_receiver(spec, gen, gen_blocks, 0, MESSAGE_BYTES)
             pair = pull_pair(pairs, layout, ctx, gen, spec.num_local_heads)
             return pair, pair.groups(spec, ctx_blocks, 1, gen_blocks, 0)

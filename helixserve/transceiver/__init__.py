@@ -13,7 +13,8 @@ message plan), `memory_map` (each side's memory map),
 (pools exported and opened). Each side's own modules live in its subpackage, which never imports
 the other: `ctx` (what a ctx worker runs: `sender.KVSender`, with `hold`, `outbound`,
 `grant_issue`, `shard_request`, `control_server`) and `gen` (what a gen rank runs:
-`receiver.KVReceiver`, with `inbound`, `pull`, `retract`, `control_client`; a gen world's ranks
+`receiver.KVReceiver`, with `inbound` and its transports behind `transport` (`granted_pull`,
+`asked_pull`, `tagged_stream`), `pull`, `retract`, `control_client`; a gen world's ranks
 allocate and agree through `engine.kv_intake`). Those are imported on first use (they need gRPC
 and ucxx).
 """

@@ -8,7 +8,7 @@ The key reaches only gen ranks that asked DescribePools over the (authenticated)
 so a caller that can reach a gen worker but not the control plane cannot forge a grant that
 reads another request's blocks; the router never lets clients set ``disaggregated_params``.
 
-The gen rank (`inbound`) uses a grant only when its opened pools carry that epoch, the MAC
+The gen rank (`gen.granted_pull`) uses a grant only when its opened pools carry that epoch, the MAC
 matches the request it serves and the lease word holds the serial; it checks the word again
 after its copy ended. Otherwise it asks with RequestShard as before.
 

@@ -1,6 +1,6 @@
 """Lease words: a ctx worker's shared-memory record of which granted pulls it still holds.
 
-A granted pull (`PullGrant`, see `cuda_ipc` and `inbound`) lets a gen rank on the same host copy
+A granted pull (`PullGrant`, see `cuda_ipc` and `gen.granted_pull`) lets a gen rank on the same host copy
 a request's blocks out of the ctx's opened pools without asking first: the ctx's answer to the
 router carries the block table, so the request costs no control round trip before its copy. The
 ctx may still free those blocks at any time (the hold expired, the client left, the router

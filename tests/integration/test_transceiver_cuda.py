@@ -160,7 +160,8 @@ def test_cuda_shard_arrives_byte_exact(ctx_worker, mode, cp_rank, cp_size):
     handle = manager.allocate("r1", NUM_TOKENS)
     rx.start("r1", handle, caches, _params("r1", endpoint, grant if mode == "granted" else None))
     if mode == "granted":  # launched at start: no RequestShard in flight
-        assert rx.inbounds["r1"].grant is not None and rx.inbounds["r1"].future is None
+        transport = rx.inbounds["r1"].transport
+        assert transport.name == "granted pull" and transport.copy is not None and not transport.has_asked
     error, _ = _wait(rx, "r1")
     assert error is None
     assert (rx.num_granted, rx.num_pulled) == {"granted": (1, 0), "pulled": (0, 1), "tagged": (0, 0)}[mode]
@@ -238,7 +239,9 @@ def test_cuda_grant_of_a_freed_request_is_never_read(ctx_worker):
     assert outbox.get(timeout=30) is True
     assert _ctx_held_after(inbox, outbox) == 0
     rx.start("r3", manager.allocate("r3", NUM_TOKENS), _caches(fill=False), _params("r3", endpoint, grant))
-    assert rx.inbounds["r3"].pull is None, "a revoked grant was copied"
+    inbound = rx.inbounds["r3"]
+    assert inbound.transport.name == "asked pull" and inbound.transport.copy is None and not inbound.retired, \
+        "a revoked grant was copied"
     error, _ = _wait(rx, "r3")
     assert error is not None and "not held here" in error
     assert (rx.num_granted, rx.num_pulled) == (0, 0)
@@ -260,7 +263,7 @@ def test_cuda_grant_for_another_request_is_refused(ctx_worker):
     forged = {**grant, "block_ids": list(reversed(grant["block_ids"]))}
     rx.start("r5", manager.allocate("r5", NUM_TOKENS), _caches(fill=False), _params("r5", endpoint, grant))
     rx.start("r4", manager.allocate("r4", NUM_TOKENS), _caches(fill=False), _params("r4", endpoint, forged))
-    assert rx.inbounds["r5"].grant is None and rx.inbounds["r4"].grant is None
+    assert [rx.inbounds[r].transport.name for r in ("r5", "r4")] == ["asked pull", "asked pull"]  # no grant used
     outcomes: dict = {}
     end = time.monotonic() + 20
     while len(outcomes) < 2 and time.monotonic() < end:  # each outcome is reported once

@@ -185,7 +185,7 @@ def _receive_all(ranks: list[_Rank], requests: list[tuple[str, str, int | None]]
     while live and time.monotonic() < deadline:
         for rid, after in list(aborts.items()):
             inbound = ranks[0].rx.inbounds.get(rid)
-            if inbound is not None and sum(r.is_done for r in inbound.recvs) >= after:
+            if inbound is not None and sum(r.is_done for r in inbound.transport.recvs) >= after:
                 del aborts[rid]
                 end(rid, "aborted by the gen client")
         for rank in ranks:

@@ -181,7 +181,7 @@ def _receive(rx, rid: str, params: DisaggregatedParams, cancel_after: int | None
     while time.monotonic() - start < WAIT_S:
         inbound = rx.receiver.inbounds.get(rid)
         cancel = torch.tensor([int(cancel_after is not None and inbound is not None
-                                   and sum(r.is_done for r in inbound.recvs) >= cancel_after)])
+                                   and sum(r.is_done for r in inbound.transport.recvs) >= cancel_after)])
         dist.all_reduce(cancel, group=cp_group)
         if cancel.item():
             out["cancelled"] = rx.cancel(rid)

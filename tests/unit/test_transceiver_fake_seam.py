@@ -162,10 +162,10 @@ def test_every_receive_is_posted_before_the_ctx_answers_one_round_trip(world, fa
     monkeypatch.setattr(KVSender, "request_shard", held_back)
     ctx, (gen,) = world(config(message_bytes=1000))
     gen.start("g1", ctx.hold("r1"))
-    inbound = gen.rx.inbounds["g1"]
-    num_messages = len(inbound.plan.messages)
-    assert num_messages > 10 and inbound.phase.value == "requesting"
-    assert list(inbound._pending) == list(range(num_messages))  # noqa: SLF001
+    stream = gen.rx.inbounds["g1"].transport
+    num_messages = len(stream.plan.messages)
+    assert num_messages > 10 and stream.name == "tagged stream" and not stream.is_answered
+    assert list(stream.pending) == list(range(num_messages))
     assert len([op for op in fabric.in_flight() if op.startswith("recv ")]) == num_messages
     answer.set()
     assert poll_until([gen], "g1") == [None]

@@ -199,7 +199,7 @@ def test_cancel_mid_transfer_drains_posted_messages_then_both_sides_free(ctx, mo
     for gen in gens:
         gen.rx.begin("g1", params)
     inbound = gens[0].rx.receiver.inbounds["g1"]
-    wait_for(lambda: (gens[0].rx.check(), gens[1].rx.check()) and sum(r.is_done for r in inbound.recvs) == 3)
+    wait_for(lambda: (gens[0].rx.check(), gens[1].rx.check()) and sum(r.is_done for r in inbound.transport.recvs) == 3)
     for gen in gens:  # the client went away: the leader's abort reaches every rank of the group
         assert gen.rx.cancel("g1") and not gen.rx.cancel("g1")
     out = drive(gens, lambda o: len(o["freed"].get("g1", [])) == 2)

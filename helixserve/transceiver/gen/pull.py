@@ -188,11 +188,15 @@ def pull_pair(cache: dict, layout, src: ModelCaches, dst: ModelCaches, dst_heads
 class Pull:
     """One launched copy of a shard (engine thread), on `device`'s current stream: after the
     compute work queued before it (the destination blocks may have been read by the previous
-    owner's last step), and without a stream switch or a cross-stream wait of its own."""
+    owner's last step), and without a stream switch or a cross-stream wait of its own. Pools in
+    host memory (never exported by a ctx: in-process tests) are copied before this returns."""
 
     def __init__(self, pair: PullPair, groups: Sequence[UnitGroup], device: torch.device) -> None:
         self.pair = pair  # (its tensors and graphs stay alive while the copy may run)
-        if device.index is not None and torch.cuda.current_device() != device.index:
+        self.event: torch.cuda.Event | None = None  # (None: the copy ended already)
+        if device.type != "cuda":
+            pair.copier.copy(groups)
+        elif device.index is not None and torch.cuda.current_device() != device.index:
             with torch.cuda.device(device):
                 self._launch(groups)
         else:
@@ -205,12 +209,12 @@ class Pull:
         self.event.record(stream)
 
     def is_done(self) -> bool:
-        return self.event.query()
+        return self.event is None or self.event.query()
 
     def wait(self, timeout_s: float) -> bool:
         """Wait (bounded) for the copy to end; False if it did not within `timeout_s`."""
         end = time.monotonic() + timeout_s
-        while not self.event.query():
+        while not self.is_done():
             if time.monotonic() >= end:
                 return False
             time.sleep(WAIT_TICK_S)

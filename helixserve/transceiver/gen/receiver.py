@@ -5,12 +5,13 @@ the SPMD gen world plugs in (as `engine.kv_intake.ShardReceiver`, through the ge
 `PacedKVReceiver`; its `RankTransfers` agree over the CP group).
 
 1. `start(request_id, handle, caches, ticket)`: the ticket (a `ticket.KVTicket`) is checked
-   (layout equal to ours) and RequestShard goes to the ctx worker
-   asynchronously, with a deadline; the request's overall deadline is anchored now. Every
-   receive is posted while the ctx answers (see `inbound`): ucxx's own thread moves the bytes
-   straight into the pools (or staging) as the ctx sends, so transfers progress while the engine
-   computes. Problems are reported by `poll`, never raised.
-2. The ctx's message list is checked against our own plan (an untrusted plan is refused).
+   (layout equal to ours), the request's overall deadline is anchored now and its `Inbound`
+   starts a transport (see `transport`): a granted pull copies at once; otherwise RequestShard
+   goes to the ctx worker asynchronously, with that deadline. For the tagged stream every
+   receive is posted while the ctx answers (see `tagged_stream`): ucxx's own thread moves the
+   bytes straight into the pools (or staging) as the ctx sends, so transfers progress while the
+   engine computes. Problems are reported by `poll`, never raised.
+2. The ctx's answer is checked against our own plan (an untrusted plan is refused).
 3. `poll()` (bounded, non-blocking by default) returns the transfers that ended: ``None`` for a
    complete one (the handle is the caller's again: start decoding), or an error naming the ctx
    worker and the cause (refused, unreachable, UCX error, AUX mismatch, timeout). A complete
@@ -21,9 +22,10 @@ the SPMD gen world plugs in (as `engine.kv_intake.ShardReceiver`, through the ge
    retracted (bounded by `drain_timeout_ms` + `rpc_timeout_ms`). The UCX endpoint to a ctx worker
    is shared by all requests and never closed per request (see `ucxx_backend`, `retract`).
 
-Threading: every method runs on the engine thread; only ucxx's thread writes into the pools, and
-only into the blocks/slot of a transfer in flight, which the caller must not free or reuse until
-`poll` reported the transfer complete or `cancel` returned.
+Threading: every method runs on the engine thread; only ucxx's thread (and a pull's copy, on the
+engine's stream) writes into the pools, and only into the blocks/slot of a transfer in flight,
+which the caller must not free or reuse until `poll` reported the transfer complete or `cancel`
+returned.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class KVReceiver:
             check_layout(self.layout, ticket.layout, "gen", inbound.ctx)
         except ValueError as error:
             return inbound.fail_unsent(str(error))
-        inbound.request(session.remaining())  # and posts every receive while the ctx answers
+        inbound.request(session.remaining())  # starts its transport (the tagged stream posts every receive)
 
     def poll(self, wait_num: int | None = 0, interval_s: float = 0.0) -> dict[str, str | None]:
         """Bounded local poll; transfers that ended since the last call: ``id -> None`` (complete:
@@ -169,7 +171,7 @@ class KVReceiver:
         if not session.is_quiesced:
             inbound = self.inbounds[request_id]
             if inbound.phase is not Phase.CLOSED:
-                inbound._close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
+                inbound.close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
             limit = self.clock.monotonic() + RETRACT_WAIT_S
             while not session.is_quiesced and self.clock.monotonic() < limit:
                 self.clock.wait(None, DEFAULT_TICK_S)
@@ -191,17 +193,16 @@ class KVReceiver:
         pools it has open); else a probe that says True once for each pulled copy that ended
         since it was made (pulls a sweep launches too), so that the poller sweeps at once."""
         inbounds = self.inbounds
-        if not any(i.phase is Phase.PULLING or (i.phase is Phase.REQUESTING and i.pools is not None)
-                   for i in inbounds.values()):
+        if not any(i.phase is Phase.TRANSFERRING and i.transport.pulls for i in inbounds.values()):
             return None
         seen: set[int] = set()
 
         def ended() -> bool:
             found = False
             for inbound in inbounds.values():
-                pull = inbound.pull
-                if inbound.phase is Phase.PULLING and pull is not None and id(pull) not in seen and pull.is_done():
-                    seen.add(id(pull))
+                copy = inbound.transport.copy
+                if inbound.phase is Phase.TRANSFERRING and copy is not None and id(copy) not in seen and copy.is_done():
+                    seen.add(id(copy))
                     found = True
             return found
         return ended
@@ -218,7 +219,7 @@ class KVReceiver:
             self.poller.retire(request_id)  # raises: not quiesced
         inbound = self.inbounds.pop(request_id)
         if inbound.phase is not Phase.CLOSED:
-            inbound._close(may_still_send=None)  # (nothing is posted any more once complete)
+            inbound.close(may_still_send=None)  # (nothing is posted any more once complete)
         self._reported.discard(request_id)
 
     def fail(self, request_id: str, reason: str) -> None:
@@ -241,7 +242,7 @@ class KVReceiver:
         """Shut down: close every transfer (frees nothing: the caller owns the handles)."""
         for inbound in self.inbounds.values():
             if inbound.phase is not Phase.CLOSED:
-                inbound._close()
+                inbound.close()
         self.plane.close()  # closing the endpoints cancels whatever is still posted
         self.clients.close()
 
