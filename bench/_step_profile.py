@@ -21,6 +21,8 @@ from _common import run_decode
 
 from helixserve.engine.request import SamplingParams
 
+TOP_KERNELS = 25  # the device-busy row's JSON lists this many kernels by time (name, phase, us and launches per step)
+
 # (phase, pattern over the lower-cased kernel name); first match wins
 PHASES: tuple[tuple[str, str], ...] = (
     ("moe experts", r"grouped|moe|expert|mxfp4|act_and_mul|silu"),
@@ -77,8 +79,13 @@ def step_profile_rows(llm: Any, model_name: str, new_tokens: int, on_gpu: bool, 
     steps = max(1, run.decode_tokens)
     step_wall_us = 1e6 * (sum(run.step_seconds[1:]) + sum(run.drain_seconds)) / max(1, steps - 1)
     by_phase: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
     for name, us in _device_events(prof, on_gpu):
         by_phase.setdefault(phase_of(name), []).append(us)
+        by_name.setdefault(name, []).append(us)
+    top = [{"kernel": name[:120], "phase": phase_of(name), "us_per_step": sum(t) / steps,
+            "launches_per_step": len(t) / steps}
+           for name, t in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]]
     total = sum(sum(v) for v in by_phase.values()) or 1.0
     for phase, times in sorted(by_phase.items(), key=lambda kv: -sum(kv[1])):
         row("phase", f"{model_name} bs1 {phase}", sum(times) / steps, None, "us/step", "-",
@@ -86,4 +93,5 @@ def step_profile_rows(llm: Any, model_name: str, new_tokens: int, on_gpu: bool, 
             model=model_name, phase=phase, us_per_step=sum(times) / steps, launches_per_step=len(times) / steps)
     row("phase", f"{model_name} bs1 device busy", total / steps, step_wall_us, "us/step", "step wall",
         f"{total / steps / step_wall_us:.1%}", f"{steps} steps traced in {wall:.2f} s",
-        model=model_name, phase="device busy", us_per_step=total / steps, step_wall_us=step_wall_us)
+        model=model_name, phase="device busy", us_per_step=total / steps, step_wall_us=step_wall_us,
+        top_kernels=top)
