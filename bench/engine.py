@@ -47,7 +47,7 @@ from helixserve.config import CacheConfig, SchedulerConfig  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.engine.world_rank import WorldOptions  # noqa: E402
-from helixserve.gen_server.local_world import LocalWorld, start_local_world  # noqa: E402
+from helixserve.serving.local_world import LocalWorld, start_local_world  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402
 from helixserve.models.presets import PRESETS, make_checkpoint  # noqa: E402
 from helixserve.testing.hf_reference import build_hf_reference  # noqa: E402

@@ -11,8 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
-from helixserve.gen_server.world import (GenWorld, GenWorldCore, serve_world_rank, start_gen_world,
-                                         world_layout, world_options)
+from helixserve.gen_server.world import serve_world_rank, start_gen_world, world_layout
 from helixserve.models.dummy import tokenizer_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
@@ -20,6 +19,8 @@ from helixserve.serving.loading import make_worker, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
+from helixserve.serving.world_core import WorldCore, world_options
+from helixserve.serving.world_supervisor import ServedWorld
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
     try:
         driver = world.driver
         tokenizer = tokenizer_of(deploy.model.path, deploy.model.load_format)
-        worker = wrap_core("gen", deploy, GenWorldCore(world), tokenizer, driver.core.model_config, layout,
+        worker = wrap_core("gen", deploy, WorldCore(world), tokenizer, driver.core.model_config, layout,
                            driver.core.scheduler.max_model_len, server.max_queue_len,
                            num_running_slots=server.dp * deploy.cache.max_num_seqs)
     except BaseException:
@@ -91,7 +92,7 @@ class _RankCacheCollector:
     ``dp_rank`` and ``cp_rank`` (each CP rank holds its own share of a request's blocks). The
     unlabelled ``helixserve_worker_cache_blocks_*`` / ``state_slots_*`` gauges are their sums."""
 
-    def __init__(self, role: str, world: GenWorld) -> None:
+    def __init__(self, role: str, world: ServedWorld) -> None:
         self.role = role
         self.world = world
 
@@ -104,7 +105,7 @@ class _RankCacheCollector:
 
 
 def _app(worker: Worker, kv_source: KVSource, deploy: DeploymentConfig, server: GenServerConfig,
-         world: GenWorld | None = None) -> FastAPI:
+         world: ServedWorld | None = None) -> FastAPI:
     # through the engine: a world's driver runs it on every rank (prefill, then decode steps)
     worker.warm_up = WarmUp.for_deployment("gen", deploy, server.warm_up, server.warm_up_timeout_s,
                                            num_requests=server.dp if world is not None else 1)

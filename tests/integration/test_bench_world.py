@@ -17,7 +17,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.world_rank import WorldOptions
-from helixserve.gen_server.local_world import start_local_world
+from helixserve.serving.local_world import start_local_world
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
