@@ -209,7 +209,8 @@ def test_a_gen_workers_waits_reach_its_world(tiny_checkpoints) -> None:
     """A real world of one (gloo, rank 0 in this process): the configured heartbeat is the
     WorldDriver's, the stop grace the LocalWorld's, the join timeout the supervisor's."""
     from helixserve.config import CacheConfig, DeploymentConfig
-    from helixserve.gen_server.world import start_gen_world, world_options
+    from helixserve.gen_server.world import start_gen_world
+    from helixserve.serving.world_core import world_options
 
     deploy = DeploymentConfig.model_validate({
         "model": {"path": str(tiny_checkpoints["kimi-k3-tiny"])},
