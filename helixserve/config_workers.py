@@ -46,8 +46,17 @@ class CtxServerConfig(Strict):
         "expert-parallel ranks of the ctx world (None: tp); must equal tp (experts over every rank)"))
     collective_timeout_s: float = Field(60.0, gt=0, description=(
         "a ctx world collective waiting longer fails (tp > 1)"))
+    world_restart: RestartPolicy = Field(RestartPolicy(), description=(
+        "a ctx world whose rank died (or whose collective failed) is restarted in place under this "
+        "policy; past it the worker exits non-zero (tp > 1)"))
+    heartbeat_s: float = Field(2.0, gt=0, description=(
+        "longest idle gap between ctx world steps (tp > 1)"))
     world_stop_grace_s: float = Field(10.0, gt=0, description=(
         "the ctx world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
+    failed_world_grace_s: float = Field(2.0, gt=0, description=(
+        "a failed ctx world's surviving spawned ranks get this long to exit, then SIGKILL"))
+    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
+        "a ctx worker shutting down waits this long for a world restart in progress"))
 
     @model_validator(mode="after")
     def _check_world(self) -> CtxServerConfig:

@@ -41,3 +41,30 @@ def test_bad_world_refused_naming_the_value(fields, match):
 
 def test_speculative_stays_allowed_at_one_rank():
     assert CtxServerConfig(tp=1, speculative={"method": "ngram"}).speculative is not None
+
+
+def _deploy(model, tp: int, kv_source: str) -> DeploymentConfig:
+    return DeploymentConfig.model_validate({
+        "model": {"path": str(model)}, "ctx": [{"tp": tp}], "gen": [{"dp": 1, "cp": 1, "kv_source": kv_source}]})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_ctx_world_refuses_gen_workers_that_pull_its_kv(tiny_checkpoints, tp):
+    from helixserve.ctx_server.world import CtxWorldTransferUnavailableError, check_ctx_world
+
+    deploy = _deploy(tiny_checkpoints["kimi-k3-tiny"], tp, "ucx")
+    with pytest.raises(CtxWorldTransferUnavailableError,
+                       match=rf"from a ctx world of more than one rank are not available yet .* has tp={tp}\)"):
+        check_ctx_world(deploy, deploy.ctx[0])
+    for fine in (_deploy(tiny_checkpoints["kimi-k3-tiny"], tp, "recompute"),
+                 _deploy(tiny_checkpoints["kimi-k3-tiny"], 1, "ucx")):
+        check_ctx_world(fine, fine.ctx[0])  # no gen pulls from it, or one rank: nothing to refuse
+
+
+def test_a_ctx_world_whose_heads_do_not_divide_is_refused_before_any_rank_starts(tiny_checkpoints):
+    from helixserve.ctx_server.app import build_ctx_app
+    from helixserve.models.sharding import HelixConfigError
+
+    deploy = _deploy(tiny_checkpoints["kimi-k3-tiny"], 3, "recompute")
+    with pytest.raises(HelixConfigError, match=r"KDA num_heads=4 is not divisible by cp=3"):
+        build_ctx_app(deploy, deploy.ctx[0])
