@@ -1,0 +1,82 @@
+"""The ctx world rows of ``bench/engine.py``: prefill through ctx worlds on the CPU (gloo).
+
+- "ctx world of one prefill": a world of one (dp 1 x cp 1, ``start_local_world``: this process its
+  only rank) against the single-process engine, the same batch of prompts prefilled (one sampled
+  token each), alternating in one measurement; ratio = world / single (target >= 0.95).
+- "tp 2 prefill": the same batch through a world of two ranks (this process rank 0, one spawned
+  rank of one thread) in each layout a ctx world could take: the helix layout dp 1 x cp 2 (KDA
+  heads and MLA value heads tensor-parallel, MLA latent pages dealt round-robin, token-sliced MoE
+  with experts over both ranks: the layout the gen world consumes) and attention DP + EP, dp 2 x
+  cp 1 (each rank the whole attention of its own requests, experts over both ranks).
+
+One world at a time (one process joins one world): each layout takes turns with the single engine
+in its own measurement; ``vs single`` = its tok/s / the single engine's measured beside it (so
+load from other processes on a shared machine falls on both alike), and whether its greedy first
+tokens equal the single engine's.
+
+tok/s = prompt tokens of the batch / wall seconds from the first add to the last first token.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import measure, median, run_decode
+
+from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.engine.llm import LLM
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.world_rank import WorldOptions
+from helixserve.serving.local_world import LocalWorld, start_local_world
+
+TARGET_CTX_WORLD_RATIO = 0.95
+LAYOUTS = {"world of one": (1, 1), "tp 2 helix (dp 1 x cp 2)": (1, 2), "tp 2 attention DP (dp 2 x cp 1)": (2, 1)}
+GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(slots=True)
+class CtxWorldRow:
+    """One layout's prefill of the batch, against the single engine's in the same run."""
+
+    model: str
+    layout: str
+    dp: int
+    cp: int
+    batch: int
+    prompt_len: int
+    tok_s: float
+    single_tok_s: float
+    seconds: list[float]
+    single_seconds: list[float]
+    first_tokens_equal: str
+
+    @property
+    def ratio(self) -> float:
+        return self.tok_s / self.single_tok_s
+
+
+def ctx_world_rows(name: str, path: Path, llm: LLM, prompts: list[list[int]], cache: CacheConfig,
+                   scheduler: SchedulerConfig, warmup: int, reps: int) -> list[CtxWorldRow]:
+    """Every layout of :data:`LAYOUTS` against ``llm`` on ``prompts`` (see the module docstring)."""
+    options = WorldOptions(cache=cache, scheduler=scheduler, dtype="float32", timeout_s=600)
+    ids = itertools.count()
+    num_tokens = sum(len(p) for p in prompts)
+    rows = []
+    for layout, (dp, cp) in LAYOUTS.items():
+        tokens: dict[str, list[list[int]]] = {}
+
+        def prefill(side: str, engine) -> None:  # noqa: ANN001 (an EngineCore or a world's driver)
+            tokens[side] = run_decode(engine, [f"{side}-{next(ids)}" for _ in prompts], prompts, GREEDY_ONE).tokens
+
+        world: LocalWorld = start_local_world(path, dp=dp, cp=cp, options=options)
+        try:
+            single_s, world_s = measure([lambda: prefill("single", llm.engine),
+                                         lambda w=world: prefill("world", w.driver)], warmup, reps)
+        finally:
+            world.close()
+        same = sum(a == b for a, b in zip(tokens["world"], tokens["single"], strict=True))
+        rows.append(CtxWorldRow(name, layout, dp, cp, len(prompts), len(prompts[0]), num_tokens / median(world_s),
+                                num_tokens / median(single_s), world_s, single_s, f"{same}/{len(prompts)}"))
+    return rows
