@@ -265,7 +265,7 @@ def run_model(name: str, workdir: Path, args) -> list[Row | WorldRow | CtxWorldR
     if "ctx-world" in args.only and name in args.ctx_world_models.split(","):
         batch, length = (2, 256) if args.quick else (4, PREFILL_LEN)
         rows += ctx_world_rows(name, path, llm, prompts(batch, length, seed=77), CACHE, SCHEDULER,
-                               args.warmup, args.reps)
+                               args.warmup, args.ctx_world_reps or args.reps)
     for row in rows:
         if isinstance(row, CtxWorldRow):
             print(f"  ctx {row.layout:<32} {row.tok_s:9.1f} tok/s   single {row.single_tok_s:9.1f} tok/s"
@@ -279,6 +279,12 @@ def run_model(name: str, workdir: Path, args) -> list[Row | WorldRow | CtxWorldR
     return rows
 
 
+def _cpu_figures(row: Row | WorldRow | CtxWorldRow) -> dict[str, float]:
+    if not isinstance(row, CtxWorldRow):
+        return {}
+    return {"cpu_tok_s": row.cpu_tok_s, "single_cpu_tok_s": row.single_cpu_tok_s}
+
+
 def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
@@ -288,6 +294,7 @@ def main() -> None:
     parser.add_argument("--ctx-world-models", default="kimi-linear-bench,kimi-k3-tiny",
                         help="models of --models that get ctx world prefill rows (worlds of one and of two ranks)")
     parser.add_argument("--only", default="engine,ctx-world", help="sections: engine, ctx-world")
+    parser.add_argument("--ctx-world-reps", type=int, default=None, help="repetitions of the ctx world rows")
     args = parser.parse_args()
     args.warmup, args.reps, args.new_tokens = (1, 3, 16) if args.quick else (1, 5, 64)
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -332,13 +339,16 @@ def main() -> None:
         print(world_table)
     ctx_rows = [r for r in rows if isinstance(r, CtxWorldRow)]
     if ctx_rows:
-        print("\nctx world prefill (batch x prompt tokens, one sampled token each) vs the single engine, same run:")
+        print("\nctx world prefill (batch x prompt tokens, one sampled token each) vs the single engine, same run, "
+              "fastest repetition (median in parentheses):")
         print(markdown_table(
-            ["model", "layout", "batch", "tok/s", "single tok/s", "vs single", "first tokens equal"],
-            [[r.model, r.layout, f"{r.batch}×{r.prompt_len}", r.tok_s, r.single_tok_s,
+            ["model", "layout", "batch", "tok/s", "single tok/s", "vs single", "tok per CPU s (single)",
+             "first tokens equal"],
+            [[r.model, r.layout, f"{r.batch}×{r.prompt_len}", f"{r.tok_s:,.0f} ({r.median_tok_s:,.0f})",
+              f"{r.single_tok_s:,.0f} ({r.median_single_tok_s:,.0f})",
               f"{r.ratio:.2f}×" + (f" (≥ {TARGET_CTX_WORLD_RATIO:g}: {'yes' if r.ratio >= TARGET_CTX_WORLD_RATIO else 'no'})"
                                    if (r.dp, r.cp) == (1, 1) else ""),
-              r.first_tokens_equal] for r in ctx_rows]))
+              f"{r.cpu_tok_s:,.0f} ({r.single_cpu_tok_s:,.0f})", r.first_tokens_equal] for r in ctx_rows]))
     print(f"\ntotal {elapsed:.1f} s")
     write_json(args.out, {
         "bench": "engine",
@@ -348,9 +358,9 @@ def main() -> None:
                      "target_ratio": TARGET_RATIO, "target_world_ratio": TARGET_WORLD_RATIO,
                      "world_models": args.world_models.split(","), "kimi_linear_bench_config": KIMI_LINEAR_BENCH,
                      "ctx_world_models": args.ctx_world_models.split(","), "only": sorted(args.only),
-                     "target_ctx_world_ratio": TARGET_CTX_WORLD_RATIO},
+                     "target_ctx_world_ratio": TARGET_CTX_WORLD_RATIO, "ctx_world_reps": args.ctx_world_reps or args.reps},
         "transformers_kda_paths": transformers_kda_paths(),
-        "results": [{**asdict(r), "ratio": r.ratio} for r in rows],
+        "results": [{**asdict(r), "ratio": r.ratio, **_cpu_figures(r)} for r in rows],
         "total_seconds": elapsed,
     })
 

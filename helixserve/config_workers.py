@@ -12,7 +12,25 @@ from helixserve.config_lifecycle import RestartPolicy, Strict
 from helixserve.config_speculative import SpeculativeConfig
 
 
-class CtxServerConfig(Strict):
+class WorldWorkerConfig(Strict):
+    """The waits and restarts of a worker that drives a world: a gen worker's, a ctx worker's of
+    ``tp > 1`` (:mod:`helixserve.serving.world_core`)."""
+
+    collective_timeout_s: float = Field(60.0, gt=0, description="a world collective waiting longer fails")
+    world_restart: RestartPolicy = Field(RestartPolicy(), description=(
+        "a world whose rank died (or whose collective failed) is restarted in place under this policy; "
+        "past it, or when srun / torchrun started the ranks, the worker exits non-zero"))
+    heartbeat_s: float = Field(2.0, gt=0, description=(
+        "longest idle gap between world steps: a dead srun rank shows within it"))
+    world_stop_grace_s: float = Field(10.0, gt=0, description=(
+        "a healthy world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
+    failed_world_grace_s: float = Field(2.0, gt=0, description=(
+        "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
+    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
+        "a worker shutting down waits this long for a world restart in progress"))
+
+
+class CtxServerConfig(WorldWorkerConfig):
     """One context (prefill) worker: HTTP server over one engine; holds prefills for its gen worker.
 
     ``tp > 1``: the worker is a world of ``tp`` ranks laid out as the gen world's helix layout
@@ -44,19 +62,6 @@ class CtxServerConfig(Strict):
         "this process is rank 0 and spawns ranks 1 .. tp-1"))
     ep: int | None = Field(None, ge=1, description=(
         "expert-parallel ranks of the ctx world (None: tp); must equal tp (experts over every rank)"))
-    collective_timeout_s: float = Field(60.0, gt=0, description=(
-        "a ctx world collective waiting longer fails (tp > 1)"))
-    world_restart: RestartPolicy = Field(RestartPolicy(), description=(
-        "a ctx world whose rank died (or whose collective failed) is restarted in place under this "
-        "policy; past it the worker exits non-zero (tp > 1)"))
-    heartbeat_s: float = Field(2.0, gt=0, description=(
-        "longest idle gap between ctx world steps (tp > 1)"))
-    world_stop_grace_s: float = Field(10.0, gt=0, description=(
-        "the ctx world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
-    failed_world_grace_s: float = Field(2.0, gt=0, description=(
-        "a failed ctx world's surviving spawned ranks get this long to exit, then SIGKILL"))
-    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
-        "a ctx worker shutting down waits this long for a world restart in progress"))
 
     @model_validator(mode="after")
     def _check_world(self) -> CtxServerConfig:
@@ -79,7 +84,7 @@ class CtxServerConfig(Strict):
         return f"http://{self.host}:{self.port}"
 
 
-class GenServerConfig(Strict):
+class GenServerConfig(WorldWorkerConfig):
     """One generation (decode) worker: HTTP server on gen rank 0 of a dp x cp world.
 
     ``kv_source``: how ``generation_only`` requests get their prompt state. ``ucx``: every rank of
@@ -95,18 +100,6 @@ class GenServerConfig(Strict):
     cp: int = Field(2, ge=1)
     kv_source: Literal["ucx", "recompute"] = "ucx"
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:1")
-    collective_timeout_s: float = Field(60.0, gt=0)  # a world collective waiting longer fails
-    # a gen world whose rank died (or whose collective failed) is restarted in place under this
-    # policy; past it, or when srun / torchrun started the ranks, the worker exits non-zero
-    world_restart: RestartPolicy = RestartPolicy()
-    heartbeat_s: float = Field(2.0, gt=0, description=(
-        "longest idle gap between world steps: a dead srun rank shows within it"))
-    world_stop_grace_s: float = Field(10.0, gt=0, description=(
-        "a healthy world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
-    failed_world_grace_s: float = Field(2.0, gt=0, description=(
-        "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
-    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
-        "a worker shutting down waits this long for a world restart in progress"))
     # one short request through the engine (the world) before /ready answers 200 (serving/warm_up.py)
     warm_up: bool = True
     warm_up_timeout_s: float = Field(600.0, gt=0, description=(
