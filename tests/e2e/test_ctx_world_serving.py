@@ -2,16 +2,22 @@
 rank 0 and spawns rank 1; it warms up, answers ``/ready``, and serves plain completions (prefill
 and decode through the world) with the single-process worker's greedy tokens, leaving nothing
 allocated. ``context_only`` is refused with a 400 naming tp (its KV cannot be sent from a world
-yet), and a deployment whose gen workers pull KV over UCX makes it refuse to start, naming tp."""
+yet), and a deployment whose gen workers pull KV over UCX makes it refuse to start, naming tp. A
+killed rank fails the request in flight with a 503 ``ctx_world_failed`` naming it, and the world
+restarts and serves again (the gen world's supervision, the same code)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
 
+from helixserve.config import RestartPolicy
 from tests.e2e.conftest import MODEL, Deployment, http, wait_until
 
 TP = 2
@@ -21,7 +27,8 @@ LENGTHS = (1, 4, 5, 16, 17, 40)
 
 @pytest.fixture(scope="module")
 def dep_options() -> dict[str, Any]:
-    return {"baseline_gen": True, "ctx": {"tp": TP, "collective_timeout_s": 30},
+    return {"baseline_gen": True, "ctx": {"tp": TP, "collective_timeout_s": 30,
+                                          "world_restart": RestartPolicy(max_restarts=3, backoff_s=0.2)},
             "gen": {"dp": 1, "cp": 1, "kv_source": "recompute"},
             "scheduler": {"max_num_batched_tokens": 16}}
 
@@ -96,3 +103,26 @@ def test_a_ctx_world_refuses_to_start_when_gen_pulls_its_kv(tmp_path, dep_checkp
         assert f"tp={TP}" in log and "not available yet" in log and "kv_source: ucx" in log, log
     finally:
         d.stop()
+
+
+def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) -> None:
+    out: dict = {}
+    body = {"model": MODEL, "prompt": _prompt(11, 8), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    thread = threading.Thread(target=lambda: out.update(
+        answer=http("POST", f"{world.ctx_url}/v1/completions", body, timeout=120)))
+    thread.start()
+    wait_until(lambda: world.stats("ctx")["num_running"] >= 1, 60, "the request to decode on the ctx world")
+    (rank1,) = http("GET", f"{world.ctx_url}/health")[1]["world"]["rank_pids"][1:]
+    os.kill(rank1, signal.SIGKILL)
+    thread.join(60)
+    status, err = out["answer"]
+    assert status == 503 and err["error"]["code"] == "ctx_world_failed", err
+    assert f"ctx world rank 1 (pid {rank1})" in err["error"]["message"]
+    wait_until(lambda: _status(f"{world.ctx_url}/health") == 200, 90, "the ctx world to restart",
+               state=lambda: http("GET", f"{world.ctx_url}/health"))
+    health = http("GET", f"{world.ctx_url}/health")[1]["world"]
+    assert health["failure"] is None and rank1 not in health["rank_pids"] and health["restarts"] == 1
+    prompt = _prompt(12, 17)
+    got, want = _complete(world.ctx_url, prompt), _complete(world.baseline_url, prompt)
+    assert got[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
+    wait_until(lambda: world.stats("ctx")["num_used_blocks"] == 0, 10, "nothing allocated after the restart")
