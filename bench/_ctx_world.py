@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import measure, median, run_decode
+from _common import markdown_table, measure, median, run_decode
 
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
@@ -116,3 +116,22 @@ def ctx_world_rows(name: str, path: Path, llm: LLM, prompts: list[list[int]], ca
                                 num_tokens / median(single_s), world_s, single_s, f"{same}/{len(prompts)}",
                                 cpu["world"][warmup:], cpu["single"][warmup:]))
     return rows
+
+
+def ctx_world_table(rows: list[CtxWorldRow]) -> str:
+    """The rows as a Markdown table (fastest repetition, median in parentheses)."""
+    def vs_single(r: CtxWorldRow) -> str:
+        target = (f" (≥ {TARGET_CTX_WORLD_RATIO:g}: {'yes' if r.ratio >= TARGET_CTX_WORLD_RATIO else 'no'})"
+                  if (r.dp, r.cp) == (1, 1) else "")
+        return f"{r.ratio:.2f}×{target}"
+
+    return markdown_table(
+        ["model", "layout", "batch", "tok/s", "single tok/s", "vs single", "tok per CPU s (single)", "first tokens equal"],
+        [[r.model, r.layout, f"{r.batch}×{r.prompt_len}", f"{r.tok_s:,.0f} ({r.median_tok_s:,.0f})",
+          f"{r.single_tok_s:,.0f} ({r.median_single_tok_s:,.0f})", vs_single(r),
+          f"{r.cpu_tok_s:,.0f} ({r.single_cpu_tok_s:,.0f})", r.first_tokens_equal] for r in rows])
+
+
+def cpu_figures(row: CtxWorldRow) -> dict[str, float]:
+    """The derived CPU figures a row's JSON carries beside its fields."""
+    return {"cpu_tok_s": row.cpu_tok_s, "single_cpu_tok_s": row.single_cpu_tok_s}

@@ -28,6 +28,7 @@ transformers counterpart, so its rows carry our figures only.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
 import sys
@@ -48,7 +49,7 @@ if not torch.cuda.is_available():
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
 from _common import base_parser, machine_info, markdown_table, measure, median, run_decode, write_json  # noqa: E402
-from _ctx_world import TARGET_CTX_WORLD_RATIO, CtxWorldRow, ctx_world_rows  # noqa: E402
+from _ctx_world import TARGET_CTX_WORLD_RATIO, CtxWorldRow, cpu_figures, ctx_world_rows, ctx_world_table  # noqa: E402
 
 from helixserve.config import CacheConfig, SchedulerConfig  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
@@ -279,13 +280,7 @@ def run_model(name: str, workdir: Path, args) -> list[Row | WorldRow | CtxWorldR
     return rows
 
 
-def _cpu_figures(row: Row | WorldRow | CtxWorldRow) -> dict[str, float]:
-    if not isinstance(row, CtxWorldRow):
-        return {}
-    return {"cpu_tok_s": row.cpu_tok_s, "single_cpu_tok_s": row.single_cpu_tok_s}
-
-
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     parser.add_argument("--models", default="kimi-linear-tiny,kimi-linear-bench,kimi-k3-tiny")
@@ -295,15 +290,22 @@ def main() -> None:
                         help="models of --models that get ctx world prefill rows (worlds of one and of two ranks)")
     parser.add_argument("--only", default="engine,ctx-world", help="sections: engine, ctx-world")
     parser.add_argument("--ctx-world-reps", type=int, default=None, help="repetitions of the ctx world rows")
-    args = parser.parse_args()
-    args.warmup, args.reps, args.new_tokens = (1, 3, 16) if args.quick else (1, 5, 64)
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    return parser
+
+
+def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
+
+def main() -> None:
+    args = _parser().parse_args()
+    args.warmup, args.reps, args.new_tokens = (1, 3, 16) if args.quick else (1, 5, 64)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    _quiet_transformers()
     started = time.perf_counter()
     args.only = set(args.only.split(","))
     rows: list[Row | WorldRow | CtxWorldRow] = []
@@ -341,14 +343,7 @@ def main() -> None:
     if ctx_rows:
         print("\nctx world prefill (batch x prompt tokens, one sampled token each) vs the single engine, same run, "
               "fastest repetition (median in parentheses):")
-        print(markdown_table(
-            ["model", "layout", "batch", "tok/s", "single tok/s", "vs single", "tok per CPU s (single)",
-             "first tokens equal"],
-            [[r.model, r.layout, f"{r.batch}×{r.prompt_len}", f"{r.tok_s:,.0f} ({r.median_tok_s:,.0f})",
-              f"{r.single_tok_s:,.0f} ({r.median_single_tok_s:,.0f})",
-              f"{r.ratio:.2f}×" + (f" (≥ {TARGET_CTX_WORLD_RATIO:g}: {'yes' if r.ratio >= TARGET_CTX_WORLD_RATIO else 'no'})"
-                                   if (r.dp, r.cp) == (1, 1) else ""),
-              f"{r.cpu_tok_s:,.0f} ({r.single_cpu_tok_s:,.0f})", r.first_tokens_equal] for r in ctx_rows]))
+        print(ctx_world_table(ctx_rows))
     print(f"\ntotal {elapsed:.1f} s")
     write_json(args.out, {
         "bench": "engine",
@@ -360,7 +355,8 @@ def main() -> None:
                      "ctx_world_models": args.ctx_world_models.split(","), "only": sorted(args.only),
                      "target_ctx_world_ratio": TARGET_CTX_WORLD_RATIO, "ctx_world_reps": args.ctx_world_reps or args.reps},
         "transformers_kda_paths": transformers_kda_paths(),
-        "results": [{**asdict(r), "ratio": r.ratio, **_cpu_figures(r)} for r in rows],
+        "results": [{**asdict(r), "ratio": r.ratio, **(cpu_figures(r) if isinstance(r, CtxWorldRow) else {})}
+                    for r in rows],
         "total_seconds": elapsed,
     })
 
