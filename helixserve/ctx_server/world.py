@@ -26,6 +26,7 @@ from helixserve.serving.openai_serving import PreparedRequest
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import aggregated_handler, build_worker_app
 from helixserve.serving.world_core import WorldCore, start_served_world, world_options
+from helixserve.serving.world_supervisor import RankCacheCollector
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def build_ctx_world_app(deploy: DeploymentConfig, server: CtxServerConfig) -> Fa
     worker.extra_stats = lambda: {"world": world.describe()}
     worker.warm_up = WarmUp.for_deployment("ctx", deploy, server.warm_up, server.warm_up_timeout_s)
     handlers = {None: aggregated_handler(worker), RequestType.CONTEXT_ONLY: ContextOnlyRefused(server)}
+    worker.registry.register(RankCacheCollector(worker.role, world))
     app = build_worker_app(worker, handlers, after_shutdown=(world.close,))
     app.state.world = world
     logger.info("ctx worker drives a tp=%d world (helix layout dp 1 x cp %d, ep %d)", server.tp, server.tp, server.ep)

@@ -7,7 +7,6 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client.core import GaugeMetricFamily
 
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
@@ -20,7 +19,7 @@ from helixserve.serving.openai_serving import PreparedRequest
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
 from helixserve.serving.world_core import WorldCore, world_options
-from helixserve.serving.world_supervisor import ServedWorld
+from helixserve.serving.world_supervisor import RankCacheCollector, ServedWorld
 
 logger = logging.getLogger(__name__)
 
@@ -87,23 +86,6 @@ def _world_parts(deploy: DeploymentConfig, server: GenServerConfig):  # noqa: AN
     return options, layout, kv_source, factory
 
 
-class _RankCacheCollector:
-    """``/metrics``: every gen world rank's cache blocks and state slots, labelled by
-    ``dp_rank`` and ``cp_rank`` (each CP rank holds its own share of a request's blocks). The
-    unlabelled ``helixserve_worker_cache_blocks_*`` / ``state_slots_*`` gauges are their sums."""
-
-    def __init__(self, role: str, world: ServedWorld) -> None:
-        self.role = role
-        self.world = world
-
-    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
-        for name, help_text, values in self.world.rank_gauges():
-            gauge = GaugeMetricFamily(f"helixserve_worker_{name}", help_text, labels=["role", "dp_rank", "cp_rank"])
-            for (dp_rank, cp_rank), value in sorted(values.items()):
-                gauge.add_metric([self.role, str(dp_rank), str(cp_rank)], value)
-            yield gauge
-
-
 def _app(worker: Worker, kv_source: KVSource, deploy: DeploymentConfig, server: GenServerConfig,
          world: ServedWorld | None = None) -> FastAPI:
     # through the engine: a world's driver runs it on every rank (prefill, then decode steps)
@@ -117,7 +99,7 @@ def _app(worker: Worker, kv_source: KVSource, deploy: DeploymentConfig, server: 
         RequestType.GENERATION_ONLY: GenerationOnlyHandler(worker, kv_source),
     }
     if world is not None:
-        worker.registry.register(_RankCacheCollector(worker.role, world))
+        worker.registry.register(RankCacheCollector(worker.role, world))
     app = build_worker_app(worker, handlers, after_shutdown=(world.close,) if world is not None else ())
     app.state.world = world
     return app

@@ -31,6 +31,8 @@ from typing import Any
 
 from typing import Protocol
 
+from prometheus_client.core import GaugeMetricFamily
+
 from helixserve.config_lifecycle import RestartPolicy
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.serving.local_world import LocalWorld
@@ -256,3 +258,21 @@ class ServedWorld:
         finally:
             if receiver is not None:
                 receiver.close()
+
+
+class RankCacheCollector:
+    """``/metrics``: every world rank's cache blocks and state slots (a gen world's, a ctx
+    world's), labelled by ``dp_rank`` and ``cp_rank`` (each CP rank holds its own share of a
+    request's blocks). The unlabelled ``helixserve_worker_cache_blocks_*`` / ``state_slots_*``
+    gauges are their sums."""
+
+    def __init__(self, role: str, world: ServedWorld) -> None:
+        self.role = role
+        self.world = world
+
+    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
+        for name, help_text, values in self.world.rank_gauges():
+            gauge = GaugeMetricFamily(f"helixserve_worker_{name}", help_text, labels=["role", "dp_rank", "cp_rank"])
+            for (dp_rank, cp_rank), value in sorted(values.items()):
+                gauge.add_metric([self.role, str(dp_rank), str(cp_rank)], value)
+            yield gauge

@@ -70,6 +70,9 @@ def test_the_ctx_world_is_rank_0_with_a_spawned_rank(world) -> None:
     pids = health["world"]["rank_pids"]
     assert pids[0] is None and len(pids) == TP and all(isinstance(p, int) for p in pids[1:])
     assert health["world"]["failure"] is None
+    gauges = [line for line in http("GET", f"{world.ctx_url}/metrics")[1].splitlines()
+              if line.startswith("helixserve_worker_rank_cache_blocks_total{")]
+    assert len(gauges) == TP and all('role="ctx"' in g for g in gauges), gauges
 
 
 def test_plain_completions_equal_the_single_process_worker(world) -> None:
