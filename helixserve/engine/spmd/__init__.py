@@ -43,8 +43,8 @@ failure that leaves collectives unmatched stops the world (:class:`~.messages.Wo
 on rank 0, the rank's process ends elsewhere). Idle worlds stay alive through heartbeats
 (``WorldDriver.has_unfinished_requests`` asks for a step once ``heartbeat_s`` passed).
 
-A ctx world (attention TP x MoE EP) is to run this same driver: its leader's ``EngineCore``
-launches through its group like a gen world's, and the ctx server composes its pickup and
-sender around the driver as both compose ``WorldCore``; the role stays in the
-server, never a flag in the engine.
+A ctx world (``ctx[].tp > 1``: the helix layout dp 1 x cp tp, experts over every rank) runs
+this same driver: its leader's ``EngineCore`` launches through its group like a gen world's, and
+the ctx server composes ``WorldCore`` around it as the gen server does
+(:mod:`helixserve.ctx_server.world`); the role stays in the server, never a flag in the engine.
 """
