@@ -12,16 +12,23 @@ config, prompts and threads, timed the same way (``_common.run_decode``) alterna
 single-process engine (``LLM``); ``ratio`` = world / single (target >= 0.95), and whether their
 greedy tokens are equal. ``--world-models`` picks the models that get them.
 
+ctx world rows ("ctx world"): prefill of a batch through a ctx world of one and through worlds of
+two ranks in the helix layout (dp 1 x cp 2) and in attention DP + EP (dp 2 x cp 1), against the
+single engine in the same run (``bench/_ctx_world.py`` says how). ``--ctx-world-models`` picks the
+models; ``--only ctx-world`` runs these rows alone.
+
 Models: ``kimi-linear-tiny`` (the preset), ``kimi-linear-bench`` (built here: hidden 256, 8 layers =
 6 KDA + 2 MLA, 16 experts top-2), both as random-weight transformers models written with
 ``save_pretrained`` and loaded by helixserve; ``kimi-k3-tiny`` (our ``make_checkpoint``) has no
 transformers counterpart, so its rows carry our figures only.
 
     python bench/engine.py [--quick] [--out FILE] [--threads N] [--models a,b] [--world-models a,b]
+                           [--ctx-world-models a,b] [--only engine,ctx-world]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
 import sys
@@ -42,12 +49,13 @@ if not torch.cuda.is_available():
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
 from _common import base_parser, machine_info, markdown_table, measure, median, run_decode, write_json  # noqa: E402
+from _ctx_world import TARGET_CTX_WORLD_RATIO, CtxWorldRow, cpu_figures, ctx_world_rows, ctx_world_table  # noqa: E402
 
 from helixserve.config import CacheConfig, SchedulerConfig  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.engine.world_rank import WorldOptions  # noqa: E402
-from helixserve.gen_server.local_world import LocalWorld, start_local_world  # noqa: E402
+from helixserve.serving.local_world import LocalWorld, start_local_world  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402
 from helixserve.models.presets import PRESETS, make_checkpoint  # noqa: E402
 from helixserve.testing.hf_reference import build_hf_reference  # noqa: E402
@@ -238,22 +246,32 @@ def load_world(path: Path) -> LocalWorld:
     return start_local_world(path, dp=1, cp=1, options=WorldOptions(cache=CACHE, scheduler=SCHEDULER, dtype="float32"))
 
 
-def run_model(name: str, workdir: Path, args) -> list[Row | WorldRow]:
+def run_model(name: str, workdir: Path, args) -> list[Row | WorldRow | CtxWorldRow]:
     path = workdir / name
     if name == "kimi-k3-tiny":
         make_checkpoint(name, path)
         hf = None
     else:
         hf = build_hf_checkpoint(KIMI_LINEAR_BENCH if name == "kimi-linear-bench" else PRESETS[name], path)
-    world = load_world(path) if name in args.world_models.split(",") else None
-    try:
-        bench = Bench(name, load_llm(path), hf, args, world)
-        rows = [bench.prefill(), *bench.decode(1), *bench.decode(8)]
-    finally:
-        if world is not None:
-            world.close()
+    llm = load_llm(path)
+    rows: list[Row | WorldRow | CtxWorldRow] = []
+    if "engine" in args.only:
+        world = load_world(path) if name in args.world_models.split(",") else None
+        try:
+            bench = Bench(name, llm, hf, args, world)
+            rows += [bench.prefill(), *bench.decode(1), *bench.decode(8)]
+        finally:
+            if world is not None:
+                world.close()
+    if "ctx-world" in args.only and name in args.ctx_world_models.split(","):
+        batch, length = (2, 256) if args.quick else (4, PREFILL_LEN)
+        rows += ctx_world_rows(name, path, llm, prompts(batch, length, seed=77), CACHE, SCHEDULER,
+                               args.warmup, args.ctx_world_reps or args.reps)
     for row in rows:
-        if isinstance(row, WorldRow):
+        if isinstance(row, CtxWorldRow):
+            print(f"  ctx {row.layout:<32} {row.tok_s:9.1f} tok/s   single {row.single_tok_s:9.1f} tok/s"
+                  f"   {row.ratio:.2f}x", flush=True)
+        elif isinstance(row, WorldRow):
             print(f"  {row.metric:<22} world {row.world_tok_s:9.1f} tok/s   single {row.single_tok_s:9.1f} tok/s"
                   f"   {row.ratio:.2f}x", flush=True)
         else:
@@ -262,23 +280,35 @@ def run_model(name: str, workdir: Path, args) -> list[Row | WorldRow]:
     return rows
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     parser.add_argument("--models", default="kimi-linear-tiny,kimi-linear-bench,kimi-k3-tiny")
     parser.add_argument("--world-models", default="kimi-linear-bench,kimi-k3-tiny",
                         help="models of --models that also get world rows (a dp 1 x cp 1 gen world)")
-    args = parser.parse_args()
-    args.warmup, args.reps, args.new_tokens = (1, 3, 16) if args.quick else (1, 5, 64)
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    parser.add_argument("--ctx-world-models", default="kimi-linear-bench,kimi-k3-tiny",
+                        help="models of --models that get ctx world prefill rows (worlds of one and of two ranks)")
+    parser.add_argument("--only", default="engine,ctx-world", help="sections: engine, ctx-world")
+    parser.add_argument("--ctx-world-reps", type=int, default=None, help="repetitions of the ctx world rows")
+    return parser
+
+
+def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
+
+def main() -> None:
+    args = _parser().parse_args()
+    args.warmup, args.reps, args.new_tokens = (1, 3, 16) if args.quick else (1, 5, 64)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    _quiet_transformers()
     started = time.perf_counter()
-    rows: list[Row | WorldRow] = []
+    args.only = set(args.only.split(","))
+    rows: list[Row | WorldRow | CtxWorldRow] = []
     with tempfile.TemporaryDirectory(prefix="helix-bench-") as tmp:
         for name in args.models.split(","):
             print(f"{name}:", flush=True)
@@ -309,6 +339,11 @@ def main() -> None:
     if world_table.count("\n") > 1:
         print("\ngen world of one (dp 1 × cp 1, this process) vs the single-process engine, same run:")
         print(world_table)
+    ctx_rows = [r for r in rows if isinstance(r, CtxWorldRow)]
+    if ctx_rows:
+        print("\nctx world prefill (batch x prompt tokens, one sampled token each) vs the single engine, same run, "
+              "fastest repetition (median in parentheses):")
+        print(ctx_world_table(ctx_rows))
     print(f"\ntotal {elapsed:.1f} s")
     write_json(args.out, {
         "bench": "engine",
@@ -316,9 +351,12 @@ def main() -> None:
         "settings": {"quick": args.quick, "warmup": args.warmup, "reps": args.reps, "prefill_len": PREFILL_LEN,
                      "decode_prompt_len": DECODE_PROMPT_LEN, "new_tokens": args.new_tokens,
                      "target_ratio": TARGET_RATIO, "target_world_ratio": TARGET_WORLD_RATIO,
-                     "world_models": args.world_models.split(","), "kimi_linear_bench_config": KIMI_LINEAR_BENCH},
+                     "world_models": args.world_models.split(","), "kimi_linear_bench_config": KIMI_LINEAR_BENCH,
+                     "ctx_world_models": args.ctx_world_models.split(","), "only": sorted(args.only),
+                     "target_ctx_world_ratio": TARGET_CTX_WORLD_RATIO, "ctx_world_reps": args.ctx_world_reps or args.reps},
         "transformers_kda_paths": transformers_kda_paths(),
-        "results": [{**asdict(r), "ratio": r.ratio} for r in rows],
+        "results": [{**asdict(r), "ratio": r.ratio, **(cpu_figures(r) if isinstance(r, CtxWorldRow) else {})}
+                    for r in rows],
         "total_seconds": elapsed,
     })
 

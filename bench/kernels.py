@@ -309,7 +309,7 @@ def bench_world(args, on_gpu: bool, preset: str, checkpoint: Path, llm, batches:
     checkpoint and settings: decode tok/s of 64-token prompts (128 new tokens; 32 with --quick, 16
     on CPU), the two sides alternating (median of 1 after a warm-up with --quick, else of 3); ratio
     world / single (target >= 0.95) and each side's host share (target < 10 % for the world)."""
-    from helixserve.gen_server.local_world import start_local_world
+    from helixserve.serving.local_world import start_local_world
 
     new_tokens = 16 if not on_gpu else 32 if args.quick else 128
     reps = 1 if args.quick or not on_gpu else 3

@@ -172,15 +172,21 @@ def _cmd_serve_ctx(args: argparse.Namespace) -> int:
 
     deploy = _load_deployment(args)
     server = _worker_config(deploy, "ctx", args)
-    app = build_ctx_app(deploy, server)
+    app = build_ctx_app(deploy, server)  # tp > 1: this process is rank 0 of the ctx world
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # see _cmd_serve_gen
     serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s,
           server.connections)
-    return _warm_up_exit_code("serve-ctx", app)
+    return _worker_exit_code("serve-ctx", app)
 
 
-def _warm_up_exit_code(command: str, app) -> int:  # noqa: ANN001 (a FastAPI app)
-    """1 (the cause on stderr) when the worker stopped itself because its warm-up failed."""
+def _worker_exit_code(command: str, app) -> int:  # noqa: ANN001 (a FastAPI app)
+    """1 (the cause on stderr) when the worker stopped itself because its world failed for good
+    or its warm-up failed; else 0."""
+    world = getattr(app.state, "world", None)
+    code = world.exit_code if world is not None else None
+    if code:  # its world failed for good: whatever started this worker should restart it
+        print(f"helixserve {command}: the {world.role} world failed for good: {world.failure()}", file=sys.stderr)
+        return code
     worker = app.state.worker
     if not worker.exit_code:
         return 0
@@ -210,12 +216,7 @@ def _cmd_serve_gen(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s,
           server.connections)
-    world = getattr(app.state, "world", None)
-    code = world.exit_code if world is not None else None
-    if code:  # its world failed for good: whatever started this worker should restart it
-        print(f"helixserve serve-gen: the gen world failed for good: {world.failure()}", file=sys.stderr)
-        return code
-    return _warm_up_exit_code("serve-gen", app)
+    return _worker_exit_code("serve-gen", app)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:

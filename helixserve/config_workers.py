@@ -12,8 +12,33 @@ from helixserve.config_lifecycle import RestartPolicy, Strict
 from helixserve.config_speculative import SpeculativeConfig
 
 
-class CtxServerConfig(Strict):
-    """One context (prefill) worker: HTTP server over one engine; holds prefills for its gen worker."""
+class WorldWorkerConfig(Strict):
+    """The waits and restarts of a worker that drives a world: a gen worker's, a ctx worker's of
+    ``tp > 1`` (:mod:`helixserve.serving.world_core`)."""
+
+    collective_timeout_s: float = Field(60.0, gt=0, description="a world collective waiting longer fails")
+    world_restart: RestartPolicy = Field(RestartPolicy(), description=(
+        "a world whose rank died (or whose collective failed) is restarted in place under this policy; "
+        "past it, or when srun / torchrun started the ranks, the worker exits non-zero"))
+    heartbeat_s: float = Field(2.0, gt=0, description=(
+        "longest idle gap between world steps: a dead srun rank shows within it"))
+    world_stop_grace_s: float = Field(10.0, gt=0, description=(
+        "a healthy world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
+    failed_world_grace_s: float = Field(2.0, gt=0, description=(
+        "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
+    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
+        "a worker shutting down waits this long for a world restart in progress"))
+
+
+class CtxServerConfig(WorldWorkerConfig):
+    """One context (prefill) worker: HTTP server over one engine; holds prefills for its gen worker.
+
+    ``tp > 1``: the worker is a world of ``tp`` ranks laid out as the gen world's helix layout
+    dp 1 x cp tp (KDA heads and MLA value heads tensor-parallel over the ranks, MLA latent pages
+    dealt round-robin, experts over ``ep`` = every rank); this process is rank 0 and runs the
+    scheduler and the HTTP server. Whether the model's heads and experts divide is checked at
+    start-up and by ``helixserve plan -c`` (the config does not read the checkpoint).
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=1, le=65535)
@@ -30,14 +55,36 @@ class CtxServerConfig(Strict):
         "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
     connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
     speculative: SpeculativeConfig | None = Field(None, description=(
-        "speculative decoding in this worker's engine (None: off)"))
+        "speculative decoding in this worker's engine (None: off); a ctx worker of one rank only"))
+    tp: int = Field(1, ge=1, description=(
+        "ranks of this ctx worker's world: KDA heads and MLA value heads tensor-parallel over them, "
+        "MLA latent pages dealt round-robin (block b on rank b % tp), the helix layout dp 1 x cp tp; "
+        "this process is rank 0 and spawns ranks 1 .. tp-1"))
+    ep: int | None = Field(None, ge=1, description=(
+        "expert-parallel ranks of the ctx world (None: tp); must equal tp (experts over every rank)"))
+
+    @model_validator(mode="after")
+    def _check_world(self) -> CtxServerConfig:
+        if self.ep is None:
+            object.__setattr__(self, "ep", self.tp)  # resolved once: experts over every rank
+        if self.ep != self.tp:
+            raise ValueError(f"ctx.ep={self.ep} must equal ctx.tp={self.tp}: a ctx world runs expert "
+                             "parallelism over every rank (the gen world's Mapping)")
+        if self.speculative is not None and self.tp > 1:
+            raise ValueError(f"ctx.speculative is not supported in a ctx world (tp={self.tp}): it runs in "
+                             "a ctx worker of one rank only (tp: 1)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
 
-class GenServerConfig(Strict):
+class GenServerConfig(WorldWorkerConfig):
     """One generation (decode) worker: HTTP server on gen rank 0 of a dp x cp world.
 
     ``kv_source``: how ``generation_only`` requests get their prompt state. ``ucx``: every rank of
@@ -53,18 +100,6 @@ class GenServerConfig(Strict):
     cp: int = Field(2, ge=1)
     kv_source: Literal["ucx", "recompute"] = "ucx"
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:1")
-    collective_timeout_s: float = Field(60.0, gt=0)  # a world collective waiting longer fails
-    # a gen world whose rank died (or whose collective failed) is restarted in place under this
-    # policy; past it, or when srun / torchrun started the ranks, the worker exits non-zero
-    world_restart: RestartPolicy = RestartPolicy()
-    heartbeat_s: float = Field(2.0, gt=0, description=(
-        "longest idle gap between world steps: a dead srun rank shows within it"))
-    world_stop_grace_s: float = Field(10.0, gt=0, description=(
-        "a healthy world's spawned ranks get this long to exit after the shutdown plan, then SIGKILL"))
-    failed_world_grace_s: float = Field(2.0, gt=0, description=(
-        "a failed world's surviving spawned ranks get this long to exit, then SIGKILL"))
-    restart_join_timeout_s: float = Field(60.0, gt=0, description=(
-        "a worker shutting down waits this long for a world restart in progress"))
     # one short request through the engine (the world) before /ready answers 200 (serving/warm_up.py)
     warm_up: bool = True
     warm_up_timeout_s: float = Field(600.0, gt=0, description=(

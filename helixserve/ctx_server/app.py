@@ -14,6 +14,7 @@ from helixserve.ctx_server.lifecycle import (CancelRequested, CtxState, Finished
                                              ReleaseRequested)
 from helixserve.ctx_server.ctx_requests import CtxRequests
 from helixserve.ctx_server.transfer import CtxTransceiver
+from helixserve.ctx_server.world import build_ctx_world_app
 from helixserve.protocol import (DisaggregatedParams, InternalServerError, RequestCancelledError,
                                  RequestType, parse_model)
 from helixserve.protocol.openai import CompletionChoice, CompletionResponse
@@ -87,7 +88,10 @@ class ContextOnlyHandler:
 
 
 def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
-    """Load the engine and build the app (the engine thread, then the KV sender, start with it)."""
+    """Load the engine and build the app (the engine thread, then the KV sender, start with it);
+    ``server.tp > 1``: a ctx world (:mod:`.world`)."""
+    if server.tp > 1:
+        return build_ctx_world_app(deploy, server)
     worker, core = make_worker("ctx", deploy, server.max_queue_len, server.device, server.speculative)
     requests = CtxRequests(worker.engine, server.pickup_timeout_s)
     transceiver = CtxTransceiver(requests, core, worker.layout, deploy.transceiver, server)

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class EngineCoreLike(Protocol):
     """What :class:`AsyncEngine` drives: the engine driver
     (:class:`~helixserve.engine.spmd.driver.WorldDriver`, a single process's included), what a
-    server composes around it (the gen server's ``GenWorldCore``), or an :class:`EngineCore`.
+    server composes around it (a world worker's ``WorldCore``), or an :class:`EngineCore`.
 
     Optional: ``failure_error(request_id) -> EngineError | None``, why a request the core
     finished with an error status failed (asked once, when its error update is delivered);

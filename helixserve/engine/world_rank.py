@@ -1,6 +1,6 @@
 """What a rank of a helix_a2a gen world runs: its bootstrap, its part, its serve loop. Starting
 the processes is not the engine's: a gen worker's local world is
-:mod:`helixserve.gen_server.local_world`, the CLI's offline ``generate --dp --cp`` is
+:mod:`helixserve.serving.local_world`, the CLI's offline ``generate --dp --cp`` is
 :mod:`helixserve.launch.offline`, and srun/torchrun start the tasks of a multi-node world.
 
 - :func:`build_rank`: one rank's part from a checkpoint (sharded load): a CP group's leader gets

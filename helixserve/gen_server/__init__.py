@@ -8,7 +8,7 @@ A ``generation_only`` request passes these stages, each a named queue:
    requests, else 429.
 2. **KV intake** (:class:`~helixserve.gen_server.kv_source.KVSource`): the request's prompt state
    enters the cache. :class:`~.kv_source.UcxKVSource` (``kv_source: ucx``, the default): the
-   request waits in :class:`~.world.GenWorldCore` until its shard fits, then rank 0 assigns it to
+   request waits in :class:`~helixserve.serving.world_core.WorldCore` until its shard fits, then rank 0 assigns it to
    a CP group (attention DP), every rank of that group allocates its shard and its receiver asks
    the ctx worker's KV sender for exactly that shard over UCX; each executor step polls (bounded)
    and the group's ranks agree (``transceiver.consensus``, one all-gather over the CP group): the

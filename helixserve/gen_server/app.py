@@ -7,12 +7,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client.core import GaugeMetricFamily
 
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
-from helixserve.gen_server.world import (GenWorld, GenWorldCore, serve_world_rank, start_gen_world,
-                                         world_layout, world_options)
+from helixserve.gen_server.world import serve_world_rank, start_gen_world, world_layout
 from helixserve.models.dummy import tokenizer_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
@@ -20,6 +18,8 @@ from helixserve.serving.loading import make_worker, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
+from helixserve.serving.world_core import WorldCore, world_options
+from helixserve.serving.world_supervisor import RankCacheCollector, ServedWorld
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
     try:
         driver = world.driver
         tokenizer = tokenizer_of(deploy.model.path, deploy.model.load_format)
-        worker = wrap_core("gen", deploy, GenWorldCore(world), tokenizer, driver.core.model_config, layout,
+        worker = wrap_core("gen", deploy, WorldCore(world), tokenizer, driver.core.model_config, layout,
                            driver.core.scheduler.max_model_len, server.max_queue_len,
                            num_running_slots=server.dp * deploy.cache.max_num_seqs)
     except BaseException:
@@ -86,25 +86,8 @@ def _world_parts(deploy: DeploymentConfig, server: GenServerConfig):  # noqa: AN
     return options, layout, kv_source, factory
 
 
-class _RankCacheCollector:
-    """``/metrics``: every gen world rank's cache blocks and state slots, labelled by
-    ``dp_rank`` and ``cp_rank`` (each CP rank holds its own share of a request's blocks). The
-    unlabelled ``helixserve_worker_cache_blocks_*`` / ``state_slots_*`` gauges are their sums."""
-
-    def __init__(self, role: str, world: GenWorld) -> None:
-        self.role = role
-        self.world = world
-
-    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
-        for name, help_text, values in self.world.rank_gauges():
-            gauge = GaugeMetricFamily(f"helixserve_worker_{name}", help_text, labels=["role", "dp_rank", "cp_rank"])
-            for (dp_rank, cp_rank), value in sorted(values.items()):
-                gauge.add_metric([self.role, str(dp_rank), str(cp_rank)], value)
-            yield gauge
-
-
 def _app(worker: Worker, kv_source: KVSource, deploy: DeploymentConfig, server: GenServerConfig,
-         world: GenWorld | None = None) -> FastAPI:
+         world: ServedWorld | None = None) -> FastAPI:
     # through the engine: a world's driver runs it on every rank (prefill, then decode steps)
     worker.warm_up = WarmUp.for_deployment("gen", deploy, server.warm_up, server.warm_up_timeout_s,
                                            num_requests=server.dp if world is not None else 1)
@@ -116,7 +99,7 @@ def _app(worker: Worker, kv_source: KVSource, deploy: DeploymentConfig, server: 
         RequestType.GENERATION_ONLY: GenerationOnlyHandler(worker, kv_source),
     }
     if world is not None:
-        worker.registry.register(_RankCacheCollector(worker.role, world))
+        worker.registry.register(RankCacheCollector(worker.role, world))
     app = build_worker_app(worker, handlers, after_shutdown=(world.close,) if world is not None else ())
     app.state.world = world
     return app

@@ -137,7 +137,7 @@ class UcxKVSource(KVSource):
     exactly that shard, polled once per executor step (bounded); the group's ranks agree through
     ``transceiver.consensus``: decoding starts once every rank has its shard, and the request fails
     on every rank when one rank's transfer failed or timed out (the client gets a 503 / 504 naming the ctx worker, the rank and the
-    cause, from :meth:`GenWorldCore.failure_error`). A request whose client left is aborted: each
+    cause, from :meth:`~helixserve.serving.world_core.WorldCore.failure_error`). A request whose client left is aborted: each
     rank cancels its transfer (the ctx stops sending) and frees its blocks once nothing can write.
 
     Only ctx endpoints of the deployment are dialled (``ctx_endpoints``: every ctx worker's

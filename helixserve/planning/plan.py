@@ -3,9 +3,9 @@
 A **gen** mapping is a ``dp x cp`` helix_a2a world (:mod:`helixserve.models.sharding`); its
 target is ``batch`` sequences of ``context_len`` tokens decoding at once over the world (each
 CP group holds ``1 / dp`` of them). A **ctx** mapping is one worker (``dp = 1``): one GPU, or a
-``cp``-rank world sharded the same way when one GPU cannot hold the model (``serve-ctx`` runs one
-process today, so such a ctx mapping is what the model needs, not what starts); its target is
-``ctx_batch`` prefilled sequences held at once.
+ctx world of ``tp`` ranks (``ctx[].tp``, ep = tp) laid out as the helix layout dp 1 x cp tp when
+one GPU cannot hold the model (:func:`ctx_layouts` lists the ones the model can take); its target
+is ``ctx_batch`` prefilled sequences held at once.
 
 Two ways to size the pools: from a config's ``cache.memory_budget_mib`` / ``max_num_seqs``
 (:func:`plan_configured`, what the engine allocates), or filling what the GPU has left after
@@ -158,3 +158,11 @@ def smallest_mapping(cfg: KimiModelConfig, role: str, gpu_bytes: int, t: PlanTar
         if fitting:
             return max(fitting, key=lambda p: (p.sequences, -p.memory.cp))
     return None
+
+
+def ctx_layouts(cfg: KimiModelConfig, gpu_bytes: int, t: PlanTarget, max_tp: int = MAX_WORLD_SIZE) -> list[RolePlan]:
+    """Every ctx world the model can be laid out on (``tp`` ranks, ep = tp: heads and experts
+    divide), ascending, each with pools filling what its GPUs have left (``fits`` says whether
+    its shard fits); a smaller ``tp`` than the first that fits is listed to show the shortfall."""
+    return [plan_filled(cfg, "ctx", 1, tp, gpu_bytes, t) for tp in range(1, max_tp + 1)
+            if tp == 1 or not cfg.helix_mapping_problems(1, tp)]

@@ -1,9 +1,12 @@
 """``helixserve plan``: the plans as one JSON object or a table (torch-free).
 
 JSON (``--json``): ``ctx_gpus`` / ``gen_gpus`` (the smallest mappings' GPU counts, ``null`` when
-none fits), ``roles.{ctx,gen}`` (that mapping, per-GPU bytes, sequences at the context length,
-the cache settings to configure), and with ``-c CONFIG`` ``config.{ctx,gen}``: the config's own
-mappings with its cache settings, sized as the servers size them.
+none fits), ``ctx_tp`` (the smallest ctx world whose shard fits: ``ctx[].tp`` to configure),
+``roles.{ctx,gen}`` (that mapping, per-GPU bytes, sequences at the context length, the cache
+settings to configure), ``ctx_layouts`` (every ctx world the model can be laid out on, ``tp`` =
+``ep``, and whether its shard fits), and with ``-c CONFIG`` ``config.{ctx,gen}``: the config's own
+mappings (its first ctx worker's ``tp``, its first gen worker's ``dp x cp``) with its cache
+settings, sized as the servers size them.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from helixserve.config import DeploymentConfig
 from helixserve.dtypes import MODEL_DTYPES, check_dtype, itemsize
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import GIB, RankMemory
-from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, plan_configured, smallest_mapping
+from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, ctx_layouts, plan_configured, smallest_mapping
 
 
-CTX_WORLD_NOTE = ("one GPU cannot hold the model: a ctx worker needs this world, and serve-ctx "
-                  "runs one process today")
+CTX_WORLD_NOTE = ("one GPU cannot hold the model: run each ctx worker as a ctx world of this many "
+                  "ranks (ctx[].tp, ep = tp); KV transfers from a ctx world to gen workers are not "
+                  "available yet")
 
 
 def role_json(plan: RolePlan | None) -> dict[str, Any] | None:
@@ -29,7 +33,9 @@ def role_json(plan: RolePlan | None) -> dict[str, Any] | None:
     m: RankMemory = plan.memory
     w = m.weights
     return {
-        "dp": m.dp, "cp": m.cp, "num_gpus": plan.num_gpus, "fits": plan.fits,
+        "dp": m.dp, "cp": m.cp, "ep": m.dp * m.cp,
+        **({"tp": m.cp} if m.role == "ctx" else {}),  # a ctx world: ctx[].tp (the helix layout dp 1 x cp tp)
+        "num_gpus": plan.num_gpus, "fits": plan.fits,
         "sequences_at_context": plan.sequences, "sequences_per_group": plan.sequences_per_group,
         "sequences_needed": plan.sequences_needed, "problems": list(plan.problems),
         "per_rank": {
@@ -56,7 +62,11 @@ def build_plan(cfg: KimiModelConfig, name: str, gpu_memory_gib: float, t: PlanTa
         "max_num_batched_tokens": t.max_num_batched_tokens, "bytes_per_value": t.itemsize,
         "ctx_gpus": best["ctx"].num_gpus if best["ctx"] else None,
         "gen_gpus": best["gen"].num_gpus if best["gen"] else None,
+        "ctx_tp": best["ctx"].memory.cp if best["ctx"] else None,
         "roles": {role: role_json(plan) for role, plan in best.items()},
+        "ctx_layouts": [{"tp": p.memory.cp, "ep": p.memory.cp, "fits": p.fits, "total_bytes": p.memory.total_bytes,
+                         "shortfall_bytes": p.memory.shortfall_bytes, "sequences_at_context": p.sequences,
+                         "problems": list(p.problems)} for p in ctx_layouts(cfg, gpu_bytes, t)],
     }
     ctx = best["ctx"]
     if ctx is not None and ctx.num_gpus > 1:
@@ -90,13 +100,26 @@ def table(plan: dict[str, Any]) -> str:
             p = r["per_rank"]
             weights = (f"{_g(p['weights_bytes'])} ({_g(p['weights_dense_bytes'])} + {_g(p['weights_fp32_bytes'])} "
                        f"+ {_g(p['weights_routed_experts_bytes'])} {p['routed_expert_format']})")
+            layout = f"tp {r['cp']} (ep {r['ep']})" if role == "ctx" else f"dp {r['dp']} x cp {r['cp']}"
             lines.append(
-                f"| {prefix}{role} | dp {r['dp']} x cp {r['cp']} | {r['num_gpus']} | {weights} | {_g(p['pool_bytes'])} "
+                f"| {prefix}{role} | {layout} | {r['num_gpus']} | {weights} | {_g(p['pool_bytes'])} "
                 f"| {_g(p['activation_bytes'])} | {_g(p['cuda_graph_bytes'])} | {_g(p['total_bytes'])} "
                 f"| {r['sequences_at_context']} | {'yes' if r['fits'] else 'no'} |")
     if plan["roles"].get("ctx") and plan["roles"]["ctx"].get("note"):
         lines += ["", f"ctx: {plan['roles']['ctx']['note']}."]
-    return "\n".join(lines)
+    return "\n".join(lines + ctx_layouts_table(plan["ctx_layouts"]))
+
+
+def ctx_layouts_table(layouts: list[dict[str, Any]]) -> list[str]:
+    """The launchable ctx worlds: every ``tp`` the model's heads and experts divide (ep = tp)."""
+    lines = ["", "ctx layouts the model divides over (ctx[].tp, ep = tp; the helix layout dp 1 x cp tp), "
+             "GiB per GPU: a layout launches where its shard fits", "",
+             "| tp | ep | total | short by | seqs at context | fits |", "|---|---|---|---|---|---|"]
+    for c in layouts:
+        short = _g(c["shortfall_bytes"]) if c["shortfall_bytes"] else "-"
+        lines.append(f"| {c['tp']} | {c['ep']} | {_g(c['total_bytes'])} | {short} | {c['sequences_at_context']} "
+                     f"| {'yes' if c['fits'] else 'no'} |")
+    return lines
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gpu_gib = gpu_gib if gpu_gib is not None else cache.gpu_memory_gib
         t_kwargs = {"tokens_per_block": cache.tokens_per_block,
                     "max_num_batched_tokens": deploy.scheduler.max_num_batched_tokens}
-        configured = {"ctx": (1, 1, cache.memory_budget_mib, cache.max_num_seqs),
+        configured = {"ctx": (1, deploy.ctx[0].tp, cache.memory_budget_mib, cache.max_num_seqs),
                       "gen": (gen.dp, gen.cp, cache.memory_budget_mib, cache.max_num_seqs)}
         model_dir = args.model or (None if args.preset else deploy.model.path)
     else:

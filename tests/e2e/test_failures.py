@@ -186,7 +186,7 @@ def test_dead_world_rank_fails_requests_fast_then_the_world_restarts(dep):
     assert rank1 not in dep.rank_pids()
     assert _ask(dep) == "length"
     # a rank's death is what an operator alerts on: one ERROR line naming it
-    assert (f"ERROR helixserve.gen_server.supervisor: gen world failed: gen world rank 1 (pid {rank1}) exited"
+    assert (f"ERROR helixserve.serving.world_supervisor: gen world failed: gen world rank 1 (pid {rank1}) exited"
             in (dep.log_dir / "gen.log").read_text())
 
 

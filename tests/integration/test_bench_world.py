@@ -17,7 +17,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.world_rank import WorldOptions
-from helixserve.gen_server.local_world import start_local_world
+from helixserve.serving.local_world import start_local_world
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -123,7 +123,7 @@ def _run_bench(script: str, out: Path, *flags: str) -> dict:
 
 def test_engine_bench_quick_has_world_rows(tmp_path):
     data = _run_bench("engine.py", tmp_path / "engine.json", "--models", "kimi-k3-tiny",
-                      "--world-models", "kimi-k3-tiny")
+                      "--world-models", "kimi-k3-tiny", "--only", "engine")
     metrics = [r["metric"] for r in data["results"]]
     assert metrics == ["prefill bs1×512", "decode bs1", "world decode bs1", "decode bs8", "world decode bs8"]
     new = data["settings"]["new_tokens"]
@@ -132,6 +132,23 @@ def test_engine_bench_quick_has_world_rows(tmp_path):
         assert row["tokens_match"] == f"{batch * new}/{batch * new}"  # greedy world == single
         assert len(row["world_seconds"]) == len(row["single_seconds"]) == data["settings"]["reps"]
     assert data["settings"]["target_world_ratio"] == 0.95
+
+
+def test_engine_bench_quick_has_ctx_world_rows(tmp_path):
+    """A ctx world of one and both tp 2 layouts, each beside the single engine: the batch's greedy
+    first tokens equal, every repetition recorded, the figures the fastest repetitions'."""
+    data = _run_bench("engine.py", tmp_path / "engine.json", "--models", "kimi-k3-tiny", "--only", "ctx-world",
+                      "--ctx-world-models", "kimi-k3-tiny")
+    rows = data["results"]
+    assert [(r["layout"], r["dp"], r["cp"]) for r in rows] == [
+        ("world of one", 1, 1), ("tp 2 helix (dp 1 x cp 2)", 1, 2), ("tp 2 attention DP (dp 2 x cp 1)", 2, 1)]
+    for row in rows:
+        tokens = row["batch"] * row["prompt_len"]
+        assert row["first_tokens_equal"] == f"{row['batch']}/{row['batch']}"
+        assert len(row["seconds"]) == len(row["single_seconds"]) == data["settings"]["ctx_world_reps"]
+        assert row["tok_s"] == pytest.approx(tokens / min(row["seconds"]))
+        assert row["ratio"] == pytest.approx(row["tok_s"] / row["single_tok_s"])
+    assert data["settings"]["target_ctx_world_ratio"] == 0.95
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (on a GPU: kimi-k3-mid, minutes)")

@@ -341,7 +341,7 @@ def test_async_engine_drives_a_local_world(tiny_checkpoints) -> None:
     import asyncio
 
     from helixserve.engine.async_engine import AsyncEngine
-    from helixserve.gen_server.local_world import start_local_world
+    from helixserve.serving.local_world import start_local_world
 
     model = str(tiny_checkpoints[PRESET])
     prompts, params = [p for p, _, _ in REQUESTS[:3]], [p for _, p, _ in REQUESTS[:3]]

@@ -5,7 +5,7 @@ One real step of the tiny model on the CPU, with ``KimiForCausalLM.forward`` wra
 are counted:
 
 - served gen world of one: the loop is ``EngineThread._run`` (the ``AsyncEngine``'s thread) over
-  the gen server's ``GenWorldCore`` around rank 0's ``WorldDriver`` (a real gloo world of one);
+  the gen server's ``WorldCore`` around rank 0's ``WorldDriver`` (a real gloo world of one);
 - served single process (a ctx or aggregated worker): the loop is ``EngineThread._run`` over the
   same driver, a world of one;
 - offline: the loop is ``drive_to_completion``, under ``LLM.generate``.
@@ -23,8 +23,8 @@ from helixserve.engine.async_engine import AsyncEngine
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.world_rank import WorldOptions, start_rank0
-from helixserve.gen_server.supervisor import GenWorld, WorldSupervisor
-from helixserve.gen_server.world import GenWorldCore
+from helixserve.serving.world_supervisor import ServedWorld, WorldSupervisor
+from helixserve.serving.world_core import WorldCore
 from helixserve.parallel import Mapping
 from helixserve.parallel.ports import free_port
 
@@ -77,14 +77,14 @@ def test_a_served_gen_world_step_reaches_the_forward_within_six_frames(tiny_chec
     options = WorldOptions(cache=CACHE, dtype="float32", backend="gloo", timeout_s=30)
     driver = start_rank0(tiny_checkpoints["kimi-k3-tiny"], Mapping(1, 0, dp=1, cp=1),
                          f"tcp://127.0.0.1:{free_port()}", options)
-    world = GenWorld(driver, None, WorldSupervisor(GenServerConfig(cp=1), None))
+    world = ServedWorld(driver, None, WorldSupervisor(GenServerConfig(cp=1), None, "gen"))
     stacks = _capture_stacks(driver.core.runner.model)
     try:
-        assert len(asyncio.run(_serve_one(GenWorldCore(world)))) == 2
+        assert len(asyncio.run(_serve_one(WorldCore(world)))) == 2
     finally:
         driver.shutdown()
         driver.groups.destroy()
-    _assert_within_bound(stacks, "_run", ["step", "_step"])  # GenWorldCore.step, EngineThread._step
+    _assert_within_bound(stacks, "_run", ["step", "_step"])  # WorldCore.step, EngineThread._step
 
 
 def test_a_served_single_process_step_reaches_the_forward_within_six_frames(tiny_checkpoints) -> None:

@@ -135,8 +135,9 @@ def test_the_cache_layout_is_defined_once_and_imported_from_the_leaf():
 # launch code sits in one package at the top: it may import servers, engine and config; below it,
 # only these import it, each with its reason
 LAUNCH_IMPORTERS_ALLOWED = {
-    # a gen worker restarts its world under the same bounded-restart policy as `helixserve launch`
-    "helixserve/gen_server/supervisor.py": "helixserve.launch.restarts",
+    # a world worker (gen or ctx) restarts its world under the same bounded-restart policy as
+    # `helixserve launch`
+    "helixserve/serving/world_supervisor.py": "helixserve.launch.restarts",
 }
 OLD_LAUNCH_MODULES = ("helixserve/serving/launch.py", "helixserve/serving/restarts.py", "helixserve/launch_slurm.py",
                       "helixserve/parallel/launch.py")

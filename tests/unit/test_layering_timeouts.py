@@ -58,9 +58,9 @@ INTERNAL = {
     ("helixserve/engine/async_engine.py", "THREAD_JOIN_S"): "shutdown only: the step in progress ends",
     ("helixserve/ctx_server/ctx_requests.py", "EXPIRY_TICK_S"): "ctx[].pickup_timeout_s (the hold deadline) is the bound; this is its sweep",
     ("helixserve/ctx_server/transfer.py", "STATS_INTERVAL_S"): "staleness of a /metrics gauge, no wait",
-    ("helixserve/gen_server/supervisor.py", "DEAD_RANK_WAIT_S"):
+    ("helixserve/serving/world_supervisor.py", "DEAD_RANK_WAIT_S"):
         "only to name a dead rank in a failure already detected; nothing hangs on it",
-    ("helixserve/gen_server/supervisor.py", "DEAD_RANK_TICK_S"): "its poll tick",
+    ("helixserve/serving/world_supervisor.py", "DEAD_RANK_TICK_S"): "its poll tick",
     ("helixserve/launch/local.py", "SUPERVISE_TICK_S"): "the launcher's poll of children and /ready",
     ("helixserve/launch/slurm.py", "SUPERVISE_TICK_S"): "the SLURM job's poll of its steps and /ready",
     ("helixserve/launch/processes.py", "RESULT_TICK_S"): "the parent's poll of its ranks' results",
@@ -209,7 +209,8 @@ def test_a_gen_workers_waits_reach_its_world(tiny_checkpoints) -> None:
     """A real world of one (gloo, rank 0 in this process): the configured heartbeat is the
     WorldDriver's, the stop grace the LocalWorld's, the join timeout the supervisor's."""
     from helixserve.config import CacheConfig, DeploymentConfig
-    from helixserve.gen_server.world import start_gen_world, world_options
+    from helixserve.gen_server.world import start_gen_world
+    from helixserve.serving.world_core import world_options
 
     deploy = DeploymentConfig.model_validate({
         "model": {"path": str(tiny_checkpoints["kimi-k3-tiny"])},

@@ -128,7 +128,7 @@ def test_the_deployment_config_chooses_the_expert_format(k3_tiny: Path) -> None:
 
     from helixserve.config import DeploymentConfig
     from helixserve.engine.llm import LLM
-    from helixserve.gen_server.world import world_options
+    from helixserve.serving.world_core import world_options
 
     llm = LLM(k3_tiny, experts="packed")
     assert all(e.is_mxfp4 for e in _experts(llm.engine.runner.model))

@@ -2,14 +2,14 @@
 
 Call chains (engine loop -> model forward)::
 
-    served    AsyncEngine's thread: EngineThread._run -> EngineThread._step -> [GenWorldCore.step]
+    served    AsyncEngine's thread: EngineThread._run -> EngineThread._step -> [WorldCore.step]
               -> WorldDriver.step -> EngineCore.step -> EngineCore._launch -> ModelRunner.run
               -> KimiForCausalLM.forward
     offline   LLM.generate / generate --dp --cp: drive_to_completion -> WorldDriver.step -> ...
     leaders   a CP group's leader other than rank 0: serve_leader -> WorldDriver.step -> ...
     followers serve_follower -> ModelRunner.forward (what the leader's GroupLeader sent)
 
-``GenWorldCore`` is the gen server's composition around the driver (a failed world's requests
+``WorldCore`` (:mod:`helixserve.serving.world_core`) is a world worker's composition around the driver (a failed world's requests
 end with a 503, a restarted world is swapped in), not a layer of the engine.
 
 Who owns what:
@@ -43,8 +43,8 @@ failure that leaves collectives unmatched stops the world (:class:`~.messages.Wo
 on rank 0, the rank's process ends elsewhere). Idle worlds stay alive through heartbeats
 (``WorldDriver.has_unfinished_requests`` asks for a step once ``heartbeat_s`` passed).
 
-A ctx world (attention TP x MoE EP) is to run this same driver: its leader's ``EngineCore``
-launches through its group like a gen world's, and the ctx server composes its pickup and
-sender around the driver as the gen server composes ``GenWorldCore``; the role stays in the
-server, never a flag in the engine.
+A ctx world (``ctx[].tp > 1``: the helix layout dp 1 x cp tp, experts over every rank) runs
+this same driver: its leader's ``EngineCore`` launches through its group like a gen world's, and
+the ctx server composes ``WorldCore`` around it as the gen server does
+(:mod:`helixserve.ctx_server.world`); the role stays in the server, never a flag in the engine.
 """

@@ -1,5 +1,5 @@
-"""A gen worker's local world: this process is rank 0 (its
-:class:`~helixserve.engine.spmd.driver.WorldDriver` goes to ``AsyncEngine``) and ranks
+"""A worker's local world (a gen world's dp x cp ranks, a ctx world's tp ranks): this process is
+rank 0 (its :class:`~helixserve.engine.spmd.driver.WorldDriver` goes to ``AsyncEngine``) and ranks
 1..world-1 are spawned here as local processes, each running
 :func:`~helixserve.engine.world_rank.run_rank` until rank 0 shuts the world down."""
 
@@ -37,7 +37,7 @@ def _local_rank_main(rank: int, world_size: int, init_method: str, model_dir: st
 
 @dataclass(slots=True)
 class LocalWorld:
-    """Rank 0 (this process) and the spawned ranks of a one-machine gen world."""
+    """Rank 0 (this process) and the spawned ranks of a one-machine world."""
 
     driver: WorldDriver
     processes: list[mp.process.BaseProcess]
@@ -53,11 +53,11 @@ class LocalWorld:
         try:
             self.driver.shutdown()
         except Exception as exc:  # noqa: BLE001 - the world is going away anyway
-            logger.warning("gen world shutdown plan failed: %s", exc)
+            logger.warning("world shutdown plan failed: %s", exc)
         for proc in self.processes:
             proc.join(timeout=grace_s)
             if proc.is_alive():
-                logger.warning("killing gen world rank process %d", proc.pid)
+                logger.warning("killing world rank process %d", proc.pid)
                 proc.kill()
                 proc.join()
         self.driver.groups.destroy()
@@ -78,7 +78,7 @@ def start_local_world(model_dir: str | Path, *, dp: int, cp: int, options: World
     ctx = mp.get_context("forkserver")
     start_forkserver()  # a SIGTERM to this worker's group leaves it (and so the ranks' exit status) alone
     processes = [
-        ctx.Process(target=_local_rank_main, name=f"gen-world-rank-{rank}", daemon=True,
+        ctx.Process(target=_local_rank_main, name=f"world-rank-{rank}", daemon=True,
                     args=(rank, world_size, init_method, str(model_dir), dp, cp, options, kv_receiver_factory))
         for rank in range(1, world_size)
     ]

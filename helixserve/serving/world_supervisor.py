@@ -1,8 +1,9 @@
-"""A gen worker's world as one object that outlives restarts (:class:`GenWorld`), and restarting
-it after it failed (:class:`WorldSupervisor`).
+"""A worker's world (a gen world, a ctx world) as one object that outlives restarts
+(:class:`ServedWorld`), and restarting it after it failed (:class:`WorldSupervisor`).
 
-A world fails when a rank process dies or a collective fails (:class:`~.world.GenWorld` notices
-it on the engine thread, and fails every request in flight with a 503 ``gen_world_failed``).
+A world fails when a rank process dies or a collective fails (:class:`ServedWorld` notices it on
+the engine thread, and :class:`~.world_core.WorldCore` fails every request in flight with a 503
+``<role>_world_failed``).
 Then, on a thread of its own (the worker keeps answering ``/health`` with 503 and refusing new
 requests with 503 meanwhile), the supervisor:
 
@@ -28,9 +29,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from helixserve.config import GenServerConfig
+from typing import Protocol
+
+from prometheus_client.core import GaugeMetricFamily
+
+from helixserve.config_lifecycle import RestartPolicy
 from helixserve.engine.spmd.driver import WorldDriver
-from helixserve.gen_server.local_world import LocalWorld
+from helixserve.serving.local_world import LocalWorld
 from helixserve.launch.restarts import RestartBudget
 from helixserve.serving.shutdown import stop_this_process
 
@@ -42,15 +47,29 @@ DEAD_RANK_WAIT_S = 1.0
 DEAD_RANK_TICK_S = 0.02
 
 
+class WorldSettings(Protocol):
+    """A world worker's settings the supervisor reads (``GenServerConfig``, ``CtxServerConfig``)."""
+
+    @property
+    def world_restart(self) -> RestartPolicy: ...
+    @property
+    def world_stop_grace_s(self) -> float: ...
+    @property
+    def failed_world_grace_s(self) -> float: ...
+    @property
+    def restart_join_timeout_s(self) -> float: ...
+
+
 class WorldSupervisor:
-    """Restarts of one gen worker's world under ``server.world_restart``; ``start`` builds a
+    """Restarts of one worker's world under ``server.world_restart``; ``start`` builds a
     fresh local world (None: the ranks are external, the world cannot be restarted here). The
     world's waits come from ``server`` (``world_stop_grace_s``, ``failed_world_grace_s``,
-    ``restart_join_timeout_s``)."""
+    ``restart_join_timeout_s``); ``role`` names the world in its messages."""
 
-    def __init__(self, server: GenServerConfig, start: Callable[[], LocalWorld] | None,
+    def __init__(self, server: WorldSettings, start: Callable[[], LocalWorld] | None, role: str,
                  on_give_up: Callable[[], None] = stop_this_process) -> None:
         self.server = server
+        self.role = role
         self.policy = policy = server.world_restart
         self._start = start
         self._on_give_up = on_give_up
@@ -68,9 +87,9 @@ class WorldSupervisor:
     def begin(self, cause: str, close_failed: Callable[[], None]) -> None:
         """The current world failed with ``cause``: close it, then restart (or give up)."""
         then = "restart it" if self._start is not None else "exit (srun / torchrun started its ranks)"
-        self.status = f"the gen world failed; closing it to {then}: {cause}"
+        self.status = f"the {self.role} world failed; closing it to {then}: {cause}"
         self._thread = threading.Thread(target=self._run, args=(cause, close_failed),
-                                        name="gen-world-restart", daemon=True)
+                                        name=f"{self.role}-world-restart", daemon=True)
         self._thread.start()
 
     def take_ready(self) -> LocalWorld | None:
@@ -91,7 +110,7 @@ class WorldSupervisor:
         try:
             close_failed()
         except Exception as exc:  # noqa: BLE001 - what is left of it dies with the process
-            logger.warning("closing the failed gen world: %s: %s", type(exc).__name__, exc)
+            logger.warning("closing the failed %s world: %s: %s", self.role, type(exc).__name__, exc)
         while not self._stopping.is_set():
             if self._start is None:
                 return self._give_up(cause, "its ranks were started by srun / torchrun, not here")
@@ -100,7 +119,7 @@ class WorldSupervisor:
                 return self._give_up(cause, f"it failed {self.policy.max_restarts + 1} times within "
                                             f"{self.policy.window_s:g} s (world_restart.max_restarts="
                                             f"{self.policy.max_restarts})")
-            self.status = (f"the gen world is restarting ({self.budget.describe()}, in {delay:g} s) "
+            self.status = (f"the {self.role} world is restarting ({self.budget.describe()}, in {delay:g} s) "
                            f"after: {cause}")
             logger.warning("%s", self.status)
             if self._stopping.wait(delay):
@@ -114,19 +133,19 @@ class WorldSupervisor:
             if self._stopping.is_set():
                 world.close()
                 return None
-            logger.warning("gen world restarted (%s)", self.budget.describe())
+            logger.warning("%s world restarted (%s)", self.role, self.budget.describe())
             self._ready = world
             return None
         return None
 
     def _give_up(self, cause: str, why: str) -> None:
-        self.status = f"the gen world failed and is not restarted ({why}): {cause}"
+        self.status = f"the {self.role} world failed and is not restarted ({why}): {cause}"
         self.exit_code = 1
-        logger.error("%s; stopping this gen worker (exit code 1)", self.status)
+        logger.error("%s; stopping this %s worker (exit code 1)", self.status, self.role)
         self._on_give_up()
 
 
-class GenWorld:
+class ServedWorld:
     """Rank 0's driver and the ranks spawned here (none when srun / torchrun started them), as
     one object that outlives restarts: after the world failed, :attr:`supervisor` closes it and
     starts a fresh one, which the engine thread swaps in (:meth:`take_restarted`)."""
@@ -135,6 +154,7 @@ class GenWorld:
         self.driver = driver
         self.local = local
         self.supervisor = supervisor
+        self.role = supervisor.role
         self._is_failed = False  # this incarnation's failure was noticed (its requests failed)
 
     @property
@@ -146,11 +166,11 @@ class GenWorld:
         """Why the world cannot serve (restarting, given up, dead spawned ranks, a stopped
         world), or None."""
         if self._is_failed:
-            return self.supervisor.status or "the gen world failed"
+            return self.supervisor.status or f"the {self.role} world failed"
         return self._incarnation_failure()
 
     def _incarnation_failure(self) -> str | None:
-        causes = [self.dead_ranks(), self.driver.failure and f"the gen world stopped: {self.driver.failure}"]
+        causes = [self.dead_ranks(), self.driver.failure and f"the {self.role} world stopped: {self.driver.failure}"]
         return "; ".join(c for c in causes if c) or None
 
     def notice_failure(self) -> str | None:
@@ -164,7 +184,7 @@ class GenWorld:
         assert cause is not None
         self._is_failed = True
         self.driver.failure = self.driver.failure or cause  # nothing more is sent to it
-        logger.error("gen world failed: %s", cause)
+        logger.error("%s world failed: %s", self.role, cause)
         self.supervisor.begin(cause, self._close_incarnation)
         return cause
 
@@ -193,7 +213,7 @@ class GenWorld:
             return None
         dead = [f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
                 for rank, proc in enumerate(self.local.processes, start=1) if not proc.is_alive()]
-        return "gen world " + ", ".join(dead) if dead else None
+        return f"{self.role} world " + ", ".join(dead) if dead else None
 
     def describe(self) -> dict[str, Any]:
         """The world's shape, its spawned ranks' pids (rank 0 and launcher-started ranks: None),
@@ -208,10 +228,10 @@ class GenWorld:
         the last world step (the unlabelled ``cache_blocks_*`` / ``state_slots_*`` gauges are
         their sums over every rank); no values while the world is failed (its ranks are gone)."""
         stats = {} if self.failure() is not None else self.driver.rank_stats()
-        fields = (("rank_cache_blocks_used", "MLA cache blocks in use on one gen rank", "num_used_blocks"),
-                  ("rank_cache_blocks_total", "MLA cache blocks of one gen rank", "num_blocks"),
-                  ("rank_state_slots_used", "KDA state slots in use on one gen rank", "num_used_slots"),
-                  ("rank_state_slots_total", "KDA state slots of one gen rank", "num_slots"))
+        fields = (("rank_cache_blocks_used", "MLA cache blocks in use on one world rank", "num_used_blocks"),
+                  ("rank_cache_blocks_total", "MLA cache blocks of one world rank", "num_blocks"),
+                  ("rank_state_slots_used", "KDA state slots in use on one world rank", "num_used_slots"),
+                  ("rank_state_slots_total", "KDA state slots of one world rank", "num_slots"))
         return [(name, text, {key: float(getattr(s, attr)) for key, s in stats.items()})
                 for name, text, attr in fields]
 
@@ -233,8 +253,26 @@ class GenWorld:
                 try:
                     driver.shutdown()
                 except Exception as exc:  # noqa: BLE001 - the world is going away anyway
-                    logger.warning("gen world shutdown plan failed: %s", exc)
+                    logger.warning("%s world shutdown plan failed: %s", self.role, exc)
                 driver.groups.destroy()
         finally:
             if receiver is not None:
                 receiver.close()
+
+
+class RankCacheCollector:
+    """``/metrics``: every world rank's cache blocks and state slots (a gen world's, a ctx
+    world's), labelled by ``dp_rank`` and ``cp_rank`` (each CP rank holds its own share of a
+    request's blocks). The unlabelled ``helixserve_worker_cache_blocks_*`` / ``state_slots_*``
+    gauges are their sums."""
+
+    def __init__(self, role: str, world: ServedWorld) -> None:
+        self.role = role
+        self.world = world
+
+    def collect(self):  # noqa: ANN201 (prometheus collector protocol)
+        for name, help_text, values in self.world.rank_gauges():
+            gauge = GaugeMetricFamily(f"helixserve_worker_{name}", help_text, labels=["role", "dp_rank", "cp_rank"])
+            for (dp_rank, cp_rank), value in sorted(values.items()):
+                gauge.add_metric([self.role, str(dp_rank), str(cp_rank)], value)
+            yield gauge
