@@ -26,6 +26,7 @@ class CacheSizes:
     num_slots: int
     tokens_per_block: int
     max_model_len: int
+    num_checkpoint_slots: int = 0  # KDA state checkpoints (prefix caching)
 
 
 def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1
@@ -34,10 +35,12 @@ def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheCo
     group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
     num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
-                                              cache.memory_budget_mib, cache.max_num_seqs, cp)
+                                              cache.memory_budget_mib, cache.max_num_seqs, cp,
+                                              cache.num_checkpoint_slots)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
                         num_blocks * cache.tokens_per_block * cp)
-    return spec, CacheSizes(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
+    num_checkpoints = cache.num_checkpoint_slots if spec.kda_layer_ids else 0
+    return spec, CacheSizes(num_blocks, num_slots, cache.tokens_per_block, max_model_len, num_checkpoints)
 
 
 def allocate_rank_caches(spec: CacheSpec, layout: CacheSizes, device: torch.device | str) -> ModelCaches:
