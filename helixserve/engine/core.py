@@ -35,8 +35,9 @@ from helixserve.engine.admission import check_engine_request
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_memory import check_rank_memory
-from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
-                                          decode_graphs_off_reason, size_cache, step_token_budget)
+from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
+                                          decode_graphs_off_reason, make_cache_manager, size_cache,
+                                          step_token_budget)
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, PreparedStep, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
@@ -46,8 +47,6 @@ from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.leader import GroupLeader
 from helixserve.engine.step_prepare import failing_alone, without
-from helixserve.kvcache.group_cache import GroupCacheManager
-from helixserve.kvcache.manager import CacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
@@ -77,7 +76,7 @@ class EngineCore:
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
-        num_blocks, num_slots, max_model_len = self.layout.num_blocks, self.layout.num_slots, self.layout.max_model_len
+        max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)
         self.runner = ModelRunner(model, self.caches, device, seed=seed)
@@ -86,11 +85,9 @@ class EngineCore:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
         elif is_cuda and use_cuda_graphs:
             logger.info("decode CUDA graphs off: %s", graphs_off)
-        has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
-        self.cache_manager: CacheManager | GroupCacheManager = (
-            CacheManager(num_blocks, num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
-            if cp == 1 else
-            GroupCacheManager(num_blocks, num_slots, cache.tokens_per_block, cp, has_mla=has_mla, has_kda=has_kda))
+        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp, is_world=groups is not None)
+        if self.cache_manager.prefix_caching:
+            self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
         if groups is not None:
@@ -142,6 +139,7 @@ class EngineCore:
         hold_cache: bool = False,
         forced_output_token_ids: Sequence[int] = (),
         kv_ticket: KVTicket | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; ``ValueError`` if it could never run (too long, bad ids).
 
@@ -150,6 +148,7 @@ class EngineCore:
         instead of the sampled ones (sampling still runs, so a seeded generator advances as if it
         had drawn them). ``kv_ticket``: the prompt's cache comes from a ctx worker (passed to
         every rank's ``ShardReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
+        ``cache_salt``: share cached prefix blocks only with requests of the same salt.
         """
         self.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
         if self.kv_intake is not None and request_id in self.kv_intake:
@@ -158,7 +157,7 @@ class EngineCore:
             self.scheduler.check_new_id(request_id)
         request = Request(
             request_id, list(prompt_token_ids), params, hold_cache_on_finish=hold_cache,
-            forced_output_token_ids=list(forced_output_token_ids),
+            forced_output_token_ids=list(forced_output_token_ids), cache_salt=cache_salt,
         )
         if kv_ticket is not None:
             assert self.kv_intake is not None  # check_request refused it otherwise

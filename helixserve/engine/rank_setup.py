@@ -13,7 +13,10 @@ import torch
 from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.kernels.triton_common import has_fla
+from helixserve.kvcache.group_cache import GroupCacheManager
+from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
+from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import engine_pool_sizes
 
@@ -48,6 +51,27 @@ def allocate_rank_caches(spec: CacheSpec, layout: CacheSizes, device: torch.devi
     padded CUDA-graph rows."""
     return allocate_model_caches(spec, layout.num_blocks, layout.num_slots + int(torch.device(device).type == "cuda"),
                                  device)
+
+
+def make_cache_manager(cache: CacheConfig, spec: CacheSpec, layout: CacheSizes, cp: int, is_world: bool
+                       ) -> CacheManager | GroupCacheManager:
+    """The leader's cache bookkeeping: a CP group's (``cp > 1``), else one rank's, reusing
+    cached prefixes with ``cache.prefix_caching`` outside a gen world."""
+    has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
+    if cp > 1:
+        return GroupCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, cp, has_mla, has_kda)
+    if cache.prefix_caching and not is_world:
+        return PrefixCachingCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block,
+                                         layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda)
+    return CacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
+
+
+def allocate_checkpoints(spec: CacheSpec, layout: CacheSizes, device: torch.device | str) -> ModelCaches | None:
+    """The KDA state checkpoint pools of prefix caching (a state pool of ``num_checkpoint_slots``
+    slots, no MLA blocks); ``None`` when there are none."""
+    if not layout.num_checkpoint_slots:
+        return None
+    return allocate_model_caches(spec, 0, layout.num_checkpoint_slots, device)
 
 
 def step_token_budget(cache: CacheConfig, scheduler: SchedulerConfig) -> int:

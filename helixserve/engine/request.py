@@ -147,6 +147,10 @@ class Request:
     # the first outputs are these tokens, not the sampled ones (a gen worker resuming a request
     # whose first token the ctx worker sampled); stop rules still apply to them
     forced_output_token_ids: list[int] = field(default_factory=list)
+    # prefix caching: blocks are shared only between requests of the same salt; the keys of the
+    # request's full blocks so far (kvcache.prefix_index), computed once
+    cache_salt: str | None = None
+    block_keys: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
