@@ -139,7 +139,6 @@ class EngineCore:
         hold_cache: bool = False,
         forced_output_token_ids: Sequence[int] = (),
         kv_ticket: KVTicket | None = None,
-        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; ``ValueError`` if it could never run (too long, bad ids).
 
@@ -148,7 +147,6 @@ class EngineCore:
         instead of the sampled ones (sampling still runs, so a seeded generator advances as if it
         had drawn them). ``kv_ticket``: the prompt's cache comes from a ctx worker (passed to
         every rank's ``ShardReceiver.start``); ``forced_output_token_ids`` are the ctx's first tokens.
-        ``cache_salt``: share cached prefix blocks only with requests of the same salt.
         """
         self.check_request(prompt_token_ids, params, forced_output_token_ids, kv_ticket is not None, request_id)
         if self.kv_intake is not None and request_id in self.kv_intake:
@@ -157,7 +155,7 @@ class EngineCore:
             self.scheduler.check_new_id(request_id)
         request = Request(
             request_id, list(prompt_token_ids), params, hold_cache_on_finish=hold_cache,
-            forced_output_token_ids=list(forced_output_token_ids), cache_salt=cache_salt,
+            forced_output_token_ids=list(forced_output_token_ids),
         )
         if kv_ticket is not None:
             assert self.kv_intake is not None  # check_request refused it otherwise

@@ -35,6 +35,8 @@ def admit(cache: CacheManager, request: Request, hit: PrefixHit) -> None:
     """Allocate the request's cache from ``hit``; its computed count starts after the hit."""
     cache.allocate(request.request_id, request.num_tokens, hit)
     request.num_computed_tokens = hit.num_tokens
+    if cache.prefix_caching:
+        request.num_cached_tokens = hit.num_tokens
 
 
 def plan_chunk(cache: CacheManager, request: Request, start: int, stop: int) -> ChunkPlan:

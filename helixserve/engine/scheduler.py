@@ -288,7 +288,8 @@ class Scheduler:
             self.cache.shrink(self.cache.get(request.request_id), request.num_computed_tokens)
         tokens = request.output_token_ids[first:]
         return [RequestUpdate(request.request_id, token, RequestStatus.RUNNING) for token in tokens[:-1]] + [
-            RequestUpdate(request.request_id, tokens[-1] if tokens else -1, request.status, error=request.error)]
+            RequestUpdate(request.request_id, tokens[-1] if tokens else -1, request.status, error=request.error,
+                          num_cached_tokens=request.num_cached_tokens)]
 
     def _is_live(self, request_id: str) -> bool:
         request = self._requests.get(request_id)

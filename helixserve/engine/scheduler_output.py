@@ -89,6 +89,7 @@ class RequestUpdate:
     token_id: int
     status: RequestStatus
     error: str | None = None
+    num_cached_tokens: int | None = None  # on a request's last update: its prefix-cache hit
 
     @property
     def is_finished(self) -> bool:
