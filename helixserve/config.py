@@ -78,8 +78,8 @@ class CacheConfig(_Strict):
     # chain over their tokens and the request's cache_salt) and KDA state checkpoints
     # (kvcache.prefix_manager); single-process engines and ctx workers
     prefix_caching: bool = False
-    # a prefill saves the KDA recurrent + conv state every this many blocks (and at the prompt's
-    # last full block); a prefill chunk stops at each such position
+    # a prefill saves the KDA recurrent + conv state every this many blocks (and at the last full
+    # block before the prompt's last token); a prefill chunk stops at each such position
     state_checkpoint_blocks: int = Field(64, ge=1, le=1 << 20)
     # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
     # memory_budget_mib beside the slots; used only with prefix_caching

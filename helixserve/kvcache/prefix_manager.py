@@ -10,7 +10,8 @@ request's life here:
 2. ``allocate(..., hit)``: holds the hit's blocks, takes new ones for the rest and a fresh state
    slot, which the first chunk's ``plan_chunk`` restores from the hit's checkpoint;
 3. ``plan_chunk``: a prefill chunk stops at the first checkpoint position past its start (every
-   ``checkpoint_interval_blocks`` blocks and the prompt's last full block) that has no
+   ``checkpoint_interval_blocks`` blocks and the last full block before the prompt's last
+   token) that has no
    checkpoint yet, and reserves a checkpoint slot the runner saves the state into after it;
 4. ``commit_computed``: once a step is applied, the blocks it completed are published and its
    checkpoint committed;
@@ -141,7 +142,8 @@ class PrefixCachingCacheManager(CacheManager):
         """Checkpoint positions in ``(start, stop]``, ascending."""
         interval = self.checkpoint_interval
         positions = set(range((start // interval + 1) * interval, stop + 1, interval))
-        last_full = num_prompt_tokens // self.tokens_per_block * self.tokens_per_block
+        # the last full block before the prompt's last token: where the same prompt again resumes
+        last_full = (num_prompt_tokens - 1) // self.tokens_per_block * self.tokens_per_block
         if start < last_full <= stop:
             positions.add(last_full)
         return sorted(positions)
