@@ -74,7 +74,7 @@ class EngineCore:
         if speculative is not None and groups is not None:
             raise ValueError("speculative decoding runs in a single-process engine only, not in a gen world")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
-        spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
+        spec, self.layout = size_cache(model_config, model.dtype, cache, cp, is_world=groups is not None)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
         max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"

@@ -32,17 +32,17 @@ class CacheSizes:
     num_checkpoint_slots: int = 0  # KDA state checkpoints (prefix caching)
 
 
-def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1
-               ) -> tuple[CacheSpec, CacheSizes]:
+def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1,
+               is_world: bool = False) -> tuple[CacheSpec, CacheSizes]:
     """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
-    group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer."""
+    group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer.
+    A gen world's ranks (``is_world``) cache no prefix: no state checkpoints."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
+    num_checkpoints = cache.num_checkpoint_slots if spec.kda_layer_ids and not is_world else 0
     num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
-                                              cache.memory_budget_mib, cache.max_num_seqs, cp,
-                                              cache.num_checkpoint_slots)
+                                              cache.memory_budget_mib, cache.max_num_seqs, cp, num_checkpoints)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
                         num_blocks * cache.tokens_per_block * cp)
-    num_checkpoints = cache.num_checkpoint_slots if spec.kda_layer_ids else 0
     return spec, CacheSizes(num_blocks, num_slots, cache.tokens_per_block, max_model_len, num_checkpoints)
 
 

@@ -10,7 +10,9 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
+from helixserve.engine.rank_setup import size_cache
 from helixserve.kvcache.prefix_index import append_block_keys
+from helixserve.models.presets import get_preset
 
 BLOCK = 4
 INTERVAL_BLOCKS = 2  # a checkpoint every 8 tokens, and at each prompt's last full block
@@ -141,3 +143,12 @@ def test_a_checkpoint_holds_the_state_of_a_fresh_prefill_at_its_position(tiny_ch
         assert torch.equal(saved.conv_state[layer][checkpoint], live.conv_state[layer][slot])
     while off.engine.has_unfinished_requests():
         off.engine.step()
+
+
+def test_a_gen_world_sizes_no_checkpoints_a_single_engine_does(tiny_checkpoints):
+    cfg = get_preset("kimi-k3-tiny")
+    single = size_cache(cfg, torch.float32, cache(True), 1)[1]
+    world = size_cache(cfg, torch.float32, cache(True), 1, is_world=True)[1]
+    off = size_cache(cfg, torch.float32, cache(False), 1)[1]
+    assert single.num_checkpoint_slots == 32 and world.num_checkpoint_slots == off.num_checkpoint_slots == 0
+    assert world.num_blocks == off.num_blocks > single.num_blocks

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from helixserve.kvcache.errors import AllocationError
 from helixserve.kvcache.manager import NO_HIT
 from helixserve.kvcache.prefix_index import PrefixBlockPool, append_block_keys, root_key
+from helixserve.kvcache.sizing import pools_from_budget
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.kvcache.state_checkpoints import StateCheckpointPool
 
@@ -165,3 +166,14 @@ def test_checkpoint_reservations_are_never_evicted_and_go_back_on_drop():
     pool.drop("b")
     pool.drop("c")
     assert pool.num_reserved == 0 and pool.reserve("d", b"k4") in (s1, s2)
+
+
+def test_the_checkpoint_pool_comes_out_of_the_budget_beside_the_slots():
+    assert pools_from_budget(100, 10, 1000, 2) == (9, 2)  # 20 B of slots: 980 left
+    assert pools_from_budget(100, 10, 1000, 2, num_checkpoint_slots=8) == (9, 2)  # 100 B: 900 left
+    assert pools_from_budget(100, 10, 1000, 2, num_checkpoint_slots=9) == (8, 2)  # 110 B: 890 left
+    pools_from_budget(100, 10, 1000, 2, num_checkpoint_slots=78)  # 800 B: 200 left, a block per sequence
+    with pytest.raises(ValueError, match="79 state checkpoints"):
+        pools_from_budget(100, 10, 1000, 2, num_checkpoint_slots=79)
+    with pytest.raises(ValueError, match="num_checkpoint_slots"):
+        pools_from_budget(100, 10, 1000, 2, num_checkpoint_slots=-1)
