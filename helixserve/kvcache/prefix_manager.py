@@ -46,7 +46,7 @@ class ChunkPlan:
 
 @dataclass(slots=True)
 class PrefixStats:
-    """Counters since start: prompt tokens looked up and found at admission, checkpoints saved."""
+    """Counters since start, at admission: requests and their tokens looked up, and found cached."""
 
     num_queried_tokens: int = 0
     num_hit_tokens: int = 0
