@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.rank_setup import size_cache
+from helixserve.kvcache.pools import bytes_per_block, bytes_per_slot
 from helixserve.kvcache.prefix_index import append_block_keys
 from helixserve.models.presets import get_preset
 
@@ -152,3 +154,32 @@ def test_a_gen_world_sizes_no_checkpoints_a_single_engine_does(tiny_checkpoints)
     off = size_cache(cfg, torch.float32, cache(False), 1)[1]
     assert single.num_checkpoint_slots == 32 and world.num_checkpoint_slots == off.num_checkpoint_slots == 0
     assert world.num_blocks == off.num_blocks > single.num_blocks
+
+
+def test_under_cache_pressure_preempted_requests_recompute_from_the_cache_and_agree(tiny_checkpoints):
+    """9 blocks of 4 tokens, 3 sequences sharing a 9-token prefix: decodes preempt, a preempted
+    request comes back through the prefix cache (its own blocks, or evicted and computed again),
+    and the tokens equal caching off with the same pressure; nothing stays held."""
+    path = tiny_checkpoints["kimi-linear-tiny"]
+    spec = cache_spec_for(LLM(path).model_config, torch.float32, BLOCK)
+    checkpoints = 4
+    budget = ((3 + checkpoints) * bytes_per_slot(spec) + 9 * bytes_per_block(spec)) / 2**20
+    shared = list(range(70, 79))
+    prompts = [shared + [1], shared + [2, 3], shared[:5] + [4]]
+    runs = []
+    for caching in (False, True):
+        llm = LLM(path, cache=CacheConfig(tokens_per_block=BLOCK, max_num_seqs=3, memory_budget_mib=budget,
+                                          prefix_caching=caching, state_checkpoint_blocks=INTERVAL_BLOCKS,
+                                          state_checkpoint_slots=checkpoints))
+        engine = llm.engine
+        assert engine.layout.num_blocks == (9 if caching else 9 + checkpoints * bytes_per_slot(spec)
+                                            // bytes_per_block(spec))
+        reqs = [engine.add_request(f"p{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats().num_used_blocks == engine.stats().num_used_slots == 0
+        runs.append(reqs)
+    off, on = runs
+    assert any(r.num_preemptions for r in on)  # the pressure is real
+    assert engine.cache_manager.prefix_stats.num_hits > 0 and engine.cache_manager.blocks.num_evictions > 0
+    assert [r.output_token_ids for r in on] == [r.output_token_ids for r in off]
