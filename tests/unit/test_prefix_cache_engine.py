@@ -9,6 +9,7 @@ import torch
 
 from helixserve.cache_layout import cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.rank_setup import size_cache
@@ -183,3 +184,20 @@ def test_under_cache_pressure_preempted_requests_recompute_from_the_cache_and_ag
     assert any(r.num_preemptions for r in on)  # the pressure is real
     assert engine.cache_manager.prefix_stats.num_hits > 0 and engine.cache_manager.blocks.num_evictions > 0
     assert [r.output_token_ids for r in on] == [r.output_token_ids for r in off]
+
+
+def test_speculative_decoding_with_prefix_caching_gives_plain_decodings_tokens(tiny_checkpoints):
+    """Rejected drafts roll blocks back (``shrink``); what stays published is what was accepted:
+    a repeat of the prompt and its output, read from the cache, still decodes alike."""
+    path = tiny_checkpoints["kimi-linear-tiny"]
+    spec = SpeculativeConfig(method="ngram", num_draft_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    plain = LLM(path, cache=cache(False))
+    speculating = LLM(path, cache=cache(True), speculative=spec)
+    prompt = ([5, 6, 7, 8] * 6)[:22]
+    first = run(speculating, "s0", prompt, greedy(16))
+    assert first.output_token_ids == run(plain, "p0", prompt, greedy(16)).output_token_ids
+    longer = prompt + first.output_token_ids + [9]
+    again = run(speculating, "s1", longer, greedy(8))
+    assert again.num_cached_tokens and again.num_cached_tokens >= 20
+    assert again.output_token_ids == run(plain, "p1", longer, greedy(8)).output_token_ids
+    assert speculating.engine.spec_stats.num_draft_tokens > 0
