@@ -2,8 +2,9 @@
 
 Workload (``multi_turn``): conversations share one system prompt; every turn appends a user
 message to the conversation so far (system prompt, earlier turns, the assistant's replies) and
-generates a greedy reply, which joins the conversation. Requests run one at a time, the
-conversations taking turns (turn 1 of every conversation, then turn 2, ...), so a turn finds the
+generates a greedy reply, which joins the conversation. Requests run one at a time, each on the
+engine with caching off and then on the one with caching on (load drifting during the run falls
+on both alike), the conversations taking turns (turn 1 of every conversation, then turn 2, ...), so a turn finds the
 system prompt and its own conversation in the cache as far as the LRU kept them. Per request:
 TTFT (``add_request`` to the first token) and prefill tokens computed (prompt tokens minus those
 found cached). ``long_prefix``: one prompt of ``--prefix-tokens`` tokens prefilled once, then the
@@ -64,27 +65,32 @@ def run_one(llm: LLM, rid: str, prompt: list[int], params: SamplingParams, devic
             "tokens": list(request.output_token_ids)}
 
 
-def multi_turn(llm: LLM, shape: dict[str, int], vocab: int, device: str, tag: str) -> list[dict[str, Any]]:
+def multi_turn(llms: dict[str, LLM], shape: dict[str, int], vocab: int, device: str) -> dict[str, list[dict]]:
+    """Each request runs on every engine in turn (caching off, then on), so load that drifts
+    during the run falls on both alike; the conversation goes on with caching off's reply."""
     rng = random.Random(0)
     system = [rng.randrange(vocab) for _ in range(shape["system_tokens"])]
     conversations = [list(system) for _ in range(shape["conversations"])]
     params = SamplingParams(max_tokens=shape["reply_tokens"], temperature=0.0, ignore_eos=True)
-    out = []
+    out: dict[str, list[dict]] = {key: [] for key in llms}
     for turn in range(shape["turns"]):
         for c, conversation in enumerate(conversations):
             conversation.extend(rng.randrange(vocab) for _ in range(shape["user_tokens"]))
-            result = run_one(llm, f"{tag}-{turn}-{c}", list(conversation), params, device)
-            conversation.extend(result["tokens"])
-            out.append({"turn": turn, **result})
+            for key, llm in llms.items():
+                out[key].append({"turn": turn, **run_one(llm, f"{key}-{turn}-{c}", list(conversation), params, device)})
+            conversation.extend(out["off"][-1]["tokens"])
     return out
 
 
-def long_prefix(llm: LLM, prefix_tokens: int, new_tokens: int, vocab: int, device: str, tag: str) -> dict[str, Any]:
+def long_prefix(llms: dict[str, LLM], prefix_tokens: int, new_tokens: int, vocab: int, device: str
+                ) -> dict[str, dict[str, Any]]:
     rng = random.Random(1)
     prefix = [rng.randrange(vocab) for _ in range(prefix_tokens)]
+    first, second = prefix + [rng.randrange(vocab)], prefix + [rng.randrange(vocab) for _ in range(new_tokens)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    run_one(llm, f"{tag}-first", prefix + [rng.randrange(vocab)], params, device)
-    return run_one(llm, f"{tag}-second", prefix + [rng.randrange(vocab) for _ in range(new_tokens)], params, device)
+    for key, llm in llms.items():
+        run_one(llm, f"{key}-long-first", first, params, device)
+    return {key: run_one(llm, f"{key}-long-second", second, params, device) for key, llm in llms.items()}
 
 
 def summary(requests: list[dict[str, Any]]) -> dict[str, float]:
@@ -108,22 +114,21 @@ def main() -> None:
     cache_kw = {"tokens_per_block": 16, "max_num_seqs": 4, "memory_budget_mib": 1024 if args.device == "cpu" else 8192,
                 "state_checkpoint_blocks": 64, "state_checkpoint_slots": 64}
     sched = SchedulerConfig(max_num_batched_tokens=2048)
-    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         on_cuda = args.device.startswith("cuda")
         path = args.preset if on_cuda else make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0)
         load = {"load_format": "dummy"} if on_cuda else {}
-        for caching in (False, True):
-            llm = LLM(path, dtype=args.dtype, device=args.device, scheduler=sched, enforce_eager=not on_cuda,
-                      cache=CacheConfig(prefix_caching=caching, **cache_kw), **load)
-            vocab = llm.model_config.vocab_size
-            run_one(llm, "warm", list(range(1, 65)), SamplingParams(max_tokens=2, temperature=0.0), args.device)
-            if caching:
-                llm.engine.cache_manager.reset_prefix_cache()
-            key = "on" if caching else "off"
-            results[key] = {"multi_turn": multi_turn(llm, shape, vocab, args.device, key),
-                            "long_prefix": long_prefix(llm, prefix_tokens, new_tokens, vocab, args.device, key)}
-            del llm
+        llms = {key: LLM(path, dtype=args.dtype, device=args.device, scheduler=sched, enforce_eager=not on_cuda,
+                         cache=CacheConfig(prefix_caching=key == "on", **cache_kw), **load) for key in ("off", "on")}
+        vocab = llms["off"].model_config.vocab_size
+        # the tiny presets hold 4096 positions: the long prefix stays within them
+        prefix_tokens = min(prefix_tokens, llms["off"].engine.scheduler.max_model_len - new_tokens - 16)
+        for key, llm in llms.items():
+            run_one(llm, f"{key}-warm", list(range(1, 65)), SamplingParams(max_tokens=2, temperature=0.0), args.device)
+        llms["on"].engine.cache_manager.reset_prefix_cache()
+        turns = multi_turn(llms, shape, vocab, args.device)
+        longs = long_prefix(llms, prefix_tokens, new_tokens, vocab, args.device)
+    results = {key: {"multi_turn": turns[key], "long_prefix": longs[key]} for key in ("off", "on")}
     off, on = results["off"], results["on"]
     equal = ([r["tokens"] for r in off["multi_turn"]] == [r["tokens"] for r in on["multi_turn"]]
              and off["long_prefix"]["tokens"] == on["long_prefix"]["tokens"])
