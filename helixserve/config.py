@@ -74,6 +74,21 @@ class CacheConfig(_Strict):
     # one GPU's memory: a rank whose weights + pools + activations + graph pools exceed it refuses
     # to start (None: on CUDA the device's total memory, on the CPU no check)
     gpu_memory_gib: float | None = Field(None, gt=0)
+    # reuse the cache of a prompt's prefix another request computed: MLA blocks by content (a hash
+    # chain over their tokens and the request's cache_salt) and KDA state checkpoints
+    # (kvcache.prefix_manager); single-process engines and ctx workers
+    prefix_caching: bool = False
+    # a prefill saves the KDA recurrent + conv state every this many blocks (and at the last full
+    # block before the prompt's last token); a prefill chunk stops at each such position
+    state_checkpoint_blocks: int = Field(64, ge=1, le=1 << 20)
+    # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
+    # memory_budget_mib beside the slots; used only with prefix_caching
+    state_checkpoint_slots: int = Field(32, ge=1, le=1 << 20)
+
+    @property
+    def num_checkpoint_slots(self) -> int:
+        """State checkpoints the pools hold: ``state_checkpoint_slots`` with prefix caching, else 0."""
+        return self.state_checkpoint_slots if self.prefix_caching else 0
 
 
 class SchedulerConfig(_Strict):

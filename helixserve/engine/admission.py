@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from helixserve.engine.request import Request, RequestStatus
-from helixserve.kvcache.manager import CacheManager
+from helixserve.kvcache.manager import NO_HIT, CacheManager, PrefixHit
 
 
 def check_new_request(request: Request, max_model_len: int, cache: CacheManager) -> None:
@@ -79,6 +79,8 @@ def has_free_slot(num_running: int, max_num_seqs: int) -> bool:
     return num_running < max_num_seqs
 
 
-def can_admit(request: Request, num_running: int, max_num_seqs: int, cache: CacheManager) -> bool:
-    """A free sequence slot and cache for the whole prompt of the head of ``waiting``."""
-    return has_free_slot(num_running, max_num_seqs) and cache.can_allocate(request.num_tokens)
+def can_admit(request: Request, num_running: int, max_num_seqs: int, cache: CacheManager,
+              hit: PrefixHit = NO_HIT) -> bool:
+    """A free sequence slot and cache for the whole prompt of the head of ``waiting`` (``hit``:
+    its cached prefix)."""
+    return has_free_slot(num_running, max_num_seqs) and cache.can_allocate(request.num_tokens, hit)

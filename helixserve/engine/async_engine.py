@@ -145,7 +145,7 @@ class AsyncEngine(EngineThread):
                 if is_finished:  # no longer live, even if the reader never resumes us
                     self._forget(request_id, stream)
                 yield RequestOutput(request_id, token_ids, text, len(prompt_token_ids), num_output,
-                                    finish_reason)
+                                    finish_reason, stream.num_cached_tokens)
         finally:
             if self._forget(request_id, stream) and not (is_finished or is_refused):
                 self._inbox.put(_Abort(request_id))  # cancelled or left early: free the cache
@@ -201,8 +201,8 @@ class AsyncEngine(EngineThread):
         del self._streams[request_id]
         return True
 
-    def _deliver(self, batch: list[tuple[str, list[int], str | None, EngineError | None]]) -> None:
-        for request_id, token_ids, finish_reason, error in batch:
+    def _deliver(self, batch: list[tuple[str, list[int], str | None, EngineError | None, int | None]]) -> None:
+        for request_id, token_ids, finish_reason, error, num_cached in batch:
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.put(token_ids, finish_reason, error)
+                stream.put(token_ids, finish_reason, error, num_cached)

@@ -35,8 +35,9 @@ from helixserve.engine.admission import check_engine_request
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_memory import check_rank_memory
-from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape,
-                                          decode_graphs_off_reason, size_cache, step_token_budget)
+from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
+                                          decode_graphs_off_reason, make_cache_manager, size_cache,
+                                          step_token_budget)
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, PreparedStep, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
@@ -46,8 +47,6 @@ from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.leader import GroupLeader
 from helixserve.engine.step_prepare import failing_alone, without
-from helixserve.kvcache.group_cache import GroupCacheManager
-from helixserve.kvcache.manager import CacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
@@ -75,9 +74,9 @@ class EngineCore:
         if speculative is not None and groups is not None:
             raise ValueError("speculative decoding runs in a single-process engine only, not in a gen world")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
-        spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
+        spec, self.layout = size_cache(model_config, model.dtype, cache, cp, is_world=groups is not None)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
-        num_blocks, num_slots, max_model_len = self.layout.num_blocks, self.layout.num_slots, self.layout.max_model_len
+        max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)
         self.runner = ModelRunner(model, self.caches, device, seed=seed)
@@ -86,11 +85,9 @@ class EngineCore:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
         elif is_cuda and use_cuda_graphs:
             logger.info("decode CUDA graphs off: %s", graphs_off)
-        has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
-        self.cache_manager: CacheManager | GroupCacheManager = (
-            CacheManager(num_blocks, num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
-            if cp == 1 else
-            GroupCacheManager(num_blocks, num_slots, cache.tokens_per_block, cp, has_mla=has_mla, has_kda=has_kda))
+        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp, is_world=groups is not None)
+        if self.cache_manager.prefix_caching:
+            self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
         if groups is not None:

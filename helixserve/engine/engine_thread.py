@@ -96,7 +96,7 @@ class EngineThread:
     _stats: EngineStats
     num_step_errors: int
 
-    def _deliver(self, batch: list[tuple[str, list[int], str | None, EngineError | None]]) -> None:
+    def _deliver(self, batch: list[tuple[str, list[int], str | None, EngineError | None, int | None]]) -> None:
         """Runs on the event loop: hand each request's tokens to its reader (AsyncEngine's)."""
         raise NotImplementedError
 
@@ -133,7 +133,7 @@ class EngineThread:
             self._stats = self._core.stats()
         failed = self._core.abort_all("the server is shutting down")
         error = EngineUnavailableError("the server is shutting down")
-        self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
+        self._call_soon(self._deliver, [(rid, [], None, error, None) for rid in failed])
         self._drain_adds_after_stop(error)
 
     def _drain(self, block: bool) -> list[Any]:
@@ -197,7 +197,7 @@ class EngineThread:
             message = f"engine step failed: {type(exc).__name__}: {exc}"
             failed = self._core.abort_all(message)
             error = StepFailedError(message)
-            self._call_soon(self._deliver, [(rid, [], None, error) for rid in failed])
+            self._call_soon(self._deliver, [(rid, [], None, error, None) for rid in failed])
             return
         if any(u.error is not None for u in updates):  # the core failed the step's requests itself
             self.num_step_errors += 1
@@ -205,16 +205,17 @@ class EngineThread:
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         """Hand new tokens (and finishes) to the event loop, one call for all requests."""
-        batch: dict[str, tuple[str, list[int], str | None, EngineError | None]] = {}
+        batch: dict[str, tuple[str, list[int], str | None, EngineError | None, int | None]] = {}
         for update in updates:
-            rid, tokens, _, _ = batch.setdefault(update.request_id, (update.request_id, [], None, None))
+            rid, tokens, _, _, cached = batch.setdefault(update.request_id, (update.request_id, [], None, None, None))
             reason, error = update.status.finish_reason, None
             if reason in _ERROR_STATUSES:  # failed inside the core (a KV transfer, a step): no token
                 error = self._failure_error(rid, reason, update.error)
                 reason = None
             else:
                 tokens.append(update.token_id)
-            batch[rid] = (rid, tokens, reason, error)
+            batch[rid] = (rid, tokens, reason, error,
+                          update.num_cached_tokens if update.num_cached_tokens is not None else cached)
         if batch:
             self._call_soon(self._deliver, list(batch.values()))
 

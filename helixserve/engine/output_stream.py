@@ -54,6 +54,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # all so far
     finish_reason: str | None = None  # "stop" or "length" on the last output
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: no caching)
 
     @property
     def is_finished(self) -> bool:
@@ -68,9 +69,13 @@ class RequestStream:
     finish_reason: str | None = None
     error: EngineError | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    num_cached_tokens: int | None = None
 
-    def put(self, token_ids: list[int], finish_reason: str | None, error: EngineError | None) -> None:
+    def put(self, token_ids: list[int], finish_reason: str | None, error: EngineError | None,
+            num_cached_tokens: int | None = None) -> None:
         self.token_ids.extend(token_ids)
+        if num_cached_tokens is not None:
+            self.num_cached_tokens = num_cached_tokens
         self.finish_reason = self.finish_reason or finish_reason
         self.error = self.error or error
         self.event.set()

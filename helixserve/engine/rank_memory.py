@@ -13,6 +13,7 @@ from helixserve.planning.memory import GIB, PoolBytes, pool_unit_bytes, rank_mem
 class _Sizes(Protocol):
     num_blocks: int
     num_slots: int
+    num_checkpoint_slots: int
 
 
 def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: SchedulerConfig, layout: _Sizes,
@@ -31,7 +32,7 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
     is_packed = any(t.dtype == torch.uint8 for t in (*model.parameters(), *model.buffers()))
     cfg, itemsize = model.cfg, model.dtype.itemsize
     pools = PoolBytes(*pool_unit_bytes(cfg, itemsize, cache.tokens_per_block, cp), layout.num_blocks,
-                      layout.num_slots, scratch_slots=int(is_cuda))
+                      layout.num_slots, scratch_slots=int(is_cuda), checkpoint_slots=layout.num_checkpoint_slots)
     batched = max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
     rank_memory(cfg, "gen world" if dp * cp > 1 else "engine", dp, cp, itemsize, pools, batched, cache.max_num_seqs,
                 is_cuda and use_cuda_graphs, gpu_bytes, "mxfp4" if is_packed else "dense").check()

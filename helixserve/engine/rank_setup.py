@@ -13,7 +13,10 @@ import torch
 from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.kernels.triton_common import has_fla
+from helixserve.kvcache.group_cache import GroupCacheManager
+from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
+from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import engine_pool_sizes
 
@@ -26,18 +29,21 @@ class CacheSizes:
     num_slots: int
     tokens_per_block: int
     max_model_len: int
+    num_checkpoint_slots: int = 0  # KDA state checkpoints (prefix caching)
 
 
-def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1
-               ) -> tuple[CacheSpec, CacheSizes]:
+def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1,
+               is_world: bool = False) -> tuple[CacheSpec, CacheSizes]:
     """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
-    group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer."""
+    group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer.
+    A gen world's ranks (``is_world``) cache no prefix: no state checkpoints."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
+    num_checkpoints = cache.num_checkpoint_slots if spec.kda_layer_ids and not is_world else 0
     num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
-                                              cache.memory_budget_mib, cache.max_num_seqs, cp)
+                                              cache.memory_budget_mib, cache.max_num_seqs, cp, num_checkpoints)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
                         num_blocks * cache.tokens_per_block * cp)
-    return spec, CacheSizes(num_blocks, num_slots, cache.tokens_per_block, max_model_len)
+    return spec, CacheSizes(num_blocks, num_slots, cache.tokens_per_block, max_model_len, num_checkpoints)
 
 
 def allocate_rank_caches(spec: CacheSpec, layout: CacheSizes, device: torch.device | str) -> ModelCaches:
@@ -45,6 +51,27 @@ def allocate_rank_caches(spec: CacheSpec, layout: CacheSizes, device: torch.devi
     padded CUDA-graph rows."""
     return allocate_model_caches(spec, layout.num_blocks, layout.num_slots + int(torch.device(device).type == "cuda"),
                                  device)
+
+
+def make_cache_manager(cache: CacheConfig, spec: CacheSpec, layout: CacheSizes, cp: int, is_world: bool
+                       ) -> CacheManager | GroupCacheManager:
+    """The leader's cache bookkeeping: a CP group's (``cp > 1``), else one rank's, reusing
+    cached prefixes with ``cache.prefix_caching`` outside a gen world."""
+    has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
+    if cp > 1:
+        return GroupCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, cp, has_mla, has_kda)
+    if cache.prefix_caching and not is_world:
+        return PrefixCachingCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block,
+                                         layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda)
+    return CacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
+
+
+def allocate_checkpoints(spec: CacheSpec, layout: CacheSizes, device: torch.device | str) -> ModelCaches | None:
+    """The KDA state checkpoint pools of prefix caching (a state pool of ``num_checkpoint_slots``
+    slots, no MLA blocks); ``None`` when there are none."""
+    if not layout.num_checkpoint_slots:
+        return None
+    return allocate_model_caches(spec, 0, layout.num_checkpoint_slots, device)
 
 
 def step_token_budget(cache: CacheConfig, scheduler: SchedulerConfig) -> int:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, field_validator
 
 
 _GREEDY_BELOW = 1e-5  # temperatures this small are greedy (avoids overflow in logits / T)
+MAX_CACHE_SALT_CHARS = 1024  # a cache_salt names a tenant; longer is refused
 INT32_MAX = 2**31 - 1  # integer parameters stay within int32, as vLLM's and the sampler's tensors
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 
@@ -27,7 +28,8 @@ class SamplingParams(BaseModel):
     keeps every token, as ``top_k`` = vocabulary size does. Integers stay within int32 (``seed``:
     what ``torch.Generator.manual_seed`` takes), floats are finite. ``stop`` strings need a
     detokenizer (see :mod:`helixserve.engine.stop`). A stop/eos token is kept in
-    ``output_token_ids``.
+    ``output_token_ids``. ``cache_salt`` (vLLM's request field, carried here so it reaches every
+    engine): with prefix caching, cached blocks are shared only between requests of one salt.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -40,6 +42,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[StrictInt, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    cache_salt: str | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -74,6 +77,13 @@ class SamplingParams(BaseModel):
     def _seed(cls, v: int | None) -> int | None:
         if v is not None and not SEED_RANGE[0] <= v < SEED_RANGE[1]:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {v}")
+        return v
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, v: str | None) -> str | None:
+        if v is not None and not 1 <= len(v) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(v)}")
         return v
 
     @field_validator("stop_token_ids")
@@ -147,6 +157,14 @@ class Request:
     # the first outputs are these tokens, not the sampled ones (a gen worker resuming a request
     # whose first token the ctx worker sampled); stop rules still apply to them
     forced_output_token_ids: list[int] = field(default_factory=list)
+    # prefix caching: the keys of the request's full blocks so far (kvcache.prefix_index),
+    # computed once
+    block_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prefix caching: tokens its last admission found cached
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

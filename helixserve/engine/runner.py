@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,7 @@ from helixserve.engine.sampler import Sampler
 from helixserve.engine.scheduler import SchedulerOutput
 from helixserve.engine.spec.verify_step import VerifiedStep, kda_record, verify_step
 from helixserve.host_copy import to_device
-from helixserve.kvcache.pools import reset_slots
+from helixserve.kvcache.pools import copy_states, reset_slots
 from helixserve.models.context import ForwardBatch
 from helixserve.models.kda_spec import KdaRecord
 
@@ -110,6 +110,8 @@ class PreparedStep:
     batch: ForwardBatch
     reset_slot_ids: list[int]
     inverse: list[int] | None
+    state_restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint, slot), before
+    state_saves: list[tuple[int, int]] = field(default_factory=list)  # (slot, checkpoint), after
 
 
 @dataclass(slots=True)
@@ -145,6 +147,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed=seed)
         self.decode_graphs: DecodeGraphs | None = None
+        self.checkpoints: ModelCaches | None = None  # KDA state checkpoints (prefix caching)
 
     def capture_decode_graphs(self, max_batch: int, max_blocks: int, scratch_slot: int) -> str | None:
         """CUDA-graph the decode steps of up to ``max_batch`` sequences (see :mod:`.cuda_graphs`);
@@ -171,11 +174,13 @@ class ModelRunner:
             return self.run(self.prepare(out, input_tokens))
         if out.reset_slot_ids:
             reset_slots(self.caches, out.reset_slot_ids)
+        self.restore_states(out.state_restores)
         logits = self.decode_graphs.run(out, input_tokens)
         if logits is not None:
+            self.save_states(out.state_saves)
             return logits
         prepared = self.prepare(out, input_tokens)
-        prepared.reset_slot_ids = []  # zeroed above, once
+        prepared.reset_slot_ids, prepared.state_restores = [], []  # done above, once
         return self.run(prepared)
 
     def prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> PreparedStep:
@@ -199,14 +204,16 @@ class ModelRunner:
             inverse = [0] * len(order)
             for row, i in enumerate(order):
                 inverse[i] = row
-        return PreparedStep(batch, out.reset_slot_ids, inverse)
+        return PreparedStep(batch, out.reset_slot_ids, inverse, out.state_restores, out.state_saves)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> torch.Tensor:
         """Reset the fresh state slots and run the model on a prepared batch."""
         if prepared.reset_slot_ids:
             reset_slots(self.caches, prepared.reset_slot_ids)
+        self.restore_states(prepared.state_restores)
         logits = self.model(prepared.batch, self.caches)
+        self.save_states(prepared.state_saves)
         if prepared.inverse is None:
             return logits
         return logits.index_select(0, to_device(torch.tensor(prepared.inverse), logits.device))
@@ -237,9 +244,21 @@ class ModelRunner:
         assert self.decode_graphs is not None
         if out.reset_slot_ids:
             reset_slots(self.caches, out.reset_slot_ids)
+        self.restore_states(out.state_restores)  # a one-token final chunk after a cached prefix fits too
         logits = self.decode_graphs.run(out, input_tokens)
         assert logits is not None, "prepare_step found the step fits the decode graphs"
+        self.save_states(out.state_saves)
         return logits
+
+    def restore_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KDA state checkpoints into slots: ``(checkpoint, slot)`` pairs."""
+        if self.checkpoints is not None:
+            copy_states(self.checkpoints, self.caches, pairs)
+
+    def save_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy slots' KDA states into checkpoints: ``(slot, checkpoint)`` pairs."""
+        if self.checkpoints is not None:
+            copy_states(self.caches, self.checkpoints, pairs)
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
         """Sample ``out``'s sampled rows from ``logits`` and enqueue the tokens' copy to the host."""

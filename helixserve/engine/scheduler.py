@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from helixserve.engine.admission import can_admit, check_new_request, check_prefilled_request, has_free_slot
 from helixserve.engine.cache_release import CacheReleases
 from helixserve.engine.lookahead import build_ahead
+from helixserve.engine.prefix_steps import admit, commit_computed, prefix_hit
 from helixserve.engine.preemption import schedule_decodes
 from helixserve.engine.request import Request, RequestStatus
 from helixserve.engine.scheduler_output import RequestUpdate, ScheduledSeq, SchedulerOutput
@@ -200,7 +201,8 @@ class Scheduler:
         out = self._pending
         if out is None or self._ahead is not None or len(out.seqs) != len(self.running):
             return None
-        if self.waiting and can_admit(self.waiting[0], len(self.running), self.max_num_seqs, self.cache):
+        head = self.waiting[0] if self.waiting else None
+        if head and can_admit(head, len(self.running), self.max_num_seqs, self.cache, prefix_hit(self.cache, head)):
             return None  # a plain step admits it now
         requests = self._pending_requests
         ahead = build_ahead(out, requests, self._requests, self.cache, self.max_model_len)
@@ -226,9 +228,10 @@ class Scheduler:
             return out
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if not can_admit(request, len(self.running), self.max_num_seqs, self.cache):
+            hit = prefix_hit(self.cache, request)
+            if not can_admit(request, len(self.running), self.max_num_seqs, self.cache, hit):
                 break  # back-pressure
-            self.cache.allocate(request.request_id, request.num_tokens)
+            admit(self.cache, request, hit)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -259,6 +262,7 @@ class Scheduler:
         for seq, request in live:
             if not seq.sample:
                 request.num_computed_tokens += len(seq.token_ids)
+                commit_computed(self.cache, request)
                 continue
             sampled = sampled_token_ids[seq.request_id]
             updates.extend(self._append_run(seq, request, [sampled] if isinstance(sampled, int) else sampled))
@@ -277,13 +281,15 @@ class Scheduler:
             request.error = f"stop rules failed: {type(exc).__name__}: {exc}"
             status, num_appended = RequestStatus.FINISHED_ERROR, len(request.output_token_ids) - first
         request.num_computed_tokens += num_appended if seq.num_draft_tokens else len(seq.token_ids)
+        commit_computed(self.cache, request)
         if status is not None:
             self._finish(request, status)
         elif seq.num_draft_tokens:
             self.cache.shrink(self.cache.get(request.request_id), request.num_computed_tokens)
         tokens = request.output_token_ids[first:]
         return [RequestUpdate(request.request_id, token, RequestStatus.RUNNING) for token in tokens[:-1]] + [
-            RequestUpdate(request.request_id, tokens[-1] if tokens else -1, request.status, error=request.error)]
+            RequestUpdate(request.request_id, tokens[-1] if tokens else -1, request.status, error=request.error,
+                          num_cached_tokens=request.num_cached_tokens)]
 
     def _is_live(self, request_id: str) -> bool:
         request = self._requests.get(request_id)

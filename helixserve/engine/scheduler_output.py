@@ -25,6 +25,9 @@ class ScheduledSeq:
         sample: sample from this chunk's last row.
         num_draft_tokens: a speculating decode: ``token_ids`` is the last sampled token followed
             by this many draft tokens, every row is scored and the drafts verified (0: none).
+        restore_checkpoint: a prefill starting from a cached prefix: copy this KDA state
+            checkpoint into ``slot`` before the step (``None``: none).
+        save_checkpoint: copy ``slot``'s KDA state into this checkpoint after the step.
     """
 
     request_id: str
@@ -35,6 +38,8 @@ class ScheduledSeq:
     is_prefill: bool
     sample: bool
     num_draft_tokens: int = 0
+    restore_checkpoint: int | None = None
+    save_checkpoint: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +68,17 @@ class SchedulerOutput:
         """Slots starting a sequence from scratch this step: zero their KDA state first."""
         return [s.slot for s in self.seqs if s.context_len == 0 and s.slot is not None]
 
+    @property
+    def state_restores(self) -> list[tuple[int, int]]:
+        """``(checkpoint, slot)`` pairs to copy before the step (prefixes from the cache)."""
+        return [(s.restore_checkpoint, s.slot) for s in self.seqs
+                if s.restore_checkpoint is not None and s.slot is not None]
+
+    @property
+    def state_saves(self) -> list[tuple[int, int]]:
+        """``(slot, checkpoint)`` pairs to copy after the step."""
+        return [(s.slot, s.save_checkpoint) for s in self.seqs if s.save_checkpoint is not None and s.slot is not None]
+
 
 @dataclass(slots=True, frozen=True)
 class RequestUpdate:
@@ -73,6 +89,7 @@ class RequestUpdate:
     token_id: int
     status: RequestStatus
     error: str | None = None
+    num_cached_tokens: int | None = None  # on a request's last update: its prefix-cache hit
 
     @property
     def is_finished(self) -> bool:

@@ -101,7 +101,7 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     if mapping.cp_rank == 0:
         return EngineCore(model, model.cfg, tokenizer_of(model_dir, options.load_format), options.cache, options.scheduler, groups.device,
                           options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver)
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, is_world=True)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
     # the leaders capture in EngineCore, with the same shapes and at the same time: every rank's

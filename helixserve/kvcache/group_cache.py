@@ -13,11 +13,13 @@ Slots come out identical on every rank (same allocator, same calls).
 from __future__ import annotations
 
 from helixserve.kvcache.errors import AllocationError
-from helixserve.kvcache.manager import CacheHandle, CacheManager, CacheStats
+from helixserve.kvcache.manager import NO_HIT, CacheHandle, CacheManager, CacheStats, PrefixHit
 
 
 class GroupCacheManager:
     """The ``CacheManager`` interface over ``cp_size`` per-rank managers (see the module docstring)."""
+
+    prefix_caching = False
 
     def __init__(self, num_blocks: int, num_slots: int, tokens_per_block: int, cp_size: int,
                  has_mla: bool = True, has_kda: bool = True) -> None:
@@ -36,10 +38,11 @@ class GroupCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self._leader.can_ever_fit(num_tokens)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self._leader.can_allocate(num_tokens)
+    def can_allocate(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        return self._leader.can_allocate(num_tokens, hit)
 
-    def allocate(self, request_id: str, num_tokens: int) -> CacheHandle:
+    def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> CacheHandle:
+        assert hit is NO_HIT, "a CP group caches no prefix"
         handles = [m.allocate(request_id, num_tokens) for m in self.ranks]
         return handles[0]
 

@@ -82,6 +82,20 @@ class CacheHandle:
 
 
 @dataclass(slots=True, frozen=True)
+class PrefixHit:
+    """The cached prefix a request can start from (:mod:`.prefix_manager`): ``num_tokens`` tokens
+    in ``block_ids`` (held by the hit once allocated), the KDA state after them in state
+    checkpoint ``checkpoint`` (``None`` without KDA layers or without a hit)."""
+
+    num_tokens: int = 0
+    block_ids: tuple[int, ...] = ()
+    checkpoint: int | None = None
+
+
+NO_HIT = PrefixHit()
+
+
+@dataclass(slots=True, frozen=True)
 class CacheStats:
     num_blocks: int
     num_used_blocks: int
@@ -95,6 +109,8 @@ class CacheStats:
 
 class CacheManager:
     """Owns the block and slot allocators of one rank and the handles of its requests."""
+
+    prefix_caching = False  # reuses no prefix: every hit is NO_HIT
 
     def __init__(
         self,
@@ -137,12 +153,14 @@ class CacheManager:
 
     # -- allocate / extend / free ---------------------------------------------------------
 
-    def can_allocate(self, num_tokens: int) -> bool:
+    def can_allocate(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        assert hit is NO_HIT, "this manager caches no prefix"
         has_slot = self.slots.num_free >= 1 or not self.has_kda
         return has_slot and self._num_reserved_blocks + self._charge(num_tokens) <= self.blocks.capacity
 
-    def allocate(self, request_id: str, num_tokens: int) -> CacheHandle:
+    def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> CacheHandle:
         """Take a slot and the local blocks for positions ``[0, num_tokens)``."""
+        assert hit is NO_HIT, "this manager caches no prefix"
         if request_id in self._handles:
             raise AllocationError(f"request {request_id!r} already holds a cache handle")
         if num_tokens < 0:

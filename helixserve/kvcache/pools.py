@@ -117,3 +117,20 @@ def reset_slots(caches: ModelCaches, slot_ids: Sequence[int] | torch.Tensor) -> 
     index = to_device(torch.as_tensor(slot_ids, dtype=torch.long), device)
     for pool in pools:
         pool.index_fill_(0, index if pool.device == device else index.to(pool.device), 0)
+
+
+def copy_states(src: ModelCaches, dst: ModelCaches, pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy the KDA recurrent and conv state of slot ``i`` of ``src`` into slot ``j`` of ``dst``
+    for each ``(i, j)`` of ``pairs`` (state checkpoints: saved after a prefill chunk, restored
+    before a prefill resumes from a cached prefix). Bit-exact: the same dtypes on both sides."""
+    if not pairs:
+        return
+    pools = [(src.kda_state, dst.kda_state), (src.conv_state, dst.conv_state)]
+    first = next(iter(dst.kda_state.values()), None)
+    if first is None:
+        return
+    src_index = to_device(torch.tensor([i for i, _ in pairs], dtype=torch.long), first.device)
+    dst_index = to_device(torch.tensor([j for _, j in pairs], dtype=torch.long), first.device)
+    for src_pools, dst_pools in pools:
+        for layer_id, target in dst_pools.items():
+            target.index_copy_(0, dst_index, src_pools[layer_id].index_select(0, src_index))

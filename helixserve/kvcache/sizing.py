@@ -30,22 +30,26 @@ def kda_slot_bytes(num_kda_layers: int, num_local_heads: int, head_dim: int, con
     return num_kda_layers * (state + conv)
 
 
-def pools_from_budget(block_bytes: int, slot_bytes: int, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
-    """``(num_blocks, num_slots)`` for a memory budget: ``max_num_seqs`` slots, the rest blocks.
+def pools_from_budget(block_bytes: int, slot_bytes: int, budget_bytes: int, max_num_seqs: int,
+                      num_checkpoint_slots: int = 0) -> tuple[int, int]:
+    """``(num_blocks, num_slots)`` for a memory budget: ``max_num_seqs`` slots and
+    ``num_checkpoint_slots`` KDA state checkpoints (a slot's size each), the rest blocks.
 
     Raises ``ValueError`` when the budget cannot hold the slots plus one block per sequence.
     A model without MLA layers (``block_bytes == 0``) gets ``num_blocks = 0``.
     """
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    all_slot_bytes = slot_bytes * max_num_seqs
+    if num_checkpoint_slots < 0:
+        raise ValueError(f"num_checkpoint_slots must be >= 0, got {num_checkpoint_slots}")
+    all_slot_bytes = slot_bytes * (max_num_seqs + num_checkpoint_slots)
     left = budget_bytes - all_slot_bytes
     num_blocks = left // block_bytes if block_bytes else 0
     min_blocks = max_num_seqs if block_bytes else 0
     if left < 0 or num_blocks < min_blocks:
         raise ValueError(
-            f"cache budget {budget_bytes} B too small: {max_num_seqs} slots take {all_slot_bytes} B "
-            f"({slot_bytes} B each) and {max_num_seqs} blocks (one per sequence) need "
+            f"cache budget {budget_bytes} B too small: {max_num_seqs} slots and {num_checkpoint_slots} state "
+            f"checkpoints take {all_slot_bytes} B ({slot_bytes} B each) and {max_num_seqs} blocks (one per sequence) need "
             f"{min_blocks * block_bytes} B more ({block_bytes} B each)"
         )
     return num_blocks, max_num_seqs

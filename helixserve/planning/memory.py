@@ -2,7 +2,8 @@
 
 - **Weights**: :func:`~helixserve.planning.weights.rank_weight_bytes` (format and sharding).
 - **Pools** (:mod:`helixserve.kvcache.sizing`): ``num_blocks`` MLA latent pages and ``num_slots``
-  KDA state slots, plus ``scratch_slots`` (one on CUDA: the padded CUDA-graph rows' slot). A rank
+  KDA state slots, plus ``scratch_slots`` (one on CUDA: the padded CUDA-graph rows' slot) and,
+  with prefix caching, ``checkpoint_slots`` KDA state checkpoints (a slot's size each). A rank
   of a CP group holds the blocks ``b % cp == cp_rank`` of each sequence (round-robin), so a
   sequence of ``L`` tokens needs ``ceil(ceil(L / tokens_per_block) / cp)`` blocks on CP rank 0
   (the fullest) and one slot on every rank.
@@ -51,10 +52,12 @@ class PoolBytes:
     num_blocks: int
     num_slots: int
     scratch_slots: int = 0
+    checkpoint_slots: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + (self.num_slots + self.scratch_slots) * self.slot_bytes
+        num_slots = self.num_slots + self.scratch_slots + self.checkpoint_slots
+        return self.num_blocks * self.block_bytes + num_slots * self.slot_bytes
 
     def sequences_at(self, context_len: int, tokens_per_block: int, cp: int) -> int:
         """Sequences of ``context_len`` tokens these pools hold at once (CP rank 0's share)."""
@@ -71,10 +74,11 @@ def pool_unit_bytes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, 
 
 
 def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, memory_budget_mib: float,
-                      max_num_seqs: int, cp: int = 1) -> tuple[int, int]:
-    """``(num_blocks, num_slots)`` the engine allocates for ``cache.memory_budget_mib``."""
+                      max_num_seqs: int, cp: int = 1, num_checkpoint_slots: int = 0) -> tuple[int, int]:
+    """``(num_blocks, num_slots)`` the engine allocates for ``cache.memory_budget_mib`` (after
+    ``num_checkpoint_slots`` KDA state checkpoints)."""
     block, slot = pool_unit_bytes(cfg, itemsize, tokens_per_block, cp)
-    return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs)
+    return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs, num_checkpoint_slots)
 
 
 def activation_bytes(cfg: KimiModelConfig, itemsize: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:

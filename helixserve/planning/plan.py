@@ -94,16 +94,17 @@ def _check(cfg: KimiModelConfig, role: str, dp: int, cp: int, t: PlanTarget) -> 
 
 
 def plan_configured(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: int, t: PlanTarget,
-                    memory_budget_mib: float, max_num_seqs: int) -> RolePlan:
-    """``role`` on ``dp x cp`` with the pools a config's cache settings give (the engine's)."""
+                    memory_budget_mib: float, max_num_seqs: int, num_checkpoint_slots: int = 0) -> RolePlan:
+    """``role`` on ``dp x cp`` with the pools a config's cache settings give (the engine's;
+    ``num_checkpoint_slots``: ``cache.num_checkpoint_slots``, KDA state checkpoints)."""
     problems = _check(cfg, role, dp, cp, t)
     block, slot = pool_unit_bytes(cfg, t.itemsize, t.tokens_per_block, cp)
     try:
         num_blocks, num_slots = engine_pool_sizes(cfg, t.itemsize, t.tokens_per_block, memory_budget_mib,
-                                                  max_num_seqs, cp)
+                                                  max_num_seqs, cp, num_checkpoint_slots)
     except ValueError as exc:
         problems, num_blocks, num_slots = (*problems, str(exc)), 0, 0
-    pools = PoolBytes(block, slot, num_blocks, num_slots, scratch_slots=1)
+    pools = PoolBytes(block, slot, num_blocks, num_slots, scratch_slots=1, checkpoint_slots=num_checkpoint_slots)
     memory = _memory(cfg, role, dp, cp, gpu_bytes, t, pools, max_num_seqs)
     seqs = pools.sequences_at(t.context_len, t.tokens_per_block, cp)
     return RolePlan(memory, seqs, t.sequences_needed(role), int(memory_budget_mib), max_num_seqs, problems)

@@ -16,6 +16,7 @@ from helixserve.protocol.openai_common import INT32_MAX, IntegralInt, TokenId, p
 Count = Annotated[IntegralInt, Field(ge=1, le=INT32_MAX)]
 
 MAX_STOP_STRINGS = 4
+MAX_CACHE_SALT_CHARS = 1024
 
 # parameter -> (values that mean "feature off", why anything else is refused)
 _COMMON_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -80,6 +81,8 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     disaggregated_params: DisaggregatedParams | None = None
+    # prefix caching shares cached blocks only between requests of one salt (vLLM's field)
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     @model_validator(mode="before")
     @classmethod

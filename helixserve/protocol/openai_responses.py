@@ -31,17 +31,27 @@ class _Out(BaseModel):
         return data
 
 
-class Usage(_Out):
-    """``usage``; ``total_tokens`` must equal prompt + completion."""
+class PromptTokensDetails(_Out):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens read from the prefix cache."""
 
+    cached_tokens: NonNegativeInt
+
+
+class Usage(_Out):
+    """``usage``; ``total_tokens`` must equal prompt + completion. ``prompt_tokens_details`` is
+    there when the server caches prefixes."""
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_tokens_details"})
     prompt_tokens: NonNegativeInt
     completion_tokens: NonNegativeInt
     total_tokens: NonNegativeInt
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+        details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
     @model_validator(mode="after")
     def _check_total(self) -> Self:

@@ -9,11 +9,13 @@ from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
 from helixserve.engine.spmd.driver import WorldDriver
+from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.generation_config import load_generation_defaults
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
+from helixserve.serving.prefix_metrics import PrefixCacheCollector
 from helixserve.serving.spec_metrics import SpecDecodeCollector
 from helixserve.serving.worker_app import Worker
 from helixserve.transceiver.layout import layout_for
@@ -54,6 +56,8 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
                        core.layout.max_model_len, max_queue_len)
     if speculative is not None:
         worker.registry.register(SpecDecodeCollector(lambda: core.spec_stats, {"role": role}))
+    if isinstance(core.cache_manager, PrefixCachingCacheManager):
+        worker.registry.register(PrefixCacheCollector(lambda: core.cache_manager, {"role": role}))
     logger.info("%s worker ready: %s", role, core.layout)
     return worker, core
 

@@ -142,6 +142,7 @@ def sampling_params(body: GenerationRequest, num_prompt_tokens: int, limits: Ser
         stop_token_ids=tuple(body.stop_token_ids or ()),
         stop=tuple(body.stop_strings),
         ignore_eos=bool(body.ignore_eos),
+        cache_salt=body.cache_salt,
     )
 
 
@@ -171,10 +172,11 @@ class Collected:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int | None = None
 
     @property
     def usage(self) -> Usage:
-        return Usage.of(self.num_prompt_tokens, self.num_output_tokens)
+        return Usage.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
 
 async def collect_outputs(outputs: AsyncIterator[RequestOutput]) -> Collected:
@@ -187,7 +189,7 @@ async def collect_outputs(outputs: AsyncIterator[RequestOutput]) -> Collected:
         last = out
     assert last is not None and last.is_finished, "an output stream ended without finishing"
     return Collected("".join(parts), token_ids, last.finish_reason, last.num_prompt_tokens,
-                     last.num_output_tokens)
+                     last.num_output_tokens, last.num_cached_tokens)
 
 
 def answer_json(prepared: PreparedRequest, done: Collected) -> str:
@@ -218,7 +220,7 @@ async def sse_stream(prepared: PreparedRequest, first: RequestOutput,
         yield sse_error(err)
         return
     if prepared.body.include_usage:
-        usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens)
+        usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         build = chat_usage_chunk if prepared.is_chat else completion_usage_chunk
         yield sse_event(build(meta, usage))
     yield SSE_DONE

@@ -14,10 +14,14 @@ TORCH_FREE = [
     "kvcache/allocator.py",
     "kvcache/helix.py",
     "kvcache/manager.py",
+    "kvcache/prefix_index.py",
+    "kvcache/prefix_manager.py",
+    "kvcache/state_checkpoints.py",
     "engine/admission.py",
     "engine/cache_release.py",
     "engine/lookahead.py",
     "engine/preemption.py",
+    "engine/prefix_steps.py",
     "engine/request.py",
     "engine/scheduler.py",
     "engine/scheduler_output.py",
@@ -34,7 +38,7 @@ def test_source_does_not_import_torch(rel):
 
 def test_kvcache_bookkeeping_imports_without_torch():
     code = (
-        "import sys, helixserve.kvcache, helixserve.kvcache.manager;"
+        "import sys, helixserve.kvcache, helixserve.kvcache.manager, helixserve.kvcache.prefix_manager;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

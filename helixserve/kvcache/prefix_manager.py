@@ -1,0 +1,199 @@
+"""A :class:`~.manager.CacheManager` that reuses cached prefixes (torch-free; one process, cp 1).
+
+MLA blocks are named by content (:class:`~.prefix_index.PrefixBlockPool`) and KDA states are
+checkpointed at block-aligned positions (:class:`~.state_checkpoints.StateCheckpointPool`). A
+request's life here:
+
+1. ``find_prefix``: the longest prefix of its full blocks that is cached, with (on a model with
+   KDA layers) a state checkpoint after its last block, and at most ``num_tokens - 1`` tokens
+   (one token is always computed, for the logits);
+2. ``allocate(..., hit)``: holds the hit's blocks, takes new ones for the rest and a fresh state
+   slot, which the first chunk's ``plan_chunk`` restores from the hit's checkpoint;
+3. ``plan_chunk``: a prefill chunk stops at the first checkpoint position past its start (every
+   ``checkpoint_interval_blocks`` blocks and the last full block before the prompt's last
+   token) that has no
+   checkpoint yet, and reserves a checkpoint slot the runner saves the state into after it;
+4. ``commit_computed``: once a step is applied, the blocks it completed are published and its
+   checkpoint committed;
+5. ``free``: blocks drop a reference (cached ones stay, evictable in LRU order), reserved
+   checkpoints go back. ``shrink`` (rejected drafts) unpublishes a block it gives back.
+
+Capacity is exact (cp 1): blocks in use are the blocks some request holds; evictable cached blocks
+count as free, and a hit's blocks already held by another request cost nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from helixserve.kvcache.errors import AllocationError, CacheCapacityError
+from helixserve.kvcache.manager import NO_HIT, CacheHandle, CacheManager, PrefixHit
+from helixserve.kvcache.prefix_index import BlockKey, PrefixBlockPool, root_key
+from helixserve.kvcache.state_checkpoints import StateCheckpointPool
+
+TokenRange = Callable[[int, int], list[int]]  # (start, stop) -> the request's token ids there
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkPlan:
+    """Where a prefill chunk stops, and the state checkpoints it restores before / saves after."""
+
+    stop: int
+    restore_checkpoint: int | None = None
+    save_checkpoint: int | None = None
+
+
+@dataclass(slots=True)
+class PrefixStats:
+    """Counters since start, at admission: requests and their tokens looked up, and found cached."""
+
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_queries: int = 0
+    num_hits: int = 0
+
+
+class PrefixCachingCacheManager(CacheManager):
+    """See the module docstring."""
+
+    prefix_caching = True
+
+    def __init__(self, num_blocks: int, num_slots: int, tokens_per_block: int, num_checkpoint_slots: int,
+                 checkpoint_interval_blocks: int, has_mla: bool = True, has_kda: bool = True) -> None:
+        super().__init__(num_blocks, num_slots, tokens_per_block, has_mla=has_mla, has_kda=has_kda)
+        if checkpoint_interval_blocks < 1:
+            raise ValueError(f"checkpoint_interval_blocks must be >= 1, got {checkpoint_interval_blocks}")
+        self.blocks = PrefixBlockPool(num_blocks if has_mla else 0)  # type: ignore[assignment]
+        self.checkpoints = StateCheckpointPool(num_checkpoint_slots if has_kda else 0)
+        self.checkpoint_interval = checkpoint_interval_blocks * tokens_per_block
+        self.prefix_stats = PrefixStats()
+        self._num_published: dict[str, int] = {}
+        self._restores: dict[str, int] = {}
+
+    # -- 1. find, 2. allocate --------------------------------------------------------------------
+
+    def find_prefix(self, keys: Sequence[BlockKey], token_ids: Sequence[int], cache_salt: str | None) -> PrefixHit:
+        """The prefix ``token_ids`` (whose full blocks' keys are ``keys``) can start from."""
+        if not self.has_mla:
+            return NO_HIT
+        usable = min(len(keys), (len(token_ids) - 1) // self.tokens_per_block)
+        block_ids = self.blocks.match(keys[:usable], token_ids, self.tokens_per_block, cache_salt)
+        n, checkpoint = len(block_ids), None
+        if self.has_kda:
+            while n and not self.checkpoints.has(keys[n - 1]):
+                n -= 1
+            checkpoint = self.checkpoints.lookup(keys[n - 1]) if n else None
+        if not n:
+            return NO_HIT
+        return PrefixHit(n * self.tokens_per_block, tuple(block_ids[:n]), checkpoint)
+
+    def can_allocate(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        has_slot = self.slots.num_free >= 1 or not self.has_kda
+        need = self._local(num_tokens) - len(hit.block_ids) + self.blocks.num_evictable_of(hit.block_ids)
+        return has_slot and need <= self.blocks.num_free
+
+    def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> CacheHandle:
+        """A slot, the hit's blocks and new local blocks for positions ``[0, num_tokens)``."""
+        if request_id in self._handles:
+            raise AllocationError(f"request {request_id!r} already holds a cache handle")
+        if not 0 <= hit.num_tokens < max(num_tokens, 1):
+            raise ValueError(f"a hit of {hit.num_tokens} tokens for a {num_tokens}-token request")
+        if not self.can_allocate(num_tokens, hit):
+            raise CacheCapacityError(
+                f"cannot allocate request {request_id!r} ({num_tokens} tokens, {hit.num_tokens} cached): "
+                f"{self._need_message(self._local(num_tokens) - len(hit.block_ids), need_slot=self.has_kda)}")
+        slot = self.slots.allocate(1)[0] if self.has_kda else None
+        self.blocks.acquire(hit.block_ids)  # before allocate: held blocks are never evicted
+        block_ids = [*hit.block_ids, *self.blocks.allocate(self._local(num_tokens) - len(hit.block_ids))]
+        handle = CacheHandle(request_id, slot, block_ids, num_tokens, self.tokens_per_block)
+        self._handles[request_id] = handle
+        self._num_reserved_blocks = self.blocks.num_used
+        self._num_published[request_id] = len(hit.block_ids)
+        if hit.checkpoint is not None:
+            self._restores[request_id] = hit.checkpoint
+        stats = self.prefix_stats
+        stats.num_queries += 1
+        stats.num_queried_tokens += num_tokens
+        stats.num_hits += int(hit.num_tokens > 0)
+        stats.num_hit_tokens += hit.num_tokens
+        return handle
+
+    # -- 3. chunks, 4. publish -----------------------------------------------------------------
+
+    def plan_chunk(self, request_id: str, keys: Sequence[BlockKey], num_prompt_tokens: int, start: int,
+                   stop: int) -> ChunkPlan:
+        """Where the prefill chunk ``[start, stop)`` of ``request_id`` stops (``keys``: the
+        request's block keys through ``stop``) and the checkpoints it restores and saves."""
+        restore = self._restores.pop(request_id, None)
+        if not self.has_kda or not self.checkpoints.capacity:
+            return ChunkPlan(stop, restore)
+        for position in self._checkpoint_positions(num_prompt_tokens, start, min(stop, len(keys) * self.tokens_per_block)):
+            key = keys[position // self.tokens_per_block - 1]
+            if self.checkpoints.has(key):
+                continue
+            slot = self.checkpoints.reserve(request_id, key)
+            if slot is None:
+                break
+            return ChunkPlan(position, restore, slot)
+        return ChunkPlan(stop, restore)
+
+    def _checkpoint_positions(self, num_prompt_tokens: int, start: int, stop: int) -> list[int]:
+        """Checkpoint positions in ``(start, stop]``, ascending."""
+        interval = self.checkpoint_interval
+        positions = set(range((start // interval + 1) * interval, stop + 1, interval))
+        # the last full block before the prompt's last token: where the same prompt again resumes
+        last_full = (num_prompt_tokens - 1) // self.tokens_per_block * self.tokens_per_block
+        if start < last_full <= stop:
+            positions.add(last_full)
+        return sorted(positions)
+
+    def commit_computed(self, request_id: str, keys: Sequence[BlockKey], token_ids: TokenRange,
+                        cache_salt: str | None, num_computed_tokens: int) -> None:
+        """Publish ``request_id``'s blocks its first ``num_computed_tokens`` tokens fill and commit
+        its reserved checkpoints (its step was applied)."""
+        published = self._num_published.get(request_id)
+        if published is None:
+            return
+        full = min(num_computed_tokens // self.tokens_per_block, len(keys))
+        if full > published:
+            block_ids, size = self._handles[request_id].block_ids, self.tokens_per_block
+            tokens = token_ids(published * size, full * size)
+            for b in range(published, full):
+                parent = keys[b - 1] if b else root_key(cache_salt)
+                offset = (b - published) * size
+                self.blocks.publish(block_ids[b], keys[b], parent, tokens[offset:offset + size], cache_salt)
+            self._num_published[request_id] = full
+        self.checkpoints.commit(request_id)
+
+    # -- 5. give back ----------------------------------------------------------------------------
+
+    def extend(self, handle: CacheHandle, new_num_tokens: int) -> None:
+        super().extend(handle, new_num_tokens)
+        self._num_reserved_blocks = self.blocks.num_used
+
+    def shrink(self, handle: CacheHandle, new_num_tokens: int) -> None:
+        """As the base class; a block given back that this request alone held and had published
+        is unpublished first (its positions past the span hold rejected drafts)."""
+        self._own(handle)
+        keep = self._local(new_num_tokens) if 0 <= new_num_tokens <= handle.num_tokens else len(handle.block_ids)
+        for block_id in handle.block_ids[keep:]:
+            if self.blocks.refs(block_id) == 1:
+                self.blocks.unpublish(block_id)
+        rid = handle.request_id
+        self._num_published[rid] = min(self._num_published.get(rid, 0), new_num_tokens // self.tokens_per_block)
+        super().shrink(handle, new_num_tokens)
+        self._num_reserved_blocks = self.blocks.num_used
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self._num_reserved_blocks = self.blocks.num_used
+        self._num_published.pop(request_id, None)
+        self._restores.pop(request_id, None)
+        self.checkpoints.drop(request_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds and every committed checkpoint; the number
+        of blocks evicted."""
+        self.checkpoints.reset()
+        return self.blocks.reset()
