@@ -56,7 +56,7 @@ def world_options(deploy: DeploymentConfig, server: GenServerConfig) -> WorldOpt
                         load_format=deploy.model.load_format, deterministic=deploy.model.deterministic,
                         seed=deploy.seed, timeout_s=server.collective_timeout_s,
                         stop_grace_s=server.world_stop_grace_s,
-                        backend="gloo" if device == "cpu" else None)
+                        backend="gloo" if device == "cpu" else None, speculative=server.speculative)
 
 
 def world_layout(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions) -> KVLayout:

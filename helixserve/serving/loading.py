@@ -53,7 +53,7 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
     worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
                        core.layout.max_model_len, max_queue_len)
     if speculative is not None:
-        worker.registry.register(SpecDecodeCollector(lambda: core.spec_stats, {"role": role}))
+        worker.registry.register(SpecDecodeCollector(lambda: driver.spec_stats, {"role": role}))
     logger.info("%s worker ready: %s", role, core.layout)
     return worker, core
 
