@@ -18,7 +18,6 @@ from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
 from helixserve.serving.loading import make_worker, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
-from helixserve.serving.spec_metrics import SpecDecodeCollector
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
 
@@ -70,7 +69,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
         raise
     worker.failure = world.failure
     if server.speculative is not None:  # every CP group's counts, through the current world's driver
-        worker.registry.register(SpecDecodeCollector(lambda: world.driver.spec_stats, {"role": "gen"}))
+        worker.export_spec_decode(lambda: world.driver.spec_stats)
     logger.info("gen worker drives a dp=%d x cp=%d world (kv_source %s)", server.dp, server.cp, server.kv_source)
     return _app(worker, kv_source, deploy, server, world)
 

@@ -14,7 +14,6 @@ from helixserve.models.generation_config import load_generation_defaults
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
-from helixserve.serving.spec_metrics import SpecDecodeCollector
 from helixserve.serving.worker_app import Worker
 from helixserve.transceiver.layout import layout_for
 
@@ -53,7 +52,7 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
     worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
                        core.layout.max_model_len, max_queue_len)
     if speculative is not None:
-        worker.registry.register(SpecDecodeCollector(lambda: driver.spec_stats, {"role": role}))
+        worker.export_spec_decode(lambda: driver.spec_stats)
     logger.info("%s worker ready: %s", role, core.layout)
     return worker, core
 

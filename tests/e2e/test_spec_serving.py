@@ -10,7 +10,9 @@ gen world drafts from its first step exactly as the aggregated worker does after
 - both are plain decoding's answer: ``helixserve generate --json`` prints the same with and
   without ``--speculative ngram``, and the served text is its text;
 - the counters' names and labels (per position too); a worker that does not speculate (the ctx
-  worker) exports none.
+  worker) exports none;
+- the router publishes the gen world's counters under our names and vLLM's
+  (``vllm:spec_decode_*``, with ``model_name``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODEL, Deployment, http
+from tests.e2e.conftest import MODEL, Deployment, http, wait_until
 
 PREFIX = "helixserve_worker_spec_decode"
 SPEC = {"method": "ngram", "num_draft_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -105,3 +107,26 @@ def test_counter_names_and_labels(served, dep: Deployment):
     positions = {dict(labels)["position"] for name, labels in samples if name.endswith("_per_pos_total")}
     assert positions <= {"0", "1", "2"} and "0" in positions
     assert spec_samples(dep.ctx_url) == {}  # the ctx worker does not speculate: no such counters
+
+
+def test_the_router_publishes_the_counters_under_vllms_names(served, dep: Deployment):
+    want = counts(dep.gen_url)  # nothing runs on the world after `served`
+    worker = {("role", "gen"), ("url", dep.gen_url)}
+
+    def router_samples() -> dict[tuple[str, frozenset], float]:
+        status, text = http("GET", f"{dep.router_url}/metrics")
+        assert status == 200
+        return {(s.name, frozenset(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if "spec_decode" in s.name}
+
+    wait_until(lambda: router_samples().get(("vllm:spec_decode_num_drafts_total",
+                                             frozenset(worker | {("model_name", MODEL)}))) == want["num_drafts"],
+               10, "the router's health check of the gen world")
+    got = router_samples()
+    for key, value in want.items():
+        name, labels = key, set(worker)
+        if key.startswith("per_pos_"):
+            name, labels = "num_accepted_tokens_per_pos", labels | {("position", key.removeprefix("per_pos_"))}
+        assert got[(f"helixserve_router_worker_spec_decode_{name}_total", frozenset(labels))] == value, key
+        assert got[(f"vllm:spec_decode_{name}_total", frozenset(labels | {("model_name", MODEL)}))] == value, key
+    assert not any(dict(labels)["role"] == "ctx" for _, labels in got)
