@@ -9,11 +9,18 @@ position. The random-weight presets do not continue their prompts' patterns, so 
 stays low on both sets here; the rows measure the verify step's cost (k + 1 rows per sequence,
 eager, no overlap) against a plain decode step.
 
+The cost of a step that drafts nothing, at batch 64: speculation on (prompt lookup of 5-grams)
+over prompts of distinct ids, where lookup finds nothing to draft, so every step is a plain
+decode step plus the drafter's lookups; plain and speculative runs interleaved, each side's best
+of ``--repeats``, the ratio of the two in the same run, in wall time and in this process's CPU
+time (``time.process_time`` over the decode steps: less sensitive to other processes on a shared
+machine).
+
 Also printed: the KDA rollback's memory per speculating sequence for the full presets, replay
 (saved inputs + one pre-step state, what the engine does) against keeping the verify step's
 per-position states.
 
-    python bench/spec_decode.py [--quick] [--out FILE] [--num-draft-tokens K]
+    python bench/spec_decode.py [--quick] [--out FILE] [--num-draft-tokens K] [--repeats N]
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +89,41 @@ def rows_for(ckpt: Path, k: int, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def nothing_drafted_row(ckpt: Path, k: int, quick: bool, repeats: int, batch: int = 64) -> dict[str, Any]:
+    """Plain vs speculative decode tok/s where the drafter finds nothing (see the module docstring)."""
+    cache = CacheConfig(tokens_per_block=16, max_num_seqs=batch, memory_budget_mib=256)
+    plain = LLM(ckpt, cache=cache)
+    spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
+                                                                prompt_lookup_min=5, prompt_lookup_max=5))
+    vocab = plain.model_config.vocab_size
+    prompts = [random.Random(i).sample(range(vocab), 64) for i in range(batch)]  # distinct ids
+    params = SamplingParams(max_tokens=16 if quick else 48, temperature=0.0, ignore_eos=True)
+    decode(plain, prompts[:1], params, "warm-plain")
+    decode(spec, prompts[:1], params, "warm-spec")
+    drafted = spec.engine.spec_stats.num_draft_tokens
+    runs: dict[str, list[tuple[float, float, list[list[int]]]]] = {"plain": [], "spec": []}
+    for i in range(repeats):
+        for name, llm in (("plain", plain), ("spec", spec)):
+            runs[name].append(cpu_timed_decode(llm, prompts, params, f"{name}-none-{i}"))
+    best = {name: (max(r[0] for r in rs), max(r[1] for r in rs)) for name, rs in runs.items()}
+    return {"batch": batch, "plain_tok_s": best["plain"][0], "spec_tok_s": best["spec"][0],
+            "ratio": best["spec"][0] / best["plain"][0], "plain_tok_per_cpu_s": best["plain"][1],
+            "spec_tok_per_cpu_s": best["spec"][1], "cpu_ratio": best["spec"][1] / best["plain"][1],
+            "equal": runs["spec"][-1][2] == runs["plain"][-1][2],
+            "drafted": spec.engine.spec_stats.num_draft_tokens - drafted, "repeats": repeats,
+            "max_new_tokens": params.max_tokens}
+
+
+def cpu_timed_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str
+                     ) -> tuple[float, float, list[list[int]]]:
+    """Decode tok/s in wall time and per CPU second of this process (both over the decode steps)."""
+    start: list[float] = []
+    run = run_decode(llm.engine, [f"{tag}-{i}" for i in range(len(prompts))], prompts, params,
+                     on_decode_start=lambda: start.append(time.process_time()))
+    cpu = time.process_time() - start[0]
+    return run.decode_tokens / run.decode_seconds, run.decode_tokens / cpu, run.tokens
+
+
 def rollback_memory(k: int) -> list[dict[str, Any]]:
     """Bytes per speculating sequence over every KDA layer: replay vs per-position states."""
     out = []
@@ -102,11 +145,13 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of the batch-64 rows (best of)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
         rows = rows_for(ckpt, args.num_draft_tokens, args.quick)
+        none = nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats)
     memory = rollback_memory(args.num_draft_tokens)
     print(f"kimi-linear-tiny, k = {args.num_draft_tokens}, CPU, {args.threads} threads")
     print(markdown_table(["prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
@@ -114,10 +159,17 @@ def main() -> None:
                          [[r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
                            r["drafted"], r["acceptance"], r["acceptance_per_position"]] for r in rows]))
     print()
+    print(f"nothing drafted (5-gram lookup over distinct ids), batch {none['batch']}, best of {none['repeats']}")
+    print(markdown_table(["batch", "plain tok/s", "spec tok/s", "ratio", "plain tok/CPU s", "spec tok/CPU s",
+                          "CPU ratio", "equal", "drafted"],
+                         [[none["batch"], none["plain_tok_s"], none["spec_tok_s"], none["ratio"],
+                           none["plain_tok_per_cpu_s"], none["spec_tok_per_cpu_s"], none["cpu_ratio"],
+                           none["equal"], none["drafted"]]]))
+    print()
     print(markdown_table(["preset", "KDA layers", "replay MiB/seq", "per-position states MiB/seq"],
                          [[m["preset"], m["kda_layers"], m["replay_mib"], m["per_position_mib"]] for m in memory]))
     write_json(args.out, {"machine": machine_info(), "num_draft_tokens": args.num_draft_tokens,
-                          "decode": rows, "rollback_memory": memory})
+                          "decode": rows, "nothing_drafted": none, "rollback_memory": memory})
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ dp 2 x cp 2 world and a cp 2 world:
   inside an accepted run included;
 - a seeded sampled request gives the single-process speculative engine's tokens (same drafts);
 - the world's draft counts (both CP groups' summed) equal the single-process engine's;
+- a request aborted right after a rejection (its group's rollback then goes alone, before the
+  next message) leaves the world serving the next request as plain decoding does;
 - every rank's blocks and slots are free at the end.
 
 ``helixserve generate --dp 1 --cp 2 --speculative ngram --json`` prints what plain decoding
@@ -80,12 +82,27 @@ def _spec_world(rank: int, world_size: int, init_method: str, model_dir: str, dp
         driver = WorldDriver(part)
         try:
             results = drive_to_completion(driver, PROMPTS, params, tokenizer_of(model_dir))
+            spec = driver.spec_stats
+            after_abort = _abort_after_a_rejection(driver, params)
         finally:
             driver.shutdown()
-        return {"results": [(r.token_ids, r.finish_reason, r.text, r.error) for r in results],
-                "spec": driver.spec_stats, "own_spec": part.spec_stats, "rank_stats": driver.rank_stats()}
+        return {"results": [(r.token_ids, r.finish_reason, r.text, r.error) for r in results], "spec": spec,
+                "own_spec": part.spec_stats, "rank_stats": driver.rank_stats(), "after_abort": after_abort}
     finally:
         groups.destroy()
+
+
+def _abort_after_a_rejection(driver: WorldDriver, params: list[SamplingParams]) -> list[int]:
+    """A request whose every draft is rejected (PROMPTS[2]) aborted after a verify step: its
+    group runs no launch next, so the leader's rollback goes alone before the heartbeat. Then
+    PROMPTS[1] again; its tokens."""
+    driver.add_request("aborted", PROMPTS[2], params[2])
+    num_tokens = 0
+    while num_tokens < 3:  # the prefill's token, then two verify steps that rejected their drafts
+        num_tokens += sum(u.request_id == "aborted" for u in driver.step())
+    assert driver.abort("aborted")
+    driver.step()
+    return drive_to_completion(driver, [PROMPTS[1]], [params[1]], request_ids=["after"])[0].token_ids
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +153,13 @@ def test_a_world_accepts_and_samples_as_the_single_process_engine(world, referen
     assert want.accepted_per_position[K - 1] > 0 and want.accepted_per_position[0] < want.num_drafts
     if dp > 1:  # both CP groups speculated: rank 0's own group counts only part of it
         assert 0 < front["own_spec"].num_drafts < want.num_drafts
+
+
+def test_a_rollback_sent_alone_keeps_the_world_right(world, reference):
+    """A request aborted right after a rejection: the rollback goes to the group's other ranks
+    on its own, and the world serves the next request as plain decoding does."""
+    _, front = world
+    assert front["after_abort"] == reference["plain"][1].token_ids
 
 
 def test_every_rank_frees_its_blocks_and_slots(world):
