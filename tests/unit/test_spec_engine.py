@@ -7,7 +7,6 @@ decoding has them."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from helixserve.cache_layout import ModelCaches
 from helixserve.engine.core import EngineStats
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
