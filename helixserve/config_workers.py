@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from helixserve.config_http import WorkerConnectionsConfig
 from helixserve.config_lifecycle import RestartPolicy, Strict
