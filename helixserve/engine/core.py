@@ -47,6 +47,7 @@ from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.leader import GroupLeader
 from helixserve.engine.step_prepare import failing_alone, without
+from helixserve.kernels.triton_common import batch_invariant_enabled
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
@@ -100,7 +101,8 @@ class EngineCore:
             self.cache_manager, max_num_seqs=cache.max_num_seqs,
             max_num_batched_tokens=step_token_budget(cache, scheduler), max_model_len=max_model_len,
             eos_token_ids=eos, detokenize=tokenizer.decode if tokenizer else None,
-            drafter=NgramDrafter(speculative, max_model_len) if speculative is not None else None)
+            drafter=NgramDrafter(speculative, max_model_len) if speculative is not None else None,
+            aligned_chunks=batch_invariant_enabled())
         self.spec_stats = SpecDecodeStats()
         self._params: dict[str, SamplingParams] = {}
         # overlapped decoding pays where the device runs ahead of the host: with CUDA graphs
