@@ -58,6 +58,7 @@ def adopt_cp_group(hold, cp_rank: int, cp_size: int, layout: KVLayout) -> str:  
 
 @lru_cache(maxsize=256)
 def request_bytes(layout_json: str, num_tokens: int) -> int:
-    """A whole request's KV + state bytes (without AUX) under this layout."""
-    spec = ShardSpec(KVLayout.model_validate_json(layout_json), num_tokens)
+    """The request's KV + state bytes (without AUX) this ctx rank holds under this layout."""
+    layout = KVLayout.model_validate_json(layout_json)
+    spec = ShardSpec(layout, num_tokens, ctx_rank=layout.ctx_rank)
     return sum(s.nbytes for s in shard_segments(spec) if s.kind is not PayloadKind.AUX)

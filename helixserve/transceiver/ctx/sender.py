@@ -98,8 +98,8 @@ class KVSender:
     def __init__(self, config: TransceiverConfig, layout: KVLayout, caches: ModelCaches,
                  on_free: Callable[[str], None], *, host: str = "127.0.0.1", port: int = 0,
                  advertise_host: str | None = None, hold_timeout_s: float | None = None) -> None:
-        check_layout(layout, layout, "ctx", "ctx")  # ctx_tp_size == 1 only
-        check_caches(layout, caches, layout.num_kda_heads)
+        check_layout(layout, layout, "ctx", "ctx")  # its rank of its ctx world can split the heads
+        check_caches(layout, caches, layout.num_kda_heads // layout.ctx_tp_size)
         self.config = config
         self.layout = layout
         self.caches = caches
