@@ -118,3 +118,10 @@ def sources(num_blocks_total: int, num_heads: int, ctx_size: int, cp_rank: int, 
     out = [source(num_blocks_total, num_heads, s, ctx_size, cp_rank, cp_size) for s in range(ctx_size)]
     return [src for src in out if src.blocks or src.num_heads]
 
+
+
+def targets(num_blocks_total: int, num_heads: int, ctx_rank: int, ctx_size: int, cp_size: int) -> list[int]:
+    """The gen ranks of a `cp_size` group that ctx rank `ctx_rank` sends part of their shard to
+    (the acknowledgements its hold waits for), ascending: every rank at ``ctx_size`` 1."""
+    out = [source(num_blocks_total, num_heads, ctx_rank, ctx_size, r, cp_size) for r in range(cp_size)]
+    return [src.cp_rank for src in out if src.blocks or src.num_heads]

@@ -102,6 +102,19 @@ def check_mapping(layout: KVLayout, name: str, cp_rank: int = 0, cp_size: int = 
             raise LayoutMismatchError(f"{name}: {rank_field} {rank} outside {field}={size}")
 
 
+def source_layout(own: KVLayout, advertised: KVLayout) -> KVLayout:
+    """A gen rank's layout with the ctx mapping (``ctx_tp_size``, ``ctx_rank``) of `advertised`: what
+    it asks that ctx rank with. `own` itself when the mapping is its own or one no ctx world can
+    have (`check_layout` refuses that ticket, naming the field)."""
+    if (own.ctx_tp_size, own.ctx_rank) == (advertised.ctx_tp_size, advertised.ctx_rank):
+        return own
+    try:
+        check_mapping(advertised, "ctx")
+    except LayoutMismatchError:
+        return own
+    return own.model_copy(update={"ctx_tp_size": advertised.ctx_tp_size, "ctx_rank": advertised.ctx_rank})
+
+
 def shard_segments(spec: ShardSpec) -> list[Segment]:
     """The shard's segments in stream order (see the module docstring)."""
     lay = spec.layout

@@ -6,6 +6,7 @@ from functools import lru_cache
 
 from helixserve.cache_layout import head_slice
 from helixserve.protocol.disagg import KVLayout, PullGrant
+from helixserve.transceiver import fan
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.grant import make_grant
 from helixserve.transceiver.layout import ShardSpec, shard_segments
@@ -52,7 +53,8 @@ def adopt_cp_group(hold, cp_rank: int, cp_size: int, layout: KVLayout) -> str:  
     except ValueError as error:
         return f"cp_rank {cp_rank} of cp_size {cp_size} does not fit this request: {error}"
     hold.cp_size = cp_size
-    hold.session.expected_acks = set(range(cp_size))
+    hold.session.expected_acks = set(fan.targets(layout.num_blocks(hold.num_prompt_tokens), layout.num_kda_heads,
+                                                 layout.ctx_rank, layout.ctx_tp_size, cp_size))
     return ""
 
 

@@ -15,8 +15,8 @@ MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX t
 def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayout, message_bytes: int) -> ShardSpec:  # noqa: ANN001
     """The ShardSpec a RequestShard asks for from `hold` (a held request), or ValueError naming
     what is wrong: a settled hold, a malformed or different layout (another ctx world size or
-    rank than this sender's, heads that do not split over its cp_size), another prompt length or CP
-    geometry, a duplicate cp rank, a malformed address, tag base or message size."""
+    rank than this sender's, heads that do not split over its cp_size), a gen rank this ctx rank
+    holds nothing of, another prompt length or CP geometry, a duplicate cp rank, a malformed address, tag base or message size."""
     state = hold.session.state
     if state.is_settled:
         raise ValueError(f"ctx request {request.ctx_request_id} is {state.value}: {hold.session.error}")
@@ -45,4 +45,8 @@ def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayo
         raise ValueError(f"{who} cuts the stream into messages of {request.max_message_bytes} bytes, more "
                          f"than this ctx's message_bytes {message_bytes}: configure "
                          "the same transceiver.message_bytes on both sides")
-    return ShardSpec(layout, hold.num_prompt_tokens, request.cp_rank, request.cp_size, layout.ctx_rank)
+    spec = ShardSpec(layout, hold.num_prompt_tokens, request.cp_rank, request.cp_size, layout.ctx_rank)
+    if not spec.blocks and not spec.num_heads:
+        raise ValueError(f"{who} needs nothing ctx rank {layout.ctx_rank} of {layout.ctx_tp_size} holds "
+                         f"(no block of its {hold.num_prompt_tokens}-token prompt, no KDA head)")
+    return spec

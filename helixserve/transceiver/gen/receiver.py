@@ -49,7 +49,7 @@ from helixserve.transceiver.control import target
 from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.gen.inbound import Inbound, Phase
 from helixserve.transceiver.cache_check import check_caches
-from helixserve.transceiver.layout import LayoutMismatchError, ShardSpec, check_layout
+from helixserve.transceiver.layout import ShardSpec, check_layout
 from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.gen.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
@@ -134,9 +134,6 @@ class KVReceiver:
             session.attach(0, kind, KindHandle(inbound, kind))  # anchors the deadline
         try:
             check_layout(self.layout, ticket.layout, "gen", inbound.ctx)
-            if ticket.layout.ctx_tp_size != 1:  # its shard is on several ctx ranks: one Inbound asks one
-                raise LayoutMismatchError(f"{inbound.ctx}: ctx_tp_size {ticket.layout.ctx_tp_size} != 1: "
-                                          "this receiver receives a shard from one ctx rank")
         except ValueError as error:
             return inbound.fail_unsent(str(error))
         inbound.request(session.remaining())  # starts its transport (the tagged stream posts every receive)

@@ -1,0 +1,127 @@
+"""Fan-in over real UCX and real gRPC, in one process: the ranks of a ctx world of tp N (each its
+real KVSender over the part of a single-process prefill its rank holds) and gen ranks of
+(dp, cp) whose real KVReceivers receive one stream per ctx rank that holds part of their shard
+(`KVTicket.source_tickets`); every gen rank's pools equal its shard of the single-process cache,
+and every ctx rank frees the request once the gen ranks it sent to acknowledged."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from helixserve.config_transceiver import TransceiverConfig  # noqa: E402
+from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
+from helixserve.transceiver.fan import targets  # noqa: E402
+from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
+from helixserve.transceiver.gen.receiver import KVReceiver  # noqa: E402
+from tests.unit.transceiver_harness import LAYOUT, TPB, Ctx, CtxWorld, GenPools  # noqa: E402
+
+GEN_LAYOUTS = [(1, 1), (1, 2), (2, 2), (1, 4)]  # (dp, cp)
+
+
+def config(**overrides) -> TransceiverConfig:
+    return TransceiverConfig(**{"kv_transfer_timeout_ms": 5000, "rpc_timeout_ms": 2000,
+                                "drain_timeout_ms": 1000, **overrides})
+
+
+@pytest.fixture
+def world():
+    made: list = []
+
+    def make(tp: int, **overrides) -> CtxWorld:
+        full = Ctx(config(**overrides))
+        made.append(full)
+        made.append(CtxWorld(full, config(**overrides), tp))
+        return made[-1]
+
+    yield make
+    for item in reversed(made):
+        item.close()
+
+
+def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, f"{what}: not within {timeout_s}s"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("dp, cp_size", GEN_LAYOUTS, ids=[f"dp{d}-cp{c}" for d, c in GEN_LAYOUTS])
+@pytest.mark.parametrize("num_tokens", [1, 4 * TPB, 4 * TPB + 1, 23])
+def test_each_gen_rank_receives_its_shard_from_the_ctx_ranks_that_hold_it(world, tp, dp, cp_size, num_tokens):
+    w = world(tp, message_bytes=1000)
+    gens, receivers, pending = [], [], {}
+    for group in range(dp):  # each dp group receives its own request
+        rid = f"r{group}"
+        tokens = num_tokens + group  # the second group's request: one token longer
+        ticket = w.hold(rid, tokens)
+        for cp_rank in range(cp_size):
+            gen = GenPools(cp_rank, cp_size)
+            rx = KVReceiver(config(message_bytes=1000), LAYOUT, cp_rank=cp_rank, cp_size=cp_size,
+                            gen_rank=group * cp_size + cp_rank)
+            gens.append((rid, cp_rank, gen))
+            receivers.append(rx)
+            handle = gen.manager.allocate(rid, tokens)
+            sources = ticket.source_tickets(cp_rank, cp_size)
+            assert [t.ctx_endpoint for t in sources] == [w.ranks[t.layout.ctx_rank].endpoint for t in sources]
+            for t in sources:
+                rx.start(f"{rid}@ctx{t.layout.ctx_rank}", handle, gen.caches, t)
+                pending[(len(receivers) - 1, f"{rid}@ctx{t.layout.ctx_rank}")] = None
+    outcomes: dict = {}
+
+    def polled() -> bool:
+        for index, rx in enumerate(receivers):
+            for rid, error in rx.poll().items():
+                outcomes[(index, rid)] = error
+        return outcomes.keys() >= pending.keys()
+    try:
+        _wait(polled, "every source stream")
+        assert all(error is None for error in outcomes.values()), outcomes
+        for rid, cp_rank, gen in gens:
+            got, want = gen.received(rid), w.full.expected_shard(rid, cp_rank, cp_size)
+            for part in ("mla", "kda", "conv"):
+                assert got[part].keys() == want[part].keys()
+                for layer in want[part]:
+                    assert torch.equal(got[part][layer], want[part][layer].reshape(got[part][layer].shape)), (
+                        rid, cp_rank, part, layer)
+        _wait(lambda: all(sorted(rank.freed) == [f"r{g}" for g in range(dp)] for rank in w.ranks),
+              "every ctx rank acknowledged and freed")
+    finally:
+        for rx in receivers:
+            rx.close()
+
+
+def test_a_ctx_rank_refuses_a_gen_rank_of_another_mapping_or_one_it_holds_nothing_of(world):
+    w = world(2)
+    w.hold("r1", 23)  # 6 blocks: ctx 1 holds 1, 3, 5; heads [2, 4)
+    assert targets(6, 4, 1, 2, 4) == [1, 2, 3]  # gen ranks of cp 4 that ctx 1 sends to
+    rank1 = w.ranks[1]
+    client = ControlClient(rank1.endpoint, timeout_s=2.0)
+    rx = KVReceiver(config(), LAYOUT)
+    try:
+        base = dict(ctx_request_id="r1", num_prompt_tokens=23, max_message_bytes=1 << 20,
+                    ucx_worker_address=rx.plane.address, cp_size=4)
+        mapped = w.layout.model_copy(update={"ctx_rank": 1})
+        cases = [({"cp_rank": 1, "layout_json": w.layout.model_dump_json()}, "ctx_rank: 1 != 0"),
+                 ({"cp_rank": 1, "layout_json": LAYOUT.model_dump_json()}, "ctx_tp_size: 2 != 1"),
+                 ({"cp_rank": 0, "layout_json": mapped.model_dump_json()},
+                  "needs nothing ctx rank 1 of 2 holds"),
+                 ({"cp_rank": 1, "cp_size": 8, "layout_json": mapped.model_dump_json()},
+                  "num_kda_heads 4 cannot be split over cp_size=8")]
+        for update, cause in cases:
+            reply = client.request_shard(pb.ShardRequest(**{**base, **update}))
+            assert not reply.accepted and cause in reply.error, (update, reply.error)
+        reply = client.request_shard(pb.ShardRequest(**{**base, "cp_rank": 1, "layout_json": mapped.model_dump_json()}))
+        assert reply.accepted, reply.error  # blocks 1, 5 of gen rank 1, none of its heads
+        kinds = pb.PayloadDescriptor.Kind
+        assert {p.kind for p in reply.payloads} == {kinds.Value("AUX"), kinds.Value("KV_BLOCKS")}
+        with pytest.raises(ValueError, match="ctx rank 1 of 2 cannot hold a cp_rank=0 cp_size=1 handle"):
+            rank1.sender.hold("r2", w.full.manager.allocate("r2", 5), 5, [7])
+    finally:
+        client.close()
+        rx.close()
