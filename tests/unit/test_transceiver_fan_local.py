@@ -1,8 +1,9 @@
 """Fan-in over real UCX and real gRPC, in one process: the ranks of a ctx world of tp N (each its
 real KVSender over the part of a single-process prefill its rank holds) and gen ranks of
 (dp, cp) whose real KVReceivers receive one stream per ctx rank that holds part of their shard
-(`KVTicket.source_tickets`); every gen rank's pools equal its shard of the single-process cache,
-and every ctx rank frees the request once the gen ranks it sent to acknowledged."""
+(`KVTicket.source_tickets`) into one session, through the gen server's RankTransfers and a
+consensus; every gen rank's pools equal its shard of the single-process cache, and every ctx rank
+frees the request once the gen ranks it sent to acknowledged."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.transceiver.fan import targets  # noqa: E402
 from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
 from helixserve.transceiver.gen.receiver import KVReceiver  # noqa: E402
-from tests.unit.transceiver_harness import LAYOUT, TPB, Ctx, CtxWorld, GenPools  # noqa: E402
+from tests.unit.transceiver_harness import LAYOUT, TPB, Ctx, CtxWorld, GenPools, RankReception  # noqa: E402
 
 GEN_LAYOUTS = [(1, 1), (1, 2), (2, 2), (1, 4)]  # (dp, cp)
 
@@ -50,50 +51,81 @@ def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN00
         time.sleep(0.002)
 
 
+class GenRank(GenPools):
+    """One gen rank: its pools and its receptions as a gen world runs them (RankTransfers and a
+    consensus of its own: the group agrees through its ranks' identical outcomes here)."""
+
+    def __init__(self, cp_rank: int, cp_size: int, gen_rank: int) -> None:
+        super().__init__(cp_rank, cp_size)
+        self.rx = RankReception(KVReceiver(config(message_bytes=1000), LAYOUT, cp_rank=cp_rank, cp_size=cp_size,
+                                           gen_rank=gen_rank), self.manager, self.caches)
+
+
+def drive(gens: list[GenRank], done, timeout_s: float = 10.0) -> dict:  # noqa: ANN001
+    """check() every rank until `done(outcomes)`; outcomes: "ready"/"failed"/"freed" -> rid -> ranks/errors."""
+    outcomes: dict = {"ready": {}, "failed": {}, "freed": {}}
+    end = time.monotonic() + timeout_s
+    while not done(outcomes):
+        assert time.monotonic() < end, f"no outcome within {timeout_s}s: {outcomes}"
+        for rank, gen in enumerate(gens):
+            agreed = gen.rx.check()
+            for rid in agreed.ready:
+                outcomes["ready"].setdefault(rid, []).append(rank)
+            for rid, error in agreed.failed.items():
+                outcomes["failed"].setdefault(rid, []).append(error)
+            for rid in agreed.freed:
+                outcomes["freed"].setdefault(rid, []).append(rank)
+        time.sleep(0.001)
+    return outcomes
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("dp, cp_size", GEN_LAYOUTS, ids=[f"dp{d}-cp{c}" for d, c in GEN_LAYOUTS])
 @pytest.mark.parametrize("num_tokens", [1, 4 * TPB, 4 * TPB + 1, 23])
 def test_each_gen_rank_receives_its_shard_from_the_ctx_ranks_that_hold_it(world, tp, dp, cp_size, num_tokens):
     w = world(tp, message_bytes=1000)
-    gens, receivers, pending = [], [], {}
-    for group in range(dp):  # each dp group receives its own request
-        rid = f"r{group}"
-        tokens = num_tokens + group  # the second group's request: one token longer
-        ticket = w.hold(rid, tokens)
-        for cp_rank in range(cp_size):
-            gen = GenPools(cp_rank, cp_size)
-            rx = KVReceiver(config(message_bytes=1000), LAYOUT, cp_rank=cp_rank, cp_size=cp_size,
-                            gen_rank=group * cp_size + cp_rank)
-            gens.append((rid, cp_rank, gen))
-            receivers.append(rx)
-            handle = gen.manager.allocate(rid, tokens)
-            sources = ticket.source_tickets(cp_rank, cp_size)
+    groups = []
+    for group in range(dp):  # each dp group receives its own request, the second one token longer
+        ticket = w.hold(f"r{group}", num_tokens + group)
+        gens = [GenRank(r, cp_size, group * cp_size + r) for r in range(cp_size)]
+        for r, gen in enumerate(gens):
+            sources = ticket.source_tickets(r, cp_size)
             assert [t.ctx_endpoint for t in sources] == [w.ranks[t.layout.ctx_rank].endpoint for t in sources]
-            for t in sources:
-                rx.start(f"{rid}@ctx{t.layout.ctx_rank}", handle, gen.caches, t)
-                pending[(len(receivers) - 1, f"{rid}@ctx{t.layout.ctx_rank}")] = None
-    outcomes: dict = {}
-
-    def polled() -> bool:
-        for index, rx in enumerate(receivers):
-            for rid, error in rx.poll().items():
-                outcomes[(index, rid)] = error
-        return outcomes.keys() >= pending.keys()
+            gen.rx.begin(f"g{group}", ticket)
+        groups.append(gens)
     try:
-        _wait(polled, "every source stream")
-        assert all(error is None for error in outcomes.values()), outcomes
-        for rid, cp_rank, gen in gens:
-            got, want = gen.received(rid), w.full.expected_shard(rid, cp_rank, cp_size)
-            for part in ("mla", "kda", "conv"):
-                assert got[part].keys() == want[part].keys()
-                for layer in want[part]:
-                    assert torch.equal(got[part][layer], want[part][layer].reshape(got[part][layer].shape)), (
-                        rid, cp_rank, part, layer)
+        for group, gens in enumerate(groups):
+            out = drive(gens, lambda o, g=group, n=len(gens): len(o["ready"].get(f"g{g}", [])) == n or o["failed"])
+            assert not out["failed"], out["failed"]
+            for r, gen in enumerate(gens):
+                got, want = gen.received(f"g{group}"), w.full.expected_shard(f"r{group}", r, cp_size)
+                for part in ("mla", "kda", "conv"):
+                    assert got[part].keys() == want[part].keys()
+                    for layer in want[part]:
+                        assert torch.equal(got[part][layer], want[part][layer].reshape(got[part][layer].shape)), (
+                            group, r, part, layer)
         _wait(lambda: all(sorted(rank.freed) == [f"r{g}" for g in range(dp)] for rank in w.ranks),
               "every ctx rank acknowledged and freed")
     finally:
-        for rx in receivers:
-            rx.close()
+        for gens in groups:
+            for gen in gens:
+                gen.rx.close()
+
+
+def test_a_ctx_rank_that_does_not_hold_the_request_fails_it_and_the_others_free_it(world):
+    w = world(2)
+    ticket = w.hold("r1", 23)
+    assert w.ranks[1].sender.cancel("r1", "client gone")  # rank 1 no longer serves it
+    gen = GenRank(0, 1, 0)
+    try:
+        gen.rx.begin("g1", ticket)
+        out = drive([gen], lambda o: "g1" in o["freed"])
+        error = out["failed"]["g1"][0]
+        assert f"{w.ranks[1].endpoint.host}:{w.ranks[1].endpoint.port}" in error and "not held here" in error, error
+        assert "g1" not in out["ready"] and gen.used() == (2, 2) and gen.rx.receiver.inbounds == {}
+        _wait(lambda: w.ranks[0].freed == ["r1"] and w.ranks[1].freed == ["r1"], "both ctx ranks freed it")
+    finally:
+        gen.rx.close()
 
 
 def test_a_ctx_rank_refuses_a_gen_rank_of_another_mapping_or_one_it_holds_nothing_of(world):

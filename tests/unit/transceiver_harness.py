@@ -164,13 +164,14 @@ class RankReception:
         self.receiver, self.cache_manager, self.caches = receiver, manager, caches
         paced = PacedKVReceiver(receiver, receiver.config.poll_interval_s)
         self.transfers = RankTransfers(paced, caches, consensus or TransferConsensus(is_local=True))
-        self._started: dict[str, DisaggregatedParams] = {}
+        self._started: dict[str, DisaggregatedParams | KVTicket] = {}
         self._freed: list[str] = []
 
-    def begin(self, request_id: str, params: DisaggregatedParams) -> CacheHandle:
-        handle = self.cache_manager.allocate(request_id, len(params.prompt_token_ids))
+    def begin(self, request_id: str, params: DisaggregatedParams | KVTicket) -> CacheHandle:
+        ticket = KVTicket.from_params(params) if isinstance(params, DisaggregatedParams) else params
+        handle = self.cache_manager.allocate(request_id, ticket.num_prompt_tokens)
         self._started[request_id] = params
-        self.transfers.start(request_id, handle, KVTicket.from_params(params))  # as the gen server does
+        self.transfers.start(request_id, handle, ticket)  # as the gen server does
         return handle
 
     def check(self) -> Agreed:
