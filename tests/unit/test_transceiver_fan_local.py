@@ -7,8 +7,6 @@ frees the request once the gen ranks it sent to acknowledged."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -19,7 +17,8 @@ from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.transceiver.fan import targets  # noqa: E402
 from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
 from helixserve.transceiver.gen.receiver import KVReceiver  # noqa: E402
-from tests.unit.transceiver_harness import LAYOUT, TPB, Ctx, CtxWorld, GenPools, RankReception  # noqa: E402
+from tests.unit.transceiver_harness import (LAYOUT, TPB, Ctx, CtxWorld, GenPools, RankReception,  # noqa: E402
+                                           drive, wait_for)
 
 GEN_LAYOUTS = [(1, 1), (1, 2), (2, 2), (1, 4)]  # (dp, cp)
 
@@ -44,13 +43,6 @@ def world():
         item.close()
 
 
-def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, f"{what}: not within {timeout_s}s"
-        time.sleep(0.002)
-
-
 class GenRank(GenPools):
     """One gen rank: its pools and its receptions as a gen world runs them (RankTransfers and a
     consensus of its own: the group agrees through its ranks' identical outcomes here)."""
@@ -59,24 +51,6 @@ class GenRank(GenPools):
         super().__init__(cp_rank, cp_size)
         self.rx = RankReception(KVReceiver(config(message_bytes=1000), LAYOUT, cp_rank=cp_rank, cp_size=cp_size,
                                            gen_rank=gen_rank), self.manager, self.caches)
-
-
-def drive(gens: list[GenRank], done, timeout_s: float = 10.0) -> dict:  # noqa: ANN001
-    """check() every rank until `done(outcomes)`; outcomes: "ready"/"failed"/"freed" -> rid -> ranks/errors."""
-    outcomes: dict = {"ready": {}, "failed": {}, "freed": {}}
-    end = time.monotonic() + timeout_s
-    while not done(outcomes):
-        assert time.monotonic() < end, f"no outcome within {timeout_s}s: {outcomes}"
-        for rank, gen in enumerate(gens):
-            agreed = gen.rx.check()
-            for rid in agreed.ready:
-                outcomes["ready"].setdefault(rid, []).append(rank)
-            for rid, error in agreed.failed.items():
-                outcomes["failed"].setdefault(rid, []).append(error)
-            for rid in agreed.freed:
-                outcomes["freed"].setdefault(rid, []).append(rank)
-        time.sleep(0.001)
-    return outcomes
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -104,8 +78,7 @@ def test_each_gen_rank_receives_its_shard_from_the_ctx_ranks_that_hold_it(world,
                     for layer in want[part]:
                         assert torch.equal(got[part][layer], want[part][layer].reshape(got[part][layer].shape)), (
                             group, r, part, layer)
-        _wait(lambda: all(sorted(rank.freed) == [f"r{g}" for g in range(dp)] for rank in w.ranks),
-              "every ctx rank acknowledged and freed")
+        wait_for(lambda: all(sorted(rank.freed) == [f"r{g}" for g in range(dp)] for rank in w.ranks))  # all acked
     finally:
         for gens in groups:
             for gen in gens:
@@ -123,7 +96,7 @@ def test_a_ctx_rank_that_does_not_hold_the_request_fails_it_and_the_others_free_
         error = out["failed"]["g1"][0]
         assert f"{w.ranks[1].endpoint.host}:{w.ranks[1].endpoint.port}" in error and "not held here" in error, error
         assert "g1" not in out["ready"] and gen.used() == (2, 2) and gen.rx.receiver.inbounds == {}
-        _wait(lambda: w.ranks[0].freed == ["r1"] and w.ranks[1].freed == ["r1"], "both ctx ranks freed it")
+        wait_for(lambda: w.ranks[0].freed == ["r1"] and w.ranks[1].freed == ["r1"])  # both ctx ranks freed it
     finally:
         gen.rx.close()
 

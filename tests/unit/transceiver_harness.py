@@ -5,6 +5,8 @@ receptions through the servers' own ``RankTransfers`` and ``TransferConsensus``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -201,3 +203,28 @@ class RankReception:
 
     def close(self) -> None:
         self.receiver.close()
+
+
+def drive(gens: list, until: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
+    """check() every rank (a `.rx` RankReception each) until `until(outcomes)`; outcomes: rid -> ("ready"|error, rank) lists."""
+    outcomes: dict = {"ready": {}, "failed": {}, "freed": {}}
+    end = time.monotonic() + timeout_s
+    while not until(outcomes):
+        assert time.monotonic() < end, f"no outcome within {timeout_s}s: {outcomes}"
+        for rank, gen in enumerate(gens):
+            check = gen.rx.check()
+            for rid in check.ready:
+                outcomes["ready"].setdefault(rid, []).append(rank)
+            for rid, error in check.failed.items():
+                outcomes["failed"].setdefault(rid, []).append(error)
+            for rid in check.freed:
+                outcomes["freed"].setdefault(rid, []).append(rank)
+        time.sleep(0.001)
+    return outcomes
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.005)
