@@ -130,3 +130,24 @@ def test_a_ctx_rank_refuses_a_gen_rank_of_another_mapping_or_one_it_holds_nothin
     finally:
         client.close()
         rx.close()
+
+
+def test_a_ctx_rank_gone_before_the_transfer_fails_it_within_the_timeout_naming_that_rank(world):
+    w = world(2)
+    ticket = w.hold("r1", 23)
+    w.ranks[1].sender.stop(timeout_s=1.0)  # its control plane and data plane are gone
+    gen = GenRank(0, 2, 0)  # needs blocks 0, 2, 4 (ctx 0) and heads [0, 2) (ctx 0); rank 1 of cp 2 needs ctx 1
+    other = GenRank(1, 2, 1)
+    try:
+        gen.rx.begin("g1", ticket)
+        other.rx.begin("g1", ticket)
+        out = drive([gen, other], lambda o: len(o["freed"].get("g1", [])) + len(o["ready"].get("g1", [])) == 2,
+                    timeout_s=8.0)
+        assert out["ready"].get("g1") == [0]  # rank 0 owes nothing to ctx 1 (each rank agrees alone here)
+        error = out["failed"]["g1"][0]
+        assert f"{w.ranks[1].endpoint.host}:{w.ranks[1].endpoint.port}" in error, error
+        assert "did not answer RequestShard" in error, error
+        assert other.used() == (2, 2) and other.rx.receiver.inbounds == {}  # its padding requests only
+    finally:
+        gen.rx.close()
+        other.rx.close()
