@@ -7,6 +7,8 @@ frees the request once the gen ranks it sent to acknowledged."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -151,3 +153,22 @@ def test_a_ctx_rank_gone_before_the_transfer_fails_it_within_the_timeout_naming_
     finally:
         gen.rx.close()
         other.rx.close()
+
+
+def test_a_ctx_world_ticket_without_its_ranks_endpoints_is_refused_before_any_request(world):
+    """Rank 0's part alone would be a partial shard: the request fails with the cause named, nothing
+    is asked of any ctx rank, its blocks are freed, and the ticket of the whole world still works."""
+    w = world(2)
+    ticket = w.hold("r1", 23)
+    gen = GenRank(0, 1, 0)
+    try:
+        gen.rx.begin("g1", dataclasses.replace(ticket, ctx_endpoints=()))
+        out = drive([gen], lambda o: "g1" in o["freed"])
+        assert "ctx_tp_size 2 holds the request, the ticket names none of its ranks' endpoints" in out["failed"]["g1"][0]
+        assert gen.used() == (2, 2) and all(rank.sender.stats().num_held == 1 for rank in w.ranks)
+        with pytest.raises(ValueError, match="1 ctx endpoints for ctx_tp_size 2"):
+            dataclasses.replace(ticket, ctx_endpoints=ticket.ctx_endpoints[:1])
+        gen.rx.begin("g2", ticket)
+        assert drive([gen], lambda o: "g2" in o["ready"] or o["failed"])["ready"] == {"g2": [0]}
+    finally:
+        gen.rx.close()

@@ -49,7 +49,7 @@ from helixserve.transceiver.control import target
 from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.gen.inbound import Inbound, Phase
 from helixserve.transceiver.cache_check import check_caches
-from helixserve.transceiver.layout import ShardSpec, check_layout
+from helixserve.transceiver.layout import LayoutMismatchError, ShardSpec, check_layout
 from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.gen.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
@@ -145,6 +145,9 @@ class KVReceiver:
                 session.attach(peer, kind, KindHandle(inbound, kind))  # anchors the deadline
         try:
             check_layout(self.layout, ticket.layout, "gen", inbounds[0].ctx)
+            if ticket.layout.ctx_tp_size != 1 and not ticket.ctx_endpoints:  # one rank's part is not the shard
+                raise LayoutMismatchError(f"{inbounds[0].ctx}: a ctx world of ctx_tp_size {ticket.layout.ctx_tp_size} "
+                                          "holds the request, the ticket names none of its ranks' endpoints")
         except ValueError as error:
             for inbound in inbounds:
                 inbound.fail_unsent(str(error))
