@@ -16,6 +16,11 @@ Sizes the transceiver derives from a :class:`KVLayout` (per request of ``P`` pro
 - KDA, per KDA layer: recurrent state ``[num_kda_heads, kda_head_dim, kda_head_dim]`` in
   ``state_dtype`` and conv state ``[3 * num_kda_heads * kda_head_dim, conv_kernel_size - 1]`` in
   ``conv_dtype`` (the ctx side holds them sharded over ``ctx_tp_size`` head slices).
+
+A ctx world of ``ctx_tp_size`` ranks holds a request the helix way (dp 1 x cp ``ctx_tp_size``):
+rank ``ctx_rank`` has the MLA blocks ``b % ctx_tp_size == ctx_rank`` and KDA heads
+``[ctx_rank*H/ctx_tp_size, (ctx_rank+1)*H/ctx_tp_size)``. A world advertises its layout with
+``ctx_rank`` 0; each rank's KV sender describes its own rank.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class TransceiverEndpoint(_Strict):
     port: Annotated[StrictInt, Field(ge=1, le=65535)]
 
 
+CTX_MAPPING_FIELDS = frozenset({"ctx_tp_size", "ctx_rank"})  # KVLayout's fields of the ctx world's sharding
+
+
 class KVLayout(_Strict):
     """Cache layout of the ctx worker that holds a request; both sides must agree on it.
 
@@ -70,6 +78,7 @@ class KVLayout(_Strict):
     state_dtype: DType = "float32"
     conv_dtype: DType
     ctx_tp_size: PositiveInt = 1
+    ctx_rank: NonNegativeInt = 0
 
     @model_validator(mode="after")
     def _check_shards(self) -> Self:
@@ -77,6 +86,10 @@ class KVLayout(_Strict):
             raise PydanticCustomError(
                 "invalid_value", "num_kda_heads ({h}) must be divisible by ctx_tp_size ({tp})",
                 {"h": self.num_kda_heads, "tp": self.ctx_tp_size, "param": "ctx_tp_size"})
+        if self.ctx_rank >= self.ctx_tp_size:
+            raise PydanticCustomError(
+                "invalid_value", "ctx_rank ({rank}) must be below ctx_tp_size ({tp})",
+                {"rank": self.ctx_rank, "tp": self.ctx_tp_size, "param": "ctx_rank"})
         return self
 
     @property
@@ -93,11 +106,11 @@ class KVLayout(_Strict):
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.tokens_per_block)
 
-    def mismatches(self, other: KVLayout, *, ignore: frozenset[str] = frozenset({"ctx_tp_size"})
-                   ) -> list[str]:
+    def mismatches(self, other: KVLayout, *, ignore: frozenset[str] = CTX_MAPPING_FIELDS) -> list[str]:
         """``"field: ours != theirs"`` for every differing field (empty list = compatible).
 
-        ``ctx_tp_size`` is ignored by default: it says how the ctx side shards, not what it holds.
+        ``ctx_tp_size`` and ``ctx_rank`` are ignored by default: they say how the ctx side shards,
+        not what it holds.
         """
         return [f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
                 for name in type(self).model_fields

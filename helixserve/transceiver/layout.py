@@ -8,6 +8,11 @@ The shard of a receiver with (cp_rank r, cp_size c), for a request of P cached p
   (fp32) and of each of the three sections ``q | k | v`` of the conv state ``[3*H*K, W-1]``.
 - AUX: the prompt length and the first generated token(s) (checked against the request).
 
+A ctx world of ``ctx_tp_size`` N ranks holds it on several ranks (:mod:`.fan`): each ctx rank s
+sends the receiver the part it holds, a stream of its own (:class:`ShardSpec` with ``ctx_rank``
+s): the blocks above with ``b % N == s`` and the heads of ``[r*H/c, (r+1)*H/c)`` in
+``[s*H/N, (s+1)*H/N)`` (no KDA segments when there are none). At N = 1 that is the whole shard.
+
 **Stream.** The shard is a list of segments in a fixed order: AUX; KDA_STATE per KDA layer;
 CONV_STATE per KDA layer; KV_BLOCKS per MLA layer (layers ascending, blocks ascending). A segment
 is ``num_units`` equal units (an MLA block, a head slice of a state, a conv section slice). Each
@@ -16,8 +21,8 @@ pieces of a unit; a message never spans two segments. Both sides compute the sam
 layout alone (:func:`plan_messages`).
 
 **Memory.** Each side maps every segment to its own tensors (:class:`SegmentMemory`): the ctx
-sender to its full-head cache and its physical blocks, a receiver to its local-head pools
-(``H/c`` heads) and its local blocks. Consecutive units that are adjacent in memory are
+sender to its pools (``H/N`` heads) and the physical blocks of its local blocks, a receiver to its
+local-head pools (``H/c`` heads) and its local blocks. Consecutive units that are adjacent in memory are
 coalesced, so a message whose bytes are one run is sent / received in place; others are
 gathered / scattered through a staging buffer. The map is built by :mod:`memory_map` (per-pool
 constants read once, one run list per pool shape shared by its layers); the segment and message
@@ -35,7 +40,7 @@ import torch
 
 from helixserve.cache_layout import ModelCaches
 from helixserve.dtypes import dtype_name, itemsize
-from helixserve.protocol.disagg import KVLayout
+from helixserve.protocol.disagg import CTX_MAPPING_FIELDS, KVLayout
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver import memory_map
 from helixserve.transceiver.segments import Message, Segment, SegmentMemory, ShardSpec
@@ -66,29 +71,61 @@ def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str) -> KV
     )
 
 
-def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: str) -> None:
-    """Raise LayoutMismatchError naming each differing field (`ours_name` value first)."""
-    if ours.ctx_tp_size == 1 and (theirs is ours or theirs == ours):  # (every request: the field walk only on a difference)
+def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: str, *,
+                 mapping: bool = False) -> None:
+    """Raise LayoutMismatchError naming each differing field with both values (`ours_name`'s first).
+
+    What the caches hold must be equal. The ctx world's mapping (``ctx_tp_size``, ``ctx_rank``)
+    must be one each side can hold (KDA heads divisible by ``ctx_tp_size``, ``ctx_rank`` below it)
+    and, with `mapping`, the same on both sides: a ctx rank checking the layout a gen rank asks
+    it with, a gen rank checking a sender's against the ticket's.
+    """
+    check_mapping(ours, ours_name)
+    if theirs is ours or theirs == ours:  # (every request: the field walk only on a difference)
         return
-    if ours.ctx_tp_size != 1 or theirs.ctx_tp_size != 1:
-        raise LayoutMismatchError(
-            f"ctx_tp_size {ours.ctx_tp_size}/{theirs.ctx_tp_size}: only ctx_tp_size == 1 is supported")
-    diffs = ours.mismatches(theirs)
+    check_mapping(theirs, theirs_name)
+    diffs = ours.mismatches(theirs, ignore=frozenset() if mapping else CTX_MAPPING_FIELDS)
     if diffs:
         raise LayoutMismatchError(
             f"KV layout mismatch ({ours_name} != {theirs_name}): " + "; ".join(diffs))
 
 
+def check_mapping(layout: KVLayout, name: str, cp_rank: int = 0, cp_size: int = 1) -> None:
+    """LayoutMismatchError unless `layout`'s ctx world, and a gen rank ``cp_rank`` of ``cp_size``,
+    can split its KDA heads (a layout built without validation, or a gen CP group, may not)."""
+    heads = layout.num_kda_heads
+    for field, rank_field, rank, size in (("ctx_tp_size", "ctx_rank", layout.ctx_rank, layout.ctx_tp_size),
+                                          ("cp_size", "cp_rank", cp_rank, cp_size)):
+        if size < 1 or heads % size:
+            raise LayoutMismatchError(f"{name}: num_kda_heads {heads} cannot be split over {field}={size}")
+        if not 0 <= rank < size:
+            raise LayoutMismatchError(f"{name}: {rank_field} {rank} outside {field}={size}")
+
+
+def source_layout(own: KVLayout, advertised: KVLayout) -> KVLayout:
+    """A gen rank's layout with the ctx mapping (``ctx_tp_size``, ``ctx_rank``) of `advertised`: what
+    it asks that ctx rank with. `own` itself when the mapping is its own or one no ctx world can
+    have (`check_layout` refuses that ticket, naming the field)."""
+    if (own.ctx_tp_size, own.ctx_rank) == (advertised.ctx_tp_size, advertised.ctx_rank):
+        return own
+    try:
+        check_mapping(advertised, "ctx")
+    except LayoutMismatchError:
+        return own
+    return own.model_copy(update={"ctx_tp_size": advertised.ctx_tp_size, "ctx_rank": advertised.ctx_rank})
+
+
 def shard_segments(spec: ShardSpec) -> list[Segment]:
     """The shard's segments in stream order (see the module docstring)."""
     lay = spec.layout
-    h = spec.num_local_heads
+    h = spec.num_heads
     k, w = lay.kda_head_dim, lay.conv_kernel_size - 1
+    kda_layers = lay.kda_layers if h else []  # (a ctx rank holding none of the rank's heads sends none)
     segments = [Segment(PayloadKind.AUX, -1, AUX_WORDS * 8, 1)]
     segments += [Segment(PayloadKind.KDA_STATE, i, h * k * k * itemsize(lay.state_dtype), 1)
-                 for i in lay.kda_layers]
+                 for i in kda_layers]
     segments += [Segment(PayloadKind.CONV_STATE, i, h * k * w * itemsize(lay.conv_dtype), 3)
-                 for i in lay.kda_layers]
+                 for i in kda_layers]
     block_bytes = lay.tokens_per_block * (lay.kv_lora_rank + lay.qk_rope_head_dim) * itemsize(lay.kv_dtype)
     num_blocks = len(spec.blocks)
     segments += [Segment(PayloadKind.KV_BLOCKS, i, block_bytes, num_blocks) for i in lay.mla_layers]
@@ -126,7 +163,7 @@ def _stream(spec: ShardSpec, num_blocks: int, message_bytes: int) -> tuple[list[
     heads, block count): a request's plan does not rebuild its stream's ~2 objects per layer."""
     lay = spec.layout
     key = (tuple(lay.layer_kinds), lay.tokens_per_block, lay.kv_lora_rank, lay.qk_rope_head_dim, lay.kv_dtype,
-           lay.kda_head_dim, lay.conv_kernel_size, lay.state_dtype, lay.conv_dtype, spec.num_local_heads,
+           lay.kda_head_dim, lay.conv_kernel_size, lay.state_dtype, lay.conv_dtype, spec.num_heads,
            num_blocks, message_bytes)
     stream = _STREAMS.get(key)
     if stream is None:
@@ -184,31 +221,38 @@ class ShardPlan:
     @classmethod
     def for_sender(cls, spec: ShardSpec, caches: ModelCaches, block_ids: Sequence[int], slot: int | None,
                    first_tokens: Sequence[int], message_bytes: int) -> ShardPlan:
-        """The ctx side: a full-head cache whose ``block_ids[b]`` holds logical block b."""
+        """The ctx rank's side: pools of its ``H/ctx_tp_size`` heads, ``block_ids[k]`` holding its
+        k-th local block (global ``ctx_rank + k*ctx_tp_size``; logical block k at ``ctx_tp_size`` 1)."""
         blocks = spec.blocks
-        if blocks and blocks[-1] >= len(block_ids):
-            raise ValueError(f"shard needs logical block {blocks[-1]}, the request holds {len(block_ids)}")
+        n = spec.layout.ctx_tp_size
+        first, last = blocks[0] // n if blocks else 0, blocks[-1] // n if blocks else -1
+        if last >= len(block_ids):
+            raise ValueError(f"shard needs logical block {blocks[-1]} (local block {last}), the request holds "
+                             f"{len(block_ids)}")
         aux = encode_aux(spec.num_tokens, first_tokens)
         segments, messages = _stream(spec, len(blocks), message_bytes)
-        physical = list(block_ids[blocks[0] : blocks[-1] + 1 : spec.cp_size]) if blocks else []  # block_ids[b]
+        physical = list(block_ids[first : last + 1 : spec.block_step // n])
 
         def map_memory() -> list[SegmentMemory]:
-            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.layout.num_kda_heads, spec.heads[0])
+            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_ctx_heads, spec.ctx_head0)
         return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     @classmethod
     def for_receiver(cls, spec: ShardSpec, caches: ModelCaches, local_block_ids: Sequence[int],
                      slot: int | None, message_bytes: int) -> ShardPlan:
-        """A gen rank: local-head pools; ``local_block_ids[k]`` holds the k-th shard block."""
-        num_blocks = len(spec.blocks)
-        if len(local_block_ids) < num_blocks:
-            raise ValueError(f"shard has {num_blocks} blocks, the handle holds {len(local_block_ids)}")
+        """A gen rank: pools of its ``H/cp_size`` heads; ``local_block_ids[k]`` holds its k-th local
+        block (global ``cp_rank + k*cp_size``: at ``ctx_tp_size`` 1 the k-th shard block)."""
+        blocks = spec.blocks
+        first, end = (blocks[0] // spec.cp_size, blocks[-1] // spec.cp_size + 1) if blocks else (0, 0)
+        if len(local_block_ids) < end:
+            raise ValueError(f"shard has {end} blocks, the handle holds {len(local_block_ids)}")
         aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
-        segments, messages = _stream(spec, num_blocks, message_bytes)
-        physical = list(local_block_ids[:num_blocks])
+        segments, messages = _stream(spec, len(blocks), message_bytes)
+        physical = list(local_block_ids[first:end:spec.block_step // spec.cp_size])
 
         def map_memory() -> list[SegmentMemory]:
-            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads, 0)
+            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads,
+                                         spec.gen_head0)
         return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ of a segment's bytes (:class:`Message`) and where a segment's bytes live on one 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,39 +15,87 @@ import numpy as np
 import torch
 
 from helixserve.cache_layout import head_slice
-from helixserve.kvcache.helix import local_logical_blocks
+from helixserve.kvcache.helix import local_logical_blocks, num_logical_blocks
 from helixserve.protocol.disagg import KVLayout
+from helixserve.transceiver import fan
 from helixserve.transceiver.base import PayloadKind
+from helixserve.transceiver.fan import Source
 
 SMALL_SEGMENT_UNITS = 16  # segments of at most this many units are mapped without numpy
 
 
 @dataclass(frozen=True, slots=True)
 class ShardSpec:
-    """One receiver's share of one request."""
+    """One receiver's share of one request from one ctx rank.
+
+    The gen rank ``(cp_rank, cp_size)`` needs the MLA blocks ``b % cp_size == cp_rank`` and the KDA
+    heads ``[cp_rank*H/cp_size, ..)``; ctx rank `ctx_rank` of the layout's ctx world
+    (``layout.ctx_tp_size`` ranks, :mod:`.fan`) holds the blocks ``b % ctx_tp_size == ctx_rank`` and
+    its own head slice. The spec is what both hold: at ``ctx_tp_size`` 1 the whole shard.
+    """
 
     layout: KVLayout
     num_tokens: int
     cp_rank: int = 0
     cp_size: int = 1
+    ctx_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
             raise ValueError(f"a shard needs >= 1 prompt token, got {self.num_tokens}")
         head_slice(self.layout.num_kda_heads, self.cp_rank, self.cp_size)  # validates
+        if not 0 <= self.ctx_rank < self.layout.ctx_tp_size:
+            raise ValueError(f"ctx_rank {self.ctx_rank} outside ctx_tp_size={self.layout.ctx_tp_size}")
+
+    @property
+    def source(self) -> Source:
+        return fan.source(num_logical_blocks(self.num_tokens, self.layout.tokens_per_block), self.layout.num_kda_heads,
+                          self.ctx_rank, self.layout.ctx_tp_size, self.cp_rank, self.cp_size)
 
     @property
     def blocks(self) -> list[int]:
         """Global logical MLA blocks of this shard, ascending."""
-        return local_logical_blocks(self.num_tokens, self.layout.tokens_per_block, self.cp_rank, self.cp_size)
+        if self.layout.ctx_tp_size == 1:
+            return local_logical_blocks(self.num_tokens, self.layout.tokens_per_block, self.cp_rank, self.cp_size)
+        return list(self.source.blocks)
+
+    @property
+    def block_step(self) -> int:
+        """Global blocks between two of this shard's (its local indices step by this / side size)."""
+        return math.lcm(self.cp_size, self.layout.ctx_tp_size)
 
     @property
     def heads(self) -> tuple[int, int]:
-        return head_slice(self.layout.num_kda_heads, self.cp_rank, self.cp_size)
+        """Global KDA heads of this shard, ``[lo, hi)`` (``(0, 0)``: none from this ctx rank)."""
+        if self.layout.ctx_tp_size == 1:
+            return head_slice(self.layout.num_kda_heads, self.cp_rank, self.cp_size)
+        return self.source.heads
+
+    @property
+    def num_heads(self) -> int:
+        """KDA heads of this shard (the gen rank's ``num_local_heads`` at ``ctx_tp_size`` 1)."""
+        lo, hi = self.heads
+        return hi - lo
 
     @property
     def num_local_heads(self) -> int:
+        """The gen rank's KDA heads (its pools')."""
         return self.layout.num_kda_heads // self.cp_size
+
+    @property
+    def num_ctx_heads(self) -> int:
+        """The ctx rank's KDA heads (its pools')."""
+        return self.layout.num_kda_heads // self.layout.ctx_tp_size
+
+    @property
+    def ctx_head0(self) -> int:
+        """The shard's first head in the ctx rank's pools."""
+        return self.heads[0] - self.ctx_rank * self.num_ctx_heads if self.num_heads else 0
+
+    @property
+    def gen_head0(self) -> int:
+        """The shard's first head in the gen rank's pools."""
+        return self.heads[0] - self.cp_rank * self.num_local_heads if self.num_heads else 0
 
 
 @dataclass(frozen=True, slots=True)

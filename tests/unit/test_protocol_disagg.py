@@ -100,6 +100,18 @@ def test_layout_kda_heads_must_split_over_ctx_tp():
     assert validation_error_to_openai(info.value).param == "ctx_tp_size"
 
 
+def test_layout_ctx_rank_is_a_rank_of_its_world():
+    assert KVLayout.model_validate(layout_dict(ctx_tp_size=2, ctx_rank=1)).ctx_rank == 1
+    for rank in (2, -1):
+        with pytest.raises(ValidationError) as info:
+            KVLayout.model_validate(layout_dict(ctx_tp_size=2, ctx_rank=rank))
+        assert validation_error_to_openai(info.value).param == "ctx_rank"
+    one = KVLayout.model_validate(layout_dict(ctx_tp_size=2))
+    assert one.mismatches(KVLayout.model_validate(layout_dict(ctx_tp_size=2, ctx_rank=1))) == []
+    assert one.mismatches(KVLayout.model_validate(layout_dict(ctx_tp_size=2, ctx_rank=1)),
+                          ignore=frozenset()) == ["ctx_rank: 0 != 1"]
+
+
 def test_layout_helpers():
     layout = KVLayout.model_validate(layout_dict())
     assert layout.mla_layers == [3, 7] and layout.kda_layers == [0, 1, 2, 4, 5, 6]

@@ -12,7 +12,7 @@ from helixserve.cache_layout import head_slice
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
 import helixserve.transceiver.segments as segments_module
-from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, decode_aux,
+from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, check_mapping, decode_aux,
                                            encode_aux, layout_for, plan_messages, shard_segments, wire_tag)
 from helixserve.transceiver.segments import SMALL_SEGMENT_UNITS, SegmentMemory
 
@@ -98,8 +98,28 @@ def test_layout_mismatch_names_every_differing_field():
     assert "(gen != ctx worker a:1)" in text and "tokens_per_block: 4 != 16" in text
     assert "conv_dtype: 'float32' != 'bfloat16'" in text
     check_layout(LAYOUT, LAYOUT.model_copy(), "gen", "ctx")
-    with pytest.raises(LayoutMismatchError, match="ctx_tp_size"):
-        check_layout(LAYOUT, LAYOUT.model_copy(update={"ctx_tp_size": 2}), "gen", "ctx")
+    with pytest.raises(LayoutMismatchError, match="ctx: num_kda_heads 4 cannot be split over ctx_tp_size=3"):
+        check_layout(LAYOUT, LAYOUT.model_copy(update={"ctx_tp_size": 3}), "gen", "ctx")
+
+
+def test_a_ctx_world_layout_is_accepted_where_its_heads_split():
+    """A gen rank takes a ctx world's layout (its mapping is not what the caches hold); a ctx rank
+    checks the mapping a gen rank asks it with: the world size and its own rank, both values named."""
+    world = LAYOUT.model_copy(update={"ctx_tp_size": 2})
+    check_layout(LAYOUT, world, "gen", "ctx")
+    check_layout(world, world.model_copy(), "ctx", "gen rank 0", mapping=True)
+    rank1 = LAYOUT.model_copy(update={"ctx_tp_size": 2, "ctx_rank": 1})
+    with pytest.raises(LayoutMismatchError, match=r"\(ctx != gen rank 3\): ctx_rank: 1 != 0$"):
+        check_layout(rank1, world, "ctx", "gen rank 3", mapping=True)
+    with pytest.raises(LayoutMismatchError, match=r"ctx_tp_size: 2 != 4"):
+        check_layout(world, LAYOUT.model_copy(update={"ctx_tp_size": 4}), "ctx", "gen rank 0", mapping=True)
+    with pytest.raises(LayoutMismatchError, match="ctx: ctx_rank 2 outside ctx_tp_size=2"):
+        check_layout(LAYOUT, LAYOUT.model_copy(update={"ctx_tp_size": 2, "ctx_rank": 2}), "gen", "ctx")
+    with pytest.raises(LayoutMismatchError, match="gen rank 1: num_kda_heads 4 cannot be split over cp_size=8"):
+        check_mapping(world, "gen rank 1", 1, 8)
+    with pytest.raises(LayoutMismatchError, match="gen rank 5: cp_rank 5 outside cp_size=4"):
+        check_mapping(world, "gen rank 5", 5, 4)
+    check_mapping(world, "gen rank 3", 3, 4)
 
 
 def test_wire_tags_carry_base_and_index():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from helixserve.transceiver.ctx import sender as sender_module  # noqa: E402
 from helixserve.transceiver.ctx.outbound import Outbound  # noqa: E402
 from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
 from helixserve.transceiver.gen.receiver import KVReceiver  # noqa: E402
-from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools, RankReception  # noqa: E402
+from tests.unit.transceiver_harness import LAYOUT, NUM_TOKENS, Ctx, GenPools, RankReception, drive, wait_for  # noqa: E402
 
 
 
@@ -49,31 +48,6 @@ class Gen(GenPools):
                                 self.manager, self.caches)
         _GENS.append(self)
 
-
-
-def drive(gens: list[Gen], until: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
-    """check() every rank until `until(outcomes)`; outcomes: rid -> ("ready"|error, rank) lists."""
-    outcomes: dict = {"ready": {}, "failed": {}, "freed": {}}
-    end = time.monotonic() + timeout_s
-    while not until(outcomes):
-        assert time.monotonic() < end, f"no outcome within {timeout_s}s: {outcomes}"
-        for rank, gen in enumerate(gens):
-            check = gen.rx.check()
-            for rid in check.ready:
-                outcomes["ready"].setdefault(rid, []).append(rank)
-            for rid, error in check.failed.items():
-                outcomes["failed"].setdefault(rid, []).append(error)
-            for rid in check.freed:
-                outcomes["freed"].setdefault(rid, []).append(rank)
-        time.sleep(0.001)
-    return outcomes
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ receptions through the servers' own ``RankTransfers`` and ``TransferConsensus``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +18,7 @@ from helixserve.gen_server.kv_source import PacedKVReceiver
 from helixserve.kvcache.manager import CacheHandle, CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
-from helixserve.protocol.disagg import DisaggregatedParams
+from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint
 from helixserve.transceiver.consensus import TransferConsensus
 from helixserve.transceiver.layout import layout_for
 from helixserve.transceiver.ctx.sender import KVSender
@@ -28,6 +30,11 @@ TPB = 4
 LAYOUT = layout_for(CFG, torch.float32, TPB, "kimi-k3-tiny")
 H, K = CFG.kda_num_heads, CFG.kda_head_dim
 NUM_TOKENS = 23  # 6 blocks, the last one partial
+
+
+def conv_heads(conv: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    """Heads ``[h0, h1)`` of each ``q | k | v`` section of a full-head ``[3*H*K, W-1]`` conv state."""
+    return torch.cat([conv[s * H * K + h0 * K: s * H * K + h1 * K] for s in range(3)])
 
 
 class Ctx:
@@ -59,12 +66,60 @@ class Ctx:
         return {
             "mla": {i: c.mla_kv[i][blocks] for i in c.mla_kv},
             "kda": {i: c.kda_state[i][handle.slot, h0:h1] for i in c.kda_state},
-            "conv": {i: torch.cat([c.conv_state[i][handle.slot, s * H * K + h0 * K: s * H * K + h1 * K]
-                                   for s in range(3)]) for i in c.conv_state},
+            "conv": {i: conv_heads(c.conv_state[i][handle.slot], h0, h1) for i in c.conv_state},
         }
 
     def close(self) -> None:
         self.sender.stop()
+
+
+@dataclass(slots=True)
+class CtxRank:
+    caches: ModelCaches
+    manager: CacheManager
+    sender: KVSender
+    endpoint: TransceiverEndpoint
+    freed: list[str]
+
+
+class CtxWorld:
+    """A ctx world of `tp` ranks without a model: rank s holds, in pools of ``H/tp`` heads and a
+    cache manager of its own (cp_rank s of tp), the part of `full`'s cache (a :class:`Ctx`: the
+    single-process prefill) its rank would hold -- blocks ``b % tp == s``, heads ``[s*H/tp, ..)`` --
+    and serves it with its real KVSender."""
+
+    def __init__(self, full: Ctx, cfg: TransceiverConfig, tp: int) -> None:
+        self.full, self.tp = full, tp
+        self.layout = LAYOUT.model_copy(update={"ctx_tp_size": tp})
+        self.ranks: list[CtxRank] = []
+        for s in range(tp):
+            caches = allocate_model_caches(cache_spec_for(CFG, torch.float32, TPB, kda_num_heads=H // tp), 32, 4)
+            manager = CacheManager(32, 4, TPB, s, tp)
+            manager.allocate("other", (3 + s) * tp * TPB)  # its blocks do not start at 0
+            freed: list[str] = []
+            sender = KVSender(cfg, self.layout.model_copy(update={"ctx_rank": s}), caches, freed.append)
+            self.ranks.append(CtxRank(caches, manager, sender, sender.start(), freed))
+
+    def hold(self, request_id: str, num_tokens: int) -> KVTicket:
+        """Prefill `request_id` in `full`'s cache (not held there), deal it to the ranks, hold it on each."""
+        src, c = self.full.manager.allocate(request_id, num_tokens), self.full.caches
+        for s, rank in enumerate(self.ranks):
+            handle = rank.manager.allocate(request_id, num_tokens)
+            h0, h1 = s * H // self.tp, (s + 1) * H // self.tp
+            mine = [src.block_ids[b] for b in range(s, len(src.block_ids), self.tp)]
+            for i, pool in rank.caches.mla_kv.items():
+                pool[handle.block_ids] = c.mla_kv[i][mine]
+            for i, pool in rank.caches.kda_state.items():
+                pool[handle.slot] = c.kda_state[i][src.slot, h0:h1]
+            for i, pool in rank.caches.conv_state.items():
+                pool[handle.slot] = conv_heads(c.conv_state[i][src.slot], h0, h1)
+            rank.sender.hold(request_id, handle, num_tokens, [7])
+        return KVTicket(request_id, self.ranks[0].endpoint, self.layout, num_tokens, (7,),
+                        ctx_endpoints=tuple(rank.endpoint for rank in self.ranks))
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.sender.stop()
 
 
 class GenPools:
@@ -111,13 +166,14 @@ class RankReception:
         self.receiver, self.cache_manager, self.caches = receiver, manager, caches
         paced = PacedKVReceiver(receiver, receiver.config.poll_interval_s)
         self.transfers = RankTransfers(paced, caches, consensus or TransferConsensus(is_local=True))
-        self._started: dict[str, DisaggregatedParams] = {}
+        self._started: dict[str, DisaggregatedParams | KVTicket] = {}
         self._freed: list[str] = []
 
-    def begin(self, request_id: str, params: DisaggregatedParams) -> CacheHandle:
-        handle = self.cache_manager.allocate(request_id, len(params.prompt_token_ids))
+    def begin(self, request_id: str, params: DisaggregatedParams | KVTicket) -> CacheHandle:
+        ticket = KVTicket.from_params(params) if isinstance(params, DisaggregatedParams) else params
+        handle = self.cache_manager.allocate(request_id, ticket.num_prompt_tokens)
         self._started[request_id] = params
-        self.transfers.start(request_id, handle, KVTicket.from_params(params))  # as the gen server does
+        self.transfers.start(request_id, handle, ticket)  # as the gen server does
         return handle
 
     def check(self) -> Agreed:
@@ -147,3 +203,28 @@ class RankReception:
 
     def close(self) -> None:
         self.receiver.close()
+
+
+def drive(gens: list, until: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
+    """check() every rank (a `.rx` RankReception each) until `until(outcomes)`; outcomes: rid -> ("ready"|error, rank) lists."""
+    outcomes: dict = {"ready": {}, "failed": {}, "freed": {}}
+    end = time.monotonic() + timeout_s
+    while not until(outcomes):
+        assert time.monotonic() < end, f"no outcome within {timeout_s}s: {outcomes}"
+        for rank, gen in enumerate(gens):
+            check = gen.rx.check()
+            for rid in check.ready:
+                outcomes["ready"].setdefault(rid, []).append(rank)
+            for rid, error in check.failed.items():
+                outcomes["failed"].setdefault(rid, []).append(error)
+            for rid in check.freed:
+                outcomes["freed"].setdefault(rid, []).append(rank)
+        time.sleep(0.001)
+    return outcomes
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.005)

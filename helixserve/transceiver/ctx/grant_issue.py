@@ -6,6 +6,7 @@ from functools import lru_cache
 
 from helixserve.cache_layout import head_slice
 from helixserve.protocol.disagg import KVLayout, PullGrant
+from helixserve.transceiver import fan
 from helixserve.transceiver.base import PayloadKind, TransferState
 from helixserve.transceiver.grant import make_grant
 from helixserve.transceiver.layout import ShardSpec, shard_segments
@@ -52,12 +53,14 @@ def adopt_cp_group(hold, cp_rank: int, cp_size: int, layout: KVLayout) -> str:  
     except ValueError as error:
         return f"cp_rank {cp_rank} of cp_size {cp_size} does not fit this request: {error}"
     hold.cp_size = cp_size
-    hold.session.expected_acks = set(range(cp_size))
+    hold.session.expected_acks = set(fan.targets(layout.num_blocks(hold.num_prompt_tokens), layout.num_kda_heads,
+                                                 layout.ctx_rank, layout.ctx_tp_size, cp_size))
     return ""
 
 
 @lru_cache(maxsize=256)
 def request_bytes(layout_json: str, num_tokens: int) -> int:
-    """A whole request's KV + state bytes (without AUX) under this layout."""
-    spec = ShardSpec(KVLayout.model_validate_json(layout_json), num_tokens)
+    """The request's KV + state bytes (without AUX) this ctx rank holds under this layout."""
+    layout = KVLayout.model_validate_json(layout_json)
+    spec = ShardSpec(layout, num_tokens, ctx_rank=layout.ctx_rank)
     return sum(s.nbytes for s in shard_segments(spec) if s.kind is not PayloadKind.AUX)

@@ -10,7 +10,8 @@ Lifecycle of one held request (a `Hold`):
    in flight per stream, round-robin over streams (one huge request cannot monopolize the link).
    Runs that are contiguous in the cache are sent in place; others are gathered into staging
    (bounce) buffers first.
-4. **Settled**: every expected gen rank (cp ranks ``0..cp_size-1``) acknowledged -> COMPLETED; a
+4. **Settled**: every expected gen rank (the cp ranks this ctx rank sends part of their shard:
+   ``0..cp_size-1`` at ``ctx_tp_size`` 1, see :func:`~helixserve.transceiver.fan.targets`) acknowledged -> COMPLETED; a
    Cancel, a negative ack or `cancel()` -> CANCELLED; the hold deadline passed first -> TIMEOUT
    (an expired hold, counted). Streams of a settled hold post nothing more.
 5. **Freed**: once no posted send can still read the cache (quiesced), `on_free(request_id)` runs
@@ -59,6 +60,7 @@ from helixserve.config_transceiver import TransceiverConfig
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout, PullGrant, TransceiverEndpoint
+from helixserve.transceiver import fan
 from helixserve.transceiver.backends import open_data_plane
 from helixserve.transceiver.base import TransferState
 from helixserve.transceiver.ctx.control_server import SERVER_STOP_GRACE_S, ControlServer
@@ -98,8 +100,8 @@ class KVSender:
     def __init__(self, config: TransceiverConfig, layout: KVLayout, caches: ModelCaches,
                  on_free: Callable[[str], None], *, host: str = "127.0.0.1", port: int = 0,
                  advertise_host: str | None = None, hold_timeout_s: float | None = None) -> None:
-        check_layout(layout, layout, "ctx", "ctx")  # ctx_tp_size == 1 only
-        check_caches(layout, caches, layout.num_kda_heads)
+        check_layout(layout, layout, "ctx", "ctx")  # its rank of its ctx world can split the heads
+        check_caches(layout, caches, layout.num_kda_heads // layout.ctx_tp_size)
         self.config = config
         self.layout = layout
         self.caches = caches
@@ -109,7 +111,8 @@ class KVSender:
         self.poller = TransferPoller(wakeup=self._wakeup)
         self.plane: DataPlane = open_data_plane(config, self._wakeup, host)  # config.backend picks it
         self.staging = staging_for(config)
-        self._export = PoolExport(caches, enabled=config.cuda_ipc)
+        # a pull copies one ctx's pools holding every head: a rank of a ctx world sends its part
+        self._export = PoolExport(caches, enabled=config.cuda_ipc and layout.ctx_tp_size == 1)
         self._clock = MonotonicClock()
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
@@ -136,11 +139,15 @@ class KVSender:
     def hold(self, request_id: str, handle: CacheHandle, num_prompt_tokens: int,
              first_gen_tokens: Sequence[int], *, hold_timeout_s: float | None = None) -> PullGrant | None:
         """Offer a finished prefill for its gen worker (call on the engine thread, right after it finished
-        with hold_cache). `handle` is read now: block_ids[b] must hold logical block b. Returns
+        with hold_cache). `handle` is read now: it is this ctx rank's (cp_rank ``ctx_rank`` of
+        ``ctx_tp_size``: block_ids[k] holds logical block ``ctx_rank + k*ctx_tp_size``). Returns
         the pull granted for it (None: the pools are not exported), for the ctx's answer."""
-        if handle.cp_size != 1 or handle.num_tokens < num_prompt_tokens or num_prompt_tokens < 1:
-            raise ValueError(f"request {request_id}: cannot hold a cp_size={handle.cp_size} handle of "
-                             f"{handle.num_tokens} tokens for {num_prompt_tokens} prompt tokens")
+        lay = self.layout
+        if ((handle.cp_rank, handle.cp_size) != (lay.ctx_rank, lay.ctx_tp_size) or handle.num_tokens < num_prompt_tokens
+                or num_prompt_tokens < 1):
+            raise ValueError(f"request {request_id}: ctx rank {lay.ctx_rank} of {lay.ctx_tp_size} cannot hold a "
+                             f"cp_rank={handle.cp_rank} cp_size={handle.cp_size} handle of {handle.num_tokens} "
+                             f"tokens for {num_prompt_tokens} prompt tokens")
         hold = Hold(
             HoldSession(request_id, timeout_s=hold_timeout_s or self.hold_timeout_s),
             list(handle.block_ids), handle.slot, num_prompt_tokens, list(first_gen_tokens))
@@ -365,7 +372,8 @@ class KVSender:
         if hold.grant_serial:  # this rank asked after all: its tasks count its bytes
             session.tasks[GRANT_TASK].nbytes = 0
         hold.cp_size = request.cp_size
-        session.expected_acks = set(range(request.cp_size))
+        session.expected_acks = set(fan.targets(self.layout.num_blocks(hold.num_prompt_tokens), self.layout.num_kda_heads,
+                                                self.layout.ctx_rank, self.layout.ctx_tp_size, request.cp_size))
         for kind in plan.kinds:
             session.add_task(request.cp_rank, kind, sum(m.nbytes for m in plan.kind_messages(kind)))
             session.attach(request.cp_rank, kind, KindHandle(outbound, kind))

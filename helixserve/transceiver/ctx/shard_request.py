@@ -6,15 +6,17 @@ from pydantic import ValidationError
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
-from helixserve.transceiver.layout import MAX_TAG_BASE, LayoutMismatchError, ShardSpec, check_layout
+from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardSpec, check_layout,
+                                           check_mapping)
 
 MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
 
 
 def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayout, message_bytes: int) -> ShardSpec:  # noqa: ANN001
     """The ShardSpec a RequestShard asks for from `hold` (a held request), or ValueError naming
-    what is wrong: a settled hold, a malformed or different layout, another prompt length or CP
-    geometry, a duplicate cp rank, a malformed address, tag base or message size."""
+    what is wrong: a settled hold, a malformed or different layout (another ctx world size or
+    rank than this sender's, heads that do not split over its cp_size), a gen rank this ctx rank
+    holds nothing of, another prompt length or CP geometry, a duplicate cp rank, a malformed address, tag base or message size."""
     state = hold.session.state
     if state.is_settled:
         raise ValueError(f"ctx request {request.ctx_request_id} is {state.value}: {hold.session.error}")
@@ -23,7 +25,8 @@ def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayo
     except ValidationError as error:
         raise ValueError(f"malformed KV layout from {who}: {error}") from None
     try:
-        check_layout(layout, theirs, "ctx", who)
+        check_layout(layout, theirs, "ctx", who, mapping=True)  # the ctx rank it asks is this one
+        check_mapping(layout, who, request.cp_rank, request.cp_size)
     except LayoutMismatchError as error:
         raise ValueError(str(error)) from None
     if request.num_prompt_tokens != hold.num_prompt_tokens:
@@ -42,4 +45,8 @@ def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayo
         raise ValueError(f"{who} cuts the stream into messages of {request.max_message_bytes} bytes, more "
                          f"than this ctx's message_bytes {message_bytes}: configure "
                          "the same transceiver.message_bytes on both sides")
-    return ShardSpec(layout, hold.num_prompt_tokens, request.cp_rank, request.cp_size)
+    spec = ShardSpec(layout, hold.num_prompt_tokens, request.cp_rank, request.cp_size, layout.ctx_rank)
+    if not spec.blocks and not spec.num_heads:
+        raise ValueError(f"{who} needs nothing ctx rank {layout.ctx_rank} of {layout.ctx_tp_size} holds "
+                         f"(no block of its {hold.num_prompt_tokens}-token prompt, no KDA head)")
+    return spec

@@ -37,7 +37,7 @@ from helixserve.transceiver.gen.asked_pull import AskedPull
 from helixserve.transceiver.gen.granted_pull import GrantedPull
 from helixserve.transceiver.gen.tagged_stream import TaggedStream
 from helixserve.transceiver.gen.transport import Progress, ShardTransport
-from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux
+from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, source_layout
 from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class Inbound:
         self.ctx = f"ctx worker {target(ticket.ctx_endpoint)}"
         self.client = receiver.clients.get(ticket.ctx_endpoint)
         self.num_losses = self.client.num_losses  # its connection closing from now on: ctx gone
-        spec = ShardSpec(receiver.layout, ticket.num_prompt_tokens, receiver.cp_rank, receiver.cp_size)
+        layout = source_layout(receiver.layout, ticket.layout)  # (a ctx world's rank: the part it holds)
+        spec = ShardSpec(layout, ticket.num_prompt_tokens, receiver.cp_rank, receiver.cp_size, layout.ctx_rank)
         self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot, receiver.config.message_bytes)
         self.device = device  # the one device of `caches` (None: several or none)
         self.phase = Phase.TRANSFERRING
@@ -82,7 +83,7 @@ class Inbound:
         (to pull when this rank has the ctx's pools open, else for the tagged stream)."""
         self.deadline_at = self.r.clock.monotonic() + deadline_s
         pools = None
-        if self.device is not None:  # (pools are opened for CUDA devices only)
+        if self.device is not None and self.plan.spec.layout.ctx_tp_size == 1:  # (CUDA devices, one ctx's pools)
             pools = self.r.pools.get(target(self.ticket.ctx_endpoint), self.client, self.device)
         if pools is not None and self.ticket.pull_grant is not None:
             granted = GrantedPull(self, pools, self.ticket.pull_grant)
@@ -99,7 +100,7 @@ class Inbound:
         handle, spec = self.handle, self.plan.spec
         req = pb.ShardRequest(
             ctx_request_id=self.ticket.ctx_request_id, gen_rank=self.r.gen_rank, cp_rank=spec.cp_rank,
-            cp_size=spec.cp_size, layout_json=self.r.layout.model_dump_json(), ucx_worker_address=self.r.plane.address,
+            cp_size=spec.cp_size, layout_json=spec.layout.model_dump_json(), ucx_worker_address=self.r.plane.address,
             tag_base=self.tag_base, num_prompt_tokens=spec.num_tokens, max_message_bytes=self.plan.message_bytes,
             deadline_ms=int(deadline_s * 1e3), dst_block_ids=handle.block_ids,
             dst_slot=-1 if handle.slot is None else handle.slot)

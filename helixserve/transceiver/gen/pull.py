@@ -110,6 +110,8 @@ class PullPair:
         outside its pool, or a shard the block tables do not cover."""
         if spec.layout is not self.layout and spec.layout != self.layout:
             raise ValueError("the shard's layout is not the one these pools were checked against")
+        if spec.layout.ctx_tp_size != 1:
+            raise ValueError(f"a pull copies a shard out of one ctx's pools, not ctx_tp_size {spec.layout.ctx_tp_size}")
         if spec.num_local_heads != self.dst_heads:
             raise ValueError(f"the shard has {spec.num_local_heads} KDA heads, this rank's pools {self.dst_heads}")
         groups: list[UnitGroup] = []

@@ -49,7 +49,7 @@ from helixserve.transceiver.control import target
 from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.gen.inbound import Inbound, Phase
 from helixserve.transceiver.cache_check import check_caches
-from helixserve.transceiver.layout import ShardSpec, check_layout
+from helixserve.transceiver.layout import LayoutMismatchError, ShardSpec, check_layout
 from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.gen.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
@@ -102,7 +102,8 @@ class KVReceiver:
         self.pools = PoolDirectory(gen_rank, layout, enabled=config.cuda_ipc)
         self.num_pulled = 0  # shards copied out of a ctx's pools (cuda_ipc), not sent
         self.num_granted = 0  # of those, copied on the ctx's grant (no RequestShard)
-        self.inbounds: dict[str, Inbound] = {}
+        self.inbounds: dict[str, Inbound] = {}  # each request's (first) inbound
+        self._fanned: dict[str, list[Inbound]] = {}  # a request from several ctx ranks: an inbound per rank
         self._reported: set[str] = set()
         self._acks: list = []
         self._tags = itertools.count(1)
@@ -110,6 +111,10 @@ class KVReceiver:
     def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches,
               ticket: KVTicket | DisaggregatedParams) -> None:
         """Receive `request_id`'s shard into `handle` (blocks and slot of `caches`).
+
+        A ticket of a ctx world (``ctx_endpoints``) is received from each ctx rank holding part of
+        this rank's shard (`KVTicket.source_tickets`): an inbound per rank, each its task per kind
+        in the request's one session, so the request completes, fails and is cancelled as one.
 
         Transfer-level problems (layout mismatch, refused, unreachable, timeout) are reported by
         `poll`, never raised; a duplicate id, a handle too small for the prompt or params that are
@@ -122,21 +127,43 @@ class KVReceiver:
         device = check_caches(self.layout, caches, self.layout.num_kda_heads // self.cp_size, remember=True)
         session = ReceiverSession(request_id, timeout_s=self.config.timeout_s, clock=self.clock,
                                   wakeup=self.poller.wakeup)  # (the poller's: `add` sets it anyway)
-        inbound = Inbound(self, request_id, ticket, handle, caches, next(self._tags), device)
-        kind_bytes = dict.fromkeys(inbound.plan.kinds, 0)
-        for seg in inbound.plan.segments:  # (its messages cut its segments: the same bytes)
-            kind_bytes[seg.kind] += seg.nbytes
-        for kind, nbytes in kind_bytes.items():
-            session.add_task(0, kind, nbytes)
+        inbounds = [Inbound(self, request_id, source, handle, caches, next(self._tags), device)
+                    for source in ticket.source_tickets(self.cp_rank, self.cp_size)]
+        kind_bytes = [dict.fromkeys(inbound.plan.kinds, 0) for inbound in inbounds]
+        for inbound, sizes in zip(inbounds, kind_bytes):
+            for seg in inbound.plan.segments:  # (its messages cut its segments: the same bytes)
+                sizes[seg.kind] += seg.nbytes
+        for peer, sizes in enumerate(kind_bytes):
+            for kind, nbytes in sizes.items():
+                session.add_task(peer, kind, nbytes)
         self.poller.add(session)
-        self.inbounds[request_id] = inbound
-        for kind in kind_bytes:
-            session.attach(0, kind, KindHandle(inbound, kind))  # anchors the deadline
+        self.inbounds[request_id] = inbounds[0]
+        if len(inbounds) > 1:
+            self._fanned[request_id] = inbounds
+        for peer, (inbound, sizes) in enumerate(zip(inbounds, kind_bytes)):
+            for kind in sizes:
+                session.attach(peer, kind, KindHandle(inbound, kind))  # anchors the deadline
         try:
-            check_layout(self.layout, ticket.layout, "gen", inbound.ctx)
+            check_layout(self.layout, ticket.layout, "gen", inbounds[0].ctx)
+            if ticket.layout.ctx_tp_size != 1 and not ticket.ctx_endpoints:  # one rank's part is not the shard
+                raise LayoutMismatchError(f"{inbounds[0].ctx}: a ctx world of ctx_tp_size {ticket.layout.ctx_tp_size} "
+                                          "holds the request, the ticket names none of its ranks' endpoints")
         except ValueError as error:
-            return inbound.fail_unsent(str(error))
-        inbound.request(session.remaining())  # starts its transport (the tagged stream posts every receive)
+            for inbound in inbounds:
+                inbound.fail_unsent(str(error))
+            return None
+        for inbound in inbounds:
+            inbound.request(session.remaining())  # starts its transport (the tagged stream posts every receive)
+        return None
+
+    def inbounds_of(self, request_id: str) -> list[Inbound]:
+        """The inbounds of a request: one per ctx rank it is received from."""
+        return self._fanned.get(request_id) or [self.inbounds[request_id]]
+
+    def _every_inbound(self) -> list[Inbound]:
+        if not self._fanned:
+            return list(self.inbounds.values())
+        return [inbound for request_id in self.inbounds for inbound in self.inbounds_of(request_id)]
 
     def poll(self, wait_num: int | None = 0, interval_s: float = 0.0) -> dict[str, str | None]:
         """Bounded local poll; transfers that ended since the last call: ``id -> None`` (complete:
@@ -169,9 +196,9 @@ class KVReceiver:
             self.progress()
             self.clock.wait(None, DEFAULT_TICK_S)
         if not session.is_quiesced:
-            inbound = self.inbounds[request_id]
-            if inbound.phase is not Phase.CLOSED:
-                inbound.close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
+            for inbound in self.inbounds_of(request_id):
+                if inbound.phase is not Phase.CLOSED:
+                    inbound.close(may_still_send=None)  # drain overran: retract, sinks absorb late messages
             limit = self.clock.monotonic() + RETRACT_WAIT_S
             while not session.is_quiesced and self.clock.monotonic() < limit:
                 self.clock.wait(None, DEFAULT_TICK_S)
@@ -192,14 +219,14 @@ class KVReceiver:
         """None when no pull is in flight or may start (none pulling, none asking a ctx whose
         pools it has open); else a probe that says True once for each pulled copy that ended
         since it was made (pulls a sweep launches too), so that the poller sweeps at once."""
-        inbounds = self.inbounds
-        if not any(i.phase is Phase.TRANSFERRING and i.transport.pulls for i in inbounds.values()):
+        inbounds = self._every_inbound()
+        if not any(i.phase is Phase.TRANSFERRING and i.transport.pulls for i in inbounds):
             return None
         seen: set[int] = set()
 
         def ended() -> bool:
             found = False
-            for inbound in inbounds.values():
+            for inbound in inbounds:
                 copy = inbound.transport.copy
                 if inbound.phase is Phase.TRANSFERRING and copy is not None and id(copy) not in seen and copy.is_done():
                     seen.add(id(copy))
@@ -217,9 +244,11 @@ class KVReceiver:
             self.poller.sessions.pop(request_id)
         else:
             self.poller.retire(request_id)  # raises: not quiesced
-        inbound = self.inbounds.pop(request_id)
-        if inbound.phase is not Phase.CLOSED:
-            inbound.close(may_still_send=None)  # (nothing is posted any more once complete)
+        for inbound in self.inbounds_of(request_id):
+            if inbound.phase is not Phase.CLOSED:
+                inbound.close(may_still_send=None)  # (nothing is posted any more once complete)
+        self.inbounds.pop(request_id)
+        self._fanned.pop(request_id, None)
         self._reported.discard(request_id)
 
     def fail(self, request_id: str, reason: str) -> None:
@@ -230,7 +259,8 @@ class KVReceiver:
 
     def error_of(self, request_id: str) -> str:
         session = self.poller.sessions[request_id]
-        inbound = self.inbounds[request_id]
+        inbounds = self.inbounds_of(request_id)
+        inbound = next((i for i in inbounds if i.error), inbounds[0])  # the ctx rank that failed it
         return (f"request {request_id}: KV transfer from {inbound.ctx} to gen rank {self.gen_rank} "
                 f"failed: {inbound.error or session.error}")
 
@@ -240,7 +270,7 @@ class KVReceiver:
 
     def close(self) -> None:
         """Shut down: close every transfer (frees nothing: the caller owns the handles)."""
-        for inbound in self.inbounds.values():
+        for inbound in self._every_inbound():
             if inbound.phase is not Phase.CLOSED:
                 inbound.close()
         self.plane.close()  # closing the endpoints cancels whatever is still posted
@@ -248,12 +278,13 @@ class KVReceiver:
 
     def _drive(self) -> None:
         """Start draining transfers whose session ended without success; progress the drains."""
-        for request_id, inbound in self.inbounds.items():
+        for request_id in self.inbounds:
             session = self.poller.sessions[request_id]
-            if session.state.is_settled and session.state is not TransferState.COMPLETED:
-                inbound.stop(session.error or session.state.value)
-            if inbound.phase is Phase.DRAINING:
-                inbound.advance()
+            for inbound in self.inbounds_of(request_id):
+                if session.state.is_settled and session.state is not TransferState.COMPLETED:
+                    inbound.stop(session.error or session.state.value)
+                if inbound.phase is Phase.DRAINING:
+                    inbound.advance()
         self._acks = [f for f in self._acks if not f.done()]
 
     def warm_up(self, device: torch.device) -> None:
