@@ -45,10 +45,7 @@ def test_serve_ctx_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
                    gen={"dp": 1, "cp": 1, "kv_source": "recompute"})
     (master_port,) = free_ports(1)
     try:
-        for task in (1, 0):
-            d.start("ctx", env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "SLURM_PROCID": str(task),
-                                "SLURM_NTASKS": str(TP), "SLURM_LOCALID": str(task), "MASTER_ADDR": "127.0.0.1",
-                                "MASTER_PORT": str(master_port)}, name=f"ctx-task{task}")
+        d.start_srun_tasks("ctx", TP, master_port)
         d.start("baseline")
         for url in (d.ctx_url, d.baseline_url):
             wait_until(lambda u=url: _status(f"{u}/ready") == 200, 180, f"{url}/ready",
@@ -60,10 +57,7 @@ def test_serve_ctx_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
             want = http("POST", f"{d.baseline_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
             assert got[0] == want[0] == 200, (got, want)
             assert got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
-        d.kill("ctx-task1")
-        assert d.procs["ctx-task0"].wait(60) == 1
-        assert "the ctx world stopped" in d.log("ctx-task0") and "srun / torchrun" in d.log("ctx-task0")
-        d.procs.pop("ctx-task0")
+        d.kill_task1_and_expect_task0_to_fail("ctx")
     finally:
         d.stop()
 

@@ -167,6 +167,17 @@ def submit(cluster: Cluster, work: Path, *launcher_args: str) -> str:
     return result.stdout.strip().split(";")[0]
 
 
+def wait_for_ready(cluster: Cluster, job_id: str, job_dir: Path, output: Path, timeout_s: float) -> None:
+    """Until the launcher wrote ``<job dir>/ready``; the job leaving the queue first fails."""
+    deadline = time.monotonic() + timeout_s
+    while not (job_dir / "ready").is_file():
+        state = job_state(cluster, job_id)
+        assert state in {"PENDING", "CONFIGURING", "RUNNING"}, (
+            f"job {job_id} is {state or 'gone'} before /ready:\n{output.read_text() if output.exists() else ''}")
+        assert time.monotonic() < deadline, f"job {job_id} not ready in {timeout_s:.0f} s:\n{output.read_text()}"
+        time.sleep(0.3)
+
+
 def wait_until_gone(cluster: Cluster, job_id: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while job_state(cluster, job_id):
@@ -192,13 +203,7 @@ def test_sbatch_serves_the_local_launchers_answers_and_scancel_leaves_nothing(
     job_id = submit(slurm_cluster, tmp_path, "-c", str(config), "--job-dir", str(job_dir),
                     "--ready-timeout", "150", "--grace", "5")
     output = tmp_path / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 200
-    while not (job_dir / "ready").is_file():
-        state = job_state(slurm_cluster, job_id)
-        assert state in {"PENDING", "CONFIGURING", "RUNNING"}, (
-            f"job {job_id} is {state or 'gone'} before /ready:\n{output.read_text() if output.exists() else ''}")
-        assert time.monotonic() < deadline, f"job {job_id} not ready in 200 s:\n{output.read_text()}"
-        time.sleep(0.3)
+    wait_for_ready(slurm_cluster, job_id, job_dir, output, 200)
     url = (job_dir / "ready").read_text().strip()
     print(f"\njob {job_id} ready at {url} {time.monotonic() - began:.1f} s after sbatch")
     assert url.endswith(f":{router_port}")
@@ -332,13 +337,7 @@ def test_sbatch_runs_a_ctx_world_as_one_step_of_two_tasks(
     job_id = submit(slurm_cluster.with_env(HELIXSERVE_INTERNAL_SECRET=secret), tmp_path, "-c", str(config),
                     "--placement", str(placement), "--job-dir", str(job_dir), "--ready-timeout", "150", "--grace", "5")
     output = tmp_path / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 200
-    while not (job_dir / "ready").is_file():
-        state = job_state(slurm_cluster, job_id)
-        assert state in {"PENDING", "CONFIGURING", "RUNNING"}, (
-            f"job {job_id} is {state or 'gone'} before /ready:\n{output.read_text() if output.exists() else ''}")
-        assert time.monotonic() < deadline, f"job {job_id} not ready in 200 s:\n{output.read_text()}"
-        time.sleep(0.3)
+    wait_for_ready(slurm_cluster, job_id, job_dir, output, 200)
     url = (job_dir / "ready").read_text().strip()
     placed = yaml.safe_load((job_dir / "config.yaml").read_text())
     ctx_url = f"http://{placed['ctx'][0]['host']}:{placed['ctx'][0]['port']}"
