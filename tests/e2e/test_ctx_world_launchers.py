@@ -1,5 +1,6 @@
 """A ctx world (``ctx.tp: 2``, gloo, CPU) started by the launchers: ``serve-ctx`` run as the
-world's tasks (as srun runs it for the SLURM launcher: task 0 serves HTTP, task 1 is rank 1), and
+world's tasks (as srun runs it for the SLURM launcher: task 0 serves HTTP, task 1 is rank 1), under
+torchrun, and
 ``helixserve launch`` with a ctx world and a recompute gen worker (the ctx worker spawns its rank;
 the deployment comes up behind the router, and the router's ``context_only`` hop is refused with the
 ctx world's 400 naming tp: a ctx world's KV cannot be sent yet)."""
@@ -58,6 +59,35 @@ def test_serve_ctx_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
             assert got[0] == want[0] == 200, (got, want)
             assert got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
         d.kill_task1_and_expect_task0_to_fail("ctx")
+    finally:
+        d.stop()
+
+
+def test_serve_ctx_under_torchrun_is_one_world(tmp_path, k3_tiny):
+    """``torchrun --nproc-per-node 2 -m helixserve.cli serve-ctx``: its agent serves the rendezvous
+    store on MASTER_PORT; rank 0 serves (no rank spawned) and answers as the single-process worker."""
+    d = Deployment(tmp_path, k3_tiny, baseline_gen=True, ctx={"tp": TP, "collective_timeout_s": 30},
+                   gen={"dp": 1, "cp": 1, "kv_source": "recompute"})
+    (master_port,) = free_ports(1)
+    try:
+        with open(tmp_path / "ctx.log", "ab") as log:
+            d.procs["ctx"] = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-addr",
+                 "127.0.0.1", "--master-port", str(master_port), "-m", "helixserve.cli", "--log-level", "WARNING",
+                 "serve-ctx", "-c", str(d.config_file)],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=d.environment())
+        d.start("baseline")
+        torchrun = d.procs["ctx"]
+        for url in (d.ctx_url, d.baseline_url):
+            wait_until(lambda u=url: _status(f"{u}/ready") == 200 or torchrun.poll() is not None, 180, f"{url}/ready",
+                       state=lambda: d.log("ctx")[-800:])
+        assert torchrun.poll() is None, d.log("ctx")
+        health = http("GET", f"{d.ctx_url}/health")[1]
+        assert health["world"] == {"dp": 1, "cp": TP, "rank_pids": [None], "failure": None, "restarts": 0}
+        for seed, n in enumerate((1, 17)):
+            got = http("POST", f"{d.ctx_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
+            want = http("POST", f"{d.baseline_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
+            assert got[0] == want[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
     finally:
         d.stop()
 
