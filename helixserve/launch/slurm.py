@@ -132,7 +132,7 @@ def place(deploy: DeploymentConfig, placement: Placement, hosts: list[str]) -> D
     """The deployment with every server bound to (and reached at) its node's address.
 
     A GPU worker's ``cuda:N`` becomes ``cuda``: its step sees only the GPUs SLURM gave it, and a
-    gen rank picks ``cuda:SLURM_LOCALID`` among them.
+    world's rank (gen, or ctx of ``tp > 1``) picks ``cuda:SLURM_LOCALID`` among them.
     """
     assert placement.ctx is not None and placement.gen is not None, "resolve the placement first"
     data = deploy.model_dump(mode="json")
