@@ -9,18 +9,28 @@ position. The random-weight presets do not continue their prompts' patterns, so 
 stays low on both sets here; the rows measure the verify step's cost (k + 1 rows per sequence,
 eager, no overlap) against a plain decode step.
 
+The cost of a step that drafts nothing, at batch 64: speculation on (prompt lookup of 5-grams)
+over prompts of distinct ids, where lookup finds nothing to draft, so every step is a plain
+decode step plus the drafter's lookups. Plain and speculative runs alternate ``--repeats``
+times; the ratio is the median over rounds of the round's speculative / plain tok/s, in wall
+time and in this process's CPU time (``time.process_time`` over the decode steps: less sensitive
+to other processes on a shared machine); tok/s are each side's best. A second plain engine runs
+in every round too: its median ratio to the first is the noise floor.
+
 Also printed: the KDA rollback's memory per speculating sequence for the full presets, replay
 (saved inputs + one pre-step state, what the engine does) against keeping the verify step's
 per-position states.
 
-    python bench/spec_decode.py [--quick] [--out FILE] [--num-draft-tokens K]
+    python bench/spec_decode.py [--quick] [--out FILE] [--num-draft-tokens K] [--repeats N]
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +91,45 @@ def rows_for(ckpt: Path, k: int, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def nothing_drafted_row(ckpt: Path, k: int, quick: bool, repeats: int, batch: int = 64) -> dict[str, Any]:
+    """Plain vs speculative decode tok/s where the drafter finds nothing (see the module docstring)."""
+    cache = CacheConfig(tokens_per_block=16, max_num_seqs=batch, memory_budget_mib=256)
+    spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
+                                                                prompt_lookup_min=5, prompt_lookup_max=5))
+    engines = {"plain": LLM(ckpt, cache=cache), "spec": spec, "control": LLM(ckpt, cache=cache)}
+    vocab = spec.model_config.vocab_size
+    prompts = [random.Random(i).sample(range(vocab), 64) for i in range(batch)]  # distinct ids
+    params = SamplingParams(max_tokens=16 if quick else 48, temperature=0.0, ignore_eos=True)
+    for name, llm in engines.items():
+        decode(llm, prompts[:1], params, f"warm-{name}")
+    drafted = spec.engine.spec_stats.num_draft_tokens
+    runs: dict[str, list[tuple[float, float, list[list[int]]]]] = {name: [] for name in engines}
+    for i in range(repeats):
+        for name, llm in engines.items():
+            runs[name].append(cpu_timed_decode(llm, prompts, params, f"{name}-none-{i}"))
+    best = {name: (max(r[0] for r in rs), max(r[1] for r in rs)) for name, rs in runs.items()}
+
+    def ratio(name: str, clock: int) -> float:  # median over rounds of name / plain
+        return statistics.median(r[clock] / p[clock] for r, p in zip(runs[name], runs["plain"]))
+    return {"batch": batch, "plain_tok_s": best["plain"][0], "spec_tok_s": best["spec"][0],
+            "ratio": ratio("spec", 0), "plain_tok_per_cpu_s": best["plain"][1],
+            "spec_tok_per_cpu_s": best["spec"][1], "cpu_ratio": ratio("spec", 1),
+            "control_ratio": ratio("control", 0), "control_cpu_ratio": ratio("control", 1),
+            "equal": runs["spec"][-1][2] == runs["plain"][-1][2],
+            "drafted": spec.engine.spec_stats.num_draft_tokens - drafted, "repeats": repeats,
+            "max_new_tokens": params.max_tokens}
+
+
+def cpu_timed_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str
+                     ) -> tuple[float, float, list[list[int]]]:
+    """Decode tok/s in wall time and per CPU second of this process (both over the decode steps)."""
+    start: list[float] = []
+    run = run_decode(llm.engine, [f"{tag}-{i}" for i in range(len(prompts))], prompts, params,
+                     on_decode_start=lambda: start.append(time.process_time()))
+    cpu = time.process_time() - start[0]
+    return run.decode_tokens / run.decode_seconds, run.decode_tokens / cpu, run.tokens
+
+
 def rollback_memory(k: int) -> list[dict[str, Any]]:
     """Bytes per speculating sequence over every KDA layer: replay vs per-position states."""
     out = []
@@ -102,11 +151,13 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the batch-64 row (median ratio)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
         rows = rows_for(ckpt, args.num_draft_tokens, args.quick)
+        none = nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats)
     memory = rollback_memory(args.num_draft_tokens)
     print(f"kimi-linear-tiny, k = {args.num_draft_tokens}, CPU, {args.threads} threads")
     print(markdown_table(["prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
@@ -114,10 +165,18 @@ def main() -> None:
                          [[r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
                            r["drafted"], r["acceptance"], r["acceptance_per_position"]] for r in rows]))
     print()
+    print(f"nothing drafted (5-gram lookup over distinct ids), batch {none['batch']}, median of {none['repeats']} rounds")
+    print(markdown_table(["batch", "plain tok/s", "spec tok/s", "ratio", "plain tok/CPU s", "spec tok/CPU s",
+                          "CPU ratio", "plain/plain (noise)", "equal", "drafted"],
+                         [[none["batch"], none["plain_tok_s"], none["spec_tok_s"], none["ratio"],
+                           none["plain_tok_per_cpu_s"], none["spec_tok_per_cpu_s"], none["cpu_ratio"],
+                           f"{none['control_ratio']:.2f} / {none['control_cpu_ratio']:.2f}",
+                           none["equal"], none["drafted"]]]))
+    print()
     print(markdown_table(["preset", "KDA layers", "replay MiB/seq", "per-position states MiB/seq"],
                          [[m["preset"], m["kda_layers"], m["replay_mib"], m["per_position_mib"]] for m in memory]))
     write_json(args.out, {"machine": machine_info(), "num_draft_tokens": args.num_draft_tokens,
-                          "decode": rows, "rollback_memory": memory})
+                          "decode": rows, "nothing_drafted": none, "rollback_memory": memory})
 
 
 if __name__ == "__main__":

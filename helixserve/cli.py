@@ -66,14 +66,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     speculative = None
     if args.speculative is not None:
-        if args.dp * args.cp > 1:
-            raise SystemExit("--speculative runs in a single process (dp = cp = 1)")
         speculative = SpeculativeConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens)
     if args.dp * args.cp > 1:
         from helixserve.launch.offline import generate_on_world
 
         result = generate_on_world(args.model, args.prompt, args.prompt_ids, params, dp=args.dp, cp=args.cp,
-                                   dtype=args.dtype, load_format=args.load_format, enforce_eager=args.enforce_eager)
+                                   dtype=args.dtype, load_format=args.load_format, enforce_eager=args.enforce_eager,
+                                   speculative=speculative)
     else:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
                   load_format=args.load_format, speculative=speculative)

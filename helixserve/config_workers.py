@@ -106,17 +106,8 @@ class GenServerConfig(WorldWorkerConfig):
         "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
     connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
     speculative: SpeculativeConfig | None = Field(None, description=(
-        "speculative decoding in this worker's engine (None: off); a single-process gen worker "
-        "only (kv_source recompute, dp = cp = 1)"))
-
-    @model_validator(mode="after")
-    def _check_speculative(self) -> GenServerConfig:
-        if self.speculative is not None and self.runs_world:
-            raise ValueError(
-                f"gen.speculative is not supported in a gen world yet (dp={self.dp}, cp={self.cp}, "
-                f"kv_source={self.kv_source!r}): it runs in a single-process gen worker only "
-                "(kv_source: recompute, dp: 1, cp: 1)")
-        return self
+        "speculative decoding in this worker's engine (None: off); in a world each CP group's "
+        "leader drafts and verifies, every rank runs the verify rows on its shard"))
 
     @property
     def world_size(self) -> int:

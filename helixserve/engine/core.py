@@ -12,10 +12,10 @@ HTTP. It runs in two places:
   before it runs here and shares the sampled tokens. Requests whose prompt cache arrives from a ctx worker enter
   through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
-With ``speculative`` (a single process; the ``ngram`` drafter) a decoding request's row carries
-its draft tokens, the target verifies them in the same forward and a rejection rolls its KDA
-state back (:mod:`helixserve.engine.spec`); verify steps run eagerly (no decode CUDA graph fits
-them) and overlapped decoding is off. Without it nothing of that runs.
+With ``speculative`` (the ``ngram`` drafter) a decoding request's row carries its draft tokens,
+the target verifies them in the same forward and a rejection rolls its KDA state back
+(:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); verify steps run
+eagerly (no decode CUDA graph fits them) and overlapped decoding is off.
 
 A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
 and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
@@ -47,6 +47,7 @@ from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.leader import GroupLeader
 from helixserve.engine.step_prepare import failing_alone, without
+from helixserve.kernels.triton_common import batch_invariant_enabled
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
@@ -71,8 +72,6 @@ class EngineCore:
         mapping = groups.mapping if groups is not None else None
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
-        if speculative is not None and groups is not None:
-            raise ValueError("speculative decoding runs in a single-process engine only, not in a gen world")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp, is_world=groups is not None)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
@@ -99,14 +98,11 @@ class EngineCore:
         if model_config.eos_token_id is not None:
             eos.add(model_config.eos_token_id)
         self.scheduler = Scheduler(
-            self.cache_manager,
-            max_num_seqs=cache.max_num_seqs,
-            max_num_batched_tokens=step_token_budget(cache, scheduler),
-            max_model_len=max_model_len,
-            eos_token_ids=eos,
-            detokenize=tokenizer.decode if tokenizer else None,
+            self.cache_manager, max_num_seqs=cache.max_num_seqs,
+            max_num_batched_tokens=step_token_budget(cache, scheduler), max_model_len=max_model_len,
+            eos_token_ids=eos, detokenize=tokenizer.decode if tokenizer else None,
             drafter=NgramDrafter(speculative, max_model_len) if speculative is not None else None,
-        )
+            aligned_chunks=batch_invariant_enabled())
         self.spec_stats = SpecDecodeStats()
         self._params: dict[str, SamplingParams] = {}
         # overlapped decoding pays where the device runs ahead of the host: with CUDA graphs
@@ -352,18 +348,22 @@ class EngineCore:
                 input_tokens = self._drop(out, input_tokens, culprits, failed)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> LaunchedStep:
-        """Sample ``out``'s sampled rows (a world's leader shares the tokens with its group; a
-        verify step's drafts are a single process's: speculative decoding runs there only)."""
+        """Sample ``out``'s sampled rows, or verify its drafts (a world's leader shares the tokens
+        with its group; it alone verifies)."""
         if self.group is None:
             return self.runner.sample(out, logits, self._params)
         return self.group.sample(out, logits, self._params)
 
     def _verified(self, out: SchedulerOutput, launched: LaunchedStep) -> None:
-        """A verify step's accepted drafts counted, the KDA state of rejected ones rolled back."""
+        """A verify step's accepted drafts counted, the KDA state of rejected ones rolled back
+        (on every rank of a world's group)."""
         assert launched.verified is not None
         self.spec_stats.add(launched.verified.accepted)
         if launched.kda_record is not None:
-            self.runner.rollback(launched.kda_record, kept_rows(out, launched.kda_record, self.scheduler.get_request))
+            keep = kept_rows(out, launched.kda_record, self.scheduler.get_request)
+            self.runner.rollback(launched.kda_record, keep)
+            if self.group is not None:
+                self.group.share_rollback(keep)
 
     def _drop(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, culprits: dict[str, str],
               failed: list[RequestUpdate]) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ from helixserve.engine.request import Request, RequestStatus
 from helixserve.engine.scheduler_output import RequestUpdate, ScheduledSeq, SchedulerOutput
 from helixserve.engine.spec.accept import append_verified_tokens
 from helixserve.engine.spec.drafting import NgramDrafter
-from helixserve.engine.step_rows import is_decode, schedule_chunk
+from helixserve.engine.step_rows import chunk_stop, is_decode, schedule_chunk
 from helixserve.engine.stop import Detokenize, StopChecker, stop_checker_for
 from helixserve.kvcache.manager import CacheManager
 
@@ -58,6 +58,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         detokenize: Detokenize | None = None,
         drafter: NgramDrafter | None = None,
+        aligned_chunks: bool = False,
     ) -> None:
         if not 1 <= max_num_seqs <= max_num_batched_tokens:
             raise ValueError(
@@ -73,6 +74,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.drafter = drafter
+        # batch-invariant prefill: chunks end at multiples of a unit that always fits beside a full
+        # set of decode rows (with their drafts), so the first prompt chunk of a step always runs
+        decode_rows = max_num_seqs * (1 + (drafter.num_draft_tokens if drafter is not None else 0))
+        self.chunk_unit = max(1, max_num_batched_tokens - decode_rows) if aligned_chunks else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; preemption takes from the end
         self._requests: dict[str, Request] = {}
@@ -223,11 +228,13 @@ class Scheduler:
             if budget == 0:
                 break
             if not is_decode(request):
-                budget -= schedule_chunk(self.cache, request, budget, out)
+                budget -= schedule_chunk(self.cache, request, budget, out, self.chunk_unit)
         if out.preempted_ids:
             return out
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if chunk_stop(request, budget, self.chunk_unit) == 0:
+                break  # its aligned first chunk needs a step with more room
             hit = prefix_hit(self.cache, request)
             if not can_admit(request, len(self.running), self.max_num_seqs, self.cache, hit):
                 break  # back-pressure
@@ -235,7 +242,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            budget -= schedule_chunk(self.cache, request, budget, out)
+            budget -= schedule_chunk(self.cache, request, budget, out, self.chunk_unit)
         return out
 
     # -- postprocess ---------------------------------------------------------------------------

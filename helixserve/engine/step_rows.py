@@ -2,7 +2,10 @@
 or a decode scheduled ahead, with its context length and block table.
 
 Only the final chunk of a prefill is sampled. With prefix caching a chunk may stop short of the
-budget, at a KDA state checkpoint position (:mod:`helixserve.engine.prefix_steps`).
+budget, at a KDA state checkpoint position (:mod:`helixserve.engine.prefix_steps`). With batch
+invariance (``model.deterministic``) a prompt's chunks end at multiples of a fixed unit, so the
+same prompt is split alike whatever it is batched with (a chunk boundary changes the bits of the
+KDA recurrence and of the MLA prefill).
 """
 
 from __future__ import annotations
@@ -19,10 +22,26 @@ def is_decode(request: Request) -> bool:
     return outputs > 0 and request.num_computed_tokens == len(request.prompt_token_ids) + outputs - 1
 
 
-def schedule_chunk(cache: CacheManager, request: Request, budget: int, out: SchedulerOutput) -> int:
-    """Append the request's next prompt chunk (at most ``budget`` tokens); its token count."""
+def chunk_stop(request: Request, budget: int, chunk_unit: int | None) -> int:
+    """Where the request's next prompt chunk ends: ``budget`` tokens on, or with ``chunk_unit``
+    (batch-invariant prefill) at the next multiple of it, whatever the step's other rows; 0 when
+    that aligned chunk does not fit in ``budget`` (it waits for a step with room)."""
     start = request.num_computed_tokens
-    plan = plan_chunk(cache, request, start, min(request.num_tokens, start + budget))
+    if chunk_unit is None:
+        return min(request.num_tokens, start + budget)
+    stop = min(request.num_tokens, (start // chunk_unit + 1) * chunk_unit)
+    return stop if stop - start <= budget else 0
+
+
+def schedule_chunk(cache: CacheManager, request: Request, budget: int, out: SchedulerOutput,
+                   chunk_unit: int | None = None) -> int:
+    """Append the request's next prompt chunk (at most ``budget`` tokens; see :func:`chunk_stop`);
+    its token count (0: none this step)."""
+    start = request.num_computed_tokens
+    stop = chunk_stop(request, budget, chunk_unit)
+    if stop == 0:
+        return 0
+    plan = plan_chunk(cache, request, start, stop)
     token_ids = request.token_ids_between(start, plan.stop)
     seq = scheduled_seq(cache, request, token_ids, is_prefill=True, sample=plan.stop == request.num_tokens)
     seq.restore_checkpoint, seq.save_checkpoint = plan.restore_checkpoint, plan.save_checkpoint

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from helixserve.config import CacheConfig, SchedulerConfig, WorldRunConfig
+from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
@@ -66,6 +66,7 @@ class WorldOptions:
     # on CUDA captures its decode steps as CUDA graphs. Opt-in: that capture has not run on GPUs
     # yet (the two-GPU issue checks it), and eagerly the padded path is slower on the CPU
     static_moe: bool = False
+    speculative: SpeculativeConfig | None = None  # drafted and verified on each CP group's leader
 
 
 def uses_static_moe(options: WorldOptions, mapping: Mapping, device: torch.device) -> bool:
@@ -100,7 +101,8 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
         model.helix.set_static(step_token_budget(options.cache, options.scheduler), lse_rows=options.cache.max_num_seqs)
     if mapping.cp_rank == 0:
         return EngineCore(model, model.cfg, tokenizer_of(model_dir, options.load_format), options.cache, options.scheduler, groups.device,
-                          options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver)
+                          options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver,
+                          speculative=options.speculative)
     spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, is_world=True)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)

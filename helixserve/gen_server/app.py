@@ -68,6 +68,8 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
         world.close()
         raise
     worker.failure = world.failure
+    if server.speculative is not None:  # every CP group's counts, through the current world's driver
+        worker.export_spec_decode(lambda: world.driver.spec_stats)
     logger.info("gen worker drives a dp=%d x cp=%d world (kv_source %s)", server.dp, server.cp, server.kv_source)
     return _app(worker, kv_source, deploy, server, world)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from helixserve.config import SpeculativeConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import GenerationResult, WorldDriver, drive_to_completion
@@ -67,7 +68,8 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
 
 def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: list[int] | None,
                       params: SamplingParams, *, dp: int, cp: int, dtype: str | None = None,
-                      load_format: LoadFormat = "auto", enforce_eager: bool = False) -> GenerationResult:
+                      load_format: LoadFormat = "auto", enforce_eager: bool = False,
+                      speculative: SpeculativeConfig | None = None) -> GenerationResult:
     """One prompt (text or ids) on a local dp x cp world; what ``helixserve generate --dp --cp`` prints.
 
     ``dtype`` None means float32, the single-process CLI's CPU default, on GPUs too: the output is
@@ -77,4 +79,5 @@ def generate_on_world(model_dir: str | Path, prompt: str | None, prompt_ids: lis
     if source is None:
         raise ValueError("give a prompt or prompt ids")
     return generate_many_on_world(model_dir, [source], params, dp=dp, cp=cp, options=WorldOptions(
-        dtype=dtype or "float32", load_format=load_format, use_cuda_graphs=not enforce_eager))[0]
+        dtype=dtype or "float32", load_format=load_format, use_cuda_graphs=not enforce_eager,
+        speculative=speculative))[0]

@@ -19,7 +19,8 @@ label added. Names and types as vLLM exports them (``vllm/v1/metrics/loggers.py`
 | ``vllm:gpu_cache_usage_perc`` | gauge | the same (vLLM's name for it before 0.9) |
 
 The KV usage gauges keep our ``role`` and ``url`` labels: one sample per worker, a fraction
-(1 = every MLA cache block in use), from the same last health check as the worker gauges.
+(1 = every MLA cache block in use), from the same last health check as the worker gauges. The
+speculating workers' ``vllm:spec_decode_*`` counters: :mod:`helixserve.router.spec_metrics`.
 """
 
 from __future__ import annotations

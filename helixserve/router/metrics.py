@@ -9,6 +9,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from helixserve.router.metric_aliases import VllmAliases, worker_stat
 from helixserve.router.pool import WorkerPool
+from helixserve.router.spec_metrics import SpecDecodeCollector
 from helixserve.serving.connection_metrics import ConnectionCollector, ConnectionCounts
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -52,7 +53,7 @@ class _PoolCollector:
 class RouterMetrics:
     """Ours (``helixserve_router_*``) and, from the same metric objects, vLLM's names for the
     latency, token, running/waiting and KV usage ones (``metric_aliases.py``), labelled with
-    ``model_name``."""
+    ``model_name``; the workers' speculative decoding counters under both (``spec_metrics.py``)."""
 
     def __init__(self, pools: Callable[[], list[WorkerPool]], model_name: str,
                  connections: ConnectionCounts = lambda: None) -> None:
@@ -93,6 +94,7 @@ class RouterMetrics:
             (self.running, "vllm:num_requests_running"),
             (self.waiting, "vllm:num_requests_waiting"),
         ], pools))
+        r.register(SpecDecodeCollector(pools, model_name))
 
     def count_usage(self, usage: dict | None) -> None:
         if isinstance(usage, dict):

@@ -16,7 +16,6 @@ from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
 from helixserve.serving.prefix_metrics import PrefixCacheCollector
-from helixserve.serving.spec_metrics import SpecDecodeCollector
 from helixserve.serving.worker_app import Worker
 from helixserve.transceiver.layout import layout_for
 
@@ -55,7 +54,7 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
     worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
                        core.layout.max_model_len, max_queue_len)
     if speculative is not None:
-        worker.registry.register(SpecDecodeCollector(lambda: core.spec_stats, {"role": role}))
+        worker.export_spec_decode(lambda: driver.spec_stats)
     if isinstance(core.cache_manager, PrefixCachingCacheManager):
         worker.registry.register(PrefixCacheCollector(lambda: core.cache_manager, {"role": role}))
     logger.info("%s worker ready: %s", role, core.layout)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from helixserve.engine.async_engine import AsyncEngine, RequestOutput
 from helixserve.engine.errors import EngineError
+from helixserve.engine.spec.stats import SpecDecodeStats
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, InvalidRequestError, KVLayout, ModelCard,
@@ -43,6 +44,7 @@ from helixserve.serving.http import (OFF_LOOP_BYTES, BodyLimit, InternalErrors, 
                                     install_error_handlers, request_id_from,
                                     run_unless_disconnected)
 from helixserve.serving.openapi import GENERATION_ERRORS, Operation, install_openapi
+from helixserve.serving.spec_metrics import SpecDecodeCollector
 from helixserve.serving.openai_serving import (PreparedRequest, ServingLimits, answer_json,
                                                collect_outputs, prepare, sse_stream)
 from helixserve.serving.warm_up import WarmUp
@@ -114,6 +116,7 @@ class Worker:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # who may call (serving/auth.py)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)  # how long live requests get
     warm_up: WarmUp | None = None  # run by the lifespan before /ready (None: ready at once)
+    spec_stats: Callable[[], SpecDecodeStats] | None = None  # speculative decoding's counts (None: off)
 
     def __post_init__(self) -> None:
         self.requests = Counter("helixserve_worker_requests", "finished HTTP completion requests",
@@ -124,6 +127,12 @@ class Worker:
                                          "tokens generated", ["role"], registry=self.registry)
         self.registry.register(_EngineCollector(self))
         self.off_loop = OffLoop(self.role)
+
+    def export_spec_decode(self, stats: Callable[[], SpecDecodeStats]) -> None:
+        """Publish the engine's speculative decoding counts: on ``/metrics``, and in ``/stats``
+        and ``/ready`` as ``spec_decode`` (the router's health checks read them)."""
+        self.spec_stats = stats
+        self.registry.register(SpecDecodeCollector(stats, {"role": self.role}))
 
     def failure_cause(self) -> str | None:
         """Why this worker cannot serve now, or None."""
@@ -154,6 +163,7 @@ class Worker:
             "num_used_blocks": s.num_used_blocks, "num_slots": s.num_slots,
             "num_used_slots": s.num_used_slots, "capacity": self.engine.capacity,
             "warm_up": self.warm_up.describe() if self.warm_up is not None else None,
+            **({"spec_decode": asdict(self.spec_stats())} if self.spec_stats is not None else {}),
             **self.extra_stats(),
         }
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from helixserve.config import DeploymentConfig
+from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.core import EngineStats
 from helixserve.engine.errors import (EngineError, EngineUnavailableError, KVTransferError,
                                       KVTransferTimeoutError)
@@ -53,6 +54,8 @@ class WorldServerSettings(WorldSettings, Protocol):
     def collective_timeout_s(self) -> float: ...
     @property
     def heartbeat_s(self) -> float: ...
+    @property
+    def speculative(self) -> SpeculativeConfig | None: ...
 
 
 def world_options(deploy: DeploymentConfig, server: WorldServerSettings) -> WorldOptions:
@@ -62,7 +65,7 @@ def world_options(deploy: DeploymentConfig, server: WorldServerSettings) -> Worl
                         load_format=deploy.model.load_format, deterministic=deploy.model.deterministic,
                         seed=deploy.seed, timeout_s=server.collective_timeout_s,
                         stop_grace_s=server.world_stop_grace_s,
-                        backend="gloo" if device == "cpu" else None)
+                        backend="gloo" if device == "cpu" else None, speculative=server.speculative)
 
 
 def _device_index(device: str) -> int:

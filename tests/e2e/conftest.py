@@ -4,7 +4,8 @@ deployment YAML with free ports, and stopped (process group) when its fixture en
 The deployment is the default shape: one ctx worker (its KV sender on a free port) and one gen
 world of dp 1 x cp 2 (rank 0 is the gen server, rank 1 its child) receiving the KV over UCX.
 ``baseline_gen=True`` adds a single-process gen worker (dp = cp = 1, ``recompute``) that the
-router does not use: the aggregated baseline of the equivalence tests.
+router does not use: the aggregated baseline of the equivalence tests (a dict: that worker's
+settings changed, e.g. its ``speculative``).
 
 A test module gets its running deployment from the ``dep`` fixture (one per module, stopped when
 the module ends). It changes the deployment by overriding ``dep_options`` (the keyword arguments
@@ -48,11 +49,13 @@ class Deployment:
     default deployment's sections: a dict merges into a section (for ``ctx`` and ``gen``: into
     the first worker's entry), anything else replaces it."""
 
-    def __init__(self, tmp: Path, model_dir: Path, baseline_gen: bool = False, **overrides: Any) -> None:
+    def __init__(self, tmp: Path, model_dir: Path, baseline_gen: bool | dict[str, Any] = False,
+                 **overrides: Any) -> None:
         ctx_port, gen_port, router_port, tx_port, baseline_port = free_ports(5)
         gen = [{"port": gen_port, "dp": 1, "cp": 2, "kv_source": "ucx", "collective_timeout_s": 30}]
         if baseline_gen:
-            gen.append({"port": baseline_port, "dp": 1, "cp": 1, "kv_source": "recompute"})
+            baseline = baseline_gen if isinstance(baseline_gen, dict) else {}
+            gen.append({"port": baseline_port, "dp": 1, "cp": 1, "kv_source": "recompute", **baseline})
         data: dict[str, Any] = {
             "model": {"path": str(model_dir), "served_name": MODEL},
             "cache": {"tokens_per_block": 4, "memory_budget_mib": 16, "max_num_seqs": 8,

@@ -67,9 +67,6 @@ def test_gpu_greedy_alone_repeats_equal_bf16_mid():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="cuBLAS and torch._grouped_mm choose tiles by the batch's row count; "
-                   "batch-invariant GEMMs are not written (on an H200 the request batched with four "
-                   "others, one of 513 tokens, differs from alone at its 5th token)")
 def test_gpu_deterministic_batched_equals_alone_bf16_mid(restore_flags):
     """``model.deterministic``: the request batched with prompts of other lengths (prefill chunks and
     decode graphs of other sizes) gives its tokens alone."""

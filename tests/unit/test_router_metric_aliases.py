@@ -52,3 +52,32 @@ def test_kv_usage_per_worker_zero_when_unhealthy_or_blockless() -> None:
         assert usage(name) == {"http://c:1": 0.0, "http://c:2": 0.0, "http://g:1": 3 / 8}
     g.stats = {"num_blocks": 8, "num_used_blocks": 8}  # the next health check: every block in use
     assert usage("vllm:kv_cache_usage_perc")["http://g:1"] == 1.0
+
+
+def test_speculating_workers_counters_under_our_names_and_vllms() -> None:
+    """Each speculating worker's last reported counts, under both names (vLLM's with
+    ``model_name``), per position too; a worker reporting none has no sample, and a worker that
+    failed its last check keeps its last counts (a counter never drops to 0 on one failed check)."""
+    ctx = WorkerPool("ctx", ["http://c:1"], "round_robin")
+    gen = WorkerPool("gen", ["http://g:1", "http://g:2"], "round_robin")
+    metrics = RouterMetrics(lambda: [ctx, gen], "m")
+    assert not any(n.startswith(("vllm:spec_decode", "helixserve_router_worker_spec")) for n, _ in samples(metrics))
+    (c,) = ctx.workers
+    g1, g2 = gen.workers
+    c.is_healthy, c.stats = True, {"num_blocks": 8}  # does not speculate
+    g1.is_healthy, g1.stats = True, {"spec_decode": {"num_drafts": 5, "num_draft_tokens": 14,
+                                                     "num_accepted_tokens": 6, "accepted_per_position": [4, 2, 0]}}
+    g2.is_healthy, g2.stats = False, {"spec_decode": {"num_drafts": 1, "num_draft_tokens": 3,
+                                                      "num_accepted_tokens": 0, "accepted_per_position": [0, 0, 0]}}
+    s = samples(metrics)
+    for url, want in (("http://g:1", (5, 14, 6, [4, 2, 0])), ("http://g:2", (1, 3, 0, [0, 0, 0]))):
+        ours = frozenset({("role", "gen"), ("url", url)})
+        theirs = ours | {("model_name", "m")}
+        for key, value in zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"), want[:3]):
+            assert s[(f"helixserve_router_worker_spec_decode_{key}_total", ours)] == value
+            assert s[(f"vllm:spec_decode_{key}_total", theirs)] == value
+        for position, value in enumerate(want[3]):
+            at = {("position", str(position))}
+            assert s[("helixserve_router_worker_spec_decode_num_accepted_tokens_per_pos_total", ours | at)] == value
+            assert s[("vllm:spec_decode_num_accepted_tokens_per_pos_total", theirs | at)] == value
+    assert not any(dict(labels).get("role") == "ctx" for n, labels in s if "spec_decode" in n)

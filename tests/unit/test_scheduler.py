@@ -293,3 +293,40 @@ def test_abort_and_readd_between_schedule_and_update_is_not_confused():
     assert fresh.num_computed_tokens == 0 and fresh.output_token_ids == []
     step(sched)
     assert fresh.num_output_tokens == 1
+
+
+def _chunk_bounds(sched, target: str) -> list[tuple[int, int]]:
+    """Run to completion; the (start, stop) of every prompt chunk of ``target``."""
+    bounds = []
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = step(sched)
+        bounds += [(s.context_len, s.context_len + len(s.token_ids)) for s in out.seqs
+                   if s.request_id == target and s.is_prefill]
+    assert not sched.has_unfinished_requests()
+    return bounds
+
+
+@pytest.mark.parametrize("n_prompt", [1, 23, 24, 25, 50, 97])
+def test_aligned_chunks_split_a_prompt_alike_alone_and_batched(n_prompt):
+    """Batch-invariant prefill (``model.deterministic``): a prompt's chunks end at multiples of the
+    unit (budget 32 - 4 decode rows = 28) alone and beside other prompts and decodes; without the
+    alignment the same prompt is cut where the step's budget runs out."""
+    def bounds(others: list[int], aligned: bool) -> list[tuple[int, int]]:
+        sched, mgr = make(num_blocks=256, aligned_chunks=aligned)
+        for i, n in enumerate(others):
+            sched.add_request(req(f"o{i}", n, max_tokens=6))
+        step(sched)  # the others start first: their chunks and decodes share the target's steps
+        sched.add_request(req("t", n_prompt, max_tokens=2))
+        got = _chunk_bounds(sched, "t")
+        assert_all_free(mgr)
+        return got
+
+    alone = bounds([], True)
+    unit = 28
+    assert all(stop == n_prompt or stop % unit == 0 for _, stop in alone), alone
+    for others in ([5], [3, 40], [30, 2, 11]):
+        assert bounds(others, True) == alone, others
+    if n_prompt > 20:  # the unaligned scheduler cuts where the room ends: some mix differs
+        assert any(bounds(o, False) != bounds([], False) for o in ([5], [3, 40], [30, 2, 11]))

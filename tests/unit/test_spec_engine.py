@@ -7,13 +7,12 @@ decoding has them."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.llm import LLM
-from helixserve.engine.request import Request, SamplingParams
-from helixserve.engine.spec.drafting import NgramDrafter
+from helixserve.engine.request import SamplingParams
+from helixserve.testing.drafts import ScriptedDrafter
 
 TPB = 4  # small pages: prompts, drafts and runs cross them
 PROMPTS = [list(range(20, 57)), [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
@@ -38,21 +37,6 @@ def ckpt(request, tiny_checkpoints):
 @pytest.fixture(scope="module")
 def plain(ckpt):
     return make_llm(ckpt, speculative=None)
-
-
-class ScriptedDrafter(NgramDrafter):
-    """Drafts from a known continuation (plain decoding's outputs), with ``wrong`` draft
-    positions replaced by a token the target does not pick; the real caps and budget apply."""
-
-    def __init__(self, k: int, outputs: dict[tuple[int, ...], list[int]], wrong: set[int] = frozenset()) -> None:
-        super().__init__(SpeculativeConfig(method="ngram", num_draft_tokens=k), max_model_len=10**6)
-        self.outputs, self.wrong = outputs, wrong
-
-    def propose(self, request: Request, budget: int) -> list[int]:
-        n = min(self.cap(request), budget)
-        done = len(request.output_token_ids)
-        drafts = self.outputs[tuple(request.prompt_token_ids)][done: done + n]
-        return [(t + 1) % 512 if j in self.wrong else t for j, t in enumerate(drafts)]
 
 
 def scripted(ckpt, plain_llm, prompts, params, k, wrong=frozenset(), **sched) -> tuple[LLM, list]:

@@ -10,6 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.request import Request, SamplingParams
+from helixserve.engine.spec.drafting import NgramDrafter, last_token_recurs
 from helixserve.engine.spec.ngram import NgramProposer, propose_one
 
 
@@ -81,6 +84,23 @@ def test_random_sequences_agree_with_brute_force():
         hi = lo + int(rng.integers(0, 3))
         k = int(rng.integers(1, 8))
         assert propose_one(tokens, k, lo, hi) == _reference(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_the_drafter_drafts_what_prompt_lookup_finds():
+    """The scheduler's drafter skips the lookup when the last token is new; its drafts are the
+    brute-force lookup's either way (both ways taken here)."""
+    rng = np.random.default_rng(1)
+    drafter = NgramDrafter(SpeculativeConfig(method="ngram", num_draft_tokens=4, prompt_lookup_min=1,
+                                             prompt_lookup_max=3), max_model_len=10**6)
+    num_skipped = 0
+    for trial in range(400):
+        vocab = int(rng.integers(2, 60))
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 30))).tolist()
+        outputs = rng.integers(0, vocab, int(rng.integers(1, 20))).tolist()
+        request = Request("r", prompt, SamplingParams(max_tokens=64), output_token_ids=outputs)
+        num_skipped += not last_token_recurs(request)
+        assert drafter.propose(request, budget=10) == _reference(prompt + outputs, 4, 1, 3), (prompt, outputs)
+    assert 0 < num_skipped < 400
 
 
 @pytest.mark.parametrize("lo,hi,k", [(0, 2, 1), (3, 2, 1), (1, 2, 0)])

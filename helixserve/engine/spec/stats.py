@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 
 @dataclass(slots=True)
@@ -37,3 +38,11 @@ class SpecDecodeStats:
     def acceptance_per_position(self) -> list[float]:
         """The share of verified runs that accepted draft ``j`` (and every one before it)."""
         return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+    @classmethod
+    def total(cls, parts: Iterable[SpecDecodeStats]) -> SpecDecodeStats:
+        """The counts of several engines (a world's CP groups) summed."""
+        parts = list(parts)
+        return cls(sum(p.num_drafts for p in parts), sum(p.num_draft_tokens for p in parts),
+                   sum(p.num_accepted_tokens for p in parts),
+                   [sum(c) for c in zip_longest(*(p.accepted_per_position for p in parts), fillvalue=0)])

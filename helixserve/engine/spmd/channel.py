@@ -5,7 +5,12 @@ model shard and ``ModelRunner`` and do what each message says, in order (:mod:`.
 
 - :class:`Launch`: run this step (the ``SchedulerOutput`` with *this rank's* block tables); with
   ``use_previous_tokens`` its input ids are the previous step's sampled tokens (overlapped
-  decoding); then receive the leader's sampled tokens (``broadcast_tokens``).
+  decoding); then receive the leader's sampled tokens (``broadcast_tokens``). A verify step
+  (speculative decoding: rows with drafts) receives no tokens: the leader alone verifies the
+  drafts and decides what each run keeps; ``rollback`` carries that decision for the previous
+  verify step (index into its speculating sequences -> rows kept), applied to this rank's KDA
+  head slice before the step runs (every rank rolls back the same rows).
+- :class:`Rollback`: the same decision alone, when the leader's next message is not a launch.
 - :class:`Idle`: join the MoE all-to-alls with no rows (another DP group runs a step).
 - :class:`Transfers`: start / cancel KV receptions into the handles given, then, with
   ``agree``, poll the receiver and agree on the outcomes (the transceiver consensus).
@@ -36,6 +41,12 @@ from helixserve.transceiver.ticket import KVTicket
 class Launch:
     out: SchedulerOutput
     use_previous_tokens: bool = False
+    rollback: dict[int, int] | None = None  # the previous verify step's kept rows (see the module docstring)
+
+
+@dataclass(slots=True)
+class Rollback:
+    keep: dict[int, int]
 
 
 @dataclass(slots=True)
@@ -61,13 +72,14 @@ class Shutdown:
     pass
 
 
-Message = Launch | Idle | Transfers | Heartbeat | Shutdown
+Message = Launch | Rollback | Idle | Transfers | Heartbeat | Shutdown
 
 
 def output_for_rank(out: SchedulerOutput, cache: GroupCacheManager, cp_rank: int) -> SchedulerOutput:
-    """``out`` with CP rank ``cp_rank``'s block tables (same sequences, slots and tokens)."""
+    """``out`` with CP rank ``cp_rank``'s block tables (same sequences, slots, tokens and drafts)."""
     seqs = [ScheduledSeq(s.request_id, s.token_ids, s.context_len,
-                         cache.handle_on(cp_rank, s.request_id).block_table(), s.slot, s.is_prefill, s.sample)
+                         cache.handle_on(cp_rank, s.request_id).block_table(), s.slot, s.is_prefill, s.sample,
+                         s.num_draft_tokens)
             for s in out.seqs]
     return SchedulerOutput(seqs=seqs, preempted_ids=out.preempted_ids)
 

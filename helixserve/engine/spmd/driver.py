@@ -11,7 +11,8 @@ A world step (:meth:`WorldDriver.step`) on a CP group's leader::
     step      EngineCore.step(): KV intake, schedule -> launch -> postprocess (the group's
               other ranks run each launch with it, see :mod:`.leader`)
     in step   dp > 1 and nothing launched: the idle step; nothing sent to the group: a heartbeat
-    report    every leader's updates and each CP rank's cache stats gathered on rank 0 (dp > 1)
+    report    every leader's updates and each CP rank's cache stats (and, speculating, its
+              group's draft counts) gathered on rank 0 (dp > 1)
 
 Rank 0 is also the world's front: it validates each request with its core's rules, assigns it
 to the least-loaded CP group (attention DP) and keeps each request's state in one
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from helixserve.engine.core import EngineCore, EngineStats
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
+from helixserve.engine.spec.stats import SpecDecodeStats
 from helixserve.engine.stop import truncate_at_stop
 from helixserve.engine.spmd.lifecycle import (Aborted, Added, DecodingStarted, Dispatched, Finished,
                                               GenRequestLife, GenState, IllegalTransitionError, Released)
@@ -94,6 +96,8 @@ class WorldDriver:
         self._rank_stats: dict[tuple[int, int], EngineStats] = {
             (d, c): first for d in range(self.mapping.dp) for c in range(self.mapping.cp)}
         self._kv_failures: dict[str, str] = {}  # request id -> its CP group's agreed transfer error
+        # dp_rank -> its group's last reported draft counts (keys fixed here, as _rank_stats')
+        self._spec_stats = {d: SpecDecodeStats() for d in range(self.mapping.dp)}
         self._step_id = 0
         self._last_plan = time.monotonic()
         self.failure: str | None = None
@@ -173,7 +177,8 @@ class WorldDriver:
             updates += self.core.step()  # also with nothing to run: an abort's cancels still go to the ranks
             if group is not None:
                 group.keep_in_step(dp > 1 and plan.run_model, *counts)
-            report = StepReport(self.mapping.rank, self.mapping.dp_rank, 0, updates, group_stats(self.core))
+            spec = self.core.spec_stats if self.core.scheduler.drafter is not None else None
+            report = StepReport(self.mapping.rank, self.mapping.dp_rank, 0, updates, group_stats(self.core), spec)
             reports = gather_reports(report, self.groups) if dp > 1 else [report]
         except Exception as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -226,6 +231,12 @@ class WorldDriver:
         """Why ``request_id``'s received KV failed (once; the cause its CP group agreed on), or None."""
         return self._kv_failures.pop(request_id, None)
 
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """The world's speculative decoding counts (every CP group's, as reported after the last
+        step; safe to call from another thread)."""
+        return SpecDecodeStats.total(list(self._spec_stats.values()))
+
     def rank_stats(self) -> dict[tuple[int, int], EngineStats]:
         """``(dp_rank, cp_rank) -> stats`` each rank reported after the last step (a copy; safe
         to call from another thread)."""
@@ -264,6 +275,8 @@ class WorldDriver:
     def _absorb(self, reports: list[StepReport]) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         for report in reports:
+            if report.spec_stats is not None:
+                self._spec_stats[report.dp_rank] = report.spec_stats
             for cp_rank, stats in enumerate(report.stats):
                 self._rank_stats[(report.dp_rank, cp_rank)] = stats
             for update in report.updates:

@@ -2,7 +2,8 @@
 
 :func:`serve_follower` loops over the leader's messages (:mod:`.channel`) until ``Shutdown``:
 a ``Launch`` runs this rank's ``ModelRunner`` on the step (its own block tables; input ids from
-the previous step's tokens when overlapped) and then receives the leader's sampled tokens; an
+the previous step's tokens when overlapped) and then receives the leader's sampled tokens (a
+verify step receives none; its KDA record is kept until the leader's ``rollback`` of it); an
 ``Idle`` runs the model's empty step; a ``Transfers`` starts and cancels this rank's KV
 receptions and, when asked, agrees on their outcomes with the group. It raises on any failure
 (a collective timed out, the model raised): the process should then end, so that the other
@@ -18,7 +19,8 @@ import torch
 
 from helixserve.engine.kv_intake import RankTransfers
 from helixserve.engine.runner import ModelRunner
-from helixserve.engine.spmd.channel import GroupChannel, Heartbeat, Idle, Launch, Shutdown, Transfers
+from helixserve.engine.spmd.channel import GroupChannel, Heartbeat, Idle, Launch, Rollback, Shutdown, Transfers
+from helixserve.models.kda_spec import KdaRecord
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,31 @@ class Follower:
     channel: GroupChannel
     transfers: RankTransfers
     num_steps: int = 0
+    kda_record: KdaRecord | None = None  # the last verify step's, until the leader's rollback of it
+
+    def roll_back(self, keep: dict[int, int] | None) -> None:
+        """Roll the last verify step's speculating sequences back to ``keep`` (the leader's
+        decision); a later step's record replaces the one rolled back."""
+        if keep:
+            assert self.kda_record is not None, "a rollback without a verify step"
+            self.runner.rollback(self.kda_record, keep)
+        self.kda_record = None
+
+    def launch(self, message: Launch, previous: torch.Tensor | None) -> torch.Tensor | None:
+        """Run a launched step; the group's sampled tokens after it (``None`` for a verify step)."""
+        self.roll_back(message.rollback)
+        out, runner = message.out, self.runner
+        self.num_steps += 1
+        if out.num_draft_tokens:  # a verify step: the leader verifies; keep the record for its rollback
+            prepared = runner.prepare(out)
+            runner.run(prepared)
+            self.kda_record = prepared.batch.kda_record
+            return None
+        runner.forward(out, previous if message.use_previous_tokens else None)
+        num_sampled = sum(1 for s in out.seqs if s.sample)
+        if not num_sampled:
+            return previous
+        return self.channel.broadcast_tokens(torch.empty(num_sampled, dtype=torch.int64, device=runner.device))
 
 
 @torch.inference_mode()
@@ -41,12 +68,9 @@ def serve_follower(follower: Follower) -> int:
     while True:
         message = channel.receive()
         if isinstance(message, Launch):
-            out = message.out
-            runner.forward(out, previous if message.use_previous_tokens else None)
-            num_sampled = sum(1 for s in out.seqs if s.sample)
-            if num_sampled:
-                previous = channel.broadcast_tokens(torch.empty(num_sampled, dtype=torch.int64, device=runner.device))
-            follower.num_steps += 1
+            previous = follower.launch(message, previous)
+        elif isinstance(message, Rollback):
+            follower.roll_back(message.keep)
         elif isinstance(message, Transfers):
             for request_id in message.cancels:
                 follower.transfers.cancel(request_id)

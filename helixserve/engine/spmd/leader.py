@@ -8,6 +8,12 @@ samples and broadcasts the tokens (:meth:`GroupLeader.sample`) over the group, s
 has them on its device for an overlapped next step. A failed sampling still broadcasts (``-1``
 tokens) before it raises, so no rank is left waiting. With ``cp == 1`` nothing is sent.
 
+A verify step (speculative decoding) is verified on the leader alone: no tokens are broadcast
+(no step overlaps a verify step). The leader rolls its KDA head slice back at once and the rows
+each speculating sequence keeps (:meth:`GroupLeader.share_rollback`) go to the other ranks with
+the next launch (or alone, ahead of any other message), so every rank rolls back the same rows
+before it runs anything else on those slots.
+
 It also carries the group's other messages: KV reception starts / cancels / agreement
 (:meth:`transfers`), the empty step an idle DP group runs for the MoE all-to-alls
 (:meth:`idle_step`), heartbeats and shutdown. ``num_forwards`` counts model forwards (real or
@@ -25,8 +31,8 @@ import torch
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler_output import SchedulerOutput
-from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Idle, Launch, Shutdown, Transfers,
-                                            output_for_rank)
+from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Idle, Launch, Rollback, Shutdown,
+                                            Transfers, output_for_rank)
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.parallel import CollectiveError
 from helixserve.transceiver.ticket import KVTicket
@@ -41,13 +47,24 @@ class GroupLeader:
         self.world_size = channel.mapping.world_size
         self.num_forwards = 0
         self.num_messages = 0
+        self._rollback: dict[int, int] | None = None  # the last verify step's kept rows, not yet sent
 
     def send_launch(self, out: SchedulerOutput, input_tokens: torch.Tensor | None) -> None:
-        """Every other rank of the group runs ``out`` (its own block tables) with the leader."""
+        """Every other rank of the group runs ``out`` (its own block tables) with the leader, after
+        rolling back the last verify step's rejected rows (:meth:`share_rollback`)."""
         self.num_forwards += 1
         if not self.channel.is_alone:
             use_previous = input_tokens is not None
-            self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous) for r in range(1, self.cp)])
+            keep, self._rollback = self._rollback, None
+            self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous, keep)
+                                 for r in range(1, self.cp)])
+
+    def share_rollback(self, keep: dict[int, int]) -> None:
+        """The other ranks roll the last verify step's sequences back to ``keep`` (index into its
+        speculating sequences -> rows kept) before their next step or message."""
+        assert self._rollback is None, "a verify step's rollback was not sent before the next step"
+        if keep and not self.channel.is_alone:
+            self._rollback = keep
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor, params: Mapping[str, SamplingParams]) -> LaunchedStep:
         """Sample ``out``'s sampled rows on the leader and broadcast the tokens over the group; a
@@ -55,6 +72,8 @@ class GroupLeader:
         sampled_ids = [s.request_id for s in out.seqs if s.sample]
         if not sampled_ids:  # only unsampled prompt chunks: the caches were written, nothing to draw
             return LaunchedStep([], None, None, None)
+        if out.num_draft_tokens:  # a verify step: the leader alone decides (module docstring)
+            return self.runner.sample(out, logits, params)
         try:
             tokens = self.runner.sampler.launch(logits, sampled_ids, [params[r] for r in sampled_ids])
         except Exception:
@@ -100,5 +119,8 @@ class GroupLeader:
             self._send([message] * self.cp)
 
     def _send(self, messages: list[Any]) -> None:
+        if self._rollback is not None:  # any message after a verify step: its rollback first
+            keep, self._rollback = self._rollback, None
+            self._send([Rollback(keep)] * self.cp)
         self.num_messages += 1
         self.channel.send(messages)

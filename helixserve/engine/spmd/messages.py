@@ -9,10 +9,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from helixserve.cache_layout import ModelCaches
 from helixserve.engine.core import EngineStats
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
+from helixserve.engine.spec.stats import SpecDecodeStats
 from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.ticket import KVTicket
 
@@ -67,6 +67,7 @@ class StepReport:
     cp_rank: int = 0
     updates: list[RequestUpdate] = field(default_factory=list)
     stats: list[EngineStats] = field(default_factory=list)  # per CP rank of the group: its own blocks and slots
+    spec_stats: SpecDecodeStats | None = None  # the group's speculative decoding counts (None: off)
 
 
 def broadcast_plan(plan: StepPlan | None, groups: ParallelGroups) -> StepPlan:

@@ -1,0 +1,32 @@
+"""Drafts from a known continuation, for tests and benchmarks of speculative decoding: with
+random weights a prompt-lookup drafter is never right, so accepted runs and rejections at chosen
+positions come from a script of plain decoding's outputs instead."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.request import Request
+from helixserve.engine.spec.drafting import NgramDrafter
+
+Script = Mapping[tuple[int, ...], list[int]]  # prompt -> plain decoding's outputs
+
+
+class ScriptedDrafter(NgramDrafter):
+    """Drafts plain decoding's next outputs of the request's prompt (``outputs``), with the draft
+    positions of ``wrong`` (one set for every prompt, or per prompt) replaced by a token the
+    target does not pick (``t + 1`` mod ``vocab_size``); the real caps and step budget apply."""
+
+    def __init__(self, num_draft_tokens: int, outputs: Script,
+                 wrong: Collection[int] | Mapping[tuple[int, ...], Collection[int]] = frozenset(),
+                 vocab_size: int = 512) -> None:
+        super().__init__(SpeculativeConfig(method="ngram", num_draft_tokens=num_draft_tokens), max_model_len=10**6)
+        self.outputs, self.wrong, self.vocab_size = outputs, wrong, vocab_size
+
+    def propose(self, request: Request, budget: int) -> list[int]:
+        n = min(self.cap(request), budget)
+        prompt, done = tuple(request.prompt_token_ids), len(request.output_token_ids)
+        drafts = self.outputs[prompt][done: done + n]
+        wrong = self.wrong.get(prompt, ()) if isinstance(self.wrong, Mapping) else self.wrong
+        return [(t + 1) % self.vocab_size if j in wrong else t for j, t in enumerate(drafts)]
