@@ -166,12 +166,19 @@ def _worker_config(deploy, role: str, args: argparse.Namespace):
 
 
 def _cmd_serve_ctx(args: argparse.Namespace) -> int:
+    """One ctx worker. With tp > 1 its world's ranks are spawned here, unless srun / torchrun
+    started this command as tp tasks: then task 0 serves HTTP and the others are its world ranks."""
     from helixserve.ctx_server.app import build_ctx_app
+    from helixserve.ctx_server.world import run_ctx_rank
     from helixserve.serving.http import serve
 
     deploy = _load_deployment(args)
     server = _worker_config(deploy, "ctx", args)
-    app = build_ctx_app(deploy, server)  # tp > 1: this process is rank 0 of the ctx world
+    env = _launcher_rank(server.tp > 1)
+    if env is not None and env.rank != 0:
+        run_ctx_rank(deploy, server, env)
+        return 0
+    app = build_ctx_app(deploy, server, env)  # tp > 1: this process is rank 0 of the ctx world
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # see _cmd_serve_gen
     serve(app, server.host, server.port, args.log_level, deploy.shutdown.connections_grace_s,
           server.connections)
@@ -193,18 +200,24 @@ def _worker_exit_code(command: str, app) -> int:  # noqa: ANN001 (a FastAPI app)
     return worker.exit_code
 
 
+def _launcher_rank(runs_world: bool):  # -> DistEnv | None
+    """This worker's srun / torchrun rank when it runs a world that a launcher started as several
+    tasks; None when one task (e.g. the launcher's own srun step) or none: the ranks are spawned here."""
+    from helixserve.config import dist_env
+
+    env = dist_env() if runs_world else None
+    return env if env is not None and env.world_size > 1 else None
+
+
 def _cmd_serve_gen(args: argparse.Namespace) -> int:
     """One gen worker. Its SPMD world's ranks are spawned here, unless srun / torchrun started
     this command as dp x cp tasks: then task 0 serves HTTP and the others are its world ranks."""
-    from helixserve.config import dist_env
     from helixserve.gen_server.app import build_gen_app, run_gen_rank
     from helixserve.serving.http import serve
 
     deploy = _load_deployment(args)
     server = _worker_config(deploy, "gen", args)
-    env = dist_env() if server.runs_world else None
-    if env is not None and env.world_size == 1:
-        env = None  # one task (e.g. the launcher's own srun step): spawn the ranks here
+    env = _launcher_rank(server.runs_world)
     if env is not None and env.rank != 0:
         run_gen_rank(deploy, server, env)
         return 0

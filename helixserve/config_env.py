@@ -5,7 +5,9 @@ Two launchers describe a process through its environment:
 - SLURM's batch / step variables (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``, ``SLURM_PROCID``,
   ``SLURM_NTASKS``, ``SLURM_SUBMIT_DIR``): :func:`slurm_env_from` -> :class:`SlurmEnv`, what the
   SLURM launcher (``helixserve.launch.slurm``) plans a job from.
-- torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or
+- torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
+  ``TORCHELASTIC_USE_AGENT_STORE``: its agent serves the rendezvous store, joined through torch's
+  ``env://``, which reads those variables itself) or
   srun's per-task ones (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, with
   ``SLURM_JOB_NODELIST`` / ``SLURM_JOB_ID`` for a missing address): :func:`dist_env_from` ->
   :class:`DistEnv`, the world rank ``helixserve.parallel.groups.init_from_env`` joins with.
@@ -69,10 +71,13 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun" | "slurm"
+    # torchrun's agent already serves the rendezvous store on MASTER_PORT
+    # (TORCHELASTIC_USE_AGENT_STORE=True): every rank joins it, rank 0 too, through torch's env://
+    agent_store: bool = False
 
     @property
     def init_method(self) -> str:
-        return f"tcp://{self.master_addr}:{self.master_port}"
+        return "env://" if self.agent_store else f"tcp://{self.master_addr}:{self.master_port}"
 
 
 def _int_var(environ: Mapping[str, str], name: str) -> int:
@@ -160,4 +165,5 @@ def dist_env_from(environ: Mapping[str, str]) -> DistEnv | None:
         raise ValueError(f"{launcher} world of {world_size} ranks but MASTER_PORT is not set")
     if not 0 < port < 65536:
         raise ValueError(f"MASTER_PORT={port} is not a valid TCP port")
-    return DistEnv(rank, world_size, local_rank, addr, port, launcher)
+    agent_store = launcher == "torchrun" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return DistEnv(rank, world_size, local_rank, addr, port, launcher, agent_store)

@@ -15,6 +15,7 @@ from helixserve.ctx_server.lifecycle import (CancelRequested, CtxState, Finished
 from helixserve.ctx_server.ctx_requests import CtxRequests
 from helixserve.ctx_server.transfer import CtxTransceiver
 from helixserve.ctx_server.world import build_ctx_world_app
+from helixserve.parallel import DistEnv
 from helixserve.protocol import (DisaggregatedParams, InternalServerError, RequestCancelledError,
                                  RequestType, parse_model)
 from helixserve.protocol.openai import CompletionChoice, CompletionResponse
@@ -87,11 +88,12 @@ class ContextOnlyHandler:
         return Response(answer.model_dump_json(), media_type="application/json")
 
 
-def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
+def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig, env: DistEnv | None = None) -> FastAPI:
     """Load the engine and build the app (the engine thread, then the KV sender, start with it);
-    ``server.tp > 1``: a ctx world (:mod:`.world`)."""
+    ``server.tp > 1``: a ctx world (:mod:`.world`; ``env``: the srun / torchrun rank 0, when a
+    launcher started the other ranks)."""
     if server.tp > 1:
-        return build_ctx_world_app(deploy, server)
+        return build_ctx_world_app(deploy, server, env)
     worker, core = make_worker("ctx", deploy, server.max_queue_len, server.device, server.speculative)
     requests = CtxRequests(worker.engine, server.pickup_timeout_s)
     transceiver = CtxTransceiver(requests, core, worker.layout, deploy.transceiver, server)

@@ -4,6 +4,12 @@ tensor-parallel over the ranks, MLA latent pages dealt round-robin (global block
 b % tp), experts over every rank (ep = tp). This process is rank 0: it spawns ranks 1 .. tp-1,
 runs the scheduler and the HTTP server; a failed world is restarted under ``ctx[].world_restart``.
 
+Under ``srun -n tp`` (the SLURM launcher's ctx step) or torchrun, every task runs
+``helixserve serve-ctx``: task 0 is rank 0 and serves HTTP, every other task runs
+:func:`run_ctx_rank` (joins, loads its shard, runs plans until rank 0 shuts the world down); such
+a world is not restarted in place: when it fails the worker exits non-zero, for srun / SLURM to
+restart the step.
+
 What it serves today: plain (aggregated) requests, prefill and decode through the world, and its
 warm-up (``/ready``). ``context_only`` requests need the KV sender to read every rank's shard,
 which it cannot yet: the worker refuses to start in a deployment whose gen workers take their KV
@@ -20,12 +26,13 @@ from fastapi.responses import Response
 
 from helixserve.config import CtxServerConfig, DeploymentConfig
 from helixserve.models.dummy import tokenizer_of
+from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
 from helixserve.serving.loading import kv_layout, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import aggregated_handler, build_worker_app
-from helixserve.serving.world_core import WorldCore, start_served_world, world_options
+from helixserve.serving.world_core import WorldCore, serve_world_rank, start_served_world, world_options
 from helixserve.serving.world_supervisor import RankCacheCollector
 
 logger = logging.getLogger(__name__)
@@ -60,11 +67,18 @@ class ContextOnlyRefused:
                                   code="ctx_world_transfer_unavailable")
 
 
-def build_ctx_world_app(deploy: DeploymentConfig, server: CtxServerConfig) -> FastAPI:
-    """Start the ctx world (this process rank 0) and build its app; the world is shut down
+def run_ctx_rank(deploy: DeploymentConfig, server: CtxServerConfig, env: DistEnv) -> int:
+    """A task != 0 of an srun / torchrun ctx world: serves rank 0's plans, no HTTP; the steps run."""
+    check_ctx_world(deploy, server)
+    return serve_world_rank(deploy, "ctx", 1, server.tp, world_options(deploy, server), None, env)
+
+
+def build_ctx_world_app(deploy: DeploymentConfig, server: CtxServerConfig, env: DistEnv | None = None) -> FastAPI:
+    """Start the ctx world (this process rank 0: of the srun / torchrun world ``env`` describes,
+    else of one whose other ranks are spawned here) and build its app; the world is shut down
     after the engine thread stops."""
     check_ctx_world(deploy, server)
-    world = start_served_world(deploy, server, "ctx", 1, server.tp, world_options(deploy, server), None)
+    world = start_served_world(deploy, server, "ctx", 1, server.tp, world_options(deploy, server), None, env)
     try:
         core = world.driver.core
         tokenizer = tokenizer_of(deploy.model.path, deploy.model.load_format)

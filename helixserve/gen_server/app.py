@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
-from helixserve.gen_server.world import serve_world_rank, start_gen_world, world_layout
+from helixserve.gen_server.world import start_gen_world, world_layout
 from helixserve.models.dummy import tokenizer_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
@@ -18,7 +18,7 @@ from helixserve.serving.loading import make_worker, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
-from helixserve.serving.world_core import WorldCore, world_options
+from helixserve.serving.world_core import WorldCore, serve_world_rank, world_options
 from helixserve.serving.world_supervisor import RankCacheCollector, ServedWorld
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
 def run_gen_rank(deploy: DeploymentConfig, server: GenServerConfig, env: DistEnv) -> int:
     """A task != 0 of an srun / torchrun gen world: serves plans, no HTTP (see :mod:`.world`)."""
     options, _, _, factory = _world_parts(deploy, server)
-    return serve_world_rank(deploy, server, options, factory, env)
+    return serve_world_rank(deploy, "gen", server.dp, server.cp, options, factory, env)
 
 
 def _world_parts(deploy: DeploymentConfig, server: GenServerConfig):  # noqa: ANN202

@@ -5,7 +5,7 @@ dp x cp.
 
 Under ``srun -n dp*cp`` (the SLURM launcher's gen step) or torchrun, every task runs
 ``helixserve serve-gen``: task 0 is rank 0 and serves HTTP, every other task runs
-:func:`serve_world_rank` (joins, loads its shard, runs plans until rank 0 shuts the world down).
+:func:`~helixserve.serving.world_core.serve_world_rank` (joins, loads its shard, runs plans until rank 0 shuts the world down).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.engine.llm import resolve_dtype
-from helixserve.engine.world_rank import ShardReceiverFactory, WorldOptions, pick_backend, run_rank
+from helixserve.engine.world_rank import ShardReceiverFactory, WorldOptions, pick_backend
 from helixserve.models.dummy import model_config_of
-from helixserve.parallel import DistEnv, Mapping
+from helixserve.parallel import DistEnv
 from helixserve.protocol import KVLayout
-from helixserve.serving.world_core import check_env, start_served_world
+from helixserve.serving.world_core import start_served_world
 from helixserve.serving.world_supervisor import ServedWorld
 from helixserve.transceiver.layout import layout_for
 
@@ -42,13 +42,3 @@ def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: 
     ``dp * cp`` ranks, else of a world whose other ranks are spawned here."""
     return start_served_world(deploy, server, "gen", server.dp, server.cp, options, kv_receiver_factory, env)
 
-
-def serve_world_rank(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions,
-                     kv_receiver_factory: ShardReceiverFactory | None, env: DistEnv) -> int:
-    """A task != 0 of an srun / torchrun gen world: serve plans until rank 0 shuts the world down
-    (raises when the world fails, so the task ends and srun notices)."""
-    check_env(env, "gen", server.dp, server.cp)
-    mapping = Mapping(env.world_size, env.rank, dp=server.dp, cp=server.cp)
-    logger.info("gen world rank %d/%d joining at %s", env.rank, env.world_size, env.init_method)
-    return run_rank(deploy.model.path, mapping, env.init_method, options, kv_receiver_factory,
-                    local_rank=env.local_rank)

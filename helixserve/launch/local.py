@@ -6,8 +6,8 @@
    at the default path, or at a path named after a preset, is made first (random weights).
 2. Write the resolved config to a temporary file and start every worker and the router as
    ``python -m helixserve.cli <role> -c FILE --index I``, each in its own process group and
-   set to receive SIGTERM if the launcher dies (Linux), so nothing outlives it (a gen worker's
-   world ranks are its own child processes, in its group).
+   set to receive SIGTERM if the launcher dies (Linux), so nothing outlives it (the ranks of a
+   gen world or a ctx world of ``tp > 1`` are its worker's own child processes, in its group).
 3. Wait until the router's ``/ready`` answers 200, at most ``ready_timeout_s``; a process that
    exits first fails the launch, naming it and its exit code.
 4. Print the URL and a ``curl`` example, then wait for SIGINT/SIGTERM, supervising: a process

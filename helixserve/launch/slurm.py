@@ -9,8 +9,9 @@
 3. Resolve the deployment YAML as ``helixserve launch`` does (absolute model path, the tiny
    checkpoint made when missing), then put each worker on its node (``host`` = the node's name),
    validate, and write ``config.yaml`` and ``plan.json`` into the job directory.
-4. Start one ``srun`` step per ctx worker, per gen world (dp x cp tasks; ``MASTER_ADDR`` /
-   ``MASTER_PORT`` name its rank 0; gloo on CPU, NCCL on GPU) and for the router, each running
+4. Start one ``srun`` step per ctx worker (tp tasks: a ctx world of tp > 1 is one step), per
+   gen world (dp x cp tasks), each world's ``MASTER_ADDR`` / ``MASTER_PORT`` naming its rank 0
+   (gloo on CPU, NCCL on GPU with one GPU per task), and for the router, each running
    ``python -m helixserve.cli <role> --index I -c <job dir>/config.yaml``, the commands
    ``helixserve launch`` runs. Logs go to ``<job dir>/logs/<step>.log``. The deployment's
    internal secret (``HELIXSERVE_INTERNAL_SECRET`` / ``_FILE`` of the job, else a fresh random
@@ -80,9 +81,10 @@ class Placement(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     router: int = Field(0, ge=0)
-    ctx: list[int] | None = None  # one node per ctx worker
+    ctx: list[int] | None = None  # one node per ctx worker (a ctx world's tp ranks all on it)
     gen: list[list[int]] | None = None  # the nodes of each gen world; its ranks spread evenly
-    rdzv_port: int = Field(29500, ge=1, le=65535)  # gen world j rendezvous on rdzv_port + j
+    # gen world j rendezvous on rdzv_port + j, ctx world i (tp > 1) on rdzv_port + len(gen) + i
+    rdzv_port: int = Field(29500, ge=1, le=65535)
     # servers listen on / are reached at each node's NodeAddr, or at its host name
     address: Literal["node_addr", "hostname"] = "node_addr"
     cpus_per_task: int = Field(1, ge=1)  # GPU steps only; CPU steps share the job's CPUs
@@ -106,7 +108,20 @@ class Placement(BaseModel):
         bad = [i for i in [self.router, *ctx, *(n for nodes in gen for n in nodes)] if i >= num_nodes]
         if bad:
             raise ValueError(f"placement names node indexes {sorted(set(bad))}; the job has {num_nodes} nodes")
+        last_port = self.rdzv_port + len(deploy.gen) + len(deploy.ctx) - 1
+        if last_port > 65535:
+            raise ValueError(f"rdzv_port {self.rdzv_port}: the worlds' rendezvous ports would run to {last_port} "
+                             "(> 65535)")
         return self.model_copy(update={"ctx": ctx, "gen": gen})
+
+    def rendezvous(self, deploy: DeploymentConfig) -> dict[str, dict[str, str]]:
+        """Each world step's ``MASTER_ADDR`` / ``MASTER_PORT`` (its rank 0's node, for a ``deploy``
+        already through :func:`place`): every gen world, every ctx world of tp > 1."""
+        exports = {f"gen{j}": {"MASTER_ADDR": w.host, "MASTER_PORT": str(self.rdzv_port + j)}
+                   for j, w in enumerate(deploy.gen)}
+        exports |= {f"ctx{i}": {"MASTER_ADDR": w.host, "MASTER_PORT": str(self.rdzv_port + len(deploy.gen) + i)}
+                    for i, w in enumerate(deploy.ctx) if w.tp > 1}
+        return exports
 
 
 def on_gpu(deploy: DeploymentConfig, worker_device: str | None) -> bool:
@@ -117,7 +132,7 @@ def place(deploy: DeploymentConfig, placement: Placement, hosts: list[str]) -> D
     """The deployment with every server bound to (and reached at) its node's address.
 
     A GPU worker's ``cuda:N`` becomes ``cuda``: its step sees only the GPUs SLURM gave it, and a
-    gen rank picks ``cuda:SLURM_LOCALID`` among them.
+    world's rank (gen, or ctx of ``tp > 1``) picks ``cuda:SLURM_LOCALID`` among them.
     """
     assert placement.ctx is not None and placement.gen is not None, "resolve the placement first"
     data = deploy.model_dump(mode="json")
@@ -139,7 +154,7 @@ def shared_gpu_steps(deploy: DeploymentConfig, placement: Placement) -> frozense
     assert placement.ctx is not None and placement.gen is not None, "resolve the placement first"
     keys: dict[str, tuple[int, str]] = {}
     for i, (worker, node) in enumerate(zip(deploy.ctx, placement.ctx)):
-        if on_gpu(deploy, worker.device):
+        if on_gpu(deploy, worker.device) and worker.tp == 1:
             keys[f"ctx{i}"] = (node, _cuda_index(worker.device or deploy.model.device))
     for j, (worker, nodes) in enumerate(zip(deploy.gen, placement.gen)):
         if on_gpu(deploy, worker.device) and worker.world_size == 1:
@@ -179,21 +194,19 @@ def plan_steps(deploy: DeploymentConfig, placement: Placement, hosts: list[str],
     gpu_steps = [on_gpu(deploy, w.device) for w in (*deploy.ctx, *deploy.gen)] + [False]
     node_sets = ([[hosts[n]] for n in placement.ctx] + [[hosts[n] for n in nodes] for nodes in placement.gen]
                  + [[hosts[placement.router]]])
-    tasks = [1] * len(deploy.ctx) + [w.dp * w.cp for w in deploy.gen] + [1]
+    tasks = [w.tp for w in deploy.ctx] + [w.dp * w.cp for w in deploy.gen] + [1]
+    rendezvous = placement.rendezvous(deploy)
     steps = []
-    for k, ((name, args), nodes, num_tasks, is_gpu) in enumerate(zip(role_args(deploy), node_sets, tasks, gpu_steps)):
-        exports: dict[str, str] = {}
-        if name.startswith("gen"):
-            j = k - len(deploy.ctx)
-            exports = {"MASTER_ADDR": deploy.gen[j].host, "MASTER_PORT": str(placement.rdzv_port + j)}
+    for (name, args), nodes, num_tasks, is_gpu in zip(role_args(deploy), node_sets, tasks, gpu_steps):
+        exports = rendezvous.get(name, {})
         srun = ["srun", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={num_tasks}",
                 f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
                 "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in exports.items())])]
         if num_tasks > 1:
             srun.append("--label")
         if is_gpu:
-            # exclusive CPUs and GPUs per step; every task of a node sees the step's GPUs there,
-            # so rank r uses cuda:SLURM_LOCALID
+            # exclusive CPUs and GPUs per step, one GPU per task (a world's rank each); every task
+            # of a node sees the step's GPUs there, so rank r uses cuda:SLURM_LOCALID
             srun += [f"--cpus-per-task={placement.cpus_per_task}", "--gpus-per-task=1", "--gpu-bind=none"]
             if name in shared_gpu:  # one GPU for several steps (sbatch --gpus-per-node=1)
                 srun.append("--overlap")
@@ -328,7 +341,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     stop_grace_s = timeouts.stop_grace_s if args.grace is None else args.grace
     # the job's internal secret: HELIXSERVE_INTERNAL_SECRET(_FILE) when the job has one, else made
     # here; it reaches the steps through their environment only (not config.yaml nor plan.json)
-    # and every port of the job reserved, the gen worlds' rendezvous ports too (parallel.ports)
+    # and every port of the job reserved, the worlds' rendezvous ports too (parallel.ports)
     rendezvous = {int(s.exports["MASTER_PORT"]) for s in steps if "MASTER_PORT" in s.exports}
     step_env = with_reserved_ports(child_environment(ensure_internal_secret(deploy)), rendezvous)
     job = Job(steps, job_dir / "logs", step_env)

@@ -6,8 +6,9 @@ Where the ranks come from:
 - by default this server process is rank 0 and spawns the other ranks on this machine
   (:func:`~helixserve.serving.local_world.start_local_world`: gloo on CPU, one GPU per rank under
   NCCL);
-- under ``srun`` / torchrun (a gen world today) every task runs the server command: task 0 is
-  rank 0 and serves HTTP, every other task joins and serves plans until rank 0 shuts the world down.
+- under ``srun`` / torchrun every task runs the server command (``serve-gen`` / ``serve-ctx``):
+  task 0 is rank 0 and serves HTTP, every other task joins (:func:`serve_world_rank`) and serves
+  plans until rank 0 shuts the world down.
 
 :class:`WorldCore` is rank 0's driver as the ``AsyncEngine``'s core, plus the world's liveness:
 a spawned rank that died, or a world that stopped (a collective failed or timed out), makes
@@ -34,7 +35,7 @@ from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.engine.spmd.driver import WorldDriver, drive_to_completion
 from helixserve.engine.spmd.messages import WorldStoppedError
-from helixserve.engine.world_rank import ShardReceiverFactory, WorldOptions, start_rank0
+from helixserve.engine.world_rank import ShardReceiverFactory, WorldOptions, run_rank, start_rank0
 from helixserve.serving.local_world import LocalWorld, start_local_world
 from helixserve.parallel import DistEnv, Mapping
 from helixserve.serving.warm_up import warm_up_prompts
@@ -179,6 +180,17 @@ def check_env(env: DistEnv, role: str, dp: int, cp: int) -> None:
     if env.world_size != dp * cp:
         raise ValueError(f"{env.launcher} started {env.world_size} tasks for a {role} world of dp={dp} "
                          f"x cp={cp} = {dp * cp} ranks")
+
+
+def serve_world_rank(deploy: DeploymentConfig, role: str, dp: int, cp: int, options: WorldOptions,
+                     kv_receiver_factory: ShardReceiverFactory | None, env: DistEnv) -> int:
+    """A task != 0 of an srun / torchrun ``dp x cp`` world: join, serve plans until rank 0 shuts
+    the world down; the steps run (raises when the world fails, so the task ends and srun notices)."""
+    check_env(env, role, dp, cp)
+    mapping = Mapping(env.world_size, env.rank, dp=dp, cp=cp)
+    logger.info("%s world rank %d/%d joining at %s", role, env.rank, env.world_size, env.init_method)
+    return run_rank(deploy.model.path, mapping, env.init_method, options, kv_receiver_factory,
+                    local_rank=env.local_rank)
 
 
 def start_served_world(deploy: DeploymentConfig, server: WorldServerSettings, role: str, dp: int, cp: int,

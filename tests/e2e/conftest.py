@@ -157,6 +157,25 @@ class Deployment:
         wait_until(ready, timeout, "the extra router")
         return url, proc
 
+    def start_srun_tasks(self, role: str, num_tasks: int, master_port: int) -> None:
+        """Start ``role`` as srun starts a world's step for the SLURM launcher: ``num_tasks``
+        processes ``<role>-task<k>`` with SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and
+        MASTER_ADDR / MASTER_PORT naming task 0 (the last task first, task 0 last)."""
+        for task in reversed(range(num_tasks)):
+            self.start(role, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "SLURM_PROCID": str(task),
+                                  "SLURM_NTASKS": str(num_tasks), "SLURM_LOCALID": str(task),
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)},
+                       name=f"{role}-task{task}")
+
+    def kill_task1_and_expect_task0_to_fail(self, role: str) -> None:
+        """Kill ``role``'s task 1: task 0 (srun started the ranks, so no restart in place) exits 1
+        naming its stopped world and srun / torchrun, for srun / SLURM to restart the step."""
+        self.kill(f"{role}-task1")
+        assert self.procs[f"{role}-task0"].wait(60) == 1
+        log = self.log(f"{role}-task0")
+        assert f"the {role} world stopped" in log and "srun / torchrun" in log, log
+        self.procs.pop(f"{role}-task0")
+
     def log(self, role: str) -> str:
         path = self.log_dir / f"{role}.log"
         return path.read_text()[-3000:] if path.exists() else ""

@@ -99,10 +99,7 @@ def test_serve_gen_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
     d = Deployment(tmp_path, k3_tiny)
     (master_port,) = free_ports(1)
     try:
-        for task in (1, 0):
-            d.start("gen", env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "SLURM_PROCID": str(task),
-                                "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task), "MASTER_ADDR": "127.0.0.1",
-                                "MASTER_PORT": str(master_port)}, name=f"gen-task{task}")
+        d.start_srun_tasks("gen", 2, master_port)
         d.start("ctx")
         d.start("router")
         d.wait_ready()
@@ -113,12 +110,7 @@ def test_serve_gen_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
         status_agg, agg = http("POST", f"{d.gen_url}/v1/completions", body)
         assert status == status_agg == 200 and disagg["choices"][0]["text"] == agg["choices"][0]["text"]
         assert metric(d.gen_url, "helixserve_worker_kv_transfers_completed_total") == 1
-        d.kill("gen-task1")
-        # srun started the ranks: the gen worker cannot restart its world, it exits non-zero
-        # (for srun / SLURM to restart the step)
-        assert d.procs["gen-task0"].wait(60) == 1
-        assert "the gen world stopped" in d.log("gen-task0") and "srun / torchrun" in d.log("gen-task0")
-        d.procs.pop("gen-task0")
+        d.kill_task1_and_expect_task0_to_fail("gen")
     finally:
         d.stop()
 

@@ -5,6 +5,7 @@ equal the launcher's apart from where the servers listen."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -156,6 +157,44 @@ def test_compose_one_device_config_equals_gpu1_but_for_the_network() -> None:
     assert mounted.startswith("${HELIX_GPU_CONFIG:-"), "the gpu profile's config cannot be chosen"
     assert deploy.ctx_urls == ("http://ctx-gpu:8100",) and deploy.gen_urls == ("http://gen-gpu:8200",)
     assert all(w.transceiver_host == "ctx-gpu" for w in deploy.ctx)
+
+
+CTX_WORLD_CONFIG = "./docker/config.ctx-world.yaml"  # HELIX_CONFIG's value for a ctx world
+
+
+def test_compose_ctx_world_runs_its_ranks_in_the_ctx_container_on_the_launchers_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docker/config.ctx-world.yaml (HELIX_CONFIG) is configs/ctx-world.yaml but for the network:
+    a ctx world of tp 2 whose ranks all run in the one `ctx` container (its service runs the one
+    ``serve-ctx`` process launch starts, which spawns rank 1), beside a gen world that recomputes
+    the prompt (a ctx world's KV cannot be sent: no gen worker may pull it)."""
+    deploy = DeploymentConfig.from_yaml(COMPOSE.parent / CTX_WORLD_CONFIG)
+    launched = DeploymentConfig.from_yaml(REPO / "deploy" / "configs" / "ctx-world.yaml")
+    assert without_network(deploy) == without_network(launched)
+    assert (deploy.ctx[0].tp, deploy.ctx[0].ep) == (2, 2) and len(deploy.ctx) == 1
+    assert all(g.kv_source == "recompute" for g in (*deploy.gen, *launched.gen))
+    assert {w.host for w in (*deploy.ctx, *deploy.gen)} | {deploy.router.host} == {"0.0.0.0"}
+    services = service_sets()["default"]
+    mounted = next(v for v in services["ctx"]["volumes"] if v.endswith(f":{MOUNTED_CONFIG}:ro"))
+    assert mounted.startswith("${HELIX_CONFIG:-"), "the default profile's config cannot be chosen"
+    compose_args = sorted(spec["command"][:spec["command"].index("-c")] for spec in services.values())
+    assert compose_args == launcher_args(deploy, tmp_path, monkeypatch)
+    assert deploy.ctx_urls == ("http://ctx:8100",) and deploy.ctx[0].transceiver_host == "ctx"
+
+
+def test_compose_file_with_the_ctx_world_config_is_valid_for_docker_compose() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (CI installs it: deploy/ci/install_system_deps.sh)")
+    result = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60,
+                            cwd=COMPOSE.parent, env={**os.environ, "HELIX_CONFIG": CTX_WORLD_CONFIG})
+    assert result.returncode == 0, result.stderr
+    mounted = (COMPOSE.parent / CTX_WORLD_CONFIG).resolve()
+    services = yaml.safe_load(result.stdout)["services"]
+    for name in ("ctx", "gen", "router"):
+        volumes = services[name]["volumes"]  # docker-compose v1: "src:dst:ro"; v2: mappings
+        pairs = [tuple(v.split(":")[:2]) if isinstance(v, str) else (v["source"], v["target"]) for v in volumes]
+        assert (str(mounted), MOUNTED_CONFIG) in pairs, (name, volumes)
 
 
 @pytest.mark.parametrize("config, devices", [

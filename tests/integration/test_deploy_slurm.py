@@ -2,11 +2,13 @@
 slurmd started here, stopped at the end): sbatch deploy/slurm/helixserve.sbatch with the tiny
 model on CPU, wait for the router's /ready, ask with the `openai` client and get the answers the
 local launcher (`helixserve launch`, same config) gives, scancel, and find no process of the job
-left. Also: a step that dies ends the job with nothing left, and srun starts a gen world's ranks
-with a working rendezvous (gloo all_reduce over SLURM_PROCID/SLURM_NTASKS/MASTER_ADDR)."""
+left. Also: a step that dies ends the job with nothing left, srun starts a gen world's ranks
+with a working rendezvous (gloo all_reduce over SLURM_PROCID/SLURM_NTASKS/MASTER_ADDR), and a
+ctx world of tp 2 is one step of two tasks."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -40,6 +42,10 @@ class Cluster:
 
     def run(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def with_env(self, **env: str) -> Cluster:
+        """This cluster, its commands run with ``env`` added (e.g. a job's internal secret)."""
+        return Cluster(self.root, {**self.env, **env})
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +167,17 @@ def submit(cluster: Cluster, work: Path, *launcher_args: str) -> str:
     return result.stdout.strip().split(";")[0]
 
 
+def wait_for_ready(cluster: Cluster, job_id: str, job_dir: Path, output: Path, timeout_s: float) -> None:
+    """Until the launcher wrote ``<job dir>/ready``; the job leaving the queue first fails."""
+    deadline = time.monotonic() + timeout_s
+    while not (job_dir / "ready").is_file():
+        state = job_state(cluster, job_id)
+        assert state in {"PENDING", "CONFIGURING", "RUNNING"}, (
+            f"job {job_id} is {state or 'gone'} before /ready:\n{output.read_text() if output.exists() else ''}")
+        assert time.monotonic() < deadline, f"job {job_id} not ready in {timeout_s:.0f} s:\n{output.read_text()}"
+        time.sleep(0.3)
+
+
 def wait_until_gone(cluster: Cluster, job_id: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while job_state(cluster, job_id):
@@ -186,13 +203,7 @@ def test_sbatch_serves_the_local_launchers_answers_and_scancel_leaves_nothing(
     job_id = submit(slurm_cluster, tmp_path, "-c", str(config), "--job-dir", str(job_dir),
                     "--ready-timeout", "150", "--grace", "5")
     output = tmp_path / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 200
-    while not (job_dir / "ready").is_file():
-        state = job_state(slurm_cluster, job_id)
-        assert state in {"PENDING", "CONFIGURING", "RUNNING"}, (
-            f"job {job_id} is {state or 'gone'} before /ready:\n{output.read_text() if output.exists() else ''}")
-        assert time.monotonic() < deadline, f"job {job_id} not ready in 200 s:\n{output.read_text()}"
-        time.sleep(0.3)
+    wait_for_ready(slurm_cluster, job_id, job_dir, output, 200)
     url = (job_dir / "ready").read_text().strip()
     print(f"\njob {job_id} ready at {url} {time.monotonic() - began:.1f} s after sbatch")
     assert url.endswith(f":{router_port}")
@@ -281,7 +292,6 @@ def test_the_sbatch_cuda_configs_plan_steps_that_share_or_split_the_devices(
     """deploy/configs/gpu1.yaml and gpu2.yaml through the launcher's own preparation (no cluster:
     the one-node host list is given): both load, move the KV over UCX, and their ctx and gen steps
     each get a GPU; gpu1's two steps share one (srun --overlap), gpu2's do not."""
-    import json
 
     from helixserve.config import DeploymentConfig
     from helixserve.config_env import slurm_env_from
@@ -304,3 +314,47 @@ def test_the_sbatch_cuda_configs_plan_steps_that_share_or_split_the_devices(
         assert ("--overlap" in planned[name]) == (name in shared), planned[name]
     assert not any("gpu" in a for a in planned["router"])
     assert DeploymentConfig.from_yaml(job_dir / "config.yaml").gen[0].kv_source == "ucx"
+
+
+def test_sbatch_runs_a_ctx_world_as_one_step_of_two_tasks(
+        slurm_cluster: Cluster, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A deployment whose ctx worker is a world of tp 2 (gloo, CPU) beside a recompute gen worker:
+    its step is 2 srun tasks (task 0 serves, task 1 is rank 1: no rank spawned), the router gets
+    ready, the ctx world answers plain requests as the gen worker does, the router's
+    ``context_only`` hop is its 400 naming tp, and scancel leaves nothing."""
+    from helixserve.testing.servers import SECRET_HEADER, http
+
+    config = tmp_path / "deployment.yaml"
+    router_port = write_config(config, tiny_checkpoints["kimi-k3-tiny"])
+    data = yaml.safe_load(config.read_text())
+    data["ctx"][0].update(tp=2, collective_timeout_s=60)
+    data["gen"][0].update(dp=1, cp=1, kv_source="recompute")
+    config.write_text(yaml.safe_dump(data))
+    placement = tmp_path / "placement.yaml"
+    placement.write_text(f"rdzv_port: {free_port()}\n")
+    secret = "k" * 48
+    job_dir = tmp_path / "job"
+    job_id = submit(slurm_cluster.with_env(HELIXSERVE_INTERNAL_SECRET=secret), tmp_path, "-c", str(config),
+                    "--placement", str(placement), "--job-dir", str(job_dir), "--ready-timeout", "150", "--grace", "5")
+    output = tmp_path / f"slurm-{job_id}.out"
+    wait_for_ready(slurm_cluster, job_id, job_dir, output, 200)
+    url = (job_dir / "ready").read_text().strip()
+    placed = yaml.safe_load((job_dir / "config.yaml").read_text())
+    ctx_url = f"http://{placed['ctx'][0]['host']}:{placed['ctx'][0]['port']}"
+    gen_url = f"http://{placed['gen'][0]['host']}:{placed['gen'][0]['port']}"
+    health = http("GET", f"{ctx_url}/health")[1]
+    assert health["world"] == {"dp": 1, "cp": 2, "rank_pids": [None], "failure": None, "restarts": 0}, health
+    assert "--ntasks=2" in next(s for s in json.loads((job_dir / "plan.json").read_text())["steps"]
+                                if s["name"] == "ctx0")["argv"]
+    body = {"model": "kimi-k3-tiny", "prompt": list(range(3, 20)), "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    auth = {SECRET_HEADER: secret}
+    got = http("POST", f"{ctx_url}/v1/completions", body, headers=auth, timeout=120)
+    want = http("POST", f"{gen_url}/v1/completions", body, headers=auth, timeout=120)
+    assert got[0] == want[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"], (got, want)
+    status, refused = http("POST", f"{url}/v1/completions", body, timeout=120)
+    assert status == 400 and refused["error"]["code"] == "ctx_world_transfer_unavailable", refused
+    assert slurm_cluster.run("scancel", job_id).returncode == 0
+    wait_until_gone(slurm_cluster, job_id, 60)
+    assert_nothing_left(job_id)
+    assert "helixserve-slurm: stopped" in output.read_text()

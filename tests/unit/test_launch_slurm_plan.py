@@ -160,3 +160,34 @@ def test_single_process_workers_naming_one_device_on_one_node_share_its_steps_de
                        shared_gpu=shared_gpu_steps(same, placement))
     assert ["--overlap" in s.argv for s in steps] == [True, True, True, True]  # ctx1 and router: CPU
     assert ["--gpus-per-task=1" in s.argv for s in steps] == [True, False, True, False]
+
+
+def test_a_ctx_world_is_one_step_of_tp_tasks_with_its_own_rendezvous() -> None:
+    """ctx[0] of tp 2 (ctx[1] of one rank): one srun step of 2 tasks whose MASTER_ADDR / MASTER_PORT
+    name its node and the port after the gen worlds'; on GPUs one GPU per task, never shared."""
+    deploy = DeploymentConfig(model={"path": "/m", "device": "cuda"},
+                              ctx=[{"port": 8100, "tp": 2}, {"port": 8101, "transceiver_port": 18101}],
+                              gen=[{"port": 8200, "dp": 1, "cp": 2}, {"port": 8201, "dp": 1, "cp": 1}])
+    placement = Placement(rdzv_port=29600).resolve(deploy, 2)
+    placed = place(deploy, placement, ["n1", "n2"])
+    steps = {s.name: s for s in plan_steps(placed, placement, ["n1", "n2"], Path("/c.yaml"), python="/py")}
+    ctx0, ctx1 = steps["ctx0"], steps["ctx1"]
+    assert (ctx0.nodes, ctx0.num_tasks, ctx1.num_tasks) == (["n1"], 2, 1)
+    assert ctx0.exports == {"MASTER_ADDR": "n1", "MASTER_PORT": "29602"} and ctx1.exports == {}
+    assert steps["gen0"].exports["MASTER_PORT"] == "29600" and steps["gen1"].exports["MASTER_PORT"] == "29601"
+    for flag in ("--ntasks=2", "--nodes=1", "--label", "--gpus-per-task=1", "--export=ALL,MASTER_ADDR=n1,MASTER_PORT=29602"):
+        assert flag in ctx0.argv
+    assert ctx0.argv[-5:] == ["serve-ctx", "--index", "0", "-c", "/c.yaml"]
+    shared = DeploymentConfig(model={"path": "/m", "device": "cuda:0"}, ctx=[{"port": 8100, "tp": 2}],
+                              gen=[{"port": 8200, "dp": 1, "cp": 1}])
+    from helixserve.launch.slurm import shared_gpu_steps
+
+    assert shared_gpu_steps(shared, Placement().resolve(shared, 1)) == set()  # its ranks: cuda:SLURM_LOCALID
+
+
+def test_rendezvous_ports_past_the_last_port_are_refused() -> None:
+    deploy = DeploymentConfig(model={"path": "/m"}, ctx=[{"port": 8100, "tp": 2}], gen=[{"port": 8200}])
+    last = Placement(rdzv_port=65534).resolve(deploy, 1)  # gen0 on 65534, ctx0 on 65535
+    assert last.rendezvous(place(deploy, last, ["n1"]))["ctx0"] == {"MASTER_ADDR": "n1", "MASTER_PORT": "65535"}
+    with pytest.raises(ValueError, match="rdzv_port 65535: the worlds' rendezvous ports would run to 65536"):
+        Placement(rdzv_port=65535).resolve(deploy, 1)

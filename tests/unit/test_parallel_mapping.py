@@ -129,6 +129,20 @@ def test_dist_env_torchrun_and_slurm() -> None:
     assert first_slurm_host("node7") == "node7" and first_slurm_host("n[1-2]") == "n1"
 
 
+def test_dist_env_joins_the_store_of_torchruns_agent() -> None:
+    """torchrun's agent serves the store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): every
+    rank, rank 0 too, joins it through env:// instead of listening there itself."""
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
+    env = dist_env_from({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert env is not None and env.agent_store and env.init_method == "env://"
+    for value in ("False", ""):
+        env = dist_env_from({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": value})
+        assert env is not None and not env.agent_store and env.init_method == "tcp://h0:1234"
+    srun = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "a", "MASTER_PORT": "29400",
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}  # not torchrun's task: its own store
+    assert dist_env_from(srun).init_method == "tcp://a:29400"  # type: ignore[union-attr]
+
+
 def test_dist_env_errors_name_values() -> None:
     with pytest.raises(ValueError, match="RANK='x' is not an integer"):
         dist_env_from({"RANK": "x", "WORLD_SIZE": "2"})
