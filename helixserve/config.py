@@ -84,6 +84,9 @@ class CacheConfig(_Strict):
     # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
     # memory_budget_mib beside the slots; used only with prefix_caching
     state_checkpoint_slots: int = Field(32, ge=1, le=1 << 20)
+    # block-stored / block-removed events a prefix-caching worker keeps for the router's
+    # cache-aware policy (GET /v1/prefix_events); a router further behind resyncs
+    prefix_events_capacity: int = Field(16384, ge=1, le=1 << 24)
 
     @property
     def num_checkpoint_slots(self) -> int:
