@@ -123,6 +123,9 @@ class RouterConfig(_Strict):
     # cache_aware: the cached blocks one request in flight on a ctx worker weighs as much as
     # (score = prefix blocks the worker holds - this x its requests in flight)
     cache_aware_load_weight: float = Field(1.0, ge=0, le=1 << 20)
+    # cache_aware: the fraction of a prompt's blocks a ctx worker must hold for the match to count
+    # (SGLang's name; below it, e.g. only a chat template's opening, the least loaded worker)
+    cache_threshold: float = Field(0.5, ge=0, le=1)
     # cache_aware: block keys the router remembers per ctx worker (least recently used out first;
     # about 100 bytes each)
     prefix_index_max_blocks: int = Field(1 << 18, ge=1, le=1 << 26)

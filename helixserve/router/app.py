@@ -135,7 +135,7 @@ class RouterService:
         self.prompt_keys = prompt_keys if config.policy == "cache_aware" else None
         self.prefix_index = None if self.prompt_keys is None else PrefixIndex(
             ctx_urls, config.prefix_index_max_blocks, self.prompt_keys.tokens_per_block,
-            config.cache_aware_load_weight)
+            config.cache_aware_load_weight, config.cache_threshold)
         self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy, self.prefix_index)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
         self.connections: ConnectionGuard | None = None  # the server's, once serving/http.py set it up

@@ -14,8 +14,10 @@ requests sharing a prefix that arrive before the worker's events follow the firs
 
 :meth:`PrefixIndex.choose` scores each worker with room: the blocks of the request's chain the
 worker holds, counted from the first, minus ``router.cache_aware_load_weight`` x its requests in
-flight. The best score wins; equal scores go to the least loaded; no match anywhere: None (the
-pool then picks the least loaded).
+flight. A match shorter than ``router.cache_threshold`` of the request's blocks counts as none
+(SGLang's name: a chat template's opening, which every prompt shares, is not a reason to send
+everything to one worker). The best score wins; equal scores go to the least loaded; no match
+anywhere: None (the pool then picks the least loaded).
 """
 
 from __future__ import annotations
@@ -92,10 +94,12 @@ class WorkerBlocks:
 class PrefixIndex:
     """Every ctx worker's :class:`WorkerBlocks`, their polling and the choice (module docstring)."""
 
-    def __init__(self, urls: Sequence[str], max_blocks: int, tokens_per_block: int, load_weight: float) -> None:
+    def __init__(self, urls: Sequence[str], max_blocks: int, tokens_per_block: int, load_weight: float,
+                 cache_threshold: float = 0.0) -> None:
         self.max_blocks = max_blocks
         self.tokens_per_block = tokens_per_block
         self.load_weight = load_weight
+        self.cache_threshold = cache_threshold
         self.workers = {url.rstrip("/"): WorkerBlocks(max_blocks) for url in urls}
         self._why_dropped: dict[str, str] = {}  # the last cause logged per worker
 
@@ -109,8 +113,10 @@ class PrefixIndex:
 
     def choose(self, workers: Sequence[WorkerState], keys: Sequence[BlockKey]) -> WorkerState | None:
         """The worker of ``workers`` (in tie-break order) with the best score; None when none
-        holds the chain's first block."""
+        holds ``cache_threshold`` of the chain (and at least its first block)."""
+        least = max(1.0, self.cache_threshold * len(keys))
         matched = [self.workers[w.url].num_matched(keys) for w in workers]
+        matched = [m if m >= least else 0 for m in matched]
         if not any(matched):
             return None
         scores = [m - self.load_weight * w.num_inflight for m, w in zip(matched, workers, strict=True)]

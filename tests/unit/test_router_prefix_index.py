@@ -119,3 +119,14 @@ def test_no_match_goes_to_the_least_loaded_and_the_choice_is_remembered():
 def test_cache_aware_needs_prefix_caching():
     with pytest.raises(ValueError, match="set cache.prefix_caching: true"):
         DeploymentConfig.model_validate({"model": {"path": "kimi-k3-tiny"}, "router": {"policy": "cache_aware"}})
+
+
+def test_a_match_below_the_cache_threshold_counts_as_none():
+    pool, index = _pool()
+    index.cache_threshold = 0.5
+    a, b = pool.workers
+    prompt = [_key(i) for i in range(10)]
+    index.routed(b.url, prompt[:4])  # e.g. a chat template's opening: 4 of 10 blocks
+    assert index.choose(pool.workers, prompt) is None
+    index.routed(b.url, prompt[:5])
+    assert index.choose(pool.workers, prompt) is b
