@@ -1,9 +1,14 @@
 """The router's cache-aware policy (torch-free parts): a prompt's block keys are the ctx worker's
 (same tokens, chat template included, same chain and salt, only the blocks a hit can use), each
 worker's key set is bounded and LRU, events and resyncs update it, another epoch drops it, and
-the choice weighs matched blocks against load (ties and no match: least loaded)."""
+the choice weighs matched blocks against load (ties and no match: least loaded); polling a
+loopback worker follows its events, resyncs a restarted one at once, and drops the blocks of a
+worker that is gone or publishes nothing usable."""
 
 from __future__ import annotations
+
+import asyncio
+import json
 
 import pytest
 
@@ -14,9 +19,10 @@ from helixserve.kvcache.prefix_index import append_block_keys  # noqa: E402
 from helixserve.models.tokenizer_loader import tokenizer_of  # noqa: E402
 from helixserve.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from helixserve.protocol.prefix_events import PrefixEventsAnswer  # noqa: E402
-from helixserve.router.pool import WorkerPool  # noqa: E402
+from helixserve.router.pool import WorkerPool, WorkerState  # noqa: E402
 from helixserve.router.prefix_index import PrefixIndex, WorkerBlocks  # noqa: E402
 from helixserve.router.prompt_keys import PromptKeys  # noqa: E402
+from helixserve.router.upstream import Upstream  # noqa: E402
 from helixserve.serving.openai_serving import ServingLimits, prompt_token_ids  # noqa: E402
 
 B = 4
@@ -130,3 +136,76 @@ def test_a_match_below_the_cache_threshold_counts_as_none():
     assert index.choose(pool.workers, prompt) is None
     index.routed(b.url, prompt[:5])
     assert index.choose(pool.workers, prompt) is b
+
+
+def _poll(answers: list[tuple[int, dict]], tokens_per_block: int = B, rounds: int = 1,
+          index: PrefixIndex | None = None) -> tuple[PrefixIndex, list[str]]:
+    """Poll a loopback worker that answers ``answers`` in turn (a fault injector: another epoch,
+    other blocks, errors) ``rounds`` times; the index and the paths the worker was asked."""
+    paths: list[str] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        paths.append(head.split(b" ")[1].decode())
+        status, body = answers[len(paths) - 1]
+        data = json.dumps(body).encode()
+        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        writer.close()
+
+    async def main() -> PrefixIndex:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        got = index or PrefixIndex([url], 64, tokens_per_block, 1.0)
+        worker = WorkerState(url, "ctx", is_healthy=True)
+        async with server, Upstream(1.0, 5.0, 4, {}) as client:
+            for _ in range(rounds):
+                await got.poll(client, [worker], timeout_s=2.0)
+        return got
+
+    return asyncio.run(main()), paths
+
+
+def _body(answer: PrefixEventsAnswer) -> dict:
+    return answer.model_dump(mode="json")
+
+
+def test_polling_follows_the_events_and_resyncs_a_restarted_worker_at_once():
+    answers = [(200, _body(_answer("old", 3, resync=True, blocks=[1, 2]))),
+               (200, _body(_answer("old", 4, events=[(4, "stored", 3)]))),
+               (200, _body(_answer("new", 9, events=[(9, "stored", 8)]))),  # restarted: not a resync
+               (200, _body(_answer("new", 9, resync=True, blocks=[7])))]
+    index, paths = _poll(answers, rounds=3)
+    assert paths == ["/v1/prefix_events?max_blocks=64", "/v1/prefix_events?max_blocks=64&since=3",
+                     "/v1/prefix_events?max_blocks=64&since=4", "/v1/prefix_events?max_blocks=64"]
+    (blocks,) = index.workers.values()
+    assert list(blocks.keys) == [_key(7)] and blocks.epoch == "new" and blocks.seq == 9
+
+
+@pytest.mark.parametrize("answer", [
+    (404, {"detail": "Not Found"}),  # prefix caching off, or a ctx world
+    (200, {"epoch": "e", "seq": 1}),  # malformed
+    (200, _body(_answer("e", 1, resync=True, blocks=[1])) | {"tokens_per_block": B * 2}),  # other blocks
+])
+def test_a_worker_that_publishes_nothing_usable_has_its_blocks_dropped(answer):
+    index, paths = _poll([(200, _body(_answer("e", 1, resync=True, blocks=[1, 2]))), answer], rounds=2)
+    (blocks,) = index.workers.values()
+    assert len(paths) == 2 and len(blocks) == 0 and blocks.seq is None
+
+
+def test_an_unreachable_or_unhealthy_worker_has_its_blocks_dropped():
+    index = PrefixIndex(["http://127.0.0.1:9"], 64, B, 1.0)
+    index.routed("http://127.0.0.1:9", [_key(1)])
+    worker = WorkerState("http://127.0.0.1:9", "ctx", is_healthy=True)
+
+    async def main() -> None:
+        async with Upstream(1.0, 5.0, 4, {}) as client:
+            await index.poll(client, [worker], timeout_s=2.0)
+
+    asyncio.run(main())
+    assert index.num_blocks(worker.url) == 0
+    index.routed(worker.url, [_key(1)])
+    worker.is_healthy = False
+    asyncio.run(main())
+    assert index.num_blocks(worker.url) == 0
