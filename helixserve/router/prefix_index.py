@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -34,10 +34,18 @@ from helixserve.kvcache.prefix_index import BlockKey
 from helixserve.protocol.prefix_events import PREFIX_EVENTS_PATH, PrefixEventsAnswer
 from helixserve.router.upstream import Upstream, UpstreamError
 
-if TYPE_CHECKING:
-    from helixserve.router.pool import WorkerState
-
 logger = logging.getLogger(__name__)
+
+
+class Worker(Protocol):
+    """What the index reads of a pool's worker (``router.pool.WorkerState``)."""
+
+    url: str
+    num_inflight: int
+    is_healthy: bool
+
+
+W = TypeVar("W", bound=Worker)
 
 
 class WorkerBlocks:
@@ -111,7 +119,7 @@ class PrefixIndex:
         for key in keys:
             blocks.add(key)
 
-    def choose(self, workers: Sequence[WorkerState], keys: Sequence[BlockKey]) -> WorkerState | None:
+    def choose(self, workers: Sequence[W], keys: Sequence[BlockKey]) -> W | None:
         """The worker of ``workers`` (in tie-break order) with the best score; None when none
         holds ``cache_threshold`` of the chain (and at least its first block)."""
         least = max(1.0, self.cache_threshold * len(keys))
@@ -123,7 +131,7 @@ class PrefixIndex:
         best = max(scores)
         return min((w for w, s in zip(workers, scores, strict=True) if s == best), key=lambda w: w.num_inflight)
 
-    async def poll(self, client: Upstream, workers: Sequence[WorkerState], timeout_s: float) -> None:
+    async def poll(self, client: Upstream, workers: Sequence[Worker], timeout_s: float) -> None:
         """One poll of every healthy worker's events, concurrently; an unhealthy one's set dropped."""
         for w in workers:
             if not w.is_healthy:
