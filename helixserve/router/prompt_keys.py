@@ -37,7 +37,8 @@ class PromptKeys:
     def token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int] | None:
         """The prompt's token ids as the ctx worker sees them; None where the router cannot tell."""
         if not isinstance(body, ChatCompletionRequest) and not isinstance(body.prompt, str):
-            return list(body.prompt)
+            ids = list(body.prompt)
+            return ids if max(ids, default=0) < 1 << 63 else None  # beyond any vocabulary: the ctx's 400
         if self.tokenizer is None:
             return None
         try:

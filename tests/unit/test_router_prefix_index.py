@@ -54,6 +54,15 @@ def test_the_last_token_is_never_in_a_key(num_tokens, num_keys):
     assert len(PromptKeys(TOKENIZER, B).block_keys(body)) == num_keys
 
 
+def test_hostile_prompts_have_no_keys_and_raise_nothing():
+    keys = PromptKeys(TOKENIZER, B)
+    assert keys.block_keys(CompletionRequest(model="m", prompt=[1 << 64] * 9)) == []
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x" * 9}])
+    broken = PromptKeys(tokenizer_of("kimi-k3-tiny", "dummy"), B)
+    broken.tokenizer.chat_template = "{{ raise_exception('no') }}"
+    assert broken.block_keys(chat) == []
+
+
 def test_without_a_tokenizer_only_token_id_prompts_have_keys():
     keys = PromptKeys(None, B)
     assert keys.block_keys(CompletionRequest(model="m", prompt="some text here")) == []
