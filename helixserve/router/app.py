@@ -15,12 +15,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig, router_api_keys
+from helixserve.models.tokenizer_loader import tokenizer_of
 from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                  InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
                                  QueueFullError, parse_json, parse_model, prompt_too_long,
                                  raw_prompt_length)
-from helixserve.models.tokenizer_loader import tokenizer_of
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
 from helixserve.router.prefix_index import PrefixIndex
