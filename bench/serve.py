@@ -61,13 +61,15 @@ def _get(url: str) -> dict:
 
 
 class Servers:
-    """``helixserve launch`` on a copy of `config` (deploy/configs/local.yaml) with free ports."""
+    """``helixserve launch`` on a copy of `config` (deploy/configs/local.yaml) with free ports;
+    ``num_ctx``: that many ctx workers like the first; ``overrides``: sections' keys changed."""
 
     def __init__(self, model: Path, log: Path, config: Path = REPO / "deploy" / "configs" / "local.yaml",
-                 load_format: str = "auto", agg_only: bool = False) -> None:
+                 load_format: str = "auto", agg_only: bool = False, num_ctx: int = 1,
+                 overrides: dict[str, dict] | None = None) -> None:
         from helixserve.config import DeploymentConfig
 
-        router, ctx, gen, tx = free_ports(4)
+        router, ctx, gen, tx, *extra = free_ports(4 + 2 * (num_ctx - 1))
         base = DeploymentConfig.from_yaml(config).model_dump(mode="json")
         base["model"]["path"] = str(model)
         base["model"]["served_name"] = MODEL
@@ -76,15 +78,20 @@ class Servers:
         if agg_only:  # one single-process gen worker that prefills and decodes: no ctx, no router
             base["gen"][0].update(kv_source="recompute", dp=1, cp=1)
         base["ctx"][0].update(port=ctx, transceiver_port=tx)
+        base["ctx"][1:] = [{**base["ctx"][0], "port": extra[2 * i], "transceiver_port": extra[2 * i + 1]}
+                           for i in range(num_ctx - 1)]
         base["gen"][0].update(port=gen)
         base["router"].update(port=router, health_check_interval_s=0.25)
+        for section, values in (overrides or {}).items():
+            base[section].update(values)
         self.config = DeploymentConfig.model_validate(base)
         self.router_url, self.ctx_url, self.gen_url = (f"http://127.0.0.1:{p}" for p in (router, ctx, gen))
+        self.ctx_urls = [w.url for w in self.config.ctx]
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
         self.config_file = Path(self._tmp.name) / "deployment.yaml"
         self.config.to_yaml(self.config_file)
         self.secret = new_secret()  # launch uses it (env) instead of making one: gen is asked directly too
-        trust_workers([self.ctx_url, self.gen_url], self.secret)
+        trust_workers([*self.ctx_urls, self.gen_url], self.secret)
         self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self.process: subprocess.Popen | None = None
 

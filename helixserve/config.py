@@ -84,6 +84,9 @@ class CacheConfig(_Strict):
     # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
     # memory_budget_mib beside the slots; used only with prefix_caching
     state_checkpoint_slots: int = Field(32, ge=1, le=1 << 20)
+    # block-stored / block-removed events a prefix-caching worker keeps for the router's
+    # cache-aware policy (GET /v1/prefix_events); a router further behind resyncs
+    prefix_events_capacity: int = Field(16384, ge=1, le=1 << 24)
 
     @property
     def num_checkpoint_slots(self) -> int:
@@ -114,7 +117,18 @@ class RouterConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    policy: Literal["round_robin", "least_loaded"] = "round_robin"
+    # which ctx / gen worker gets a request; cache_aware (ctx workers with cache.prefix_caching):
+    # the ctx worker holding most of its prompt's prefix, weighed against load (docs/configuration.md)
+    policy: Literal["round_robin", "least_loaded", "cache_aware"] = "round_robin"
+    # cache_aware: the cached blocks one request in flight on a ctx worker weighs as much as
+    # (score = prefix blocks the worker holds - this x its requests in flight)
+    cache_aware_load_weight: float = Field(1.0, ge=0, le=1 << 20)
+    # cache_aware: the fraction of a prompt's blocks a ctx worker must hold for the match to count
+    # (SGLang's name; below it, e.g. only a chat template's opening, the least loaded worker)
+    cache_threshold: float = Field(0.5, ge=0, le=1)
+    # cache_aware: block keys the router remembers per ctx worker (least recently used out first;
+    # about 100 bytes each)
+    prefix_index_max_blocks: int = Field(1 << 18, ge=1, le=1 << 26)
     api_keys: tuple[str, ...] = ()  # empty: no auth; else "Authorization: Bearer <key>" on /v1/*
     ctx_urls: tuple[str, ...] = ()  # empty: the deployment's ctx workers
     gen_urls: tuple[str, ...] = ()  # empty: the deployment's gen workers
@@ -183,6 +197,13 @@ class DeploymentConfig(_Strict):
         """Every (host, port) a process of this deployment listens on, as configured."""
         used = [(w.host, w.port) for w in (*self.ctx, *self.gen)] + [(self.router.host, self.router.port)]
         return used + [(w.transceiver_host, w.transceiver_port) for w in self.ctx]
+
+    @model_validator(mode="after")
+    def _check_cache_aware(self) -> DeploymentConfig:
+        if self.router.policy == "cache_aware" and not self.cache.prefix_caching:
+            raise ValueError("router.policy cache_aware routes by the prefixes ctx workers cache: "
+                             "set cache.prefix_caching: true")
+        return self
 
     @model_validator(mode="after")
     def _check_ports(self) -> DeploymentConfig:

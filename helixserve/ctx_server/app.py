@@ -15,6 +15,7 @@ from helixserve.ctx_server.lifecycle import (CancelRequested, CtxState, Finished
 from helixserve.ctx_server.ctx_requests import CtxRequests
 from helixserve.ctx_server.transfer import CtxTransceiver
 from helixserve.ctx_server.world import build_ctx_world_app
+from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.parallel import DistEnv
 from helixserve.protocol import (DisaggregatedParams, InternalServerError, RequestCancelledError,
                                  RequestType, parse_model)
@@ -23,6 +24,7 @@ from helixserve.serving.engine_errors import openai_outputs
 from helixserve.serving.http import run_unless_disconnected
 from helixserve.serving.loading import make_worker
 from helixserve.serving.openai_serving import PreparedRequest, collect_outputs
+from helixserve.serving.prefix_events import install_prefix_events
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app
 
@@ -119,6 +121,9 @@ def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig, env: DistEn
         RequestType.CONTEXT_ONLY: ContextOnlyHandler(worker, requests, transceiver),
     }
     app = build_worker_app(worker, handlers, lifespan_hooks=(requests.running, transceiver.running))
+    cache = core.cache_manager
+    if isinstance(cache, PrefixCachingCacheManager) and cache.blocks.events is not None:
+        install_prefix_events(app, cache.blocks.events, cache.tokens_per_block)  # the router's index
 
     @app.post("/v1/release")
     async def release(http_request: Request) -> Response:

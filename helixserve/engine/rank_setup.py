@@ -16,6 +16,7 @@ from helixserve.kernels.triton_common import has_fla
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
+from helixserve.kvcache.prefix_events import PrefixEventLog
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import engine_pool_sizes
@@ -62,7 +63,8 @@ def make_cache_manager(cache: CacheConfig, spec: CacheSpec, layout: CacheSizes, 
         return GroupCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, cp, has_mla, has_kda)
     if cache.prefix_caching and not is_world:
         return PrefixCachingCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block,
-                                         layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda)
+                                         layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda,
+                                         PrefixEventLog(cache.prefix_events_capacity))
     return CacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, has_mla=has_mla, has_kda=has_kda)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from helixserve.kvcache.errors import AllocationError, CacheCapacityError
+from helixserve.kvcache.prefix_events import PrefixEventLog
 
 BlockKey = bytes
 _KEY_BYTES = 16
@@ -59,7 +60,7 @@ class _CachedBlock:
 class PrefixBlockPool:
     """Physical blocks ``[0, capacity)`` with reference counts and a content index (module docstring)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, events: PrefixEventLog | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"block capacity must be >= 0, got {capacity}")
         self.capacity = capacity
@@ -69,6 +70,7 @@ class PrefixBlockPool:
         self._by_key: dict[BlockKey, int] = {}
         self._cached: dict[int, _CachedBlock] = {}
         self.num_evictions = 0
+        self.events = events  # block-stored / block-removed events for the router, if kept
 
     # -- the BlockAllocator interface ---------------------------------------------------------
 
@@ -183,6 +185,8 @@ class PrefixBlockPool:
             return False
         self._by_key[key] = block_id
         self._cached[block_id] = _CachedBlock(key, parent, tuple(token_ids), cache_salt)
+        if self.events is not None:
+            self.events.stored(key)
         return True
 
     def unpublish(self, block_id: int) -> None:
@@ -195,6 +199,8 @@ class PrefixBlockPool:
         entry = self._cached.pop(block_id, None)
         if entry is not None:
             del self._by_key[entry.key]
+            if self.events is not None:
+                self.events.removed(entry.key)
 
     def reset(self) -> int:
         """Evict every cached block no request holds (the held ones stay named); how many."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from helixserve.kvcache.errors import AllocationError, CacheCapacityError
 from helixserve.kvcache.manager import NO_HIT, CacheHandle, CacheManager, PrefixHit
+from helixserve.kvcache.prefix_events import PrefixEventLog
 from helixserve.kvcache.prefix_index import BlockKey, PrefixBlockPool, root_key
 from helixserve.kvcache.state_checkpoints import StateCheckpointPool
 
@@ -60,11 +61,12 @@ class PrefixCachingCacheManager(CacheManager):
     prefix_caching = True
 
     def __init__(self, num_blocks: int, num_slots: int, tokens_per_block: int, num_checkpoint_slots: int,
-                 checkpoint_interval_blocks: int, has_mla: bool = True, has_kda: bool = True) -> None:
+                 checkpoint_interval_blocks: int, has_mla: bool = True, has_kda: bool = True,
+                 events: PrefixEventLog | None = None) -> None:
         super().__init__(num_blocks, num_slots, tokens_per_block, has_mla=has_mla, has_kda=has_kda)
         if checkpoint_interval_blocks < 1:
             raise ValueError(f"checkpoint_interval_blocks must be >= 1, got {checkpoint_interval_blocks}")
-        self.blocks = PrefixBlockPool(num_blocks if has_mla else 0)  # type: ignore[assignment]
+        self.blocks = PrefixBlockPool(num_blocks if has_mla else 0, events)  # type: ignore[assignment]
         self.checkpoints = StateCheckpointPool(num_checkpoint_slots if has_kda else 0)
         self.checkpoint_interval = checkpoint_interval_blocks * tokens_per_block
         self.prefix_stats = PrefixStats()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import zlib
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -31,13 +30,10 @@ from helixserve.models.helix_hooks import MoeMode
 from helixserve.models.helix_load import materialize
 from helixserve.models.kimi import WORLD_OF_ONE, KimiForCausalLM
 from helixserve.models.presets import PRESETS, get_preset, random_value
-from helixserve.models.tokenizer import DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKENS, HelixTokenizer
-from helixserve.models.tokenizer_hf import HFTokenizer, build_byte_tokenizer
-from helixserve.models.tokenizer_loader import load_tokenizer_or_none
+# re-exported: where the engine and the workers have always found them
+from helixserve.models.tokenizer_loader import LOAD_FORMATS, LoadFormat, dummy_tokenizer, tokenizer_of  # noqa: F401
 from helixserve.parallel import Mapping
 
-LoadFormat = Literal["auto", "dummy"]
-LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 # root-mean-square of a uniformly random e2m1 code: sqrt(mean of {0, .5, 1, 1.5, 2, 3, 4, 6}^2)
 _E2M1_RMS = math.sqrt(68.5 / 8)
 
@@ -63,23 +59,6 @@ def model_config_of(model: str | Path, load_format: LoadFormat = "auto") -> Kimi
         raise ValueError(f"load_format dummy: {str(model)!r} is neither a checkpoint directory (config.json) "
                          f"nor a preset; presets: {sorted(PRESETS)}")
     return get_preset(name)
-
-
-def dummy_tokenizer(model: str | Path) -> HelixTokenizer:
-    """The directory's tokenizer if it has one, else the byte-level tokenizer (built in memory)."""
-    found = load_tokenizer_or_none(model) if Path(model).is_dir() else None
-    if found is not None:
-        return found
-    tok = build_byte_tokenizer()
-    bos, eos = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[1])
-    return HFTokenizer(tok, DEFAULT_CHAT_TEMPLATE, [eos], bos,
-                       {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1]})
-
-
-def tokenizer_of(model: str | Path, load_format: LoadFormat = "auto") -> HelixTokenizer | None:
-    """What serves ``model``: its directory's tokenizer (``None``: token ids only); ``dummy``:
-    :func:`dummy_tokenizer`."""
-    return dummy_tokenizer(model) if load_format == "dummy" else load_tokenizer_or_none(model)
 
 
 def load_dummy_model(

@@ -4,7 +4,8 @@ The request path, one file per hop:
 
 1. ``router/app.py``: auth (Bearer keys), parsing (4xx OpenAI bodies), model check (404),
    admission (bounded inflight + queue, else 429).
-2. ``router/pool.py``: a healthy ctx worker by policy (round robin / least loaded).
+2. ``router/pool.py``: a healthy ctx worker by policy (round robin / least loaded / cache aware:
+   ``router/prompt_keys.py`` and ``router/prefix_index.py``).
 3. ``router/proxy.py``: ctx ``context_only`` call; a finished ctx answer is returned directly.
 4. ``ctx_server/app.py`` -> ``engine/async_engine.py``: prefill + first token, cache held
    (``ctx_server/ctx_requests.py``).

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from helixserve.config import DeploymentConfig, LimitsConfig, RouterConfig, router_api_keys
+from helixserve.models.tokenizer_loader import tokenizer_of
 from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                  InvalidRequestError, ModelCard, ModelList, ModelNotFoundError,
@@ -22,6 +23,8 @@ from helixserve.protocol import (AuthenticationError, ChatCompletionRequest,
                                  raw_prompt_length)
 from helixserve.router.metrics import RouterMetrics
 from helixserve.router.pool import WorkerPool
+from helixserve.router.prefix_index import PrefixIndex
+from helixserve.router.prompt_keys import PromptKeys
 from helixserve.router.proxy import Flight, Orchestrator
 from helixserve.router.upstream import Upstream
 from helixserve.serving.auth import internal_headers
@@ -116,7 +119,8 @@ class RouterService:
 
     def __init__(self, config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
                  served_model: str, limits: LimitsConfig = LimitsConfig(),
-                 max_model_len: int | None = None, internal_secret: str | None = None) -> None:
+                 max_model_len: int | None = None, internal_secret: str | None = None,
+                 prompt_keys: PromptKeys | None = None) -> None:
         self.config = config
         self.internal_secret = internal_secret  # sent on every hop to a worker
         self.served_model = served_model
@@ -127,7 +131,12 @@ class RouterService:
         self.max_model_len = max_model_len
         self.off_loop = OffLoop("router")
         self.started_at = int(time.time())  # /v1/models "created": when the router started
-        self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy)
+        # cache_aware: the ctx workers' cached blocks, and the prompts' keys to match them
+        self.prompt_keys = prompt_keys if config.policy == "cache_aware" else None
+        self.prefix_index = None if self.prompt_keys is None else PrefixIndex(
+            ctx_urls, config.prefix_index_max_blocks, self.prompt_keys.tokens_per_block,
+            config.cache_aware_load_weight, config.cache_threshold)
+        self.ctx_pool = WorkerPool("ctx", ctx_urls, config.policy, self.prefix_index)
         self.gen_pool = WorkerPool("gen", gen_urls, config.policy)
         self.connections: ConnectionGuard | None = None  # the server's, once serving/http.py set it up
         self.metrics = RouterMetrics(lambda: [self.ctx_pool, self.gen_pool], served_model,
@@ -157,6 +166,8 @@ class RouterService:
         while True:
             await asyncio.gather(self.ctx_pool.check(client, timeout_s),
                                  self.gen_pool.check(client, timeout_s))
+            if self.prefix_index is not None:
+                await self.prefix_index.poll(client, self.ctx_pool.workers, timeout_s)
             self.admission.wake()  # the workers' capacity may have grown
             await asyncio.sleep(self.config.health_check_interval_s)
 
@@ -166,8 +177,9 @@ class RouterService:
         return min(known) if known else None
 
     def _parse(self, cls: type, raw_bytes: bytes) -> tuple:
-        """The body as a request model and as the JSON object forwarded to the workers (parsed
-        once: strict JSON, so whatever parses re-encodes for the next hop)."""
+        """The body as a request model, as the JSON object forwarded to the workers (parsed
+        once: strict JSON, so whatever parses re-encodes for the next hop) and its prompt's
+        block keys (cache_aware; else none)."""
         raw = parse_json(raw_bytes)
         limit, num_ids = self.max_prompt_tokens, raw_prompt_length(raw)
         if limit is not None and num_ids is not None and num_ids > limit:
@@ -177,25 +189,25 @@ class RouterService:
             raise InvalidRequestError("disaggregated_params is set by the router between its "
                                       "workers; clients may not send it",
                                       param="disaggregated_params")
-        return body, raw
+        return body, raw, self.prompt_keys.block_keys(body) if self.prompt_keys is not None else []
 
     async def _admit(self, request: Request, cls: type) -> tuple:
         _check_api_key(request, self.config.api_keys)
         raw_bytes = await request.body()
-        body, raw = await self.off_loop.run_if(len(raw_bytes) > OFF_LOOP_BYTES, self._parse, cls,
-                                               raw_bytes)
+        body, raw, block_keys = await self.off_loop.run_if(len(raw_bytes) > OFF_LOOP_BYTES, self._parse,
+                                                           cls, raw_bytes)
         del raw_bytes
         if body.model != self.served_model:
             raise ModelNotFoundError(body.model)
         # a client that leaves while queued gives its place up at once
         await run_unless_disconnected(request, self.admission.acquire())
-        return body, raw
+        return body, raw, block_keys
 
     async def completion(self, request: Request, cls: type, endpoint: str) -> Response:
         t_arrival = time.monotonic()
         metrics = self.metrics
         try:
-            body, raw = await self._admit(request, cls)
+            body, raw, block_keys = await self._admit(request, cls)
         except Exception as err:  # refused before reaching a worker
             metrics.requests.labels(endpoint, str(getattr(err, "status_code", 500))).inc()
             raise
@@ -207,7 +219,7 @@ class RouterService:
             metrics.running.dec()
 
         assert self.orchestrator is not None, "the router app is not running"
-        flight = Flight(self.orchestrator, endpoint, t_arrival, on_close)
+        flight = Flight(self.orchestrator, endpoint, t_arrival, on_close, block_keys)
         try:  # a streamed response closes its flight when the stream ends
             return await run_unless_disconnected(
                 request, self.orchestrator.run(flight, endpoint, body, raw))
@@ -226,9 +238,16 @@ class RouterService:
         """200 when at least one ctx and one gen worker are healthy; the pools either way."""
         is_ready = bool(self.ctx_pool.healthy and self.gen_pool.healthy)
         pools = {pool.role: [{"url": w.url, "healthy": w.is_healthy, "error": w.last_error,
-                              "inflight": w.num_inflight, "capacity": w.capacity} for w in pool.workers]
+                              "inflight": w.num_inflight, "capacity": w.capacity,
+                              **self._prefix_blocks(pool, w.url)} for w in pool.workers]
                  for pool in (self.ctx_pool, self.gen_pool)}
         return JSONResponse({"ready": is_ready, **pools}, status_code=200 if is_ready else 503)
+
+    @staticmethod
+    def _prefix_blocks(pool: WorkerPool, url: str) -> dict[str, int]:
+        """cache_aware: the blocks the router knows ``url`` caches."""
+        index = pool.prefix_index
+        return {} if index is None else {"prefix_blocks": index.num_blocks(url)}
 
     def metrics_page(self) -> Response:
         self.metrics.waiting.set(self.admission.num_waiting)
@@ -237,9 +256,10 @@ class RouterService:
 
 def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: tuple[str, ...],
                      served_model: str, limits: LimitsConfig = LimitsConfig(),
-                     max_model_len: int | None = None, internal_secret: str | None = None) -> FastAPI:
+                     max_model_len: int | None = None, internal_secret: str | None = None,
+                     prompt_keys: PromptKeys | None = None) -> FastAPI:
     service = RouterService(config, ctx_urls, gen_urls, served_model, limits, max_model_len,
-                            internal_secret)
+                            internal_secret, prompt_keys)
     app = FastAPI(title="helixserve router", lifespan=service.lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=limits.max_body_bytes)
     app.add_middleware(InternalErrors)
@@ -275,7 +295,16 @@ def build_router_app(config: RouterConfig, ctx_urls: tuple[str, ...], gen_urls: 
 
 
 def build_router_app_from(deploy: DeploymentConfig) -> FastAPI:
-    """The router of `deploy`, its API keys from the config and ``HELIXSERVE_API_KEYS``."""
+    """The router of `deploy`, its API keys from the config and ``HELIXSERVE_API_KEYS``;
+    ``cache_aware``: the deployment's tokenizer, where the router runs (else token-id prompts
+    only are matched)."""
     router = deploy.router.model_copy(update={"api_keys": router_api_keys(deploy.router)})
+    prompt_keys = None
+    if router.policy == "cache_aware":
+        tokenizer = tokenizer_of(deploy.model.path, deploy.model.load_format)
+        if tokenizer is None:
+            logger.warning("cache_aware: no tokenizer at %s: only token-id prompts are routed by prefix",
+                           deploy.model.path)
+        prompt_keys = PromptKeys(tokenizer, deploy.cache.tokens_per_block)
     return build_router_app(router, deploy.ctx_urls, deploy.gen_urls, deploy.model.name,
-                            deploy.limits, deploy.cache.max_model_len, deploy.security.secret)
+                            deploy.limits, deploy.cache.max_model_len, deploy.security.secret, prompt_keys)

@@ -48,6 +48,13 @@ class _PoolCollector:
                         value = worker_stat(w, key)
                     family.add_metric([w.role, w.url], value)
             yield family
+        blocks = GaugeMetricFamily("helixserve_router_worker_prefix_blocks",
+                                   "blocks the router knows the ctx worker caches (cache_aware)", labels=["role", "url"])
+        for pool in self._pools():
+            if pool.prefix_index is not None:
+                for w in pool.workers:
+                    blocks.add_metric([w.role, w.url], float(pool.prefix_index.num_blocks(w.url)))
+        yield blocks
 
 
 class RouterMetrics:

@@ -10,6 +10,11 @@ its running slots plus its queue); beyond that it answers 429. The router never 
 more than that: :meth:`WorkerPool.pick` skips a worker at its capacity, and the router's
 admission holds its requests in flight to the pools' :attr:`WorkerPool.capacity`, so overload
 is queued or refused by the router itself, at once.
+
+Policies: ``round_robin``; ``least_loaded`` (fewest requests in flight from this router, ties in
+turn); ``cache_aware`` (a pool with a :class:`~helixserve.router.prefix_index.PrefixIndex`, the
+ctx pool: the worker holding most of the request's prefix, weighed against load, see there;
+no match, or a pool without an index: least loaded).
 """
 
 from __future__ import annotations
@@ -18,15 +23,18 @@ import asyncio
 import itertools
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from helixserve.kvcache.prefix_index import BlockKey
 from helixserve.protocol import QueueFullError, ServiceUnavailableError
+from helixserve.router.prefix_index import PrefixIndex
 from helixserve.router.upstream import Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
-Policy = Literal["round_robin", "least_loaded"]
+Policy = Literal["round_robin", "least_loaded", "cache_aware"]
 
 
 @dataclass(slots=True)
@@ -57,11 +65,13 @@ class WorkerState:
 class WorkerPool:
     """The workers of one role."""
 
-    def __init__(self, role: str, urls: tuple[str, ...] | list[str], policy: Policy) -> None:
+    def __init__(self, role: str, urls: tuple[str, ...] | list[str], policy: Policy,
+                 prefix_index: PrefixIndex | None = None) -> None:
         if not urls:
             raise ValueError(f"no {role} workers configured")
         self.role = role
         self.policy = policy
+        self.prefix_index = prefix_index if policy == "cache_aware" else None
         self.workers = [WorkerState(url.rstrip("/"), role) for url in urls]
         self._rr = itertools.count()
 
@@ -76,9 +86,10 @@ class WorkerPool:
         capacities = [w.capacity for w in self.healthy]
         return None if not capacities or None in capacities else sum(capacities)
 
-    def pick(self) -> WorkerState:
-        """A healthy worker with room by the policy; 503 naming every worker's state when none is
-        healthy, 429 when every healthy one is at its capacity."""
+    def pick(self, block_keys: Sequence[BlockKey] = ()) -> WorkerState:
+        """A healthy worker with room by the policy (``block_keys``: the request's prompt blocks,
+        for ``cache_aware``); 503 naming every worker's state when none is healthy, 429 when
+        every healthy one is at its capacity."""
         healthy = self.healthy
         if not healthy:
             states = "; ".join(w.describe() for w in self.workers)
@@ -89,9 +100,14 @@ class WorkerPool:
             raise QueueFullError(f"every healthy {self.role} worker is at its capacity; retry later")
         start = next(self._rr)
         rotated = [healthy[(start + i) % len(healthy)] for i in range(len(healthy))]
-        if self.policy == "least_loaded":
+        if self.policy == "round_robin":
+            return rotated[0]
+        index = self.prefix_index
+        if index is None or not block_keys:
             return min(rotated, key=lambda w: w.num_inflight)  # ties: round robin
-        return rotated[0]
+        chosen = index.choose(rotated, block_keys) or min(rotated, key=lambda w: w.num_inflight)
+        index.routed(chosen.url, block_keys)
+        return chosen
 
     def mark_failed(self, worker: WorkerState, error: str) -> None:
         if worker.is_healthy:

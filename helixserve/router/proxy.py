@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -45,12 +45,13 @@ class Flight:
     """One request's state in the router, closed exactly once."""
 
     def __init__(self, orchestrator: Orchestrator, endpoint: str, t_arrival: float,
-                 on_close: Callable[[], None]) -> None:
+                 on_close: Callable[[], None], block_keys: Sequence[bytes] = ()) -> None:
         self.o = orchestrator
         self.request_id = f"rt-{uuid.uuid4().hex}"
         self.endpoint = endpoint
         self.t_arrival = t_arrival
         self.on_close = on_close
+        self.block_keys = block_keys  # the prompt's block keys (cache_aware routing; else none)
         self.ctx: WorkerState | None = None  # set while ctx may still hold or run the request
         self.ctx_admission: int | None = None  # the ctx's admission of it, named by the release
         self.gen: WorkerState | None = None
@@ -157,7 +158,7 @@ class Orchestrator:
         return await self._decode(flight, path, body, gen_body)
 
     async def _prefill(self, flight: Flight, path: str, raw: dict) -> dict:
-        ctx = flight.ctx = self.ctx_pool.pick()
+        ctx = flight.ctx = self.ctx_pool.pick(flight.block_keys)
         flight.start(ctx)
         body = {**raw, "stream": False, "disaggregated_params": {"request_type": "context_only"}}
         body.pop("stream_options", None)

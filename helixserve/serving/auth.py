@@ -8,7 +8,8 @@ Clients reach only the router; a ctx or gen worker answers only the deployment's
   401 with OpenAI's error body. So ``disaggregated_params`` (which name another worker's cache)
   are honoured only from callers holding the secret: the router.
 - **No secret** (a hand-started worker): plain requests are served, but nothing internal is —
-  a request carrying ``disaggregated_params``, ``/v1/abort`` and ``/v1/release`` get 403 naming
+  a request carrying ``disaggregated_params``, ``/v1/abort``, ``/v1/release`` and
+  ``/v1/prefix_events`` (the block keys a ctx worker caches) get 403 naming
   the fix — unless ``security.allow_unauthenticated: true`` (a dev machine that nobody else
   reaches), which lets everything through.
 
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 INTERNAL_SECRET_HEADER = "X-Helixserve-Internal-Secret"
 INVALID_INTERNAL_SECRET = "invalid_internal_secret"  # the 401's error code
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-INTERNAL_PATHS = frozenset({"/v1/abort", "/v1/release"})  # router-only routes
+INTERNAL_PATHS = frozenset({"/v1/abort", "/v1/release", "/v1/prefix_events"})  # router-only routes
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 NO_SECRET_HINT = ("set the deployment's internal secret (HELIXSERVE_INTERNAL_SECRET or "
                   "security.internal_secret_file) on every process, or security.allow_unauthenticated: "

@@ -5,7 +5,8 @@ The deployment is the default shape: one ctx worker (its KV sender on a free por
 world of dp 1 x cp 2 (rank 0 is the gen server, rank 1 its child) receiving the KV over UCX.
 ``baseline_gen=True`` adds a single-process gen worker (dp = cp = 1, ``recompute``) that the
 router does not use: the aggregated baseline of the equivalence tests (a dict: that worker's
-settings changed, e.g. its ``speculative``).
+settings changed, e.g. its ``speculative``). ``extra_ctx=n`` adds n more ctx workers like the first
+(processes ``ctx1`` .. ``ctxn``, the router's pool holds them all).
 
 A test module gets its running deployment from the ``dep`` fixture (one per module, stopped when
 the module ends). It changes the deployment by overriding ``dep_options`` (the keyword arguments
@@ -50,8 +51,8 @@ class Deployment:
     the first worker's entry), anything else replaces it."""
 
     def __init__(self, tmp: Path, model_dir: Path, baseline_gen: bool | dict[str, Any] = False,
-                 **overrides: Any) -> None:
-        ctx_port, gen_port, router_port, tx_port, baseline_port = free_ports(5)
+                 extra_ctx: int = 0, **overrides: Any) -> None:
+        ctx_port, gen_port, router_port, tx_port, baseline_port, *extra_ports = free_ports(5 + 2 * extra_ctx)
         gen = [{"port": gen_port, "dp": 1, "cp": 2, "kv_source": "ucx", "collective_timeout_s": 30}]
         if baseline_gen:
             baseline = baseline_gen if isinstance(baseline_gen, dict) else {}
@@ -69,6 +70,9 @@ class Deployment:
             "router": {"port": router_port, "health_check_interval_s": 0.25,
                        "health_check_timeout_s": 1.0, "gen_urls": [f"http://127.0.0.1:{gen_port}"]},
         }
+        for i in range(extra_ctx):
+            ports = {"port": extra_ports[2 * i], "transceiver_port": extra_ports[2 * i + 1]}
+            data["ctx"].append({**data["ctx"][0], **ports})
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(data.get(key), list):
                 data[key] = [{**data[key][0], **value}, *data[key][1:]]
@@ -82,23 +86,25 @@ class Deployment:
         self.log_dir = tmp
         self.procs: dict[str, subprocess.Popen] = {}
         self.ctx_url, self.gen_url = self.config.ctx[0].url, self.config.gen[0].url
+        self.ctx_urls = [w.url for w in self.config.ctx]
         self.baseline_url = self.config.gen[1].url if baseline_gen else None
         self.router_url = f"http://127.0.0.1:{router_port}"
         # as `helixserve launch`: one internal secret, given to every process through its env
         self.secret = new_secret()
-        trust_workers([self.ctx_url, self.gen_url, *([self.baseline_url] if baseline_gen else [])], self.secret)
-        self.roles = ["ctx", "gen", *(["baseline"] if baseline_gen else []), "router"]
+        trust_workers([*self.ctx_urls, self.gen_url, *([self.baseline_url] if baseline_gen else [])], self.secret)
+        extra_roles = [f"ctx{i + 1}" for i in range(extra_ctx)]
+        self.roles = ["ctx", *extra_roles, "gen", *(["baseline"] if baseline_gen else []), "router"]
 
     def save(self) -> None:
         self.config.to_yaml(self.config_file)
 
     def start(self, role: str, *extra: str, env: dict[str, str] | None = None, name: str | None = None,
               module: str = "helixserve.cli") -> None:
-        """Start ``role`` (``ctx``, ``gen``, ``baseline`` or ``router``) as process ``name``
+        """Start ``role`` (``ctx``, ``ctx1`` .., ``gen``, ``baseline`` or ``router``) as process ``name``
         (default: the role), with ``env`` added to this environment; ``module``: the CLI to run
         (a test's fault injector wrapping ``helixserve.cli``)."""
         command = {"ctx": ["serve-ctx"], "gen": ["serve-gen"], "baseline": ["serve-gen", "--index", "1"],
-                   "router": ["router"]}[role]
+                   "router": ["router"]}.get(role) or ["serve-ctx", "--index", role.removeprefix("ctx")]
         name = name or role
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (kept for the process)
         self.procs[name] = subprocess.Popen(

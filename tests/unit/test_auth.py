@@ -64,7 +64,7 @@ def _app(security: SecurityConfig) -> TestClient:
 
     for path in ("/v1/abort", "/v1/release"):
         app.post(path)(lambda: JSONResponse({"ok": True}))
-    for path in ("/health", "/metrics", "/stats"):
+    for path in ("/health", "/metrics", "/stats", "/v1/prefix_events"):
         app.get(path)(lambda: JSONResponse({"ok": True}))
     return TestClient(app)
 
@@ -87,6 +87,7 @@ def test_with_a_secret_every_route_but_health_and_metrics_needs_it():
             response = client.post(path, json=body, headers=headers)
             assert response.status_code == 401 and _error(response)["code"] == "invalid_internal_secret"
         assert client.get("/stats", headers=headers).status_code == 401
+        assert client.get("/v1/prefix_events", headers=headers).status_code == 401
     assert client.get("/health").status_code == client.get("/metrics").status_code == 200
     # ... but a caller presenting a wrong secret (a misconfigured router) hears so there too
     assert client.get("/health", headers={INTERNAL_SECRET_HEADER: ""}).status_code == 401
@@ -109,6 +110,7 @@ def test_without_a_secret_internal_traffic_is_refused_unless_allowed():
     assert "HELIXSERVE_INTERNAL_SECRET" in error["message"] and "allow_unauthenticated" in error["message"]
     for path in ("/v1/abort", "/v1/release"):
         assert client.post(path, json={}).status_code == 403
+    assert client.get("/v1/prefix_events").status_code == 403  # the block keys a ctx worker caches
     for raw in (b"{not json", b"[" * 100_000):  # left to the route's own parser (it answers 400)
         assert client.post("/v1/completions", content=raw).json() == {"raw_bytes": len(raw)}
     assert client.post("/v1/completions", json={**PLAIN, "disaggregated_params": None}).status_code == 200

@@ -14,6 +14,7 @@ TORCH_FREE = [
     "kvcache/allocator.py",
     "kvcache/helix.py",
     "kvcache/manager.py",
+    "kvcache/prefix_events.py",
     "kvcache/prefix_index.py",
     "kvcache/prefix_manager.py",
     "kvcache/state_checkpoints.py",

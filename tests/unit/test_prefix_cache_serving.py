@@ -1,7 +1,7 @@
 """Prefix caching through a real ctx worker (its app served by uvicorn on loopback, the tiny K3
 checkpoint): completions sharing a prefix answer the tokens of a worker with caching off, report
-``usage.prompt_tokens_details.cached_tokens``, keep salts apart, and ``/metrics`` counts the
-queries and hits under our names and vLLM's."""
+``usage.prompt_tokens_details.cached_tokens``, keep salts apart, ``/metrics`` counts the
+queries and hits under our names and vLLM's, and ``/v1/prefix_events`` names the blocks cached."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 
 pytest.importorskip("uvicorn", reason="server deps not installed")
 
+from helixserve.config import SecurityConfig  # noqa: E402
 from helixserve.ctx_server.app import build_ctx_app  # noqa: E402
-from helixserve.testing.servers import http, wait_until  # noqa: E402
+from helixserve.kvcache.prefix_index import append_block_keys  # noqa: E402
+from helixserve.testing.servers import http, new_secret, trust_workers, wait_until  # noqa: E402
 from tests.unit.test_worker_warm_up import PAGE, _deploy, _serving, _status  # noqa: E402
 
 
@@ -66,3 +68,30 @@ def test_a_cache_salt_out_of_bounds_is_a_400(tiny_checkpoints):
             status, answer = http("POST", f"{url}/v1/completions",
                                   {"model": "m", "prompt": [1, 2], "max_tokens": 1, "cache_salt": salt})
             assert status == 400 and answer["error"]["param"] == "cache_salt", (salt, answer)
+
+
+def test_a_ctx_worker_publishes_the_blocks_it_caches_to_holders_of_the_secret(tiny_checkpoints):
+    secret = new_secret()
+    deploy = _deploy(tiny_checkpoints["kimi-k3-tiny"], prefix_caching=True)
+    deploy = deploy.model_copy(update={"security": SecurityConfig(internal_secret=secret)})
+    app = build_ctx_app(deploy, deploy.ctx[0])
+    with _serving(app, deploy.ctx[0].port) as url:
+        trust_workers([url], secret)
+        wait_until(lambda: _status(f"{url}/ready") == 200, 120, "the warm-up to finish")
+        status, first = http("GET", f"{url}/v1/prefix_events")
+        assert status == 200 and first["resync"] and first["tokens_per_block"] == PAGE, first
+        prompt = list(range(40, 40 + 3 * PAGE + 1))  # 3 full blocks and one token
+        _completion(url, prompt)
+        status, after = http("GET", f"{url}/v1/prefix_events?since={first['seq']}")
+        assert status == 200 and not after["resync"] and after["epoch"] == first["epoch"], after
+        seqs = [seq for seq, _, _ in after["events"]]
+        assert seqs == list(range(first["seq"] + 1, after["seq"] + 1))
+        stored = [key for _, kind, key in after["events"] if kind == "stored"]
+        assert stored[:3] == [k.hex() for k in append_block_keys([], prompt, PAGE, None)]
+        status, snapshot = http("GET", f"{url}/v1/prefix_events?max_blocks=1")
+        assert snapshot["resync"] and len(snapshot["blocks"]) == 1, snapshot
+        for query, param in (("since=-1", "since"), ("since=x", "since"), ("max_blocks=0", "max_blocks")):
+            status, answer = http("GET", f"{url}/v1/prefix_events?{query}")
+            assert status == 400 and answer["error"]["param"] == param, (query, answer)
+        status, answer = http("GET", f"{url}/v1/prefix_events", internal=False)
+        assert status == 401, answer
