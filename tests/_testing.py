@@ -80,10 +80,18 @@ def load_functions_from_source(package: str, relpath: str, names: list[str], nam
     return {name: scope[name] for name in names}
 
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# a kernel test that runs only in the child pytest of run_under_triton_interpreter
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+
+
 def run_under_triton_interpreter(test_file: str) -> None:
     """Run ``test_file``'s tests in a child pytest with ``TRITON_INTERPRET=1`` (Triton decides at
     import whether kernels are interpreted); Triton from ``HELIXSERVE_TRITON_INTERP`` (a ``pip
-    --target`` folder that ``make test`` fills) or the environment; skipped when neither has it."""
+    --target`` folder that ``make test`` fills) or the environment; skipped when neither has it,
+    and in the child itself (already the interpreter run)."""
+    if INTERPRETING:
+        pytest.skip("already the interpreter run")
     import subprocess
     import sys
 

@@ -8,20 +8,15 @@ tests, see test_gpu_kernels_interpret.py); the CUDA runs are in test_determinism
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from tests._testing import assert_close, run_under_triton_interpreter, triton_interpreter_patches
+from tests._testing import assert_close, needs_interpreter, run_under_triton_interpreter, triton_interpreter_patches
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not _INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 def test_gemm_kernels_under_triton_interpreter():
-    if _INTERPRETING:
-        pytest.skip("already the interpreter run")
     run_under_triton_interpreter(__file__)
 
 

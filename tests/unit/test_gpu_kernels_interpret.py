@@ -10,23 +10,18 @@ runs of the same comparisons are in test_gpu_kernels.py.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from helixserve import kernels
-from tests._testing import assert_close, run_under_triton_interpreter, triton_interpreter_patches
+from tests._testing import assert_close, needs_interpreter, run_under_triton_interpreter, triton_interpreter_patches
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not _INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 def test_kernels_under_triton_interpreter():
     """Triton decides at import whether kernels are interpreted, so the kernel tests of this file run
     in a child pytest with ``TRITON_INTERPRET=1`` set from the start."""
-    if _INTERPRETING:
-        pytest.skip("already the interpreter run")
     run_under_triton_interpreter(__file__)
 
 

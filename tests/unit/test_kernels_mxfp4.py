@@ -20,10 +20,8 @@ from helixserve import kernels
 from helixserve.kernels import MXFP4Weight
 from helixserve.kernels.moe.experts import _act_and_mul_torch, _moe_experts_torch
 from helixserve.models.mxfp4 import E2M1_VALUES, quantize_mxfp4
-from tests._testing import assert_close, run_under_triton_interpreter
+from tests._testing import INTERPRETING, assert_close, needs_interpreter, run_under_triton_interpreter
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not _INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 def packed_stack(E: int, N: int, K: int, seed: int, sentinel: bool = True) -> MXFP4Weight:
@@ -96,8 +94,6 @@ def test_moe_experts_rejects_mixed_or_misshaped_packed_stacks():
 def test_mxfp4_kernel_under_triton_interpreter():
     """Triton decides at import whether kernels are interpreted: the tests below run in a child
     pytest with ``TRITON_INTERPRET=1`` (Triton from ``HELIXSERVE_TRITON_INTERP`` or the env)."""
-    if _INTERPRETING:
-        pytest.skip("already the interpreter run")
     run_under_triton_interpreter(__file__)
 
 
@@ -250,7 +246,7 @@ def test_mxfp4_experts_prefill_sizes_take_the_dequantize_path(tm, monkeypatch):
 def test_mxfp4_kernels_compile_for_hopper():
     """Both kernels, every decode at every default tile config, through Triton's sm_90 compiler
     (ptxas) without a GPU: no spills (local memory), registers within the per-thread limit."""
-    if _INTERPRETING:
+    if INTERPRETING:
         pytest.skip("compiles in a non-interpreted child")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     extra = os.environ.get("HELIXSERVE_TRITON_INTERP")
