@@ -43,8 +43,15 @@ def test_model_deterministic_reaches_the_kernels(restore_flags):
 
     deploy = DeploymentConfig.model_validate(
         {"model": {"path": "kimi-linear-tiny", "load_format": "dummy", "deterministic": True}})
-    load_engine(deploy)
+    driver, _, _ = load_engine(deploy)
     assert batch_invariant_enabled()
+    # the served engine's prefill chunks are cut at multiples of budget - max_num_seqs decode rows
+    budget, seqs = deploy.scheduler.max_num_batched_tokens, deploy.cache.max_num_seqs
+    assert driver.core.scheduler.chunk_unit == budget - seqs
+    set_batch_invariant(False)  # the mode is process-wide once set (LLM's docstring)
+    plain, _, _ = load_engine(DeploymentConfig.model_validate(
+        {"model": {"path": "kimi-linear-tiny", "load_format": "dummy", "deterministic": False}}))
+    assert plain.core.scheduler.chunk_unit is None
 
 
 def test_cpu_deterministic_batched_equals_alone(restore_flags):
