@@ -96,6 +96,10 @@ class CtxTransceiver:
             raise RuntimeError("the ctx KV sender is not running")
         return self.sender.endpoint
 
+    @property
+    def endpoints(self) -> list[TransceiverEndpoint]:
+        return []  # one rank: ``endpoint`` is all
+
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CtxTransceiver]:
         """Start the sender (UCX worker, gRPC server); stop it on exit."""
