@@ -34,7 +34,6 @@ import torch.distributed as dist
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.parallel import CollectiveError, Mapping
-from helixserve.protocol.disagg import TransceiverEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,8 @@ class ShardSender(Protocol):
     """One ctx rank's KV sender (the transceiver plugs in here)."""
 
     @property
-    def endpoint(self) -> TransceiverEndpoint: ...
+    def endpoint(self) -> Any:
+        """Where gen ranks reach it (opaque to the engine: the ctx answer carries it)."""
     def hold(self, request_id: str, handle: CacheHandle, num_prompt_tokens: int,
              first_gen_tokens: Sequence[int]) -> None: ...
     def cancel(self, request_id: str, reason: str) -> bool: ...
@@ -136,7 +136,7 @@ class HoldRelay:
     """
 
     def __init__(self, cache: Any, holds: RankHolds, group: HoldSender,
-                 endpoints: Sequence[TransceiverEndpoint]) -> None:
+                 endpoints: Sequence[Any]) -> None:
         self.cache, self.holds, self.group = cache, holds, group
         self.endpoints = tuple(endpoints)
 
