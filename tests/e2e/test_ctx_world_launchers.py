@@ -2,8 +2,8 @@
 world's tasks (as srun runs it for the SLURM launcher: task 0 serves HTTP, task 1 is rank 1), under
 torchrun, and
 ``helixserve launch`` with a ctx world and a recompute gen worker (the ctx worker spawns its rank;
-the deployment comes up behind the router, and the router's ``context_only`` hop is refused with the
-ctx world's 400 naming tp: a ctx world's KV cannot be sent yet)."""
+the deployment comes up behind the router, and a request through it, the ctx world's
+``context_only`` hop then gen, answers what the ctx world answers alone)."""
 
 from __future__ import annotations
 
