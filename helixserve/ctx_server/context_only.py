@@ -6,9 +6,10 @@ is a :class:`CtxSender`: one rank's (:mod:`.transfer`) or every rank's of a ctx 
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +27,35 @@ from helixserve.serving.openai_serving import PreparedRequest, collect_outputs
 from helixserve.serving.worker_app import Worker
 
 logger = logging.getLogger(__name__)
+
+
+class DeferredCancels:
+    """A KV sender front's background work on the event loop: a router release's cancel after
+    ``ctx[].release_grace_s`` (the gen ranks may still acknowledge), cancelled when it stops."""
+
+    release_grace_s: float
+
+    def __init__(self, release_grace_s: float) -> None:
+        self.release_grace_s = release_grace_s
+        self._tasks: set[asyncio.Task] = set()
+
+    async def cancel(self, request_id: str, reason: str) -> bool:
+        raise NotImplementedError
+
+    def cancel_later(self, request_id: str, reason: str) -> None:
+        async def later() -> None:
+            await asyncio.sleep(self.release_grace_s)
+            await self.cancel(request_id, reason)
+        self._spawn(later())
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
 
 
 class CtxSender(Protocol):

@@ -33,6 +33,7 @@ from typing import Any
 from helixserve.cache_layout import ModelCaches
 from helixserve.config import CtxServerConfig
 from helixserve.config_transceiver import TransceiverConfig
+from helixserve.ctx_server.context_only import DeferredCancels
 from helixserve.ctx_server.ctx_requests import CtxRequests, OfferFn
 from helixserve.ctx_server.lifecycle import SenderFreed
 from helixserve.engine.kv_holds import HoldRelay
@@ -110,15 +111,14 @@ class WorldSenderFactory:
                           self.port + mapping.rank, self.hold_timeout_s)
 
 
-class CtxWorldTransceiver:
+class CtxWorldTransceiver(DeferredCancels):
     """The ctx world's KV senders over its ctx requests (see the module docstring)."""
 
     def __init__(self, requests: CtxRequests, world: ServedWorld, server: CtxServerConfig) -> None:
+        super().__init__(server.release_grace_s)
         self.requests = requests
         self.world = world
-        self.server = server
         self._out: dict[str, HoldRelay] = {}  # held on the ranks, not yet freed on every rank
-        self._tasks: set[asyncio.Task] = set()
         self.num_released = 0
         self.num_lost = 0  # holds of a world that failed
 
@@ -160,13 +160,6 @@ class CtxWorldTransceiver:
 
         return await self.requests.engine.call(cancel)
 
-    def cancel_later(self, request_id: str, reason: str) -> None:
-        """Cancel after ``ctx[].release_grace_s`` (a router release: the gen ranks may still ack)."""
-        async def later() -> None:
-            await asyncio.sleep(self.server.release_grace_s)
-            await self.cancel(request_id, reason)
-        self._spawn(later())
-
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CtxWorldTransceiver]:
         """Agree on freed holds every ``HOLD_AGREE_S`` while holds are out."""
@@ -175,8 +168,7 @@ class CtxWorldTransceiver:
             yield self
         finally:
             task.cancel()
-            for pending in list(self._tasks):
-                pending.cancel()
+            self._cancel_tasks()
 
     def stats(self) -> dict[str, float]:
         return {"kv_transfers_in_flight": len(self._out), "kv_holds_released": self.num_released,
@@ -220,8 +212,3 @@ class CtxWorldTransceiver:
                 continue
             for rid in released:
                 self.requests.post(SenderFreed(rid))
-
-    def _spawn(self, work) -> None:  # noqa: ANN001 (a coroutine)
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
