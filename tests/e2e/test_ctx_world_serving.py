@@ -10,8 +10,8 @@ serves its own shard (on ``transceiver_port + rank``), the answer names them all
 the router the greedy tokens equal the single-process worker's, for prompts around page
 boundaries, on both DP groups. The gen worker dials only the deployment's transceivers (any of
 ``ctx_endpoints`` outside it: 403 naming it, nobody dialled) and refuses a list that does not fit
-the layout (400 naming ``ctx_endpoints``). A hold the router releases, and one no gen ever pulls,
-are freed on every ctx rank. A ctx rank killed while holding fails that request's pickup with an
+the layout (400 naming ``ctx_endpoints``). A hold the router releases, one whose client left, and
+one no gen ever pulls are freed on every ctx rank. A ctx rank killed while holding fails that request's pickup with an
 error naming the dead rank's endpoint; the world restarts and the next request succeeds. After
 every case nothing is held or allocated on any ctx or gen rank."""
 
@@ -184,15 +184,20 @@ def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
     _wait_idle(world)
 
 
-def test_holds_released_or_never_pulled_are_freed_on_every_rank(world) -> None:
-    released, abandoned = _prefill(world, _prompt(70, 9)), _prefill(world, _prompt(71, 13))
-    assert world.stats("ctx")["kv_transfers_in_flight"] == 2 and any(_rank_used(world.ctx_url))
+def test_holds_released_aborted_or_never_pulled_are_freed_on_every_rank(world) -> None:
+    released, aborted = _prefill(world, _prompt(70, 9)), _prefill(world, _prompt(72, 5))
+    abandoned, held_at = _prefill(world, _prompt(71, 13)), time.monotonic()
+    assert world.stats("ctx")["kv_transfers_in_flight"] == 3 and any(_rank_used(world.ctx_url))
     status, body = http("POST", f"{world.ctx_url}/v1/release", {"request_id": released["ctx_request_id"],
                                                                  "admission": released["ctx_admission"]})
     assert status == 200 and body["released"] is True, body
-    began = time.monotonic()
+    status, body = http("POST", f"{world.ctx_url}/v1/abort", {"request_id": aborted["ctx_request_id"]})
+    assert status == 200, body
+    wait_until(lambda: world.stats("ctx")["kv_transfers_in_flight"] == 1, PICKUP_S - 1,
+               "the released and the aborted hold freed on every rank before the pickup deadline",
+               state=lambda: world.stats("ctx"))
     _wait_idle(world, PICKUP_S + 10)  # the abandoned one at its hold deadline, on every rank
-    assert time.monotonic() - began >= PICKUP_S - 1  # (not before it)
+    assert time.monotonic() - held_at >= PICKUP_S - 1  # (not before it)
     status, err = _decode(world, abandoned, _prompt(71, 13))  # too late: gone from every rank
     assert status in (503, 504) and "not held here" in err["error"]["message"], err
     _wait_idle(world)
