@@ -196,7 +196,7 @@ class DeploymentConfig(_Strict):
     def listen_addresses(self) -> list[tuple[str, int]]:
         """Every (host, port) a process of this deployment listens on, as configured."""
         used = [(w.host, w.port) for w in (*self.ctx, *self.gen)] + [(self.router.host, self.router.port)]
-        return used + [(w.transceiver_host, w.transceiver_port) for w in self.ctx]
+        return used + [endpoint for w in self.ctx for endpoint in w.transceiver_endpoints]
 
     @model_validator(mode="after")
     def _check_cache_aware(self) -> DeploymentConfig:
@@ -227,8 +227,8 @@ class DeploymentConfig(_Strict):
 
     @property
     def ctx_transceivers(self) -> frozenset[tuple[str, int]]:
-        """``(transceiver_host, transceiver_port)`` of every ctx worker: all a gen may dial."""
-        return frozenset((w.transceiver_host, w.transceiver_port) for w in self.ctx)
+        """Every ctx worker's KV senders (a ctx world's every rank's): all a gen may dial."""
+        return frozenset(endpoint for w in self.ctx for endpoint in w.transceiver_endpoints)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DeploymentConfig:

@@ -33,6 +33,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
 from helixserve.engine.engine_stats import EngineStats
+from helixserve.engine.kv_holds import HoldRelay
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
@@ -89,6 +90,7 @@ class EngineCore:
             self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
+        self.kv_holds: HoldRelay | None = None  # a ctx world's leader: every rank's KV sender (engine.kv_holds)
         if groups is not None:
             self.group = GroupLeader(self.runner, self.cache_manager, GroupChannel(groups))  # type: ignore[arg-type]
             consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
