@@ -25,8 +25,8 @@ from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, W
 from helixserve.engine.core import EngineCore
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
-from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
-                                          size_cache, step_token_budget)
+from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
+                                          decode_graphs_off_reason, size_cache, step_token_budget)
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.driver import WorldDriver, serve_leader
@@ -103,9 +103,10 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
         return EngineCore(model, model.cfg, tokenizer_of(model_dir, options.load_format), options.cache, options.scheduler, groups.device,
                           options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver,
                           speculative=options.speculative)
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, is_world=True)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
+    runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots
     # the leaders capture in EngineCore, with the same shapes and at the same time: every rank's
     # graphs hold the same collectives in the same order
     if decode_graphs_off_reason(model, groups.device, options.use_cuda_graphs, mapping.world_size) is None:

@@ -148,13 +148,13 @@ def test_a_checkpoint_holds_the_state_of_a_fresh_prefill_at_its_position(tiny_ch
         off.engine.step()
 
 
-def test_a_gen_world_sizes_no_checkpoints_a_single_engine_does(tiny_checkpoints):
+def test_checkpoint_slots_come_out_of_every_ranks_budget_with_caching_on(tiny_checkpoints):
     cfg = get_preset("kimi-k3-tiny")
     single = size_cache(cfg, torch.float32, cache(True), 1)[1]
-    world = size_cache(cfg, torch.float32, cache(True), 1, is_world=True)[1]
+    group_rank = size_cache(cfg, torch.float32, cache(True), 2)[1]
     off = size_cache(cfg, torch.float32, cache(False), 1)[1]
-    assert single.num_checkpoint_slots == 32 and world.num_checkpoint_slots == off.num_checkpoint_slots == 0
-    assert world.num_blocks == off.num_blocks > single.num_blocks
+    assert single.num_checkpoint_slots == group_rank.num_checkpoint_slots == 32 and off.num_checkpoint_slots == 0
+    assert off.num_blocks > single.num_blocks
 
 
 def test_under_cache_pressure_preempted_requests_recompute_from_the_cache_and_agree(tiny_checkpoints):
