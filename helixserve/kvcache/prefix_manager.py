@@ -10,10 +10,11 @@ request's life here:
    (one token is always computed, for the logits);
 2. ``allocate(..., hit)``: holds the hit's blocks, takes new ones for the rest and a fresh state
    slot, which the first chunk's ``plan_chunk`` restores from the hit's checkpoint;
-3. ``plan_chunk``: a prefill chunk stops at the first checkpoint position past its start (every
-   ``checkpoint_interval_blocks`` blocks and the last full block before the prompt's last
-   token) that has no
-   checkpoint yet, and reserves a checkpoint slot the runner saves the state into after it;
+3. ``plan_chunk``: a prefill chunk reserves a checkpoint slot for each checkpoint position it
+   covers (every ``checkpoint_interval_blocks`` blocks and the last full block before the
+   prompt's last token) that has no checkpoint yet; the state at its end is copied after the
+   step, the states at positions inside it are taken by the KDA layers during the forward (the
+   chunk is not cut there: one step, whatever the checkpoints);
 4. ``commit_computed``: once a step is applied, the blocks it completed are published and its
    checkpoint committed;
 5. ``free``: blocks drop a reference (cached ones stay, evictable in LRU order), reserved
@@ -41,11 +42,14 @@ TokenRange = Callable[[int, int], list[int]]  # (start, stop) -> the request's t
 
 @dataclass(slots=True, frozen=True)
 class ChunkPlan:
-    """Where a prefill chunk stops, and the state checkpoints it restores before / saves after."""
+    """Where a prefill chunk stops, the state checkpoint it restores before, the one it saves
+    after (at ``stop``) and those it saves at positions inside it (``(position, checkpoint)``,
+    taken by the KDA layers during the step's forward)."""
 
     stop: int
     restore_checkpoint: int | None = None
     save_checkpoint: int | None = None
+    inner_saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -149,11 +153,12 @@ class PrefixCachingCacheManager(CacheManager):
 
     def plan_chunk(self, request_id: str, keys: Sequence[BlockKey], num_prompt_tokens: int, start: int,
                    stop: int) -> ChunkPlan:
-        """Where the prefill chunk ``[start, stop)`` of ``request_id`` stops (``keys``: the
-        request's block keys through ``stop``) and the checkpoints it restores and saves."""
+        """The checkpoints the prefill chunk ``[start, stop)`` of ``request_id`` restores and saves
+        (``keys``: the request's block keys through ``stop``); it stops at ``stop``."""
         restore = self._restores.pop(request_id, None)
         if not self.has_kda or not self.checkpoints.capacity:
             return ChunkPlan(stop, restore)
+        saves: list[tuple[int, int]] = []
         for position in self._checkpoint_positions(num_prompt_tokens, start, min(stop, len(keys) * self.tokens_per_block)):
             key = keys[position // self.tokens_per_block - 1]
             if self.checkpoints.has(key):
@@ -161,8 +166,9 @@ class PrefixCachingCacheManager(CacheManager):
             slot = self.checkpoints.reserve(request_id, key)
             if slot is None:
                 break
-            return ChunkPlan(position, restore, slot)
-        return ChunkPlan(stop, restore)
+            saves.append((position, slot))
+        at_stop = saves.pop()[1] if saves and saves[-1][0] == stop else None
+        return ChunkPlan(stop, restore, at_stop, tuple(saves))
 
     def _checkpoint_positions(self, num_prompt_tokens: int, start: int, stop: int) -> list[int]:
         """Checkpoint positions in ``(start, stop]``, ascending."""

@@ -18,6 +18,7 @@ from helixserve import kernels
 from helixserve.cache_layout import ModelCaches
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
+from helixserve.models.kda_checkpoints import save_inner_states
 from helixserve.models.kda_spec import KdaRecord, replay, verify_rows
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
@@ -136,6 +137,8 @@ class KimiDeltaAttention(nn.Module):
             state_init = state_pool[slots] * has_context.unsqueeze(-1)
             if batch.kda_record is not None:  # a verify step: keep what a rollback replays
                 batch.kda_record.save(self.layer_idx, qkv, g, beta, conv_init, state_init)
+            if batch.state_saves is not None:  # prefix caching: checkpoints inside the chunks
+                save_inner_states(self, batch.state_saves, qkv, g, beta, conv_init, state_init)
             qkv, conv_new = kernels.short_conv_prefill(
                 qkv, self.conv_weight(), conv_state=conv_init, cu_seqlens=batch.cu_seqlens, activation="silu"
             )
