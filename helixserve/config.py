@@ -81,7 +81,7 @@ class CacheConfig(_Strict):
     # publishes nothing
     prefix_caching: bool = False
     # a prefill saves the KDA recurrent + conv state every this many blocks (and at the last full
-    # block before the prompt's last token); a prefill chunk stops at each such position
+    # block before the prompt's last token), taken inside the prefill chunk that covers it
     state_checkpoint_blocks: int = Field(64, ge=1, le=1 << 20)
     # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
     # memory_budget_mib beside the slots; used only with prefix_caching
