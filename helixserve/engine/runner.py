@@ -96,11 +96,10 @@ def slot_order(out: SchedulerOutput) -> list[int] | None:
 
 def inner_state_saves(out: SchedulerOutput, pools: ModelCaches, device: torch.device | str) -> StateSaves | None:
     """The KDA state checkpoints ``out``'s prefill chunks take inside them (``None``: none)."""
-    saves, first = [], 0
-    for i, s in enumerate(out.seqs):
-        saves.extend((i, first, rows, checkpoint) for rows, checkpoint in s.inner_saves)
-        first += s.num_tokens
-    return build_state_saves(saves, pools, device) if saves else None
+    if not any(s.inner_saves for s in out.seqs):
+        return None
+    firsts = itertools.accumulate((s.num_tokens for s in out.seqs), initial=0)
+    return build_state_saves([(first, s.num_tokens, s.inner_saves) for first, s in zip(firsts, out.seqs)], pools, device)
 
 
 class StepPreparationError(Exception):

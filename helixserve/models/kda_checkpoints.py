@@ -1,18 +1,20 @@
 """KDA state checkpoints taken inside a prefill chunk (prefix caching).
 
-A prefill chunk covering checkpoint positions is not cut at them: the step runs the whole chunk,
-and each KDA layer also runs the chunk's first ``rows`` rows of every such sequence once more,
-from the same initial conv and recurrent state, as a separate varlen batch (one short-conv and
-one chunked-KDA call per layer, whatever the number of checkpoints), and writes the states it
-ends with into the checkpoint pools. That is exactly what the chunk cut at the position would
-have left in the slot, at the cost of recomputing those rows in the KDA layers only (no MLA,
-MoE or extra step). A step's per-step host work is what a GPU prefill pays most for, so taking
-the states in-step is cheaper than a step per checkpoint.
+A prefill chunk covering checkpoint positions is not cut at them into steps: the step runs the
+whole chunk through every layer, and only the KDA layers run its sequences in segments, split at
+the checkpoint positions. Round ``r`` runs the ``r``-th segment of every sequence that has one
+(one varlen short-conv and one chunked-KDA call), from the conv and recurrent states the round
+before ended with; a segment that ends at a checkpoint position writes those states into the
+checkpoint pools. A sequence without checkpoints is one segment, in round 0.
+
+Each segment is computed exactly as a chunk ending at the checkpoint would be, and no row is
+computed twice; the cost is one more conv + chunked-KDA call per layer per extra round, where a
+cut chunk would cost a whole step (on a GPU, a step's fixed host work is what a short prefill
+pays most for).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,42 +25,76 @@ from helixserve.cache_layout import ModelCaches
 
 
 @dataclass(slots=True)
-class StateSaves:
-    """The in-step checkpoints of a step: save ``i`` is the state of batch sequence
-    ``seq_index[i]`` after its rows ``rows[cu_seqlens[i]:cu_seqlens[i + 1]]``, into checkpoint
-    ``checkpoints[i]`` of ``pools``."""
+class SegmentRound:
+    """One round: the batch sequences ``seq_index`` run their rows ``rows`` (segments in
+    ``cu_seqlens``); those at ``save_at`` (indices into ``seq_index``) end at a checkpoint and
+    write their states into ``checkpoints``."""
 
     seq_index: torch.Tensor
     rows: torch.Tensor
     cu_seqlens: torch.Tensor
+    save_at: torch.Tensor
     checkpoints: torch.Tensor
+
+
+@dataclass(slots=True)
+class StateSaves:
+    """A step's in-chunk checkpoints: its KDA segment rounds and the checkpoint pools."""
+
+    rounds: list[SegmentRound]
     pools: ModelCaches
 
 
-def build_state_saves(saves: Sequence[tuple[int, int, int, int]], pools: ModelCaches,
+def build_state_saves(seqs: Sequence[tuple[int, int, Sequence[tuple[int, int]]]], pools: ModelCaches,
                       device: torch.device | str) -> StateSaves:
-    """``saves``: ``(batch sequence, its first row in the batch, rows, checkpoint)``."""
-    rows = list(itertools.chain.from_iterable(range(first, first + n) for _, first, n, _ in saves))
-    cu = list(itertools.accumulate((n for _, _, n, _ in saves), initial=0))
-    flat = torch.tensor([s for s, *_ in saves] + rows + cu + [c for *_, c in saves], dtype=torch.int64)
-    seq_index, rows_t, cu_t, checkpoints = flat.to(device).split_with_sizes([len(saves), len(rows), len(cu), len(saves)])
-    return StateSaves(seq_index, rows_t, cu_t, checkpoints, pools)
+    """``seqs``: per batch sequence ``(first row in the batch, rows, ((offset, checkpoint), ...))``
+    with offsets inside ``(0, rows)``, ascending."""
+    cuts = [([0, *(o for o, _ in saves), n], [c for _, c in saves]) for _, n, saves in seqs]
+    rounds = []
+    for r in range(max(len(bounds) - 1 for bounds, _ in cuts)):
+        index, rows, cu, save_at, checkpoints = [], [], [0], [], []
+        for i, ((first, _, _), (bounds, ckpts)) in enumerate(zip(seqs, cuts)):
+            if r + 1 >= len(bounds):
+                continue
+            if r < len(ckpts):
+                save_at.append(len(index))
+                checkpoints.append(ckpts[r])
+            index.append(i)
+            rows.extend(range(first + bounds[r], first + bounds[r + 1]))
+            cu.append(len(rows))
+        parts = (index, rows, cu, save_at, checkpoints)
+        flat = torch.tensor([v for p in parts for v in p], dtype=torch.int64).to(device)
+        rounds.append(SegmentRound(*flat.split_with_sizes([len(p) for p in parts])))
+    return StateSaves(rounds, pools)
 
 
-def save_inner_states(mixer: torch.nn.Module, saves: StateSaves, qkv: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, conv_init: torch.Tensor, state_init: torch.Tensor) -> None:
-    """Take layer ``mixer.layer_idx``'s in-step checkpoints (``qkv``: the step's projections
-    before the short conv; ``conv_init`` / ``state_init``: each batch sequence's initial states)."""
+def segmented_prefill(mixer: torch.nn.Module, saves: StateSaves, qkv: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, conv_init: torch.Tensor, state_init: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked path of one KDA layer in segment rounds (module docstring): ``qkv`` the step's
+    projections before the short conv, ``conv_init`` / ``state_init`` each batch sequence's
+    initial states. Returns ``(o [T, H, K], conv_new [B, ...], state_new [B, ...])``."""
     H, K = mixer.num_heads, mixer.head_dim
-    rows = saves.rows
-    x, conv_at = kernels.short_conv_prefill(qkv.index_select(0, rows), mixer.conv_weight(),
-                                            conv_state=conv_init.index_select(0, saves.seq_index),
-                                            cu_seqlens=saves.cu_seqlens, activation="silu")
-    n = rows.shape[0]
-    q, k, v = (t.reshape(n, H, K) for t in x.split(H * K, dim=-1))
-    _, state_at = kernels.kda_chunk_prefill(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
-                                            scale=K**-0.5, initial_state=state_init.index_select(0, saves.seq_index),
-                                            cu_seqlens=saves.cu_seqlens, use_qk_l2norm=True)
+    weight = mixer.conv_weight()
+    conv, state = conv_init.clone(), state_init.clone()
+    o: torch.Tensor | None = None
     conv_pool, state_pool = saves.pools.conv_state[mixer.layer_idx], saves.pools.kda_state[mixer.layer_idx]
-    conv_pool.index_copy_(0, saves.checkpoints, conv_at.to(conv_pool.dtype))
-    state_pool.index_copy_(0, saves.checkpoints, state_at.to(state_pool.dtype))
+    for rnd in saves.rounds:
+        x, conv_at = kernels.short_conv_prefill(qkv.index_select(0, rnd.rows), weight,
+                                                conv_state=conv.index_select(0, rnd.seq_index),
+                                                cu_seqlens=rnd.cu_seqlens, activation="silu")
+        n = rnd.rows.shape[0]
+        q, k, v = (t.reshape(n, H, K) for t in x.split(H * K, dim=-1))
+        out, state_at = kernels.kda_chunk_prefill(q, k, v, g.index_select(0, rnd.rows), beta.index_select(0, rnd.rows),
+                                                  scale=K**-0.5, initial_state=state.index_select(0, rnd.seq_index),
+                                                  cu_seqlens=rnd.cu_seqlens, use_qk_l2norm=True)
+        if o is None:
+            o = out.new_empty(qkv.shape[0], *out.shape[1:])
+        o.index_copy_(0, rnd.rows, out)
+        conv.index_copy_(0, rnd.seq_index, conv_at.to(conv.dtype))
+        state.index_copy_(0, rnd.seq_index, state_at.to(state.dtype))
+        if rnd.save_at.numel():
+            conv_pool.index_copy_(0, rnd.checkpoints, conv_at.index_select(0, rnd.save_at).to(conv_pool.dtype))
+            state_pool.index_copy_(0, rnd.checkpoints, state_at.index_select(0, rnd.save_at).to(state_pool.dtype))
+    assert o is not None  # a step with saves has rows
+    return o, conv, state
