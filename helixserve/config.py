@@ -76,10 +76,12 @@ class CacheConfig(_Strict):
     gpu_memory_gib: float | None = Field(None, gt=0)
     # reuse the cache of a prompt's prefix another request computed: MLA blocks by content (a hash
     # chain over their tokens and the request's cache_salt) and KDA state checkpoints
-    # (kvcache.prefix_manager); single-process engines and ctx workers
+    # (kvcache.prefix_manager); single-process engines, ctx workers and gen worlds (each CP group
+    # caches its own prefixes: kvcache.group_prefix); a request whose cache a KV transfer filled
+    # publishes nothing
     prefix_caching: bool = False
     # a prefill saves the KDA recurrent + conv state every this many blocks (and at the last full
-    # block before the prompt's last token); a prefill chunk stops at each such position
+    # block before the prompt's last token), taken inside the prefill chunk that covers it
     state_checkpoint_blocks: int = Field(64, ge=1, le=1 << 20)
     # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
     # memory_budget_mib beside the slots; used only with prefix_caching

@@ -74,7 +74,7 @@ class EngineCore:
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
-        spec, self.layout = size_cache(model_config, model.dtype, cache, cp, is_world=groups is not None)
+        spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
         max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
@@ -85,7 +85,7 @@ class EngineCore:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
         elif is_cuda and use_cuda_graphs:
             logger.info("decode CUDA graphs off: %s", graphs_off)
-        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp, is_world=groups is not None)
+        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp)
         if self.cache_manager.prefix_caching:
             self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None

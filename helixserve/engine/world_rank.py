@@ -28,8 +28,8 @@ from helixserve.engine.core import EngineCore
 from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
-from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
-                                          size_cache, step_token_budget)
+from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
+                                          decode_graphs_off_reason, size_cache, step_token_budget)
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.driver import WorldDriver, serve_leader
@@ -112,9 +112,10 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
             assert core.group is not None
             core.kv_holds = HoldRelay(core.cache_manager, holds, core.group, endpoints)
         return core
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, is_world=True)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
+    runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots
     # the leaders capture in EngineCore, with the same shapes and at the same time: every rank's
     # graphs hold the same collectives in the same order
     if decode_graphs_off_reason(model, groups.device, options.use_cuda_graphs, mapping.world_size) is None:

@@ -87,10 +87,11 @@ Message = Launch | Rollback | Idle | Transfers | Holds | Heartbeat | Shutdown
 
 
 def output_for_rank(out: SchedulerOutput, cache: GroupCacheManager, cp_rank: int) -> SchedulerOutput:
-    """``out`` with CP rank ``cp_rank``'s block tables (same sequences, slots, tokens and drafts)."""
+    """``out`` with CP rank ``cp_rank``'s block tables (same sequences, slots, tokens, drafts and
+    state checkpoint slots)."""
     seqs = [ScheduledSeq(s.request_id, s.token_ids, s.context_len,
                          cache.handle_on(cp_rank, s.request_id).block_table(), s.slot, s.is_prefill, s.sample,
-                         s.num_draft_tokens)
+                         s.num_draft_tokens, s.restore_checkpoint, s.save_checkpoint, s.inner_saves)
             for s in out.seqs]
     return SchedulerOutput(seqs=seqs, preempted_ids=out.preempted_ids)
 
