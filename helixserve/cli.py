@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from helixserve.config_speculative import SpeculativeConfig  # (a torch-free leaf)
+from helixserve.training.config import TrainingConfig  # (torch-free)
 
 logger = logging.getLogger("helixserve")
 
@@ -33,11 +34,11 @@ def _parse_ids(text: str) -> list[int]:
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     if args.train_on is not None:
         return _train_checkpoint(args)
-    given = [f"--{name.replace('_', '-')}" for name in ("draft_preset", "draft_out", "draft_steps")
+    given = [f"--{name.replace('_', '-')}" for name in ("train_steps", "draft_preset", "draft_out", "draft_steps")
              if getattr(args, name) is not None]
     if given:
         flags = ", ".join(given)
-        raise ValueError(f"{flags}: only with --train-on (a random-weight checkpoint has no draft)")
+        raise ValueError(f"{flags}: only with --train-on (a random-weight checkpoint is not trained)")
     from helixserve.models.presets import make_checkpoint
 
     make_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer=args.tokenizer)
@@ -47,10 +48,10 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 def _train_checkpoint(args: argparse.Namespace) -> int:
     from helixserve.training.checkpoint import default_draft_preset, train_checkpoint
-    from helixserve.training.trainer import TrainingConfig
 
     draft = default_draft_preset(args.preset) if args.draft_preset is None else args.draft_preset
-    tc = TrainingConfig(steps=args.train_steps, draft_steps=args.draft_steps, seed=args.seed)
+    given = {"steps": args.train_steps, "draft_steps": args.draft_steps}
+    tc = TrainingConfig(seed=args.seed, **{k: v for k, v in given.items() if v is not None})
     report = train_checkpoint(args.preset, args.out, args.train_on, tc, dtype=args.dtype, tokenizer=args.tokenizer,
                               draft_preset=None if draft == "none" else draft, draft_out=args.draft_out)
     for m in filter(None, (report.target, report.draft)):
@@ -120,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train the preset on the .py files under DIR (e.g. Python's standard library), "
                          "tokenized with the checkpoint's tokenizer, instead of writing random weights; "
                          "a share of the files is held out and scored before and after")
-    mk.add_argument("--train-steps", type=int, default=150, help="training steps with --train-on")
+    mk.add_argument("--train-steps", type=int, default=None,
+                    help=f"training steps with --train-on (default {TrainingConfig.model_fields['steps'].default})")
     mk.add_argument("--draft-preset", default=None, metavar="NAME",
                     help="with --train-on: the draft model trained against the target on the same text "
                          "(default: the preset's two-layer cut, e.g. kimi-linear-tiny-draft; none: no draft)")

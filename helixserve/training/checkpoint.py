@@ -29,7 +29,8 @@ from helixserve.models.presets import (DRAFT_PRESETS, check_tokenizer_format, ge
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.models.tokenizer_loader import load_tokenizer
 from helixserve.training.corpus import Corpus, load_corpus
-from helixserve.training.trainer import TrainingConfig, eval_windows, greedy_agreement, held_out_loss, train
+from helixserve.training.config import TrainingConfig
+from helixserve.training.trainer import eval_windows, greedy_agreement, held_out_loss, train
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def _load_text(train_on: str | Path, cfg: KimiModelConfig, tokenizer: str, tc: T
         write_tokenizer(scratch, tokenizer, cfg)
         tok = load_tokenizer(scratch)
     if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the {tokenizer} tokenizer has {tok.vocab_size} tokens, more than vocab_size {cfg.vocab_size}")
+        raise ValueError(f"the {tokenizer} tokenizer has {tok.vocab_size} tokens, "
+                         f"more than vocab_size {cfg.vocab_size}")
     corpus = load_corpus(train_on, tok, cfg.eos_token_id, suffixes=tc.suffixes, max_bytes=tc.max_corpus_bytes,
                          max_held_out_bytes=tc.max_held_out_bytes, held_out_fraction=tc.held_out_fraction,
                          seed=tc.seed)

@@ -21,7 +21,7 @@ from helixserve.models.tokenizer import EOS_ID, NUM_BYTES, SPECIAL_TOKENS
 from helixserve.models.tokenizer_loader import dummy_tokenizer, load_tokenizer
 from helixserve.training.checkpoint import DRAFT_SUBDIR, TRAINING_LOG, default_draft_preset, train_checkpoint
 from helixserve.training.corpus import CorpusError, held_out_texts, load_corpus, split_files, text_files
-from helixserve.training.trainer import TrainingConfig
+from helixserve.training.config import TrainingConfig
 
 PRESET = "kimi-linear-tiny"
 QUICK = TrainingConfig(steps=6, draft_steps=3, batch_size=2, seq_len=32, lr=1e-2, warmup_steps=2,
@@ -97,7 +97,7 @@ def test_training_lowers_the_loss_and_is_reproducible(corpus, tmp_path):
     draft = default_draft_preset(PRESET)
     first = train_checkpoint(PRESET, tmp_path / "a", corpus, QUICK, draft_preset=draft)
     again = train_checkpoint(PRESET, tmp_path / "b", corpus, QUICK, draft_preset=draft)
-    other = train_checkpoint(PRESET, tmp_path / "c", corpus, QUICK.model_copy(update={"seed": 1, "steps": 1}))
+    train_checkpoint(PRESET, tmp_path / "c", corpus, QUICK.model_copy(update={"seed": 1, "steps": 1}))
     losses = first.target.losses
     assert len(losses) == QUICK.steps and len(first.draft.losses) == QUICK.draft_steps
     assert sum(losses[-2:]) / 2 < losses[0] - 1.0, losses
