@@ -16,12 +16,14 @@ from helixserve.cli import main
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.loading import load_model
 from helixserve.models.presets import TOKENIZER_FORMATS, get_preset, write_tokenizer
 from helixserve.models.tokenizer import EOS_ID, NUM_BYTES, SPECIAL_TOKENS
 from helixserve.models.tokenizer_loader import dummy_tokenizer, load_tokenizer
 from helixserve.training.checkpoint import DRAFT_SUBDIR, TRAINING_LOG, default_draft_preset, train_checkpoint
 from helixserve.training.corpus import CorpusError, held_out_texts, load_corpus, split_files, text_files
 from helixserve.training.config import TrainingConfig
+from helixserve.training.trainer import eval_windows, held_out_loss
 
 PRESET = "kimi-linear-tiny"
 QUICK = TrainingConfig(steps=6, draft_steps=3, batch_size=2, seq_len=32, lr=1e-2, warmup_steps=2,
@@ -114,6 +116,19 @@ def test_training_lowers_the_loss_and_is_reproducible(corpus, tmp_path):
     assert log["held_out_loss"] == first.target.held_out_loss and log["held_out_files"]
     draft_log = json.loads((tmp_path / "a" / DRAFT_SUBDIR / TRAINING_LOG).read_text())
     assert draft_log["preset"] == draft and draft_log["target_preset"] == PRESET
+
+
+def test_the_written_checkpoint_scores_the_reported_held_out_loss(corpus, tmp_path):
+    """kimi-k3-tiny stores its routed experts in MXFP4: the reported loss is that of the weights
+    as written, loaded back through the serving loader."""
+    tc = QUICK.model_copy(update={"steps": 2, "eval_windows": 2})
+    report = train_checkpoint("kimi-k3-tiny", tmp_path / "k3", corpus, tc)
+    held = load_corpus(corpus, load_tokenizer(tmp_path / "k3"), EOS_ID, suffixes=tc.suffixes,
+                       max_bytes=tc.max_corpus_bytes, max_held_out_bytes=tc.max_held_out_bytes,
+                       held_out_fraction=tc.held_out_fraction, seed=tc.seed).held_out
+    loaded = held_out_loss(load_model(tmp_path / "k3"), eval_windows(held, tc), tc.batch_size)
+    assert loaded == pytest.approx(report.target.held_out_loss, rel=1e-4)
+    assert report.target.held_out_loss < report.target.held_out_loss_init
 
 
 def test_the_trained_target_and_draft_serve_with_one_vocabulary(corpus, tmp_path):
