@@ -50,6 +50,8 @@ def _train_checkpoint(args: argparse.Namespace) -> int:
     from helixserve.training.checkpoint import default_draft_preset, train_checkpoint
 
     draft = default_draft_preset(args.preset) if args.draft_preset is None else args.draft_preset
+    if draft in (None, "none") and args.draft_out is not None:
+        raise ValueError(f"--draft-out {args.draft_out}: no draft is trained for {args.preset} (name --draft-preset)")
     given = {"steps": args.train_steps, "draft_steps": args.draft_steps}
     tc = TrainingConfig(seed=args.seed, **{k: v for k, v in given.items() if v is not None})
     report = train_checkpoint(args.preset, args.out, args.train_on, tc, dtype=args.dtype, tokenizer=args.tokenizer,
@@ -59,6 +61,8 @@ def _train_checkpoint(args: argparse.Namespace) -> int:
         agree = "" if m.greedy_agreement is None else f"; greedy agreement with the target {m.greedy_agreement:.1%}"
         print(f"trained {m.preset} for {len(m.losses)} steps in {m.seconds:.0f} s "
               f"(loss {m.losses[0]:.3f} -> {m.losses[-1]:.3f}{held}{agree}); wrote {m.out_dir}")
+    if draft is None:
+        print(f"no draft: {args.preset} has no default draft preset (name one with --draft-preset)")
     return 0
 
 

@@ -134,7 +134,7 @@ def test_the_written_checkpoint_scores_the_reported_held_out_loss(corpus, tmp_pa
 def test_the_trained_target_and_draft_serve_with_one_vocabulary(corpus, tmp_path):
     out, draft_out = tmp_path / "ckpt", tmp_path / "drafts" / "d"
     assert main(["make-checkpoint", "--preset", PRESET, "--out", str(out), "--train-on", str(corpus),
-                 "--train-steps", "2", "--draft-steps", "1", "--tokenizer", "kimi", "--draft-out", str(draft_out)]) == 0
+                 "--train-steps", "1", "--draft-steps", "1", "--tokenizer", "kimi", "--draft-out", str(draft_out)]) == 0
     for name in TOKENIZER_FILES:
         assert (out / name).read_bytes() == (draft_out / name).read_bytes(), name
     target_cfg, draft_cfg = (KimiModelConfig.from_pretrained(d) for d in (out, draft_out))
@@ -179,4 +179,7 @@ def test_a_draft_of_another_vocabulary_or_without_training_is_refused(corpus, tm
     assert "--draft-preset: only with --train-on" in capsys.readouterr().err
     assert main(["make-checkpoint", "--preset", PRESET, "--out", str(tmp_path / "y"), "--train-on", str(corpus),
                  "--train-steps", "0"]) == 2
+    assert main(["make-checkpoint", "--preset", PRESET, "--out", str(tmp_path / "y"), "--train-on", str(corpus),
+                 "--draft-preset", "none", "--draft-out", str(tmp_path / "z")]) == 2
+    assert f"--draft-out {tmp_path / 'z'}: no draft is trained" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
