@@ -77,8 +77,7 @@ def held_out_prompts(ckpt: Path, root: Path, batch: int, length: int) -> list[li
     log = ckpt / TRAINING_LOG
     tc = TrainingConfig.model_validate(json.loads(log.read_text())["config"]) if log.is_file() else TrainingConfig()
     tokenizer = load_tokenizer(ckpt)
-    ids = [t for text in held_out_texts(root, tc.suffixes, tc.held_out_fraction, tc.max_held_out_bytes)
-           for t in tokenizer.encode(text)]
+    ids = [t for text in held_out_texts(root, tc) for t in tokenizer.encode(text)]
     if len(ids) < length + batch:
         raise SystemExit(f"--prompts-from {root}: {len(ids)} held-out tokens, too few for {batch} prompts of {length}")
     return [ids[s:s + length] for s in range(0, len(ids) - length, (len(ids) - length) // batch)][:batch]

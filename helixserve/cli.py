@@ -53,9 +53,10 @@ def _train_checkpoint(args: argparse.Namespace) -> int:
     if draft in (None, "none") and args.draft_out is not None:
         raise ValueError(f"--draft-out {args.draft_out}: no draft is trained for {args.preset} (name --draft-preset)")
     given = {"steps": args.train_steps, "draft_steps": args.draft_steps}
-    tc = TrainingConfig(seed=args.seed, **{k: v for k, v in given.items() if v is not None})
-    report = train_checkpoint(args.preset, args.out, args.train_on, tc, dtype=args.dtype, tokenizer=args.tokenizer,
-                              draft_preset=None if draft == "none" else draft, draft_out=args.draft_out)
+    tc = TrainingConfig(seed=args.seed, tokenizer=args.tokenizer, dtype=args.dtype,
+                        **{k: v for k, v in given.items() if v is not None})
+    report = train_checkpoint(args.preset, args.out, args.train_on, tc, None if draft == "none" else draft,
+                              args.draft_out)
     for m in filter(None, (report.target, report.draft)):
         held = "" if m.held_out_loss is None else f"; held-out loss {m.held_out_loss_init:.3f} -> {m.held_out_loss:.3f}"
         agree = "" if m.greedy_agreement is None else f"; greedy agreement with the target {m.greedy_agreement:.1%}"

@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,6 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.presets import (DRAFT_PRESETS, check_tokenizer_format, get_preset, init_random_weights,
                                        round_to_stored_format, write_tokenizer)
-from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.models.tokenizer_loader import load_tokenizer
 from helixserve.training.corpus import Corpus, load_corpus
 from helixserve.training.config import TrainingConfig
@@ -74,19 +74,15 @@ def _check_draft(preset: str, cfg: KimiModelConfig, draft_preset: str, draft_cfg
                              f"{preset!r} {getattr(cfg, name)}: a draft shares its target's vocabulary")
 
 
-def _load_text(train_on: str | Path, cfg: KimiModelConfig, tokenizer: str, tc: TrainingConfig
-               ) -> tuple[Corpus, HelixTokenizer]:
-    """The corpus in the tokenizer of format ``tokenizer`` (written to a scratch dir and loaded from it)."""
+def _load_text(train_on: str | Path, cfg: KimiModelConfig, tc: TrainingConfig) -> Corpus:
+    """The corpus in the tokenizer of format ``tc.tokenizer`` (written to a scratch dir and loaded from it)."""
     with tempfile.TemporaryDirectory(prefix="helixserve-tokenizer-") as scratch:
-        write_tokenizer(scratch, tokenizer, cfg)
+        write_tokenizer(scratch, tc.tokenizer, cfg)
         tok = load_tokenizer(scratch)
     if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the {tokenizer} tokenizer has {tok.vocab_size} tokens, "
+        raise ValueError(f"the {tc.tokenizer} tokenizer has {tok.vocab_size} tokens, "
                          f"more than vocab_size {cfg.vocab_size}")
-    corpus = load_corpus(train_on, tok, cfg.eos_token_id, suffixes=tc.suffixes, max_bytes=tc.max_corpus_bytes,
-                         max_held_out_bytes=tc.max_held_out_bytes, held_out_fraction=tc.held_out_fraction,
-                         seed=tc.seed)
-    return corpus, tok
+    return load_corpus(train_on, tok, cfg.eos_token_id, tc)
 
 
 def _fit(preset: str, out_dir: Path, corpus: Corpus, held_out: torch.Tensor | None, tc: TrainingConfig,
@@ -109,38 +105,37 @@ def _fit(preset: str, out_dir: Path, corpus: Corpus, held_out: torch.Tensor | No
     return model, ModelReport(preset, str(out_dir), losses, seconds, cpu_seconds, before, after, agreement)
 
 
-def _write(model: KimiForCausalLM, report: ModelReport, out_dir: Path, tokenizer: str, dtype: str,
-           extra: dict) -> None:
-    out = save_checkpoint(model, model.cfg, out_dir, getattr(torch, dtype))
-    write_tokenizer(out, tokenizer, model.cfg)
+def _write(model: KimiForCausalLM, report: ModelReport, out_dir: Path, tc: TrainingConfig,
+           extra: dict[str, Any]) -> None:
+    out = save_checkpoint(model, model.cfg, out_dir, getattr(torch, tc.dtype))
+    write_tokenizer(out, tc.tokenizer, model.cfg)
     (out / TRAINING_LOG).write_text(json.dumps({**asdict(report), **extra}, indent=1))
 
 
 def train_checkpoint(preset: str, out_dir: str | Path, train_on: str | Path, tc: TrainingConfig,
-                     dtype: str = "float32", tokenizer: str = "hf", draft_preset: str | None = None,
-                     draft_out: str | Path | None = None) -> TrainingReport:
+                     draft_preset: str | None = None, draft_out: str | Path | None = None) -> TrainingReport:
     """Train ``preset`` (and ``draft_preset`` against it; None: no draft) on the text under
     ``train_on``; write the target to ``out_dir`` and the draft to ``draft_out`` (default
     ``out_dir/draft``). Nothing is written when the text or the presets are refused."""
     cfg = get_preset(preset)
-    check_tokenizer_format(tokenizer, preset, cfg)
+    check_tokenizer_format(tc.tokenizer, preset, cfg)
     if cfg.eos_token_id is None:
         raise ValueError(f"preset {preset!r} has no eos_token_id to separate the training files")
     if draft_preset is not None:
         _check_draft(preset, cfg, draft_preset, get_preset(draft_preset))
-    corpus, _ = _load_text(train_on, cfg, tokenizer, tc)
+    corpus = _load_text(train_on, cfg, tc)
     held_out = eval_windows(corpus.held_out, tc)
     if held_out is None:
         logger.warning("no held-out text under %s (%d tokens): no held-out loss", train_on, corpus.held_out.numel())
-    extra = {"train_on": str(train_on), "tokenizer": tokenizer, "config": tc.model_dump(),
+    extra = {"train_on": str(train_on), "config": tc.model_dump(),
              "num_train_tokens": int(corpus.train.numel()), "num_held_out_tokens": int(corpus.held_out.numel()),
              "held_out_files": corpus.held_out_files}
     out = Path(out_dir)
     target, target_report = _fit(preset, out, corpus, held_out, tc, tc.steps)
-    _write(target, target_report, out, tokenizer, dtype, extra)
+    _write(target, target_report, out, tc, extra)
     draft_report = None
     if draft_preset is not None:
         draft_dir = out / DRAFT_SUBDIR if draft_out is None else Path(draft_out)
         draft, draft_report = _fit(draft_preset, draft_dir, corpus, held_out, tc, tc.draft_steps or tc.steps, target)
-        _write(draft, draft_report, draft_dir, tokenizer, dtype, {**extra, "target_preset": preset})
+        _write(draft, draft_report, draft_dir, tc, {**extra, "target_preset": preset})
     return TrainingReport(target_report, draft_report, int(corpus.train.numel()), int(corpus.held_out.numel()))

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from helixserve.config_lifecycle import Strict
 
 
 class TrainingConfig(Strict):
-    """Settings of one training run (``helixserve make-checkpoint --train-on``)."""
+    """Settings of one training run (``helixserve make-checkpoint --train-on``) and of the
+    checkpoints it writes (``tokenizer``: the files' format, see
+    :func:`~helixserve.models.presets.write_tokenizer`; ``dtype``: the weights')."""
 
     steps: int = Field(150, ge=1)
     draft_steps: int | None = Field(None, ge=1, description="the draft's steps; None: steps")
@@ -26,3 +30,5 @@ class TrainingConfig(Strict):
     eval_windows: int = Field(32, ge=1, description="held-out windows of seq_len + 1 tokens scored")
     log_every: int = Field(10, ge=1)
     suffixes: tuple[str, ...] = (".py",)
+    tokenizer: Literal["hf", "kimi"] = "hf"
+    dtype: Literal["float32", "bfloat16"] = "float32"

@@ -5,8 +5,8 @@ Files are those under ``root`` with one of ``suffixes``, outside :data:`SKIPPED_
 (``site-packages`` / ``dist-packages``: installed packages differ between machines). The held-out
 files are a fixed share of them, chosen by a CRC-32 of their path relative to ``root`` (the same
 files for any seed, and the files :func:`held_out_texts` gives a benchmark's prompts). Training
-files are read in an order shuffled by ``seed`` until ``max_bytes``, held-out files in path order
-until ``max_held_out_bytes``; each file's ids are followed by the eos id. A file that cannot be
+files are read in an order shuffled by ``seed`` until ``max_corpus_bytes``, held-out files in path
+order until ``max_held_out_bytes``; each file's ids are followed by the eos id. A file that cannot be
 read, is empty or holds a NUL byte (binary) is skipped; undecodable bytes are replaced.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from helixserve.models.tokenizer import HelixTokenizer
+from helixserve.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,21 +98,22 @@ def encode_texts(texts: Iterator[str], tokenizer: HelixTokenizer, eos_token_id: 
     return torch.tensor(ids, dtype=torch.int64), count
 
 
-def load_corpus(root: str | Path, tokenizer: HelixTokenizer, eos_token_id: int, *, suffixes: Sequence[str],
-                max_bytes: int, max_held_out_bytes: int, held_out_fraction: float, seed: int) -> Corpus:
-    """The training and held-out streams of the text under ``root`` (see the module docstring)."""
-    train_files, held_files = split_files(root, text_files(root, suffixes), held_out_fraction)
-    random.Random(seed).shuffle(train_files)
-    train, num_train = encode_texts(_texts(train_files, max_bytes), tokenizer, eos_token_id)
+def load_corpus(root: str | Path, tokenizer: HelixTokenizer, eos_token_id: int, tc: TrainingConfig) -> Corpus:
+    """The training and held-out streams of the text under ``root`` (see the module docstring;
+    ``tc``'s ``suffixes``, ``held_out_fraction``, ``max_corpus_bytes``, ``max_held_out_bytes``, ``seed``)."""
+    train_files, held_files = split_files(root, text_files(root, tc.suffixes), tc.held_out_fraction)
+    random.Random(tc.seed).shuffle(train_files)
+    train, num_train = encode_texts(_texts(train_files, tc.max_corpus_bytes), tokenizer, eos_token_id)
     if num_train == 0:
-        raise CorpusError(f"--train-on {root}: no readable text file ending in {list(suffixes)}")
-    held_out, _ = encode_texts(_texts(held_files, max_held_out_bytes), tokenizer, eos_token_id)
+        raise CorpusError(f"--train-on {root}: no readable text file ending in {list(tc.suffixes)}")
+    held_out, _ = encode_texts(_texts(held_files, tc.max_held_out_bytes), tokenizer, eos_token_id)
     logger.info("training corpus from %s: %d training files, %d tokens; %d held-out files, %d tokens",
                 root, num_train, train.numel(), len(held_files), held_out.numel())
     return Corpus(train, held_out, num_train, [p.relative_to(root).as_posix() for p in held_files])
 
 
-def held_out_texts(root: str | Path, suffixes: Sequence[str], held_out_fraction: float, max_bytes: int) -> list[str]:
-    """The held-out files' texts (path order, up to ``max_bytes`` in all): prompts no training step saw."""
-    _, held_files = split_files(root, text_files(root, suffixes), held_out_fraction)
-    return list(_texts(held_files, max_bytes))
+def held_out_texts(root: str | Path, tc: TrainingConfig) -> list[str]:
+    """The held-out files' texts (path order, up to ``tc.max_held_out_bytes`` in all): prompts no
+    training step saw."""
+    _, held_files = split_files(root, text_files(root, tc.suffixes), tc.held_out_fraction)
+    return list(_texts(held_files, tc.max_held_out_bytes))

@@ -59,10 +59,11 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
+SPLIT = TrainingConfig(max_corpus_bytes=100_000, max_held_out_bytes=100_000, held_out_fraction=0.2)
+
+
 def _corpus(root: Path, **kw):
-    args = {"suffixes": (".py",), "max_bytes": 100_000, "max_held_out_bytes": 100_000, "held_out_fraction": 0.2,
-            "seed": 0, **kw}
-    return load_corpus(root, dummy_tokenizer("byte-level"), EOS_ID, **args)
+    return load_corpus(root, dummy_tokenizer("byte-level"), EOS_ID, SPLIT.model_copy(update=kw))
 
 
 def test_the_corpus_holds_out_a_fixed_share_of_files_whatever_the_seed(corpus):
@@ -78,8 +79,8 @@ def test_the_corpus_holds_out_a_fixed_share_of_files_whatever_the_seed(corpus):
     # the binary file is skipped: every text file's ids end with one eos
     num_text = len([p for p in train if p.name != "binary.py"])
     assert first.num_train_files == num_text and int((first.train == EOS_ID).sum()) == num_text
-    assert held_out_texts(corpus, (".py",), 0.2, 100_000) == [held[0].read_text()]
-    assert _corpus(corpus, max_bytes=100).train.numel() == 101  # cut at max_bytes, eos after
+    assert held_out_texts(corpus, SPLIT) == [held[0].read_text()]
+    assert _corpus(corpus, max_corpus_bytes=100).train.numel() == 101  # cut at max_corpus_bytes, eos after
     assert split_files(corpus, files[:1], 0.2) == (files[:1], [])  # one file: nothing held out
 
 
@@ -89,8 +90,7 @@ def test_the_corpus_is_read_with_the_checkpoints_tokenizer(corpus, tmp_path):
     streams = {}
     for fmt in TOKENIZER_FORMATS:
         write_tokenizer(tmp_path / fmt, fmt, get_preset(PRESET))
-        streams[fmt] = load_corpus(corpus, load_tokenizer(tmp_path / fmt), EOS_ID, suffixes=(".py",), max_bytes=10_000,
-                                   max_held_out_bytes=10_000, held_out_fraction=0.2, seed=0).train
+        streams[fmt] = load_corpus(corpus, load_tokenizer(tmp_path / fmt), EOS_ID, SPLIT).train
     assert int(streams["kimi"].max()) >= NUM_BYTES + len(SPECIAL_TOKENS) and int(streams["hf"].max()) == EOS_ID
     assert streams["kimi"].numel() < streams["hf"].numel()
 
@@ -123,9 +123,7 @@ def test_the_written_checkpoint_scores_the_reported_held_out_loss(corpus, tmp_pa
     as written, loaded back through the serving loader."""
     tc = QUICK.model_copy(update={"steps": 2, "eval_windows": 2})
     report = train_checkpoint("kimi-k3-tiny", tmp_path / "k3", corpus, tc)
-    held = load_corpus(corpus, load_tokenizer(tmp_path / "k3"), EOS_ID, suffixes=tc.suffixes,
-                       max_bytes=tc.max_corpus_bytes, max_held_out_bytes=tc.max_held_out_bytes,
-                       held_out_fraction=tc.held_out_fraction, seed=tc.seed).held_out
+    held = load_corpus(corpus, load_tokenizer(tmp_path / "k3"), EOS_ID, tc).held_out
     loaded = held_out_loss(load_model(tmp_path / "k3"), eval_windows(held, tc), tc.batch_size)
     assert loaded == pytest.approx(report.target.held_out_loss, rel=1e-4)
     assert report.target.held_out_loss < report.target.held_out_loss_init
