@@ -17,13 +17,14 @@ from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.loading import load_model
-from helixserve.models.presets import TOKENIZER_FORMATS, get_preset, write_tokenizer
+from helixserve.models.kimi import KimiForCausalLM
+from helixserve.models.presets import TOKENIZER_FORMATS, get_preset, init_random_weights, write_tokenizer
 from helixserve.models.tokenizer import EOS_ID, NUM_BYTES, SPECIAL_TOKENS
 from helixserve.models.tokenizer_loader import dummy_tokenizer, load_tokenizer
 from helixserve.training.checkpoint import DRAFT_SUBDIR, TRAINING_LOG, default_draft_preset, train_checkpoint
 from helixserve.training.corpus import CorpusError, held_out_texts, load_corpus, split_files, text_files
 from helixserve.training.config import TrainingConfig
-from helixserve.training.trainer import eval_windows, held_out_loss
+from helixserve.training.trainer import eval_windows, held_out_loss, step_loss
 
 PRESET = "kimi-linear-tiny"
 QUICK = TrainingConfig(steps=6, draft_steps=3, batch_size=2, seq_len=32, lr=1e-2, warmup_steps=2,
@@ -93,6 +94,21 @@ def test_the_corpus_is_read_with_the_checkpoints_tokenizer(corpus, tmp_path):
         streams[fmt] = load_corpus(corpus, load_tokenizer(tmp_path / fmt), EOS_ID, SPLIT).train
     assert int(streams["kimi"].max()) >= NUM_BYTES + len(SPECIAL_TOKENS) and int(streams["hf"].max()) == EOS_ID
     assert streams["kimi"].numel() < streams["hf"].numel()
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "kimi-k3-tiny"])
+def test_the_prefill_forward_is_differentiable_in_every_weight(preset):
+    """One backward through the serving forward (KDA chunk form, MLA, MoE, attention residuals)
+    reaches every weight but the routers' correction bias, which only steers expert choice, and
+    K3's first attention-residual mix, which has one source (nothing to weigh)."""
+    model = KimiForCausalLM(get_preset(preset), dtype=torch.float32)
+    init_random_weights(model, 0)
+    windows = torch.randint(0, NUM_BYTES, (4, 33), generator=torch.Generator().manual_seed(0))
+    step_loss(model, windows).backward()
+    untouched = [name for name, p in model.named_parameters()
+                 if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    unused = (".e_score_correction_bias", "model.layers.0.self_attention_res_")
+    assert untouched and all(name.endswith(unused[0]) or name.startswith(unused[1]) for name in untouched), untouched
 
 
 def test_training_lowers_the_loss_and_is_reproducible(corpus, tmp_path):
