@@ -5,8 +5,8 @@ and ``kimi-k3-tiny`` are small enough for CPU tests yet exercise every layer kin
 mixers, a dense layer 0 and MoE layers; K3-tiny adds q-LoRA MLA with output gate, the lower-bound
 KDA gate with full-rank output gate, SiTU, latent MoE, three attention-residual blocks and MXFP4
 routed experts in its checkpoint. ``kimi-linear-tiny-draft`` / ``kimi-k3-tiny-draft`` are their
-two-layer cuts (:data:`DRAFT_PRESETS`), draft models for speculative decoding. Tiny vocabularies match the byte-level tokenizer
-(256 bytes + specials, bos 256, eos 257, pad 258).
+two-layer cuts (:data:`DRAFT_PRESETS`), draft models for speculative decoding. Tiny vocabularies
+match the byte-level tokenizer (256 bytes + specials, bos 256, eos 257, pad 258).
 """
 
 from __future__ import annotations
@@ -93,7 +93,6 @@ _KIMI_K3_MID: dict[str, Any] = {
     "num_experts": 32, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 768,
     "routed_expert_hidden_size": 1024, "attn_res_block_size": 2, "routed_expert_format": "dense",
 }
-
 
 
 def _two_layer_draft(target: dict[str, Any]) -> dict[str, Any]:

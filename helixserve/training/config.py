@@ -14,12 +14,12 @@ class TrainingConfig(Strict):
     checkpoints it writes (``tokenizer``: the files' format, see
     :func:`~helixserve.models.presets.write_tokenizer`; ``dtype``: the weights')."""
 
-    steps: int = Field(150, ge=1)
+    steps: int = Field(300, ge=1)
     draft_steps: int | None = Field(None, ge=1, description="the draft's steps; None: steps")
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(4, ge=1)
     seq_len: int = Field(128, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    warmup_steps: int = Field(15, ge=0)
+    lr: float = Field(6e-3, gt=0)
+    warmup_steps: int = Field(30, ge=0)
     weight_decay: float = Field(0.01, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     distill_weight: float = Field(0.5, ge=0, le=1)
