@@ -17,15 +17,24 @@ time and in this process's CPU time (``time.process_time`` over the decode steps
 to other processes on a shared machine); tok/s are each side's best. A second plain engine runs
 in every round too: its median ratio to the first is the noise floor.
 
+``--checkpoint DIR`` runs a given checkpoint instead of a random-weight ``kimi-linear-tiny`` (e.g.
+one ``helixserve make-checkpoint --train-on`` trained); ``--prompts-from DIR`` adds a third prompt
+set, ``held-out``: windows of the held-out files under ``DIR`` (the split the training used, read
+from the checkpoint's ``training_log.json`` when it has one), tokenized with the checkpoint's
+tokenizer. A model trained on text continues held-out text the way the text repeats itself, so
+prompt lookup's drafts get accepted there; a random-weight model's do not.
+
 Also printed: the KDA rollback's memory per speculating sequence for the full presets, replay
 (saved inputs + one pre-step state, what the engine does) against keeping the verify step's
 per-position states.
 
     python bench/spec_decode.py [--quick] [--out FILE] [--num-draft-tokens K] [--repeats N]
+                                [--checkpoint DIR] [--prompts-from DIR]
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import sys
@@ -47,6 +56,10 @@ from helixserve.config_speculative import SpeculativeConfig  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.models.presets import get_preset, make_checkpoint  # noqa: E402
+from helixserve.models.tokenizer_loader import load_tokenizer  # noqa: E402
+from helixserve.training.checkpoint import TRAINING_LOG  # noqa: E402
+from helixserve.training.corpus import held_out_texts  # noqa: E402
+from helixserve.training.config import TrainingConfig  # noqa: E402
 
 
 def prompt_sets(batch: int, length: int, vocab: int, seed: int) -> dict[str, list[list[int]]]:
@@ -58,12 +71,24 @@ def prompt_sets(batch: int, length: int, vocab: int, seed: int) -> dict[str, lis
     return {"repetitive": repetitive, "random": [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]}
 
 
+def held_out_prompts(ckpt: Path, root: Path, batch: int, length: int) -> list[list[int]]:
+    """``batch`` windows of ``length`` ids spread over the held-out files under ``root``, in the
+    checkpoint's tokenizer; the split is the training's (its ``training_log.json``) or the default."""
+    log = ckpt / TRAINING_LOG
+    tc = TrainingConfig.model_validate(json.loads(log.read_text())["config"]) if log.is_file() else TrainingConfig()
+    tokenizer = load_tokenizer(ckpt)
+    ids = [t for text in held_out_texts(root, tc) for t in tokenizer.encode(text)]
+    if len(ids) < length + batch:
+        raise SystemExit(f"--prompts-from {root}: {len(ids)} held-out tokens, too few for {batch} prompts of {length}")
+    return [ids[s:s + length] for s in range(0, len(ids) - length, (len(ids) - length) // batch)][:batch]
+
+
 def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[float, list[list[int]]]:
     run = run_decode(llm.engine, [f"{tag}-{i}" for i in range(len(prompts))], prompts, params)
     return run.decode_tokens / run.decode_seconds, run.tokens
 
 
-def rows_for(ckpt: Path, k: int, quick: bool) -> list[dict[str, Any]]:
+def rows_for(ckpt: Path, k: int, quick: bool, prompts_from: Path | None = None) -> list[dict[str, Any]]:
     cache = CacheConfig(tokens_per_block=16, max_num_seqs=8)
     plain = LLM(ckpt, cache=cache)
     spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
@@ -71,7 +96,10 @@ def rows_for(ckpt: Path, k: int, quick: bool) -> list[dict[str, Any]]:
     params = SamplingParams(max_tokens=24 if quick else 64, temperature=0.0, ignore_eos=True)
     rows = []
     for batch in (1, 8):
-        for name, prompts in prompt_sets(batch, 64, plain.model_config.vocab_size, seed=batch).items():
+        sets = prompt_sets(batch, 64, plain.model_config.vocab_size, seed=batch)
+        if prompts_from is not None:
+            sets["held-out"] = held_out_prompts(ckpt, prompts_from, batch, 64)
+        for name, prompts in sets.items():
             decode(plain, prompts[:1], params, "warm-plain")
             decode(spec, prompts[:1], params, "warm-spec")
             before = spec.engine.spec_stats
@@ -152,14 +180,19 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="rounds of the batch-64 row (median ratio)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="checkpoint to run (default: a random-weight kimi-linear-tiny)")
+    parser.add_argument("--prompts-from", type=Path, default=None, metavar="DIR",
+                        help="add held-out prompts: the held-out files under DIR (make-checkpoint --train-on's split)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
-        rows = rows_for(ckpt, args.num_draft_tokens, args.quick)
+        ckpt = args.checkpoint or make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
+        rows = rows_for(ckpt, args.num_draft_tokens, args.quick, args.prompts_from)
         none = nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats)
     memory = rollback_memory(args.num_draft_tokens)
-    print(f"kimi-linear-tiny, k = {args.num_draft_tokens}, CPU, {args.threads} threads")
+    name = "kimi-linear-tiny (random weights)" if args.checkpoint is None else str(args.checkpoint)
+    print(f"{name}, k = {args.num_draft_tokens}, CPU, {args.threads} threads")
     print(markdown_table(["prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
                           "acceptance", "per position"],
                          [[r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
@@ -175,7 +208,7 @@ def main() -> None:
     print()
     print(markdown_table(["preset", "KDA layers", "replay MiB/seq", "per-position states MiB/seq"],
                          [[m["preset"], m["kda_layers"], m["replay_mib"], m["per_position_mib"]] for m in memory]))
-    write_json(args.out, {"machine": machine_info(), "num_draft_tokens": args.num_draft_tokens,
+    write_json(args.out, {"machine": machine_info(), "checkpoint": name, "num_draft_tokens": args.num_draft_tokens,
                           "decode": rows, "nothing_drafted": none, "rollback_memory": memory})
 
 

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from helixserve.config_speculative import SpeculativeConfig  # (a torch-free leaf)
+from helixserve.training.config import TrainingConfig  # (torch-free)
 
 logger = logging.getLogger("helixserve")
 
@@ -33,6 +34,11 @@ def _parse_ids(text: str) -> list[int]:
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     if args.train_on is not None:
         return _train_checkpoint(args)
+    given = [f"--{name.replace('_', '-')}" for name in ("train_steps", "draft_preset", "draft_out", "draft_steps")
+             if getattr(args, name) is not None]
+    if given:
+        flags = ", ".join(given)
+        raise ValueError(f"{flags}: only with --train-on (a random-weight checkpoint is not trained)")
     from helixserve.models.presets import make_checkpoint
 
     make_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype, tokenizer=args.tokenizer)
@@ -41,14 +47,23 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _train_checkpoint(args: argparse.Namespace) -> int:
-    from helixserve.training.trainer import TrainingConfig, train_checkpoint
+    from helixserve.training.checkpoint import default_draft_preset, train_checkpoint
 
-    if args.tokenizer != "hf":
-        raise ValueError("--train-on trains with the byte-level tokenizer: leave --tokenizer at hf")
-    report = train_checkpoint(args.preset, args.out, args.train_on,
-                              TrainingConfig(steps=args.train_steps, seed=args.seed), dtype=args.dtype)
-    print(f"trained {args.preset} for {len(report.losses)} steps in {report.seconds:.0f} s "
-          f"(loss {report.losses[0]:.3f} -> {report.losses[-1]:.3f}); wrote {args.out}")
+    draft = default_draft_preset(args.preset) if args.draft_preset is None else args.draft_preset
+    if draft in (None, "none") and args.draft_out is not None:
+        raise ValueError(f"--draft-out {args.draft_out}: no draft is trained for {args.preset} (name --draft-preset)")
+    given = {"steps": args.train_steps, "draft_steps": args.draft_steps}
+    tc = TrainingConfig(seed=args.seed, tokenizer=args.tokenizer, dtype=args.dtype,
+                        **{k: v for k, v in given.items() if v is not None})
+    report = train_checkpoint(args.preset, args.out, args.train_on, tc, None if draft == "none" else draft,
+                              args.draft_out)
+    for m in filter(None, (report.target, report.draft)):
+        held = "" if m.held_out_loss is None else f"; held-out loss {m.held_out_loss_init:.3f} -> {m.held_out_loss:.3f}"
+        agree = "" if m.greedy_agreement is None else f"; greedy agreement with the target {m.greedy_agreement:.1%}"
+        print(f"trained {m.preset} for {len(m.losses)} steps in {m.seconds:.0f} s "
+              f"(loss {m.losses[0]:.3f} -> {m.losses[-1]:.3f}{held}{agree}); wrote {m.out_dir}")
+    if draft is None:
+        print(f"no draft: {args.preset} has no default draft preset (name one with --draft-preset)")
     return 0
 
 
@@ -108,9 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hf: tokenizer.json; kimi: tiktoken.model + tokenizer_config.json + "
                          "chat_template.jinja + generation_config.json, as Moonshot publishes")
     mk.add_argument("--train-on", default=None, metavar="DIR",
-                    help="train the preset on the .py files under DIR (e.g. Python's standard library) "
-                         "instead of writing random weights")
-    mk.add_argument("--train-steps", type=int, default=300, help="training steps with --train-on")
+                    help="train the preset on the .py files under DIR (e.g. Python's standard library), "
+                         "tokenized with the checkpoint's tokenizer, instead of writing random weights; "
+                         "a share of the files is held out and scored before and after")
+    mk.add_argument("--train-steps", type=int, default=None,
+                    help=f"training steps with --train-on (default {TrainingConfig.model_fields['steps'].default})")
+    mk.add_argument("--draft-preset", default=None, metavar="NAME",
+                    help="with --train-on: the draft model trained against the target on the same text "
+                         "(default: the preset's two-layer cut, e.g. kimi-linear-tiny-draft; none: no draft)")
+    mk.add_argument("--draft-out", default=None, metavar="DIR", help="the draft's checkpoint (default: OUT/draft)")
+    mk.add_argument("--draft-steps", type=int, default=None, help="the draft's training steps (default: --train-steps)")
     mk.set_defaults(func=_cmd_make_checkpoint)
 
     gen = sub.add_parser("generate", help="generate from a prompt with the built-in engine")

@@ -4,8 +4,9 @@
 and ``kimi-k3-tiny`` are small enough for CPU tests yet exercise every layer kind: KDA and MLA
 mixers, a dense layer 0 and MoE layers; K3-tiny adds q-LoRA MLA with output gate, the lower-bound
 KDA gate with full-rank output gate, SiTU, latent MoE, three attention-residual blocks and MXFP4
-routed experts in its checkpoint. Tiny vocabularies match the byte-level tokenizer
-(256 bytes + specials, bos 256, eos 257, pad 258).
+routed experts in its checkpoint. ``kimi-linear-tiny-draft`` / ``kimi-k3-tiny-draft`` are their
+two-layer cuts (:data:`DRAFT_PRESETS`), draft models for speculative decoding. Tiny vocabularies
+match the byte-level tokenizer (256 bytes + specials, bos 256, eos 257, pad 258).
 """
 
 from __future__ import annotations
@@ -93,13 +94,25 @@ _KIMI_K3_MID: dict[str, Any] = {
     "routed_expert_hidden_size": 1024, "attn_res_block_size": 2, "routed_expert_format": "dense",
 }
 
+
+def _two_layer_draft(target: dict[str, Any]) -> dict[str, Any]:
+    """``target`` cut to two layers, a KDA layer (dense MLP) then an MLA layer (MoE): the same
+    vocabulary and layer kinds, for a speculative draft model."""
+    return {**target, "num_hidden_layers": 2,
+            "linear_attn_config": {**target["linear_attn_config"], "kda_layers": [1], "full_attn_layers": [2]}}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "kimi-linear-48b": _KIMI_LINEAR_48B,
     "kimi-k3": _KIMI_K3,
     "kimi-linear-tiny": _KIMI_LINEAR_TINY,
     "kimi-k3-tiny": _KIMI_K3_TINY,
     "kimi-k3-mid": _KIMI_K3_MID,
+    "kimi-linear-tiny-draft": _two_layer_draft(_KIMI_LINEAR_TINY),
+    "kimi-k3-tiny-draft": _two_layer_draft(_KIMI_K3_TINY),
 }
+# the draft preset ``make-checkpoint --train-on`` trains beside each target preset by default
+DRAFT_PRESETS: dict[str, str] = {"kimi-linear-tiny": "kimi-linear-tiny-draft", "kimi-k3-tiny": "kimi-k3-tiny-draft"}
 
 
 def get_preset(name: str) -> KimiModelConfig:
@@ -116,6 +129,13 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         p.copy_(random_value(name, p.shape, gen).to(p.dtype))
+    round_to_stored_format(model)
+
+
+@torch.no_grad()
+def round_to_stored_format(model: torch.nn.Module) -> None:
+    """Round what the checkpoint stores in a narrower format in place (MXFP4 routed experts), so
+    that ``model`` computes what its saved checkpoint will."""
     if model.cfg.routed_expert_format == "mxfp4":
         for name, p in model.named_parameters():
             if name.endswith((".experts.w13", ".experts.w2")):
@@ -157,26 +177,40 @@ TOKENIZER_FORMATS = ("hf", "kimi")
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
                     tokenizer: str = "hf") -> Path:
-    """Random-weight checkpoint of ``preset``: config.json, model.safetensors, tokenizer files.
-
-    ``tokenizer``: ``"hf"`` writes ``tokenizer.json`` (byte-level); ``"kimi"`` writes the layout
-    Moonshot publishes (``tiktoken.model``, ``tokenizer_config.json`` with
-    ``added_tokens_decoder``, ``chat_template.jinja``, ``generation_config.json``)."""
-    from helixserve.models.tokenizer_hf import write_tokenizer_files
-    from helixserve.models.tokenizer_tiktoken import tiny_ranks, write_kimi_tokenizer_files
-
-    if tokenizer not in TOKENIZER_FORMATS:
-        raise ValueError(f"unknown tokenizer format {tokenizer!r}; choose one of {list(TOKENIZER_FORMATS)}")
+    """Random-weight checkpoint of ``preset``: config.json, model.safetensors, tokenizer files
+    (see :func:`write_tokenizer`)."""
     cfg = get_preset(preset)
-    if tokenizer == "kimi" and max(tiny_ranks().values()) >= cfg.vocab_size:
-        raise ValueError(f"the tiny kimi tokenizer needs vocab_size > {max(tiny_ranks().values())}, "
-                         f"preset {preset!r} has {cfg.vocab_size}")
+    check_tokenizer_format(tokenizer, preset, cfg)
     torch_dtype = getattr(torch, dtype)
     model = KimiForCausalLM(cfg, dtype=torch.float32)
     init_random_weights(model, seed)
     out = save_checkpoint(model, cfg, out_dir, torch_dtype)
-    if tokenizer == "kimi":
-        write_kimi_tokenizer_files(out, cfg.max_position_embeddings)
-    else:
-        write_tokenizer_files(out)
+    write_tokenizer(out, tokenizer, cfg)
     return out
+
+
+def check_tokenizer_format(tokenizer: str, preset: str, cfg: KimiModelConfig) -> None:
+    """Refuse an unknown format, or a vocabulary the format's tokenizer does not fit in."""
+    if tokenizer not in TOKENIZER_FORMATS:
+        raise ValueError(f"unknown tokenizer format {tokenizer!r}; choose one of {list(TOKENIZER_FORMATS)}")
+    if tokenizer != "kimi":
+        return
+    from helixserve.models.tokenizer_tiktoken import tiny_ranks
+
+    if max(tiny_ranks().values()) >= cfg.vocab_size:
+        raise ValueError(f"the tiny kimi tokenizer needs vocab_size > {max(tiny_ranks().values())}, "
+                         f"preset {preset!r} has {cfg.vocab_size}")
+
+
+def write_tokenizer(out_dir: str | Path, tokenizer: str, cfg: KimiModelConfig) -> None:
+    """The tiny vocabulary's tokenizer files in ``out_dir``. ``tokenizer``: ``"hf"`` writes
+    ``tokenizer.json`` (byte-level); ``"kimi"`` writes the layout Moonshot publishes
+    (``tiktoken.model``, ``tokenizer_config.json`` with ``added_tokens_decoder``,
+    ``chat_template.jinja``, ``generation_config.json``)."""
+    from helixserve.models.tokenizer_hf import write_tokenizer_files
+    from helixserve.models.tokenizer_tiktoken import write_kimi_tokenizer_files
+
+    if tokenizer == "kimi":
+        write_kimi_tokenizer_files(out_dir, cfg.max_position_embeddings)
+    else:
+        write_tokenizer_files(out_dir)

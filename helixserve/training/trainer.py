@@ -1,12 +1,18 @@
 """A seeded next-token training loop for a small Kimi model, through the serving forward.
 
-Each step samples ``batch_size`` windows of ``seq_len + 1`` tokens from the corpus stream (a
+Each step samples ``batch_size`` windows of ``seq_len + 1`` tokens from the training stream (a
 generator seeded with ``seed``), runs them as one prefill batch of the model's own forward
-(:class:`~helixserve.models.kimi.KimiForCausalLM` over fresh caches), and takes an AdamW step on
-the mean next-token cross-entropy: linear warm-up, then cosine decay to a tenth of ``lr``;
-gradients clipped to ``max_grad_norm``; weight decay on matrices only. The MoE routers'
+(:class:`~helixserve.models.kimi.KimiForCausalLM` over fresh caches: the CPU reference paths of
+the KDA chunk form, MLA and the MoE, all differentiable), and takes an AdamW step on the mean
+next-token cross-entropy: linear warm-up, then cosine decay to a tenth of ``lr``; gradients
+clipped to ``max_grad_norm``; weight decay on matrices only. The MoE routers'
 ``e_score_correction_bias`` only steers expert choice (no gradient reaches it) and stays as
 initialized.
+
+With a ``teacher`` (a draft model trained against its target), the loss mixes in the
+cross-entropy against the teacher's next-token distribution on the same windows, weighted
+``distill_weight``: the draft learns what the target predicts, which is what speculative decoding
+accepts.
 
 The CPU kernels write some intermediates in place (the KDA chunk form reuses its buffers), which
 autograd refuses; every tensor autograd saves is cloned when saved, so those writes do not
@@ -16,58 +22,26 @@ bit for bit.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from pydantic import Field
+import torch.nn.functional as F
 
-from helixserve.config_lifecycle import Strict
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
-from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.kimi import KimiForCausalLM
-from helixserve.models.presets import get_preset, init_random_weights
-from helixserve.models.tokenizer_hf import write_tokenizer_files
-from helixserve.training.corpus import CorpusError, corpus_tokens
+from helixserve.training.config import TrainingConfig
+from helixserve.training.corpus import CorpusError
 
 logger = logging.getLogger(__name__)
 
-TRAINING_LOG = "training_log.json"
 _TOKENS_PER_BLOCK = 16
 
 
-class TrainingConfig(Strict):
-    """Settings of one training run (``helixserve make-checkpoint --train-on``)."""
-
-    steps: int = Field(300, ge=1)
-    batch_size: int = Field(8, ge=1)
-    seq_len: int = Field(128, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    warmup_steps: int = Field(20, ge=0)
-    weight_decay: float = Field(0.01, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    seed: int = 0
-    max_corpus_bytes: int = Field(8 << 20, ge=1)
-    suffixes: tuple[str, ...] = (".py",)
-
-
-@dataclass(slots=True)
-class TrainingReport:
-    """Per-step training loss, wall time, and the corpus's size in tokens."""
-
-    losses: list[float]
-    seconds: float
-    num_corpus_tokens: int
-
-
-def _lr_at(step: int, tc: TrainingConfig) -> float:
+def _lr_at(step: int, steps: int, tc: TrainingConfig) -> float:
     if step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
-    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    progress = (step - tc.warmup_steps) / max(1, steps - tc.warmup_steps)
     return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -81,22 +55,40 @@ def _optimizer(model: torch.nn.Module, tc: TrainingConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95))
 
 
-def step_loss(model: KimiForCausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``windows`` ``[B, L + 1]`` (one prefill of B sequences)."""
-    num_seqs, length = windows.shape[0], windows.shape[1] - 1
+def window_logits(model: KimiForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
+    """``[B * L, vocab]`` logits of ``inputs`` ``[B, L]`` (one prefill of B sequences)."""
+    num_seqs, length = inputs.shape
     blocks_per_seq = -(-length // _TOKENS_PER_BLOCK)
     device = model.lm_head.weight.device
     caches = allocate_caches(model.cfg, num_seqs * blocks_per_seq, _TOKENS_PER_BLOCK, num_seqs,
                              dtype=model.dtype, device=device)
-    chunks = [SeqChunk(row[:-1].tolist(), 0, slot) for slot, row in enumerate(windows)]
+    chunks = [SeqChunk(row.tolist(), 0, slot) for slot, row in enumerate(inputs)]
     batch = build_batch(chunks, _TOKENS_PER_BLOCK, blocks_per_seq, device=device)
+    if not torch.is_grad_enabled():
+        return model(batch, caches)
     with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.clone, lambda saved: saved):
-        logits = model(batch, caches)
-    return torch.nn.functional.cross_entropy(logits, windows[:, 1:].reshape(-1).to(device))
+        return model(batch, caches)
 
 
-def train(model: KimiForCausalLM, tokens: torch.Tensor, tc: TrainingConfig) -> list[float]:
-    """Train ``model`` in place on the token stream ``tokens`` ``[N]``; the loss of every step."""
+def step_loss(model: KimiForCausalLM, windows: torch.Tensor, teacher: KimiForCausalLM | None = None,
+              distill_weight: float = 0.0) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``windows`` ``[B, L + 1]``; with ``teacher``, mixed with
+    ``distill_weight`` of the cross-entropy against the teacher's distribution."""
+    logits = window_logits(model, windows[:, :-1])
+    loss = F.cross_entropy(logits, windows[:, 1:].reshape(-1).to(logits.device))
+    if teacher is None or distill_weight == 0:
+        return loss
+    with torch.no_grad():
+        target = torch.softmax(window_logits(teacher, windows[:, :-1]).float(), dim=-1)
+    soft = -(target * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+    return (1 - distill_weight) * loss + distill_weight * soft
+
+
+def train(model: KimiForCausalLM, tokens: torch.Tensor, tc: TrainingConfig, steps: int | None = None,
+          teacher: KimiForCausalLM | None = None) -> list[float]:
+    """Train ``model`` in place on the token stream ``tokens`` ``[N]`` for ``steps`` (default
+    ``tc.steps``); the loss of every step."""
+    steps = tc.steps if steps is None else steps
     if tokens.numel() < tc.seq_len + 2:
         raise CorpusError(f"the corpus has {tokens.numel()} tokens, fewer than seq_len + 2 = {tc.seq_len + 2}")
     if tc.seq_len > model.cfg.max_position_embeddings:
@@ -106,39 +98,51 @@ def train(model: KimiForCausalLM, tokens: torch.Tensor, tc: TrainingConfig) -> l
     offsets = torch.arange(tc.seq_len + 1)
     model.train()
     losses: list[float] = []
-    for step in range(tc.steps):
+    for step in range(steps):
         starts = torch.randint(0, tokens.numel() - tc.seq_len - 1, (tc.batch_size, 1), generator=gen)
-        loss = step_loss(model, tokens[starts + offsets])
+        loss = step_loss(model, tokens[starts + offsets], teacher, tc.distill_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, tc)
+            group["lr"] = _lr_at(step, steps, tc)
         optimizer.step()
         losses.append(loss.item())
-        if step % 10 == 0 or step == tc.steps - 1:
-            logger.info("step %d/%d loss %.4f", step + 1, tc.steps, losses[-1])
+        if step % tc.log_every == 0 or step == steps - 1:
+            logger.info("step %d/%d loss %.4f", step + 1, steps, losses[-1])
     model.eval()
     return losses
 
 
-def train_checkpoint(preset: str, out_dir: str | Path, train_on: str | Path, tc: TrainingConfig,
-                     dtype: str = "float32") -> TrainingReport:
-    """Train ``preset`` from its seeded random init on the text under ``train_on``; write the
-    checkpoint (config, weights, byte-level tokenizer) and ``training_log.json`` to ``out_dir``."""
-    cfg = get_preset(preset)
-    if cfg.eos_token_id is None:
-        raise ValueError(f"preset {preset!r} has no eos_token_id to separate the training files")
-    tokens = corpus_tokens(train_on, tc.suffixes, tc.max_corpus_bytes, cfg.eos_token_id, tc.seed)
-    if int(tokens.max()) >= cfg.vocab_size:
-        raise ValueError(f"preset {preset!r}'s vocabulary ({cfg.vocab_size}) is smaller than the byte tokenizer's")
-    model = KimiForCausalLM(cfg, dtype=torch.float32)
-    init_random_weights(model, tc.seed)
-    start = time.perf_counter()
-    losses = train(model, tokens, tc)
-    report = TrainingReport(losses, time.perf_counter() - start, int(tokens.numel()))
-    out = save_checkpoint(model, cfg, out_dir, getattr(torch, dtype))
-    write_tokenizer_files(out)
-    log = {"preset": preset, "train_on": str(train_on), "config": tc.model_dump(), **asdict(report)}
-    (out / TRAINING_LOG).write_text(json.dumps(log, indent=1))
-    return report
+def eval_windows(tokens: torch.Tensor, tc: TrainingConfig) -> torch.Tensor | None:
+    """``[n, seq_len + 1]`` windows spread evenly over ``tokens`` (at most ``tc.eval_windows``,
+    disjoint where the stream is long enough); None when it is shorter than one window."""
+    span = tc.seq_len + 1
+    if tokens.numel() < span:
+        return None
+    count = min(tc.eval_windows, tokens.numel() // span)
+    starts = torch.linspace(0, tokens.numel() - span, count).long()
+    return tokens[starts[:, None] + torch.arange(span)]
+
+
+@torch.no_grad()
+def held_out_loss(model: KimiForCausalLM, windows: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token cross-entropy of ``model`` over ``windows`` ``[n, L + 1]``."""
+    total = 0.0
+    for s in range(0, windows.shape[0], batch_size):
+        part = windows[s:s + batch_size]
+        logits = window_logits(model, part[:, :-1])
+        total += F.cross_entropy(logits, part[:, 1:].reshape(-1), reduction="sum").item()
+    return total / (windows.shape[0] * (windows.shape[1] - 1))
+
+
+@torch.no_grad()
+def greedy_agreement(draft: KimiForCausalLM, target: KimiForCausalLM, windows: torch.Tensor,
+                     batch_size: int) -> float:
+    """Share of positions of ``windows`` where the draft's and the target's argmax tokens agree
+    (what greedy speculative decoding accepts per drafted token, given the same prefix)."""
+    agree = 0
+    for s in range(0, windows.shape[0], batch_size):
+        inputs = windows[s:s + batch_size, :-1]
+        agree += int((window_logits(draft, inputs).argmax(-1) == window_logits(target, inputs).argmax(-1)).sum())
+    return agree / (windows.shape[0] * (windows.shape[1] - 1))

@@ -21,7 +21,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "helixserve.models.presets", "helixserve.engine.llm", "helixserve.engine.request", "helixserve.launch.offline",
         "helixserve.planning.report", "helixserve.config", "helixserve.ctx_server.app", "helixserve.serving.http",
         "helixserve.gen_server.app", "helixserve.router.app", "helixserve.launch.local", "helixserve.ctx_server.world",
-        "helixserve.training.trainer")},
+        "helixserve.training.checkpoint")},
     # torch-free callers that make or read a checkpoint only on request
     ("helixserve/launch/local.py", "helixserve.models.presets"):
         "torch: `helixserve launch` imports torch only when it has to make the tiny checkpoint",
