@@ -123,7 +123,8 @@ class ContextOnlyHandler:
             request_type=RequestType.CONTEXT_ONLY, ctx_request_id=rid,
             first_gen_tokens=done.token_ids, prompt_token_ids=prepared.prompt_token_ids,
             ctx_endpoint=self.transceiver.endpoint, layout=self.worker.layout, pull_grant=grant,
-            ctx_admission=token, ctx_endpoints=self.transceiver.endpoints)
+            ctx_admission=token, ctx_endpoints=self.transceiver.endpoints,
+            cached_tokens=done.usage.prompt_tokens_details.cached_tokens if done.usage.prompt_tokens_details else None)
         choice = CompletionChoice(text=done.text if is_finished else "",
                                   finish_reason=done.finish_reason if is_finished else None)
         answer = CompletionResponse(**prepared.meta.header(), choices=[choice], usage=done.usage,

@@ -4,11 +4,13 @@ package docstring) and plain requests aggregated."""
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from helixserve.config import DeploymentConfig, GenServerConfig
+from helixserve.engine.output_stream import RequestOutput
 from helixserve.gen_server.kv_source import KVSource, UcxKVSource, make_kv_source
 from helixserve.gen_server.world import start_gen_world, world_layout
 from helixserve.models.dummy import tokenizer_of
@@ -41,7 +43,17 @@ class GenerationOnlyHandler:
                                       param="disaggregated_params.layout", code="layout_mismatch")
         outputs = self.kv_source.generate(self.worker.engine, prepared.request_id, params,
                                           prepared.params)
+        if params.cached_tokens is not None:
+            outputs = with_cached_tokens(outputs, params.cached_tokens)
         return await respond(self.worker, http_request, prepared, outputs)
+
+
+async def with_cached_tokens(outputs: AsyncIterator[RequestOutput], cached_tokens: int) -> AsyncIterator[RequestOutput]:
+    """``outputs`` answering the ctx's prefix-cache hit as their cached prompt tokens (the gen's
+    engine computed none of the prompt)."""
+    async for output in outputs:
+        output.num_cached_tokens = cached_tokens
+        yield output
 
 
 def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEnv | None = None) -> FastAPI:

@@ -157,6 +157,9 @@ class DisaggregatedParams(_Strict):
     # a ctx world's (``layout.ctx_tp_size > 1``): every rank's transceiver, in rank order (the
     # first is ``ctx_endpoint``); each gen rank asks the ranks that hold part of its shard
     ctx_endpoints: list[TransceiverEndpoint] = Field(default_factory=list, max_length=MAX_CTX_RANKS)
+    # a prefix-caching ctx's hit on the prompt: the gen answers it as
+    # usage.prompt_tokens_details.cached_tokens (None: the ctx caches no prefix)
+    cached_tokens: NonNegativeInt | None = None
 
     @model_validator(mode="after")
     def _check_generation_only(self) -> Self:
@@ -169,6 +172,11 @@ class DisaggregatedParams(_Strict):
                     "invalid_value", "a generation_only request needs disaggregated_params.{name}",
                     {"name": name, "param": name,
                      "code": "missing_required_parameter"})
+        if self.cached_tokens is not None and self.cached_tokens >= len(self.prompt_token_ids):
+            raise PydanticCustomError(
+                "invalid_value", "disaggregated_params.cached_tokens ({cached}) must be less than the "
+                "prompt's {num} tokens", {"cached": self.cached_tokens, "num": len(self.prompt_token_ids),
+                                          "param": "cached_tokens"})
         return self._check_ctx_endpoints()
 
     def _check_ctx_endpoints(self) -> Self:

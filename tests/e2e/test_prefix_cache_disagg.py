@@ -26,15 +26,21 @@ def greedy_text(client, prompt: list[int]) -> tuple[str, dict]:
 
 @pytest.mark.parametrize("shared", [0, BLOCK - 1, BLOCK, BLOCK + 1, 6 * BLOCK + 2])
 def test_prompts_sharing_a_prefix_answer_as_aggregated_serving(dep, shared):
+    """Greedy answers equal the aggregated baseline's, and the router's answers carry the ctx
+    worker's hits as ``usage.prompt_tokens_details.cached_tokens``."""
     base = list(range(300 + shared, 300 + 2 * shared))  # a fresh prefix per case, in the vocabulary
     prompts = [base + [11, 12, 13], base + [21, 22], base + [21, 22]]
     router, baseline = dep.client(), dep.client(dep.baseline_url)
     hits_before = metric(dep.ctx_url, "helixserve_worker_prefix_cache_hits_total", 0.0)
+    cached = []
     for prompt in prompts:
-        got, _ = greedy_text(router, prompt)
+        got, usage = greedy_text(router, prompt)
         want, _ = greedy_text(baseline, prompt)
         assert got == want, (shared, prompt)
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
     hits = metric(dep.ctx_url, "helixserve_worker_prefix_cache_hits_total") - hits_before
+    # the gen answers the ctx's hit as the response's cached tokens
+    assert sum(cached) == hits and cached[2] == (len(prompts[2]) - 1) // BLOCK * BLOCK
     # the repeated prompt resumes at its last full block before its last token at least
     assert hits >= (len(prompts[2]) - 1) // BLOCK * BLOCK
     wait_until(dep.is_idle, 20, "ctx and gen to free everything")

@@ -80,6 +80,16 @@ def test_bad_params_name_the_field(over, param):
     assert validation_error_to_openai(info.value).param == param
 
 
+def test_cached_tokens_of_a_generation_only_request_stay_inside_the_prompt():
+    prompt = ctx_answer()["prompt_token_ids"]
+    ok = DisaggregatedParams.model_validate(ctx_answer(request_type="generation_only", cached_tokens=len(prompt) - 1))
+    assert ok.cached_tokens == len(prompt) - 1
+    for bad in (len(prompt), -1, "3"):
+        with pytest.raises(ValidationError) as info:
+            DisaggregatedParams.model_validate(ctx_answer(request_type="generation_only", cached_tokens=bad))
+        assert validation_error_to_openai(info.value).param.endswith("cached_tokens")
+
+
 @pytest.mark.parametrize("field, value", [
     ("tokens_per_block", 0), ("tokens_per_block", -16), ("kv_lora_rank", 0),
     ("qk_rope_head_dim", -1), ("num_kda_heads", 0), ("kda_head_dim", -128),
