@@ -78,22 +78,18 @@ class CacheConfig(_Strict):
     # chain over their tokens and the request's cache_salt) and KDA state checkpoints
     # (kvcache.prefix_manager); single-process engines, ctx workers and gen worlds (each CP group
     # caches its own prefixes: kvcache.group_prefix); a request whose cache a KV transfer filled
-    # publishes nothing
+    # publishes nothing (vLLM's enable_prefix_caching)
     prefix_caching: bool = False
     # a prefill saves the KDA recurrent + conv state every this many blocks (and at the last full
     # block before the prompt's last token), taken inside the prefill chunk that covers it
     state_checkpoint_blocks: int = Field(64, ge=1, le=1 << 20)
     # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
-    # memory_budget_mib beside the slots; used only with prefix_caching
-    state_checkpoint_slots: int = Field(32, ge=1, le=1 << 20)
+    # memory_budget_mib beside the slots; used only with prefix_caching (None: as many as fit in
+    # 1/16 of memory_budget_mib, at least 1 and at most 32: planning.memory.checkpoint_slot_count)
+    state_checkpoint_slots: int | None = Field(None, ge=1, le=1 << 20)
     # block-stored / block-removed events a prefix-caching worker keeps for the router's
     # cache-aware policy (GET /v1/prefix_events); a router further behind resyncs
     prefix_events_capacity: int = Field(16384, ge=1, le=1 << 24)
-
-    @property
-    def num_checkpoint_slots(self) -> int:
-        """State checkpoints the pools hold: ``state_checkpoint_slots`` with prefix caching, else 0."""
-        return self.state_checkpoint_slots if self.prefix_caching else 0
 
 
 class SchedulerConfig(_Strict):

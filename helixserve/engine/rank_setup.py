@@ -20,7 +20,7 @@ from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.kvcache.prefix_events import PrefixEventLog
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
-from helixserve.planning.memory import engine_pool_sizes
+from helixserve.planning.memory import checkpoint_slot_count, engine_pool_sizes, pool_unit_bytes
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,7 +40,8 @@ def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheCo
     group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer.
     With prefix caching every rank holds the group's state checkpoint slots (its head slice)."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
-    num_checkpoints = cache.num_checkpoint_slots if spec.kda_layer_ids else 0
+    slot_bytes = pool_unit_bytes(model_config, dtype.itemsize, cache.tokens_per_block, cp)[1]
+    num_checkpoints = checkpoint_slot_count(cache, slot_bytes) if spec.kda_layer_ids else 0
     num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
                                               cache.memory_budget_mib, cache.max_num_seqs, cp, num_checkpoints)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from helixserve.config import CacheConfig
 from helixserve.kvcache.helix import num_local_blocks
 from helixserve.kvcache.sizing import kda_slot_bytes, mla_block_bytes, pools_from_budget
 from helixserve.models.config import KimiModelConfig
@@ -71,6 +72,23 @@ def pool_unit_bytes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, 
     slot = kda_slot_bytes(len(cfg.kda_layer_ids), cfg.kda_num_heads // cp, cfg.kda_head_dim, cfg.conv_kernel_size,
                           itemsize)
     return block, slot
+
+
+CHECKPOINT_BUDGET_SHARE = 1 / 16  # of memory_budget_mib, for state checkpoints not sized by the config
+MAX_AUTO_CHECKPOINTS = 32
+
+
+def checkpoint_slot_count(cache: CacheConfig, slot_bytes: int) -> int:
+    """The KDA state checkpoints a rank holds: none without prefix caching or KDA state (a
+    ``slot_bytes`` of 0), ``cache.state_checkpoint_slots`` when set, else as many state slots as fit
+    in :data:`CHECKPOINT_BUDGET_SHARE` of ``cache.memory_budget_mib`` (at least 1, at most
+    :data:`MAX_AUTO_CHECKPOINTS`)."""
+    if not cache.prefix_caching or slot_bytes == 0:
+        return 0
+    if cache.state_checkpoint_slots is not None:
+        return cache.state_checkpoint_slots
+    share = int(cache.memory_budget_mib * MIB * CHECKPOINT_BUDGET_SHARE) // slot_bytes
+    return max(1, min(MAX_AUTO_CHECKPOINTS, share))
 
 
 def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, memory_budget_mib: float,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from helixserve.config import CacheConfig
 from helixserve.kvcache.helix import num_local_blocks
 from helixserve.kvcache.sizing import pools_from_budget
 from helixserve.models.config import KimiModelConfig
@@ -24,6 +25,7 @@ from helixserve.planning.memory import (
     MIB,
     PoolBytes,
     RankMemory,
+    checkpoint_slot_count,
     engine_pool_sizes,
     pool_unit_bytes,
     rank_memory,
@@ -94,11 +96,13 @@ def _check(cfg: KimiModelConfig, role: str, dp: int, cp: int, t: PlanTarget) -> 
 
 
 def plan_configured(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: int, t: PlanTarget,
-                    memory_budget_mib: float, max_num_seqs: int, num_checkpoint_slots: int = 0) -> RolePlan:
-    """``role`` on ``dp x cp`` with the pools a config's cache settings give (the engine's;
-    ``num_checkpoint_slots``: ``cache.num_checkpoint_slots``, KDA state checkpoints)."""
+                    cache: CacheConfig) -> RolePlan:
+    """``role`` on ``dp x cp`` with the pools a config's cache settings give (the engine's: its
+    budget, sequences and KDA state checkpoints)."""
+    memory_budget_mib, max_num_seqs = cache.memory_budget_mib, cache.max_num_seqs
     problems = _check(cfg, role, dp, cp, t)
     block, slot = pool_unit_bytes(cfg, t.itemsize, t.tokens_per_block, cp)
+    num_checkpoint_slots = checkpoint_slot_count(cache, slot if cfg.kda_layer_ids else 0)
     try:
         num_blocks, num_slots = engine_pool_sizes(cfg, t.itemsize, t.tokens_per_block, memory_budget_mib,
                                                   max_num_seqs, cp, num_checkpoint_slots)

@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from helixserve.config import DeploymentConfig
+from helixserve.config import CacheConfig, DeploymentConfig
 from helixserve.dtypes import MODEL_DTYPES, check_dtype, itemsize
 from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import GIB, RankMemory
@@ -51,7 +51,7 @@ def role_json(plan: RolePlan | None) -> dict[str, Any] | None:
 
 
 def build_plan(cfg: KimiModelConfig, name: str, gpu_memory_gib: float, t: PlanTarget,
-               configured: dict[str, tuple[int, int, float, int]] | None = None) -> dict[str, Any]:
+               configured: dict[str, tuple[int, int, CacheConfig]] | None = None) -> dict[str, Any]:
     """The JSON object; ``configured``: role -> (dp, cp, memory_budget_mib, max_num_seqs)."""
     gpu_bytes = int(gpu_memory_gib * GIB)
     best = {role: smallest_mapping(cfg, role, gpu_bytes, t) for role in ROLES}
@@ -71,8 +71,8 @@ def build_plan(cfg: KimiModelConfig, name: str, gpu_memory_gib: float, t: PlanTa
     if ctx is not None and ctx.num_gpus > 1:
         out["roles"]["ctx"]["note"] = CTX_WORLD_NOTE
     if configured:
-        out["config"] = {role: role_json(plan_configured(cfg, role, dp, cp, gpu_bytes, t, budget, seqs))
-                         for role, (dp, cp, budget, seqs) in configured.items()}
+        out["config"] = {role: role_json(plan_configured(cfg, role, dp, cp, gpu_bytes, t, cache))
+                         for role, (dp, cp, cache) in configured.items()}
     return out
 
 
@@ -132,8 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gpu_gib = gpu_gib if gpu_gib is not None else cache.gpu_memory_gib
         t_kwargs = {"tokens_per_block": cache.tokens_per_block,
                     "max_num_batched_tokens": deploy.scheduler.max_num_batched_tokens}
-        configured = {"ctx": (1, deploy.ctx[0].tp, cache.memory_budget_mib, cache.max_num_seqs),
-                      "gen": (gen.dp, gen.cp, cache.memory_budget_mib, cache.max_num_seqs)}
+        configured = {"ctx": (1, deploy.ctx[0].tp, cache), "gen": (gen.dp, gen.cp, cache)}
         model_dir = args.model or (None if args.preset else deploy.model.path)
     else:
         model_dir = args.model

@@ -13,7 +13,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.rank_setup import allocate_rank_caches, size_cache
 from helixserve.engine.llm import LLM
 from helixserve.models.presets import get_preset
-from helixserve.planning.memory import DeploymentDoesNotFitError
+from helixserve.planning.memory import DeploymentDoesNotFitError, pool_unit_bytes
 from helixserve.planning.plan import PlanTarget, plan_configured
 from helixserve.planning.weights import rank_weight_bytes
 
@@ -59,14 +59,20 @@ def test_sizes_fill_the_budget_with_the_tensors_allocated(preset, dtype, tpb, mi
     assert nbytes(layout.num_blocks) <= mib * MIB < nbytes(layout.num_blocks + 1)
 
 
-def test_the_engine_sizes_what_the_plan_says(tiny_checkpoints):
-    cache = CacheConfig(tokens_per_block=4, memory_budget_mib=8, max_num_seqs=4, gpu_memory_gib=1.0)
+@pytest.mark.parametrize("caching, checkpoints", [({}, "none"), ({"prefix_caching": True}, "auto"),
+                                                   ({"prefix_caching": True, "state_checkpoint_slots": 5}, "5")])
+def test_the_engine_sizes_what_the_plan_says(tiny_checkpoints, caching, checkpoints):
+    """Blocks, slots and KDA state checkpoints alike (the auto count: 1/16 of the budget's worth
+    of state slots, at most 32)."""
+    cache = CacheConfig(tokens_per_block=4, memory_budget_mib=8, max_num_seqs=4, gpu_memory_gib=1.0, **caching)
     llm = LLM(tiny_checkpoints["kimi-linear-tiny"], cache=cache)
     cfg = llm.model_config
-    plan = plan_configured(cfg, "ctx", 1, 1, GIB, PlanTarget(context_len=64, tokens_per_block=4, itemsize=4),
-                           8, 4)
+    plan = plan_configured(cfg, "ctx", 1, 1, GIB, PlanTarget(context_len=64, tokens_per_block=4, itemsize=4), cache)
     stats = llm.engine.stats()
     assert (stats.num_blocks, stats.num_slots) == (plan.memory.pools.num_blocks, plan.memory.pools.num_slots)
+    slot = pool_unit_bytes(cfg, 4, 4)[1]
+    want = {"none": 0, "auto": max(1, min(32, 8 * MIB // 16 // slot)), "5": 5}[checkpoints]
+    assert llm.engine.layout.num_checkpoint_slots == plan.memory.pools.checkpoint_slots == want
 
 
 def test_weights_alone_over_the_gpu_memory_refuse_to_start(tiny_checkpoints):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helixserve.config import CacheConfig
 from helixserve.cli import main
 from helixserve.models.presets import get_preset
 from helixserve.planning.memory import GIB
@@ -59,7 +60,8 @@ def test_a_deployment_config_is_planned_as_the_servers_size_it(tmp_path, tiny_ch
     plan = json.loads(capsys.readouterr().out)
     gen = plan["config"]["gen"]
     t = PlanTarget(context_len=1024, batch=4, tokens_per_block=4, max_num_batched_tokens=256)
-    expected = plan_configured(get_preset("kimi-k3-tiny"), "gen", 2, 2, 2 * GIB, t, 16, 8)
+    expected = plan_configured(get_preset("kimi-k3-tiny"), "gen", 2, 2, 2 * GIB, t,
+                               CacheConfig(tokens_per_block=4, memory_budget_mib=16, max_num_seqs=8))
     assert (gen["dp"], gen["cp"], gen["per_rank"]["num_blocks"]) == (2, 2, expected.memory.pools.num_blocks)
     assert gen["sequences_at_context"] == expected.sequences == 16 and gen["fits"]
     assert plan["gpu_memory_gib"] == 2.0 and plan["model"] == "kimi-k3-tiny"
@@ -137,7 +139,8 @@ def test_a_configs_ctx_world_is_checked_against_the_gpu(tmp_path, tiny_checkpoin
     assert main(["plan", "-c", str(path), "--context-len", "1024", "--ctx-batch", "2", "--json"]) == 0
     ctx = json.loads(capsys.readouterr().out)["config"]["ctx"]
     t = PlanTarget(context_len=1024, ctx_batch=2, tokens_per_block=4, max_num_batched_tokens=256)
-    expected = plan_configured(get_preset("kimi-k3-tiny"), "ctx", 1, tp, 2 * GIB, t, 16, 8)
+    expected = plan_configured(get_preset("kimi-k3-tiny"), "ctx", 1, tp, 2 * GIB, t,
+                               CacheConfig(tokens_per_block=4, memory_budget_mib=16, max_num_seqs=8))
     assert (ctx["tp"], ctx["ep"], ctx["num_gpus"], ctx["per_rank"]["total_bytes"]) == (
         tp, tp, tp, expected.memory.total_bytes)
     assert ctx["fits"] and ctx["problems"] == []

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from helixserve.config import CacheConfig
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.mxfp4 import quantize_mxfp4
 from helixserve.models.presets import get_preset
@@ -164,7 +165,8 @@ def test_filled_cache_settings_give_the_same_pools_when_configured():
     """The cache settings a plan prints are what the engine sizes: same blocks, slots, sequences."""
     cfg, t = get_preset("kimi-linear-48b"), PlanTarget(context_len=131072, batch=64)
     filled = plan_filled(cfg, "gen", 1, 2, H200, t)
-    again = plan_configured(cfg, "gen", 1, 2, H200, t, filled.memory_budget_mib, filled.max_num_seqs)
+    again = plan_configured(cfg, "gen", 1, 2, H200, t,
+                            CacheConfig(memory_budget_mib=filled.memory_budget_mib, max_num_seqs=filled.max_num_seqs))
     assert again.memory.pools == filled.memory.pools and again.sequences == filled.sequences and again.fits
 
 
@@ -210,6 +212,7 @@ def test_filled_pools_hold_the_most_sequences_that_fit(preset, gpu, context_len)
     per_seq = slot + -(-context_len // 16) * block
     n = best.max_num_seqs
     assert best.fits and best.sequences == n and best.memory.total_bytes <= gpu
-    more = plan_configured(cfg, "gen", 1, 1, gpu, t, -(-(n + 1) * per_seq // MIB), n + 1)
+    more = plan_configured(cfg, "gen", 1, 1, gpu, t, CacheConfig(memory_budget_mib=-(-(n + 1) * per_seq // MIB),
+                                                                 max_num_seqs=n + 1))
     assert more.sequences == n + 1 and not more.memory.fits
     assert (n > 2048) is (preset == "kimi-linear-tiny")
