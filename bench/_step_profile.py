@@ -95,3 +95,35 @@ def step_profile_rows(llm: Any, model_name: str, new_tokens: int, on_gpu: bool, 
         f"{total / steps / step_wall_us:.1%}", f"{steps} steps traced in {wall:.2f} s",
         model=model_name, phase="device busy", us_per_step=total / steps, step_wall_us=step_wall_us,
         top_kernels=top)
+    if on_gpu:
+        launches = round(sum(len(t) for t in by_phase.values()) / steps)
+        floor = launch_floor_us(launches)
+        row("phase", f"{model_name} bs1 launch floor", floor, step_wall_us, "us/step", "step wall",
+            f"{floor / step_wall_us:.1%}", f"a CUDA graph of {launches} one-element kernels (the step's launches)",
+            model=model_name, phase="launch floor", us_per_step=floor, launches_per_step=launches,
+            step_wall_us=step_wall_us)
+
+
+def launch_floor_us(launches: int, replays: int = 50) -> float:
+    """Microseconds one replay of a CUDA graph of ``launches`` one-element kernels takes: what a
+    step of that many kernels costs however little each does (best of three timings)."""
+    x = torch.zeros(1, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x.add_(1)  # the kernel loads before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            x.add_(1)
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end) * 1e3 / replays)
+    return best
