@@ -1,13 +1,16 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, single process, CPU.
+"""Speculative decoding (n-gram prompt lookup, draft model) against plain decoding, single process, CPU.
 
-Decode tok/s of greedy decoding at batch 1 and 8 with and without the n-gram drafter, in the
-same run on the same checkpoint (``_common.run_decode``: timed from the prefill's last token to
-the last token), on two prompt sets: ``repetitive`` (prompts made of a repeated short pattern)
-and ``random`` (uniform random ids: the cost when nothing is accepted). Each row says whether the
-speculative tokens equal plain decoding's, the acceptance rate and acceptance per draft
-position. The random-weight presets do not continue their prompts' patterns, so acceptance
-stays low on both sets here; the rows measure the verify step's cost (k + 1 rows per sequence,
-eager, no overlap) against a plain decode step.
+Decode tok/s of greedy decoding at batch 1 and 8 with and without a drafter, in the same run on
+the same checkpoint (``_common.run_decode``: timed from the prefill's last token to the last
+token), on two prompt sets: ``repetitive`` (prompts made of a repeated short pattern) and
+``random`` (uniform random ids: the cost when nothing is accepted). The drafters: the n-gram
+lookup; the ``draft`` method with the target's own weights (every draft accepted: the upper
+bound of acceptance; each step costs k + 1 forwards of a draft model as large as the target
+here) and with another seed's weights (nothing accepted: the lower bound). Each row says whether
+the speculative tokens equal plain decoding's, the acceptance rate and acceptance per draft
+position. The random-weight presets do not continue their prompts' patterns, so n-gram
+acceptance stays low on both sets here; its rows measure the verify step's cost (k + 1 rows per
+sequence, eager, no overlap) against a plain decode step.
 
 The cost of a step that drafts nothing, at batch 64: speculation on (prompt lookup of 5-grams)
 over prompts of distinct ids, where lookup finds nothing to draft, so every step is a plain
@@ -63,31 +66,49 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
     return run.decode_tokens / run.decode_seconds, run.tokens
 
 
-def rows_for(ckpt: Path, k: int, quick: bool) -> list[dict[str, Any]]:
+def spec_engines(ckpt: Path, draft_seed_ckpt: Path, k: int, cache: CacheConfig) -> dict[str, LLM]:
+    """The speculating engines of the decode rows: n-gram lookup, the target's own weights as draft
+    model (every draft accepted: the upper bound), another seed's weights as draft model."""
+    ngram = SpeculativeConfig(method="ngram", num_draft_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    return {"ngram": LLM(ckpt, cache=cache, speculative=ngram),
+            **{name: LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="draft", draft_model=draft,
+                                                                          num_draft_tokens=k))
+               for name, draft in (("draft, same weights", ckpt), ("draft, seed 1", draft_seed_ckpt))}}
+
+
+def spec_row(spec: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> dict[str, Any]:
+    """One speculating engine's decode tok/s, tokens and acceptance over ``prompts``."""
+    before = spec.engine.spec_stats
+    drafted, accepted = before.num_draft_tokens, before.num_accepted_tokens
+    per_pos, drafts = list(before.accepted_per_position), before.num_drafts
+    rate, tokens = decode(spec, prompts, params, tag)
+    stats = spec.engine.spec_stats
+    n = stats.num_drafts - drafts
+    positions = [(stats.accepted_per_position[j] - (per_pos[j] if j < len(per_pos) else 0)) / n
+                 if n else 0.0 for j in range(len(stats.accepted_per_position))]
+    new_drafted = stats.num_draft_tokens - drafted
+    return {"spec_tok_s": rate, "tokens": tokens, "drafted": new_drafted,
+            "acceptance": (stats.num_accepted_tokens - accepted) / new_drafted if new_drafted else 0.0,
+            "acceptance_per_position": [round(p, 3) for p in positions]}
+
+
+def rows_for(ckpt: Path, draft_seed_ckpt: Path, k: int, quick: bool) -> list[dict[str, Any]]:
     cache = CacheConfig(tokens_per_block=16, max_num_seqs=8)
     plain = LLM(ckpt, cache=cache)
-    spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
-                                                                prompt_lookup_min=1, prompt_lookup_max=3))
+    engines = spec_engines(ckpt, draft_seed_ckpt, k, cache)
     params = SamplingParams(max_tokens=24 if quick else 64, temperature=0.0, ignore_eos=True)
     rows = []
     for batch in (1, 8):
         for name, prompts in prompt_sets(batch, 64, plain.model_config.vocab_size, seed=batch).items():
             decode(plain, prompts[:1], params, "warm-plain")
-            decode(spec, prompts[:1], params, "warm-spec")
-            before = spec.engine.spec_stats
-            drafted, accepted = before.num_draft_tokens, before.num_accepted_tokens
-            per_pos, drafts = list(before.accepted_per_position), before.num_drafts
+            for method, spec in engines.items():
+                decode(spec, prompts[:1], params, f"warm-{method}")
             plain_rate, plain_tokens = decode(plain, prompts, params, f"plain-{name}-{batch}")
-            spec_rate, spec_tokens = decode(spec, prompts, params, f"spec-{name}-{batch}")
-            stats = spec.engine.spec_stats
-            n = stats.num_drafts - drafts
-            positions = [(stats.accepted_per_position[j] - (per_pos[j] if j < len(per_pos) else 0)) / n
-                         if n else 0.0 for j in range(len(stats.accepted_per_position))]
-            new_drafted = stats.num_draft_tokens - drafted
-            rows.append({"prompts": name, "batch": batch, "plain_tok_s": plain_rate, "spec_tok_s": spec_rate,
-                         "ratio": spec_rate / plain_rate, "equal": spec_tokens == plain_tokens,
-                         "drafted": new_drafted, "acceptance": (stats.num_accepted_tokens - accepted) / new_drafted
-                         if new_drafted else 0.0, "acceptance_per_position": [round(p, 3) for p in positions]})
+            for method, spec in engines.items():
+                row = spec_row(spec, prompts, params, f"{method}-{name}-{batch}")
+                rows.append({"method": method, "prompts": name, "batch": batch, "plain_tok_s": plain_rate,
+                             "ratio": row["spec_tok_s"] / plain_rate, "equal": row.pop("tokens") == plain_tokens,
+                             **row})
     return rows
 
 
@@ -156,13 +177,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
-        rows = rows_for(ckpt, args.num_draft_tokens, args.quick)
+        draft_seed_ckpt = make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny-seed1", seed=1)
+        rows = rows_for(ckpt, draft_seed_ckpt, args.num_draft_tokens, args.quick)
         none = nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats)
     memory = rollback_memory(args.num_draft_tokens)
     print(f"kimi-linear-tiny, k = {args.num_draft_tokens}, CPU, {args.threads} threads")
-    print(markdown_table(["prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
+    print(markdown_table(["method", "prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
                           "acceptance", "per position"],
-                         [[r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
+                         [[r["method"], r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
                            r["drafted"], r["acceptance"], r["acceptance_per_position"]] for r in rows]))
     print()
     print(f"nothing drafted (5-gram lookup over distinct ids), batch {none['batch']}, median of {none['repeats']} rounds")

@@ -77,7 +77,8 @@ class EngineCore:
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         draft_cfg = draft_config(speculative, model_config, cache, is_world=groups is not None)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp, groups is not None, draft_cfg)
-        check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
+        check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs,
+                          draft_cfg)
         max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)

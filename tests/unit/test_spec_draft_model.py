@@ -20,6 +20,7 @@ from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_runner import DraftModelError, DraftVocabMismatchError, draft_config
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
+from helixserve.engine.spec.drafting import make_drafter
 from helixserve.launch.offline import generate_on_world
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.presets import make_checkpoint
@@ -153,8 +154,8 @@ def test_prompt_chunks_beside_verify_rows_and_a_seeded_request_alone(target, nea
     """A small budget puts prompt chunks beside verify rows; a request one token from its end
     decodes without drafts beside them; a seeded sampled request's tokens do not depend on its
     batch."""
-    seeded = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=77, ignore_eos=True)
-    params = [greedy(14), seeded, greedy(2), greedy(10)]
+    seeded = SamplingParams(max_tokens=8, temperature=0.8, top_k=40, seed=77, ignore_eos=True)
+    params = [greedy(9), seeded, greedy(2), greedy(6)]
     ref = plain.generate(PROMPTS + [PROMPTS[1]], params)
     llm = make_llm(target, near, max_num_batched_tokens=12)
     engine = llm.engine
@@ -172,7 +173,7 @@ def test_prompt_chunks_beside_verify_rows_and_a_seeded_request_alone(target, nea
     assert mixed
     assert [reqs[i].output_token_ids for i in (0, 2, 3)] == [ref[i].token_ids for i in (0, 2, 3)]
     alone = llm.generate([PROMPTS[1]], seeded)[0].token_ids
-    assert reqs[1].output_token_ids == alone and len(alone) == 12
+    assert reqs[1].output_token_ids == alone and len(alone) == 8
 
 
 def test_cli_generate_with_a_draft_model(target, plain, capsys):
@@ -209,6 +210,8 @@ def test_worlds_and_prefix_caching_refuse_a_draft_model(target):
         GenServerConfig(dp=1, cp=1, kv_source="ucx", speculative=spec)
     assert GenServerConfig(dp=1, cp=1, kv_source="recompute", speculative=spec).speculative == spec
     assert draft_config(None, cfg, CacheConfig(), is_world=True) is None
+    with pytest.raises(ValueError, match="'hidden' is not supported by the engine"):
+        make_drafter(SpeculativeConfig(method="hidden", draft_model=target), 64)
 
 
 def test_the_draft_pools_come_out_of_the_cache_budget(target):
