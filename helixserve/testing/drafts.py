@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Collection, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.request import Request
+from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.spec.drafting import NgramDrafter
 
 Script = Mapping[tuple[int, ...], list[int]]  # prompt -> plain decoding's outputs
@@ -54,3 +55,23 @@ def perturbed_checkpoint(src: str | Path, dst: str | Path, scale: float, seed: i
                 tensors[name] = (t.float() * (1 + scale * noise)).to(t.dtype)
         save_file(tensors, path)
     return dst
+
+
+def run_mixed(engine: Any, first: tuple[str, list[int], SamplingParams],
+              others: list[tuple[str, list[int], SamplingParams]]) -> tuple[list[Request], bool]:
+    """Start ``first`` (two steps: its prompt and a decode), then add ``others`` and step the
+    engine (an :class:`~helixserve.engine.core.EngineCore`) to the end. Returns the requests and
+    whether a step verified drafts while prompt tokens were still to run (a mixed step, under a
+    small token budget)."""
+    requests = [engine.add_request(*first)]
+    engine.step()
+    engine.step()
+    requests += [engine.add_request(*other) for other in others]
+    mixed = False
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler
+        waiting_before = sched.num_waiting + sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        before = engine.spec_stats.num_drafts
+        engine.step()
+        mixed |= waiting_before > 0 and engine.spec_stats.num_drafts > before
+    return requests, mixed

@@ -26,7 +26,7 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.presets import make_checkpoint
 from helixserve.kvcache.sizing import pools_from_budget
 from helixserve.planning.memory import MIB, engine_pool_sizes, pool_unit_bytes
-from helixserve.testing.drafts import perturbed_checkpoint
+from helixserve.testing.drafts import perturbed_checkpoint, run_mixed
 
 TPB = 4  # small pages: prompts, drafts and runs cross them
 K = 3
@@ -150,30 +150,27 @@ def test_draft_kda_state_after_a_rejection_equals_a_fresh_draft_prefill(near, ne
     engine.abort("n")
 
 
-def test_prompt_chunks_beside_verify_rows_and_a_seeded_request_alone(target, near, plain):
+def test_prompt_chunks_beside_verify_rows_and_a_seeded_request_alone(target, near, plain, monkeypatch):
     """A small budget puts prompt chunks beside verify rows; a request one token from its end
     decodes without drafts beside them; a seeded sampled request's tokens do not depend on its
     batch."""
-    seeded = SamplingParams(max_tokens=8, temperature=0.8, top_k=40, seed=77, ignore_eos=True)
-    params = [greedy(9), seeded, greedy(2), greedy(6)]
+    seeded = SamplingParams(max_tokens=7, temperature=0.8, top_k=40, seed=77, ignore_eos=True)
+    params = [greedy(8), seeded, greedy(2), greedy(5)]
     ref = plain.generate(PROMPTS + [PROMPTS[1]], params)
     llm = make_llm(target, near, max_num_batched_tokens=12)
-    engine = llm.engine
-    reqs = [engine.add_request("a", PROMPTS[0], params[0])]
-    engine.step()
-    engine.step()
-    reqs += [engine.add_request(f"r{i}", p, q) for i, (p, q) in enumerate(zip(PROMPTS[1:] + [PROMPTS[1]], params[1:]), 1)]
-    mixed = False
-    while engine.has_unfinished_requests():
-        sched = engine.scheduler
-        waiting_before = sched.num_waiting + sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
-        before = engine.spec_stats.num_drafts
-        engine.step()
-        mixed |= waiting_before > 0 and engine.spec_stats.num_drafts > before
-    assert mixed
+    steps, propose = [], llm.engine.draft_runner.propose
+
+    def seen(out):  # each step's make-up: verify rows, prompt chunks, decodes without drafts
+        steps.append((any(s.num_draft_tokens for s in out.seqs), any(s.is_prefill for s in out.seqs),
+                      any(s.sample and not s.is_prefill and not s.num_draft_tokens for s in out.seqs)))
+        return propose(out)
+    monkeypatch.setattr(llm.engine.draft_runner, "propose", seen)
+    reqs, mixed = run_mixed(llm.engine, ("a", PROMPTS[0], params[0]),
+                            [(f"r{i}", p, q) for i, (p, q) in enumerate(zip(PROMPTS[1:] + [PROMPTS[1]], params[1:]), 1)])
+    assert mixed and any(v and p for v, p, _ in steps) and any(v and d for v, _, d in steps)
     assert [reqs[i].output_token_ids for i in (0, 2, 3)] == [ref[i].token_ids for i in (0, 2, 3)]
     alone = llm.generate([PROMPTS[1]], seeded)[0].token_ids
-    assert reqs[1].output_token_ids == alone and len(alone) == 8
+    assert reqs[1].output_token_ids == alone and len(alone) == 7
 
 
 def test_cli_generate_with_a_draft_model(target, plain, capsys):
