@@ -5,7 +5,8 @@ target's own weights as draft accept every draft, a stop string cuts inside an a
 draft's KDA state after a rejection is a fresh draft prefill's of the accepted tokens, prompt
 chunks run beside verify rows and non-speculating decodes, a seeded sampled request's tokens do
 not depend on its batch; a draft of another vocabulary, a gen world and prefix caching are
-refused at start-up with named errors, and the draft's pools come out of the cache budget."""
+refused at start-up with named errors; the draft's pools come out of the cache budget and its
+weights and pools count in the rank memory check."""
 
 from __future__ import annotations
 
@@ -13,19 +14,24 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from helixserve.cli import main
 from helixserve.config import CacheConfig, GenServerConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_runner import DraftModelError, DraftVocabMismatchError, draft_config
 from helixserve.engine.llm import LLM
+from helixserve.engine.rank_memory import check_rank_memory
+from helixserve.engine.rank_setup import size_cache
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spec.drafting import make_drafter
 from helixserve.launch.offline import generate_on_world
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.presets import make_checkpoint
 from helixserve.kvcache.sizing import pools_from_budget
-from helixserve.planning.memory import MIB, engine_pool_sizes, pool_unit_bytes
+from helixserve.planning.memory import MIB, DeploymentDoesNotFitError, engine_pool_sizes, pool_unit_bytes
+from helixserve.planning.weights import rank_weight_bytes
 from helixserve.testing.drafts import perturbed_checkpoint, run_mixed
 
 TPB = 4  # small pages: prompts, drafts and runs cross them
@@ -217,3 +223,19 @@ def test_the_draft_pools_come_out_of_the_cache_budget(target):
     budget = int(4.0 * MIB)
     assert engine_pool_sizes(cfg, 4, TPB, 4.0, 8) == pools_from_budget(block, slot, budget, 8)
     assert engine_pool_sizes(cfg, 4, TPB, 4.0, 8, draft=cfg) == pools_from_budget(2 * block, 2 * slot, budget, 8)
+
+
+def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target):
+    cfg = KimiModelConfig.from_pretrained(target)
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg, dtype=torch.float32)
+    cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
+    _, layout = size_cache(cfg, torch.float32, cache, draft=cfg)
+    shortfalls = []
+    for draft in (None, cfg):
+        with pytest.raises(DeploymentDoesNotFitError) as err:
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", draft=draft)
+        shortfalls.append(err.value.shortfall_bytes)
+    block, slot = pool_unit_bytes(cfg, 4, TPB)
+    draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + layout.num_blocks * block + layout.num_slots * slot
+    assert shortfalls[1] - shortfalls[0] == draft_bytes
