@@ -76,10 +76,12 @@ class CacheConfig(_Strict):
     gpu_memory_gib: float | None = Field(None, gt=0)
     # reuse the cache of a prompt's prefix another request computed: MLA blocks by content (a hash
     # chain over their tokens and the request's cache_salt) and KDA state checkpoints
-    # (kvcache.prefix_manager); single-process engines and ctx workers
+    # (kvcache.prefix_manager); single-process engines, ctx workers and gen worlds (each CP group
+    # caches its own prefixes: kvcache.group_prefix); a request whose cache a KV transfer filled
+    # publishes nothing
     prefix_caching: bool = False
     # a prefill saves the KDA recurrent + conv state every this many blocks (and at the last full
-    # block before the prompt's last token); a prefill chunk stops at each such position
+    # block before the prompt's last token), taken inside the prefill chunk that covers it
     state_checkpoint_blocks: int = Field(64, ge=1, le=1 << 20)
     # KDA state checkpoints kept (LRU), each the size of a state slot, taken from
     # memory_budget_mib beside the slots; used only with prefix_caching
@@ -196,7 +198,7 @@ class DeploymentConfig(_Strict):
     def listen_addresses(self) -> list[tuple[str, int]]:
         """Every (host, port) a process of this deployment listens on, as configured."""
         used = [(w.host, w.port) for w in (*self.ctx, *self.gen)] + [(self.router.host, self.router.port)]
-        return used + [(w.transceiver_host, w.transceiver_port) for w in self.ctx]
+        return used + [endpoint for w in self.ctx for endpoint in w.transceiver_endpoints]
 
     @model_validator(mode="after")
     def _check_cache_aware(self) -> DeploymentConfig:
@@ -227,8 +229,8 @@ class DeploymentConfig(_Strict):
 
     @property
     def ctx_transceivers(self) -> frozenset[tuple[str, int]]:
-        """``(transceiver_host, transceiver_port)`` of every ctx worker: all a gen may dial."""
-        return frozenset((w.transceiver_host, w.transceiver_port) for w in self.ctx)
+        """Every ctx worker's KV senders (a ctx world's every rank's): all a gen may dial."""
+        return frozenset(endpoint for w in self.ctx for endpoint in w.transceiver_endpoints)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DeploymentConfig:

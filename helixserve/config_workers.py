@@ -47,7 +47,8 @@ class CtxServerConfig(WorldWorkerConfig):
     release_grace_s: float = Field(1.0, gt=0, description=(
         "a router's release of a picked-up prefill waits this long for the gen ranks' acknowledgements"))
     transceiver_host: str = "127.0.0.1"  # the ctx transceiver's control endpoint, sent to gen
-    transceiver_port: int = Field(18100, ge=1, le=65535)
+    transceiver_port: int = Field(18100, ge=1, le=65535, description=(
+        "the KV sender's control plane port; a ctx world's rank r listens on transceiver_port + r"))
     device: str | None = None  # overrides model.device for this worker (e.g. "cuda:0")
     # one short request through the engine before /ready answers 200 (serving/warm_up.py)
     warm_up: bool = True
@@ -73,11 +74,19 @@ class CtxServerConfig(WorldWorkerConfig):
         if self.speculative is not None and self.tp > 1:
             raise ValueError(f"ctx.speculative is not supported in a ctx world (tp={self.tp}): it runs in "
                              "a ctx worker of one rank only (tp: 1)")
+        if self.transceiver_port + self.tp - 1 > 65535:
+            raise ValueError(f"ctx.transceiver_port={self.transceiver_port}: a ctx world of tp={self.tp} "
+                             f"listens on ports up to transceiver_port + {self.tp - 1}, above 65535")
         return self
 
     @property
     def world_size(self) -> int:
         return self.tp
+
+    @property
+    def transceiver_endpoints(self) -> list[tuple[str, int]]:
+        """``(transceiver_host, port)`` of each rank's KV sender, in rank order."""
+        return [(self.transceiver_host, self.transceiver_port + r) for r in range(self.tp)]
 
     @property
     def url(self) -> str:

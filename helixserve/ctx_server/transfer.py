@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from helixserve.config import CtxServerConfig
 from helixserve.config_transceiver import TransceiverConfig
+from helixserve.ctx_server.context_only import DeferredCancels
 from helixserve.ctx_server.lifecycle import SenderFreed
 from helixserve.ctx_server.ctx_requests import CtxRequests, OfferFn
 from helixserve.engine.core import EngineCore
@@ -74,11 +75,12 @@ _GAUGES = [
 ]
 
 
-class CtxTransceiver:
+class CtxTransceiver(DeferredCancels):
     """The ctx worker's KV sender over its ctx requests (see the module docstring)."""
 
     def __init__(self, requests: CtxRequests, core: EngineCore, layout: KVLayout,
                  config: TransceiverConfig, server: CtxServerConfig) -> None:
+        super().__init__(server.release_grace_s)
         self.requests = requests
         self.core = core
         self.layout = layout
@@ -87,7 +89,6 @@ class CtxTransceiver:
         self.sender = None  # a KVSender while running
         self.snapshot = SenderSnapshot()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task] = set()
         self._grants: dict[str, PullGrant] = {}  # held (engine thread) -> taken by the answer
 
     @property
@@ -95,6 +96,10 @@ class CtxTransceiver:
         if self.sender is None or self.sender.endpoint is None:
             raise RuntimeError("the ctx KV sender is not running")
         return self.sender.endpoint
+
+    @property
+    def endpoints(self) -> list[TransceiverEndpoint]:
+        return []  # one rank: ``endpoint`` is all
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[CtxTransceiver]:
@@ -110,8 +115,7 @@ class CtxTransceiver:
             yield self
         finally:
             refresher.cancel()
-            for task in list(self._tasks):
-                task.cancel()
+            self._cancel_tasks()
             await asyncio.to_thread(self.sender.stop)
             self.sender = None
             self._loop = None
@@ -142,13 +146,6 @@ class CtxTransceiver:
             return False
         return await asyncio.to_thread(self.sender.cancel, request_id, reason)
 
-    def cancel_later(self, request_id: str, reason: str) -> None:
-        """Cancel after ``ctx[].release_grace_s`` (a router release: the gen ranks may still ack)."""
-        async def later() -> None:
-            await asyncio.sleep(self.server.release_grace_s)
-            await self.cancel(request_id, reason)
-        self._spawn(later())
-
     def stats(self) -> dict[str, float]:
         return self.snapshot.stats()
 
@@ -169,11 +166,6 @@ class CtxTransceiver:
             loop.call_soon_threadsafe(lambda: self._spawn(self._refresh_stats()))
         except RuntimeError:  # the loop closed: nothing left to refresh
             pass
-
-    def _spawn(self, work) -> None:  # noqa: ANN001 (a coroutine)
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _refresh_stats(self) -> None:
         sender = self.sender

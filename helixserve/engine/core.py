@@ -12,11 +12,10 @@ HTTP. It runs in two places:
   before it runs here and shares the sampled tokens. Requests whose prompt cache arrives from a ctx worker enter
   through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
-With ``speculative`` a decoding request's row carries its draft tokens (``ngram``: by prompt
-lookup; ``draft``: a draft model's, :mod:`.draft_runner`, single process only), the target
-verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
-(:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); verify steps run
-eagerly (no decode CUDA graph fits them) and overlapped decoding is off.
+With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft``: a draft
+model's, :mod:`.draft_runner`, single process only), the target verifies them in the same
+forward and a rejection rolls its KDA state (and the draft's) back (:mod:`helixserve.engine.spec`;
+in a world on every rank, :mod:`.spmd.leader`); verify steps run eagerly, no overlap.
 
 A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
 and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
@@ -35,6 +34,7 @@ from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
 from helixserve.engine.draft_runner import build_draft_runner, draft_config
 from helixserve.engine.engine_stats import EngineStats
+from helixserve.engine.kv_holds import HoldRelay
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
@@ -76,7 +76,7 @@ class EngineCore:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         draft_cfg = draft_config(speculative, model_config, cache, is_world=groups is not None)
-        spec, self.layout = size_cache(model_config, model.dtype, cache, cp, groups is not None, draft_cfg)
+        spec, self.layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs,
                           draft_cfg)
         max_model_len = self.layout.max_model_len
@@ -89,11 +89,12 @@ class EngineCore:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
         elif is_cuda and use_cuda_graphs:
             logger.info("decode CUDA graphs off: %s", graphs_off)
-        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp, is_world=groups is not None)
+        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp)
         if self.cache_manager.prefix_caching:
             self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
+        self.kv_holds: HoldRelay | None = None  # a ctx world's leader: every rank's KV sender (engine.kv_holds)
         if groups is not None:
             self.group = GroupLeader(self.runner, self.cache_manager, GroupChannel(groups))  # type: ignore[arg-type]
             consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
@@ -359,14 +360,13 @@ class EngineCore:
         (on every rank of a world's group)."""
         assert launched.verified is not None
         self.spec_stats.add(launched.verified.accepted)
-        get = self.scheduler.get_request
         if launched.kda_record is not None:
-            keep = kept_rows(out, launched.kda_record, get)
+            keep = kept_rows(out, launched.kda_record, self.scheduler.get_request)
             self.runner.rollback(launched.kda_record, keep)
             if self.group is not None:
                 self.group.share_rollback(keep)
         if launched.draft_record is not None and self.draft_runner is not None:
-            self.draft_runner.rollback(launched.draft_record, kept_rows(out, launched.draft_record, get))
+            self.draft_runner.rollback(out, launched.draft_record, self.scheduler.get_request)
 
     def _drop(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, culprits: dict[str, str],
               failed: list[RequestUpdate]) -> torch.Tensor | None:

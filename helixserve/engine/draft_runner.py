@@ -30,6 +30,7 @@ drafts are simply rewritten by the next step. No CUDA graphs (the draft runs eag
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +40,9 @@ from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
 from helixserve.engine.runner import ModelRunner, PreparedStep, build_forward_batch
+from helixserve.engine.request import Request
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.host_copy import to_device
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kda_spec import KdaRecord, KdaSaved
@@ -156,9 +159,10 @@ class DraftRunner:
         logits = self.runner.run(PreparedStep(batch, reset_slot_ids, None))
         return logits.argmax(dim=-1) if logits.shape[0] else None
 
-    def rollback(self, record: KdaRecord, keep: dict[int, int]) -> None:
-        """Roll the draft's KDA state back to the rows the target kept (the target's ``keep``)."""
-        self.runner.rollback(record, keep)
+    def rollback(self, out: SchedulerOutput, record: KdaRecord, get_request: Callable[[str], Request | None]) -> None:
+        """After ``update_from_output`` of ``out``: roll the draft's KDA state back to the rows
+        the target kept (:func:`~helixserve.engine.spec.verify_step.kept_rows`)."""
+        self.runner.rollback(record, kept_rows(out, record, get_request))
 
 
 def _first_rows(seq: ScheduledSeq) -> ScheduledSeq:

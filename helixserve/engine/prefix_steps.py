@@ -55,3 +55,10 @@ def commit_computed(cache: CacheManager, request: Request) -> None:
     keys = block_keys(cache, request, num_computed)
     cache.commit_computed(request.request_id, keys, request.token_ids_between,  # type: ignore[attr-defined]
                           request.cache_salt, num_computed)
+
+
+def exclude_received(cache: CacheManager, request: Request) -> None:
+    """A request whose prompt cache a KV transfer filled: nothing of it is published (its blocks
+    were not computed by this engine's prefill, and a hit must equal a fresh prefill)."""
+    if cache.prefix_caching:
+        cache.exclude(request.request_id)  # type: ignore[attr-defined]

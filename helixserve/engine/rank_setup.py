@@ -14,6 +14,7 @@ from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.kernels.triton_common import has_fla
 from helixserve.kvcache.group_cache import GroupCacheManager
+from helixserve.kvcache.group_prefix import GroupPrefixCacheManager
 from helixserve.kvcache.manager import CacheManager
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.kvcache.prefix_events import PrefixEventLog
@@ -34,14 +35,14 @@ class CacheSizes:
 
 
 def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1,
-               is_world: bool = False, draft: KimiModelConfig | None = None) -> tuple[CacheSpec, CacheSizes]:
+               draft: KimiModelConfig | None = None) -> tuple[CacheSpec, CacheSizes]:
     """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
     group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer.
-    A gen world's ranks (``is_world``) cache no prefix: no state checkpoints. A ``draft`` model's
-    pools (the same block and slot counts, :mod:`helixserve.engine.draft_runner`) come out of the
-    same budget."""
+    With prefix caching every rank holds the group's state checkpoint slots (its head slice). A
+    ``draft`` model's pools (the same block and slot counts, :mod:`helixserve.engine.draft_runner`)
+    come out of the same budget."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
-    num_checkpoints = cache.num_checkpoint_slots if spec.kda_layer_ids and not is_world else 0
+    num_checkpoints = cache.num_checkpoint_slots if spec.kda_layer_ids else 0
     num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
                                               cache.memory_budget_mib, cache.max_num_seqs, cp, num_checkpoints, draft)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
@@ -56,14 +57,17 @@ def allocate_rank_caches(spec: CacheSpec, layout: CacheSizes, device: torch.devi
                                  device)
 
 
-def make_cache_manager(cache: CacheConfig, spec: CacheSpec, layout: CacheSizes, cp: int, is_world: bool
+def make_cache_manager(cache: CacheConfig, spec: CacheSpec, layout: CacheSizes, cp: int
                        ) -> CacheManager | GroupCacheManager:
     """The leader's cache bookkeeping: a CP group's (``cp > 1``), else one rank's, reusing
-    cached prefixes with ``cache.prefix_caching`` outside a gen world."""
+    cached prefixes with ``cache.prefix_caching``."""
     has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
+    if cp > 1 and cache.prefix_caching:
+        return GroupPrefixCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, cp,
+                                       layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda)
     if cp > 1:
         return GroupCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, cp, has_mla, has_kda)
-    if cache.prefix_caching and not is_world:
+    if cache.prefix_caching:
         return PrefixCachingCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block,
                                          layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda,
                                          PrefixEventLog(cache.prefix_events_capacity))

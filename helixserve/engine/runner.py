@@ -25,6 +25,7 @@ from helixserve.engine.spec.verify_step import VerifiedStep, kda_record, verify_
 from helixserve.host_copy import to_device
 from helixserve.kvcache.pools import copy_states, reset_slots
 from helixserve.models.context import ForwardBatch
+from helixserve.models.kda_checkpoints import StateSaves, build_state_saves
 from helixserve.models.kda_spec import KdaRecord
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,14 @@ def slot_order(out: SchedulerOutput) -> list[int] | None:
     if slots == list(range(first, first + len(slots))) or sorted(slots) != list(range(first, first + len(slots))):
         return None
     return sorted(range(len(seqs)), key=slots.__getitem__)
+
+
+def inner_state_saves(out: SchedulerOutput, pools: ModelCaches, device: torch.device | str) -> StateSaves | None:
+    """The KDA state checkpoints ``out``'s prefill chunks take inside them (``None``: none)."""
+    if not any(s.inner_saves for s in out.seqs):
+        return None
+    firsts = itertools.accumulate((s.num_tokens for s in out.seqs), initial=0)
+    return build_state_saves([(first, s.num_tokens, s.inner_saves) for first, s in zip(firsts, out.seqs)], pools, device)
 
 
 class StepPreparationError(Exception):
@@ -194,6 +203,8 @@ class ModelRunner:
         order = slot_order(out)
         by_slot = out if order is None else SchedulerOutput(seqs=[out.seqs[i] for i in order])
         batch = build_forward_batch(by_slot, self.device)
+        if self.checkpoints is not None:
+            batch.state_saves = inner_state_saves(by_slot, self.checkpoints, self.device)
         if out.num_draft_tokens and self.caches.kda_state:
             batch.kda_record = kda_record(out, self.device)
         if input_tokens is not None:

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from helixserve.engine.admission import can_admit, check_new_request, check_prefilled_request, has_free_slot
 from helixserve.engine.cache_release import CacheReleases
 from helixserve.engine.lookahead import build_ahead
-from helixserve.engine.prefix_steps import admit, commit_computed, prefix_hit
+from helixserve.engine.prefix_steps import admit, commit_computed, exclude_received, prefix_hit
 from helixserve.engine.preemption import schedule_decodes
 from helixserve.engine.request import Request, RequestStatus
 from helixserve.engine.scheduler_output import RequestUpdate, ScheduledSeq, SchedulerOutput
@@ -180,6 +180,7 @@ class Scheduler:
         self.check_new_id(rid)
         check_prefilled_request(request, self.max_model_len, self.cache, len(self.running), self.max_num_seqs)
         self._add_stop_checker(request)
+        exclude_received(self.cache, request)
         request.output_token_ids = first
         request.num_computed_tokens = request.num_prompt_tokens + len(first) - 1  # the last first token is not cached yet
         request.status = RequestStatus.RUNNING

@@ -28,6 +28,9 @@ class ScheduledSeq:
         restore_checkpoint: a prefill starting from a cached prefix: copy this KDA state
             checkpoint into ``slot`` before the step (``None``: none).
         save_checkpoint: copy ``slot``'s KDA state into this checkpoint after the step.
+        inner_saves: ``(rows, checkpoint)``: the KDA state after this chunk's first ``rows``
+            rows goes into ``checkpoint``, taken during the forward (a prefill chunk's
+            checkpoint positions inside it).
     """
 
     request_id: str
@@ -40,6 +43,7 @@ class ScheduledSeq:
     num_draft_tokens: int = 0
     restore_checkpoint: int | None = None
     save_checkpoint: int | None = None
+    inner_saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,9 @@
 """A request's row in a step (torch-free): the :class:`ScheduledSeq` for a decode, a prompt chunk
 or a decode scheduled ahead, with its context length and block table.
 
-Only the final chunk of a prefill is sampled. With prefix caching a chunk may stop short of the
-budget, at a KDA state checkpoint position (:mod:`helixserve.engine.prefix_steps`). With batch
+Only the final chunk of a prefill is sampled. With prefix caching a chunk takes the KDA state
+checkpoints of the positions it covers (:mod:`helixserve.engine.prefix_steps`) without stopping
+there. With batch
 invariance (``model.deterministic``) a prompt's chunks end at multiples of a fixed unit, so the
 same prompt is split alike whatever it is batched with (a chunk boundary changes the bits of the
 KDA recurrence and of the MLA prefill).
@@ -45,6 +46,7 @@ def schedule_chunk(cache: CacheManager, request: Request, budget: int, out: Sche
     token_ids = request.token_ids_between(start, plan.stop)
     seq = scheduled_seq(cache, request, token_ids, is_prefill=True, sample=plan.stop == request.num_tokens)
     seq.restore_checkpoint, seq.save_checkpoint = plan.restore_checkpoint, plan.save_checkpoint
+    seq.inner_saves = tuple((position - start, checkpoint) for position, checkpoint in plan.inner_saves)
     out.seqs.append(seq)
     return plan.stop - start
 

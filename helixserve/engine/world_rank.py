@@ -20,13 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
+from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
-from helixserve.engine.rank_setup import (allocate_rank_caches, decode_graph_shape, decode_graphs_off_reason,
-                                          size_cache, step_token_budget)
+from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
+                                          decode_graphs_off_reason, size_cache, step_token_budget)
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.driver import WorldDriver, serve_leader
@@ -67,6 +70,7 @@ class WorldOptions:
     # yet (the two-GPU issue checks it), and eagerly the padded path is slower on the CPU
     static_moe: bool = False
     speculative: SpeculativeConfig | None = None  # drafted and verified on each CP group's leader
+    kv_sender: ShardSenderFactory | None = None  # a ctx world's: each rank's KV sender (engine.kv_holds)
 
 
 def uses_static_moe(options: WorldOptions, mapping: Mapping, device: torch.device) -> bool:
@@ -100,17 +104,38 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     if uses_static_moe(options, mapping, groups.device):  # every rank alike: the same capacities
         model.helix.set_static(step_token_budget(options.cache, options.scheduler), lse_rows=options.cache.max_num_seqs)
     if mapping.cp_rank == 0:
-        return EngineCore(model, model.cfg, tokenizer_of(model_dir, options.load_format), options.cache, options.scheduler, groups.device,
+        core = EngineCore(model, model.cfg, tokenizer_of(model_dir, options.load_format), options.cache, options.scheduler, groups.device,
                           options.seed, options.use_cuda_graphs, groups=groups, kv_receiver=kv_receiver,
                           speculative=options.speculative)
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, is_world=True)
+        if options.kv_sender is not None:
+            holds, endpoints = _rank_holds(options.kv_sender, groups, core.caches)
+            assert core.group is not None
+            core.kv_holds = HoldRelay(core.cache_manager, holds, core.group, endpoints)
+        return core
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
+    runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots
     # the leaders capture in EngineCore, with the same shapes and at the same time: every rank's
     # graphs hold the same collectives in the same order
     if decode_graphs_off_reason(model, groups.device, options.use_cuda_graphs, mapping.world_size) is None:
         runner.capture_decode_graphs(*decode_graph_shape(options.cache, layout))
-    return Follower(runner, GroupChannel(groups), RankTransfers(kv_receiver, caches, TransferConsensus(groups.cp_cpu)))
+    holds = _rank_holds(options.kv_sender, groups, caches)[0] if options.kv_sender is not None else None
+    return Follower(runner, GroupChannel(groups), RankTransfers(kv_receiver, caches, TransferConsensus(groups.cp_cpu)),
+                    holds=holds)
+
+
+def _rank_holds(factory: ShardSenderFactory, groups: ParallelGroups, caches: ModelCaches) -> tuple[RankHolds, list]:
+    """This rank's KV sender (started) and every rank's endpoint, in rank order (one all-gather
+    over the CP group: every rank of a ctx world builds its sender here, in the same order)."""
+    sender = factory(groups.mapping, caches)
+    try:
+        endpoints: list = [None] * groups.mapping.cp
+        dist.all_gather_object(endpoints, sender.endpoint, group=groups.cp_cpu)
+    except BaseException:
+        sender.close()
+        raise
+    return RankHolds(sender, groups.cp_cpu, groups.mapping.cp), endpoints
 
 
 def serve_rank(part: RankPart) -> int:
@@ -161,6 +186,8 @@ def run_rank(model_dir: str | Path, mapping: Mapping, init_method: str, options:
     try:
         return serve_rank(part)
     finally:
+        if isinstance(part, Follower) and part.holds is not None:
+            part.holds.close()
         groups_of(part).destroy()
 
 

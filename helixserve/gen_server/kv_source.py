@@ -141,8 +141,9 @@ class UcxKVSource(KVSource):
     rank cancels its transfer (the ctx stops sending) and frees its blocks once nothing can write.
 
     Only ctx endpoints of the deployment are dialled (``ctx_endpoints``: every ctx worker's
-    ``transceiver_host:transceiver_port``): a request naming another one is refused with 403
-    before anything is allocated or any connection is opened.
+    ``transceiver_host:transceiver_port``, and a ctx world's every rank's port after it): a
+    request naming another one (its ``ctx_endpoint`` or any of a ctx world's ``ctx_endpoints``)
+    is refused with 403 naming it before anything is allocated or any connection is opened.
 
     Counts per request (whole CP group): completed / failed transfers, bytes (the shards' sizes)
     and seconds from admission to the prompt state ready on every rank.
@@ -171,13 +172,16 @@ class UcxKVSource(KVSource):
         return self._generate(engine, request_id, params, sampling)
 
     def check_endpoint(self, params: DisaggregatedParams) -> None:
-        """403 unless ``params.ctx_endpoint`` is one of the deployment's ctx transceivers."""
-        endpoint = params.ctx_endpoint
-        assert endpoint is not None  # validated by the protocol for generation_only
-        if (endpoint.host, endpoint.port) not in self.ctx_endpoints:
-            raise PermissionDeniedError(
-                f"ctx_endpoint {endpoint.host}:{endpoint.port} is not a ctx transceiver of this deployment",
-                param="disaggregated_params.ctx_endpoint", code="ctx_endpoint_not_allowed")
+        """403 unless ``params.ctx_endpoint`` and every one of ``params.ctx_endpoints`` (a ctx
+        world's ranks) is one of the deployment's ctx transceivers; the first outside it is named."""
+        assert params.ctx_endpoint is not None  # validated by the protocol for generation_only
+        named = [("disaggregated_params.ctx_endpoint", params.ctx_endpoint)]
+        named += [(f"disaggregated_params.ctx_endpoints[{i}]", e) for i, e in enumerate(params.ctx_endpoints)]
+        for param, endpoint in named:
+            if (endpoint.host, endpoint.port) not in self.ctx_endpoints:
+                raise PermissionDeniedError(
+                    f"{param.removeprefix('disaggregated_params.')} {endpoint.host}:{endpoint.port} is not a "
+                    "ctx transceiver of this deployment", param=param, code="ctx_endpoint_not_allowed")
 
     async def _generate(self, engine: AsyncEngine, request_id: str, params: DisaggregatedParams,
                         sampling: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -25,11 +25,15 @@ class GroupCacheManager:
                  has_mla: bool = True, has_kda: bool = True) -> None:
         if cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-        self.ranks = [CacheManager(num_blocks, num_slots, tokens_per_block, cp_rank=r, cp_size=cp_size,
-                                   has_mla=has_mla, has_kda=has_kda) for r in range(cp_size)]
         self.tokens_per_block = tokens_per_block
         self.cp_size = cp_size
         self.has_mla, self.has_kda = has_mla, has_kda
+        self.ranks = [self._rank_manager(num_blocks, num_slots, r) for r in range(cp_size)]
+
+    def _rank_manager(self, num_blocks: int, num_slots: int, cp_rank: int) -> CacheManager:
+        """CP rank ``cp_rank``'s manager."""
+        return CacheManager(num_blocks, num_slots, self.tokens_per_block, cp_rank=cp_rank, cp_size=self.cp_size,
+                            has_mla=self.has_mla, has_kda=self.has_kda)
 
     @property
     def _leader(self) -> CacheManager:

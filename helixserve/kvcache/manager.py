@@ -90,6 +90,8 @@ class PrefixHit:
     num_tokens: int = 0
     block_ids: tuple[int, ...] = ()
     checkpoint: int | None = None
+    # a helix CP group's hit: each CP rank's blocks of it (``block_ids`` is rank 0's)
+    rank_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 NO_HIT = PrefixHit()

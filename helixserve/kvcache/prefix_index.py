@@ -147,19 +147,21 @@ class PrefixBlockPool:
         return block_id in self._cached
 
     def match(self, keys: Sequence[BlockKey], token_ids: Sequence[int], tokens_per_block: int,
-              cache_salt: str | None) -> list[int]:
-        """The cached blocks of the longest prefix of ``keys`` whose parent keys, token ids and
-        salt all equal the request's (``token_ids[k * B:(k + 1) * B]`` is block ``k``)."""
+              cache_salt: str | None, first: int = 0, stride: int = 1) -> list[int]:
+        """The cached blocks of the longest run of blocks ``first, first + stride, ...`` of
+        ``keys`` whose parent keys, token ids and salt all equal the request's
+        (``token_ids[k * B:(k + 1) * B]`` is block ``k``; block ``k``'s parent is ``keys[k - 1]``).
+        A CP rank of a helix group matches the blocks it holds: ``first`` its rank, ``stride``
+        the group's size."""
         found: list[int] = []
-        parent = root_key(cache_salt)
-        for k, key in enumerate(keys):
-            block_id = self._by_key.get(key)
+        for k in range(first, len(keys), stride):
+            block_id = self._by_key.get(keys[k])
             entry = self._cached.get(block_id) if block_id is not None else None
+            parent = keys[k - 1] if k else root_key(cache_salt)
             tokens = tuple(token_ids[k * tokens_per_block:(k + 1) * tokens_per_block])
             if entry is None or entry.parent != parent or entry.token_ids != tokens or entry.cache_salt != cache_salt:
                 break
             found.append(block_id)
-            parent = key
         return found
 
     def acquire(self, ids: Sequence[int]) -> None:

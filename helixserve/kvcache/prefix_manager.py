@@ -1,4 +1,5 @@
-"""A :class:`~.manager.CacheManager` that reuses cached prefixes (torch-free; one process, cp 1).
+"""A :class:`~.manager.CacheManager` that reuses cached prefixes (torch-free): one process's, or
+one CP rank's blocks under a helix group's :class:`~.group_prefix.GroupPrefixCacheManager`.
 
 MLA blocks are named by content (:class:`~.prefix_index.PrefixBlockPool`) and KDA states are
 checkpointed at block-aligned positions (:class:`~.state_checkpoints.StateCheckpointPool`). A
@@ -9,17 +10,20 @@ request's life here:
    (one token is always computed, for the logits);
 2. ``allocate(..., hit)``: holds the hit's blocks, takes new ones for the rest and a fresh state
    slot, which the first chunk's ``plan_chunk`` restores from the hit's checkpoint;
-3. ``plan_chunk``: a prefill chunk stops at the first checkpoint position past its start (every
-   ``checkpoint_interval_blocks`` blocks and the last full block before the prompt's last
-   token) that has no
-   checkpoint yet, and reserves a checkpoint slot the runner saves the state into after it;
+3. ``plan_chunk``: a prefill chunk reserves a checkpoint slot for each checkpoint position it
+   covers (every ``checkpoint_interval_blocks`` blocks and the last full block before the
+   prompt's last token) that has no checkpoint yet; the state at its end is copied after the
+   step, the states at positions inside it are taken by the KDA layers during the forward (the
+   chunk is not cut there: one step, whatever the checkpoints);
 4. ``commit_computed``: once a step is applied, the blocks it completed are published and its
    checkpoint committed;
 5. ``free``: blocks drop a reference (cached ones stay, evictable in LRU order), reserved
    checkpoints go back. ``shrink`` (rejected drafts) unpublishes a block it gives back.
 
-Capacity is exact (cp 1): blocks in use are the blocks some request holds; evictable cached blocks
-count as free, and a hit's blocks already held by another request cost nothing more.
+Capacity is exact: blocks in use are the blocks some request holds on this rank; evictable cached
+blocks count as free, and a hit's blocks already held by another request cost nothing more. A
+CP rank (``cp_rank`` of ``cp_size``) names, matches and publishes only the logical blocks it holds
+(``b % cp_size == cp_rank``); the group combines the ranks' matches.
 """
 
 from __future__ import annotations
@@ -38,11 +42,14 @@ TokenRange = Callable[[int, int], list[int]]  # (start, stop) -> the request's t
 
 @dataclass(slots=True, frozen=True)
 class ChunkPlan:
-    """Where a prefill chunk stops, and the state checkpoints it restores before / saves after."""
+    """Where a prefill chunk stops, the state checkpoint it restores before, the one it saves
+    after (at ``stop``) and those it saves at positions inside it (``(position, checkpoint)``,
+    taken by the KDA layers during the step's forward)."""
 
     stop: int
     restore_checkpoint: int | None = None
     save_checkpoint: int | None = None
+    inner_saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -62,8 +69,8 @@ class PrefixCachingCacheManager(CacheManager):
 
     def __init__(self, num_blocks: int, num_slots: int, tokens_per_block: int, num_checkpoint_slots: int,
                  checkpoint_interval_blocks: int, has_mla: bool = True, has_kda: bool = True,
-                 events: PrefixEventLog | None = None) -> None:
-        super().__init__(num_blocks, num_slots, tokens_per_block, has_mla=has_mla, has_kda=has_kda)
+                 events: PrefixEventLog | None = None, cp_rank: int = 0, cp_size: int = 1) -> None:
+        super().__init__(num_blocks, num_slots, tokens_per_block, cp_rank, cp_size, has_mla, has_kda)
         if checkpoint_interval_blocks < 1:
             raise ValueError(f"checkpoint_interval_blocks must be >= 1, got {checkpoint_interval_blocks}")
         self.blocks = PrefixBlockPool(num_blocks if has_mla else 0, events)  # type: ignore[assignment]
@@ -79,16 +86,37 @@ class PrefixCachingCacheManager(CacheManager):
         """The prefix ``token_ids`` (whose full blocks' keys are ``keys``) can start from."""
         if not self.has_mla:
             return NO_HIT
+        n, block_ids = self.match_blocks(keys, token_ids, cache_salt)
+        n = self.checkpointed(keys, n)
+        if not n:
+            return NO_HIT
+        checkpoint = self.checkpoints.lookup(keys[n - 1]) if self.has_kda else None
+        return PrefixHit(n * self.tokens_per_block, tuple(block_ids[:self._local_blocks(n)]), checkpoint)
+
+    def match_blocks(self, keys: Sequence[BlockKey], token_ids: Sequence[int], cache_salt: str | None
+                     ) -> tuple[int, list[int]]:
+        """``(n, block_ids)``: the first ``n`` logical blocks of the request (at most
+        ``num_tokens - 1`` tokens: one is always computed, for the logits) are cached as far as
+        this rank holds them, in ``block_ids`` (this rank's, in local order, maybe one more)."""
         usable = min(len(keys), (len(token_ids) - 1) // self.tokens_per_block)
-        block_ids = self.blocks.match(keys[:usable], token_ids, self.tokens_per_block, cache_salt)
-        n, checkpoint = len(block_ids), None
+        block_ids = self.blocks.match(keys[:usable], token_ids, self.tokens_per_block, cache_salt,
+                                      self.cp_rank, self.cp_size)
+        return min(usable, self.cp_rank + len(block_ids) * self.cp_size), block_ids
+
+    def checkpointed(self, keys: Sequence[BlockKey], n: int) -> int:
+        """The longest ``m <= n`` whose block ``m - 1`` has a state checkpoint (``n`` without KDA
+        layers)."""
         if self.has_kda:
             while n and not self.checkpoints.has(keys[n - 1]):
                 n -= 1
-            checkpoint = self.checkpoints.lookup(keys[n - 1]) if n else None
-        if not n:
-            return NO_HIT
-        return PrefixHit(n * self.tokens_per_block, tuple(block_ids[:n]), checkpoint)
+        return n
+
+    def _charge(self, num_tokens: int) -> int:
+        """Exact accounting: a request is charged the blocks this rank holds for it."""
+        return self._local(num_tokens)
+
+    def _local_blocks(self, num_logical: int) -> int:
+        return self._local(num_logical * self.tokens_per_block)
 
     def can_allocate(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         has_slot = self.slots.num_free >= 1 or not self.has_kda
@@ -108,7 +136,7 @@ class PrefixCachingCacheManager(CacheManager):
         slot = self.slots.allocate(1)[0] if self.has_kda else None
         self.blocks.acquire(hit.block_ids)  # before allocate: held blocks are never evicted
         block_ids = [*hit.block_ids, *self.blocks.allocate(self._local(num_tokens) - len(hit.block_ids))]
-        handle = CacheHandle(request_id, slot, block_ids, num_tokens, self.tokens_per_block)
+        handle = CacheHandle(request_id, slot, block_ids, num_tokens, self.tokens_per_block, self.cp_rank, self.cp_size)
         self._handles[request_id] = handle
         self._num_reserved_blocks = self.blocks.num_used
         self._num_published[request_id] = len(hit.block_ids)
@@ -125,11 +153,12 @@ class PrefixCachingCacheManager(CacheManager):
 
     def plan_chunk(self, request_id: str, keys: Sequence[BlockKey], num_prompt_tokens: int, start: int,
                    stop: int) -> ChunkPlan:
-        """Where the prefill chunk ``[start, stop)`` of ``request_id`` stops (``keys``: the
-        request's block keys through ``stop``) and the checkpoints it restores and saves."""
+        """The checkpoints the prefill chunk ``[start, stop)`` of ``request_id`` restores and saves
+        (``keys``: the request's block keys through ``stop``); it stops at ``stop``."""
         restore = self._restores.pop(request_id, None)
         if not self.has_kda or not self.checkpoints.capacity:
             return ChunkPlan(stop, restore)
+        saves: list[tuple[int, int]] = []
         for position in self._checkpoint_positions(num_prompt_tokens, start, min(stop, len(keys) * self.tokens_per_block)):
             key = keys[position // self.tokens_per_block - 1]
             if self.checkpoints.has(key):
@@ -137,8 +166,9 @@ class PrefixCachingCacheManager(CacheManager):
             slot = self.checkpoints.reserve(request_id, key)
             if slot is None:
                 break
-            return ChunkPlan(position, restore, slot)
-        return ChunkPlan(stop, restore)
+            saves.append((position, slot))
+        at_stop = saves.pop()[1] if saves and saves[-1][0] == stop else None
+        return ChunkPlan(stop, restore, at_stop, tuple(saves))
 
     def _checkpoint_positions(self, num_prompt_tokens: int, start: int, stop: int) -> list[int]:
         """Checkpoint positions in ``(start, stop]``, ascending."""
@@ -162,11 +192,19 @@ class PrefixCachingCacheManager(CacheManager):
             block_ids, size = self._handles[request_id].block_ids, self.tokens_per_block
             tokens = token_ids(published * size, full * size)
             for b in range(published, full):
+                if b % self.cp_size != self.cp_rank:
+                    continue  # another CP rank holds it
                 parent = keys[b - 1] if b else root_key(cache_salt)
                 offset = (b - published) * size
-                self.blocks.publish(block_ids[b], keys[b], parent, tokens[offset:offset + size], cache_salt)
+                self.blocks.publish(block_ids[b // self.cp_size], keys[b], parent, tokens[offset:offset + size],
+                                    cache_salt)
             self._num_published[request_id] = full
         self.checkpoints.commit(request_id)
+
+    def exclude(self, request_id: str) -> None:
+        """``request_id`` publishes nothing: its cache was filled from elsewhere (a KV transfer),
+        not by this engine's prefill of its tokens."""
+        self._num_published.pop(request_id, None)
 
     # -- 5. give back ----------------------------------------------------------------------------
 
@@ -183,7 +221,8 @@ class PrefixCachingCacheManager(CacheManager):
             if self.blocks.refs(block_id) == 1:
                 self.blocks.unpublish(block_id)
         rid = handle.request_id
-        self._num_published[rid] = min(self._num_published.get(rid, 0), new_num_tokens // self.tokens_per_block)
+        if rid in self._num_published:
+            self._num_published[rid] = min(self._num_published[rid], new_num_tokens // self.tokens_per_block)
         super().shrink(handle, new_num_tokens)
         self._num_reserved_blocks = self.blocks.num_used
 

@@ -4,9 +4,10 @@ prefix (torch-free; the tensors are a second set of state pools, :func:`.pools.c
 A checkpoint is named by the block key (:mod:`.prefix_index`) of the last block of the prefix it
 was taken after, so it is valid exactly where the MLA blocks of that prefix are. Lifecycle of one:
 
-1. ``reserve(request_id, key)`` when a prefill chunk that ends at a checkpoint position is
-   scheduled: a free slot, else the least recently used checkpoint's (evicted); the runner
-   copies the request's state into it after the chunk's forward;
+1. ``reserve(request_id, key)`` when a prefill chunk that covers a checkpoint position is
+   scheduled: a free slot, else the least recently used checkpoint's (evicted); the step writes
+   the request's state at that position into it (during the forward, or after it when the
+   chunk ends there);
 2. ``commit(request_id)`` when that chunk's step is applied: the checkpoint becomes findable
    (``lookup``); one already under that key keeps its place and the new slot goes back;
 3. ``drop(request_id)`` when the request's cache is freed before (an abort, a failed step):

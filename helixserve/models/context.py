@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from helixserve.models.kda_checkpoints import StateSaves
     from helixserve.models.kda_spec import KdaRecord
 
 
@@ -36,6 +37,8 @@ class ForwardBatch:
             (``None`` = derive it from the tensors, a device sync; CUDA-graph steps set it).
         kda_record: a verify step's record of its speculating sequences' KDA inputs and
             pre-step states, for the rollback after acceptance (:mod:`.kda_spec`).
+        state_saves: KDA state checkpoints taken inside the step's prefill chunks
+            (:mod:`.kda_checkpoints`).
     """
 
     input_ids: torch.Tensor
@@ -47,6 +50,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     is_decode: bool | None = None
     kda_record: KdaRecord | None = None
+    state_saves: StateSaves | None = None
 
     @property
     def wants_no_logits(self) -> bool:

@@ -18,6 +18,7 @@ from helixserve import kernels
 from helixserve.cache_layout import ModelCaches
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
+from helixserve.models.kda_checkpoints import segmented_prefill
 from helixserve.models.kda_spec import KdaRecord, replay, verify_rows
 from helixserve.models.mlp import linear
 from helixserve.models.norm import RMSNorm
@@ -136,15 +137,18 @@ class KimiDeltaAttention(nn.Module):
             state_init = state_pool[slots] * has_context.unsqueeze(-1)
             if batch.kda_record is not None:  # a verify step: keep what a rollback replays
                 batch.kda_record.save(self.layer_idx, qkv, g, beta, conv_init, state_init)
-            qkv, conv_new = kernels.short_conv_prefill(
-                qkv, self.conv_weight(), conv_state=conv_init, cu_seqlens=batch.cu_seqlens, activation="silu"
-            )
+            if batch.state_saves is not None:  # prefix caching: checkpoints inside the chunks
+                o, conv_new, state_new = segmented_prefill(self, batch.state_saves, qkv, g, beta, conv_init, state_init)
+            else:
+                qkv, conv_new = kernels.short_conv_prefill(
+                    qkv, self.conv_weight(), conv_state=conv_init, cu_seqlens=batch.cu_seqlens, activation="silu"
+                )
+                q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, dim=-1))
+                o, state_new = kernels.kda_chunk_prefill(
+                    q, k, v, g, beta, scale=K**-0.5, initial_state=state_init,
+                    cu_seqlens=batch.cu_seqlens, use_qk_l2norm=True,
+                )
             conv_pool[slots] = conv_new.to(conv_pool.dtype)
-            q, k, v = (t.reshape(T, H, K) for t in qkv.split(H * K, dim=-1))
-            o, state_new = kernels.kda_chunk_prefill(
-                q, k, v, g, beta, scale=K**-0.5, initial_state=state_init,
-                cu_seqlens=batch.cu_seqlens, use_qk_l2norm=True,
-            )
             state_pool[slots] = state_new.to(state_pool.dtype)
 
         o = kernels.gated_rms_norm(o, gate.view(T, H, K), self.o_norm.weight, self.o_norm.eps)

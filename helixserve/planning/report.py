@@ -23,8 +23,7 @@ from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, ctx_layouts, p
 
 
 CTX_WORLD_NOTE = ("one GPU cannot hold the model: run each ctx worker as a ctx world of this many "
-                  "ranks (ctx[].tp, ep = tp); KV transfers from a ctx world to gen workers are not "
-                  "available yet")
+                  "ranks (ctx[].tp, ep = tp); each rank sends its own shard of the KV to gen")
 
 
 def role_json(plan: RolePlan | None) -> dict[str, Any] | None:

@@ -57,6 +57,7 @@ class TransceiverEndpoint(_Strict):
     port: Annotated[StrictInt, Field(ge=1, le=65535)]
 
 
+MAX_CTX_RANKS = 1024  # ctx_endpoints a request may name
 CTX_MAPPING_FIELDS = frozenset({"ctx_tp_size", "ctx_rank"})  # KVLayout's fields of the ctx world's sharding
 
 
@@ -139,7 +140,8 @@ class DisaggregatedParams(_Strict):
     A ``context_only`` request from the router carries only ``request_type``; the ctx worker's
     response fills in the rest. A ``generation_only`` request must carry everything the gen side
     needs to pick the cache up: ``ctx_request_id``, ``first_gen_tokens`` (non-empty),
-    ``prompt_token_ids`` (non-empty), ``ctx_endpoint`` and ``layout``.
+    ``prompt_token_ids`` (non-empty), ``ctx_endpoint`` and ``layout``, and for a ctx world
+    (``layout.ctx_tp_size > 1``) ``ctx_endpoints``, one per ctx rank.
     """
 
     request_type: RequestType
@@ -152,6 +154,9 @@ class DisaggregatedParams(_Strict):
     # the ctx's admission of this request: its POST /v1/release names it, so a late release frees
     # no later request that reused the id
     ctx_admission: Annotated[StrictInt, Field(ge=1, lt=1 << 63)] | None = None
+    # a ctx world's (``layout.ctx_tp_size > 1``): every rank's transceiver, in rank order (the
+    # first is ``ctx_endpoint``); each gen rank asks the ranks that hold part of its shard
+    ctx_endpoints: list[TransceiverEndpoint] = Field(default_factory=list, max_length=MAX_CTX_RANKS)
 
     @model_validator(mode="after")
     def _check_generation_only(self) -> Self:
@@ -164,6 +169,22 @@ class DisaggregatedParams(_Strict):
                     "invalid_value", "a generation_only request needs disaggregated_params.{name}",
                     {"name": name, "param": name,
                      "code": "missing_required_parameter"})
+        return self._check_ctx_endpoints()
+
+    def _check_ctx_endpoints(self) -> Self:
+        """As many ``ctx_endpoints`` as the layout's ctx ranks (none for one), the first one
+        ``ctx_endpoint``."""
+        assert self.layout is not None
+        num, tp = len(self.ctx_endpoints), self.layout.ctx_tp_size
+        if (num or tp > 1) and num != tp:
+            raise PydanticCustomError(
+                "invalid_value", "disaggregated_params.ctx_endpoints names {num} ctx ranks, the layout's "
+                "ctx world has ctx_tp_size={tp}", {"num": num, "tp": tp, "param": "ctx_endpoints"})
+        if num and self.ctx_endpoints[0] != self.ctx_endpoint:
+            first = self.ctx_endpoints[0]
+            raise PydanticCustomError(
+                "invalid_value", "disaggregated_params.ctx_endpoints[0] ({host}:{port}) is not ctx_endpoint",
+                {"host": first.host, "port": first.port, "param": "ctx_endpoints"})
         return self
 
     @property

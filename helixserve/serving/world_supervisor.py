@@ -237,7 +237,7 @@ class ServedWorld:
 
     def close(self) -> None:
         """After the engine thread stopped: stop restarting, shut the ranks down, close rank 0's
-        receiver."""
+        receiver (a ctx world: its KV sender)."""
         self.supervisor.close()
         if not self._is_failed:
             self._close_incarnation()
@@ -258,6 +258,8 @@ class ServedWorld:
         finally:
             if receiver is not None:
                 receiver.close()
+            if driver.core.kv_holds is not None:  # a ctx world: rank 0's KV sender
+                driver.core.kv_holds.close()
 
 
 class RankCacheCollector:

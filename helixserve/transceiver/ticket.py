@@ -64,4 +64,4 @@ class KVTicket:
             raise ValueError(f"disaggregated_params must be generation_only, got {params.request_type.value}")
         assert params.ctx_request_id and params.ctx_endpoint and params.layout  # the protocol checked them
         return cls(params.ctx_request_id, params.ctx_endpoint, params.layout, len(params.prompt_token_ids),
-                   tuple(params.first_gen_tokens), params.pull_grant)
+                   tuple(params.first_gen_tokens), params.pull_grant, tuple(params.ctx_endpoints))

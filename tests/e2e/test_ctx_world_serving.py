@@ -1,15 +1,25 @@
 """``helixserve serve-ctx`` with ``ctx.tp: 2`` runs a ctx world (gloo, CPU): the server process is
 rank 0 and spawns rank 1; it warms up, answers ``/ready``, and serves plain completions (prefill
 and decode through the world) with the single-process worker's greedy tokens, leaving nothing
-allocated. ``context_only`` is refused with a 400 naming tp (its KV cannot be sent from a world
-yet), and a deployment whose gen workers pull KV over UCX makes it refuse to start, naming tp. A
-killed rank fails the request in flight with a 503 ``ctx_world_failed`` naming it, and the world
-restarts and serves again (the gen world's supervision, the same code)."""
+allocated. A killed rank fails the request in flight with a 503 ``ctx_world_failed`` naming it,
+and the world restarts and serves again (the gen world's supervision, the same code).
+
+It serves ``context_only`` to a gen world (dp 2 x cp 2) over real UCX: every ctx rank's KV sender
+serves its own shard (on ``transceiver_port + rank``), the answer names them all
+(``ctx_endpoints``, rank order) and each gen rank pulls from the ranks holding its part. Through
+the router the greedy tokens equal the single-process worker's, for prompts around page
+boundaries, on both DP groups. The gen worker dials only the deployment's transceivers (any of
+``ctx_endpoints`` outside it: 403 naming it, nobody dialled) and refuses a list that does not fit
+the layout (400 naming ``ctx_endpoints``). A hold the router releases, one whose client left, and
+one no gen ever pulls are freed on every ctx rank. A ctx rank killed while holding fails that request's pickup with an
+error naming the dead rank's endpoint; the world restarts and the next request succeeds. After
+every case nothing is held or allocated on any ctx or gen rank."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -18,18 +28,35 @@ import pytest
 import torch
 
 from helixserve.config import RestartPolicy
+from helixserve.parallel.ports import free_ports
 from tests.e2e.conftest import MODEL, Deployment, http, wait_until
 
 TP = 2
+TPB = 4  # the Deployment's cache.tokens_per_block
 # prompt lengths: one token, around a block (4) and the step budget (16), several chunks
 LENGTHS = (1, 4, 5, 16, 17, 40)
+PICKUP_S = 6.0
+
+
+def _port_pair() -> int:
+    """A port p with p and p + 1 free (the ctx world's two KV senders)."""
+    for _ in range(100):
+        (port,) = free_ports(1)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.fixture(scope="module")
 def dep_options() -> dict[str, Any]:
-    return {"baseline_gen": True, "ctx": {"tp": TP, "collective_timeout_s": 30,
-                                          "world_restart": RestartPolicy(max_restarts=3, backoff_s=0.2)},
-            "gen": {"dp": 1, "cp": 1, "kv_source": "recompute"},
+    return {"baseline_gen": True,
+            "ctx": {"tp": TP, "transceiver_port": _port_pair(), "collective_timeout_s": 30,
+                    "pickup_timeout_s": PICKUP_S, "world_restart": RestartPolicy(max_restarts=3, backoff_s=0.2)},
+            "gen": {"dp": 2, "cp": 2, "kv_source": "ucx"},
             "scheduler": {"max_num_batched_tokens": 16}}
 
 
@@ -37,12 +64,7 @@ def dep_options() -> dict[str, Any]:
 def world(dep_options, tmp_path_factory, dep_checkpoint):
     d = Deployment(tmp_path_factory.mktemp("ctx_world"), dep_checkpoint, **dep_options)
     try:
-        d.start("ctx")
-        d.start("baseline")
-        for url in (d.ctx_url, d.baseline_url):
-            wait_until(lambda u=url: _status(f"{u}/ready") == 200, 180, f"{url}/ready",
-                       state=lambda: (d.log("ctx")[-800:], d.log("baseline")[-400:]))
-        yield d
+        yield d.start_all()
     finally:
         d.stop()
 
@@ -58,9 +80,41 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _body(prompt: list[int], **extra: Any) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
+
+
 def _complete(url: str, prompt: list[int], **extra: Any) -> tuple[int, dict]:
-    return http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6,
-                                                  "temperature": 0, "ignore_eos": True, **extra}, timeout=120)
+    return http("POST", f"{url}/v1/completions", _body(prompt, **extra), timeout=120)
+
+
+def _text(url: str, prompt: list[int]) -> str:
+    status, answer = _complete(url, prompt)
+    assert status == 200, answer
+    return answer["choices"][0]["text"]
+
+
+def _prefill(d: Deployment, prompt: list[int]) -> dict:
+    status, answer = _complete(d.ctx_url, prompt, disaggregated_params={"request_type": "context_only"})
+    assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
+    return {**answer["disaggregated_params"], "request_type": "generation_only"}
+
+
+def _decode(d: Deployment, params: dict, prompt: list[int]) -> tuple[int, dict]:
+    return _complete(d.gen_url, prompt, disaggregated_params=params)
+
+
+def _rank_used(url: str) -> list[float]:
+    """Every rank's used cache blocks and state slots (``/metrics``)."""
+    lines = http("GET", f"{url}/metrics")[1].splitlines()
+    return [float(line.rsplit(" ", 1)[1]) for line in lines
+            if line.startswith(("helixserve_worker_rank_cache_blocks_used{", "helixserve_worker_rank_state_slots_used{"))]
+
+
+def _wait_idle(d: Deployment, timeout: float = 10) -> None:
+    wait_until(lambda: d.is_idle() and not any(_rank_used(d.ctx_url)) and not any(_rank_used(d.gen_url)),
+               timeout, "nothing held or allocated on any ctx or gen rank",
+               state=lambda: (d.stats("ctx"), d.stats("gen"), _rank_used(d.ctx_url), _rank_used(d.gen_url)))
 
 
 def test_the_ctx_world_is_rank_0_with_a_spawned_rank(world) -> None:
@@ -85,27 +139,68 @@ def test_plain_completions_equal_the_single_process_worker(world) -> None:
                10, "the ctx world's caches freed", state=lambda: world.stats("ctx"))
 
 
-def test_context_only_is_refused_naming_tp(world) -> None:
-    status, body = _complete(world.ctx_url, _prompt(9, 5), disaggregated_params={"request_type": "context_only"})
-    assert status == 400, body
-    assert body["error"]["code"] == "ctx_world_transfer_unavailable"
-    assert f"tp={TP}" in body["error"]["message"] and "not available yet" in body["error"]["message"]
-    assert world.stats("ctx")["num_used_blocks"] == 0
+def test_disaggregated_tokens_equal_the_single_process_workers_on_every_gen_group(world) -> None:
+    params = _prefill(world, _prompt(20, 9))
+    ports = [world.config.ctx[0].transceiver_port + r for r in range(TP)]
+    assert [e["port"] for e in params["ctx_endpoints"]] == ports and params["layout"]["ctx_tp_size"] == TP
+    assert params["ctx_endpoint"] == params["ctx_endpoints"][0] and params["pull_grant"] is None
+    status, answer = _decode(world, params, _prompt(20, 9))
+    assert status == 200 and answer["choices"][0]["text"] == _text(world.baseline_url, _prompt(20, 9)), answer
+    for n in (1, TPB, TPB + 1, 2 * TPB + 1, 17):  # around page boundaries; two at once: both DP groups
+        prompts = [_prompt(21 + n, n), _prompt(41 + n, n)]
+        got: dict[int, tuple[int, dict]] = {}
+        threads = [threading.Thread(target=lambda i=i, p=p: got.update({i: _complete(world.router_url, p)}))
+                   for i, p in enumerate(prompts)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        want = [_text(world.baseline_url, p) for p in prompts]
+        assert [got[i][1]["choices"][0]["text"] for i in range(2)] == want, (n, got)
+    _wait_idle(world)
 
 
-def test_a_ctx_world_refuses_to_start_when_gen_pulls_its_kv(tmp_path, dep_checkpoint) -> None:
-    d = Deployment(tmp_path, dep_checkpoint, ctx={"tp": TP})  # the default gen: kv_source ucx
-    d.start("ctx")
-    proc = d.procs["ctx"]
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    try:
-        assert proc.returncode not in (None, 0), d.log("ctx")
-        log = d.log("ctx")
-        assert f"tp={TP}" in log and "not available yet" in log and "kv_source: ucx" in log, log
-    finally:
-        d.stop()
+def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
+    prompt = _prompt(60, 6)
+    params = _prefill(world, prompt)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        rogue = {"host": "127.0.0.1", "port": listener.getsockname()[1]}
+        status, err = _decode(world, {**params, "ctx_endpoints": [params["ctx_endpoints"][0], rogue]}, prompt)
+        assert status == 403 and err["error"]["code"] == "ctx_endpoint_not_allowed", err
+        assert err["error"]["param"] == "disaggregated_params.ctx_endpoints[1]"
+        assert f"127.0.0.1:{rogue['port']}" in err["error"]["message"]
+        with pytest.raises(BlockingIOError):  # nobody dialled it
+            listener.accept()
+    for endpoints, named in (([params["ctx_endpoints"][0]], "names 1 ctx ranks"), ([], "names 0 ctx ranks"),
+                             (params["ctx_endpoints"] * 2, "names 4 ctx ranks"),
+                             (params["ctx_endpoints"][::-1], "ctx_endpoints[0]")):
+        status, err = _decode(world, {**params, "ctx_endpoints": endpoints}, prompt)
+        assert status == 400 and err["error"]["param"].endswith("ctx_endpoints"), err
+        assert named in err["error"]["message"], err
+    assert world.stats("gen")["num_live_requests"] == 0 and world.stats("gen")["num_used_blocks"] == 0
+    status, answer = _decode(world, params, prompt)  # the ctx's own answer still decodes
+    assert status == 200 and answer["choices"][0]["text"] == _text(world.baseline_url, prompt), answer
+    _wait_idle(world)
+
+
+def test_holds_released_aborted_or_never_pulled_are_freed_on_every_rank(world) -> None:
+    released, aborted = _prefill(world, _prompt(70, 9)), _prefill(world, _prompt(72, 5))
+    abandoned, held_at = _prefill(world, _prompt(71, 13)), time.monotonic()
+    assert world.stats("ctx")["kv_transfers_in_flight"] == 3 and any(_rank_used(world.ctx_url))
+    status, body = http("POST", f"{world.ctx_url}/v1/release", {"request_id": released["ctx_request_id"],
+                                                                 "admission": released["ctx_admission"]})
+    assert status == 200 and body["released"] is True, body
+    status, body = http("POST", f"{world.ctx_url}/v1/abort", {"request_id": aborted["ctx_request_id"]})
+    assert status == 200, body
+    wait_until(lambda: world.stats("ctx")["kv_transfers_in_flight"] == 1, PICKUP_S - 1,
+               "the released and the aborted hold freed on every rank before the pickup deadline",
+               state=lambda: world.stats("ctx"))
+    _wait_idle(world, PICKUP_S + 10)  # the abandoned one at its hold deadline, on every rank
+    assert time.monotonic() - held_at >= PICKUP_S - 1  # (not before it)
+    status, err = _decode(world, abandoned, _prompt(71, 13))  # too late: gone from every rank
+    assert status in (503, 504) and "not held here" in err["error"]["message"], err
+    _wait_idle(world)
 
 
 def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) -> None:
@@ -129,3 +224,20 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) 
     got, want = _complete(world.ctx_url, prompt), _complete(world.baseline_url, prompt)
     assert got[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
     wait_until(lambda: world.stats("ctx")["num_used_blocks"] == 0, 10, "nothing allocated after the restart")
+
+
+def test_a_ctx_rank_killed_while_holding_fails_the_pickup_and_the_world_restarts(world) -> None:
+    restarts = http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"]
+    prompt = _prompt(80, 11)
+    params = _prefill(world, prompt)
+    (rank1,) = http("GET", f"{world.ctx_url}/health")[1]["world"]["rank_pids"][1:]
+    os.kill(rank1, signal.SIGKILL)
+    status, err = _decode(world, params, prompt)
+    assert status in (503, 504) and err["error"]["code"] in ("kv_transfer_failed", "kv_transfer_timeout"), err
+    assert f":{params['ctx_endpoints'][1]['port']}" in err["error"]["message"], err
+    wait_until(lambda: _status(f"{world.ctx_url}/health") == _status(f"{world.router_url}/ready") == 200, 90,
+               "the ctx world to restart and the router to see it", state=lambda: http("GET", f"{world.ctx_url}/health"))
+    assert http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"] == restarts + 1
+    prompt = _prompt(81, 2 * TPB + 1)
+    assert _text(world.router_url, prompt) == _text(world.baseline_url, prompt)
+    _wait_idle(world)

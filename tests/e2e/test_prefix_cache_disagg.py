@@ -1,8 +1,8 @@
 """Prefix caching in disaggregated serving: router -> ctx worker (prefix caching on) -> gen world
 (dp 1 x cp 2, the KV over UCX). Prompts sharing prefixes of 0, 1 block - 1, 1 block, 1 block + 1
 and many blocks, across state checkpoint boundaries, answer the tokens of the aggregated baseline
-(a single-process gen worker, which caches nothing), the ctx worker counts its hits, and nothing
-stays allocated. The whole prompt's cache travels to the gen world, shared blocks included."""
+(a single-process gen worker), the ctx worker counts its hits, and nothing stays allocated (the
+gen world publishes nothing of a transferred request). The whole prompt's cache travels to the gen world, shared blocks included."""
 
 from __future__ import annotations
 

@@ -166,13 +166,14 @@ def test_compose_ctx_world_runs_its_ranks_in_the_ctx_container_on_the_launchers_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docker/config.ctx-world.yaml (HELIX_CONFIG) is configs/ctx-world.yaml but for the network:
     a ctx world of tp 2 whose ranks all run in the one `ctx` container (its service runs the one
-    ``serve-ctx`` process launch starts, which spawns rank 1), beside a gen world that recomputes
-    the prompt (a ctx world's KV cannot be sent: no gen worker may pull it)."""
+    ``serve-ctx`` process launch starts, which spawns rank 1), beside a gen world that pulls each
+    ctx rank's shard over UCX (every rank's KV sender in that container, on transceiver_port + rank)."""
     deploy = DeploymentConfig.from_yaml(COMPOSE.parent / CTX_WORLD_CONFIG)
     launched = DeploymentConfig.from_yaml(REPO / "deploy" / "configs" / "ctx-world.yaml")
     assert without_network(deploy) == without_network(launched)
     assert (deploy.ctx[0].tp, deploy.ctx[0].ep) == (2, 2) and len(deploy.ctx) == 1
-    assert all(g.kv_source == "recompute" for g in (*deploy.gen, *launched.gen))
+    assert all(g.kv_source == "ucx" for g in (*deploy.gen, *launched.gen))
+    assert deploy.ctx_transceivers == {("ctx", 18100), ("ctx", 18101)}
     assert {w.host for w in (*deploy.ctx, *deploy.gen)} | {deploy.router.host} == {"0.0.0.0"}
     services = service_sets()["default"]
     mounted = next(v for v in services["ctx"]["volumes"] if v.endswith(f":{MOUNTED_CONFIG}:ro"))

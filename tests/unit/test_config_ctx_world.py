@@ -1,5 +1,6 @@
 """The ctx world's config: ``ctx[i].tp`` and ``ctx[i].ep`` (resolved once to tp), bounds, ep != tp
-and speculative decoding in a world refused with the offending values named."""
+and speculative decoding in a world refused with the offending values named; each rank's KV
+sender port (``transceiver_port + rank``) reserved and allowed to gen."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_ep_defaults_to_tp_resolved_once(tp):
 def test_a_deployment_yaml_gives_each_ctx_worker_its_world(tmp_path):
     path = tmp_path / "d.yaml"
     path.write_text("model: {path: ckpt}\nctx:\n  - {tp: 2, port: 8101, transceiver_port: 18101}\n"
-                    "  - {port: 8102, transceiver_port: 18102}\n")
+                    "  - {port: 8102, transceiver_port: 18103}\n")
     deploy = DeploymentConfig.from_yaml(path)
     assert [(w.tp, w.ep) for w in deploy.ctx] == [(2, 2), (1, 1)]
 
@@ -48,17 +49,23 @@ def _deploy(model, tp: int, kv_source: str) -> DeploymentConfig:
         "model": {"path": str(model)}, "ctx": [{"tp": tp}], "gen": [{"dp": 1, "cp": 1, "kv_source": kv_source}]})
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_ctx_world_refuses_gen_workers_that_pull_its_kv(tiny_checkpoints, tp):
-    from helixserve.ctx_server.world import CtxWorldTransferUnavailableError, check_ctx_world
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_of_a_ctx_world_has_its_transceiver_port_which_gen_may_dial(tp):
+    deploy = DeploymentConfig.model_validate({
+        "model": {"path": "ckpt"}, "ctx": [{"tp": tp, "transceiver_port": 18300}, {"port": 8101, "transceiver_port": 18400}]})
+    ranks = [("127.0.0.1", 18300 + r) for r in range(tp)]
+    assert deploy.ctx[0].transceiver_endpoints == ranks
+    assert deploy.ctx_transceivers == frozenset([*ranks, ("127.0.0.1", 18400)])
+    assert set(ranks) <= set(deploy.listen_addresses())
 
-    deploy = _deploy(tiny_checkpoints["kimi-k3-tiny"], tp, "ucx")
-    with pytest.raises(CtxWorldTransferUnavailableError,
-                       match=rf"from a ctx world of more than one rank are not available yet .* has tp={tp}\)"):
-        check_ctx_world(deploy, deploy.ctx[0])
-    for fine in (_deploy(tiny_checkpoints["kimi-k3-tiny"], tp, "recompute"),
-                 _deploy(tiny_checkpoints["kimi-k3-tiny"], 1, "ucx")):
-        check_ctx_world(fine, fine.ctx[0])  # no gen pulls from it, or one rank: nothing to refuse
+
+def test_a_ctx_world_whose_rank_ports_collide_or_overflow_is_refused_naming_them():
+    with pytest.raises(ValidationError, match=r"ports used twice in the deployment: \['127.0.0.1:18301'\]"):
+        DeploymentConfig.model_validate({"model": {"path": "ckpt"}, "ctx": [
+            {"tp": 2, "transceiver_port": 18300}, {"port": 8101, "transceiver_port": 18301}]})
+    with pytest.raises(ValidationError, match=r"transceiver_port=65535: a ctx world of tp=2 listens on ports up to"):
+        CtxServerConfig(tp=2, transceiver_port=65535)
+    assert CtxServerConfig(tp=1, transceiver_port=65535).transceiver_endpoints == [("127.0.0.1", 65535)]
 
 
 def test_a_ctx_world_whose_heads_do_not_divide_is_refused_before_any_rank_starts(tiny_checkpoints):

@@ -58,6 +58,7 @@ INTERNAL = {
     ("helixserve/engine/async_engine.py", "THREAD_JOIN_S"): "shutdown only: the step in progress ends",
     ("helixserve/ctx_server/ctx_requests.py", "EXPIRY_TICK_S"): "ctx[].pickup_timeout_s (the hold deadline) is the bound; this is its sweep",
     ("helixserve/ctx_server/transfer.py", "STATS_INTERVAL_S"): "staleness of a /metrics gauge, no wait",
+    ("helixserve/ctx_server/world_transfer.py", "HOLD_AGREE_S"): "ctx[].pickup_timeout_s bounds every rank's hold; this is how often the ranks agree on the freed ones",
     ("helixserve/serving/world_supervisor.py", "DEAD_RANK_WAIT_S"):
         "only to name a dead rank in a failure already detected; nothing hangs on it",
     ("helixserve/serving/world_supervisor.py", "DEAD_RANK_TICK_S"): "its poll tick",

@@ -37,7 +37,7 @@ def test_k3_json_gives_the_gpu_counts_per_role():
         assert (r["num_gpus"], r["dp"], r["cp"], r["fits"]) == (best.num_gpus, best.memory.dp, best.memory.cp, True)
         assert r["per_rank"]["total_bytes"] == best.memory.total_bytes <= 141 * GIB
         assert r["per_rank"]["routed_expert_format"] == "mxfp4"
-    assert "ctx[].tp" in plan["roles"]["ctx"]["note"] and "not available yet" in plan["roles"]["ctx"]["note"]
+    assert "ctx[].tp" in plan["roles"]["ctx"]["note"] and "its own shard" in plan["roles"]["ctx"]["note"]
     assert (plan["roles"]["ctx"]["tp"], plan["roles"]["ctx"]["ep"]) == (16, 16) and "tp" not in plan["roles"]["gen"]
 
 

@@ -120,14 +120,15 @@ def test_chunks_stop_at_checkpoint_positions_even_when_the_budget_is_not_block_a
     assert again.output_token_ids == run(off, "b", prompt + [1, 2, 3], greedy(3)).output_token_ids
 
 
+@pytest.mark.parametrize("budget", [BLOCK * INTERVAL_BLOCKS, 3 * BLOCK + 1], ids=["chunk-end", "inside-chunk"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_a_checkpoint_holds_the_state_of_a_fresh_prefill_at_its_position(tiny_checkpoints, preset):
+def test_a_checkpoint_holds_the_state_of_a_fresh_prefill_at_its_position(tiny_checkpoints, preset, budget):
     """fp32: the recurrent and conv state saved at 8 tokens equal, bit for bit, those of a prefill of
-    the same 8 tokens run in the same chunks with caching off (read from its slot while it runs)."""
+    the same 8 tokens with caching off (read from its slot while it runs): saved after a chunk
+    that ends there, or taken inside a chunk of the whole 13-token prompt."""
     path = tiny_checkpoints[preset]
-    sched = SchedulerConfig(max_num_batched_tokens=BLOCK * INTERVAL_BLOCKS)
-    on = LLM(path, cache=cache(True), scheduler=sched)
-    off = LLM(path, cache=cache(False), scheduler=sched)
+    on = LLM(path, cache=cache(True), scheduler=SchedulerConfig(max_num_batched_tokens=budget))
+    off = LLM(path, cache=cache(False), scheduler=SchedulerConfig(max_num_batched_tokens=BLOCK * INTERVAL_BLOCKS))
     prompt = list(range(60, 60 + 3 * BLOCK + 1))
     run(on, "on", prompt, greedy(2))
     fresh = off.engine.add_request("fresh", prompt, greedy(2))
@@ -148,13 +149,29 @@ def test_a_checkpoint_holds_the_state_of_a_fresh_prefill_at_its_position(tiny_ch
         off.engine.step()
 
 
-def test_a_gen_world_sizes_no_checkpoints_a_single_engine_does(tiny_checkpoints):
+def test_checkpoint_slots_come_out_of_every_ranks_budget_with_caching_on(tiny_checkpoints):
     cfg = get_preset("kimi-k3-tiny")
     single = size_cache(cfg, torch.float32, cache(True), 1)[1]
-    world = size_cache(cfg, torch.float32, cache(True), 1, is_world=True)[1]
+    group_rank = size_cache(cfg, torch.float32, cache(True), 2)[1]
     off = size_cache(cfg, torch.float32, cache(False), 1)[1]
-    assert single.num_checkpoint_slots == 32 and world.num_checkpoint_slots == off.num_checkpoint_slots == 0
-    assert world.num_blocks == off.num_blocks > single.num_blocks
+    assert single.num_checkpoint_slots == group_rank.num_checkpoint_slots == 32 and off.num_checkpoint_slots == 0
+    assert off.num_blocks > single.num_blocks
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_checkpoints_do_not_cut_a_prefill_into_more_steps(tiny_checkpoints, caching):
+    """A 22-token prompt under a budget of 32 is one prefill step with caching on as off, though
+    it covers three checkpoint positions (8, 16, 20); the second request resumes at 20."""
+    llm = LLM(tiny_checkpoints["kimi-k3-tiny"], cache=cache(caching), scheduler=SchedulerConfig(max_num_batched_tokens=32))
+    prompt = list(range(80, 102))
+    request = llm.engine.add_request("a", prompt, greedy(1))
+    llm.engine.step()
+    assert request.num_computed_tokens == len(prompt)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    if caching:
+        assert llm.engine.cache_manager.checkpoints.num_committed == 3
+        assert run(llm, "b", prompt + [7], greedy(1)).num_cached_tokens == 20
 
 
 def test_under_cache_pressure_preempted_requests_recompute_from_the_cache_and_agree(tiny_checkpoints):

@@ -11,7 +11,7 @@ from helixserve.kvcache.errors import AllocationError
 from helixserve.kvcache.manager import NO_HIT
 from helixserve.kvcache.prefix_index import PrefixBlockPool, append_block_keys, root_key
 from helixserve.kvcache.sizing import pools_from_budget
-from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
+from helixserve.kvcache.prefix_manager import ChunkPlan, PrefixCachingCacheManager
 from helixserve.kvcache.state_checkpoints import StateCheckpointPool
 
 B = 2
@@ -143,17 +143,28 @@ def test_a_hit_needs_a_checkpoint_after_its_last_block_and_leaves_one_token_to_c
     tokens = list(range(10, 19))  # 9 tokens: checkpoints at 4 and 8 (interval), 8 (last full block)
     manager.allocate("a", 9)
     keys = keys_of(tokens)
-    plans = [manager.plan_chunk("a", keys, 9, 0, 9)]
-    assert plans[0].stop == 4 and plans[0].save_checkpoint is not None
-    plans.append(manager.plan_chunk("a", keys, 9, 4, 9))
-    assert plans[1].stop == 8 and plans[1].save_checkpoint is not None
-    manager.commit_computed("a", keys, lambda a, b: tokens[a:b], None, 8)
-    assert manager.plan_chunk("a", keys, 9, 8, 9).stop == 9
+    plan = manager.plan_chunk("a", keys, 9, 0, 9)  # the chunk is not cut: both taken inside it
+    assert plan.stop == 9 and plan.save_checkpoint is None and [p for p, _ in plan.inner_saves] == [4, 8]
+    manager.commit_computed("a", keys, lambda a, b: tokens[a:b], None, 9)
+    assert manager.plan_chunk("a", keys, 9, 8, 9) == ChunkPlan(9)  # nothing left to take
     hit = manager.find_prefix(keys, tokens, None)
-    assert hit.num_tokens == 8 and hit.checkpoint == plans[1].save_checkpoint
+    assert hit.num_tokens == 8 and hit.checkpoint == plan.inner_saves[1][1]
     assert manager.find_prefix(keys[:4], tokens[:8], None).num_tokens == 4  # 8 tokens: resume at 4
     manager.free("a")
     assert manager.find_prefix(keys, tokens, None).num_tokens == 8  # cached after the free
+
+
+def test_a_chunk_ending_at_a_checkpoint_saves_it_after_the_step():
+    manager = PrefixCachingCacheManager(16, 4, B, num_checkpoint_slots=4, checkpoint_interval_blocks=2)
+    tokens = list(range(10, 23))  # 13 tokens: checkpoints at 4, 8 (interval), 12 (both)
+    manager.allocate("a", 13)
+    keys = keys_of(tokens)
+    first = manager.plan_chunk("a", keys, 13, 0, 8)  # a budget of 8
+    assert first.stop == 8 and [p for p, _ in first.inner_saves] == [4] and first.save_checkpoint is not None
+    second = manager.plan_chunk("a", keys, 13, 8, 13)
+    assert second.stop == 13 and [p for p, _ in second.inner_saves] == [12] and second.save_checkpoint is None
+    reserved = {first.inner_saves[0][1], first.save_checkpoint, second.inner_saves[0][1]}
+    assert len(reserved) == 3 and manager.checkpoints.num_reserved == 3
 
 
 def test_checkpoint_reservations_are_never_evicted_and_go_back_on_drop():

@@ -150,3 +150,45 @@ def test_params_inside_requests_and_responses():
     assert DisaggregatedParams.model_validate(body["disaggregated_params"]) == params
     plain = completion_response(ResponseMeta.for_completion("m"), "A", "stop", Usage.of(3, 1))
     assert "disaggregated_params" not in json.loads(plain.model_dump_json())
+
+
+def _world_answer(tp: int, endpoints: list[dict], **over) -> dict:
+    return ctx_answer(request_type="generation_only", layout=layout_dict(ctx_tp_size=tp),
+                      ctx_endpoints=endpoints, **over)
+
+
+def _rank(r: int) -> dict:
+    return {"host": "10.0.0.2", "port": 50051 + r}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_ctx_worlds_answer_names_each_rank_and_its_ticket_carries_them(tp):
+    from helixserve.transceiver.ticket import KVTicket
+
+    params = DisaggregatedParams.model_validate(_world_answer(tp, [_rank(r) for r in range(tp)]))
+    ticket = KVTicket.from_params(params)
+    assert [e.port for e in ticket.ctx_endpoints] == [50051 + r for r in range(tp)]
+    for cp_rank, cp_size in ((0, 2), (1, 2), (3, 4)):  # each source ticket names its own rank's sender
+        for source in ticket.source_tickets(cp_rank, cp_size):
+            assert source.ctx_endpoint.port == 50051 + source.layout.ctx_rank and not source.ctx_endpoints
+    one = DisaggregatedParams.model_validate(ctx_answer(request_type="generation_only"))
+    assert one.ctx_endpoints == [] and KVTicket.from_params(one).ctx_endpoints == ()
+
+
+@pytest.mark.parametrize("tp, ranks, message", [
+    (2, [], "names 0 ctx ranks, the layout's ctx world has ctx_tp_size=2"),
+    (2, [0], "names 1 ctx ranks, the layout's ctx world has ctx_tp_size=2"),
+    (2, [0, 1, 2], "names 3 ctx ranks"),
+    (1, [0, 1], "names 2 ctx ranks, the layout's ctx world has ctx_tp_size=1"),
+    (2, [1, 0], r"ctx_endpoints\[0\] \(10.0.0.2:50052\) is not ctx_endpoint"),
+])
+def test_ctx_endpoints_that_do_not_fit_the_layout_are_refused_naming_them(tp, ranks, message):
+    with pytest.raises(ValidationError, match=message) as info:
+        DisaggregatedParams.model_validate(_world_answer(tp, [_rank(r) for r in ranks]))
+    assert validation_error_to_openai(info.value).param == "ctx_endpoints"
+
+
+def test_too_many_ctx_endpoints_are_refused_before_they_are_read():
+    with pytest.raises(ValidationError) as info:
+        DisaggregatedParams.model_validate(_world_answer(2, [_rank(0)] * 1025))
+    assert validation_error_to_openai(info.value).param == "ctx_endpoints"

@@ -150,7 +150,7 @@ def test_draft_kda_state_after_a_rejection_equals_a_fresh_draft_prefill(near, ne
     fresh_caches, fresh_slot = fresh.engine.caches, fresh.engine.cache_manager.get("f").slot
     assert _state_diff(engine.draft_runner.caches, slot, fresh_caches, fresh_slot) < 1e-4
     engine.abort("r")
-    monkeypatch.setattr(engine.draft_runner, "rollback", lambda record, keep: None)
+    monkeypatch.setattr(engine.draft_runner, "rollback", lambda out, record, get_request: None)
     _, slot = _to_rejection(engine, "n", PROMPTS[0])
     assert _state_diff(engine.draft_runner.caches, slot, fresh_caches, fresh_slot) > 1e-2
     engine.abort("n")

@@ -14,6 +14,9 @@ model shard and ``ModelRunner`` and do what each message says, in order (:mod:`.
 - :class:`Idle`: join the MoE all-to-alls with no rows (another DP group runs a step).
 - :class:`Transfers`: start / cancel KV receptions into the handles given, then, with
   ``agree``, poll the receiver and agree on the outcomes (the transceiver consensus).
+- :class:`Holds`: a ctx world's held prefills (:mod:`helixserve.engine.kv_holds`): hold each
+  on this rank's KV sender (this rank's handle), cancel, then, with ``agree``, agree with the
+  group on the holds every rank freed.
 - :class:`Heartbeat`: nothing (an idle world stays inside the collective timeout).
 - :class:`Shutdown`: leave the loop.
 
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from helixserve.engine.kv_holds import HoldStart
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheHandle
@@ -63,6 +67,13 @@ class Transfers:
 
 
 @dataclass(slots=True)
+class Holds:
+    starts: list[HoldStart] = field(default_factory=list)  # this rank's handles
+    cancels: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
+    agree: bool = False
+
+
+@dataclass(slots=True)
 class Heartbeat:
     pass
 
@@ -72,14 +83,15 @@ class Shutdown:
     pass
 
 
-Message = Launch | Rollback | Idle | Transfers | Heartbeat | Shutdown
+Message = Launch | Rollback | Idle | Transfers | Holds | Heartbeat | Shutdown
 
 
 def output_for_rank(out: SchedulerOutput, cache: GroupCacheManager, cp_rank: int) -> SchedulerOutput:
-    """``out`` with CP rank ``cp_rank``'s block tables (same sequences, slots, tokens and drafts)."""
+    """``out`` with CP rank ``cp_rank``'s block tables (same sequences, slots, tokens, drafts and
+    state checkpoint slots)."""
     seqs = [ScheduledSeq(s.request_id, s.token_ids, s.context_len,
                          cache.handle_on(cp_rank, s.request_id).block_table(), s.slot, s.is_prefill, s.sample,
-                         s.num_draft_tokens)
+                         s.num_draft_tokens, s.restore_checkpoint, s.save_checkpoint, s.inner_saves)
             for s in out.seqs]
     return SchedulerOutput(seqs=seqs, preempted_ids=out.preempted_ids)
 

@@ -4,7 +4,8 @@
 a ``Launch`` runs this rank's ``ModelRunner`` on the step (its own block tables; input ids from
 the previous step's tokens when overlapped) and then receives the leader's sampled tokens (a
 verify step receives none; its KDA record is kept until the leader's ``rollback`` of it); an
-``Idle`` runs the model's empty step; a ``Transfers`` starts and cancels this rank's KV
+``Idle`` runs the model's empty step; a ``Holds`` (a ctx world's) holds, cancels and agrees on
+this rank's KV sender's holds; a ``Transfers`` starts and cancels this rank's KV
 receptions and, when asked, agrees on their outcomes with the group. It raises on any failure
 (a collective timed out, the model raised): the process should then end, so that the other
 ranks' collectives fail fast and the world is restarted.
@@ -17,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from helixserve.engine.kv_holds import RankHolds
 from helixserve.engine.kv_intake import RankTransfers
 from helixserve.engine.runner import ModelRunner
-from helixserve.engine.spmd.channel import GroupChannel, Heartbeat, Idle, Launch, Rollback, Shutdown, Transfers
+from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
+                                            Transfers)
 from helixserve.models.kda_spec import KdaRecord
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class Follower:
     transfers: RankTransfers
     num_steps: int = 0
     kda_record: KdaRecord | None = None  # the last verify step's, until the leader's rollback of it
+    holds: RankHolds | None = None  # a ctx world's rank: its KV sender's holds
 
     def roll_back(self, keep: dict[int, int] | None) -> None:
         """Roll the last verify step's speculating sequences back to ``keep`` (the leader's
@@ -42,6 +46,17 @@ class Follower:
             assert self.kda_record is not None, "a rollback without a verify step"
             self.runner.rollback(self.kda_record, keep)
         self.kda_record = None
+
+    def apply_holds(self, message: Holds) -> None:
+        """A ctx world's holds on this rank's KV sender (a rank without one: a wiring bug)."""
+        if self.holds is None:
+            raise RuntimeError("a Holds message to a rank without a KV sender")
+        for start in message.starts:
+            self.holds.hold(start)
+        for request_id, reason in message.cancels:
+            self.holds.cancel(request_id, reason)
+        if message.agree:
+            self.holds.agree()
 
     def launch(self, message: Launch, previous: torch.Tensor | None) -> torch.Tensor | None:
         """Run a launched step; the group's sampled tokens after it (``None`` for a verify step)."""
@@ -78,6 +93,8 @@ def serve_follower(follower: Follower) -> int:
                 follower.transfers.start(request_id, handle, ticket)
             if message.agree:
                 follower.transfers.agree(wait=message.wait)
+        elif isinstance(message, Holds):
+            follower.apply_holds(message)
         elif isinstance(message, Idle):
             runner.model.empty_step()
             follower.num_steps += 1

@@ -31,7 +31,8 @@ import torch
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler_output import SchedulerOutput
-from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Idle, Launch, Rollback, Shutdown,
+from helixserve.engine.kv_holds import HoldStart
+from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
                                             Transfers, output_for_rank)
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.parallel import CollectiveError
@@ -107,6 +108,12 @@ class GroupLeader:
             return
         self._send([None] + [Transfers([(rid, self.cache.handle_on(r, rid), ticket) for rid, ticket in starts],
                                        list(cancels), agree, wait) for r in range(1, self.cp)])
+
+    def holds(self, starts: list[list[HoldStart]], cancels: list[tuple[str, str]], agree: bool) -> None:
+        """A ctx world's holds: ``starts[r]`` for rank ``r`` (its own handles), the cancels, and
+        whether to agree on the freed holds now (:mod:`helixserve.engine.kv_holds`)."""
+        if not self.channel.is_alone:
+            self._send([None] + [Holds(starts[r], list(cancels), agree) for r in range(1, self.cp)])
 
     def heartbeat(self) -> None:
         self._send_all(Heartbeat())
