@@ -1,13 +1,16 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, single process, CPU.
+"""Speculative decoding (n-gram prompt lookup, draft model) against plain decoding, single process.
 
-Decode tok/s of greedy decoding at batch 1 and 8 with and without the n-gram drafter, in the
-same run on the same checkpoint (``_common.run_decode``: timed from the prefill's last token to
-the last token), on two prompt sets: ``repetitive`` (prompts made of a repeated short pattern)
-and ``random`` (uniform random ids: the cost when nothing is accepted). Each row says whether the
-speculative tokens equal plain decoding's, the acceptance rate and acceptance per draft
-position. The random-weight presets do not continue their prompts' patterns, so acceptance
-stays low on both sets here; the rows measure the verify step's cost (k + 1 rows per sequence,
-eager, no overlap) against a plain decode step.
+Decode tok/s of greedy decoding at batch 1 and 8 with and without a drafter, in the same run on
+the same checkpoint (``_common.run_decode``: timed from the prefill's last token to the last
+token), on two prompt sets: ``repetitive`` (prompts made of a repeated short pattern) and
+``random`` (uniform random ids: the cost when nothing is accepted). The drafters: the n-gram
+lookup; the ``draft`` method with the target's own weights (every draft accepted: the upper
+bound of acceptance; each step costs k + 1 forwards of a draft model as large as the target
+here) and with another seed's weights (nothing accepted: the lower bound). Each row says whether
+the speculative tokens equal plain decoding's, the acceptance rate and acceptance per draft
+position. The random-weight presets do not continue their prompts' patterns, so n-gram
+acceptance stays low on both sets here; its rows measure the verify step's cost (k + 1 rows per
+sequence, eager, no overlap) against a plain decode step.
 
 The cost of a step that drafts nothing, at batch 64: speculation on (prompt lookup of 5-grams)
 over prompts of distinct ids, where lookup finds nothing to draft, so every step is a plain
@@ -18,11 +21,16 @@ to other processes on a shared machine); tok/s are each side's best. A second pl
 in every round too: its median ratio to the first is the noise floor.
 
 ``--checkpoint DIR`` runs a given checkpoint instead of a random-weight ``kimi-linear-tiny`` (e.g.
-one ``helixserve make-checkpoint --train-on`` trained); ``--prompts-from DIR`` adds a third prompt
+one ``helixserve make-checkpoint --train-on`` trained; its ``DIR/draft``, when there, is the
+second draft model in place of another seed's weights); ``--prompts-from DIR`` adds a third prompt
 set, ``held-out``: windows of the held-out files under ``DIR`` (the split the training used, read
 from the checkpoint's ``training_log.json`` when it has one), tokenized with the checkpoint's
 tokenizer. A model trained on text continues held-out text the way the text repeats itself, so
 prompt lookup's drafts get accepted there; a random-weight model's do not.
+
+``--device cuda`` runs ``--preset`` (default ``kimi-k3-mid``) with dummy weights in ``--dtype``,
+decode steps as CUDA graphs (verify steps run eagerly); the draft-model rows need a checkpoint
+directory and are left out there.
 
 Also printed: the KDA rollback's memory per speculating sequence for the full presets, replay
 (saved inputs + one pre-step state, what the engine does) against keeping the verify step's
@@ -88,11 +96,38 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
     return run.decode_tokens / run.decode_seconds, run.tokens
 
 
-def rows_for(ckpt: Path, k: int, quick: bool, prompts_from: Path | None = None) -> list[dict[str, Any]]:
+def spec_engines(ckpt: Path, drafts: dict[str, Path], k: int, cache: CacheConfig, **llm_kw: Any) -> dict[str, LLM]:
+    """The speculating engines of the decode rows: n-gram lookup, and a draft model per entry of
+    ``drafts`` (the target's own weights: every draft accepted, the upper bound; a trained draft;
+    another seed's weights)."""
+    ngram = SpeculativeConfig(method="ngram", num_draft_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    return {"ngram": LLM(ckpt, cache=cache, speculative=ngram, **llm_kw),
+            **{name: LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="draft", draft_model=draft,
+                                                                          num_draft_tokens=k), **llm_kw)
+               for name, draft in drafts.items()}}
+
+
+def spec_row(spec: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> dict[str, Any]:
+    """One speculating engine's decode tok/s, tokens and acceptance over ``prompts``."""
+    before = spec.engine.spec_stats
+    drafted, accepted = before.num_draft_tokens, before.num_accepted_tokens
+    per_pos, drafts = list(before.accepted_per_position), before.num_drafts
+    rate, tokens = decode(spec, prompts, params, tag)
+    stats = spec.engine.spec_stats
+    n = stats.num_drafts - drafts
+    positions = [(stats.accepted_per_position[j] - (per_pos[j] if j < len(per_pos) else 0)) / n
+                 if n else 0.0 for j in range(len(stats.accepted_per_position))]
+    new_drafted = stats.num_draft_tokens - drafted
+    return {"spec_tok_s": rate, "tokens": tokens, "drafted": new_drafted,
+            "acceptance": (stats.num_accepted_tokens - accepted) / new_drafted if new_drafted else 0.0,
+            "acceptance_per_position": [round(p, 3) for p in positions]}
+
+
+def rows_for(ckpt: Path, drafts: dict[str, Path], k: int, quick: bool, prompts_from: Path | None = None,
+             **llm_kw: Any) -> list[dict[str, Any]]:
     cache = CacheConfig(tokens_per_block=16, max_num_seqs=8)
-    plain = LLM(ckpt, cache=cache)
-    spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
-                                                                prompt_lookup_min=1, prompt_lookup_max=3))
+    plain = LLM(ckpt, cache=cache, **llm_kw)
+    engines = spec_engines(ckpt, drafts, k, cache, **llm_kw)
     params = SamplingParams(max_tokens=24 if quick else 64, temperature=0.0, ignore_eos=True)
     rows = []
     for batch in (1, 8):
@@ -101,30 +136,23 @@ def rows_for(ckpt: Path, k: int, quick: bool, prompts_from: Path | None = None) 
             sets["held-out"] = held_out_prompts(ckpt, prompts_from, batch, 64)
         for name, prompts in sets.items():
             decode(plain, prompts[:1], params, "warm-plain")
-            decode(spec, prompts[:1], params, "warm-spec")
-            before = spec.engine.spec_stats
-            drafted, accepted = before.num_draft_tokens, before.num_accepted_tokens
-            per_pos, drafts = list(before.accepted_per_position), before.num_drafts
+            for method, spec in engines.items():
+                decode(spec, prompts[:1], params, f"warm-{method}")
             plain_rate, plain_tokens = decode(plain, prompts, params, f"plain-{name}-{batch}")
-            spec_rate, spec_tokens = decode(spec, prompts, params, f"spec-{name}-{batch}")
-            stats = spec.engine.spec_stats
-            n = stats.num_drafts - drafts
-            positions = [(stats.accepted_per_position[j] - (per_pos[j] if j < len(per_pos) else 0)) / n
-                         if n else 0.0 for j in range(len(stats.accepted_per_position))]
-            new_drafted = stats.num_draft_tokens - drafted
-            rows.append({"prompts": name, "batch": batch, "plain_tok_s": plain_rate, "spec_tok_s": spec_rate,
-                         "ratio": spec_rate / plain_rate, "equal": spec_tokens == plain_tokens,
-                         "drafted": new_drafted, "acceptance": (stats.num_accepted_tokens - accepted) / new_drafted
-                         if new_drafted else 0.0, "acceptance_per_position": [round(p, 3) for p in positions]})
+            for method, spec in engines.items():
+                row = spec_row(spec, prompts, params, f"{method}-{name}-{batch}")
+                rows.append({"method": method, "prompts": name, "batch": batch, "plain_tok_s": plain_rate,
+                             "ratio": row["spec_tok_s"] / plain_rate, "equal": row.pop("tokens") == plain_tokens,
+                             **row})
     return rows
 
 
-def nothing_drafted_row(ckpt: Path, k: int, quick: bool, repeats: int, batch: int = 64) -> dict[str, Any]:
+def nothing_drafted_row(ckpt: Path, k: int, quick: bool, repeats: int, batch: int = 64, **llm_kw: Any) -> dict[str, Any]:
     """Plain vs speculative decode tok/s where the drafter finds nothing (see the module docstring)."""
-    cache = CacheConfig(tokens_per_block=16, max_num_seqs=batch, memory_budget_mib=256)
+    cache = CacheConfig(tokens_per_block=16, max_num_seqs=batch, memory_budget_mib=256 if not llm_kw else 8192)
     spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
-                                                                prompt_lookup_min=5, prompt_lookup_max=5))
-    engines = {"plain": LLM(ckpt, cache=cache), "spec": spec, "control": LLM(ckpt, cache=cache)}
+                                                                prompt_lookup_min=5, prompt_lookup_max=5), **llm_kw)
+    engines = {"plain": LLM(ckpt, cache=cache, **llm_kw), "spec": spec, "control": LLM(ckpt, cache=cache, **llm_kw)}
     vocab = spec.model_config.vocab_size
     prompts = [random.Random(i).sample(range(vocab), 64) for i in range(batch)]  # distinct ids
     params = SamplingParams(max_tokens=16 if quick else 48, temperature=0.0, ignore_eos=True)
@@ -180,6 +208,9 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="rounds of the batch-64 row (median ratio)")
+    parser.add_argument("--device", default="cpu", help="cuda: --preset with dummy weights (n-gram rows only)")
+    parser.add_argument("--preset", default="kimi-k3-mid", help="the preset on --device cuda")
+    parser.add_argument("--dtype", default="bfloat16", help="the dtype on --device cuda")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="checkpoint to run (default: a random-weight kimi-linear-tiny)")
     parser.add_argument("--prompts-from", type=Path, default=None, metavar="DIR",
@@ -187,15 +218,25 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.checkpoint or make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
-        rows = rows_for(ckpt, args.num_draft_tokens, args.quick, args.prompts_from)
-        none = nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats)
+        on_cuda = args.device.startswith("cuda")
+        llm_kw = ({"device": args.device, "dtype": args.dtype, "load_format": "dummy"} if on_cuda else {})
+        if on_cuda:  # dummy weights at the preset's shapes: no draft-model rows (they need a checkpoint)
+            ckpt, drafts = Path(args.preset), {}
+        else:
+            ckpt = args.checkpoint or make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
+            drafts = {"draft, same weights": ckpt}
+            trained = ckpt / "draft"
+            drafts.update({"draft, trained": trained} if trained.is_dir() else
+                          {"draft, seed 1": make_checkpoint("kimi-linear-tiny", Path(tmp) / "seed1", seed=1)})
+        rows = rows_for(ckpt, drafts, args.num_draft_tokens, args.quick, args.prompts_from, **llm_kw)
+        none = nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats, **llm_kw)
     memory = rollback_memory(args.num_draft_tokens)
-    name = "kimi-linear-tiny (random weights)" if args.checkpoint is None else str(args.checkpoint)
-    print(f"{name}, k = {args.num_draft_tokens}, CPU, {args.threads} threads")
-    print(markdown_table(["prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
+    name = (f"{args.preset} (dummy weights, {args.dtype})" if on_cuda else
+            "kimi-linear-tiny (random weights)" if args.checkpoint is None else str(args.checkpoint))
+    print(f"{name}, k = {args.num_draft_tokens}, {args.device}, {args.threads} threads")
+    print(markdown_table(["method", "prompts", "batch", "plain tok/s", "spec tok/s", "ratio", "equal", "drafted",
                           "acceptance", "per position"],
-                         [[r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
+                         [[r["method"], r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
                            r["drafted"], r["acceptance"], r["acceptance_per_position"]] for r in rows]))
     print()
     print(f"nothing drafted (5-gram lookup over distinct ids), batch {none['batch']}, median of {none['repeats']} rounds")

@@ -12,10 +12,10 @@ HTTP. It runs in two places:
   before it runs here and shares the sampled tokens. Requests whose prompt cache arrives from a ctx worker enter
   through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
-With ``speculative`` (the ``ngram`` drafter) a decoding request's row carries its draft tokens,
-the target verifies them in the same forward and a rejection rolls its KDA state back
-(:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); verify steps run
-eagerly (no decode CUDA graph fits them) and overlapped decoding is off.
+With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft``: a draft
+model's, :mod:`.draft_runner`, single process only), the target verifies them in the same
+forward and a rejection rolls its KDA state (and the draft's) back (:mod:`helixserve.engine.spec`;
+in a world on every rank, :mod:`.spmd.leader`); verify steps run eagerly, no overlap.
 
 A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
 and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
@@ -32,6 +32,7 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
+from helixserve.engine.draft_runner import build_draft_runner, draft_config
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_holds import HoldRelay
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
@@ -42,7 +43,7 @@ from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_ca
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, PreparedStep, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
-from helixserve.engine.spec.drafting import NgramDrafter
+from helixserve.engine.spec.drafting import make_drafter
 from helixserve.engine.spec.stats import SpecDecodeStats
 from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
@@ -74,12 +75,15 @@ class EngineCore:
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
-        spec, self.layout = size_cache(model_config, model.dtype, cache, cp)
-        check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs)
+        draft_cfg = draft_config(speculative, model_config, cache, is_world=groups is not None)
+        spec, self.layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
+        check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs,
+                          draft_cfg)
         max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)
         self.runner = ModelRunner(model, self.caches, device, seed=seed)
+        self.draft_runner = build_draft_runner(speculative, draft_cfg, model.dtype, self.layout, device)
         graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size)
         if graphs_off is None:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
@@ -103,7 +107,7 @@ class EngineCore:
             self.cache_manager, max_num_seqs=cache.max_num_seqs,
             max_num_batched_tokens=step_token_budget(cache, scheduler), max_model_len=max_model_len,
             eos_token_ids=eos, detokenize=tokenizer.decode if tokenizer else None,
-            drafter=NgramDrafter(speculative, max_model_len) if speculative is not None else None,
+            drafter=make_drafter(speculative, max_model_len) if speculative is not None else None,
             aligned_chunks=batch_invariant_enabled())
         self.spec_stats = SpecDecodeStats()
         self._params: dict[str, SamplingParams] = {}
@@ -190,16 +194,9 @@ class EngineCore:
         return request_ids + (received if self.kv_intake is not None else [])
 
     def stats(self) -> EngineStats:
-        cache = self.cache_manager.stats()
-        return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + (self.kv_intake.num_waiting if self.kv_intake else 0),
-            num_held=self.scheduler.num_held,
-            num_blocks=cache.num_blocks,
-            num_used_blocks=cache.num_used_blocks,
-            num_slots=cache.num_slots,
-            num_used_slots=cache.num_used_slots,
-        )
+        received = self.kv_intake.num_waiting if self.kv_intake else 0
+        return EngineStats.of(self.scheduler.num_running, self.scheduler.num_waiting + received,
+                              self.scheduler.num_held, self.cache_manager.stats())
 
     @property
     def has_step_in_flight(self) -> bool:
@@ -315,6 +312,7 @@ class EngineCore:
         """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for
         it; in a world the group's other ranks run it too. ``failed`` gets the requests dropped
         from a step that could not be prepared (:meth:`_prepare`)."""
+        draft_record = self.draft_runner.propose(out) if self.draft_runner is not None else None
         prepared, input_tokens = self._prepare(out, input_tokens, failed)
         if out.is_empty:
             return LaunchedStep([], None, None, None)
@@ -330,6 +328,7 @@ class EngineCore:
             raise
         launched = self._sample(out, logits)
         launched.kda_record = prepared.batch.kda_record if prepared is not None else None
+        launched.draft_record = draft_record
         return launched
 
     def _prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, failed: list[RequestUpdate]
@@ -366,6 +365,8 @@ class EngineCore:
             self.runner.rollback(launched.kda_record, keep)
             if self.group is not None:
                 self.group.share_rollback(keep)
+        if launched.draft_record is not None and self.draft_runner is not None:
+            self.draft_runner.rollback(out, launched.draft_record, self.scheduler.get_request)
 
     def _drop(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, culprits: dict[str, str],
               failed: list[RequestUpdate]) -> torch.Tensor | None:

@@ -15,13 +15,13 @@ from collections import deque
 from helixserve.engine.cache_release import CacheReleases
 from helixserve.engine.request import Request, RequestStatus
 from helixserve.engine.scheduler_output import SchedulerOutput
-from helixserve.engine.spec.drafting import NgramDrafter
+from helixserve.engine.spec.drafting import Drafter
 from helixserve.engine.step_rows import is_decode, scheduled_seq
 
 
 def schedule_decodes(
     running: list[Request], waiting: deque[Request], releases: CacheReleases, out: SchedulerOutput,
-    drafter: NgramDrafter | None = None, draft_budget: int = 0,
+    drafter: Drafter | None = None, draft_budget: int = 0,
 ) -> int:
     """Append a decode row for each decoding request of ``running`` (admission order),
     preempting from its end as needed; the number of rows appended. With a ``drafter``, a

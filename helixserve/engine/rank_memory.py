@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.models.config import KimiModelConfig
 from helixserve.planning.memory import GIB, PoolBytes, pool_unit_bytes, rank_memory
+from helixserve.planning.weights import WeightBytes, rank_weight_bytes
 
 
 class _Sizes(Protocol):
@@ -17,11 +20,13 @@ class _Sizes(Protocol):
 
 
 def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: SchedulerConfig, layout: _Sizes,
-                      device: torch.device | str, dp: int = 1, cp: int = 1, use_cuda_graphs: bool = True) -> None:
+                      device: torch.device | str, dp: int = 1, cp: int = 1, use_cuda_graphs: bool = True,
+                      draft: KimiModelConfig | None = None) -> None:
     """Refuse a rank whose weights + pools + activations + graph pools exceed one GPU
     (:class:`~helixserve.planning.memory.DeploymentDoesNotFitError` naming the shortfall):
     ``cache.gpu_memory_gib``, else on CUDA the device's total memory; on the CPU without it,
-    no check. The same arithmetic as ``helixserve plan``."""
+    no check. The same arithmetic as ``helixserve plan``; a ``draft`` model's weights (in its
+    checkpoint's expert format) and pools (the target's counts) are counted with the target's."""
     is_cuda = torch.device(device).type == "cuda"
     if cache.gpu_memory_gib is not None:
         gpu_bytes = int(cache.gpu_memory_gib * GIB)
@@ -31,8 +36,21 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
         return
     is_packed = any(t.dtype == torch.uint8 for t in (*model.parameters(), *model.buffers()))
     cfg, itemsize = model.cfg, model.dtype.itemsize
-    pools = PoolBytes(*pool_unit_bytes(cfg, itemsize, cache.tokens_per_block, cp), layout.num_blocks,
+    block, slot = pool_unit_bytes(cfg, itemsize, cache.tokens_per_block, cp)
+    if draft is not None:
+        block, slot = (a + b for a, b in zip((block, slot), pool_unit_bytes(draft, itemsize, cache.tokens_per_block)))
+    pools = PoolBytes(block, slot, layout.num_blocks,
                       layout.num_slots, scratch_slots=int(is_cuda), checkpoint_slots=layout.num_checkpoint_slots)
     batched = max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
-    rank_memory(cfg, "gen world" if dp * cp > 1 else "engine", dp, cp, itemsize, pools, batched, cache.max_num_seqs,
-                is_cuda and use_cuda_graphs, gpu_bytes, "mxfp4" if is_packed else "dense").check()
+    memory = rank_memory(cfg, "gen world" if dp * cp > 1 else "engine", dp, cp, itemsize, pools, batched,
+                         cache.max_num_seqs, is_cuda and use_cuda_graphs, gpu_bytes, "mxfp4" if is_packed else "dense")
+    if draft is not None:
+        memory = replace(memory, weights=_plus(memory.weights, rank_weight_bytes(draft, itemsize)))
+    memory.check()
+
+
+def _plus(weights: WeightBytes, draft: WeightBytes) -> WeightBytes:
+    """The target's and the draft model's weights together (the target's expert format named)."""
+    return WeightBytes(weights.dense_bytes + draft.dense_bytes, weights.fp32_bytes + draft.fp32_bytes,
+                       weights.expert_bytes + draft.expert_bytes, weights.expert_format,
+                       {**{f"draft {k}": v for k, v in draft.params.items()}, **weights.params})

@@ -136,6 +136,7 @@ class LaunchedStep:
     copied: torch.cuda.Event | None
     verified: VerifiedStep | None = None  # a step with drafts: its runs, read back already
     kda_record: KdaRecord | None = None  # its speculating sequences' KDA record
+    draft_record: KdaRecord | None = None  # the draft model's KDA record of them (method draft)
 
     def result(self) -> dict[str, int] | dict[str, list[int]]:
         if self.verified is not None:

@@ -40,7 +40,7 @@ from helixserve.engine.preemption import schedule_decodes
 from helixserve.engine.request import Request, RequestStatus
 from helixserve.engine.scheduler_output import RequestUpdate, ScheduledSeq, SchedulerOutput
 from helixserve.engine.spec.accept import append_verified_tokens
-from helixserve.engine.spec.drafting import NgramDrafter
+from helixserve.engine.spec.drafting import Drafter
 from helixserve.engine.step_rows import chunk_stop, is_decode, schedule_chunk
 from helixserve.engine.stop import Detokenize, StopChecker, stop_checker_for
 from helixserve.kvcache.manager import CacheManager
@@ -57,7 +57,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         detokenize: Detokenize | None = None,
-        drafter: NgramDrafter | None = None,
+        drafter: Drafter | None = None,
         aligned_chunks: bool = False,
     ) -> None:
         if not 1 <= max_num_seqs <= max_num_batched_tokens:

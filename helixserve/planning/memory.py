@@ -92,10 +92,15 @@ def checkpoint_slot_count(cache: CacheConfig, slot_bytes: int) -> int:
 
 
 def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, memory_budget_mib: float,
-                      max_num_seqs: int, cp: int = 1, num_checkpoint_slots: int = 0) -> tuple[int, int]:
+                      max_num_seqs: int, cp: int = 1, num_checkpoint_slots: int = 0,
+                      draft: KimiModelConfig | None = None) -> tuple[int, int]:
     """``(num_blocks, num_slots)`` the engine allocates for ``cache.memory_budget_mib`` (after
-    ``num_checkpoint_slots`` KDA state checkpoints)."""
+    ``num_checkpoint_slots`` KDA state checkpoints). With a ``draft`` model (speculative decoding)
+    a block and a slot cost the target's plus the draft's: its pools share the target's ids."""
     block, slot = pool_unit_bytes(cfg, itemsize, tokens_per_block, cp)
+    if draft is not None:
+        draft_block, draft_slot = pool_unit_bytes(draft, itemsize, tokens_per_block)
+        block, slot = block + draft_block, slot + draft_slot
     return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs, num_checkpoint_slots)
 
 

@@ -1,13 +1,21 @@
 """Drafts from a known continuation, for tests and benchmarks of speculative decoding: with
 random weights a prompt-lookup drafter is never right, so accepted runs and rejections at chosen
-positions come from a script of plain decoding's outputs instead."""
+positions come from a script of plain decoding's outputs instead. For the ``draft`` method, a
+draft checkpoint near its target (:func:`perturbed_checkpoint`) accepts some drafts and rejects
+others."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Collection, Mapping
+from typing import Any
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.request import Request
+from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.spec.drafting import NgramDrafter
 
 Script = Mapping[tuple[int, ...], list[int]]  # prompt -> plain decoding's outputs
@@ -30,3 +38,40 @@ class ScriptedDrafter(NgramDrafter):
         drafts = self.outputs[prompt][done: done + n]
         wrong = self.wrong.get(prompt, ()) if isinstance(self.wrong, Mapping) else self.wrong
         return [(t + 1) % self.vocab_size if j in wrong else t for j, t in enumerate(drafts)]
+
+
+def perturbed_checkpoint(src: str | Path, dst: str | Path, scale: float, seed: int = 0) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` whose floating-point weights are multiplied by
+    ``1 + scale * N(0, 1)`` (seeded): a draft model that mostly agrees with its target, so that
+    verify steps accept runs of every length and reject at every position."""
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    generator = torch.Generator().manual_seed(seed)
+    for path in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if t.is_floating_point():
+                noise = torch.randn(t.shape, generator=generator, dtype=torch.float32)
+                tensors[name] = (t.float() * (1 + scale * noise)).to(t.dtype)
+        save_file(tensors, path)
+    return dst
+
+
+def run_mixed(engine: Any, first: tuple[str, list[int], SamplingParams],
+              others: list[tuple[str, list[int], SamplingParams]]) -> tuple[list[Request], bool]:
+    """Start ``first`` (two steps: its prompt and a decode), then add ``others`` and step the
+    engine (an :class:`~helixserve.engine.core.EngineCore`) to the end. Returns the requests and
+    whether a step verified drafts while prompt tokens were still to run (a mixed step, under a
+    small token budget)."""
+    requests = [engine.add_request(*first)]
+    engine.step()
+    engine.step()
+    requests += [engine.add_request(*other) for other in others]
+    mixed = False
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler
+        waiting_before = sched.num_waiting + sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        before = engine.spec_stats.num_drafts
+        engine.step()
+        mixed |= waiting_before > 0 and engine.spec_stats.num_drafts > before
+    return requests, mixed

@@ -12,7 +12,7 @@ from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.request import SamplingParams
-from helixserve.testing.drafts import ScriptedDrafter
+from helixserve.testing.drafts import ScriptedDrafter, run_mixed
 
 TPB = 4  # small pages: prompts, drafts and runs cross them
 PROMPTS = [list(range(20, 57)), [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
@@ -149,18 +149,8 @@ def test_prefill_chunks_beside_verify_rows_and_seeded_requests(ckpt, plain):
     params = [greedy(21), seeded, greedy(14), greedy(18), greedy(11)]
     ref = plain.generate(PROMPTS, params)
     llm, _ = scripted(ckpt, plain, PROMPTS, params, 3, {1}, max_num_batched_tokens=12)
-    engine = llm.engine
-    reqs = [engine.add_request("a", PROMPTS[0], params[0])]
-    engine.step()
-    engine.step()
-    reqs += [engine.add_request(f"r{i}", p, q) for i, (p, q) in enumerate(zip(PROMPTS[1:], params[1:]), 1)]
-    mixed = False
-    while engine.has_unfinished_requests():
-        sched = engine.scheduler
-        waiting_before = sched.num_waiting + sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
-        before = engine.spec_stats.num_drafts
-        engine.step()
-        mixed |= waiting_before > 0 and engine.spec_stats.num_drafts > before
+    reqs, mixed = run_mixed(llm.engine, ("a", PROMPTS[0], params[0]),
+                            [(f"r{i}", p, q) for i, (p, q) in enumerate(zip(PROMPTS[1:], params[1:]), 1)])
     assert mixed
     greedy_ids = [0, 2, 3, 4]
     assert [reqs[i].output_token_ids for i in greedy_ids] == [ref[i].token_ids for i in greedy_ids]

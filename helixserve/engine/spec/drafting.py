@@ -8,8 +8,10 @@ fewer where more could never be emitted or cached:
 - none while forced output tokens are pending (a gen worker's first tokens from its ctx worker);
 - within the step's draft budget (the token budget left once every decode has its one row).
 
-Only the ``ngram`` method (prompt lookup, :mod:`.ngram`) drafts here; a drafter with weights
-(``draft``, ``hidden``) needs a model and is refused by the engine that would run it.
+The ``ngram`` method (prompt lookup, :mod:`.ngram`) drafts here. The ``draft`` method's tokens
+come from a draft model the engine runs before the target's forward
+(:mod:`helixserve.engine.draft_runner`): here it only reserves the rows (:class:`ModelDraftRows`,
+placeholder tokens the engine overwrites), under the same caps and budget. ``hidden`` is refused.
 
 A step that drafts nothing should cost what a plain decode step costs: every occurrence of a
 suffix ends with the sequence's last token, so when that token is nowhere earlier (one scan of
@@ -23,17 +25,19 @@ from helixserve.engine.request import Request
 from helixserve.engine.spec.ngram import propose_one
 
 
-class NgramDrafter:
-    """Prompt-lookup drafts for one request at a time (see the module docstring)."""
+DRAFT_PLACEHOLDER = -1  # a reserved draft row's token until the draft model fills it
+
+
+class Drafter:
+    """The caps every drafter applies (see the module docstring); ``propose`` is the method's."""
+
+    method = ""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} needs a drafter model; only 'ngram' "
-                             "drafts scheduler-side")
-        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None  # resolved
+        if config.method != self.method:
+            raise ValueError(f"speculative method {config.method!r} given to the {self.method!r} drafter")
         self.num_draft_tokens = config.num_draft_tokens
         self.max_model_len = max_model_len
-        self.prompt_lookup_min, self.prompt_lookup_max = config.prompt_lookup_min, config.prompt_lookup_max
 
     def cap(self, request: Request) -> int:
         """The most drafts worth proposing for ``request`` now (ignoring the step budget)."""
@@ -45,12 +49,46 @@ class NgramDrafter:
         return max(0, min(self.num_draft_tokens, room))
 
     def propose(self, request: Request, budget: int) -> list[int]:
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafts for one request at a time (see the module docstring)."""
+
+    method = "ngram"
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        super().__init__(config, max_model_len)
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None  # resolved
+        self.prompt_lookup_min, self.prompt_lookup_max = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, request: Request, budget: int) -> list[int]:
         """Drafts for ``request`` (maybe none): at most ``min(cap(request), budget)`` tokens."""
         limit = min(self.cap(request), budget)
         if limit <= 0 or not last_token_recurs(request):
             return []
         tokens = request.prompt_token_ids + request.output_token_ids
         return propose_one(tokens, limit, self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+class ModelDraftRows(Drafter):
+    """The ``draft`` method's rows: ``min(cap(request), budget)`` placeholders, filled by the
+    engine's draft model before the target verifies them."""
+
+    method = "draft"
+
+    def propose(self, request: Request, budget: int) -> list[int]:
+        return [DRAFT_PLACEHOLDER] * max(0, min(self.cap(request), budget))
+
+
+def make_drafter(config: SpeculativeConfig, max_model_len: int) -> Drafter:
+    """The scheduler-side drafter of ``config.method`` (``ValueError`` for ``hidden``: no engine
+    runs a hidden-state drafter)."""
+    drafters: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "draft": ModelDraftRows}
+    if config.method not in drafters:
+        raise ValueError(f"speculative method {config.method!r} is not supported by the engine; "
+                         f"use one of {sorted(drafters)}")
+    return drafters[config.method](config, max_model_len)
 
 
 def last_token_recurs(request: Request) -> bool:

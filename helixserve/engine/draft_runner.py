@@ -1,0 +1,224 @@
+"""The ``draft`` method's drafter: a draft model beside the target, on its device and dtype, with
+a cache of its own, run before each step's target forward.
+
+**The cache.** The draft model's MLA pages and KDA state slots are its own pools with the
+target's page and slot ids: the same tokens sit at the same positions under the same block
+tables (a target page id indexes the draft pool as well), so the scheduler's one allocation
+serves both and the memory budget counts both (:func:`~helixserve.engine.rank_setup.size_cache`).
+After every step the draft cache holds exactly the tokens the target's does.
+
+**A step** (:meth:`DraftRunner.propose`), for a scheduled step of ``K`` = the most drafts of one
+sequence:
+
+0. the step's every sequence as the target runs it (prompt chunks, decodes), except that a
+   speculating sequence runs its last sampled token only; its row's argmax is draft 1;
+1. .. ``K``. forward ``j`` runs, for every speculating sequence with ``n >= j`` drafts, draft
+   ``j`` at position ``context_len + j`` (one row each, input the previous forward's argmax on
+   the device); a sequence with ``n > j`` gets draft ``j + 1`` from it. Forward ``K`` runs the
+   last drafts without the LM head, so that the draft cache holds all ``n + 1`` rows the target
+   verifies, as the target's does.
+
+Drafts are the draft model's argmax (a deterministic drafter: the verifier's rejection sampling
+treats them as one-hot proposals, exact at any temperature). Each forward's KDA layers keep, as a
+verify step's do (:mod:`helixserve.models.kda_spec`), the speculating rows' projected inputs and
+pre-step states; :func:`combined_record` puts them into one record shaped as the target's verify
+record (``n + 1`` rows per speculating sequence), so the target's ``keep`` rows roll the draft's
+KDA state back with the target's replay (:meth:`ModelRunner.rollback`). MLA positions of rejected
+drafts are simply rewritten by the next step. No CUDA graphs (the draft runs eagerly).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from helixserve.cache_layout import ModelCaches, cache_spec_for
+from helixserve.config import CacheConfig
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
+from helixserve.engine.runner import ModelRunner, PreparedStep, build_forward_batch
+from helixserve.engine.request import Request
+from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from helixserve.engine.spec.verify_step import kept_rows
+from helixserve.host_copy import to_device
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.kda_spec import KdaRecord, KdaSaved
+from helixserve.models.loading import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelError(ValueError):
+    """A draft model that cannot serve beside its target."""
+
+
+class DraftVocabMismatchError(DraftModelError):
+    """The draft checkpoint's vocabulary is not the target's (both sizes named)."""
+
+    def __init__(self, draft_model: Path, draft_vocab: int, target_vocab: int) -> None:
+        super().__init__(f"speculative.draft_model {draft_model} has vocab_size {draft_vocab}, the target model "
+                         f"has vocab_size {target_vocab}: a draft model must share the target's vocabulary")
+        self.draft_vocab, self.target_vocab = draft_vocab, target_vocab
+
+
+def draft_config(speculative: SpeculativeConfig | None, target: KimiModelConfig, cache: CacheConfig,
+                 is_world: bool) -> KimiModelConfig | None:
+    """The draft checkpoint's config (``None``: no ``draft`` method), checked against the target's
+    and the engine's before any weight is read (:class:`DraftModelError`)."""
+    if speculative is None or speculative.method != "draft":
+        return None
+    path = speculative.draft_model
+    assert path is not None  # SpeculativeConfig requires it for method draft
+    if is_world:
+        raise DraftModelError("speculative.method 'draft' runs in a single-process engine only; a gen world "
+                              "(dp x cp, or a disaggregated gen worker) supports method 'ngram'")
+    if cache.prefix_caching:
+        raise DraftModelError("speculative.method 'draft' does not run with cache.prefix_caching: the draft "
+                              "model keeps no KDA state checkpoints of cached prefixes")
+    cfg = KimiModelConfig.from_pretrained(path)
+    if cfg.vocab_size != target.vocab_size:
+        raise DraftVocabMismatchError(path, cfg.vocab_size, target.vocab_size)
+    for kind, draft_layers, target_layers in (("MLA", cfg.mla_layer_ids, target.mla_layer_ids),
+                                              ("KDA", cfg.kda_layer_ids, target.kda_layer_ids)):
+        if draft_layers and not target_layers:
+            raise DraftModelError(f"speculative.draft_model {path} has {kind} layers and the target none: its "
+                                  f"cache would have no {kind} pages or slots to share")
+    return cfg
+
+
+def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
+                       layout: CacheSizes, device: torch.device | str) -> DraftRunner | None:
+    """The draft model loaded at the target's dtype and device, its pools at the target's sizes
+    (``None`` without a draft config, :func:`draft_config`)."""
+    if speculative is None or cfg is None:
+        return None
+    assert speculative.draft_model is not None
+    if cfg.max_position_embeddings < layout.max_model_len:
+        raise DraftModelError(f"speculative.draft_model {speculative.draft_model} has max_position_embeddings "
+                              f"{cfg.max_position_embeddings} < the engine's max_model_len {layout.max_model_len}")
+    model = load_model(speculative.draft_model, dtype=dtype, device=device)
+    spec = cache_spec_for(cfg, dtype, layout.tokens_per_block, kda_num_heads=cfg.kda_num_heads)
+    logger.info("draft model %s loaded (%s, %s)", speculative.draft_model, dtype, device)
+    return DraftRunner(model, allocate_rank_caches(spec, layout, device), device)
+
+
+class DraftRunner:
+    """Runs the draft model of one engine (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: torch.device | str) -> None:
+        self.runner = ModelRunner(model, caches, device)
+        self.has_kda = bool(caches.kda_state)
+
+    @property
+    def caches(self) -> ModelCaches:
+        return self.runner.caches
+
+    @torch.inference_mode()
+    def propose(self, out: SchedulerOutput) -> KdaRecord | None:
+        """Run the draft model over ``out`` (see the module docstring) and write each speculating
+        sequence's drafts into its ``token_ids[1:]``. Returns the draft KDA record of the
+        speculating sequences (``None``: none speculates, or the draft model has no KDA)."""
+        spec = [i for i, s in enumerate(out.seqs) if s.num_draft_tokens]
+        num_drafts = [out.seqs[i].num_draft_tokens for i in spec]
+        first = SchedulerOutput(seqs=[_first_rows(s) for s in out.seqs])
+        records: list[KdaRecord] = []
+        tokens = self._forward(first, out.reset_slot_ids, spec, records, None)
+        drafts = [tokens] if tokens is not None else []
+        for j in range(1, max(num_drafts, default=0) + 1):
+            live = [i for i, n in zip(spec, num_drafts) if n >= j]
+            step = SchedulerOutput(seqs=[_draft_row(out.seqs[i], j) for i in live])
+            tokens = self._forward(step, [], list(range(len(live))), records, tokens)
+            if tokens is not None:
+                drafts.append(tokens)
+        if not spec:
+            return None
+        host = torch.cat(drafts).tolist()
+        at = 0
+        for j in range(max(num_drafts)):
+            for i, n in zip(spec, num_drafts):
+                if n > j:
+                    out.seqs[i].token_ids[1 + j] = host[at]
+                    at += 1
+        return combined_record(records, spec, num_drafts, out) if self.has_kda else None
+
+    def _forward(self, step: SchedulerOutput, reset_slot_ids: list[int], recorded: list[int],
+                 records: list[KdaRecord], input_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """One draft forward over ``step``; ``recorded``: its sequences whose KDA inputs are kept
+        (a record appended to ``records``). Returns the argmax of its sampled rows (``None``: none)."""
+        batch = build_forward_batch(step, self.runner.device)
+        if input_tokens is not None:
+            batch.input_ids.copy_(input_tokens)
+        if self.has_kda and recorded:
+            batch.kda_record = _record(step, recorded, self.runner.device)
+            if batch.kda_record.steps is not None:
+                batch.is_decode = False  # the row-by-row path keeps the inputs; the decode path does not
+            records.append(batch.kda_record)
+        logits = self.runner.run(PreparedStep(batch, reset_slot_ids, None))
+        return logits.argmax(dim=-1) if logits.shape[0] else None
+
+    def rollback(self, out: SchedulerOutput, record: KdaRecord, get_request: Callable[[str], Request | None]) -> None:
+        """After ``update_from_output`` of ``out``: roll the draft's KDA state back to the rows
+        the target kept (:func:`~helixserve.engine.spec.verify_step.kept_rows`)."""
+        self.runner.rollback(record, kept_rows(out, record, get_request))
+
+
+def _first_rows(seq: ScheduledSeq) -> ScheduledSeq:
+    """``seq`` as forward 0 runs it: a speculating sequence's last sampled token only, sampled;
+    anything else as scheduled, unsampled."""
+    if not seq.num_draft_tokens:
+        return ScheduledSeq(seq.request_id, seq.token_ids, seq.context_len, seq.block_table, seq.slot,
+                            seq.is_prefill, sample=False)
+    return ScheduledSeq(seq.request_id, seq.token_ids[:1], seq.context_len, seq.block_table, seq.slot,
+                        is_prefill=False, sample=True)
+
+
+def _draft_row(seq: ScheduledSeq, j: int) -> ScheduledSeq:
+    """Forward ``j``'s row of a speculating sequence: draft ``j`` (its token comes from the
+    previous forward), sampled while drafts are left to draw."""
+    return ScheduledSeq(seq.request_id, [0], seq.context_len + j, seq.block_table, seq.slot, is_prefill=False,
+                        sample=seq.num_draft_tokens > j)
+
+
+def _record(step: SchedulerOutput, recorded: list[int], device: torch.device) -> KdaRecord:
+    """A KDA record of one row (each sequence's last) of the sequences ``recorded``; row by row
+    when every sequence of ``step`` is one row after a cached context."""
+    ends, end = [], 0
+    for s in step.seqs:
+        end += s.num_tokens
+        ends.append(end - 1)
+    as_tensor = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), device)  # noqa: E731
+    slots = [step.seqs[i].slot for i in recorded]
+    record = KdaRecord(as_tensor(recorded), as_tensor([ends[i] for i in recorded]), list(range(len(recorded))),
+                       [1] * len(recorded), as_tensor(slots), list(recorded))
+    if all(s.num_tokens == 1 and s.context_len > 0 for s in step.seqs):
+        record.steps = [(as_tensor(list(range(len(step.seqs)))), as_tensor([s.slot for s in step.seqs]))]
+    return record
+
+
+def combined_record(records: list[KdaRecord], spec: list[int], num_drafts: list[int],
+                    out: SchedulerOutput) -> KdaRecord:
+    """The draft forwards' records as one verify record: speculating sequence ``p``'s rows
+    ``0 .. n_p`` (forward ``j``'s row for ``j``), sequence after sequence; the pre-step states
+    are forward 0's."""
+    order: list[int] = []
+    offsets = [0]
+    for j in range(len(records)):
+        offsets.append(offsets[-1] + sum(n >= j for n in num_drafts))
+    for p, n in enumerate(num_drafts):
+        order += [offsets[j] + sum(m >= j for m in num_drafts[:p]) for j in range(n + 1)]
+    device = records[0].slots.device
+    index = to_device(torch.tensor(order, dtype=torch.int64), device)
+    starts = [0]
+    for n in num_drafts[:-1]:
+        starts.append(starts[-1] + n + 1)
+    combined = KdaRecord(to_device(torch.tensor(spec, dtype=torch.int64), device), index, starts,
+                         [n + 1 for n in num_drafts], records[0].slots, list(spec))
+    for layer, first in records[0].layers.items():
+        parts = [r.layers[layer] for r in records]
+        combined.layers[layer] = KdaSaved(
+            *(torch.cat([getattr(s, name) for s in parts]).index_select(0, index) for name in ("qkv", "g", "beta")),
+            first.conv_state, first.kda_state)
+    return combined
