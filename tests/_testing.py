@@ -85,11 +85,19 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
+# the test files whose tests run in the interpreter child: one child runs them all, for the first
+# of them to ask (one child start-up, not one per file); a file not listed gets a child of its own
+INTERPRETER_FILES = ("tests/unit/test_gemm_batch_invariant.py", "tests/unit/test_gpu_kernels_interpret.py",
+                     "tests/unit/test_kernels_mxfp4.py", "tests/unit/test_mxfp4_decode_ptx.py")
+_CHILD_RUNS: dict[tuple[str, ...], tuple[int, str]] = {}  # files -> (exit status, output)
+
+
 def run_under_triton_interpreter(test_file: str) -> None:
     """Run ``test_file``'s tests in a child pytest with ``TRITON_INTERPRET=1`` (Triton decides at
     import whether kernels are interpreted); Triton from ``HELIXSERVE_TRITON_INTERP`` (a ``pip
     --target`` folder that ``make test`` fills) or the environment; skipped when neither has it,
-    and in the child itself (already the interpreter run)."""
+    and in the child itself (already the interpreter run). Fails when a test of ``test_file``
+    failed or errored there, or none of them ran."""
     if INTERPRETING:
         pytest.skip("already the interpreter run")
     import subprocess
@@ -101,11 +109,21 @@ def run_under_triton_interpreter(test_file: str) -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(extra).resolve()), env.get("PYTHONPATH")) if p)
     elif importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed (make test installs it for this test under .venv/triton-interp)")
-    # the file's GPU tests run in the parent, on the device; the child interprets the kernels
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", test_file]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                          cwd=str(Path(__file__).resolve().parents[1]))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    root = Path(__file__).resolve().parents[1]
+    mine = Path(test_file).resolve().relative_to(root).as_posix()
+    files = INTERPRETER_FILES if mine in INTERPRETER_FILES else (mine,)
+    if files not in _CHILD_RUNS:
+        # -rA: a line per test (PASSED / FAILED / ERROR, SKIPPED per reason) naming its file;
+        # the files' GPU tests run in the parent, on the device; the child interprets the kernels
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "not gpu",
+               "--continue-on-collection-errors", *files]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300 * len(files), cwd=root)
+        _CHILD_RUNS[files] = (proc.returncode, proc.stdout + proc.stderr)
+    status, output = _CHILD_RUNS[files]
+    outcomes = [line for line in output.splitlines() if mine in line and line.startswith(
+        ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"))]
+    failed = [line for line in outcomes if line.startswith(("FAILED", "ERROR"))]
+    assert status in (0, 1) and outcomes and not failed, "\n".join(failed) + "\n" + output[-6000:]
 
 
 @contextlib.contextmanager

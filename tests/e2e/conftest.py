@@ -10,7 +10,9 @@ settings changed, e.g. its ``speculative``). ``extra_ctx=n`` adds n more ctx wor
 
 A test module gets its running deployment from the ``dep`` fixture (one per module, stopped when
 the module ends). It changes the deployment by overriding ``dep_options`` (the keyword arguments
-of :class:`Deployment`) and, to serve another checkpoint, ``dep_checkpoint``."""
+of :class:`Deployment`) and, to serve another checkpoint, ``dep_checkpoint``. Modules that leave
+their deployment as they found it (no role killed or restarted) may instead name a
+``SHARED_DEPLOYMENT`` group: the group's modules run one after the other on one deployment."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any
 import pytest
 
 from helixserve.config import DeploymentConfig
-from helixserve.config import INTERNAL_SECRET_ENV, with_reserved_ports
+from helixserve.config import INTERNAL_SECRET_ENV, RestartPolicy, with_reserved_ports
 from helixserve.testing.servers import SECRET_HEADER, free_ports, http, new_secret, trust_workers, wait_until
 
 __all__ = ["MODEL", "REPO", "SECRET_HEADER", "Deployment", "free_ports", "http", "metric", "wait_until"]
@@ -43,6 +45,21 @@ def metric(url: str, name: str, default: float | None = None) -> float:
     if default is not None:
         return default
     raise KeyError(f"{name} not in {url}/metrics")
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass  # exited already, and with it its group
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 class Deployment:
@@ -124,7 +141,17 @@ class Deployment:
         for role in self.roles:
             self.start(role)
         self.wait_ready()
+        self._started = dict(self.procs)
         return self
+
+    def untouched(self) -> bool:
+        """Every role still the process :meth:`start_all` started, alive, and the router ready."""
+        if self.procs != getattr(self, "_started", None) or any(p.poll() is not None for p in self.procs.values()):
+            return False
+        try:
+            return http("GET", f"{self.router_url}/ready", timeout=5)[0] == 200
+        except OSError:
+            return False
 
     def wait_ready(self, timeout: float = 120) -> None:
         def up(url: str) -> bool:
@@ -190,19 +217,18 @@ class Deployment:
         """Signal ``role``'s process group and reap it (SIGKILL after 30 s); a process that already
         exited is only reaped (its group may be gone)."""
         proc = self.procs.pop(role)
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass  # exited already, and with it its group
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        _signal_group(proc, sig)
+        _reap(proc)
 
     def stop(self) -> None:
-        for role in list(self.procs):
-            self.kill(role, signal.SIGTERM)
+        """SIGTERM every role's process group at once (the router first: no new traffic), then
+        reap each (SIGKILL after 30 s): the roles shut down side by side."""
+        roles = sorted(self.procs, key=lambda role: role != "router")
+        procs = [self.procs.pop(role) for role in roles]
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        for proc in procs:
+            _reap(proc)
 
     def stats(self, role: str) -> dict:
         url = {"ctx": self.ctx_url, "gen": self.gen_url}[role]
@@ -246,20 +272,74 @@ def dep_checkpoint(k3_tiny) -> Path:
     return k3_tiny
 
 
+# a SHARED_DEPLOYMENT group's deployment. "disagg": the router -> ctx -> gen world default plus the
+# single-process baseline gen worker (recompute) that the router does not use; its gen world
+# restarts quickly (up to 5 times), for the group's last module (test_supervision) kills ranks
+SHARED_OPTIONS: dict[str, dict[str, Any]] = {
+    "disagg": {"baseline_gen": True, "gen": {"world_restart": RestartPolicy(max_restarts=5, backoff_s=0.2)}}}
+
+
 @pytest.fixture(scope="module")
-def dep_options() -> dict[str, Any]:
+def dep_options(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The module's :class:`Deployment` keyword arguments (a module overrides this fixture);
-    none: the default deployment."""
-    return {}
+    none: the default deployment, or its ``SHARED_DEPLOYMENT`` group's :data:`SHARED_OPTIONS`."""
+    return dict(SHARED_OPTIONS.get(_group(request.module) or "", {}))
+
+
+# (group, checkpoint, options) -> the deployment the last module of a SHARED_DEPLOYMENT group left running
+_SHARED: dict[tuple[str, str, str], Deployment] = {}
+
+
+def _group(module: Any) -> str | None:
+    return getattr(module, "SHARED_DEPLOYMENT", None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The e2e modules that name one ``SHARED_DEPLOYMENT`` group run one after the other (at the
+    place of the group's first module; every other module keeps its place), so that they share
+    one deployment."""
+    rank: dict[object, int] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        key = _group(module) or module
+        rank.setdefault(key, len(rank))
+    items.sort(key=lambda item: rank[_group(getattr(item, "module", None)) or getattr(item, "module", None)])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Once the last module of a group ended, its shared deployment stops."""
+    group = _group(getattr(nextitem, "module", None)) if nextitem is not None else None
+    for key in [k for k in _SHARED if k[0] != group]:
+        _SHARED.pop(key).stop()
+
+
+def pytest_sessionfinish() -> None:
+    """No shared deployment outlives the session (e.g. one stopped at a failure with -x)."""
+    for key in list(_SHARED):
+        _SHARED.pop(key).stop()
 
 
 @pytest.fixture(scope="module")
 def dep(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, dep_checkpoint: Path,
         dep_options: dict[str, Any]) -> Iterator[Deployment]:
-    """The module's deployment, every role started and ready; stopped when the module ends."""
-    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
-    d = Deployment(tmp_path_factory.mktemp(name), dep_checkpoint, **dep_options)
-    try:
-        yield d.start_all()
-    finally:
+    """The module's deployment, every role started and ready; stopped when the module ends.
+
+    A module that sets ``SHARED_DEPLOYMENT = "<group>"`` shares it with the group's other modules
+    of the same checkpoint and options: the next one gets it still running if every role the
+    deployment started is still the process it started and the router is ready (else a fresh
+    one). Such a module's checks of cumulative counters take their values at its start."""
+    group = _group(request.module)
+    key = (group, str(dep_checkpoint), repr(sorted(dep_options.items()))) if group else None
+    d = _SHARED.pop(key, None) if key else None
+    if d is not None and not d.untouched():
+        d.stop()
+        d = None
+    if d is None:
+        name = group or request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+        d = Deployment(tmp_path_factory.mktemp(name), dep_checkpoint, **dep_options).start_all()
+    yield d
+    if key is not None and d.untouched():
+        _SHARED[key] = d
+    else:
         d.stop()

@@ -1,8 +1,9 @@
 """Cache-aware routing: a router (``policy: cache_aware``) over 2 ctx workers caching prefixes and
-the gen world. Chat requests sharing a long system prompt, repeated, go to the ctx worker holding
-that prefix (the router tokenizes them with the chat template, as the ctx does) and hit its
-cache; a second prefix goes to the other worker; the router's index mirrors each worker's cached
-blocks, and when a ctx worker restarts its blocks are dropped and repeat traffic re-learns."""
+a gen worker (one process). Chat requests sharing a long system prompt, repeated, go to the ctx
+worker holding that prefix (the router tokenizes them with the chat template, as the ctx does)
+and hit its cache; a second prefix goes to the other worker; the router's index mirrors each
+worker's cached blocks, and when a ctx worker restarts its blocks are dropped and repeat traffic
+re-learns."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ SYSTEMS = {
 
 @pytest.fixture(scope="module")
 def dep_options() -> dict:
+    # the routing is the ctx side's: a gen worker of one process decodes
     return {"extra_ctx": 1, "cache": {"prefix_caching": True, "state_checkpoint_blocks": 2},
-            "router": {"policy": "cache_aware"}}
+            "router": {"policy": "cache_aware"}, "gen": {"cp": 1}}
 
 
 def _router_ctx(dep) -> list[dict]:

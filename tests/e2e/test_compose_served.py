@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,14 +168,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     timings = timings_of(run_script(env, "prepare", timeout=900).stdout)
     checkpoint_dir = tmp / "checkpoint"
     run_script(env, "checkpoint", str(checkpoint_dir), timeout=120)
-    baseline_started = time.monotonic()
-    baseline = launch_baseline(tmp, checkpoint_dir / "kimi-k3-tiny")
-    timings["launch_baseline"] = time.monotonic() - baseline_started
     url = f"http://127.0.0.1:{port}"
-    stack = Stack(env=env, url=url, secret=secret, api_key=api_key, baseline=baseline, timings=timings)
+    stack = Stack(env=env, url=url, secret=secret, api_key=api_key, baseline={}, timings=timings)
     try:
         up_started = time.monotonic()
-        stack.timings.update(timings_of(stack.script("up", timeout=400).stdout))
+        with ThreadPoolExecutor(1) as pool:  # compose brings the stack up while launch answers
+            up = pool.submit(stack.script, "up", timeout=400)
+            stack.baseline = launch_baseline(tmp, checkpoint_dir / "kimi-k3-tiny")
+            stack.timings["launch_baseline"] = time.monotonic() - up_started
+            stack.timings.update(timings_of(up.result().stdout))
         wait_until(lambda: is_ready(url), READY_TIMEOUT_S, f"the router's /ready at {url}", interval=0.5)
         stack.timings["up_to_ready"] = time.monotonic() - up_started
         yield stack

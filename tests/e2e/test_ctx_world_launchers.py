@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from helixserve.config import INTERNAL_SECRET_ENV, DeploymentConfig
@@ -37,25 +39,37 @@ def _body(prompt: list[int]) -> dict[str, Any]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-def test_serve_ctx_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, k3_tiny) -> Iterator[str]:
+    """The URL of the single-process worker the ctx worlds answer as (a recompute gen worker), one
+    for the module's worlds; started, not waited for (a test waits for it beside its world)."""
+    d = Deployment(tmp_path_factory.mktemp("ctx_world_baseline"), k3_tiny, baseline_gen=True,
+                   ctx={"tp": TP}, gen={"dp": 1, "cp": 1, "kv_source": "recompute"})
+    try:
+        d.start("baseline")
+        yield d.baseline_url
+    finally:
+        d.stop()
+
+
+def test_serve_ctx_as_srun_tasks_is_one_world(tmp_path, k3_tiny, baseline):
     """``srun -n 2 helixserve serve-ctx`` (SLURM_PROCID / SLURM_NTASKS, MASTER_ADDR / MASTER_PORT as
     the SLURM launcher exports them): task 0 is rank 0 and serves, task 1 joins as rank 1 (no rank
     spawned); it answers as the single-process worker does, and a dead task makes the ctx worker
     exit non-zero (srun started the ranks: no restart in place)."""
-    d = Deployment(tmp_path, k3_tiny, baseline_gen=True, ctx={"tp": TP, "collective_timeout_s": 30},
+    d = Deployment(tmp_path, k3_tiny, ctx={"tp": TP, "collective_timeout_s": 30},
                    gen={"dp": 1, "cp": 1, "kv_source": "recompute"})
     (master_port,) = free_ports(1)
     try:
         d.start_srun_tasks("ctx", TP, master_port)
-        d.start("baseline")
-        for url in (d.ctx_url, d.baseline_url):
+        for url in (d.ctx_url, baseline):
             wait_until(lambda u=url: _status(f"{u}/ready") == 200, 180, f"{url}/ready",
                        state=lambda: d.log("ctx-task0")[-800:])
         health = http("GET", f"{d.ctx_url}/health")[1]
         assert health["world"] == {"dp": 1, "cp": TP, "rank_pids": [None], "failure": None, "restarts": 0}
         for seed, n in enumerate((1, 5, 17)):
             got = http("POST", f"{d.ctx_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
-            want = http("POST", f"{d.baseline_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
+            want = http("POST", f"{baseline}/v1/completions", _body(_prompt(seed, n)), timeout=120)
             assert got[0] == want[0] == 200, (got, want)
             assert got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
         d.kill_task1_and_expect_task0_to_fail("ctx")
@@ -63,10 +77,10 @@ def test_serve_ctx_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
         d.stop()
 
 
-def test_serve_ctx_under_torchrun_is_one_world(tmp_path, k3_tiny):
+def test_serve_ctx_under_torchrun_is_one_world(tmp_path, k3_tiny, baseline):
     """``torchrun --nproc-per-node 2 -m helixserve.cli serve-ctx``: its agent serves the rendezvous
     store on MASTER_PORT; rank 0 serves (no rank spawned) and answers as the single-process worker."""
-    d = Deployment(tmp_path, k3_tiny, baseline_gen=True, ctx={"tp": TP, "collective_timeout_s": 30},
+    d = Deployment(tmp_path, k3_tiny, ctx={"tp": TP, "collective_timeout_s": 30},
                    gen={"dp": 1, "cp": 1, "kv_source": "recompute"})
     (master_port,) = free_ports(1)
     try:
@@ -76,17 +90,16 @@ def test_serve_ctx_under_torchrun_is_one_world(tmp_path, k3_tiny):
                  "127.0.0.1", "--master-port", str(master_port), "-m", "helixserve.cli", "--log-level", "WARNING",
                  "serve-ctx", "-c", str(d.config_file)],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=d.environment())
-        d.start("baseline")
         torchrun = d.procs["ctx"]
-        for url in (d.ctx_url, d.baseline_url):
-            wait_until(lambda u=url: _status(f"{u}/ready") == 200 or torchrun.poll() is not None, 180, f"{url}/ready",
-                       state=lambda: d.log("ctx")[-800:])
+        for url in (d.ctx_url, baseline):
+            wait_until(lambda u=url: _status(f"{u}/ready") == 200 or torchrun.poll() is not None, 180,
+                       f"{url}/ready", state=lambda: d.log("ctx")[-800:])
         assert torchrun.poll() is None, d.log("ctx")
         health = http("GET", f"{d.ctx_url}/health")[1]
         assert health["world"] == {"dp": 1, "cp": TP, "rank_pids": [None], "failure": None, "restarts": 0}
         for seed, n in enumerate((1, 17)):
             got = http("POST", f"{d.ctx_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
-            want = http("POST", f"{d.baseline_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
+            want = http("POST", f"{baseline}/v1/completions", _body(_prompt(seed, n)), timeout=120)
             assert got[0] == want[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
     finally:
         d.stop()

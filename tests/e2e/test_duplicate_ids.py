@@ -11,6 +11,8 @@ import threading
 
 from tests.e2e.conftest import MODEL, Deployment, http, wait_until
 
+SHARED_DEPLOYMENT = "disagg"  # conftest: one deployment for these modules
+
 PROMPT = list(range(100, 117))  # 17 tokens: 5 blocks of 4, the last one partial
 OTHER_PROMPTS = [list(range(300 + 40 * i, 333 + 40 * i)) for i in range(4)]  # 33 tokens each
 BODY = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -48,9 +48,13 @@ OUT_OF_RANGE = [("top_k", b"9223372036854775808"), ("top_k", b"1e30"), ("top_k",
                 ("seed", b"18446744073709551616"), ("max_tokens", b"2147483648"), ("top_p", b"1e999")]
 
 
+HEADER_TIMEOUT_S = 3.0  # the workers close a connection that sent no request this long
+
+
 @pytest.fixture(scope="module")
 def dep_options() -> dict:
-    return {"limits": LimitsConfig(max_prompt_tokens=MAX_PROMPT_TOKENS)}
+    connections = {"connections": {"timeout_header_s": HEADER_TIMEOUT_S}}
+    return {"limits": LimitsConfig(max_prompt_tokens=MAX_PROMPT_TOKENS), "ctx": connections, "gen": connections}
 
 
 def _conn(url: str, timeout: float = 60) -> httplib.HTTPConnection:
@@ -324,7 +328,8 @@ def _closed_by(url: str, role: str, reason: str) -> float:
 
 def test_workers_export_their_connection_counts(dep):
     """A worker's ``/metrics`` shows its connection guard as the router's does: open connections
-    now, and those it closed by reason (an idle one here, closed at its keep-alive deadline)."""
+    now, and those it closed by reason (an idle one here, closed at its header deadline,
+    ``HEADER_TIMEOUT_S``)."""
     urls = {"ctx": dep.ctx_url, "gen": dep.gen_url}
     before = {role: _closed_by(url, role, "idle_timeout") for role, url in urls.items()}
     idle = {role: socket.create_connection((urlparse(url).hostname, urlparse(url).port), timeout=30)

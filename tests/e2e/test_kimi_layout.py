@@ -69,7 +69,7 @@ def test_generation_stops_on_the_generation_config_eos_ids(tmp_path_factory, kim
     ckpt = shutil.copytree(kimi_ckpt, tmp_path / "all_eos")
     # every id is an eos id: each request stops on its first token
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(512)), **GEN_DEFAULTS}))
-    d = Deployment(tmp_path_factory.mktemp("kimi_eos"), ckpt)
+    d = Deployment(tmp_path_factory.mktemp("kimi_eos"), ckpt, gen={"cp": 1})  # a gen worker of one process
     try:
         client = d.start_all().client()
         done = client.completions.create(model=MODEL, prompt="hello the world", max_tokens=8)

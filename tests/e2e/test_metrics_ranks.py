@@ -13,6 +13,8 @@ from urllib.parse import urlparse
 
 from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
+SHARED_DEPLOYMENT = "disagg"  # conftest: one deployment for these modules
+
 RANK_GAUGES = ("rank_cache_blocks_used", "rank_cache_blocks_total", "rank_state_slots_used",
                "rank_state_slots_total")
 SAMPLE = re.compile(r"^helixserve_worker_(\w+)\{(.*)\} (\S+)$")

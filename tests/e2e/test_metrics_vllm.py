@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MODEL, Deployment, http, wait_until
 
+SHARED_DEPLOYMENT = "disagg"  # conftest: one deployment for these modules
+
 # vLLM name -> (our name, type): vllm/v1/metrics/loggers.py; the ITL histogram has two vLLM names
 ALIASES = {
     "vllm:time_to_first_token_seconds": ("helixserve_router_time_to_first_token_seconds", "histogram"),
@@ -64,6 +66,8 @@ def assert_aliases_equal_ours(dep: Deployment, types: dict[str, str], samples: S
 
 
 def test_vllm_names_equal_ours_after_requests_and_while_a_stream_holds_the_cache(dep: Deployment):
+    model = frozenset({("model_name", MODEL)})
+    before = scrape(dep.router_url)[1]  # the deployment is shared: counts move from here
     client = dep.client()
     for i in range(3):  # streamed: TTFT and ITL; usage counts prompt and generated tokens
         chunks = list(client.completions.create(
@@ -76,10 +80,13 @@ def test_vllm_names_equal_ours_after_requests_and_while_a_stream_holds_the_cache
 
     types, samples = scrape(dep.router_url)
     assert_aliases_equal_ours(dep, types, samples)
-    n_streamed = samples[("vllm:time_to_first_token_seconds_count", frozenset({("model_name", MODEL)}))]
-    assert n_streamed == 3  # the three streams (a non-streamed answer has no first-token time)
-    assert samples[("vllm:prompt_tokens_total", frozenset({("model_name", MODEL)}))] > 0
-    assert samples[("vllm:generation_tokens_total", frozenset({("model_name", MODEL)}))] >= 3 * 6 + 1
+
+    def moved(name: str) -> float:
+        return samples[(name, model)] - before.get((name, model), 0.0)
+    # the three streams (a non-streamed answer has no first-token time)
+    assert moved("vllm:time_to_first_token_seconds_count") == 3
+    assert moved("vllm:prompt_tokens_total") > 0
+    assert moved("vllm:generation_tokens_total") >= 3 * 6 + 1
 
     # a stream held open: gen holds its blocks, the router one running request
     parsed = urlparse(dep.router_url)
@@ -99,7 +106,7 @@ def test_vllm_names_equal_ours_after_requests_and_while_a_stream_holds_the_cache
         types, samples = scrape(dep.router_url)
         assert_aliases_equal_ours(dep, types, samples)
         assert 0 < samples[("vllm:kv_cache_usage_perc", gen)] < 1
-        assert samples[("vllm:num_requests_running", frozenset({("model_name", MODEL)}))] == 1
+        assert samples[("vllm:num_requests_running", model)] == 1
     finally:
         response.read()
         conn.close()

@@ -23,16 +23,14 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
 
 from tests.e2e.conftest import MODEL, SECRET_HEADER, http
 
+# conftest: one deployment for these modules; its baseline worker is a gen worker without a KV
+# source: fuzzed generation_only params are served by recomputing the prompt, never by dialling
+# whatever ctx endpoint they name
+SHARED_DEPLOYMENT = "disagg"
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 MAX_EXAMPLES = 12  # per operation and generation mode
-
-
-@pytest.fixture(scope="module")
-def dep_options() -> dict:
-    # the baseline worker is a gen worker without a KV source: fuzzed generation_only params
-    # are served by recomputing the prompt, never by dialling whatever ctx endpoint they name
-    return {"baseline_gen": True}
 
 
 def _run(url: str, headers: dict[str, str]) -> list[str]:

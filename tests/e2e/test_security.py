@@ -21,6 +21,8 @@ from helixserve.config import INTERNAL_SECRET_ENV
 from helixserve.testing.servers import SECRET_HEADER
 from tests.e2e.conftest import MODEL, REPO, Deployment, free_ports, http, wait_until
 
+SHARED_DEPLOYMENT = "disagg"  # conftest: one deployment for these modules
+
 WILDCARDS = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0 and :: in /proc/net/tcp*
 
 

@@ -18,6 +18,8 @@ import pytest
 
 from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
+SHARED_DEPLOYMENT = "disagg"  # conftest: one deployment for these modules
+
 # token-id prompts of 1..33 tokens: with tokens_per_block=4 they end inside and on block edges
 ID_PROMPTS = [[65], [72, 105, 33], [1, 2, 3, 4], [10, 20, 30, 40, 50], list(range(40, 49)),
               list(range(100, 117)), list(range(200, 233))]
@@ -25,11 +27,6 @@ TEXT_PROMPTS = ["Hello, helix", "The quick brown fox jumps over the lazy dog", "
 GREEDY = {"temperature": 0.0}
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
 IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def dep_options() -> dict:
-    return {"baseline_gen": True}
 
 
 def complete(client: openai.OpenAI, prompt, max_tokens: int = 8, stream: bool = False,
@@ -71,6 +68,19 @@ def chat(client: openai.OpenAI, content: str, max_tokens: int = 8, stream: bool 
             usage = chunk.usage.model_dump()
     assert roles == ["assistant"]
     return text, finish, usage
+
+
+def _samples(url: str) -> dict[str, float]:
+    """``sample (name and labels) -> value`` of a ``/metrics`` page."""
+    lines = http("GET", f"{url}/metrics")[1].splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def at_start(dep) -> dict[str, dict[str, float]]:
+    """Every counter of router, ctx and gen as this module starts (the deployment is shared)."""
+    return {role: _samples(url) for role, url in (("router", dep.router_url), ("ctx", dep.ctx_url),
+                                                   ("gen", dep.gen_url))}
 
 
 def test_models_health_and_ready(dep):
@@ -309,24 +319,34 @@ def test_api_keys_from_the_environment(dep, tmp_path):
         proc.wait(10)
 
 
-def test_metrics_count_requests_tokens_and_latencies(dep):
-    text = http("GET", f"{dep.router_url}/metrics")[1]
+def test_metrics_count_requests_tokens_and_latencies(dep, at_start):
+    now = {role: _samples(url) for role, url in (("router", dep.router_url), ("ctx", dep.ctx_url),
+                                                  ("gen", dep.gen_url))}
+
+    def moved(role: str, name: str) -> float:
+        """How far the sample ``name`` (with its labels, or the first labeled one) of ``role``
+        moved while this module ran."""
+        sample = next(s for s in now[role] if s == name or ("{" not in name and s.startswith(name + "{")))
+        return now[role][sample] - at_start[role].get(sample, 0.0)
+
     for name in ("helixserve_router_time_to_first_token_seconds_count",
                  "helixserve_router_inter_token_latency_seconds_count",
                  "helixserve_router_e2e_request_latency_seconds_count",
                  "helixserve_router_queue_time_seconds_count",
                  "helixserve_router_prompt_tokens_total", "helixserve_router_generation_tokens_total"):
-        assert metric(dep.router_url, name) > 0, name
-    assert 'helixserve_router_requests_total{endpoint="/v1/completions",status="200"}' in text
-    assert 'status="400"' in text and 'status="404"' in text
-    assert "helixserve_router_worker_healthy" in text
-    assert metric(dep.router_url, "helixserve_router_requests_running") == 0
-    assert metric(dep.ctx_url, "helixserve_worker_pickups_released_total") > 0
-    assert metric(dep.ctx_url, "helixserve_worker_pickups_expired_total") == 0
+        assert moved("router", name) > 0, name
+    assert moved("router", 'helixserve_router_requests_total{endpoint="/v1/completions",status="200"}') > 0
+    for status in ("400", "404"):
+        assert any(moved("router", sample) > 0 for sample in now["router"]
+                   if sample.startswith("helixserve_router_requests_total{") and f'status="{status}"' in sample)
+    assert any(sample.startswith("helixserve_router_worker_healthy") for sample in now["router"])
+    assert now["router"]["helixserve_router_requests_running"] == 0
+    assert moved("ctx", "helixserve_worker_pickups_released_total") > 0
+    assert moved("ctx", "helixserve_worker_pickups_expired_total") == 0
     for role, url in (("ctx", dep.ctx_url), ("gen", dep.gen_url)):  # KV transfers, per worker
         labels = f'{{role="{role}",url="{url}"}}'
-        assert metric(dep.router_url, f"helixserve_router_worker_kv_transfer_bytes{labels}") > 0
-        assert metric(dep.router_url, f"helixserve_router_worker_kv_transfer_seconds{labels}") > 0
-        assert metric(dep.router_url, f"helixserve_router_worker_kv_transfer_failures{labels}") == 0
-    assert metric(dep.gen_url, "helixserve_worker_kv_transfer_bytes_total") == \
-        metric(dep.ctx_url, "helixserve_worker_kv_transfer_bytes_total")  # every shard, counted once
+        assert moved("router", f"helixserve_router_worker_kv_transfer_bytes{labels}") > 0
+        assert moved("router", f"helixserve_router_worker_kv_transfer_seconds{labels}") > 0
+        assert moved("router", f"helixserve_router_worker_kv_transfer_failures{labels}") == 0
+    assert moved("gen", "helixserve_worker_kv_transfer_bytes_total") == \
+        moved("ctx", "helixserve_worker_kv_transfer_bytes_total")  # every shard, counted once

@@ -25,9 +25,9 @@ RESTART_BOUND_S = 90  # a restarted tiny world: spawn, rendezvous, load (slow on
 FAIL_BOUND_S = 10
 
 
-@pytest.fixture(scope="module")
-def dep_options() -> dict:
-    return {"gen": {"world_restart": RestartPolicy(max_restarts=5, backoff_s=0.2)}}
+# conftest: one deployment for these modules (this one last: it kills gen world ranks, and the
+# group's gen world restarts up to 5 times, 0.2 s apart)
+SHARED_DEPLOYMENT = "disagg"
 
 
 def _long_body(stream: bool, chat: bool = False) -> dict:

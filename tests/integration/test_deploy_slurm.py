@@ -77,9 +77,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_config(path: Path, checkpoint: Path) -> int:
-    """A one-ctx, one-gen tiny deployment on free ports; returns the router port."""
-    router_port, ctx_port, transceiver_port, gen_port = free_ports(4)  # distinct (one at a time may repeat)
+def write_config(path: Path, checkpoint: Path, ports: list[int] | None = None) -> int:
+    """A one-ctx, one-gen tiny deployment on ``ports`` (4; default: free ones); returns the router port."""
+    router_port, ctx_port, transceiver_port, gen_port = ports or free_ports(4)  # distinct (one at a time may repeat)
     config = {
         "model": {"path": str(checkpoint), "served_name": "kimi-k3-tiny"},
         "cache": {"memory_budget_mib": 64, "max_num_seqs": 16},
@@ -195,14 +195,21 @@ def assert_nothing_left(job_id: str, timeout_s: float = 20) -> None:
 def test_sbatch_serves_the_local_launchers_answers_and_scancel_leaves_nothing(
         slurm_cluster: Cluster, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     config = tmp_path / "deployment.yaml"
-    router_port = write_config(config, tiny_checkpoints["kimi-k3-tiny"])
-    expected = local_launcher_answers(config, router_port, tmp_path / "launch.log")
+    ports = free_ports(8)
+    router_port = write_config(config, tiny_checkpoints["kimi-k3-tiny"], ports[:4])
+    local = tmp_path / "local.yaml"  # the same deployment on other ports: launched while the job starts
+    local_port = write_config(local, tiny_checkpoints["kimi-k3-tiny"], ports[4:])
 
     job_dir = tmp_path / "job"
     began = time.monotonic()
     job_id = submit(slurm_cluster, tmp_path, "-c", str(config), "--job-dir", str(job_dir),
                     "--ready-timeout", "150", "--grace", "5")
     output = tmp_path / f"slurm-{job_id}.out"
+    try:
+        expected = local_launcher_answers(local, local_port, tmp_path / "launch.log")
+    except BaseException:
+        slurm_cluster.run("scancel", job_id)
+        raise
     wait_for_ready(slurm_cluster, job_id, job_dir, output, 200)
     url = (job_dir / "ready").read_text().strip()
     print(f"\njob {job_id} ready at {url} {time.monotonic() - began:.1f} s after sbatch")
