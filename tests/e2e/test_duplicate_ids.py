@@ -38,8 +38,11 @@ def _pickup_body(ctx_answer: dict, prompt: list[int], **extra) -> dict:
 
 
 def _assert_duplicate(status: int, answer: dict) -> None:
+    """400 with OpenAI's error body: the duplicate_request_id code and a message naming the id."""
     assert status == 400, answer
-    pass  # TMP
+    error = answer["error"]
+    assert error["code"] == "duplicate_request_id" and error["type"] == "invalid_request_error", answer
+    assert "request id" in error["message"], answer
 
 
 def test_duplicate_id_on_ctx_does_not_touch_the_held_prefill(dep):
