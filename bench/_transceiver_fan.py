@@ -1,8 +1,9 @@
-"""The transceiver bench's fan-in rows: one request to a gen CP group of 2 ranks, from a ctx worker
-of one rank (tp 1) and from a ctx world of 2 ranks (tp 2: each gen rank pulls its part from the
-ctx rank holding it, :mod:`helixserve.transceiver.fan`), in the same run between the same two
-processes (the ctx side: every sender; the gen side: both gen ranks' receivers, each its own UCX
-worker), alternating, paired per round. Seconds: both gen ranks started -> both complete."""
+"""The transceiver bench's fan-in rows: one request to a gen CP group of 1, 2 or 4 ranks, from a ctx
+worker of one rank (tp 1) and from a ctx world of 2 ranks (tp 2: each gen rank pulls its part from
+the ctx rank holding it, :mod:`helixserve.transceiver.fan`), in the same run between the same two
+processes (the ctx side: every sender; the gen side: every gen rank's receiver, each its own UCX
+worker), every (tp, cp) pair in turn each round, paired per round. Seconds: every gen rank
+started -> every one complete."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import time
 
 TPB = 16
 PRESET = "kimi-linear-48b"
-CP = 2  # the gen CP group
+GEN_CPS = (1, 2, 4)  # the gen CP groups
+PAIRS = [(tp, cp) for cp in GEN_CPS for tp in (1, 2)]  # (ctx tp, gen cp)
 TICK_S = 0.0002  # the gen side's poll tick (both rows alike)
 
 
 def _parts(max_tokens: int, tp: int, rank: int, reps: int):  # noqa: ANN202
-    """(layout, caches, cache manager) of rank `rank` of `tp` (ctx) or of `CP` (gen: ``tp`` CP)."""
+    """(layout, caches, cache manager) of rank `rank` of `tp` (ctx) or of a gen CP group (``tp``: its cp)."""
     import torch
 
     from helixserve.cache_layout import cache_spec_for
@@ -33,6 +35,18 @@ def _parts(max_tokens: int, tp: int, rank: int, reps: int):  # noqa: ANN202
         pool.fill_(1.0)  # touch every page before timing
     layout = layout_for(cfg, torch.bfloat16, TPB, PRESET)
     return layout, caches, CacheManager(num_blocks, 2, TPB, rank, tp)
+
+
+def fan_request_bytes(num_tokens: int) -> int:
+    """The bytes one request moves: its MLA pages and one KDA state + conv state (all heads)."""
+    import torch
+
+    from helixserve.cache_layout import cache_spec_for
+    from helixserve.kvcache.pools import bytes_per_block, bytes_per_slot
+    from helixserve.models.presets import get_preset
+
+    spec = cache_spec_for(get_preset(PRESET), torch.bfloat16, TPB)
+    return -(-num_tokens // TPB) * bytes_per_block(spec) + bytes_per_slot(spec)
 
 
 def _config():  # noqa: ANN202
@@ -78,35 +92,40 @@ def _gen_main(max_tokens: int, reps: int, inbox, outbox) -> None:  # noqa: ANN00
     from helixserve.transceiver.gen.receiver import KVReceiver
 
     torch.set_num_threads(1)
-    ranks = []
-    for r in range(CP):
-        layout, caches, manager = _parts(max_tokens, CP, r, reps)
-        ranks.append((KVReceiver(_config(), layout, cp_rank=r, cp_size=CP, gen_rank=r), caches, manager))
+    groups = {}
+    for cp in GEN_CPS:
+        ranks = []
+        for r in range(cp):
+            layout, caches, manager = _parts(max_tokens, cp, r, reps)
+            ranks.append((KVReceiver(_config(), layout, cp_rank=r, cp_size=cp, gen_rank=r), caches, manager))
+        groups[cp] = ranks
     outbox.put("ready")
     while (cmd := inbox.get())[0] != "stop":
-        _, rid, ticket = cmd
+        _, cp, rid, ticket = cmd
+        ranks = groups[cp]
         start = time.perf_counter()
         for receiver, caches, manager in ranks:
             receiver.start(rid, manager.allocate(rid, ticket.num_prompt_tokens), caches, ticket)
-        pending = {r: rid for r in range(CP)}
+        pending = set(range(cp))
         while pending:
             for r in list(pending):
                 done = ranks[r][0].poll(wait_num=0)
                 if rid in done:
                     assert done[rid] is None, done[rid]
-                    del pending[r]
+                    pending.discard(r)
             time.sleep(TICK_S)
         elapsed = time.perf_counter() - start
         for _, _, manager in ranks:
             manager.free(rid)
         outbox.put(elapsed)
-    for receiver, _, _ in ranks:
-        receiver.close()
+    for ranks in groups.values():
+        for receiver, _, _ in ranks:
+            receiver.close()
 
 
-def bench_fan(num_tokens: int, reps: int) -> dict[str, list[float]]:
-    """Seconds per request to the gen CP group of 2, from ctx tp 1 and from ctx tp 2 (paired rounds,
-    one warm-up round each)."""
+def bench_fan(num_tokens: int, reps: int) -> dict[tuple[int, int], list[float]]:
+    """Seconds per request for each (ctx tp, gen cp) of :data:`PAIRS` (paired rounds, one warm-up
+    round each)."""
     from helixserve.models.presets import get_preset
     from helixserve.protocol.disagg import TransceiverEndpoint
     from helixserve.transceiver.layout import layout_for
@@ -123,19 +142,19 @@ def bench_fan(num_tokens: int, reps: int) -> dict[str, list[float]]:
         endpoints = {tp: [TransceiverEndpoint(**e) for e in es] for tp, es in ctx_out.get(timeout=120).items()}
         assert gen_out.get(timeout=120) == "ready"
         layout = layout_for(get_preset(PRESET), torch.bfloat16, TPB, PRESET)
-        out: dict[str, list[float]] = {"tp1": [], "tp2": []}
+        out: dict[tuple[int, int], list[float]] = {pair: [] for pair in PAIRS}
         for rep in range(reps + 1):
-            for tp in (1, 2):
-                rid = f"fan{tp}-{rep}"
+            for tp, cp in PAIRS:
+                rid = f"fan{tp}-{cp}-{rep}"
                 ctx_in.put(("hold", tp, rid, num_tokens))
                 assert ctx_out.get(timeout=60) == "held"
                 world = layout.model_copy(update={"ctx_tp_size": tp})
                 ticket = KVTicket(rid, endpoints[tp][0], world, num_tokens, (1,),
                                   ctx_endpoints=tuple(endpoints[tp]) if tp > 1 else ())
-                gen_in.put(("transfer", rid, ticket))
+                gen_in.put(("transfer", cp, rid, ticket))
                 seconds = gen_out.get(timeout=120)
                 if rep:  # the first round warms up
-                    out[f"tp{tp}"].append(seconds)
+                    out[(tp, cp)].append(seconds)
         return out
     finally:
         for inbox in (ctx_in, gen_in):

@@ -12,8 +12,10 @@ the gap between helixserve and the second is the per-request overhead (control r
 planning, posting from Python). Where available, also a NIXL WRITE of one buffer (nixl-cu12, UCX backend, DRAM; pass
 ``--nixl-path`` to a ``pip install --target`` dir) and ``ucx_perftest -t tag_bw`` (from the libucx
 wheel). GB/s = 1e9 bytes/s, median of ``--reps`` after one warm-up. Then the fan-in rows
-(``bench/_transceiver_fan.py``): the longest prompt to a gen CP group of 2, from a ctx worker of
-one rank and from a ctx world of 2 (each gen rank pulls from the ctx rank holding its part).
+(``bench/_transceiver_fan.py``): the longest prompt to every rank of a gen CP group of 1, 2 or 4,
+from a ctx worker of one rank and from a ctx world of 2 (each gen rank pulls from the ctx rank
+holding its part), with GB/s over the request's bytes and each ctx world's time over the one-rank
+ctx's to the same gen group.
 
 NIXL is probed once up front (import, then creating an agent in a child process, bounded); when it
 cannot run here that peer is skipped with the reason printed (and recorded as ``nixl_skipped``),
@@ -36,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
-from _transceiver_fan import bench_fan  # noqa: E402
+from _transceiver_fan import bench_fan, fan_request_bytes  # noqa: E402
 from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx, serving_receiver  # noqa: E402
 
 TPB = 16
@@ -324,16 +326,22 @@ def main() -> None:
                           "fan_in": fan})
 
 
-def fan_in_rows(num_tokens: int, reps: int) -> dict:
-    """The fan-in table (bench/_transceiver_fan.py): gen cp 2 from ctx tp 1 and from ctx tp 2."""
+def fan_in_rows(num_tokens: int, reps: int) -> list[dict]:
+    """The fan-in table (bench/_transceiver_fan.py): gen cp 1, 2 and 4 from ctx tp 1 and from ctx tp 2."""
     seconds = bench_fan(num_tokens, reps)
-    tp1, tp2 = statistics.median(seconds["tp1"]), statistics.median(seconds["tp2"])
-    paired = statistics.median(b / a for a, b in zip(seconds["tp1"], seconds["tp2"]))
-    print(f"\nfan-in: one {num_tokens}-token request to a gen CP group of 2 (both ranks), 2 processes\n")
-    print(markdown_table(["prompt tokens", "ctx tp 1 -> gen cp 2 ms", "ctx tp 2 -> gen cp 2 ms",
-                          "tp 2 / tp 1 (paired median)"], [[num_tokens, tp1 * 1e3, tp2 * 1e3, paired]]))
-    return {"tokens": num_tokens, "gen_cp": 2, "tp1_s": seconds["tp1"], "tp2_s": seconds["tp2"],
-            "tp2_over_tp1": paired}
+    nbytes = fan_request_bytes(num_tokens)
+    rows, out = [], []
+    for (tp, cp), times in seconds.items():
+        base = seconds[(1, cp)]
+        paired = statistics.median(b / a for a, b in zip(base, times))
+        median_s = statistics.median(times)
+        rows.append([f"ctx tp {tp} -> gen cp {cp}", median_s * 1e3, nbytes / median_s / 1e9, paired])
+        out.append({"tokens": num_tokens, "ctx_tp": tp, "gen_cp": cp, "seconds": times, "bytes": nbytes,
+                    "over_tp1": paired})
+    print(f"\nfan-in: one {num_tokens}-token request ({nbytes / 2**20:.1f} MiB) to every rank of a gen CP "
+          "group, 2 processes\n")
+    print(markdown_table(["pair", "ms (median)", "GB/s", "over ctx tp 1 -> same cp (paired median)"], rows))
+    return out
 
 
 def main_cuda(args) -> None:

@@ -166,7 +166,7 @@ def test_a_ctx_world_is_one_step_of_tp_tasks_with_its_own_rendezvous() -> None:
     """ctx[0] of tp 2 (ctx[1] of one rank): one srun step of 2 tasks whose MASTER_ADDR / MASTER_PORT
     name its node and the port after the gen worlds'; on GPUs one GPU per task, never shared."""
     deploy = DeploymentConfig(model={"path": "/m", "device": "cuda"},
-                              ctx=[{"port": 8100, "tp": 2}, {"port": 8101, "transceiver_port": 18101}],
+                              ctx=[{"port": 8100, "tp": 2}, {"port": 8101, "transceiver_port": 18102}],
                               gen=[{"port": 8200, "dp": 1, "cp": 2}, {"port": 8201, "dp": 1, "cp": 1}])
     placement = Placement(rdzv_port=29600).resolve(deploy, 2)
     placed = place(deploy, placement, ["n1", "n2"])
