@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
@@ -29,7 +30,7 @@ from helixserve.serving.worker_app import Worker
 logger = logging.getLogger(__name__)
 
 
-class DeferredCancels:
+class DeferredCancels(ABC):
     """A KV sender front's background work on the event loop: a router release's cancel after
     ``ctx[].release_grace_s`` (the gen ranks may still acknowledge), cancelled when it stops."""
 
@@ -39,8 +40,9 @@ class DeferredCancels:
         self.release_grace_s = release_grace_s
         self._tasks: set[asyncio.Task] = set()
 
+    @abstractmethod
     async def cancel(self, request_id: str, reason: str) -> bool:
-        raise NotImplementedError
+        """Cancel ``request_id``'s hold for ``reason``; whether one was held."""
 
     def cancel_later(self, request_id: str, reason: str) -> None:
         async def later() -> None:

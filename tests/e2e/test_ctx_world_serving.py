@@ -234,7 +234,9 @@ def test_a_ctx_rank_killed_while_holding_fails_the_pickup_and_the_world_restarts
     os.kill(rank1, signal.SIGKILL)
     status, err = _decode(world, params, prompt)
     assert status in (503, 504) and err["error"]["code"] in ("kv_transfer_failed", "kv_transfer_timeout"), err
-    assert f":{params['ctx_endpoints'][1]['port']}" in err["error"]["message"], err
+    # the world's failure also closes rank 0's sender: the gen names whichever ctx rank's
+    # transfer failed first, the killed one or rank 0
+    assert any(f":{e['port']}" in err["error"]["message"] for e in params["ctx_endpoints"]), err
     wait_until(lambda: _status(f"{world.ctx_url}/health") == _status(f"{world.router_url}/ready") == 200, 90,
                "the ctx world to restart and the router to see it", state=lambda: http("GET", f"{world.ctx_url}/health"))
     assert http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"] == restarts + 1

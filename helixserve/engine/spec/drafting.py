@@ -20,6 +20,8 @@ the request's lists, no copy) there is nothing to look up and the request drafts
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.request import Request
 from helixserve.engine.spec.ngram import propose_one
@@ -28,7 +30,7 @@ from helixserve.engine.spec.ngram import propose_one
 DRAFT_PLACEHOLDER = -1  # a reserved draft row's token until the draft model fills it
 
 
-class Drafter:
+class Drafter(ABC):
     """The caps every drafter applies (see the module docstring); ``propose`` is the method's."""
 
     method = ""
@@ -48,8 +50,9 @@ class Drafter:
                    self.max_model_len - 1 - request.num_tokens)
         return max(0, min(self.num_draft_tokens, room))
 
+    @abstractmethod
     def propose(self, request: Request, budget: int) -> list[int]:
-        raise NotImplementedError
+        """Drafts for ``request`` (maybe none): at most ``min(cap(request), budget)`` tokens."""
 
 
 class NgramDrafter(Drafter):
