@@ -193,3 +193,13 @@ def write_json(path: Path | None, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+async def sse_events(response, url: str):  # noqa: ANN001, ANN201 (an httpx streamed response; an async iterator)
+    """The JSON events of an OpenAI SSE stream (``[DONE]`` and non-data lines skipped);
+    ``RuntimeError`` on a non-200 answer."""
+    if response.status_code != 200:
+        raise RuntimeError(f"{url}: {response.status_code} {(await response.aread())[:300]!r}")
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: "):])

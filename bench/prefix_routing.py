@@ -17,7 +17,6 @@ the hit rate as a fraction of the 1-worker run's.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
+from _common import base_parser, machine_info, markdown_table, sse_events, write_json  # noqa: E402
 from serve import MODEL, REPO, Servers, _pct  # noqa: E402
 
 SETUPS = [("1 ctx (ideal)", 1, "round_robin"), ("2 ctx round_robin", 2, "round_robin"),
@@ -54,12 +53,7 @@ async def _turn(client, url: str, messages: list[dict], max_tokens: int) -> tupl
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{response.status_code} {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
+        async for event in sse_events(response, url):
             content = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
             if content:
                 ttft = ttft if ttft is not None else time.perf_counter() - began

@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import base_parser, machine_info, markdown_table, median, write_json  # noqa: E402
+from _common import base_parser, machine_info, markdown_table, median, sse_events, write_json  # noqa: E402
 
 from helixserve.config import INTERNAL_SECRET_ENV  # noqa: E402
 from helixserve.testing.servers import SECRET_HEADER, free_ports, new_secret, secret_for, trust_workers  # noqa: E402
@@ -129,12 +129,7 @@ async def _one(client, url: str, body: dict) -> dict:  # noqa: ANN001 (httpx.Asy
     chunk_times: list[float] = []
     num_tokens = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: {response.status_code} {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
+        async for event in sse_events(response, url):
             if "error" in event:
                 raise RuntimeError(f"{url}: stream error {event['error']}")
             if event.get("choices") and event["choices"][0].get("text"):

@@ -60,7 +60,7 @@ class GroupPrefixCacheManager(GroupCacheManager):
         if not n:
             return NO_HIT
         checkpoint = self.checkpoints.lookup(keys[n - 1]) if self.has_kda else None
-        per_rank = tuple(tuple(ids[:m._local_blocks(n)]) for m, (_, ids) in zip(self.prefix_ranks, matches))  # noqa: SLF001
+        per_rank = tuple(tuple(ids[:m.local_blocks(n)]) for m, (_, ids) in zip(self.prefix_ranks, matches))
         return PrefixHit(n * self.tokens_per_block, per_rank[0], checkpoint, per_rank)
 
     def _rank_hit(self, hit: PrefixHit, cp_rank: int) -> PrefixHit:

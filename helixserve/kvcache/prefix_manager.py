@@ -91,7 +91,7 @@ class PrefixCachingCacheManager(CacheManager):
         if not n:
             return NO_HIT
         checkpoint = self.checkpoints.lookup(keys[n - 1]) if self.has_kda else None
-        return PrefixHit(n * self.tokens_per_block, tuple(block_ids[:self._local_blocks(n)]), checkpoint)
+        return PrefixHit(n * self.tokens_per_block, tuple(block_ids[:self.local_blocks(n)]), checkpoint)
 
     def match_blocks(self, keys: Sequence[BlockKey], token_ids: Sequence[int], cache_salt: str | None
                      ) -> tuple[int, list[int]]:
@@ -115,7 +115,8 @@ class PrefixCachingCacheManager(CacheManager):
         """Exact accounting: a request is charged the blocks this rank holds for it."""
         return self._local(num_tokens)
 
-    def _local_blocks(self, num_logical: int) -> int:
+    def local_blocks(self, num_logical: int) -> int:
+        """The blocks this rank holds of the first ``num_logical`` logical blocks."""
         return self._local(num_logical * self.tokens_per_block)
 
     def can_allocate(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
