@@ -15,16 +15,31 @@ s): the blocks above with ``b % N == s`` and the heads of ``[r*H/c, (r+1)*H/c)``
 
 **Stream.** The shard is a list of segments in a fixed order: AUX; KDA_STATE per KDA layer;
 CONV_STATE per KDA layer; KV_BLOCKS per MLA layer (layers ascending, blocks ascending). A segment
-is ``num_units`` equal units (an MLA block, a head slice of a state, a conv section slice). Each
-segment is cut into messages of at most ``message_bytes``: whole units when a unit fits, else byte
-pieces of a unit; a message never spans two segments. Both sides compute the same cut from the
-layout alone (:func:`plan_messages`).
+is ``num_units`` equal units (an MLA block, a head slice of a state, a conv section slice). The
+stream is cut into messages of at most ``message_bytes`` (:func:`plan_messages`), each a list of
+pieces ``(segment, offset, nbytes)`` of consecutive segments of ONE payload kind (what is
+accounted per kind, the sender's tasks and the receiver's completion, stays per kind):
+
+- whole units of consecutive segments are packed greedily, so a request's message count follows
+  its bytes (about ``bytes / message_bytes`` plus one per kind), not its layer count: a 1-token
+  prompt of a 60-layer model is a handful of messages per (ctx rank, gen rank) pair, not one or
+  more per layer and kind;
+- a segment of half a message or more starts and ends messages of its own: such a segment is
+  sent and received in place where its memory is one run, while a packed message spans several
+  pools and goes through a staging copy on each side. On the host that copy runs at about the
+  speed of the transfer itself (a packed message costs about three times the memory traffic of
+  an in-place one), whereas a message costs a few tens of microseconds of Python: below half a
+  message the saved messages win, above it the avoided copies do. ``message_bytes`` thus also
+  sets what is packed: a smaller one sends more segments in place;
+- a unit larger than ``message_bytes`` is cut into byte pieces, in messages of their own.
+
+Both sides compute the same cut from the layout alone (:func:`plan_messages`).
 
 **Memory.** Each side maps every segment to its own tensors (:class:`SegmentMemory`): the ctx
 sender to its pools (``H/N`` heads) and the physical blocks of its local blocks, a receiver to its
 local-head pools (``H/c`` heads) and its local blocks. Consecutive units that are adjacent in memory are
-coalesced, so a message whose bytes are one run is sent / received in place; others are
-gathered / scattered through a staging buffer. The map is built by :mod:`memory_map` (per-pool
+coalesced, so a message whose bytes are one run is sent / received in place; others (a packed
+message, fragmented blocks) are gathered / scattered through a staging buffer. The map is built by :mod:`memory_map` (per-pool
 constants read once, one run list per pool shape shared by its layers); the segment and message
 lists of a stream shape are built once and copied (:func:`_stream`). The shard, segment, message
 and segment-memory types are :mod:`.segments`' (both this module and :mod:`.memory_map` build on them).
@@ -132,18 +147,59 @@ def shard_segments(spec: ShardSpec) -> list[Segment]:
     return segments
 
 
+class _Packer:
+    """Builds messages of pieces of one kind, at most `message_bytes` each (see `plan_messages`)."""
+
+    def __init__(self, message_bytes: int) -> None:
+        self.message_bytes = message_bytes
+        self.messages: list[Message] = []
+        self.kind: PayloadKind | None = None
+        self.pieces: list[tuple[int, int, int]] = []
+        self.nbytes = 0
+
+    def room(self, kind: PayloadKind) -> int:
+        """Bytes the open message can still take for `kind` (a new kind closes it)."""
+        if kind is not self.kind:
+            self.close()
+            self.kind = kind
+        return self.message_bytes - self.nbytes
+
+    def add(self, segment: int, offset: int, nbytes: int) -> None:
+        self.pieces.append((segment, offset, nbytes))
+        self.nbytes += nbytes
+
+    def close(self) -> None:
+        if self.pieces:
+            self.messages.append(Message(len(self.messages), self.kind, tuple(self.pieces), self.nbytes))
+        self.pieces, self.nbytes = [], 0
+
+
 def plan_messages(segments: Sequence[Segment], message_bytes: int) -> list[Message]:
-    """Cut every segment into messages of at most `message_bytes` (whole units when they fit)."""
+    """Cut the stream into messages of at most `message_bytes` (see the module docstring): whole
+    units of consecutive segments of one kind packed greedily; a segment of half a message or more
+    in messages of its own; a unit larger than a message cut into byte pieces."""
     if message_bytes < 1:
         raise ValueError(f"message_bytes must be >= 1, got {message_bytes}")
-    messages: list[Message] = []
+    packer = _Packer(message_bytes)
     for index, seg in enumerate(segments):
-        step = (message_bytes // seg.unit_bytes) * seg.unit_bytes if seg.unit_bytes <= message_bytes else message_bytes
-        for offset in range(0, seg.nbytes, step):
-            messages.append(Message(len(messages), seg.kind, index, offset, min(step, seg.nbytes - offset)))
-    if len(messages) > MAX_MESSAGES:
-        raise ValueError(f"{len(messages)} messages > {MAX_MESSAGES}: raise message_bytes")
-    return messages
+        is_alone = 2 * seg.nbytes >= message_bytes
+        if is_alone:
+            packer.close()
+        step = min(seg.unit_bytes, message_bytes)  # a unit, or a byte piece of a larger one
+        offset = 0
+        while offset < seg.nbytes:
+            take = min(packer.room(seg.kind) // step * step, seg.nbytes - offset)
+            if take == 0:
+                packer.close()
+                continue
+            packer.add(index, offset, take)
+            offset += take
+        if is_alone:
+            packer.close()
+    packer.close()
+    if len(packer.messages) > MAX_MESSAGES:
+        raise ValueError(f"{len(packer.messages)} messages > {MAX_MESSAGES}: raise message_bytes")
+    return packer.messages
 
 
 def wire_tag(tag_base: int, message_index: int) -> int:
@@ -256,7 +312,12 @@ class ShardPlan:
         return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:
-        return self.memory[message.segment].spans(message.offset, message.nbytes)
+        """Views of the message's bytes on this side, in stream order (one: it goes in place)."""
+        memory = self.memory
+        if len(message.pieces) == 1:
+            segment, offset, nbytes = message.pieces[0]
+            return memory[segment].spans(offset, nbytes)
+        return [span for segment, offset, nbytes in message.pieces for span in memory[segment].spans(offset, nbytes)]
 
     def kind_messages(self, kind: PayloadKind) -> list[Message]:
         return [m for m in self.messages if m.kind is kind]

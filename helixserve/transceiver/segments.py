@@ -1,7 +1,7 @@
 """The types a shard's stream is made of, below :mod:`.layout` (the shard mapping and the message
 plan) and :mod:`.memory_map` (each side's memory map), which both build on them: a receiver's
 share of a request (:class:`ShardSpec`), a segment of equal units (:class:`Segment`), a message
-of a segment's bytes (:class:`Message`) and where a segment's bytes live on one side
+of segments' bytes (:class:`Message`) and where a segment's bytes live on one side
 (:class:`SegmentMemory`)."""
 
 from __future__ import annotations
@@ -112,12 +112,13 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """Bytes ``[offset, offset + nbytes)`` of segment `segment`; travels with tag index `index`."""
+    """Pieces of consecutive segments of one payload kind, back to back; travels with tag index
+    `index`. A piece ``(segment, offset, nbytes)`` is bytes ``[offset, offset + nbytes)`` of
+    segment `segment`; `nbytes` is their total."""
 
     index: int
     kind: PayloadKind
-    segment: int
-    offset: int
+    pieces: tuple[tuple[int, int, int], ...]
     nbytes: int
 
 

@@ -1,5 +1,5 @@
 """The ctx -> gen shard mapping: blocks and heads per CP rank, segment order and sizes, message
-cuts, memory runs, the AUX payload and layout-descriptor checks (pure, no transport)."""
+cuts (their invariants over random layouts: test_transceiver_message_plan.py), memory runs, the AUX payload and layout-descriptor checks (pure, no transport)."""
 
 from __future__ import annotations
 
@@ -54,21 +54,34 @@ def test_segments_in_stream_order_with_shard_sizes():
     assert (by_kind[PayloadKind.KV_BLOCKS].unit_bytes, by_kind[PayloadKind.KV_BLOCKS].num_units) == (4 * 40 * 4, 3)
 
 
-def test_messages_are_whole_units_when_they_fit_and_never_span_segments():
-    segments = shard_segments(ShardSpec(LAYOUT, 23, 0, 1))
-    messages = plan_messages(segments, message_bytes=1300)  # 2 blocks of 640; KDA state 16 KiB split
+def test_messages_pack_whole_units_of_one_kind():
+    segments = shard_segments(ShardSpec(LAYOUT, 23, 1, 2))  # 0 AUX, 1-4 states, 5-8 conv, 9-10 blocks
+    messages = plan_messages(segments, message_bytes=5000)
     assert [m.index for m in messages] == list(range(len(messages)))
-    for seg_index, seg in enumerate(segments):
-        mine = [m for m in messages if m.segment == seg_index]
-        assert sum(m.nbytes for m in mine) == seg.nbytes
-        assert [m.offset for m in mine] == [sum(x.nbytes for x in mine[:i]) for i in range(len(mine))]
-        if seg.kind is PayloadKind.KV_BLOCKS:
-            assert [m.nbytes for m in mine] == [1280, 1280, 1280]
-        if seg.kind is PayloadKind.KDA_STATE:
-            assert max(m.nbytes for m in mine) == 1300 and len(mine) == -(-seg.nbytes // 1300)
-    assert plan_messages(segments, 1 << 30) == plan_messages(segments, 1 << 29)  # one message per segment
+    assert all({segments[s].kind for s, _, _ in m.pieces} == {m.kind} for m in messages)
+    conv = [m.pieces for m in messages if m.kind is PayloadKind.CONV_STATE]  # units of 768 B, 3 a layer
+    assert conv == [((5, 0, 2304), (6, 0, 2304)), ((7, 0, 2304), (8, 0, 2304))]
+    kv = [m.pieces for m in messages if m.kind is PayloadKind.KV_BLOCKS]  # 3 blocks of 640 B a layer
+    assert kv == [((9, 0, 1920), (10, 0, 1920))]
+    state = [m.pieces for m in messages if m.kind is PayloadKind.KDA_STATE]  # 8 KiB units: byte pieces
+    assert state == [p for i in (1, 2, 3, 4) for p in (((i, 0, 5000),), ((i, 5000, 3192),))]
+    units = [m.pieces for m in plan_messages(segments, 6000) if m.kind is PayloadKind.CONV_STATE]  # a layer split
+    assert units == [((5, 0, 2304), (6, 0, 2304), (7, 0, 768)), ((7, 768, 1536), (8, 0, 2304))]
+    whole = plan_messages(segments, 1 << 20)  # one message per kind
+    assert [(m.kind, len(m.pieces)) for m in whole] == [
+        (PayloadKind.AUX, 1), (PayloadKind.KDA_STATE, 4), (PayloadKind.CONV_STATE, 4), (PayloadKind.KV_BLOCKS, 2)]
     with pytest.raises(ValueError):
         plan_messages(segments, 0)
+
+
+def test_a_segment_of_half_a_message_travels_alone():
+    """A segment of at least half a message starts and ends its own messages (sent in place where
+    its memory is one run); smaller ones of its kind pack around it."""
+    segments = shard_segments(ShardSpec(LAYOUT, 23, 0, 1))  # KV segments of 3840 B
+    alone = plan_messages(segments, 7680)
+    assert [m.pieces for m in alone if m.kind is PayloadKind.KV_BLOCKS] == [((9, 0, 3840),), ((10, 0, 3840),)]
+    packed = plan_messages(segments, 7681)
+    assert [m.pieces for m in packed if m.kind is PayloadKind.KV_BLOCKS] == [((9, 0, 3840), (10, 0, 3840))]
 
 
 def test_segment_memory_coalesces_adjacent_units_and_spans_cross_runs():
