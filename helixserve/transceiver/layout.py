@@ -319,6 +319,32 @@ class ShardPlan:
             return memory[segment].spans(offset, nbytes)
         return [span for segment, offset, nbytes in message.pieces for span in memory[segment].spans(offset, nbytes)]
 
+    def in_place(self, message: Message) -> torch.Tensor | None:
+        """The one view holding the message's bytes on this side (sent / received in place), or
+        None: they are in several runs (a packed message, fragmented blocks) and are staged."""
+        if len(message.pieces) > 1:
+            return None
+        segment, offset, nbytes = message.pieces[0]
+        memory = self.memory[segment]
+        return memory.spans(offset, nbytes)[0] if memory.num_runs(offset, nbytes) == 1 else None
+
+    def device(self, message: Message) -> torch.device:
+        return self.memory[message.pieces[0][0]].flat.device
+
+    def gather(self, message: Message, out: torch.Tensor) -> None:
+        """Copy the message's bytes on this side into `out` (uint8, ``message.nbytes``)."""
+        start = 0
+        for segment, offset, nbytes in message.pieces:
+            self.memory[segment].copy_out(offset, nbytes, out[start : start + nbytes])
+            start += nbytes
+
+    def scatter(self, src: torch.Tensor, message: Message) -> None:
+        """Copy `src` (uint8, ``message.nbytes``) into the message's bytes on this side."""
+        start = 0
+        for segment, offset, nbytes in message.pieces:
+            self.memory[segment].copy_in(src[start : start + nbytes], offset, nbytes)
+            start += nbytes
+
     def kind_messages(self, kind: PayloadKind) -> list[Message]:
         return [m for m in self.messages if m.kind is kind]
 
@@ -330,19 +356,3 @@ class ShardPlan:
     @property
     def nbytes(self) -> int:
         return sum(seg.nbytes for seg in self.segments)
-
-
-def gather(spans: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Copy `spans` back to back into `out` (uint8, exactly their total size)."""
-    if len(spans) == 1:
-        out.copy_(spans[0])
-    else:
-        torch.cat(list(spans), out=out)
-
-
-def scatter(src: torch.Tensor, spans: Sequence[torch.Tensor]) -> None:
-    """Copy `src` (uint8) back into `spans`, in order."""
-    offset = 0
-    for span in spans:
-        span.copy_(src[offset : offset + span.numel()])
-        offset += span.numel()

@@ -95,6 +95,32 @@ def test_segment_memory_coalesces_adjacent_units_and_spans_cross_runs():
         SegmentMemory.of(pool, [160], 16)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_indexed_copies_move_the_bytes_the_runs_hold(seed):
+    """Whole units over many runs are copied by one indexed copy: the same bytes as the run by run
+    copy, from and into buffers at any alignment; a range of few runs or of part of a unit goes
+    run by run."""
+    gen = torch.Generator().manual_seed(seed)
+    unit = [8, 24, 40, 6][seed % 4]  # 6: rows of int16 only
+    count = 10 if seed < 6 else 40  # the few-unit and the numpy paths
+    rows = torch.randperm(64, generator=gen)[:count].tolist()
+    pool = torch.randint(0, 255, (64 * unit,), dtype=torch.uint8, generator=gen)
+    memory = SegmentMemory.of(pool, [r * unit for r in rows], unit)
+    assert memory.unit_rows is not None and len(memory.runs) > segments_module.FEW_RUNS
+    total, targets = count * unit, []
+    for offset, nbytes in ((0, total), (unit, total - 2 * unit), (3, unit), (0, unit)):
+        for shift in (0, 1, 2):  # a staging buffer at an odd address copies uint8 rows
+            buffer = torch.zeros(nbytes + shift, dtype=torch.uint8)[shift:]
+            memory.copy_out(offset, nbytes, buffer)
+            assert torch.equal(buffer, torch.cat(memory.spans(offset, nbytes)))
+            target = SegmentMemory.of(torch.zeros_like(pool), [r * unit for r in rows], unit)
+            target.copy_in(buffer, offset, nbytes)
+            targets.append(target)
+            assert torch.equal(torch.cat(target.spans(offset, nbytes)), buffer)
+            assert int(target.flat.count_nonzero()) == int(buffer.count_nonzero())  # nothing else written
+    assert memory._rows is not None and targets[0]._rows is not None  # the indexed copies ran
+
+
 def test_aux_payload_round_trip_and_malformed():
     assert decode_aux(encode_aux(23, [7, 9])) == (23, [7, 9])
     with pytest.raises(ValueError, match="malformed AUX"):
