@@ -1,7 +1,7 @@
 """The transceiver bench's message counts: how many UCX messages one request is cut into, per
 (ctx rank, gen rank) pair and in total, as both sides cut it (`layout.plan_messages` over the pair's
-shard), and the same prompt over the preset's layers repeated 1, 2 and 4 times (the count follows
-the bytes, not the layers)."""
+shard), and the same prompt over the preset's layers repeated 1, 2 and 4 times (segments under
+`layout.ALONE_BYTES` are packed: their count follows their bytes; larger ones travel alone)."""
 
 from __future__ import annotations
 

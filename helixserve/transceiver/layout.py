@@ -20,17 +20,19 @@ stream is cut into messages of at most ``message_bytes`` (:func:`plan_messages`)
 pieces ``(segment, offset, nbytes)`` of consecutive segments of ONE payload kind (what is
 accounted per kind, the sender's tasks and the receiver's completion, stays per kind):
 
-- whole units of consecutive segments are packed greedily, so a request's message count follows
-  its bytes (about ``bytes / message_bytes`` plus one per kind), not its layer count: a 1-token
-  prompt of a 60-layer model is a handful of messages per (ctx rank, gen rank) pair, not one or
-  more per layer and kind;
-- a segment of half a message or more starts and ends messages of its own: such a segment is
-  sent and received in place where its memory is one run, while a packed message spans several
-  pools and goes through a staging copy on each side. On the host that copy runs at about the
-  speed of the transfer itself (a packed message costs about three times the memory traffic of
-  an in-place one), whereas a message costs a few tens of microseconds of Python: below half a
-  message the saved messages win, above it the avoided copies do. ``message_bytes`` thus also
-  sets what is packed: a smaller one sends more segments in place;
+- whole units of consecutive segments smaller than ``ALONE_BYTES`` (1 MiB) are packed greedily:
+  the AUX word block, the conv states, the KV blocks of short prompts, and the KDA states of a
+  shard split over many ranks. Their message count follows their bytes, not the layer count;
+- a segment of ``ALONE_BYTES`` or more starts and ends messages of its own, so it is sent and
+  received in place where its memory is one run. A packed message spans several pools and goes
+  through a staging copy on each side; on the host that copy runs at about the speed of the
+  transfer itself, so a packed byte costs about three times the memory traffic of an in-place
+  one, whereas a message costs tens of microseconds. Measured with ``bench/transceiver.py
+  --quick`` (kimi-linear-48b, 2 MiB of fp32 state per KDA layer, 2 CPU cores): packing the states
+  too (6 messages instead of 29) made a 2048-token request about half as fast (paired ratio to a
+  raw ucxx send about 0.3 instead of 0.7). On a GPU the copy is cheap and a larger limit would
+  pay; 1 MiB keeps the large runs (long prompts' blocks, a shard's whole-head states) in place
+  and packs what is small enough that its message cost outweighs a copy;
 - a unit larger than ``message_bytes`` is cut into byte pieces, in messages of their own.
 
 Both sides compute the same cut from the layout alone (:func:`plan_messages`).
@@ -39,7 +41,9 @@ Both sides compute the same cut from the layout alone (:func:`plan_messages`).
 sender to its pools (``H/N`` heads) and the physical blocks of its local blocks, a receiver to its
 local-head pools (``H/c`` heads) and its local blocks. Consecutive units that are adjacent in memory are
 coalesced, so a message whose bytes are one run is sent / received in place; others (a packed
-message, fragmented blocks) are gathered / scattered through a staging buffer. The map is built by :mod:`memory_map` (per-pool
+message, fragmented blocks, a ctx world's every N-th block) are gathered / scattered through a
+staging buffer, whole units over many runs by one indexed copy (:meth:`SegmentMemory.copy_out`,
+:meth:`SegmentMemory.copy_in`). The map is built by :mod:`memory_map` (per-pool
 constants read once, one run list per pool shape shared by its layers); the segment and message
 lists of a stream shape are built once and copied (:func:`_stream`). The shard, segment, message
 and segment-memory types are :mod:`.segments`' (both this module and :mod:`.memory_map` build on them).
@@ -67,6 +71,7 @@ MAX_TAG_BASE = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
 AUX_WORDS = 64
 AUX_MAGIC = 0x48454C4958  # "HELIX"
 MAX_FIRST_TOKENS = AUX_WORDS - 3
+ALONE_BYTES = 1 << 20  # a segment this large travels in messages of its own (see the module docstring)
 
 
 class LayoutMismatchError(ValueError):
@@ -174,15 +179,15 @@ class _Packer:
         self.pieces, self.nbytes = [], 0
 
 
-def plan_messages(segments: Sequence[Segment], message_bytes: int) -> list[Message]:
+def plan_messages(segments: Sequence[Segment], message_bytes: int, alone_bytes: int = ALONE_BYTES) -> list[Message]:
     """Cut the stream into messages of at most `message_bytes` (see the module docstring): whole
-    units of consecutive segments of one kind packed greedily; a segment of half a message or more
+    units of consecutive segments of one kind packed greedily; a segment of `alone_bytes` or more
     in messages of its own; a unit larger than a message cut into byte pieces."""
     if message_bytes < 1:
         raise ValueError(f"message_bytes must be >= 1, got {message_bytes}")
     packer = _Packer(message_bytes)
     for index, seg in enumerate(segments):
-        is_alone = 2 * seg.nbytes >= message_bytes
+        is_alone = seg.nbytes >= alone_bytes
         if is_alone:
             packer.close()
         step = min(seg.unit_bytes, message_bytes)  # a unit, or a byte piece of a larger one

@@ -12,7 +12,7 @@ from helixserve.cache_layout import head_slice
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
 import helixserve.transceiver.segments as segments_module
-from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, check_mapping, decode_aux,
+from helixserve.transceiver.layout import (ALONE_BYTES, AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, check_mapping, decode_aux,
                                            encode_aux, layout_for, plan_messages, shard_segments, wire_tag)
 from helixserve.transceiver.segments import SMALL_SEGMENT_UNITS, SegmentMemory
 
@@ -74,14 +74,17 @@ def test_messages_pack_whole_units_of_one_kind():
         plan_messages(segments, 0)
 
 
-def test_a_segment_of_half_a_message_travels_alone():
-    """A segment of at least half a message starts and ends its own messages (sent in place where
-    its memory is one run); smaller ones of its kind pack around it."""
+def test_a_large_segment_travels_alone():
+    """A segment of `alone_bytes` or more starts and ends its own messages (sent in place where its
+    memory is one run); smaller ones of its kind pack around it."""
     segments = shard_segments(ShardSpec(LAYOUT, 23, 0, 1))  # KV segments of 3840 B
-    alone = plan_messages(segments, 7680)
+    alone = plan_messages(segments, 1 << 20, alone_bytes=3840)
     assert [m.pieces for m in alone if m.kind is PayloadKind.KV_BLOCKS] == [((9, 0, 3840),), ((10, 0, 3840),)]
-    packed = plan_messages(segments, 7681)
+    assert [len(m.pieces) for m in alone if m.kind is PayloadKind.KDA_STATE] == [1, 1, 1, 1]  # 16 KiB each
+    packed = plan_messages(segments, 1 << 20, alone_bytes=3841)
     assert [m.pieces for m in packed if m.kind is PayloadKind.KV_BLOCKS] == [((9, 0, 3840), (10, 0, 3840))]
+    assert plan_messages(segments, 1 << 20) == plan_messages(segments, 1 << 20, alone_bytes=ALONE_BYTES)
+    assert ALONE_BYTES == 1 << 20
 
 
 def test_segment_memory_coalesces_adjacent_units_and_spans_cross_runs():
