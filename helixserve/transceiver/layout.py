@@ -28,11 +28,12 @@ accounted per kind, the sender's tasks and the receiver's completion, stays per 
   through a staging copy on each side; on the host that copy runs at about the speed of the
   transfer itself, so a packed byte costs about three times the memory traffic of an in-place
   one, whereas a message costs tens of microseconds. Measured with ``bench/transceiver.py
-  --quick`` (kimi-linear-48b, 2 MiB of fp32 state per KDA layer, 2 CPU cores): packing the states
-  too (6 messages instead of 29) made a 2048-token request about half as fast (paired ratio to a
-  raw ucxx send about 0.3 instead of 0.7). On a GPU the copy is cheap and a larger limit would
-  pay; 1 MiB keeps the large runs (long prompts' blocks, a shard's whole-head states) in place
-  and packs what is small enough that its message cost outweighs a copy;
+  --quick`` (kimi-linear-48b, 2 MiB of fp32 state per KDA layer, 2 shared CPU cores): with the
+  states packed too (6 messages instead of 29) a 2048-token request to one gen rank took 46 to 54
+  ms, with them in place 25 ms, and its paired ratio to a raw ucxx send fell to about 0.3 (0.4 to
+  0.65 in place). On a GPU the copy is cheap and a larger limit would pay; 1 MiB keeps the large
+  runs (long prompts' blocks, a shard's whole-head states) in place and packs what is small
+  enough that its message costs about what its copy does;
 - a unit larger than ``message_bytes`` is cut into byte pieces, in messages of their own.
 
 Both sides compute the same cut from the layout alone (:func:`plan_messages`).
