@@ -38,18 +38,22 @@ def message_figures(layout: KVLayout, num_tokens: int, ctx_tp: int, gen_cp: int,
     return {"messages_per_pair": max(counts), "messages_total": sum(counts), "pair_messages": counts}
 
 
-def over_layers(layout: KVLayout, token_counts: list[int], message_bytes: int) -> tuple[list[str], list[list], list[dict]]:
-    """(headers, rows, records): one pair's messages per request (and its MiB) for each prompt
-    length, with the preset's layers repeated :data:`LAYER_REPEATS` times."""
+def over_layers(layout: KVLayout, token_counts: list[int], message_bytes: int,
+                gen_cps: tuple[int, ...] = (1, 4)) -> tuple[list[str], list[list], list[dict]]:
+    """(headers, rows, records): the most messages of any (ctx rank, gen rank) pair of one request
+    (from one ctx rank), with its shard's MiB, for each gen cp and prompt length, with the preset's
+    layers repeated :data:`LAYER_REPEATS` times."""
     rows, records = [], []
+    cases = [(cp, n) for cp in gen_cps for n in token_counts]
     for repeat in LAYER_REPEATS:
         deeper = layout.model_copy(update={"layer_kinds": list(layout.layer_kinds) * repeat})
-        cells, record = [], {"layers": len(deeper.layer_kinds), "messages": {}, "bytes": {}}
-        for n in token_counts:
-            segments = shard_segments(ShardSpec(deeper, n))
-            record["messages"][n] = len(plan_messages(segments, message_bytes))
-            record["bytes"][n] = sum(seg.nbytes for seg in segments)
-            cells.append(f"{record['messages'][n]} ({record['bytes'][n] / 2**20:.0f} MiB)")
+        record = {"layers": len(deeper.layer_kinds), "cases": []}
+        cells = []
+        for cp, n in cases:
+            messages = max(pair_messages(deeper, n, 1, cp, message_bytes))
+            nbytes = sum(seg.nbytes for seg in shard_segments(ShardSpec(deeper, n, 0, cp)))
+            record["cases"].append({"gen_cp": cp, "tokens": n, "messages_per_pair": messages, "pair_bytes": nbytes})
+            cells.append(f"{messages} ({nbytes / 2**20:.0f} MiB)")
         rows.append([record["layers"], *cells])
         records.append(record)
-    return ["layers", *(f"messages ({n} tokens)" for n in token_counts)], rows, records
+    return ["layers", *(f"cp {cp}, {n} tokens" for cp, n in cases)], rows, records

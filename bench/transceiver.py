@@ -17,7 +17,7 @@ from a ctx worker of one rank and from a ctx world of 2 (each gen rank pulls fro
 holding its part), with GB/s over the request's bytes and each ctx world's time over the one-rank
 ctx's to the same gen group. Every row gives the request's messages, per (ctx rank, gen rank) pair
 (the most of any pair) and in total, as both sides cut them; a last table gives one pair's
-messages for the same prompts with the preset's layers repeated 1, 2 and 4 times
+messages for the same prompts with the preset's layers repeated 1, 2 and 4 times, to gen cp 1 and cp 4
 (``bench/_transceiver_messages.py``).
 
 NIXL is probed once up front (import, then creating an agent in a child process, bounded); when it
@@ -292,8 +292,9 @@ def main() -> None:
     ucx = bench_ucx(token_counts, reps, args.message_mib, args.window_mib)
     records, nixl_skip = main_rows(ucx, args, reps)
     message_bytes = int(args.message_mib * 2**20)
-    layer_headers, layer_rows, layers = over_layers(preset_layout(PRESET, TPB), [1, *token_counts], message_bytes)
-    print(f"\nmessages per request (ctx tp 1 -> gen cp 1) with {PRESET}'s layers repeated\n")
+    layer_headers, layer_rows, layers = over_layers(preset_layout(PRESET, TPB), [1, token_counts[-1]], message_bytes)
+    print(f"\nmessages per (ctx rank, gen rank) pair from a ctx tp 1 (the pair's MiB) with {PRESET}'s layers "
+          "repeated\n")
     print(markdown_table(layer_headers, layer_rows))
     fan = fan_in_rows(token_counts[-1], reps)
     write_json(args.out, {"bench": "transceiver", "preset": PRESET, "tokens_per_block": TPB, "reps": reps,

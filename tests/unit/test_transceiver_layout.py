@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helixserve.cache_layout import head_slice
+from helixserve.cache_layout import cache_spec_for, head_slice
+from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
 import helixserve.transceiver.segments as segments_module
-from helixserve.transceiver.layout import (ALONE_BYTES, AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, check_mapping, decode_aux,
-                                           encode_aux, layout_for, plan_messages, shard_segments, wire_tag)
+from helixserve.transceiver.layout import (ALONE_BYTES, AUX_WORDS, LayoutMismatchError, ShardPlan, ShardSpec,
+                                           check_layout, check_mapping, decode_aux, encode_aux, layout_for,
+                                           plan_messages, shard_segments, wire_tag)
 from helixserve.transceiver.segments import SMALL_SEGMENT_UNITS, SegmentMemory
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
@@ -122,6 +124,37 @@ def test_indexed_copies_move_the_bytes_the_runs_hold(seed):
             assert torch.equal(torch.cat(target.spans(offset, nbytes)), buffer)
             assert int(target.flat.count_nonzero()) == int(buffer.count_nonzero())  # nothing else written
     assert memory._rows is not None and targets[0]._rows is not None  # the indexed copies ran
+
+
+def test_a_message_of_one_run_goes_in_place_and_a_packed_one_is_staged():
+    """`ShardPlan.in_place` is the cache's own view for a message in one run (no copy); a packed
+    message (several pools) or blocks in several runs are staged, and `gather` / `scatter` move
+    exactly the bytes of the message's pieces."""
+    caches = allocate_model_caches(cache_spec_for(CFG, torch.float32, 4), 16, 2)
+    for pool in caches.tensors():
+        pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(pool.numel())))
+    spec = ShardSpec(LAYOUT, 23)
+    plan = ShardPlan.for_sender(spec, caches, [4, 5, 6, 7, 8, 9], 1, [1], 1 << 20)  # blocks in one run
+    by_kind = {m.kind: m for m in plan.messages}
+    state = plan.in_place(by_kind[PayloadKind.KDA_STATE])
+    assert state is None  # 4 layers' states packed: 4 pools
+    kv = plan_messages(plan.segments, 1 << 20, alone_bytes=1)  # every segment alone
+    alone = [m for m in kv if m.kind is PayloadKind.KV_BLOCKS]
+    view = plan.in_place(alone[0])
+    assert view is not None and view.data_ptr() == caches.mla_kv[3][4].data_ptr() and view.numel() == alone[0].nbytes
+    fragmented = ShardPlan.for_sender(spec, caches, [4, 5, 9, 7, 8, 6], 1, [1], 1 << 20)
+    assert fragmented.in_place(alone[0]) is None
+    for message in plan.messages:
+        out = torch.empty(message.nbytes, dtype=torch.uint8)
+        plan.gather(message, out)
+        want = [torch.cat(plan.memory[s].spans(o, n)) for s, o, n in message.pieces]
+        assert torch.equal(out, torch.cat(want))
+        receiver = ShardPlan.for_receiver(spec, allocate_model_caches(cache_spec_for(CFG, torch.float32, 4), 16, 2),
+                                          [9, 3, 12, 0, 1, 2], 0, 1 << 20)
+        receiver.scatter(out, message)
+        got = torch.empty_like(out)
+        receiver.gather(message, got)
+        assert torch.equal(got, out)
 
 
 def test_aux_payload_round_trip_and_malformed():
