@@ -31,9 +31,11 @@ accounted per kind, the sender's tasks and the receiver's completion, stays per 
   --quick`` (kimi-linear-48b, 2 MiB of fp32 state per KDA layer, 2 shared CPU cores): with the
   states packed too (6 messages instead of 29) a 2048-token request to one gen rank took 46 to 54
   ms, with them in place 25 ms, and its paired ratio to a raw ucxx send fell to about 0.3 (0.4 to
-  0.65 in place). On a GPU the copy is cheap and a larger limit would pay; 1 MiB keeps the large
-  runs (long prompts' blocks, a shard's whole-head states) in place and packs what is small
-  enough that its message costs about what its copy does;
+  0.65 in place); the 512 KiB states of a gen cp 4 shard, packed, cost its fan-in rows 25 to 50 %,
+  the 72 KiB conv states nothing measurable. On a GPU the copy is cheap and a larger limit would
+  pay (the limit is the same on both sides: it is part of the cut). 1 MiB keeps the large runs
+  (long prompts' blocks, a shard's whole-head states) in place and packs the small segments of
+  a shard split over many ranks;
 - a unit larger than ``message_bytes`` is cut into byte pieces, in messages of their own.
 
 Both sides compute the same cut from the layout alone (:func:`plan_messages`).
