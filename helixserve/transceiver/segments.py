@@ -135,8 +135,8 @@ class SegmentMemory:
     runs: list[tuple[int, int]]  # (byte offset in flat, nbytes), in stream order
     starts: list[int] = field(default_factory=list)  # stream offset of each run
     unit_bytes: int = 0
-    unit_rows: np.ndarray | None = None  # int64 [num_units], or None: units are not rows
-    _rows: torch.Tensor | None = None  # unit_rows on flat's device, made on first use
+    unit_rows: np.ndarray | None = field(default=None, compare=False, repr=False)  # int64 [num_units]; None: not rows
+    _rows: torch.Tensor | None = field(default=None, compare=False, repr=False)  # unit_rows on flat's device, on first use
 
     @classmethod
     def of(cls, parent: torch.Tensor, unit_offsets: Sequence[int], unit_bytes: int) -> SegmentMemory:
