@@ -32,6 +32,7 @@ from helixserve.models.dummy import tokenizer_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import RequestType
 from helixserve.serving.loading import kv_layout, wrap_core
+from helixserve.serving.prefix_metrics import PrefixCacheCollector
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import aggregated_handler, build_worker_app
 from helixserve.serving.world_core import WorldCore, serve_world_rank, start_served_world, world_options
@@ -77,6 +78,8 @@ def build_ctx_world_app(deploy: DeploymentConfig, server: CtxServerConfig, env: 
     handlers = {None: aggregated_handler(worker),
                 RequestType.CONTEXT_ONLY: ContextOnlyHandler(worker, requests, transceiver)}
     worker.registry.register(RankCacheCollector(worker.role, world))
+    if deploy.cache.prefix_caching:
+        worker.registry.register(PrefixCacheCollector(lambda: world.driver.prefix_stats, {"role": worker.role}))
     app = build_worker_app(worker, handlers, lifespan_hooks=(requests.running, transceiver.running),
                            after_shutdown=(world.close,))
     install_release(app, requests, transceiver)

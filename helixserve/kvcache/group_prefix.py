@@ -22,6 +22,7 @@ from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import NO_HIT, CacheHandle, CacheManager, PrefixHit
 from helixserve.kvcache.prefix_index import BlockKey
 from helixserve.kvcache.prefix_manager import ChunkPlan, PrefixCachingCacheManager, PrefixStats, TokenRange
+from helixserve.kvcache.prefix_snapshot import PrefixCacheSnapshot
 from helixserve.kvcache.state_checkpoints import StateCheckpointPool
 
 
@@ -49,6 +50,13 @@ class GroupPrefixCacheManager(GroupCacheManager):
     @property
     def prefix_stats(self) -> PrefixStats:
         return self.prefix_ranks[0].prefix_stats
+
+    def snapshot(self) -> PrefixCacheSnapshot:
+        """The group's cache now (``/metrics``): its lookups and checkpoints (rank 0 keeps them),
+        every rank's cached blocks and evictions."""
+        leader = self.prefix_ranks[0].snapshot()
+        return replace(leader, evictions=sum(m.blocks.num_evictions for m in self.prefix_ranks),
+                       cached_blocks=sum(m.blocks.num_cached for m in self.prefix_ranks))
 
     def find_prefix(self, keys: Sequence[BlockKey], token_ids: Sequence[int], cache_salt: str | None) -> PrefixHit:
         """The prefix every rank holds and a checkpoint follows (see the module docstring)."""
