@@ -25,39 +25,18 @@ import time
 from typing import Any
 
 import pytest
-import torch
 
-from helixserve.config import RestartPolicy
-from helixserve.parallel.ports import free_ports
-from tests.e2e.conftest import MODEL, Deployment, http, wait_until
+from tests.e2e.conftest import Deployment, http, wait_until
+from tests.e2e.ctx_world import (PICKUP_S, TP, TPB, complete, ctx_world_options, greedy_text, http_status,
+                                 rank_used, request_body, seeded_prompt, wait_idle)
 
-TP = 2
-TPB = 4  # the Deployment's cache.tokens_per_block
 # prompt lengths: one token, around a block (4) and the step budget (16), several chunks
 LENGTHS = (1, 4, 5, 16, 17, 40)
-PICKUP_S = 6.0
-
-
-def _port_pair() -> int:
-    """A port p with p and p + 1 free (the ctx world's two KV senders)."""
-    for _ in range(100):
-        (port,) = free_ports(1)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.fixture(scope="module")
 def dep_options() -> dict[str, Any]:
-    return {"baseline_gen": True,
-            "ctx": {"tp": TP, "transceiver_port": _port_pair(), "collective_timeout_s": 30,
-                    "pickup_timeout_s": PICKUP_S, "world_restart": RestartPolicy(max_restarts=3, backoff_s=0.2)},
-            "gen": {"dp": 2, "cp": 2, "kv_source": "ucx"},
-            "scheduler": {"max_num_batched_tokens": 16}}
+    return ctx_world_options(dp=2, cp=2)
 
 
 @pytest.fixture(scope="module")
@@ -69,52 +48,14 @@ def world(dep_options, tmp_path_factory, dep_checkpoint):
         d.stop()
 
 
-def _status(url: str) -> int | None:
-    try:
-        return http("GET", url, timeout=5)[0]
-    except OSError:
-        return None
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _body(prompt: list[int], **extra: Any) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
-
-
-def _complete(url: str, prompt: list[int], **extra: Any) -> tuple[int, dict]:
-    return http("POST", f"{url}/v1/completions", _body(prompt, **extra), timeout=120)
-
-
-def _text(url: str, prompt: list[int]) -> str:
-    status, answer = _complete(url, prompt)
-    assert status == 200, answer
-    return answer["choices"][0]["text"]
-
-
 def _prefill(d: Deployment, prompt: list[int]) -> dict:
-    status, answer = _complete(d.ctx_url, prompt, disaggregated_params={"request_type": "context_only"})
+    status, answer = complete(d.ctx_url, prompt, disaggregated_params={"request_type": "context_only"})
     assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
     return {**answer["disaggregated_params"], "request_type": "generation_only"}
 
 
 def _decode(d: Deployment, params: dict, prompt: list[int]) -> tuple[int, dict]:
-    return _complete(d.gen_url, prompt, disaggregated_params=params)
-
-
-def _rank_used(url: str) -> list[float]:
-    """Every rank's used cache blocks and state slots (``/metrics``)."""
-    lines = http("GET", f"{url}/metrics")[1].splitlines()
-    return [float(line.rsplit(" ", 1)[1]) for line in lines
-            if line.startswith(("helixserve_worker_rank_cache_blocks_used{", "helixserve_worker_rank_state_slots_used{"))]
-
-
-def _wait_idle(d: Deployment, timeout: float = 10) -> None:
-    wait_until(lambda: d.is_idle() and not any(_rank_used(d.ctx_url)) and not any(_rank_used(d.gen_url)),
-               timeout, "nothing held or allocated on any ctx or gen rank",
-               state=lambda: (d.stats("ctx"), d.stats("gen"), _rank_used(d.ctx_url), _rank_used(d.gen_url)))
+    return complete(d.gen_url, prompt, disaggregated_params=params)
 
 
 def test_the_ctx_world_is_rank_0_with_a_spawned_rank(world) -> None:
@@ -131,8 +72,8 @@ def test_the_ctx_world_is_rank_0_with_a_spawned_rank(world) -> None:
 
 def test_plain_completions_equal_the_single_process_worker(world) -> None:
     for seed, n in enumerate(LENGTHS):
-        prompt = _prompt(seed, n)
-        got, want = _complete(world.ctx_url, prompt), _complete(world.baseline_url, prompt)
+        prompt = seeded_prompt(seed, n)
+        got, want = complete(world.ctx_url, prompt), complete(world.baseline_url, prompt)
         assert got[0] == want[0] == 200, (got, want)
         assert (got[1]["choices"][0]["text"], got[1]["usage"]) == (want[1]["choices"][0]["text"], want[1]["usage"])
     wait_until(lambda: world.stats("ctx")["num_used_blocks"] == world.stats("ctx")["num_used_slots"] == 0,
@@ -140,28 +81,29 @@ def test_plain_completions_equal_the_single_process_worker(world) -> None:
 
 
 def test_disaggregated_tokens_equal_the_single_process_workers_on_every_gen_group(world) -> None:
-    params = _prefill(world, _prompt(20, 9))
+    params = _prefill(world, seeded_prompt(20, 9))
     ports = [world.config.ctx[0].transceiver_port + r for r in range(TP)]
     assert [e["port"] for e in params["ctx_endpoints"]] == ports and params["layout"]["ctx_tp_size"] == TP
     assert params["ctx_endpoint"] == params["ctx_endpoints"][0] and params["pull_grant"] is None
-    status, answer = _decode(world, params, _prompt(20, 9))
-    assert status == 200 and answer["choices"][0]["text"] == _text(world.baseline_url, _prompt(20, 9)), answer
+    status, answer = _decode(world, params, seeded_prompt(20, 9))
+    want = greedy_text(world.baseline_url, seeded_prompt(20, 9))
+    assert status == 200 and answer["choices"][0]["text"] == want, answer
     for n in (1, TPB, TPB + 1, 2 * TPB + 1, 17):  # around page boundaries; two at once: both DP groups
-        prompts = [_prompt(21 + n, n), _prompt(41 + n, n)]
+        prompts = [seeded_prompt(21 + n, n), seeded_prompt(41 + n, n)]
         got: dict[int, tuple[int, dict]] = {}
-        threads = [threading.Thread(target=lambda i=i, p=p: got.update({i: _complete(world.router_url, p)}))
+        threads = [threading.Thread(target=lambda i=i, p=p: got.update({i: complete(world.router_url, p)}))
                    for i, p in enumerate(prompts)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(120)
-        want = [_text(world.baseline_url, p) for p in prompts]
+        want = [greedy_text(world.baseline_url, p) for p in prompts]
         assert [got[i][1]["choices"][0]["text"] for i in range(2)] == want, (n, got)
-    _wait_idle(world)
+    wait_idle(world)
 
 
 def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
-    prompt = _prompt(60, 6)
+    prompt = seeded_prompt(60, 6)
     params = _prefill(world, prompt)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.setblocking(False)
@@ -180,14 +122,14 @@ def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
         assert named in err["error"]["message"], err
     assert world.stats("gen")["num_live_requests"] == 0 and world.stats("gen")["num_used_blocks"] == 0
     status, answer = _decode(world, params, prompt)  # the ctx's own answer still decodes
-    assert status == 200 and answer["choices"][0]["text"] == _text(world.baseline_url, prompt), answer
-    _wait_idle(world)
+    assert status == 200 and answer["choices"][0]["text"] == greedy_text(world.baseline_url, prompt), answer
+    wait_idle(world)
 
 
 def test_holds_released_aborted_or_never_pulled_are_freed_on_every_rank(world) -> None:
-    released, aborted = _prefill(world, _prompt(70, 9)), _prefill(world, _prompt(72, 5))
-    abandoned, held_at = _prefill(world, _prompt(71, 13)), time.monotonic()
-    assert world.stats("ctx")["kv_transfers_in_flight"] == 3 and any(_rank_used(world.ctx_url))
+    released, aborted = _prefill(world, seeded_prompt(70, 9)), _prefill(world, seeded_prompt(72, 5))
+    abandoned, held_at = _prefill(world, seeded_prompt(71, 13)), time.monotonic()
+    assert world.stats("ctx")["kv_transfers_in_flight"] == 3 and any(rank_used(world.ctx_url))
     status, body = http("POST", f"{world.ctx_url}/v1/release", {"request_id": released["ctx_request_id"],
                                                                  "admission": released["ctx_admission"]})
     assert status == 200 and body["released"] is True, body
@@ -196,16 +138,16 @@ def test_holds_released_aborted_or_never_pulled_are_freed_on_every_rank(world) -
     wait_until(lambda: world.stats("ctx")["kv_transfers_in_flight"] == 1, PICKUP_S - 1,
                "the released and the aborted hold freed on every rank before the pickup deadline",
                state=lambda: world.stats("ctx"))
-    _wait_idle(world, PICKUP_S + 10)  # the abandoned one at its hold deadline, on every rank
+    wait_idle(world, PICKUP_S + 10)  # the abandoned one at its hold deadline, on every rank
     assert time.monotonic() - held_at >= PICKUP_S - 1  # (not before it)
-    status, err = _decode(world, abandoned, _prompt(71, 13))  # too late: gone from every rank
+    status, err = _decode(world, abandoned, seeded_prompt(71, 13))  # too late: gone from every rank
     assert status in (503, 504) and "not held here" in err["error"]["message"], err
-    _wait_idle(world)
+    wait_idle(world)
 
 
 def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) -> None:
     out: dict = {}
-    body = {"model": MODEL, "prompt": _prompt(11, 8), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    body = request_body(seeded_prompt(11, 8), max_tokens=200)
     thread = threading.Thread(target=lambda: out.update(
         answer=http("POST", f"{world.ctx_url}/v1/completions", body, timeout=120)))
     thread.start()
@@ -216,19 +158,19 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) 
     status, err = out["answer"]
     assert status == 503 and err["error"]["code"] == "ctx_world_failed", err
     assert f"ctx world rank 1 (pid {rank1})" in err["error"]["message"]
-    wait_until(lambda: _status(f"{world.ctx_url}/health") == 200, 90, "the ctx world to restart",
+    wait_until(lambda: http_status(f"{world.ctx_url}/health") == 200, 90, "the ctx world to restart",
                state=lambda: http("GET", f"{world.ctx_url}/health"))
     health = http("GET", f"{world.ctx_url}/health")[1]["world"]
     assert health["failure"] is None and rank1 not in health["rank_pids"] and health["restarts"] == 1
-    prompt = _prompt(12, 17)
-    got, want = _complete(world.ctx_url, prompt), _complete(world.baseline_url, prompt)
+    prompt = seeded_prompt(12, 17)
+    got, want = complete(world.ctx_url, prompt), complete(world.baseline_url, prompt)
     assert got[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
     wait_until(lambda: world.stats("ctx")["num_used_blocks"] == 0, 10, "nothing allocated after the restart")
 
 
 def test_a_ctx_rank_killed_while_holding_fails_the_pickup_and_the_world_restarts(world) -> None:
     restarts = http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"]
-    prompt = _prompt(80, 11)
+    prompt = seeded_prompt(80, 11)
     params = _prefill(world, prompt)
     (rank1,) = http("GET", f"{world.ctx_url}/health")[1]["world"]["rank_pids"][1:]
     os.kill(rank1, signal.SIGKILL)
@@ -237,9 +179,10 @@ def test_a_ctx_rank_killed_while_holding_fails_the_pickup_and_the_world_restarts
     # the world's failure also closes rank 0's sender: the gen names whichever ctx rank's
     # transfer failed first, the killed one or rank 0
     assert any(f":{e['port']}" in err["error"]["message"] for e in params["ctx_endpoints"]), err
-    wait_until(lambda: _status(f"{world.ctx_url}/health") == _status(f"{world.router_url}/ready") == 200, 90,
-               "the ctx world to restart and the router to see it", state=lambda: http("GET", f"{world.ctx_url}/health"))
+    wait_until(lambda: http_status(f"{world.ctx_url}/health") == http_status(f"{world.router_url}/ready") == 200,
+               90, "the ctx world to restart and the router to see it",
+               state=lambda: http("GET", f"{world.ctx_url}/health"))
     assert http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"] == restarts + 1
-    prompt = _prompt(81, 2 * TPB + 1)
-    assert _text(world.router_url, prompt) == _text(world.baseline_url, prompt)
-    _wait_idle(world)
+    prompt = seeded_prompt(81, 2 * TPB + 1)
+    assert greedy_text(world.router_url, prompt) == greedy_text(world.baseline_url, prompt)
+    wait_idle(world)
