@@ -11,9 +11,11 @@ the router the greedy tokens equal the single-process worker's, for prompts arou
 boundaries, on both DP groups. The gen worker dials only the deployment's transceivers (any of
 ``ctx_endpoints`` outside it: 403 naming it, nobody dialled) and refuses a list that does not fit
 the layout (400 naming ``ctx_endpoints``). A hold the router releases, one whose client left, and
-one no gen ever pulls are freed on every ctx rank. A ctx rank killed while holding fails that request's pickup with an
-error naming the dead rank's endpoint; the world restarts and the next request succeeds. After
-every case nothing is held or allocated on any ctx or gen rank."""
+one no gen ever pulls are freed on every ctx rank. A ctx rank killed while the world holds one
+request and streams another (the ctx ranks' sends held by a fault injector, ``held_sends_ctx``)
+fails both, each with an error naming a ctx rank's endpoint, the streamed one at once (its
+control connection closed, not at the transfer timeout); the world restarts and the next request
+succeeds. After every case nothing is held or allocated on any ctx or gen rank."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import pytest
 from tests.e2e.conftest import Deployment, http, wait_until
 from tests.e2e.ctx_world import (PICKUP_S, TP, TPB, complete, ctx_world_options, greedy_text, http_status,
                                  rank_used, request_body, seeded_prompt, wait_idle)
+from tests.e2e.held_sends_ctx import HELD_SENDS_ENV, holding_pids, reached_file
 
 # prompt lengths: one token, around a block (4) and the step budget (16), several chunks
 LENGTHS = (1, 4, 5, 16, 17, 40)
@@ -42,8 +45,9 @@ def dep_options() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def world(dep_options, tmp_path_factory, dep_checkpoint):
     d = Deployment(tmp_path_factory.mktemp("ctx_world"), dep_checkpoint, **dep_options)
+    d.held_sends = d.log_dir / "held_sends"  # while it exists, no ctx rank posts a shard message
     try:
-        yield d.start_all()
+        yield d.start_all(env={HELD_SENDS_ENV: str(d.held_sends)}, module="tests.e2e.held_sends_ctx")
     finally:
         d.stop()
 
@@ -168,17 +172,31 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) 
     wait_until(lambda: world.stats("ctx")["num_used_blocks"] == 0, 10, "nothing allocated after the restart")
 
 
-def test_a_ctx_rank_killed_while_holding_fails_the_pickup_and_the_world_restarts(world) -> None:
+def test_a_ctx_rank_killed_while_holding_or_streaming_fails_both_and_the_world_restarts(world) -> None:
     restarts = http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"]
-    prompt = seeded_prompt(80, 11)
-    params = _prefill(world, prompt)
-    (rank1,) = http("GET", f"{world.ctx_url}/health")[1]["world"]["rank_pids"][1:]
-    os.kill(rank1, signal.SIGKILL)
-    status, err = _decode(world, params, prompt)
-    assert status in (503, 504) and err["error"]["code"] in ("kv_transfer_failed", "kv_transfer_timeout"), err
+    held, streamed = seeded_prompt(80, 11), seeded_prompt(82, 2 * TPB + 1)
+    held_params, streamed_params = _prefill(world, held), _prefill(world, streamed)
+    out: dict = {}
+    world.held_sends.touch()
+    try:
+        thread = threading.Thread(target=lambda: out.update(answer=_decode(world, streamed_params, streamed)))
+        thread.start()
+        (rank1,) = http("GET", f"{world.ctx_url}/health")[1]["world"]["rank_pids"][1:]
+        wait_until(lambda: holding_pids(world.held_sends) == {world.procs["ctx"].pid, rank1}, 30,
+                   "both ctx ranks to hold their shard streams", state=lambda: holding_pids(world.held_sends))
+        os.kill(rank1, signal.SIGKILL)
+        thread.join(60)
+    finally:
+        world.held_sends.unlink()
+        reached_file(world.held_sends).unlink(missing_ok=True)
+    status, err = out["answer"]  # mid-stream: failed at once, not at the transfer timeout
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed", err
     # the world's failure also closes rank 0's sender: the gen names whichever ctx rank's
     # transfer failed first, the killed one or rank 0
-    assert any(f":{e['port']}" in err["error"]["message"] for e in params["ctx_endpoints"]), err
+    assert any(f":{e['port']}" in err["error"]["message"] for e in streamed_params["ctx_endpoints"]), err
+    status, err = _decode(world, held_params, held)
+    assert status in (503, 504) and err["error"]["code"] in ("kv_transfer_failed", "kv_transfer_timeout"), err
+    assert any(f":{e['port']}" in err["error"]["message"] for e in held_params["ctx_endpoints"]), err
     wait_until(lambda: http_status(f"{world.ctx_url}/health") == http_status(f"{world.router_url}/ready") == 200,
                90, "the ctx world to restart and the router to see it",
                state=lambda: http("GET", f"{world.ctx_url}/health"))
