@@ -5,6 +5,7 @@ servers, and the check that nothing is held or allocated on any ctx or gen rank.
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Any
 
 import torch
@@ -61,6 +62,18 @@ def complete(url: str, tokens: list[int], **extra: Any) -> tuple[int, dict]:
     return http("POST", f"{url}/v1/completions", request_body(tokens, **extra), timeout=120)
 
 
+def complete_at_once(url: str, prompts: list[list[int]]) -> list[tuple[int, dict]]:
+    """:func:`complete` of every prompt, each from its own thread, all started at once."""
+    got: dict[int, tuple[int, dict]] = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: got.update({i: complete(url, p)}))
+               for i, p in enumerate(prompts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(130)
+    return [got.get(i, (0, {"error": "no answer within 130 s"})) for i in range(len(prompts))]
+
+
 def greedy_text(url: str, tokens: list[int]) -> str:
     code, answer = complete(url, tokens)
     assert code == 200, answer
@@ -70,8 +83,8 @@ def greedy_text(url: str, tokens: list[int]) -> str:
 def rank_used(url: str) -> list[float]:
     """Every rank's used cache blocks and state slots (``/metrics``)."""
     lines = http("GET", f"{url}/metrics")[1].splitlines()
-    return [float(line.rsplit(" ", 1)[1]) for line in lines
-            if line.startswith(("helixserve_worker_rank_cache_blocks_used{", "helixserve_worker_rank_state_slots_used{"))]
+    gauges = ("helixserve_worker_rank_cache_blocks_used{", "helixserve_worker_rank_state_slots_used{")
+    return [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(gauges)]
 
 
 def wait_idle(d: Deployment, timeout: float = 10) -> None:

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import Deployment, http, wait_until
-from tests.e2e.ctx_world import (PICKUP_S, TP, TPB, complete, ctx_world_options, greedy_text, http_status,
-                                 rank_used, request_body, seeded_prompt, wait_idle)
+from tests.e2e.ctx_world import (PICKUP_S, TP, TPB, complete, complete_at_once, ctx_world_options, greedy_text,
+                                 http_status, rank_used, request_body, seeded_prompt, wait_idle)
 from tests.e2e.held_sends_ctx import HELD_SENDS_ENV, holding_pids, reached_file
 
 # prompt lengths: one token, around a block (4) and the step budget (16), several chunks
@@ -94,15 +94,9 @@ def test_disaggregated_tokens_equal_the_single_process_workers_on_every_gen_grou
     assert status == 200 and answer["choices"][0]["text"] == want, answer
     for n in (1, TPB, TPB + 1, 2 * TPB + 1, 17):  # around page boundaries; two at once: both DP groups
         prompts = [seeded_prompt(21 + n, n), seeded_prompt(41 + n, n)]
-        got: dict[int, tuple[int, dict]] = {}
-        threads = [threading.Thread(target=lambda i=i, p=p: got.update({i: complete(world.router_url, p)}))
-                   for i, p in enumerate(prompts)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        got = complete_at_once(world.router_url, prompts)
         want = [greedy_text(world.baseline_url, p) for p in prompts]
-        assert [got[i][1]["choices"][0]["text"] for i in range(2)] == want, (n, got)
+        assert [answer["choices"][0]["text"] for _, answer in got] == want, (n, got)
     wait_idle(world)
 
 

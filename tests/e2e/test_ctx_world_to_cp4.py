@@ -6,14 +6,13 @@ held or allocated on any of the 2 ctx or 4 gen ranks."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import Deployment, http
-from tests.e2e.ctx_world import (TP, TPB, complete, ctx_world_options, greedy_text, rank_used, seeded_prompt,
-                                 wait_idle)
+from tests.e2e.ctx_world import (TP, TPB, complete_at_once, ctx_world_options, greedy_text, rank_used,
+                                 seeded_prompt, wait_idle)
 
 CP = 4
 # one token, a block, a block + 1, two blocks + 1, past the step budget (16), several chunks
@@ -35,16 +34,10 @@ def test_the_worlds_are_ctx_tp_2_and_gen_cp_4(dep: Deployment) -> None:
 def test_routed_tokens_equal_the_single_process_workers_and_every_rank_frees(dep: Deployment) -> None:
     for i in range(0, len(LENGTHS), 2):
         prompts = [seeded_prompt(90 + n, n) for n in LENGTHS[i:i + 2]]
-        got: dict[int, tuple[int, dict]] = {}
-        threads = [threading.Thread(target=lambda j=j, p=p: got.update({j: complete(dep.router_url, p)}))
-                   for j, p in enumerate(prompts)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        got = complete_at_once(dep.router_url, prompts)
         want = [greedy_text(dep.baseline_url, p) for p in prompts]
-        assert [got[j][0] for j in range(2)] == [200, 200], got
-        assert [got[j][1]["choices"][0]["text"] for j in range(2)] == want, (LENGTHS[i:i + 2], got)
+        assert [status for status, _ in got] == [200, 200], got
+        assert [answer["choices"][0]["text"] for _, answer in got] == want, (LENGTHS[i:i + 2], got)
     wait_idle(dep)
     gen, ctx = dep.stats("gen"), dep.stats("ctx")
     # every prompt prefilled on the ctx world, its KV pulled by the 4 gen ranks (no recompute)
