@@ -9,8 +9,10 @@ serves its own shard (on ``transceiver_port + rank``), the answer names them all
 (``ctx_endpoints``, rank order) and each gen rank pulls from the ranks holding its part. Through
 the router the greedy tokens equal the single-process worker's, for prompts around page
 boundaries, on both DP groups. The gen worker dials only the deployment's transceivers (any of
-``ctx_endpoints`` outside it: 403 naming it, nobody dialled) and refuses a list that does not fit
-the layout (400 naming ``ctx_endpoints``). A hold the router releases, one whose client left, and
+``ctx_endpoints`` outside it: 403 naming it, nobody dialled), refuses a list that does not fit
+the layout (400 naming ``ctx_endpoints``) and a layout that does not fit its own (400
+``layout_mismatch`` naming the field and both values) or a ctx world size its heads do not split
+over (400 naming ``layout.ctx_tp_size``). A hold the router releases, one whose client left, and
 one no gen ever pulls are freed on every ctx rank. A ctx rank killed while the world holds one
 request and streams another (the ctx ranks' sends held by a fault injector, ``held_sends_ctx``)
 fails both, each with an error naming a ctx rank's endpoint, the streamed one at once (its
@@ -100,7 +102,7 @@ def test_disaggregated_tokens_equal_the_single_process_workers_on_every_gen_grou
     wait_idle(world)
 
 
-def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
+def test_hostile_ctx_endpoints_and_mismatched_layouts_are_refused_naming_them(world) -> None:
     prompt = seeded_prompt(60, 6)
     params = _prefill(world, prompt)
     with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -118,6 +120,14 @@ def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
         status, err = _decode(world, {**params, "ctx_endpoints": endpoints}, prompt)
         assert status == 400 and err["error"]["param"].endswith("ctx_endpoints"), err
         assert named in err["error"]["message"], err
+    layout, endpoints = params["layout"], params["ctx_endpoints"]
+    status, err = _decode(world, {**params, "layout": {**layout, "tokens_per_block": 2 * TPB}}, prompt)
+    assert status == 400 and err["error"]["code"] == "layout_mismatch", err
+    assert f"tokens_per_block: {TPB} != {2 * TPB}" in err["error"]["message"], err
+    odd_world = {"layout": {**layout, "ctx_tp_size": 3}, "ctx_endpoints": [*endpoints, endpoints[0]]}
+    status, err = _decode(world, {**params, **odd_world}, prompt)  # 4 KDA heads over 3 ctx ranks
+    assert status == 400 and err["error"]["param"] == "disaggregated_params.layout.ctx_tp_size", err
+    assert "num_kda_heads (4) must be divisible by ctx_tp_size (3)" in err["error"]["message"], err
     assert world.stats("gen")["num_live_requests"] == 0 and world.stats("gen")["num_used_blocks"] == 0
     status, answer = _decode(world, params, prompt)  # the ctx's own answer still decodes
     assert status == 200 and answer["choices"][0]["text"] == greedy_text(world.baseline_url, prompt), answer
