@@ -81,6 +81,11 @@ class PrefixCachingCacheManager(CacheManager):
         self._num_published: dict[str, int] = {}
         self._restores: dict[str, int] = {}
 
+    @property
+    def events(self) -> PrefixEventLog | None:
+        """The pool's stored / removed block events (the router's index), if kept."""
+        return self.blocks.events
+
     def snapshot(self) -> PrefixCacheSnapshot:
         """The cache's counters and gauges now (``/metrics``)."""
         stats = self.prefix_stats
