@@ -112,7 +112,7 @@ class KVSender:
         self.plane: DataPlane = open_data_plane(config, self._wakeup, host)  # config.backend picks it
         self.staging = staging_for(config)
         # a pull copies one ctx's pools holding every head: a rank of a ctx world sends its part
-        self._export = PoolExport(caches, enabled=config.cuda_ipc and layout.ctx_tp_size == 1)
+        self._export = PoolExport(caches, enabled=config.cuda_ipc)
         self._clock = MonotonicClock()
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
