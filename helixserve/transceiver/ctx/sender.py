@@ -278,7 +278,7 @@ class KVSender:
         hold.session.anchor_deadline()  # the hold deadline starts at hold
         self.poller.add(hold.session)
         self._holds[request_id] = hold
-        if self._export.lease is None:
+        if self._export.lease is None or self.layout.ctx_tp_size > 1:  # a ctx world's gen ranks ask each rank
             return None
         return grant_hold(self._export, hold, next(self._serials), self._layout_json)
 
