@@ -15,6 +15,7 @@ PRESET = "kimi-linear-48b"
 GEN_CPS = (1, 2, 4)  # the gen CP groups
 PAIRS = [(tp, cp) for cp in GEN_CPS for tp in (1, 2)]  # (ctx tp, gen cp)
 TICK_S = 0.0002  # the gen side's poll tick (both rows alike)
+MESSAGE_BYTES = 16 * 2**20
 
 
 def _parts(max_tokens: int, tp: int, rank: int, reps: int):  # noqa: ANN202
@@ -52,7 +53,7 @@ def fan_request_bytes(num_tokens: int) -> int:
 def _config():  # noqa: ANN202
     from helixserve.config_transceiver import TransceiverConfig
 
-    return TransceiverConfig(kv_transfer_timeout_ms=60_000, message_bytes=16 * 2**20, send_window_bytes=64 * 2**20)
+    return TransceiverConfig(kv_transfer_timeout_ms=60_000, message_bytes=MESSAGE_BYTES, send_window_bytes=64 * 2**20)
 
 
 def _ctx_main(max_tokens: int, reps: int, inbox, outbox) -> None:  # noqa: ANN001

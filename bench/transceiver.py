@@ -15,7 +15,10 @@ wheel). GB/s = 1e9 bytes/s, median of ``--reps`` after one warm-up. Then the fan
 (``bench/_transceiver_fan.py``): the longest prompt to every rank of a gen CP group of 1, 2 or 4,
 from a ctx worker of one rank and from a ctx world of 2 (each gen rank pulls from the ctx rank
 holding its part), with GB/s over the request's bytes and each ctx world's time over the one-rank
-ctx's to the same gen group.
+ctx's to the same gen group. Every row gives the request's messages, per (ctx rank, gen rank) pair
+(the most of any pair) and in total, as both sides cut them; a last table gives one pair's
+messages for the same prompts with the preset's layers repeated 1, 2 and 4 times, to gen cp 1 and cp 4
+(``bench/_transceiver_messages.py``).
 
 NIXL is probed once up front (import, then creating an agent in a child process, bounded); when it
 cannot run here that peer is skipped with the reason printed (and recorded as ``nixl_skipped``),
@@ -38,7 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, write_json  # noqa: E402
-from _transceiver_fan import bench_fan, fan_request_bytes  # noqa: E402
+from _transceiver_fan import MESSAGE_BYTES as FAN_MESSAGE_BYTES, bench_fan, fan_request_bytes  # noqa: E402
+from _transceiver_messages import message_figures, over_layers, preset_layout  # noqa: E402
+from helixserve.transceiver.layout import ShardSpec, plan_messages, shard_segments  # noqa: E402
 from _transceiver_peers import payload_bound, raw_round, receive_one, receive_raw, serve_ctx, serving_receiver  # noqa: E402
 
 TPB = 16
@@ -111,13 +116,8 @@ def _gen_main(max_tokens: int, message_mib: float, window_mib: float, inbox, out
 
 def _message_pieces(num_tokens: int, message_mib: float, first_tag: int) -> list[tuple[int, int, int]]:
     """(wire tag, offset, nbytes) of one request's messages (cp 1), back to back in one buffer."""
-    import torch
-
-    from helixserve.models.presets import get_preset
-    from helixserve.transceiver.layout import ShardSpec, layout_for, plan_messages, shard_segments
-
-    layout = layout_for(get_preset(PRESET), torch.bfloat16, TPB, PRESET)
-    messages = plan_messages(shard_segments(ShardSpec(layout, num_tokens)), int(message_mib * 2**20))
+    spec = ShardSpec(preset_layout(PRESET, TPB), num_tokens)
+    messages = plan_messages(shard_segments(spec), int(message_mib * 2**20))
     starts = [0]
     for m in messages[:-1]:
         starts.append(starts[-1] + m.nbytes)
@@ -287,13 +287,29 @@ def main() -> None:
         return main_cuda(args)
     token_counts = [512, 2048] if args.quick else [4096, 16384, 32768]
     reps = args.reps or (5 if args.quick else 7)
+    if args.profile:
+        print("--profile: only with --device cuda (the pulled path); ignored")
     ucx = bench_ucx(token_counts, reps, args.message_mib, args.window_mib)
+    records, nixl_skip = main_rows(ucx, args, reps)
+    message_bytes = int(args.message_mib * 2**20)
+    layer_headers, layer_rows, layers = over_layers(preset_layout(PRESET, TPB), [1, token_counts[-1]], message_bytes)
+    print(f"\nmessages per (ctx rank, gen rank) pair from a ctx tp 1 (the pair's MiB) with {PRESET}'s layers "
+          "repeated\n")
+    print(markdown_table(layer_headers, layer_rows))
+    fan = fan_in_rows(token_counts[-1], reps)
+    write_json(args.out, {"bench": "transceiver", "preset": PRESET, "tokens_per_block": TPB, "reps": reps,
+                          "message_bytes": message_bytes, "send_window_bytes": int(args.window_mib * 2**20),
+                          "nixl_skipped": nixl_skip, "machine": machine_info(), "results": records,
+                          "messages_over_layers": layers, "fan_in": fan})
+
+
+def main_rows(ucx: dict[int, dict], args, reps: int) -> tuple[list[dict], str | None]:  # noqa: ANN001
+    """The main table (helixserve next to the raw peers, per prompt length), printed; its records
+    and why NIXL was skipped (None: it ran)."""
     nixl_skip = nixl_unavailable(args.nixl_path, 10 if args.quick else 30)
     if nixl_skip:
         print(f"NIXL write: skipped, {nixl_skip}")
     rows, records = [], []
-    if args.profile:
-        print("--profile: only with --device cuda (the pulled path); ignored")
     for num_tokens, r in ucx.items():
         gbps = {"helixserve": r["bytes"] / statistics.median(r["transfer_s"]) / 1e9,
                 "raw ucxx": r["bytes"] / statistics.median(r["raw_ucxx_s"]) / 1e9,
@@ -307,40 +323,41 @@ def main() -> None:
         best = max(v for k, v in gbps.items() if k != "helixserve" and v)
         # paired per round (each helixserve transfer is followed by its raw send): robust to load drift
         paired = statistics.median(raw_s / ours for ours, raw_s in zip(r["transfer_s"], r["raw_ucxx_s"]))
-        rows.append([num_tokens, r["bytes"] / 2**20, r["num_messages"], *gbps.values(), paired,
-                     gbps["helixserve"] / best])
-        records.append({"tokens": num_tokens, "bytes": r["bytes"], "num_messages": r["num_messages"], "gbps": gbps,
+        messages = message_figures(preset_layout(PRESET, TPB), num_tokens, 1, 1, int(args.message_mib * 2**20))
+        assert messages["messages_total"] == r["num_messages"], (messages, r["num_messages"])
+        rows.append([num_tokens, r["bytes"] / 2**20, messages["messages_per_pair"], messages["messages_total"],
+                     *gbps.values(), paired, gbps["helixserve"] / best])
+        records.append({"tokens": num_tokens, "bytes": r["bytes"], **messages, "gbps": gbps,
                         "vs_raw_ucxx": paired, "ratio_vs_best_peer": gbps["helixserve"] / best,
                         "transfer_s": r["transfer_s"], "raw_ucxx_s": r["raw_ucxx_s"],
                         "raw_ucxx_messages_s": r["raw_ucxx_messages_s"]})
-    headers = ["prompt tokens", "MiB", "messages", "helixserve GB/s", "raw ucxx GB/s", "raw ucxx, same messages GB/s",
-               "NIXL write GB/s", "ucx_perftest GB/s", "helixserve / raw ucxx (paired median)",
-               "helixserve / best peer"]
+    headers = ["prompt tokens", "MiB", "messages per pair", "messages total", "helixserve GB/s", "raw ucxx GB/s",
+               "raw ucxx, same messages GB/s", "NIXL write GB/s", "ucx_perftest GB/s",
+               "helixserve / raw ucxx (paired median)", "helixserve / best peer"]
     print(f"\n{PRESET} request (bf16 KV, fp32 KDA state), ctx -> gen, 2 processes, one host\n")
     print(markdown_table(headers, rows))
-    fan = fan_in_rows(token_counts[-1], reps)
-    write_json(args.out, {"bench": "transceiver", "preset": PRESET, "tokens_per_block": TPB, "reps": reps,
-                          "message_bytes": int(args.message_mib * 2**20),
-                          "send_window_bytes": int(args.window_mib * 2**20),
-                          "nixl_skipped": nixl_skip, "machine": machine_info(), "results": records,
-                          "fan_in": fan})
+    return records, nixl_skip
 
 
 def fan_in_rows(num_tokens: int, reps: int) -> list[dict]:
     """The fan-in table (bench/_transceiver_fan.py): gen cp 1, 2 and 4 from ctx tp 1 and from ctx tp 2."""
     seconds = bench_fan(num_tokens, reps)
     nbytes = fan_request_bytes(num_tokens)
+    layout = preset_layout(PRESET, TPB)
     rows, out = [], []
     for (tp, cp), times in seconds.items():
         base = seconds[(1, cp)]
         paired = statistics.median(b / a for a, b in zip(base, times))
         median_s = statistics.median(times)
-        rows.append([f"ctx tp {tp} -> gen cp {cp}", median_s * 1e3, nbytes / median_s / 1e9, paired])
+        messages = message_figures(layout, num_tokens, tp, cp, FAN_MESSAGE_BYTES)
+        rows.append([f"ctx tp {tp} -> gen cp {cp}", messages["messages_per_pair"], messages["messages_total"],
+                     median_s * 1e3, nbytes / median_s / 1e9, paired])
         out.append({"tokens": num_tokens, "ctx_tp": tp, "gen_cp": cp, "seconds": times, "bytes": nbytes,
-                    "over_tp1": paired})
+                    "over_tp1": paired, **messages})
     print(f"\nfan-in: one {num_tokens}-token request ({nbytes / 2**20:.1f} MiB) to every rank of a gen CP "
           "group, 2 processes\n")
-    print(markdown_table(["pair", "ms (median)", "GB/s", "over ctx tp 1 -> same cp (paired median)"], rows))
+    print(markdown_table(["pair", "messages per pair", "messages total", "ms (median)", "GB/s",
+                          "over ctx tp 1 -> same cp (paired median)"], rows))
     return out
 
 

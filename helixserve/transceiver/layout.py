@@ -15,16 +15,38 @@ s): the blocks above with ``b % N == s`` and the heads of ``[r*H/c, (r+1)*H/c)``
 
 **Stream.** The shard is a list of segments in a fixed order: AUX; KDA_STATE per KDA layer;
 CONV_STATE per KDA layer; KV_BLOCKS per MLA layer (layers ascending, blocks ascending). A segment
-is ``num_units`` equal units (an MLA block, a head slice of a state, a conv section slice). Each
-segment is cut into messages of at most ``message_bytes``: whole units when a unit fits, else byte
-pieces of a unit; a message never spans two segments. Both sides compute the same cut from the
-layout alone (:func:`plan_messages`).
+is ``num_units`` equal units (an MLA block, a head slice of a state, a conv section slice). The
+stream is cut into messages of at most ``message_bytes`` (:func:`plan_messages`), each a list of
+pieces ``(segment, offset, nbytes)`` of consecutive segments of ONE payload kind (what is
+accounted per kind, the sender's tasks and the receiver's completion, stays per kind):
+
+- whole units of consecutive segments smaller than ``ALONE_BYTES`` (1 MiB) are packed greedily:
+  the AUX word block, the conv states, the KV blocks of short prompts, and the KDA states of a
+  shard split over many ranks. Their message count follows their bytes, not the layer count;
+- a segment of ``ALONE_BYTES`` or more starts and ends messages of its own, so it is sent and
+  received in place where its memory is one run. A packed message spans several pools and goes
+  through a staging copy on each side; on the host that copy runs at about the speed of the
+  transfer itself, so a packed byte costs about three times the memory traffic of an in-place
+  one, whereas a message costs tens of microseconds. Measured with ``bench/transceiver.py
+  --quick`` (kimi-linear-48b, 2 MiB of fp32 state per KDA layer, 2 shared CPU cores): with the
+  states packed too (6 messages instead of 29) a 2048-token request to one gen rank took 46 to 54
+  ms, with them in place 25 ms, and its paired ratio to a raw ucxx send fell to about 0.3 (0.4 to
+  0.65 in place); the 512 KiB states of a gen cp 4 shard, packed, cost its fan-in rows 25 to 50 %,
+  the 72 KiB conv states nothing measurable. On a GPU the copy is cheap and a larger limit would
+  pay (the limit is the same on both sides: it is part of the cut). 1 MiB keeps the large runs
+  (long prompts' blocks, a shard's whole-head states) in place and packs the small segments of
+  a shard split over many ranks;
+- a unit larger than ``message_bytes`` is cut into byte pieces, in messages of their own.
+
+Both sides compute the same cut from the layout alone (:func:`plan_messages`).
 
 **Memory.** Each side maps every segment to its own tensors (:class:`SegmentMemory`): the ctx
 sender to its pools (``H/N`` heads) and the physical blocks of its local blocks, a receiver to its
 local-head pools (``H/c`` heads) and its local blocks. Consecutive units that are adjacent in memory are
-coalesced, so a message whose bytes are one run is sent / received in place; others are
-gathered / scattered through a staging buffer. The map is built by :mod:`memory_map` (per-pool
+coalesced, so a message whose bytes are one run is sent / received in place; others (a packed
+message, fragmented blocks, a ctx world's every N-th block) are gathered / scattered through a
+staging buffer, whole units over many runs by one indexed copy (:meth:`SegmentMemory.copy_out`,
+:meth:`SegmentMemory.copy_in`). The map is built by :mod:`memory_map` (per-pool
 constants read once, one run list per pool shape shared by its layers); the segment and message
 lists of a stream shape are built once and copied (:func:`_stream`). The shard, segment, message
 and segment-memory types are :mod:`.segments`' (both this module and :mod:`.memory_map` build on them).
@@ -52,6 +74,7 @@ MAX_TAG_BASE = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
 AUX_WORDS = 64
 AUX_MAGIC = 0x48454C4958  # "HELIX"
 MAX_FIRST_TOKENS = AUX_WORDS - 3
+ALONE_BYTES = 1 << 20  # a segment this large travels in messages of its own (see the module docstring)
 
 
 class LayoutMismatchError(ValueError):
@@ -132,18 +155,59 @@ def shard_segments(spec: ShardSpec) -> list[Segment]:
     return segments
 
 
-def plan_messages(segments: Sequence[Segment], message_bytes: int) -> list[Message]:
-    """Cut every segment into messages of at most `message_bytes` (whole units when they fit)."""
+class _Packer:
+    """Builds messages of pieces of one kind, at most `message_bytes` each (see `plan_messages`)."""
+
+    def __init__(self, message_bytes: int) -> None:
+        self.message_bytes = message_bytes
+        self.messages: list[Message] = []
+        self.kind: PayloadKind | None = None
+        self.pieces: list[tuple[int, int, int]] = []
+        self.nbytes = 0
+
+    def room(self, kind: PayloadKind) -> int:
+        """Bytes the open message can still take for `kind` (a new kind closes it)."""
+        if kind is not self.kind:
+            self.close()
+            self.kind = kind
+        return self.message_bytes - self.nbytes
+
+    def add(self, segment: int, offset: int, nbytes: int) -> None:
+        self.pieces.append((segment, offset, nbytes))
+        self.nbytes += nbytes
+
+    def close(self) -> None:
+        if self.pieces:
+            self.messages.append(Message(len(self.messages), self.kind, tuple(self.pieces), self.nbytes))
+        self.pieces, self.nbytes = [], 0
+
+
+def plan_messages(segments: Sequence[Segment], message_bytes: int, alone_bytes: int = ALONE_BYTES) -> list[Message]:
+    """Cut the stream into messages of at most `message_bytes` (see the module docstring): whole
+    units of consecutive segments of one kind packed greedily; a segment of `alone_bytes` or more
+    in messages of its own; a unit larger than a message cut into byte pieces."""
     if message_bytes < 1:
         raise ValueError(f"message_bytes must be >= 1, got {message_bytes}")
-    messages: list[Message] = []
+    packer = _Packer(message_bytes)
     for index, seg in enumerate(segments):
-        step = (message_bytes // seg.unit_bytes) * seg.unit_bytes if seg.unit_bytes <= message_bytes else message_bytes
-        for offset in range(0, seg.nbytes, step):
-            messages.append(Message(len(messages), seg.kind, index, offset, min(step, seg.nbytes - offset)))
-    if len(messages) > MAX_MESSAGES:
-        raise ValueError(f"{len(messages)} messages > {MAX_MESSAGES}: raise message_bytes")
-    return messages
+        is_alone = seg.nbytes >= alone_bytes
+        if is_alone:
+            packer.close()
+        step = min(seg.unit_bytes, message_bytes)  # a unit, or a byte piece of a larger one
+        offset = 0
+        while offset < seg.nbytes:
+            take = min(packer.room(seg.kind) // step * step, seg.nbytes - offset)
+            if take == 0:
+                packer.close()
+                continue
+            packer.add(index, offset, take)
+            offset += take
+        if is_alone:
+            packer.close()
+    packer.close()
+    if len(packer.messages) > MAX_MESSAGES:
+        raise ValueError(f"{len(packer.messages)} messages > {MAX_MESSAGES}: raise message_bytes")
+    return packer.messages
 
 
 def wire_tag(tag_base: int, message_index: int) -> int:
@@ -256,7 +320,38 @@ class ShardPlan:
         return cls(spec, segments, messages, map_memory, aux, message_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:
-        return self.memory[message.segment].spans(message.offset, message.nbytes)
+        """Views of the message's bytes on this side, in stream order (one: it goes in place)."""
+        memory = self.memory
+        if len(message.pieces) == 1:
+            segment, offset, nbytes = message.pieces[0]
+            return memory[segment].spans(offset, nbytes)
+        return [span for segment, offset, nbytes in message.pieces for span in memory[segment].spans(offset, nbytes)]
+
+    def in_place(self, message: Message) -> torch.Tensor | None:
+        """The one view holding the message's bytes on this side (sent / received in place), or
+        None: they are in several runs (a packed message, fragmented blocks) and are staged."""
+        if len(message.pieces) > 1:
+            return None
+        segment, offset, nbytes = message.pieces[0]
+        memory = self.memory[segment]
+        return memory.spans(offset, nbytes)[0] if memory.num_runs(offset, nbytes) == 1 else None
+
+    def device(self, message: Message) -> torch.device:
+        return self.memory[message.pieces[0][0]].flat.device
+
+    def gather(self, message: Message, out: torch.Tensor) -> None:
+        """Copy the message's bytes on this side into `out` (uint8, ``message.nbytes``)."""
+        start = 0
+        for segment, offset, nbytes in message.pieces:
+            self.memory[segment].copy_out(offset, nbytes, out[start : start + nbytes])
+            start += nbytes
+
+    def scatter(self, src: torch.Tensor, message: Message) -> None:
+        """Copy `src` (uint8, ``message.nbytes``) into the message's bytes on this side."""
+        start = 0
+        for segment, offset, nbytes in message.pieces:
+            self.memory[segment].copy_in(src[start : start + nbytes], offset, nbytes)
+            start += nbytes
 
     def kind_messages(self, kind: PayloadKind) -> list[Message]:
         return [m for m in self.messages if m.kind is kind]
@@ -269,19 +364,3 @@ class ShardPlan:
     @property
     def nbytes(self) -> int:
         return sum(seg.nbytes for seg in self.segments)
-
-
-def gather(spans: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Copy `spans` back to back into `out` (uint8, exactly their total size)."""
-    if len(spans) == 1:
-        out.copy_(spans[0])
-    else:
-        torch.cat(list(spans), out=out)
-
-
-def scatter(src: torch.Tensor, spans: Sequence[torch.Tensor]) -> None:
-    """Copy `src` (uint8) back into `spans`, in order."""
-    offset = 0
-    for span in spans:
-        span.copy_(src[offset : offset + span.numel()])
-        offset += span.numel()

@@ -140,5 +140,5 @@ def map_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches
             pattern = patterns[key] = SegmentMemory.of(info.flat, offsets, seg.unit_bytes)
             if pattern.runs and pattern.starts[-1] + pattern.runs[-1][1] != seg.nbytes:  # the pull relies on it
                 raise AssertionError(f"the runs of {seg} do not cover it")
-        out.append(SegmentMemory(info.flat, pattern.runs, pattern.starts))
+        out.append(SegmentMemory(info.flat, pattern.runs, pattern.starts, pattern.unit_bytes, pattern.unit_rows))
     return out

@@ -1,7 +1,7 @@
 """The types a shard's stream is made of, below :mod:`.layout` (the shard mapping and the message
 plan) and :mod:`.memory_map` (each side's memory map), which both build on them: a receiver's
 share of a request (:class:`ShardSpec`), a segment of equal units (:class:`Segment`), a message
-of a segment's bytes (:class:`Message`) and where a segment's bytes live on one side
+of segments' bytes (:class:`Message`) and where a segment's bytes live on one side
 (:class:`SegmentMemory`)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.fan import Source
 
 SMALL_SEGMENT_UNITS = 16  # segments of at most this many units are mapped without numpy
+FEW_RUNS = 4  # bytes over at most this many runs are copied run by run, not by an indexed copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,22 +113,30 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """Bytes ``[offset, offset + nbytes)`` of segment `segment`; travels with tag index `index`."""
+    """Pieces of consecutive segments of one payload kind, back to back; travels with tag index
+    `index`. A piece ``(segment, offset, nbytes)`` is bytes ``[offset, offset + nbytes)`` of
+    segment `segment`; `nbytes` is their total."""
 
     index: int
     kind: PayloadKind
-    segment: int
-    offset: int
+    pieces: tuple[tuple[int, int, int], ...]
     nbytes: int
 
 
 @dataclass(slots=True)
 class SegmentMemory:
-    """Where one segment's bytes live on one side: coalesced runs of a parent tensor's bytes."""
+    """Where one segment's bytes live on one side: coalesced runs of a parent tensor's bytes.
+
+    When every unit is a row of the parent (``unit_rows``: its row in ``flat`` viewed as rows of
+    ``unit_bytes``), a copy of whole units over many runs is one indexed copy (:meth:`copy_out`,
+    :meth:`copy_in`), not a copy per run."""
 
     flat: torch.Tensor  # uint8 view of the whole parent tensor
     runs: list[tuple[int, int]]  # (byte offset in flat, nbytes), in stream order
     starts: list[int] = field(default_factory=list)  # stream offset of each run
+    unit_bytes: int = 0
+    unit_rows: np.ndarray | None = field(default=None, compare=False, repr=False)  # int64 [num_units]; None: not rows
+    _rows: torch.Tensor | None = field(default=None, compare=False, repr=False)  # unit_rows on flat's device, on first use
 
     @classmethod
     def of(cls, parent: torch.Tensor, unit_offsets: Sequence[int], unit_bytes: int) -> SegmentMemory:
@@ -147,7 +156,8 @@ class SegmentMemory:
         sizes = np.diff(np.concatenate([first, [offsets.size]])) * unit_bytes
         runs = list(zip(offsets[first].tolist(), sizes.tolist()))
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-        return cls(flat, runs, starts)
+        is_rows = flat.numel() % unit_bytes == 0 and not (offsets % unit_bytes).any()
+        return cls(flat, runs, starts, unit_bytes, offsets // unit_bytes if is_rows else None)
 
     @classmethod
     def _of_few(cls, flat: torch.Tensor, offsets: list[int], unit_bytes: int) -> SegmentMemory:
@@ -162,7 +172,9 @@ class SegmentMemory:
         starts = [0]
         for _, size in runs[:-1]:
             starts.append(starts[-1] + size)
-        return cls(flat, [(o, n) for o, n in runs], starts if runs else [])
+        is_rows = len(runs) > FEW_RUNS and flat.numel() % unit_bytes == 0 and all(o % unit_bytes == 0 for o in offsets)
+        rows = np.asarray(offsets, dtype=np.int64) // unit_bytes if is_rows else None
+        return cls(flat, [(o, n) for o, n in runs], starts if runs else [], unit_bytes, rows)
 
     def spans(self, offset: int, nbytes: int) -> list[torch.Tensor]:
         """Views of stream bytes ``[offset, offset + nbytes)``, in order."""
@@ -176,3 +188,61 @@ class SegmentMemory:
             offset += take
             i += 1
         return out
+
+    def num_runs(self, offset: int, nbytes: int) -> int:
+        """How many runs stream bytes ``[offset, offset + nbytes)`` touch."""
+        return bisect.bisect_right(self.starts, offset + nbytes - 1) - bisect.bisect_right(self.starts, offset) + 1
+
+    def copy_out(self, offset: int, nbytes: int, out: torch.Tensor) -> None:
+        """Copy stream bytes ``[offset, offset + nbytes)`` into `out` (uint8, `nbytes`)."""
+        rows = self._unit_rows(offset, nbytes)
+        if rows is None:
+            gather(self.spans(offset, nbytes), out)
+        else:
+            torch.index_select(self.flat.view(-1, self.unit_bytes), 0, rows, out=out.view(-1, self.unit_bytes))
+
+    def copy_in(self, src: torch.Tensor, offset: int, nbytes: int) -> None:
+        """Copy `src` (uint8, `nbytes`) into stream bytes ``[offset, offset + nbytes)``."""
+        rows = self._unit_rows(offset, nbytes)
+        if rows is None:
+            scatter(src, self.spans(offset, nbytes))
+        else:
+            width = _widest(self.flat, src, self.unit_bytes)
+            row = self.unit_bytes // width.itemsize
+            self.flat.view(width).view(-1, row).index_copy_(0, rows, src.view(width).view(-1, row))
+
+    def _unit_rows(self, offset: int, nbytes: int) -> torch.Tensor | None:
+        """The rows of the units of ``[offset, offset + nbytes)``, or None: copy run by run (few
+        runs, units that are not rows, or bytes that are not whole units)."""
+        unit = self.unit_bytes
+        if self.unit_rows is None or offset % unit or nbytes % unit or self.num_runs(offset, nbytes) <= FEW_RUNS:
+            return None
+        if self._rows is None:
+            self._rows = torch.from_numpy(self.unit_rows).to(self.flat.device)
+        return self._rows[offset // unit : (offset + nbytes) // unit]
+
+
+def _widest(a: torch.Tensor, b: torch.Tensor, row_bytes: int) -> torch.dtype:
+    """The widest integer type both uint8 tensors can be viewed as, rows of `row_bytes` kept whole
+    (an indexed copy of uint8 rows runs element by element: several times slower)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if row_bytes % size == 0 and all(t.storage_offset() % size == 0 and t.data_ptr() % size == 0 for t in (a, b)):
+            return dtype
+    return torch.uint8
+
+
+def gather(spans: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy `spans` back to back into `out` (uint8, exactly their total size)."""
+    if len(spans) == 1:
+        out.copy_(spans[0])
+    else:
+        torch.cat(list(spans), out=out)
+
+
+def scatter(src: torch.Tensor, spans: Sequence[torch.Tensor]) -> None:
+    """Copy `src` (uint8) back into `spans`, in order."""
+    offset = 0
+    for span in spans:
+        span.copy_(src[offset : offset + span.numel()])
+        offset += span.numel()

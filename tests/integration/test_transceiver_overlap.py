@@ -33,7 +33,7 @@ from tests.integration.test_transceiver_transfer import (  # noqa: E402
 
 TPB = 4
 NUM_BLOCKS, NUM_SLOTS = 512, 48
-MESSAGE_BYTES = 12288  # ~4 messages per shard; large enough for UCX rendezvous on shared memory
+MESSAGE_BYTES = 12288  # ~7 messages per shard; large enough for UCX rendezvous on shared memory
 GEN_TIMEOUT_MS = 3000
 WAIT_S = 60.0
 NUM_REQUESTS = 32

@@ -18,7 +18,8 @@ from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.fan import sources
-from helixserve.transceiver.layout import ShardPlan, ShardSpec, gather, layout_for, scatter, shard_segments
+from helixserve.transceiver.layout import ShardPlan, ShardSpec, layout_for, shard_segments
+from helixserve.transceiver.segments import gather
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
 TPB = 4
@@ -81,9 +82,11 @@ def _receive(world: CtxWorld, num_tokens: int, cp_rank: int, cp_size: int, messa
         ours = ShardPlan.for_receiver(spec, gen, table, slot, message_bytes)
         assert theirs.messages == ours.messages and theirs.segments == ours.segments
         for message in theirs.messages:
-            staged = torch.empty(message.nbytes, dtype=torch.uint8)
-            gather(theirs.spans(message), staged)
-            scatter(staged, ours.spans(message))
+            staged, by_spans = (torch.empty(message.nbytes, dtype=torch.uint8) for _ in range(2))
+            theirs.gather(message, staged)  # (an indexed copy over many runs)
+            gather(theirs.spans(message), by_spans)
+            assert torch.equal(staged, by_spans), message
+            ours.scatter(staged, message)
     return gen, table, slot, srcs
 
 

@@ -1,5 +1,5 @@
 """The ctx -> gen shard mapping: blocks and heads per CP rank, segment order and sizes, message
-cuts, memory runs, the AUX payload and layout-descriptor checks (pure, no transport)."""
+cuts (their invariants over random layouts: test_transceiver_message_plan.py), memory runs, the AUX payload and layout-descriptor checks (pure, no transport)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helixserve.cache_layout import head_slice
+from helixserve.cache_layout import cache_spec_for, head_slice
+from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
 import helixserve.transceiver.segments as segments_module
-from helixserve.transceiver.layout import (AUX_WORDS, LayoutMismatchError, ShardSpec, check_layout, check_mapping, decode_aux,
-                                           encode_aux, layout_for, plan_messages, shard_segments, wire_tag)
+from helixserve.transceiver.layout import (ALONE_BYTES, AUX_WORDS, LayoutMismatchError, ShardPlan, ShardSpec,
+                                           check_layout, check_mapping, decode_aux, encode_aux, layout_for,
+                                           plan_messages, shard_segments, wire_tag)
 from helixserve.transceiver.segments import SMALL_SEGMENT_UNITS, SegmentMemory
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32
@@ -54,21 +56,37 @@ def test_segments_in_stream_order_with_shard_sizes():
     assert (by_kind[PayloadKind.KV_BLOCKS].unit_bytes, by_kind[PayloadKind.KV_BLOCKS].num_units) == (4 * 40 * 4, 3)
 
 
-def test_messages_are_whole_units_when_they_fit_and_never_span_segments():
-    segments = shard_segments(ShardSpec(LAYOUT, 23, 0, 1))
-    messages = plan_messages(segments, message_bytes=1300)  # 2 blocks of 640; KDA state 16 KiB split
+def test_messages_pack_whole_units_of_one_kind():
+    segments = shard_segments(ShardSpec(LAYOUT, 23, 1, 2))  # 0 AUX, 1-4 states, 5-8 conv, 9-10 blocks
+    messages = plan_messages(segments, message_bytes=5000)
     assert [m.index for m in messages] == list(range(len(messages)))
-    for seg_index, seg in enumerate(segments):
-        mine = [m for m in messages if m.segment == seg_index]
-        assert sum(m.nbytes for m in mine) == seg.nbytes
-        assert [m.offset for m in mine] == [sum(x.nbytes for x in mine[:i]) for i in range(len(mine))]
-        if seg.kind is PayloadKind.KV_BLOCKS:
-            assert [m.nbytes for m in mine] == [1280, 1280, 1280]
-        if seg.kind is PayloadKind.KDA_STATE:
-            assert max(m.nbytes for m in mine) == 1300 and len(mine) == -(-seg.nbytes // 1300)
-    assert plan_messages(segments, 1 << 30) == plan_messages(segments, 1 << 29)  # one message per segment
+    assert all({segments[s].kind for s, _, _ in m.pieces} == {m.kind} for m in messages)
+    conv = [m.pieces for m in messages if m.kind is PayloadKind.CONV_STATE]  # units of 768 B, 3 a layer
+    assert conv == [((5, 0, 2304), (6, 0, 2304)), ((7, 0, 2304), (8, 0, 2304))]
+    kv = [m.pieces for m in messages if m.kind is PayloadKind.KV_BLOCKS]  # 3 blocks of 640 B a layer
+    assert kv == [((9, 0, 1920), (10, 0, 1920))]
+    state = [m.pieces for m in messages if m.kind is PayloadKind.KDA_STATE]  # 8 KiB units: byte pieces
+    assert state == [p for i in (1, 2, 3, 4) for p in (((i, 0, 5000),), ((i, 5000, 3192),))]
+    units = [m.pieces for m in plan_messages(segments, 6000) if m.kind is PayloadKind.CONV_STATE]  # a layer split
+    assert units == [((5, 0, 2304), (6, 0, 2304), (7, 0, 768)), ((7, 768, 1536), (8, 0, 2304))]
+    whole = plan_messages(segments, 1 << 20)  # one message per kind
+    assert [(m.kind, len(m.pieces)) for m in whole] == [
+        (PayloadKind.AUX, 1), (PayloadKind.KDA_STATE, 4), (PayloadKind.CONV_STATE, 4), (PayloadKind.KV_BLOCKS, 2)]
     with pytest.raises(ValueError):
         plan_messages(segments, 0)
+
+
+def test_a_large_segment_travels_alone():
+    """A segment of `alone_bytes` or more starts and ends its own messages (sent in place where its
+    memory is one run); smaller ones of its kind pack around it."""
+    segments = shard_segments(ShardSpec(LAYOUT, 23, 0, 1))  # KV segments of 3840 B
+    alone = plan_messages(segments, 1 << 20, alone_bytes=3840)
+    assert [m.pieces for m in alone if m.kind is PayloadKind.KV_BLOCKS] == [((9, 0, 3840),), ((10, 0, 3840),)]
+    assert [len(m.pieces) for m in alone if m.kind is PayloadKind.KDA_STATE] == [1, 1, 1, 1]  # 16 KiB each
+    packed = plan_messages(segments, 1 << 20, alone_bytes=3841)
+    assert [m.pieces for m in packed if m.kind is PayloadKind.KV_BLOCKS] == [((9, 0, 3840), (10, 0, 3840))]
+    assert plan_messages(segments, 1 << 20) == plan_messages(segments, 1 << 20, alone_bytes=ALONE_BYTES)
+    assert ALONE_BYTES == 1 << 20
 
 
 def test_segment_memory_coalesces_adjacent_units_and_spans_cross_runs():
@@ -80,6 +98,63 @@ def test_segment_memory_coalesces_adjacent_units_and_spans_cross_runs():
     assert torch.equal(torch.cat(spans).view(torch.int32), torch.tensor([18, 19, 28, 29, 30, 31]))
     with pytest.raises(ValueError, match="outside"):
         SegmentMemory.of(pool, [160], 16)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_indexed_copies_move_the_bytes_the_runs_hold(seed):
+    """Whole units over many runs are copied by one indexed copy: the same bytes as the run by run
+    copy, from and into buffers at any alignment; a range of few runs or of part of a unit goes
+    run by run."""
+    gen = torch.Generator().manual_seed(seed)
+    unit = [8, 24, 40, 6][seed % 4]  # 6: rows of int16 only
+    count = 10 if seed < 6 else 40  # the few-unit and the numpy paths
+    rows = torch.randperm(64, generator=gen)[:count].tolist()
+    pool = torch.randint(0, 255, (64 * unit,), dtype=torch.uint8, generator=gen)
+    memory = SegmentMemory.of(pool, [r * unit for r in rows], unit)
+    assert memory.unit_rows is not None and len(memory.runs) > segments_module.FEW_RUNS
+    total, targets = count * unit, []
+    for offset, nbytes in ((0, total), (unit, total - 2 * unit), (3, unit), (0, unit)):
+        for shift in (0, 1, 2):  # a staging buffer at an odd address copies uint8 rows
+            buffer = torch.zeros(nbytes + shift, dtype=torch.uint8)[shift:]
+            memory.copy_out(offset, nbytes, buffer)
+            assert torch.equal(buffer, torch.cat(memory.spans(offset, nbytes)))
+            target = SegmentMemory.of(torch.zeros_like(pool), [r * unit for r in rows], unit)
+            target.copy_in(buffer, offset, nbytes)
+            targets.append(target)
+            assert torch.equal(torch.cat(target.spans(offset, nbytes)), buffer)
+            assert int(target.flat.count_nonzero()) == int(buffer.count_nonzero())  # nothing else written
+    assert memory._rows is not None and targets[0]._rows is not None  # the indexed copies ran
+
+
+def test_a_message_of_one_run_goes_in_place_and_a_packed_one_is_staged():
+    """`ShardPlan.in_place` is the cache's own view for a message in one run (no copy); a packed
+    message (several pools) or blocks in several runs are staged, and `gather` / `scatter` move
+    exactly the bytes of the message's pieces."""
+    caches = allocate_model_caches(cache_spec_for(CFG, torch.float32, 4), 16, 2)
+    for pool in caches.tensors():
+        pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(pool.numel())))
+    spec = ShardSpec(LAYOUT, 23)
+    plan = ShardPlan.for_sender(spec, caches, [4, 5, 6, 7, 8, 9], 1, [1], 1 << 20)  # blocks in one run
+    by_kind = {m.kind: m for m in plan.messages}
+    state = plan.in_place(by_kind[PayloadKind.KDA_STATE])
+    assert state is None  # 4 layers' states packed: 4 pools
+    kv = plan_messages(plan.segments, 1 << 20, alone_bytes=1)  # every segment alone
+    alone = [m for m in kv if m.kind is PayloadKind.KV_BLOCKS]
+    view = plan.in_place(alone[0])
+    assert view is not None and view.data_ptr() == caches.mla_kv[3][4].data_ptr() and view.numel() == alone[0].nbytes
+    fragmented = ShardPlan.for_sender(spec, caches, [4, 5, 9, 7, 8, 6], 1, [1], 1 << 20)
+    assert fragmented.in_place(alone[0]) is None
+    for message in plan.messages:
+        out = torch.empty(message.nbytes, dtype=torch.uint8)
+        plan.gather(message, out)
+        want = [torch.cat(plan.memory[s].spans(o, n)) for s, o, n in message.pieces]
+        assert torch.equal(out, torch.cat(want))
+        receiver = ShardPlan.for_receiver(spec, allocate_model_caches(cache_spec_for(CFG, torch.float32, 4), 16, 2),
+                                          [9, 3, 12, 0, 1, 2], 0, 1 << 20)
+        receiver.scatter(out, message)
+        got = torch.empty_like(out)
+        receiver.gather(message, got)
+        assert torch.equal(got, out)
 
 
 def test_aux_payload_round_trip_and_malformed():

@@ -19,7 +19,8 @@ from helixserve.transceiver import layout as layout_module
 from helixserve.transceiver import memory_map
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.layout import (MAX_FIRST_TOKENS, SegmentMemory, ShardPlan,
-                                           ShardSpec, encode_aux, gather, layout_for, plan_messages, shard_segments)
+                                           ShardSpec, encode_aux, layout_for, plan_messages, shard_segments)
+from helixserve.transceiver.segments import gather
 from helixserve.transceiver.gen.pull import PullPair
 from tests.unit._pull_reference import reference_aux, reference_memory
 

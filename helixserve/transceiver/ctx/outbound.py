@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from helixserve.transceiver.base import PayloadKind, TransferState
-from helixserve.transceiver.layout import ShardPlan, gather, wire_tag
+from helixserve.transceiver.layout import ShardPlan, wire_tag
 from helixserve.transceiver.plane import DataPlane, TransferHandle
 from helixserve.transceiver.stream import Staging
 
@@ -69,15 +69,14 @@ class Outbound:
         message = self.plan.messages[index]
         sent = self.sent[index]
         try:
-            spans = self.plan.spans(message)
-            buffer = spans[0]
-            if len(spans) > 1:
-                staged = self.staging.try_acquire(self.request_id, message.nbytes, spans[0].device)
+            buffer = self.plan.in_place(message)
+            if buffer is None:
+                staged = self.staging.try_acquire(self.request_id, message.nbytes, self.plan.device(message))
                 if staged is None:
                     return False  # bounce pool full: retry on a later tick
                 sent.staging = staged
                 buffer = staged[0]
-                gather(spans, buffer)
+                self.plan.gather(message, buffer)
                 if buffer.is_cuda:  # the send must not start before the gather kernel ran
                     torch.cuda.current_stream(buffer.device).synchronize()
             sent.handle = plane.send_message(self.peer, wire_tag(self.tag_base, index), buffer)

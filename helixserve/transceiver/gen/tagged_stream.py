@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.base import PayloadKind, TransferState
-from helixserve.transceiver.layout import ShardPlan, scatter, wire_tag
+from helixserve.transceiver.layout import ShardPlan, wire_tag
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.plane import TransferHandle
 from helixserve.transceiver.gen.transport import Progress, ShardOwner
@@ -121,10 +121,10 @@ class TaggedStream:
                 continue
             message = self.plan.messages[index]
             try:
-                spans = self.plan.spans(message)
-                buffer = spans[0]
-                if len(spans) > 1:
-                    recv.staging = inbound.r.staging.try_acquire(inbound.request_id, message.nbytes, spans[0].device)
+                buffer = self.plan.in_place(message)
+                if buffer is None:
+                    recv.staging = inbound.r.staging.try_acquire(inbound.request_id, message.nbytes,
+                                                                 self.plan.device(message))
                     if recv.staging is None:
                         return  # staging full: post the rest on a later poll
                     buffer = recv.staging[0]
@@ -150,7 +150,7 @@ class TaggedStream:
             recv.is_done = True
             if state is TransferState.COMPLETED and self.is_live:
                 if recv.staging is not None:
-                    scatter(recv.staging[0], self.plan.spans(self.plan.messages[index]))
+                    self.plan.scatter(recv.staging[0], self.plan.messages[index])
                 if self.plan.messages[index].kind is PayloadKind.AUX:
                     inbound.check_aux(self.plan.aux)
             elif state is not TransferState.COMPLETED and inbound.error is None and self.is_live:
