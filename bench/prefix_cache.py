@@ -12,7 +12,11 @@ same prefix with ``--new-tokens`` new ones: its TTFT with caching off and on (th
 prefix, 64 new tokens" case on the GPU). ``floor``: the best TTFT of a fresh prompt of as many
 tokens as the cached request computes (one prefill step over no context), measured in the same
 run: the cached request's TTFT cannot go under it, so where a step's fixed cost dominates (a small
-model, eager prefill) it bounds the on/off ratio.
+model, eager prefill) it bounds the on/off ratio. ``no_reuse``: what caching on costs where it
+finds nothing (prefix caching is on by default): random prompts, no two sharing a block, each
+batch run on the engine with caching off and then on (fresh prompts every repetition, the same on
+both), the best wall time of each as prompt + output tokens per second; and the same prompts one
+at a time, their TTFT p50.
 
 The ratios are on / off of the same run; every row says whether the greedy tokens were equal.
 
@@ -105,6 +109,34 @@ def long_prefix(llms: dict[str, LLM], prefix_tokens: int, new_tokens: int, vocab
     return {key: run_one(llm, f"{key}-long-second", second, params, device) for key, llm in llms.items()}
 
 
+def no_reuse(llms: dict[str, LLM], shape: dict[str, int], vocab: int, device: str, repeats: int
+             ) -> tuple[dict[str, dict[str, float]], bool, int]:
+    """``({engine: {"tok_s", "ttft_p50_ms"}}, tokens equal, tokens found cached)`` of random
+    prompts (see the module docstring)."""
+    params = SamplingParams(max_tokens=shape["new_tokens"], temperature=0.0, ignore_eos=True)
+    best = {key: float("inf") for key in llms}
+    ttfts: dict[str, list[float]] = {key: [] for key in llms}
+    equal, hits_before = True, llms["on"].engine.cache_manager.prefix_stats.num_hit_tokens
+    for rep in range(repeats):
+        rng = random.Random(100 + rep)
+        prompts = [[rng.randrange(vocab) for _ in range(shape["tokens"])] for _ in range(2 * shape["prompts"])]
+        batch, alone = prompts[:shape["prompts"]], prompts[shape["prompts"]:]
+        tokens = {}
+        for key, llm in llms.items():
+            sync(device)
+            start = time.perf_counter()
+            tokens[key] = [r.token_ids for r in llm.generate(batch, params)]
+            sync(device)
+            best[key] = min(best[key], time.perf_counter() - start)
+        for i, prompt in enumerate(alone):
+            for key, llm in llms.items():
+                ttfts[key].append(run_one(llm, f"{key}-random-{rep}-{i}", prompt, params, device)["ttft_s"])
+        equal = equal and tokens["off"] == tokens["on"]
+    total = shape["prompts"] * (shape["tokens"] + shape["new_tokens"])
+    rates = {key: {"tok_s": total / best[key], "ttft_p50_ms": 1e3 * percentile(ttfts[key], 0.5)} for key in llms}
+    return rates, equal, llms["on"].engine.cache_manager.prefix_stats.num_hit_tokens - hits_before
+
+
 def summary(requests: list[dict[str, Any]]) -> dict[str, float]:
     ttfts = [r["ttft_s"] for r in requests]
     return {"ttft_p50_ms": 1e3 * percentile(ttfts, 0.5), "ttft_p90_ms": 1e3 * percentile(ttfts, 0.9),
@@ -123,6 +155,8 @@ def main() -> None:
              if args.quick else
              {"system_tokens": 2048, "conversations": 8, "turns": 8, "user_tokens": 64, "reply_tokens": 16})
     prefix_tokens, new_tokens = (1024, 64) if args.quick else (4096, 64)
+    random_shape = ({"prompts": 4, "tokens": 512, "new_tokens": 8} if args.quick else
+                    {"prompts": 8, "tokens": 1024, "new_tokens": 16})
     cache_kw = {"tokens_per_block": 16, "max_num_seqs": 4, "memory_budget_mib": 1024 if args.device == "cpu" else 8192,
                 "state_checkpoint_blocks": 64, "state_checkpoint_slots": 64}
     sched = SchedulerConfig(max_num_batched_tokens=2048)
@@ -141,10 +175,11 @@ def main() -> None:
         turns = multi_turn(llms, shape, vocab, args.device)
         longs = long_prefix(llms, prefix_tokens, new_tokens, vocab, args.device)
         floor = prefill_floor(llms["off"], new_tokens, vocab, args.device)
+        random_rates, random_equal, random_hits = no_reuse(llms, random_shape, vocab, args.device, 2 if args.quick else 3)
     results = {key: {"multi_turn": turns[key], "long_prefix": longs[key]} for key in ("off", "on")}
     off, on = results["off"], results["on"]
     equal = ([r["tokens"] for r in off["multi_turn"]] == [r["tokens"] for r in on["multi_turn"]]
-             and off["long_prefix"]["tokens"] == on["long_prefix"]["tokens"])
+             and off["long_prefix"]["tokens"] == on["long_prefix"]["tokens"] and random_equal)
     s_off, s_on = summary(off["multi_turn"]), summary(on["multi_turn"])
     rows = [{"metric": m, "off": s_off[m], "on": s_on[m], "on/off": s_on[m] / s_off[m]}
             for m in ("ttft_p50_ms", "ttft_p90_ms", "prefill_tokens")]
@@ -153,10 +188,15 @@ def main() -> None:
                  "off": lp["off"], "on": lp["on"], "on/off": lp["on"] / lp["off"]})
     rows.append({"metric": f"floor: a fresh {new_tokens}-token prompt's ttft_ms (one prefill step), against the "
                            "long prefix's 'on'", "off": floor, "on": lp["on"], "on/off": lp["on"] / floor})
+    n, t, k = random_shape["prompts"], random_shape["tokens"], random_shape["new_tokens"]
+    for metric, label in (("tok_s", f"batch of {n}, prompt + output tok/s"), ("ttft_p50_ms", "one at a time, TTFT p50 ms")):
+        off_v, on_v = random_rates["off"][metric], random_rates["on"][metric]
+        rows.append({"metric": f"no reuse ({t}-token random prompts + {k} new, {random_hits} tokens found cached): "
+                               f"{label}", "off": off_v, "on": on_v, "on/off": on_v / off_v})
     print(f"{args.preset} on {args.device}, prefix_caching off vs on, {shape}, greedy tokens equal: {equal}")
     print(markdown_table(["metric", "off", "on", "on/off"], [[r["metric"], r["off"], r["on"], r["on/off"]] for r in rows]))
     write_json(args.out, {"machine": machine_info(), "preset": args.preset, "device": args.device, "shape": shape,
-                          "cache": cache_kw, "tokens_equal": equal, "rows": rows,
+                          "random_shape": random_shape, "cache": cache_kw, "tokens_equal": equal, "rows": rows,
                           "per_request": {k: [{kk: vv for kk, vv in r.items() if kk != "tokens"}
                                               for r in results[k]["multi_turn"]] for k in ("off", "on")}})
 
