@@ -18,7 +18,8 @@ prompts, no two sharing a block: a batch run on the engine with caching off and 
 it on, back to back (fresh prompts each repetition, the same on both, which goes first
 alternating), prompt + output tokens per second; and as many other prompts one at a time, each on
 both engines back to back, TTFT. The on/off column of these rows is the median of the pairs'
-ratios (a shared machine's drift cancels within a pair).
+ratios. On the CPU these rows count this process's CPU time, not wall time: another process on a
+shared machine would otherwise swing them by more than caching costs.
 
 The ratios are on / off of the same run; every row says whether the greedy tokens were equal.
 
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,16 +61,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_one(llm: LLM, rid: str, prompt: list[int], params: SamplingParams, device: str) -> dict[str, Any]:
-    """One request alone: its TTFT, prefill tokens computed and tokens."""
+def run_one(llm: LLM, rid: str, prompt: list[int], params: SamplingParams, device: str,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """One request alone: its TTFT (by ``clock``), prefill tokens computed and tokens."""
     engine = llm.engine
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     request = engine.add_request(rid, prompt, params)
     while request.num_output_tokens == 0 and engine.has_unfinished_requests():
         engine.step()
     sync(device)
-    ttft = time.perf_counter() - start
+    ttft = clock() - start
     while engine.has_unfinished_requests():
         engine.step()
     return {"ttft_s": ttft, "prefill_tokens": len(prompt) - (request.num_cached_tokens or 0),
@@ -118,6 +121,8 @@ def no_reuse(llms: dict[str, LLM], shape: dict[str, int], vocab: int, device: st
     measurement is paired (the same prompts on both engines back to back, which goes first
     alternating): the on/off column is the median of the pairs' ratios."""
     params = SamplingParams(max_tokens=shape["new_tokens"], temperature=0.0, ignore_eos=True)
+    # on the CPU this process's CPU time: what other processes on a shared machine take is not counted
+    clock, unit = (time.perf_counter, "") if device.startswith("cuda") else (time.process_time, " of CPU time")
     walls: dict[str, list[float]] = {key: [] for key in llms}
     ttfts: dict[str, list[float]] = {key: [] for key in llms}
     equal, hits_before = True, llms["on"].engine.cache_manager.prefix_stats.num_hit_tokens
@@ -127,22 +132,22 @@ def no_reuse(llms: dict[str, LLM], shape: dict[str, int], vocab: int, device: st
         tokens = {}
         for key, llm in (list(llms.items()) if rep % 2 == 0 else list(llms.items())[::-1]):
             sync(device)
-            start = time.perf_counter()
+            start = clock()
             tokens[key] = [r.token_ids for r in llm.generate(prompts[:shape["prompts"]], params)]
             sync(device)
-            walls[key].append(time.perf_counter() - start)
+            walls[key].append(clock() - start)
         equal = equal and tokens["off"] == tokens["on"]
         for i, prompt in enumerate(prompts[shape["prompts"]:]):
             for key, llm in (list(llms.items()) if i % 2 == 0 else list(llms.items())[::-1]):
-                ttfts[key].append(run_one(llm, f"{key}-random-{rep}-{i}", prompt, params, device)["ttft_s"])
+                ttfts[key].append(run_one(llm, f"{key}-random-{rep}-{i}", prompt, params, device, clock)["ttft_s"])
     hits = llms["on"].engine.cache_manager.prefix_stats.num_hit_tokens - hits_before
     total = shape["prompts"] * (shape["tokens"] + shape["new_tokens"])
     label = (f"no reuse ({shape['tokens']}-token random prompts + {shape['new_tokens']} new, {hits} tokens found "
              "cached; on/off: median of paired ratios):")
-    rows = [{"metric": f"{label} batch of {shape['prompts']}, prompt + output tok/s (median of {repeats})",
+    rows = [{"metric": f"{label} batch of {shape['prompts']}, prompt + output tokens per second{unit} (median of {repeats})",
              **{k: total / percentile(walls[k], 0.5) for k in llms},
              "on/off": percentile([off / on for off, on in zip(walls["off"], walls["on"], strict=True)], 0.5)},
-            {"metric": f"{label} one at a time, TTFT p50 ms ({len(ttfts['on'])} prompts)",
+            {"metric": f"{label} one at a time, TTFT p50 in ms{unit} ({len(ttfts['on'])} prompts)",
              **{k: 1e3 * percentile(ttfts[k], 0.5) for k in llms},
              "on/off": percentile([on / off for off, on in zip(ttfts["off"], ttfts["on"], strict=True)], 0.5)}]
     return rows, equal
