@@ -47,11 +47,12 @@ import torch
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # bench helpers; the repo when not pip-installed
-from _common import base_parser, gpu_timer as timer, machine_info, markdown_table, write_json  # noqa: E402
+from _common import base_parser, gpu_timer as timer, machine_info, markdown_table, run_decode, write_json  # noqa: E402
 from _decode_rate import decode_rate, find_runner  # noqa: E402
 from _mbu import mbu_rows  # noqa: E402
 
 from helixserve import kernels  # noqa: E402
+from helixserve.engine.request import SamplingParams  # noqa: E402
 
 ROWS: list[dict[str, Any]] = []
 GiB = 1 << 30
@@ -271,7 +272,6 @@ def bench_moe(args, on_gpu: bool) -> None:
 def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
     from helixserve.config import CacheConfig, SchedulerConfig
     from helixserve.engine.llm import LLM
-    from helixserve.engine.request import SamplingParams
     from helixserve.engine.world_rank import WorldOptions
     from helixserve.models.presets import make_checkpoint
 
@@ -335,8 +335,31 @@ def bench_world(args, on_gpu: bool, preset: str, checkpoint: Path, llm, batches:
             row("engine", f"{preset} world decode bs{batch}", world_tok_s, single, "tok/s", "single engine (LLM)",
                 f"{world_tok_s / single:.2f}×", note, ratio_value=world_tok_s / single,
                 world_outside=world_out, single_outside=single_out, new_tokens=new_tokens, prompt_len=64)
+        _world_prefill(args, on_gpu, preset, sides, gen)
     finally:
         world.close()
+
+
+def _world_prefill(args, on_gpu: bool, preset: str, sides: dict, gen: torch.Generator) -> None:
+    """The world of one as a ctx world of one: the same batch prefilled (one greedy token each)
+    by it and by the single engine, alternating; tok/s = prompt tokens / seconds of the median
+    repetition, ratio world / single (target >= 0.95)."""
+    batch, length = (4, 2048) if on_gpu else (2, 128)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
+    firsts: dict[str, list[list[int]]] = {}
+    for rep in range(1 + (2 if args.quick else 5)):
+        prompts = torch.randint(0, 256, (batch, length), generator=gen).tolist()
+        for side, engine in sides.items():
+            start = time.perf_counter()
+            firsts[side] = run_decode(engine, [f"kp-{side}-{rep}-{i}" for i in range(batch)], prompts, one).tokens
+            if rep:  # the first round warms up
+                seconds[side].append(time.perf_counter() - start)
+    world_tok_s, single = (batch * length / statistics.median(seconds[s]) for s in ("world", "single"))
+    same = sum(a == b for a, b in zip(firsts["world"], firsts["single"], strict=True))
+    row("engine", f"{preset} ctx world of one prefill {batch}×{length}", world_tok_s, single, "tok/s",
+        "single engine (LLM)", f"{world_tok_s / single:.2f}×", f"first tokens equal {same}/{batch}",
+        ratio_value=world_tok_s / single, prompt_len=length, batch=batch)
 
 
 def _median_rate(rates: list[tuple[float, float | None]]) -> tuple[float, float | None]:

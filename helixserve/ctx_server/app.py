@@ -48,8 +48,9 @@ def build_ctx_app(deploy: DeploymentConfig, server: CtxServerConfig, env: DistEn
     }
     app = build_worker_app(worker, handlers, lifespan_hooks=(requests.running, transceiver.running))
     cache = core.cache_manager
-    if isinstance(cache, PrefixCachingCacheManager) and cache.blocks.events is not None:
-        install_prefix_events(app, cache.blocks.events, cache.tokens_per_block)  # the router's index
+    if isinstance(cache, PrefixCachingCacheManager) and cache.events is not None:
+        log = cache.events
+        install_prefix_events(app, lambda: log, cache.tokens_per_block)  # the router's index
 
     install_release(app, requests, transceiver)
     app.state.requests = requests

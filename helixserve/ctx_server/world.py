@@ -32,6 +32,8 @@ from helixserve.models.dummy import tokenizer_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import RequestType
 from helixserve.serving.loading import kv_layout, wrap_core
+from helixserve.serving.prefix_events import install_prefix_events
+from helixserve.serving.prefix_metrics import PrefixCacheCollector
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import aggregated_handler, build_worker_app
 from helixserve.serving.world_core import WorldCore, serve_world_rank, start_served_world, world_options
@@ -77,8 +79,12 @@ def build_ctx_world_app(deploy: DeploymentConfig, server: CtxServerConfig, env: 
     handlers = {None: aggregated_handler(worker),
                 RequestType.CONTEXT_ONLY: ContextOnlyHandler(worker, requests, transceiver)}
     worker.registry.register(RankCacheCollector(worker.role, world))
+    if deploy.cache.prefix_caching:
+        worker.registry.register(PrefixCacheCollector(lambda: world.driver.prefix_stats, {"role": worker.role}))
     app = build_worker_app(worker, handlers, lifespan_hooks=(requests.running, transceiver.running),
                            after_shutdown=(world.close,))
+    if deploy.cache.prefix_caching:  # the router's index: the CP group's blocks, of the world running now
+        install_prefix_events(app, lambda: world.driver.core.cache_manager.events, deploy.cache.tokens_per_block)
     install_release(app, requests, transceiver)
     app.state.world = world
     app.state.requests = requests

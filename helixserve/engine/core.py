@@ -15,7 +15,9 @@ HTTP. It runs in two places:
 With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft``: a draft
 model's, :mod:`.draft_runner`, single process only), the target verifies them in the same
 forward and a rejection rolls its KDA state (and the draft's) back (:mod:`helixserve.engine.spec`;
-in a world on every rank, :mod:`.spmd.leader`); verify steps run eagerly, no overlap.
+in a world on every rank, :mod:`.spmd.leader`); verify steps run eagerly and nothing overlaps
+them. While no request would draft (``ngram``), decode steps overlap as without speculation
+(:mod:`.spec.drafting`); the ``draft`` method turns overlapped decoding off.
 
 A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
 and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
@@ -114,8 +116,9 @@ class EngineCore:
         # overlapped decoding pays where the device runs ahead of the host: with CUDA graphs
         overlap = scheduler.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
-        if (mapping is not None and mapping.dp > 1) or speculative is not None:
-            self.overlap_decode = False  # one forward per world step; a verify step's runs are read back
+        if (mapping is not None and mapping.dp > 1) or self.draft_runner is not None:
+            # one forward per world step; a draft model reads every step's input tokens on the host
+            self.overlap_decode = False
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_step_errors = 0
         self._where = f" on gen rank {mapping.rank}" if mapping is not None else ""

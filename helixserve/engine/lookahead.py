@@ -7,7 +7,9 @@ runs it while the host applies them. Only in the steady state:
   waiting request could be admitted now (a full server still overlaps; one freed by the pending
   step is admitted a step later) — checked by the scheduler;
 - no request holds its cache on finish (a ctx prefill), has forced tokens left or reaches
-  ``max_model_len``, and each request's cache can grow by the one token — checked here.
+  ``max_model_len``, and each request's cache can grow by the one token — checked here;
+- with speculative decoding, no request would draft on its tokens so far (an ahead step carries
+  no drafts; ``Drafter.would_draft``) — checked by the scheduler.
 
 The input tokens are the pending step's samples, fed on the device (``token_ids`` hold ``-1``).
 A request finishing with the pending token runs here too: its output is dropped and its cache

@@ -65,7 +65,8 @@ def make_cache_manager(cache: CacheConfig, spec: CacheSpec, layout: CacheSizes, 
     has_mla, has_kda = bool(spec.mla_layer_ids), bool(spec.kda_layer_ids)
     if cp > 1 and cache.prefix_caching:
         return GroupPrefixCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, cp,
-                                       layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda)
+                                       layout.num_checkpoint_slots, cache.state_checkpoint_blocks, has_mla, has_kda,
+                                       PrefixEventLog(cache.prefix_events_capacity))
     if cp > 1:
         return GroupCacheManager(layout.num_blocks, layout.num_slots, cache.tokens_per_block, cp, has_mla, has_kda)
     if cache.prefix_caching:

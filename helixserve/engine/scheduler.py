@@ -211,6 +211,8 @@ class Scheduler:
         if head and can_admit(head, len(self.running), self.max_num_seqs, self.cache, prefix_hit(self.cache, head)):
             return None  # a plain step admits it now
         requests = self._pending_requests
+        if self.drafter is not None and any(self.drafter.would_draft(r) for r in requests.values()):
+            return None  # its drafts need the pending token: it runs after it, drafted
         ahead = build_ahead(out, requests, self._requests, self.cache, self.max_model_len)
         if ahead is None:
             return None

@@ -18,6 +18,7 @@ from helixserve.parallel import DistEnv
 from helixserve.protocol import InvalidRequestError, RequestType
 from helixserve.serving.loading import make_worker, wrap_core
 from helixserve.serving.openai_serving import PreparedRequest
+from helixserve.serving.prefix_metrics import PrefixCacheCollector
 from helixserve.serving.warm_up import WarmUp
 from helixserve.serving.worker_app import Worker, aggregated_handler, build_worker_app, respond
 from helixserve.serving.world_core import WorldCore, serve_world_rank, world_options
@@ -82,6 +83,8 @@ def build_gen_app(deploy: DeploymentConfig, server: GenServerConfig, env: DistEn
     worker.failure = world.failure
     if server.speculative is not None:  # every CP group's counts, through the current world's driver
         worker.export_spec_decode(lambda: world.driver.spec_stats)
+    if deploy.cache.prefix_caching:
+        worker.registry.register(PrefixCacheCollector(lambda: world.driver.prefix_stats, {"role": worker.role}))
     logger.info("gen worker drives a dp=%d x cp=%d world (kv_source %s)", server.dp, server.cp, server.kv_source)
     return _app(worker, kv_source, deploy, server, world)
 

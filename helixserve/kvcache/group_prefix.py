@@ -11,6 +11,10 @@ A group's hit is the longest prefix that every rank holds its blocks of and that
 checkpoint after its last block; each rank then allocates from its own blocks of that prefix
 (:attr:`~.manager.PrefixHit.rank_block_ids`). A request can be allocated only when every rank has
 room for it; each rank evicts from its own LRU.
+
+Every rank's pool records its blocks' stored / removed events into one
+:class:`~.prefix_events.PrefixEventLog` (a block's key names its position, so one rank holds it):
+what the group caches, for the router's index (a ctx world's ``/v1/prefix_events``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from dataclasses import replace
 
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import NO_HIT, CacheHandle, CacheManager, PrefixHit
+from helixserve.kvcache.prefix_events import PrefixEventLog
 from helixserve.kvcache.prefix_index import BlockKey
 from helixserve.kvcache.prefix_manager import ChunkPlan, PrefixCachingCacheManager, PrefixStats, TokenRange
+from helixserve.kvcache.prefix_snapshot import PrefixCacheSnapshot
 from helixserve.kvcache.state_checkpoints import StateCheckpointPool
 
 
@@ -32,15 +38,17 @@ class GroupPrefixCacheManager(GroupCacheManager):
 
     def __init__(self, num_blocks: int, num_slots: int, tokens_per_block: int, cp_size: int,
                  num_checkpoint_slots: int, checkpoint_interval_blocks: int, has_mla: bool = True,
-                 has_kda: bool = True) -> None:
+                 has_kda: bool = True, events: PrefixEventLog | None = None) -> None:
         self._num_checkpoint_slots, self._interval = num_checkpoint_slots, checkpoint_interval_blocks
+        self.events = events  # every rank's stored / removed blocks, one log (the router's index)
         super().__init__(num_blocks, num_slots, tokens_per_block, cp_size, has_mla, has_kda)
         self.prefix_ranks: list[PrefixCachingCacheManager] = self.ranks  # type: ignore[assignment]
 
     def _rank_manager(self, num_blocks: int, num_slots: int, cp_rank: int) -> CacheManager:
         checkpoints = self._num_checkpoint_slots if cp_rank == 0 else 0  # the group's pool: rank 0's
         return PrefixCachingCacheManager(num_blocks, num_slots, self.tokens_per_block, checkpoints, self._interval,
-                                         self.has_mla, self.has_kda, cp_rank=cp_rank, cp_size=self.cp_size)
+                                         self.has_mla, self.has_kda, self.events, cp_rank=cp_rank,
+                                         cp_size=self.cp_size)
 
     @property
     def checkpoints(self) -> StateCheckpointPool:
@@ -49,6 +57,13 @@ class GroupPrefixCacheManager(GroupCacheManager):
     @property
     def prefix_stats(self) -> PrefixStats:
         return self.prefix_ranks[0].prefix_stats
+
+    def snapshot(self) -> PrefixCacheSnapshot:
+        """The group's cache now (``/metrics``): its lookups and checkpoints (rank 0 keeps them),
+        every rank's cached blocks and evictions."""
+        leader = self.prefix_ranks[0].snapshot()
+        return replace(leader, evictions=sum(m.blocks.num_evictions for m in self.prefix_ranks),
+                       cached_blocks=sum(m.blocks.num_cached for m in self.prefix_ranks))
 
     def find_prefix(self, keys: Sequence[BlockKey], token_ids: Sequence[int], cache_salt: str | None) -> PrefixHit:
         """The prefix every rank holds and a checkpoint follows (see the module docstring)."""

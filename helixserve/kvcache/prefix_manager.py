@@ -35,6 +35,7 @@ from helixserve.kvcache.errors import AllocationError, CacheCapacityError
 from helixserve.kvcache.manager import NO_HIT, CacheHandle, CacheManager, PrefixHit
 from helixserve.kvcache.prefix_events import PrefixEventLog
 from helixserve.kvcache.prefix_index import BlockKey, PrefixBlockPool, root_key
+from helixserve.kvcache.prefix_snapshot import PrefixCacheSnapshot
 from helixserve.kvcache.state_checkpoints import StateCheckpointPool
 
 TokenRange = Callable[[int, int], list[int]]  # (start, stop) -> the request's token ids there
@@ -79,6 +80,17 @@ class PrefixCachingCacheManager(CacheManager):
         self.prefix_stats = PrefixStats()
         self._num_published: dict[str, int] = {}
         self._restores: dict[str, int] = {}
+
+    @property
+    def events(self) -> PrefixEventLog | None:
+        """The pool's stored / removed block events (the router's index), if kept."""
+        return self.blocks.events
+
+    def snapshot(self) -> PrefixCacheSnapshot:
+        """The cache's counters and gauges now (``/metrics``)."""
+        stats = self.prefix_stats
+        return PrefixCacheSnapshot(stats.num_queried_tokens, stats.num_hit_tokens, self.blocks.num_evictions,
+                                   self.blocks.num_cached, self.checkpoints.num_committed, self.checkpoints.capacity)
 
     # -- 1. find, 2. allocate --------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
     if speculative is not None:
         worker.export_spec_decode(lambda: driver.spec_stats)
     if isinstance(core.cache_manager, PrefixCachingCacheManager):
-        worker.registry.register(PrefixCacheCollector(lambda: core.cache_manager, {"role": role}))
+        worker.registry.register(PrefixCacheCollector(core.cache_manager.snapshot, {"role": role}))
     logger.info("%s worker ready: %s", role, core.layout)
     return worker, core
 

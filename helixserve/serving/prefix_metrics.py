@@ -1,6 +1,7 @@
-"""``/metrics`` of a worker's prefix cache, read at scrape time from its engine's
-:class:`~helixserve.kvcache.prefix_manager.PrefixCachingCacheManager` (counted as vLLM counts them:
-prompt tokens looked up at admission, and those found cached):
+"""``/metrics`` of a worker's prefix cache, read at scrape time: a single-process engine's
+:class:`~helixserve.kvcache.prefix_manager.PrefixCachingCacheManager`, or a world's CP groups'
+summed (each group's leader reports its own after every step); counted as vLLM counts them:
+prompt tokens looked up at admission, and those found cached:
 
 | ours | vLLM's |
 |---|---|
@@ -19,27 +20,26 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
+from helixserve.kvcache.prefix_snapshot import PrefixCacheSnapshot
 
 PREFIX = "helixserve_worker"
 
 
 class PrefixCacheCollector:
-    """A prometheus collector of one engine's prefix cache; ``labels``: constant labels."""
+    """A prometheus collector of one engine's or world's prefix cache; ``labels``: constant labels."""
 
-    def __init__(self, cache: Callable[[], PrefixCachingCacheManager], labels: Mapping[str, str]) -> None:
-        self._cache = cache
+    def __init__(self, snapshot: Callable[[], PrefixCacheSnapshot], labels: Mapping[str, str]) -> None:
+        self._snapshot = snapshot
         self._labels = dict(labels)
 
     def collect(self):  # noqa: ANN201 (prometheus collector protocol)
-        cache = self._cache()
-        stats = cache.prefix_stats
+        now = self._snapshot()
         names, values = list(self._labels), list(self._labels.values())
         counters = (
             ("prefix_cache_queries", "vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-             stats.num_queried_tokens),
+             now.queried_tokens),
             ("prefix_cache_hits", "vllm:prefix_cache_hits", "prompt tokens found in the prefix cache",
-             stats.num_hit_tokens),
+             now.hit_tokens),
         )
         for ours, vllm, help_text, value in counters:
             for name in (f"{PREFIX}_{ours}", vllm):
@@ -48,12 +48,12 @@ class PrefixCacheCollector:
                 yield counter
         evictions = CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions", "cached blocks evicted for new ones",
                                         labels=names)
-        evictions.add_metric(values, cache.blocks.num_evictions)
+        evictions.add_metric(values, now.evictions)
         yield evictions
         gauges = (
-            ("prefix_cache_blocks", "MLA blocks named by content (held or evictable)", cache.blocks.num_cached),
-            ("state_checkpoints_used", "KDA state checkpoints kept", cache.checkpoints.num_committed),
-            ("state_checkpoints_total", "KDA state checkpoint slots", cache.checkpoints.capacity),
+            ("prefix_cache_blocks", "MLA blocks named by content (held or evictable)", now.cached_blocks),
+            ("state_checkpoints_used", "KDA state checkpoints kept", now.checkpoints_used),
+            ("state_checkpoints_total", "KDA state checkpoint slots", now.checkpoints_total),
         )
         for name, help_text, value in gauges:
             gauge = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=names)

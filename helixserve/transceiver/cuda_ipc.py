@@ -185,7 +185,7 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
         view = flat[t.byte_offset : t.byte_offset + nbytes].view(torch_dtype(t.dtype)).view(tuple(t.shape))
         getattr(caches, _KIND_FIELDS[t.kind])[int(t.layer_id)] = view
     try:
-        check_caches(layout, caches, layout.num_kda_heads)
+        check_caches(layout, caches, _exported_heads(caches, layout))
     except ValueError as error:
         raise IpcOpenError(f"the ctx's pools do not match the layout: {error}") from None
     lease = None
@@ -195,6 +195,18 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
         except LeaseError as error:
             logger.info("granted pulls are not used (RequestShard first): %s", error)
     return RemotePools(reply.epoch, caches, storages, bytes(reply.grant_key), lease)
+
+
+def _exported_heads(caches: ModelCaches, layout: KVLayout) -> int:
+    """The KDA heads of an exporting ctx rank's pools: ``H / ctx_tp_size`` of its world, read from
+    its state pools (a single ctx worker's: all ``H``); ValueError when no world size gives them."""
+    pools = list(caches.kda_state.values())
+    if not pools:
+        return layout.num_kda_heads
+    heads = int(pools[0].shape[1]) if pools[0].dim() == 4 else 0
+    if heads < 1 or layout.num_kda_heads % heads:
+        raise ValueError(f"a KDA state pool of {heads} heads is no ctx rank's share of {layout.num_kda_heads}")
+    return heads
 
 
 def ask_until_answered(make_client, request: pb.PoolsRequest, retry_s: float, attempts: int) -> Future:  # noqa: ANN001

@@ -149,9 +149,11 @@ class Deployment:
         ports = {port for _, port in self.config.listen_addresses()}
         return with_reserved_ports({**os.environ, INTERNAL_SECRET_ENV: self.secret, **(env or {})}, ports)
 
-    def start_all(self) -> Deployment:
+    def start_all(self, **ctx: Any) -> Deployment:
+        """Start every role and wait until ready; ``ctx``: :meth:`start`'s keyword arguments for
+        the ctx role (a fault injector's ``module`` and its ``env``)."""
         for role in self.roles:
-            self.start(role)
+            self.start(role, **(ctx if role == "ctx" else {}))
         self.wait_ready()
         self._started = dict(self.procs)
         return self

@@ -12,31 +12,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-import torch
 
 from helixserve.config import INTERNAL_SECRET_ENV, DeploymentConfig
 from tests.e2e.conftest import MODEL, REPO, SECRET_HEADER, Deployment, free_ports, http, wait_until
+from tests.e2e.ctx_world import TP, complete, http_status, request_body, seeded_prompt
 from tests.e2e.test_launch import _descendants, _is_running
-
-TP = 2
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _status(url: str) -> int | None:
-    try:
-        return http("GET", url, timeout=5)[0]
-    except OSError:
-        return None
-
-
-def _body(prompt: list[int]) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +45,12 @@ def test_serve_ctx_as_srun_tasks_is_one_world(tmp_path, k3_tiny, baseline):
     try:
         d.start_srun_tasks("ctx", TP, master_port)
         for url in (d.ctx_url, baseline):
-            wait_until(lambda u=url: _status(f"{u}/ready") == 200, 180, f"{url}/ready",
+            wait_until(lambda u=url: http_status(f"{u}/ready") == 200, 180, f"{url}/ready",
                        state=lambda: d.log("ctx-task0")[-800:])
         health = http("GET", f"{d.ctx_url}/health")[1]
         assert health["world"] == {"dp": 1, "cp": TP, "rank_pids": [None], "failure": None, "restarts": 0}
         for seed, n in enumerate((1, 5, 17)):
-            got = http("POST", f"{d.ctx_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
-            want = http("POST", f"{baseline}/v1/completions", _body(_prompt(seed, n)), timeout=120)
+            got, want = complete(d.ctx_url, seeded_prompt(seed, n)), complete(baseline, seeded_prompt(seed, n))
             assert got[0] == want[0] == 200, (got, want)
             assert got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
         d.kill_task1_and_expect_task0_to_fail("ctx")
@@ -92,14 +73,13 @@ def test_serve_ctx_under_torchrun_is_one_world(tmp_path, k3_tiny, baseline):
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=d.environment())
         torchrun = d.procs["ctx"]
         for url in (d.ctx_url, baseline):
-            wait_until(lambda u=url: _status(f"{u}/ready") == 200 or torchrun.poll() is not None, 180,
+            wait_until(lambda u=url: http_status(f"{u}/ready") == 200 or torchrun.poll() is not None, 180,
                        f"{url}/ready", state=lambda: d.log("ctx")[-800:])
         assert torchrun.poll() is None, d.log("ctx")
         health = http("GET", f"{d.ctx_url}/health")[1]
         assert health["world"] == {"dp": 1, "cp": TP, "rank_pids": [None], "failure": None, "restarts": 0}
         for seed, n in enumerate((1, 17)):
-            got = http("POST", f"{d.ctx_url}/v1/completions", _body(_prompt(seed, n)), timeout=120)
-            want = http("POST", f"{baseline}/v1/completions", _body(_prompt(seed, n)), timeout=120)
+            got, want = complete(d.ctx_url, seeded_prompt(seed, n)), complete(baseline, seeded_prompt(seed, n))
             assert got[0] == want[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
     finally:
         d.stop()
@@ -133,10 +113,10 @@ def test_launch_brings_up_a_ctx_world_behind_the_router(tmp_path, k3_tiny):
         descendants = _descendants(launcher.pid)
         world = http("GET", f"http://127.0.0.1:{ctx_port}/health")[1]["world"]
         assert world["cp"] == TP and len(world["rank_pids"]) == TP and world["rank_pids"][1] in descendants
-        status, body = http("POST", f"{url}/v1/completions", _body(_prompt(0, 5)), timeout=120)
+        status, body = complete(url, seeded_prompt(0, 5))
         assert status == 200, body
-        status, answer = http("POST", f"http://127.0.0.1:{ctx_port}/v1/completions", _body(_prompt(0, 5)),
-                              headers={SECRET_HEADER: secret}, timeout=120)
+        status, answer = http("POST", f"http://127.0.0.1:{ctx_port}/v1/completions",
+                              request_body(seeded_prompt(0, 5)), headers={SECRET_HEADER: secret}, timeout=120)
         assert status == 200 and answer["usage"]["completion_tokens"] == 6, answer
         assert body["choices"][0]["text"] == answer["choices"][0]["text"], (body, answer)
     finally:

@@ -9,11 +9,15 @@ serves its own shard (on ``transceiver_port + rank``), the answer names them all
 (``ctx_endpoints``, rank order) and each gen rank pulls from the ranks holding its part. Through
 the router the greedy tokens equal the single-process worker's, for prompts around page
 boundaries, on both DP groups. The gen worker dials only the deployment's transceivers (any of
-``ctx_endpoints`` outside it: 403 naming it, nobody dialled) and refuses a list that does not fit
-the layout (400 naming ``ctx_endpoints``). A hold the router releases, one whose client left, and
-one no gen ever pulls are freed on every ctx rank. A ctx rank killed while holding fails that request's pickup with an
-error naming the dead rank's endpoint; the world restarts and the next request succeeds. After
-every case nothing is held or allocated on any ctx or gen rank."""
+``ctx_endpoints`` outside it: 403 naming it, nobody dialled), refuses a list that does not fit
+the layout (400 naming ``ctx_endpoints``) and a layout that does not fit its own (400
+``layout_mismatch`` naming the field and both values) or a ctx world size its heads do not split
+over (400 naming ``layout.ctx_tp_size``). A hold the router releases, one whose client left, and
+one no gen ever pulls are freed on every ctx rank. A ctx rank killed while the world holds one
+request and streams another (the ctx ranks' sends held by a fault injector, ``held_sends_ctx``)
+fails both, each with an error naming a ctx rank's endpoint, the streamed one at once (its
+control connection closed, not at the transfer timeout); the world restarts and the next request
+succeeds. After every case nothing is held or allocated on any ctx or gen rank."""
 
 from __future__ import annotations
 
@@ -25,96 +29,39 @@ import time
 from typing import Any
 
 import pytest
-import torch
 
-from helixserve.config import RestartPolicy
-from helixserve.parallel.ports import free_ports
-from tests.e2e.conftest import MODEL, Deployment, http, wait_until
+from tests.e2e.conftest import Deployment, http, wait_until
+from tests.e2e.ctx_world import (PICKUP_S, TP, TPB, complete, complete_at_once, ctx_world_options, greedy_text,
+                                 http_status, rank_used, request_body, seeded_prompt, wait_idle)
+from tests.e2e.held_sends_ctx import HELD_SENDS_ENV, holding_pids, reached_file
 
-TP = 2
-TPB = 4  # the Deployment's cache.tokens_per_block
 # prompt lengths: one token, around a block (4) and the step budget (16), several chunks
 LENGTHS = (1, 4, 5, 16, 17, 40)
-PICKUP_S = 6.0
-
-
-def _port_pair() -> int:
-    """A port p with p and p + 1 free (the ctx world's two KV senders)."""
-    for _ in range(100):
-        (port,) = free_ports(1)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.fixture(scope="module")
 def dep_options() -> dict[str, Any]:
-    return {"baseline_gen": True,
-            "ctx": {"tp": TP, "transceiver_port": _port_pair(), "collective_timeout_s": 30,
-                    "pickup_timeout_s": PICKUP_S, "world_restart": RestartPolicy(max_restarts=3, backoff_s=0.2)},
-            "gen": {"dp": 2, "cp": 2, "kv_source": "ucx"},
-            "scheduler": {"max_num_batched_tokens": 16}}
+    return ctx_world_options(dp=2, cp=2)
 
 
 @pytest.fixture(scope="module")
 def world(dep_options, tmp_path_factory, dep_checkpoint):
     d = Deployment(tmp_path_factory.mktemp("ctx_world"), dep_checkpoint, **dep_options)
+    d.held_sends = d.log_dir / "held_sends"  # while it exists, no ctx rank posts a shard message
     try:
-        yield d.start_all()
+        yield d.start_all(env={HELD_SENDS_ENV: str(d.held_sends)}, module="tests.e2e.held_sends_ctx")
     finally:
         d.stop()
 
 
-def _status(url: str) -> int | None:
-    try:
-        return http("GET", url, timeout=5)[0]
-    except OSError:
-        return None
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _body(prompt: list[int], **extra: Any) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
-
-
-def _complete(url: str, prompt: list[int], **extra: Any) -> tuple[int, dict]:
-    return http("POST", f"{url}/v1/completions", _body(prompt, **extra), timeout=120)
-
-
-def _text(url: str, prompt: list[int]) -> str:
-    status, answer = _complete(url, prompt)
-    assert status == 200, answer
-    return answer["choices"][0]["text"]
-
-
 def _prefill(d: Deployment, prompt: list[int]) -> dict:
-    status, answer = _complete(d.ctx_url, prompt, disaggregated_params={"request_type": "context_only"})
+    status, answer = complete(d.ctx_url, prompt, disaggregated_params={"request_type": "context_only"})
     assert status == 200 and answer["choices"][0]["finish_reason"] is None, answer
     return {**answer["disaggregated_params"], "request_type": "generation_only"}
 
 
 def _decode(d: Deployment, params: dict, prompt: list[int]) -> tuple[int, dict]:
-    return _complete(d.gen_url, prompt, disaggregated_params=params)
-
-
-def _rank_used(url: str) -> list[float]:
-    """Every rank's used cache blocks and state slots (``/metrics``)."""
-    lines = http("GET", f"{url}/metrics")[1].splitlines()
-    return [float(line.rsplit(" ", 1)[1]) for line in lines
-            if line.startswith(("helixserve_worker_rank_cache_blocks_used{", "helixserve_worker_rank_state_slots_used{"))]
-
-
-def _wait_idle(d: Deployment, timeout: float = 10) -> None:
-    wait_until(lambda: d.is_idle() and not any(_rank_used(d.ctx_url)) and not any(_rank_used(d.gen_url)),
-               timeout, "nothing held or allocated on any ctx or gen rank",
-               state=lambda: (d.stats("ctx"), d.stats("gen"), _rank_used(d.ctx_url), _rank_used(d.gen_url)))
+    return complete(d.gen_url, prompt, disaggregated_params=params)
 
 
 def test_the_ctx_world_is_rank_0_with_a_spawned_rank(world) -> None:
@@ -131,8 +78,8 @@ def test_the_ctx_world_is_rank_0_with_a_spawned_rank(world) -> None:
 
 def test_plain_completions_equal_the_single_process_worker(world) -> None:
     for seed, n in enumerate(LENGTHS):
-        prompt = _prompt(seed, n)
-        got, want = _complete(world.ctx_url, prompt), _complete(world.baseline_url, prompt)
+        prompt = seeded_prompt(seed, n)
+        got, want = complete(world.ctx_url, prompt), complete(world.baseline_url, prompt)
         assert got[0] == want[0] == 200, (got, want)
         assert (got[1]["choices"][0]["text"], got[1]["usage"]) == (want[1]["choices"][0]["text"], want[1]["usage"])
     wait_until(lambda: world.stats("ctx")["num_used_blocks"] == world.stats("ctx")["num_used_slots"] == 0,
@@ -140,28 +87,23 @@ def test_plain_completions_equal_the_single_process_worker(world) -> None:
 
 
 def test_disaggregated_tokens_equal_the_single_process_workers_on_every_gen_group(world) -> None:
-    params = _prefill(world, _prompt(20, 9))
+    params = _prefill(world, seeded_prompt(20, 9))
     ports = [world.config.ctx[0].transceiver_port + r for r in range(TP)]
     assert [e["port"] for e in params["ctx_endpoints"]] == ports and params["layout"]["ctx_tp_size"] == TP
     assert params["ctx_endpoint"] == params["ctx_endpoints"][0] and params["pull_grant"] is None
-    status, answer = _decode(world, params, _prompt(20, 9))
-    assert status == 200 and answer["choices"][0]["text"] == _text(world.baseline_url, _prompt(20, 9)), answer
+    status, answer = _decode(world, params, seeded_prompt(20, 9))
+    want = greedy_text(world.baseline_url, seeded_prompt(20, 9))
+    assert status == 200 and answer["choices"][0]["text"] == want, answer
     for n in (1, TPB, TPB + 1, 2 * TPB + 1, 17):  # around page boundaries; two at once: both DP groups
-        prompts = [_prompt(21 + n, n), _prompt(41 + n, n)]
-        got: dict[int, tuple[int, dict]] = {}
-        threads = [threading.Thread(target=lambda i=i, p=p: got.update({i: _complete(world.router_url, p)}))
-                   for i, p in enumerate(prompts)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        want = [_text(world.baseline_url, p) for p in prompts]
-        assert [got[i][1]["choices"][0]["text"] for i in range(2)] == want, (n, got)
-    _wait_idle(world)
+        prompts = [seeded_prompt(21 + n, n), seeded_prompt(41 + n, n)]
+        got = complete_at_once(world.router_url, prompts)
+        want = [greedy_text(world.baseline_url, p) for p in prompts]
+        assert [answer["choices"][0]["text"] for _, answer in got] == want, (n, got)
+    wait_idle(world)
 
 
-def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
-    prompt = _prompt(60, 6)
+def test_hostile_ctx_endpoints_and_mismatched_layouts_are_refused_naming_them(world) -> None:
+    prompt = seeded_prompt(60, 6)
     params = _prefill(world, prompt)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.setblocking(False)
@@ -178,16 +120,24 @@ def test_hostile_ctx_endpoints_are_refused_naming_them(world) -> None:
         status, err = _decode(world, {**params, "ctx_endpoints": endpoints}, prompt)
         assert status == 400 and err["error"]["param"].endswith("ctx_endpoints"), err
         assert named in err["error"]["message"], err
+    layout, endpoints = params["layout"], params["ctx_endpoints"]
+    status, err = _decode(world, {**params, "layout": {**layout, "tokens_per_block": 2 * TPB}}, prompt)
+    assert status == 400 and err["error"]["code"] == "layout_mismatch", err
+    assert f"tokens_per_block: {TPB} != {2 * TPB}" in err["error"]["message"], err
+    odd_world = {"layout": {**layout, "ctx_tp_size": 3}, "ctx_endpoints": [*endpoints, endpoints[0]]}
+    status, err = _decode(world, {**params, **odd_world}, prompt)  # 4 KDA heads over 3 ctx ranks
+    assert status == 400 and err["error"]["param"] == "disaggregated_params.layout.ctx_tp_size", err
+    assert "num_kda_heads (4) must be divisible by ctx_tp_size (3)" in err["error"]["message"], err
     assert world.stats("gen")["num_live_requests"] == 0 and world.stats("gen")["num_used_blocks"] == 0
     status, answer = _decode(world, params, prompt)  # the ctx's own answer still decodes
-    assert status == 200 and answer["choices"][0]["text"] == _text(world.baseline_url, prompt), answer
-    _wait_idle(world)
+    assert status == 200 and answer["choices"][0]["text"] == greedy_text(world.baseline_url, prompt), answer
+    wait_idle(world)
 
 
 def test_holds_released_aborted_or_never_pulled_are_freed_on_every_rank(world) -> None:
-    released, aborted = _prefill(world, _prompt(70, 9)), _prefill(world, _prompt(72, 5))
-    abandoned, held_at = _prefill(world, _prompt(71, 13)), time.monotonic()
-    assert world.stats("ctx")["kv_transfers_in_flight"] == 3 and any(_rank_used(world.ctx_url))
+    released, aborted = _prefill(world, seeded_prompt(70, 9)), _prefill(world, seeded_prompt(72, 5))
+    abandoned, held_at = _prefill(world, seeded_prompt(71, 13)), time.monotonic()
+    assert world.stats("ctx")["kv_transfers_in_flight"] == 3 and any(rank_used(world.ctx_url))
     status, body = http("POST", f"{world.ctx_url}/v1/release", {"request_id": released["ctx_request_id"],
                                                                  "admission": released["ctx_admission"]})
     assert status == 200 and body["released"] is True, body
@@ -196,16 +146,16 @@ def test_holds_released_aborted_or_never_pulled_are_freed_on_every_rank(world) -
     wait_until(lambda: world.stats("ctx")["kv_transfers_in_flight"] == 1, PICKUP_S - 1,
                "the released and the aborted hold freed on every rank before the pickup deadline",
                state=lambda: world.stats("ctx"))
-    _wait_idle(world, PICKUP_S + 10)  # the abandoned one at its hold deadline, on every rank
+    wait_idle(world, PICKUP_S + 10)  # the abandoned one at its hold deadline, on every rank
     assert time.monotonic() - held_at >= PICKUP_S - 1  # (not before it)
-    status, err = _decode(world, abandoned, _prompt(71, 13))  # too late: gone from every rank
+    status, err = _decode(world, abandoned, seeded_prompt(71, 13))  # too late: gone from every rank
     assert status in (503, 504) and "not held here" in err["error"]["message"], err
-    _wait_idle(world)
+    wait_idle(world)
 
 
 def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) -> None:
     out: dict = {}
-    body = {"model": MODEL, "prompt": _prompt(11, 8), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    body = request_body(seeded_prompt(11, 8), max_tokens=200)
     thread = threading.Thread(target=lambda: out.update(
         answer=http("POST", f"{world.ctx_url}/v1/completions", body, timeout=120)))
     thread.start()
@@ -216,30 +166,45 @@ def test_a_killed_rank_fails_its_request_with_503_and_the_world_restarts(world) 
     status, err = out["answer"]
     assert status == 503 and err["error"]["code"] == "ctx_world_failed", err
     assert f"ctx world rank 1 (pid {rank1})" in err["error"]["message"]
-    wait_until(lambda: _status(f"{world.ctx_url}/health") == 200, 90, "the ctx world to restart",
+    wait_until(lambda: http_status(f"{world.ctx_url}/health") == 200, 90, "the ctx world to restart",
                state=lambda: http("GET", f"{world.ctx_url}/health"))
     health = http("GET", f"{world.ctx_url}/health")[1]["world"]
     assert health["failure"] is None and rank1 not in health["rank_pids"] and health["restarts"] == 1
-    prompt = _prompt(12, 17)
-    got, want = _complete(world.ctx_url, prompt), _complete(world.baseline_url, prompt)
+    prompt = seeded_prompt(12, 17)
+    got, want = complete(world.ctx_url, prompt), complete(world.baseline_url, prompt)
     assert got[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
     wait_until(lambda: world.stats("ctx")["num_used_blocks"] == 0, 10, "nothing allocated after the restart")
 
 
-def test_a_ctx_rank_killed_while_holding_fails_the_pickup_and_the_world_restarts(world) -> None:
+def test_a_ctx_rank_killed_while_holding_or_streaming_fails_both_and_the_world_restarts(world) -> None:
     restarts = http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"]
-    prompt = _prompt(80, 11)
-    params = _prefill(world, prompt)
-    (rank1,) = http("GET", f"{world.ctx_url}/health")[1]["world"]["rank_pids"][1:]
-    os.kill(rank1, signal.SIGKILL)
-    status, err = _decode(world, params, prompt)
-    assert status in (503, 504) and err["error"]["code"] in ("kv_transfer_failed", "kv_transfer_timeout"), err
+    held, streamed = seeded_prompt(80, 11), seeded_prompt(82, 2 * TPB + 1)
+    held_params, streamed_params = _prefill(world, held), _prefill(world, streamed)
+    out: dict = {}
+    world.held_sends.touch()
+    try:
+        thread = threading.Thread(target=lambda: out.update(answer=_decode(world, streamed_params, streamed)))
+        thread.start()
+        (rank1,) = http("GET", f"{world.ctx_url}/health")[1]["world"]["rank_pids"][1:]
+        wait_until(lambda: holding_pids(world.held_sends) == {world.procs["ctx"].pid, rank1}, 30,
+                   "both ctx ranks to hold their shard streams", state=lambda: holding_pids(world.held_sends))
+        os.kill(rank1, signal.SIGKILL)
+        thread.join(60)
+    finally:
+        world.held_sends.unlink()
+        reached_file(world.held_sends).unlink(missing_ok=True)
+    status, err = out["answer"]  # mid-stream: failed at once, not at the transfer timeout
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed", err
     # the world's failure also closes rank 0's sender: the gen names whichever ctx rank's
     # transfer failed first, the killed one or rank 0
-    assert any(f":{e['port']}" in err["error"]["message"] for e in params["ctx_endpoints"]), err
-    wait_until(lambda: _status(f"{world.ctx_url}/health") == _status(f"{world.router_url}/ready") == 200, 90,
-               "the ctx world to restart and the router to see it", state=lambda: http("GET", f"{world.ctx_url}/health"))
+    assert any(f":{e['port']}" in err["error"]["message"] for e in streamed_params["ctx_endpoints"]), err
+    status, err = _decode(world, held_params, held)
+    assert status in (503, 504) and err["error"]["code"] in ("kv_transfer_failed", "kv_transfer_timeout"), err
+    assert any(f":{e['port']}" in err["error"]["message"] for e in held_params["ctx_endpoints"]), err
+    wait_until(lambda: http_status(f"{world.ctx_url}/health") == http_status(f"{world.router_url}/ready") == 200,
+               90, "the ctx world to restart and the router to see it",
+               state=lambda: http("GET", f"{world.ctx_url}/health"))
     assert http("GET", f"{world.ctx_url}/health")[1]["world"]["restarts"] == restarts + 1
-    prompt = _prompt(81, 2 * TPB + 1)
-    assert _text(world.router_url, prompt) == _text(world.baseline_url, prompt)
-    _wait_idle(world)
+    prompt = seeded_prompt(81, 2 * TPB + 1)
+    assert greedy_text(world.router_url, prompt) == greedy_text(world.baseline_url, prompt)
+    wait_idle(world)

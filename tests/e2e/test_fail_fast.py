@@ -45,13 +45,7 @@ def dep(tmp_path_factory, k3_tiny):
     d.save()
     d.held_sends = tmp / "held_sends"
     try:
-        for role in d.roles:
-            if role == "ctx":
-                d.start("ctx", env={HELD_SENDS_ENV: str(d.held_sends)}, module="tests.e2e.held_sends_ctx")
-            else:
-                d.start(role)
-        d.wait_ready()
-        yield d
+        yield d.start_all(env={HELD_SENDS_ENV: str(d.held_sends)}, module="tests.e2e.held_sends_ctx")
     finally:
         d.stop()
 

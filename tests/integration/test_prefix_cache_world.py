@@ -18,6 +18,8 @@ requests. Against that:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from helixserve.engine.llm import LLM
 from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
+from helixserve.kvcache.prefix_snapshot import PrefixCacheSnapshot
 from helixserve.launch.processes import run_local_world
 from helixserve.parallel import Mapping, init_parallel
 
@@ -78,7 +81,7 @@ def _world(rank: int, world_size: int, init_method: str, model_dir: str) -> dict
                             got[update.request_id] = (tokens, update.num_cached_tokens)
         finally:
             driver.shutdown()
-        return {"got": got, "rank_stats": driver.rank_stats()}
+        return {"got": got, "rank_stats": driver.rank_stats(), "prefix": driver.prefix_stats}
     finally:
         groups.destroy()
 
@@ -111,6 +114,22 @@ def test_each_group_hits_what_a_single_caching_engine_hits(world):
     # checkpoints sit every 8 tokens and at a prompt's last full block: A[:23] resumes at 16,
     # B[:8] + 3 at 8 and B again at 20; shorter shares find a block but no checkpoint after it
     assert hits[0] == [0, 0, 0, 16, 0] and hits[1] == [0, 0, 8, 20, 0]
+
+
+def test_the_world_reports_its_groups_prefix_caches_summed(world):
+    """What the gen world's ``/metrics`` shows: every CP group's lookups, hits, cached blocks
+    (each rank's own) and checkpoints, summed; two single caching engines fed one group's
+    prompts each hold the same."""
+    model_dir, front = world
+    singles = [LLM(model_dir, cache=_cache(True)) for _ in range(2)]
+    for pair in ROUNDS:
+        for single, prompt in zip(singles, pair, strict=True):
+            single.generate([prompt], PARAMS)
+    want = PrefixCacheSnapshot.total(s.engine.cache_manager.snapshot() for s in singles)
+    got = front["prefix"]
+    assert got.hit_tokens == 44 and got.queried_tokens == sum(len(p) for pair in ROUNDS for p in pair)
+    assert replace(got, checkpoints_total=0) == replace(want, checkpoints_total=0)
+    assert got.cached_blocks > 0 and got.checkpoints_used > 0 and got.checkpoints_total >= got.checkpoints_used
 
 
 def test_every_rank_frees_its_blocks_and_slots(world):

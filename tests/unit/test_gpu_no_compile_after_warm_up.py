@@ -67,3 +67,35 @@ def test_gpu_no_triton_compilation_after_warm_up(compilations):
         llm.generate([prompt], params)
         llm.generate([prompt, [7] * (n % 37 + 1)], params)
         assert not compilations, f"a prompt of {n} tokens compiled {compilations}"
+
+
+def test_gpu_no_triton_compilation_after_warm_up_with_speculation(compilations):
+    """A speculating engine (k = 3) warmed as its worker warms itself compiles nothing when its
+    first verify steps run: drafts accepted and rejected (scripted from plain decoding: dummy
+    weights continue no pattern), one sequence or several, beside a prompt's prefill."""
+    from helixserve.config_speculative import SpeculativeConfig
+    from helixserve.testing.drafts import ScriptedDrafter
+
+    cache, sched = CacheConfig(memory_budget_mib=8192, max_num_seqs=16), SchedulerConfig()
+    spec = SpeculativeConfig(method="ngram", num_draft_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = LLM("kimi-k3-mid", load_format="dummy", device="cuda", cache=cache, scheduler=sched, speculative=spec)
+    layout = llm.engine.layout
+    for prompt, params, copies in warm_up_prompts(layout.max_model_len, layout.max_model_len,
+                                                  llm.model_config.vocab_size, layout.tokens_per_block,
+                                                  sched.max_num_batched_tokens):
+        llm.generate([prompt] * copies, params)
+    _assert_the_hook_counts(compilations)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    scheduler = llm.engine.scheduler
+    for n in (5, 17, 64, 300, 1000):
+        prompts = [[1 + (i * 31 + j) % 500 for i in range(n)] for j in range(3)]
+        drafter, scheduler.drafter = scheduler.drafter, None
+        plain = llm.generate(prompts, params)  # (decode steps the warm-up covers)
+        script = {tuple(p): r.token_ids for p, r in zip(prompts, plain, strict=True)}
+        scheduler.drafter = ScriptedDrafter(3, script, wrong={1}, vocab_size=llm.model_config.vocab_size)
+        drafted = llm.engine.spec_stats.num_draft_tokens
+        got = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+        scheduler.drafter = drafter
+        assert llm.engine.spec_stats.num_draft_tokens > drafted, "nothing was drafted: no verify step ran"
+        assert not compilations, f"speculating requests of {n} tokens compiled {sorted(set(compilations))}"
+        assert len(got) == 3

@@ -5,7 +5,9 @@ each rank holds, matches and evicts its own blocks (``b % cp``), the group's che
 - under memory pressure (each rank evicting from its own LRU), a hit never hands a rank a block
   holding another prefix's tokens, a held block is never handed out again, and the group's hit
   is held on every rank or not at all;
-- a hit needs every rank's blocks and a checkpoint after the last one.
+- a hit needs every rank's blocks and a checkpoint after the last one;
+- the group's one event log (what a ctx world publishes to the router) names the blocks one
+  process caches, and a block evicted on its rank leaves it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from helixserve.kvcache.group_prefix import GroupPrefixCacheManager
 from helixserve.kvcache.manager import NO_HIT
+from helixserve.kvcache.prefix_events import PrefixEventKind, PrefixEventLog
 from helixserve.kvcache.prefix_index import append_block_keys
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 
@@ -63,6 +66,42 @@ def test_with_room_a_group_hits_what_one_process_hits(ops, cp):
     for rid in live:
         group.free(rid)
     assert all(s.num_used_blocks == 0 and s.num_used_slots == 0 for s in group.rank_stats())
+
+
+@settings(max_examples=100, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=ops, cp=st.sampled_from([2, 3]))
+def test_the_groups_event_log_names_the_blocks_one_process_caches(ops, cp):
+    single = PrefixCachingCacheManager(200, 8, B, num_checkpoint_slots=64, checkpoint_interval_blocks=2,
+                                       events=PrefixEventLog(1000))
+    group = GroupPrefixCacheManager(200, 8, B, cp, num_checkpoint_slots=64, checkpoint_interval_blocks=2,
+                                    events=PrefixEventLog(1000))
+    live: list[str] = []
+    for n, (op, *args) in enumerate(ops):
+        if op == "admit" and len(live) < 8:
+            for m in (single, group):
+                admit(m, f"r{n}", *args)
+            live.append(f"r{n}")
+        elif op == "free" and live:
+            rid = live.pop(args[0] % len(live))
+            single.free(rid)
+            group.free(rid)
+    named = [set(m.events.since(None).blocks) for m in (single, group)]
+    assert named[0] == named[1] == {k for r in group.prefix_ranks for k in r.blocks._by_key}  # noqa: SLF001
+
+
+def test_a_block_evicted_on_its_rank_leaves_the_groups_event_log():
+    group = GroupPrefixCacheManager(1, 4, B, 2, num_checkpoint_slots=2, checkpoint_interval_blocks=1,
+                                    events=PrefixEventLog(100))
+    first, second = [1, 2, 3, 4], [6, 7, 8, 9]  # two blocks: one on each rank, each rank's only one
+    admit(group, "a", first, None)
+    group.free("a")
+    stored = [e.key for e in group.events.since(0).events if e.kind is PrefixEventKind.STORED]
+    assert stored == keys_of(first)  # block 0 on rank 0, block 1 on rank 1, one log
+    seq = group.events.seq
+    admit(group, "b", second, None)  # each rank evicts its own block for the new prompt's
+    removed = {e.key for e in group.events.since(seq).events if e.kind is PrefixEventKind.REMOVED}
+    assert removed == set(keys_of(first))
+    assert set(group.events.since(None).blocks) == set(keys_of(second))
 
 
 @settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))

@@ -57,6 +57,28 @@ def test_greedy_ngram_speculation_equals_plain_decoding(ckpt, plain):
     assert llm.engine.cache_manager.stats().num_used_blocks == 0
 
 
+def test_overlapped_decoding_with_ngram_speculation_equals_plain_decoding(ckpt, plain):
+    """Decode steps run ahead while no request would draft; drafted steps run after the pending
+    token, so speculation with overlapped decoding gives plain decoding's tokens."""
+    params = [greedy(n) for n in (33, 17, 40, 25, 9)]
+    ref = plain.generate(PROMPTS, params)
+    llm = make_llm(ckpt, overlap_decode=True)
+    assert llm.engine.overlap_decode
+    scheduler, ahead = llm.engine.scheduler, []
+    schedule_ahead = scheduler.schedule_ahead
+
+    def counted():
+        out = schedule_ahead()
+        ahead.append(out is not None)
+        return out
+
+    scheduler.schedule_ahead = counted
+    got = llm.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert any(ahead) and not all(ahead) and llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.cache_manager.stats().num_used_blocks == 0
+
+
 @pytest.mark.parametrize("k,wrong", [(7, set()), (4, {2}), (3, {0}), (5, {4})])
 def test_scripted_accepted_runs_and_rejections_equal_plain(ckpt, plain, k, wrong):
     params = greedy(29)

@@ -101,3 +101,31 @@ def test_stop_inside_a_run_finishes_and_frees_everything():
     updates = sched.update_from_output(out, {"r": [7, 8, 5, 2]})
     assert [u.token_id for u in updates] == [7, 8] and updates[-1].is_finished
     assert request.output_token_ids == [6, 7, 8] and cache.stats().num_used_blocks == 0
+
+
+def test_a_step_runs_ahead_only_while_no_request_would_draft():
+    sched, _ = make()
+    prefill(sched, prompt=[1, 2, 3, 4], first=9, max_tokens=20)  # 9 is nowhere earlier: no drafts
+    out = sched.schedule()
+    assert out.seqs[0].num_draft_tokens == 0
+    ahead = sched.schedule_ahead()  # nothing would draft on [1, 2, 3, 4, 9]: the next step runs ahead
+    assert ahead is not None and ahead.seqs[0].num_draft_tokens == 0 and ahead.seqs[0].token_ids == [-1]
+    sched.update_from_output(out, {"r": 2})  # [.., 9, 2]: 2 recurs, the lookup would propose 3, 4, 9
+    assert sched.schedule_ahead() is None  # so no step runs ahead of the pending (ahead) one
+    sched.update_from_output(ahead, {"r": 1})  # [.., 9, 2, 1]
+    out = sched.schedule()  # after [.., 2, 1] the lookup proposes 2, 3, 4
+    assert out.seqs[0].token_ids == [1, 2, 3, 4] and out.seqs[0].num_draft_tokens == 3
+    assert sched.schedule_ahead() is None  # it would draft again after the verified run
+
+
+def test_no_step_runs_ahead_of_one_whose_request_would_draft_next():
+    sched, _ = make()
+    prefill(sched, prompt=[1, 2, 3, 4], first=9, max_tokens=20)
+    out = sched.schedule()
+    sched.update_from_output(out, {"r": 1})  # [1, 2, 3, 4, 9, 1]: 1 recurs, the lookup proposes 2, 3, 4
+    out = sched.schedule()
+    assert out.seqs[0].num_draft_tokens == 3
+    sched.update_from_output(out, {"r": [2, 8]})  # one accepted, then 8 (nowhere earlier)
+    out = sched.schedule()
+    assert out.seqs[0].num_draft_tokens == 0
+    assert sched.schedule_ahead() is not None  # on [.., 1, 2, 8] nothing would draft

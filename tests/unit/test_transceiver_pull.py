@@ -1,7 +1,8 @@
 """The pulled-shard pieces that run without a GPU: the unit copy's reference and checks, the pull's
 unit groups between two pool sets (their refusals; `test_transceiver_memory_map` holds their bytes
-to the tagged stream's), and the ctx's DescribePools answers where it cannot export. (The pull
-itself needs CUDA IPC: tests/integration/test_transceiver_cuda.py, GPU-marked.)"""
+to the tagged stream's), pulls out of a ctx world's ranks' pools (the copier's host path), and the
+ctx's DescribePools answers where it cannot export. (The pull over CUDA IPC itself:
+tests/integration/test_transceiver_cuda.py, GPU-marked.)"""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import torch
 
 from helixserve.cache_layout import cache_spec_for
 from helixserve.kernels.copy.units import CopyUnitsError, UnitGroup, check_units, unit_copy
+from helixserve.kvcache.helix import num_local_blocks, num_logical_blocks
 from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.protocol import transfer_pb2 as pb
-from helixserve.transceiver.cuda_ipc import PoolDirectory, PoolExport, host_id
+from helixserve.transceiver.cuda_ipc import PoolDirectory, PoolExport, _exported_heads, host_id
 from helixserve.transceiver.layout import ShardSpec, layout_for
+from helixserve.transceiver.fan import sources
 from helixserve.transceiver.gen.pull import MAX_PAIRS, PullPair, pull_pair
+from tests.unit import test_transceiver_fan_plan as fan_plan
 
 PRESET = "kimi-k3-tiny"
 
@@ -235,3 +239,60 @@ def test_a_remembered_cache_check_keeps_no_pool_alive():
     del caches
     gc.collect()
     assert pool() is None
+
+
+FAN_CASES = [(tp, cp) for tp in (1, 2, 4) for cp in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("tp, cp_size", FAN_CASES, ids=[f"tp{tp}-cp{cp}" for tp, cp in FAN_CASES])
+@pytest.mark.parametrize("num_tokens", [1, fan_plan.TPB + 1, 9 * fan_plan.TPB + 2])
+def test_a_pull_from_each_ctx_rank_leaves_the_gen_ranks_shard_of_the_single_process_cache(tp, cp_size, num_tokens):
+    """Pulls out of a ctx world's pools (each rank's H/N heads and local blocks, opened apart):
+    each gen rank copies, out of every rank holding part of its shard, that part with the unit
+    groups a PullPair of that rank's pools gives; its pools then equal its shard of the
+    single-process cache, and nothing else is written (the pools here are in host memory: the
+    copier's reference path; CUDA IPC opens the same pools on a GPU)."""
+    world = fan_plan.CtxWorld(num_tokens, tp)
+    heads = fan_plan.H
+    for cp_rank in range(cp_size):
+        gen = fan_plan._pools(heads // cp_size, None)
+        table = fan_plan._table(300 + cp_rank, num_local_blocks(num_tokens, fan_plan.TPB, cp_rank, cp_size))
+        slot = 2
+        pairs: dict = {}
+        for src in sources(num_logical_blocks(num_tokens, fan_plan.TPB), heads, tp, cp_rank, cp_size):
+            layout = world.layout.model_copy(update={"ctx_rank": src.ctx_rank})
+            spec = ShardSpec(layout, num_tokens, cp_rank, cp_size, src.ctx_rank)
+            caches, ctx_table, ctx_slot = world.ranks[src.ctx_rank]
+            pair = pull_pair(pairs, layout, caches, gen, heads // cp_size)
+            pair.copier.copy(pair.groups(spec, ctx_table, ctx_slot, table, slot))
+        mine = list(range(cp_rank, len(world.full_table), cp_size))
+        lo, hi = cp_rank * heads // cp_size, (cp_rank + 1) * heads // cp_size
+        untouched = [b for b in range(fan_plan.NUM_BLOCKS) if b not in table]
+        for layer, pool in gen.mla_kv.items():
+            assert torch.equal(pool[table], world.full.mla_kv[layer][[world.full_table[b] for b in mine]])
+            assert not pool[untouched].any(), "a block the shard does not own was written"
+        for layer, pool in gen.kda_state.items():
+            assert torch.equal(pool[slot], world.full.kda_state[layer][fan_plan.FULL_SLOT, lo:hi]), layer
+            assert not pool[[0, 1]].any()
+        for layer, pool in gen.conv_state.items():
+            want = fan_plan._conv_heads(world.full.conv_state[layer][fan_plan.FULL_SLOT], heads, lo, hi)
+            assert torch.equal(pool[slot], want), layer
+            assert not pool[[0, 1]].any()
+
+
+def test_a_pull_pair_of_a_ctx_rank_refuses_pools_of_another_world_size():
+    world = fan_plan.CtxWorld(9, 2)
+    caches, _, _ = world.ranks[0]
+    with pytest.raises(ValueError, match=r"\(3, 2, 32, 32\), the layout says float32 \[\*, 1, 32, 32\]"):
+        PullPair(world.layout.model_copy(update={"ctx_tp_size": 4}), caches, fan_plan._pools(fan_plan.H, None),
+                 fan_plan.H)
+
+
+def test_opened_pools_are_checked_at_the_heads_an_exporting_rank_holds():
+    """A ctx rank of a tp N world exports ``H / N`` heads: the gen checks its pools at that count;
+    a count no world size gives is refused naming it."""
+    assert _exported_heads(fan_plan.CtxWorld(9, 2).ranks[1][0], fan_plan.LAYOUT) == fan_plan.H // 2
+    assert _exported_heads(fan_plan._pools(fan_plan.H, None), fan_plan.LAYOUT) == fan_plan.H
+    odd = fan_plan._pools(3, None)
+    with pytest.raises(ValueError, match="3 heads is no ctx rank's share of 4"):
+        _exported_heads(odd, fan_plan.LAYOUT)

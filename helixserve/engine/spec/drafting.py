@@ -15,7 +15,12 @@ placeholder tokens the engine overwrites), under the same caps and budget. ``hid
 
 A step that drafts nothing should cost what a plain decode step costs: every occurrence of a
 suffix ends with the sequence's last token, so when that token is nowhere earlier (one scan of
-the request's lists, no copy) there is nothing to look up and the request drafts nothing.
+the request's lists, no copy) there is nothing to look up and the request drafts nothing. And
+while no request would draft, decode steps overlap as without speculation: a step scheduled
+ahead of the pending step's tokens carries no drafts, so the scheduler schedules one only when
+``would_draft`` is false for every request on its tokens so far; the first step where one would
+runs after the pending step's tokens are applied, with its drafts (the ``draft`` method's rows
+always would: its engine does not overlap).
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ class Drafter(ABC):
     def propose(self, request: Request, budget: int) -> list[int]:
         """Drafts for ``request`` (maybe none): at most ``min(cap(request), budget)`` tokens."""
 
+    def would_draft(self, request: Request) -> bool:
+        """Whether ``request`` would get drafts on its tokens so far: a decode step scheduled
+        ahead of the pending one's tokens (overlapped decoding) carries none, so it runs only
+        where no request would (:meth:`Scheduler.schedule_ahead`)."""
+        return self.cap(request) > 0
+
 
 class NgramDrafter(Drafter):
     """Prompt-lookup drafts for one request at a time (see the module docstring)."""
@@ -72,6 +83,9 @@ class NgramDrafter(Drafter):
             return []
         tokens = request.prompt_token_ids + request.output_token_ids
         return propose_one(tokens, limit, self.prompt_lookup_min, self.prompt_lookup_max)
+
+    def would_draft(self, request: Request) -> bool:
+        return bool(self.propose(request, 1))
 
 
 class ModelDraftRows(Drafter):

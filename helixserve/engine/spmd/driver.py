@@ -52,6 +52,7 @@ from helixserve.engine.spmd.messages import (
     broadcast_plan,
     gather_reports,
 )
+from helixserve.kvcache.prefix_snapshot import PrefixCacheSnapshot
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import Mapping, ParallelGroups
 from helixserve.transceiver.ticket import KVTicket
@@ -98,6 +99,7 @@ class WorldDriver:
         self._kv_failures: dict[str, str] = {}  # request id -> its CP group's agreed transfer error
         # dp_rank -> its group's last reported draft counts (keys fixed here, as _rank_stats')
         self._spec_stats = {d: SpecDecodeStats() for d in range(self.mapping.dp)}
+        self._prefix_stats: dict[int, PrefixCacheSnapshot] = {}
         self._step_id = 0
         self._last_plan = time.monotonic()
         self.failure: str | None = None
@@ -178,7 +180,10 @@ class WorldDriver:
             if group is not None:
                 group.keep_in_step(dp > 1 and plan.run_model, *counts)
             spec = self.core.spec_stats if self.core.scheduler.drafter is not None else None
-            report = StepReport(self.mapping.rank, self.mapping.dp_rank, 0, updates, group_stats(self.core), spec)
+            cache = self.core.cache_manager
+            prefix = cache.snapshot() if cache.prefix_caching else None
+            report = StepReport(self.mapping.rank, self.mapping.dp_rank, 0, updates, group_stats(self.core), spec,
+                                prefix)
             reports = gather_reports(report, self.groups) if dp > 1 else [report]
         except Exception as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -237,6 +242,12 @@ class WorldDriver:
         step; safe to call from another thread)."""
         return SpecDecodeStats.total(list(self._spec_stats.values()))
 
+    @property
+    def prefix_stats(self) -> PrefixCacheSnapshot:
+        """The world's prefix cache (every CP group's, as reported after the last step; safe to
+        call from another thread)."""
+        return PrefixCacheSnapshot.total(list(self._prefix_stats.values()))
+
     def rank_stats(self) -> dict[tuple[int, int], EngineStats]:
         """``(dp_rank, cp_rank) -> stats`` each rank reported after the last step (a copy; safe
         to call from another thread)."""
@@ -277,6 +288,8 @@ class WorldDriver:
         for report in reports:
             if report.spec_stats is not None:
                 self._spec_stats[report.dp_rank] = report.spec_stats
+            if report.prefix_stats is not None:
+                self._prefix_stats[report.dp_rank] = report.prefix_stats
             for cp_rank, stats in enumerate(report.stats):
                 self._rank_stats[(report.dp_rank, cp_rank)] = stats
             for update in report.updates:

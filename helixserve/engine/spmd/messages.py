@@ -13,6 +13,7 @@ from helixserve.engine.core import EngineStats
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.scheduler import RequestUpdate
 from helixserve.engine.spec.stats import SpecDecodeStats
+from helixserve.kvcache.prefix_snapshot import PrefixCacheSnapshot
 from helixserve.parallel import CollectiveError, ParallelGroups
 from helixserve.transceiver.ticket import KVTicket
 
@@ -68,6 +69,7 @@ class StepReport:
     updates: list[RequestUpdate] = field(default_factory=list)
     stats: list[EngineStats] = field(default_factory=list)  # per CP rank of the group: its own blocks and slots
     spec_stats: SpecDecodeStats | None = None  # the group's speculative decoding counts (None: off)
+    prefix_stats: PrefixCacheSnapshot | None = None  # the group's prefix cache (None: caching off)
 
 
 def broadcast_plan(plan: StepPlan | None, groups: ParallelGroups) -> StepPlan:

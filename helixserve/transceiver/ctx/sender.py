@@ -112,7 +112,7 @@ class KVSender:
         self.plane: DataPlane = open_data_plane(config, self._wakeup, host)  # config.backend picks it
         self.staging = staging_for(config)
         # a pull copies one ctx's pools holding every head: a rank of a ctx world sends its part
-        self._export = PoolExport(caches, enabled=config.cuda_ipc and layout.ctx_tp_size == 1)
+        self._export = PoolExport(caches, enabled=config.cuda_ipc)
         self._clock = MonotonicClock()
         self._server = ControlServer(self, host, port, config=config)
         self._advertise_host = advertise_host or host
@@ -278,7 +278,7 @@ class KVSender:
         hold.session.anchor_deadline()  # the hold deadline starts at hold
         self.poller.add(hold.session)
         self._holds[request_id] = hold
-        if self._export.lease is None:
+        if self._export.lease is None or self.layout.ctx_tp_size > 1:  # a ctx world's gen ranks ask each rank
             return None
         return grant_hold(self._export, hold, next(self._serials), self._layout_json)
 

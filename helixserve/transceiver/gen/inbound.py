@@ -83,7 +83,7 @@ class Inbound:
         (to pull when this rank has the ctx's pools open, else for the tagged stream)."""
         self.deadline_at = self.r.clock.monotonic() + deadline_s
         pools = None
-        if self.device is not None and self.plan.spec.layout.ctx_tp_size == 1:  # (CUDA devices, one ctx's pools)
+        if self.device is not None:  # (CUDA devices; a ctx world's rank: that rank's pools)
             pools = self.r.pools.get(target(self.ticket.ctx_endpoint), self.client, self.device)
         if pools is not None and self.ticket.pull_grant is not None:
             granted = GrantedPull(self, pools, self.ticket.pull_grant)

@@ -7,7 +7,10 @@ a head slice at the same slot in every KDA layer), which is what one unit copy t
 (`kernels.copy.units`): the per-layer pool pairs (a :class:`PullPair`, checked once per pair of
 pool sets) and, per request, the unit offsets (the two block tables times the block size, the
 two slots). The device computes every address, so the host's work does not grow with the layer
-count, and no memory map or piece table is built.
+count, and no memory map or piece table is built. From a ctx world of tp N each ctx rank's pools
+are opened apart (each rank has its own endpoint) and each gen rank copies, out of each rank
+holding part of its shard, that part (:mod:`..fan`): the blocks ``b % N`` names (the rank's local
+block ``b // N``) and the heads both ranks hold (at their offsets in either side's pools).
 
 The copy runs on the device's current stream (the engine's compute stream), behind the work
 queued there (the destination blocks may have been read by the previous owner's last step);
@@ -58,13 +61,14 @@ class _Kind:
 
 
 class PullPair:
-    """Pulls out of one pool set (`src`: a ctx's full-head pools) into another (`dst`: this
-    rank's pools of `dst_heads` KDA heads): every layer's pools checked against the layout (the
-    refusals `memory_map` gives) and their flat views, once."""
+    """Pulls out of one pool set (`src`: a ctx rank's pools, of ``H / ctx_tp_size`` KDA heads)
+    into another (`dst`: this rank's pools of `dst_heads` KDA heads): every layer's pools checked
+    against the layout (the refusals `memory_map` gives) and their flat views, once."""
 
     def __init__(self, layout, src: ModelCaches, dst: ModelCaches, dst_heads: int) -> None:  # noqa: ANN001 (KVLayout)
         self.layout, self.src_caches, self.dst_caches, self.dst_heads = layout, src, dst, dst_heads
-        k, h = layout.kda_head_dim, layout.num_kda_heads
+        k = layout.kda_head_dim
+        h = self.src_heads = layout.num_kda_heads // layout.ctx_tp_size
         rows = layout.kv_lora_rank + layout.qk_rope_head_dim
         self.srcs: list[torch.Tensor] = []
         self.dsts: list[torch.Tensor] = []
@@ -104,25 +108,20 @@ class PullPair:
 
     def groups(self, spec: ShardSpec, src_block_ids: Sequence[int], src_slot: int | None,
                dst_block_ids: Sequence[int], dst_slot: int | None) -> list[UnitGroup]:
-        """The unit groups of `spec`'s shard: the ctx holds logical block b at
-        ``src_block_ids[b]`` and its KDA state at `src_slot`; this rank's k-th shard block is
-        ``dst_block_ids[k]``, its state slot `dst_slot`. ValueError naming a block id or slot
-        outside its pool, or a shard the block tables do not cover."""
+        """The unit groups of `spec`'s shard: the ctx rank holds its k-th local block (global
+        ``ctx_rank + k*ctx_tp_size``) at ``src_block_ids[k]`` and its KDA state at `src_slot`;
+        this rank's k-th local block (global ``cp_rank + k*cp_size``) is ``dst_block_ids[k]``,
+        its state slot `dst_slot`. ValueError naming a block id or slot outside its pool, or a
+        shard the block tables do not cover."""
         if spec.layout is not self.layout and spec.layout != self.layout:
             raise ValueError("the shard's layout is not the one these pools were checked against")
-        if spec.layout.ctx_tp_size != 1:
-            raise ValueError(f"a pull copies a shard out of one ctx's pools, not ctx_tp_size {spec.layout.ctx_tp_size}")
         if spec.num_local_heads != self.dst_heads:
             raise ValueError(f"the shard has {spec.num_local_heads} KDA heads, this rank's pools {self.dst_heads}")
         groups: list[UnitGroup] = []
-        blocks = spec.blocks
-        if blocks and self.mla.by_geometry:
-            if blocks[-1] >= len(src_block_ids):
-                raise ValueError(f"shard needs logical block {blocks[-1]}, the request holds {len(src_block_ids)}")
-            if len(dst_block_ids) < len(blocks):
-                raise ValueError(f"shard has {len(blocks)} blocks, the handle holds {len(dst_block_ids)}")
-            src = np.asarray(src_block_ids[blocks[0] : blocks[-1] + 1 : spec.cp_size], dtype=np.int64)
-            dst = np.asarray(dst_block_ids[: len(blocks)], dtype=np.int64)
+        blocks = np.asarray(spec.blocks, dtype=np.int64)
+        if blocks.size and self.mla.by_geometry:
+            src = _local(src_block_ids, blocks // spec.layout.ctx_tp_size, blocks[-1], "the request holds")
+            dst = _local(dst_block_ids, blocks // spec.cp_size, blocks[-1], "the handle holds")
             _in_range("block id", src, self._blocks[0], "the ctx's")
             _in_range("block id", dst, self._blocks[1], "this rank's")
             s, d = self.mla.infos()[0]
@@ -132,10 +131,10 @@ class PullPair:
             # every offset is a block id times a block's stride on its side
             groups += self.mla.groups(s.strides[0] * s.itemsize, units,
                                       (s.strides[0] * s.itemsize) | (d.strides[0] * d.itemsize))
-        if self.state.by_geometry:
+        if self.state.by_geometry and spec.num_heads:
             if src_slot is None or dst_slot is None:
                 raise ValueError("a KDA shard needs a state slot on both sides")
-            key = (src_slot, dst_slot, spec.heads[0])
+            key = (src_slot, dst_slot, spec.ctx_head0, spec.gen_head0, spec.num_heads)
             head_groups = self._head_units.get(key)
             if head_groups is None:
                 head_groups = self._head_groups(*key)
@@ -145,20 +144,30 @@ class PullPair:
             groups += head_groups
         return groups
 
-    def _head_groups(self, src_slot: int, dst_slot: int, head0: int) -> list[UnitGroup]:
-        """The KDA state and conv groups of one (ctx slot, our slot, first head)."""
+    def _head_groups(self, src_slot: int, dst_slot: int, src_head0: int, dst_head0: int,
+                     num_heads: int) -> list[UnitGroup]:
+        """The KDA state and conv groups of heads ``[src_head0, +num_heads)`` of the ctx rank's
+        slot to ``[dst_head0, +num_heads)`` of this rank's."""
         _in_range("state slot", np.asarray([src_slot]), self._slots[0], "the ctx's")
         _in_range("state slot", np.asarray([dst_slot]), self._slots[1], "this rank's")
-        k, h = self.layout.kda_head_dim, self.layout.num_kda_heads
+        k = self.layout.kda_head_dim
         groups: list[UnitGroup] = []
         for kind, payload, unit_elems in ((self.state, PayloadKind.KDA_STATE, k * k),
                                           (self.conv, PayloadKind.CONV_STATE, k * (self.layout.conv_kernel_size - 1))):
             s, d = kind.infos()[0]  # (the tagged stream's offsets: one state slice, three conv sections)
-            units = np.stack([np.asarray(_unit_offsets(payload, s, (), src_slot, h, head0, k), dtype=np.int64),
-                              np.asarray(_unit_offsets(payload, d, (), dst_slot, self.dst_heads, 0, k),
+            units = np.stack([np.asarray(_unit_offsets(payload, s, (), src_slot, self.src_heads, src_head0, k),
+                                         dtype=np.int64),
+                              np.asarray(_unit_offsets(payload, d, (), dst_slot, self.dst_heads, dst_head0, k),
                                          dtype=np.int64)], axis=1)
-            groups += kind.groups(self.dst_heads * unit_elems * d.itemsize, units, int(np.bitwise_or.reduce(units.ravel())))
+            groups += kind.groups(num_heads * unit_elems * d.itemsize, units, int(np.bitwise_or.reduce(units.ravel())))
         return groups
+
+
+def _local(block_ids: Sequence[int], local: np.ndarray, last: int, whose: str) -> np.ndarray:
+    """``block_ids[local]``; ValueError naming the shard's last block when the table is short."""
+    if int(local[-1]) >= len(block_ids):
+        raise ValueError(f"shard needs logical block {last}, {whose} {len(block_ids)} blocks")
+    return np.asarray(block_ids, dtype=np.int64)[local]
 
 
 def _limits(infos: list[tuple[PoolInfo, PoolInfo]]) -> tuple[int, int]:
@@ -179,7 +188,8 @@ def pull_pair(cache: dict, layout, src: ModelCaches, dst: ModelCaches, dst_heads
     was replaced)."""
     key = (id(src), id(dst), dst_heads)
     pair = cache.get(key)
-    if pair is None or pair.src_caches is not src or pair.dst_caches is not dst or not pair.is_current():
+    if (pair is None or pair.src_caches is not src or pair.dst_caches is not dst or not pair.is_current()
+            or pair.layout != layout):
         pair = PullPair(layout, src, dst, dst_heads)
         if len(cache) >= MAX_PAIRS:
             cache.pop(next(iter(cache)))

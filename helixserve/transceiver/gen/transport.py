@@ -151,11 +151,11 @@ class PullTransport:
         self.has_landed = False
 
     def launch(self, src_block_ids: Sequence[int], src_slot: int | None) -> Pull:
-        """Launch the copy of this rank's shard out of the ctx's opened pools, whose request
-        holds logical block b at ``src_block_ids[b]`` and its KDA state at `src_slot`."""
+        """Launch the copy of this rank's shard out of the ctx rank's opened pools, whose request
+        holds its k-th local block at ``src_block_ids[k]`` and its KDA state at `src_slot`."""
         inbound = self.inbound
         spec = inbound.plan.spec
-        pair = pull_pair(self.pools.pairs, inbound.r.layout, self.pools.caches, inbound.caches, spec.num_local_heads)
+        pair = pull_pair(self.pools.pairs, spec.layout, self.pools.caches, inbound.caches, spec.num_local_heads)
         groups = pair.groups(spec, src_block_ids, src_slot, inbound.handle.block_ids, inbound.handle.slot)
         return Pull(pair, groups, inbound.device)
 
