@@ -93,8 +93,7 @@ def mbu_rows(quick: bool, on_gpu: bool, copy_bw: float | None, row) -> None:  # 
     for name, deterministic in [(m, False) for m in models] + [(models[0], True)]:
         llm = LLM(name, load_format="dummy", device="cuda" if on_gpu else "cpu",
                   dtype="bfloat16" if on_gpu else "float32", deterministic=deterministic,
-                  cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256,
-                                    prefix_caching=False))
+                  cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256))
         label = f"{name} deterministic" if deterministic else name
         rates = bench_mbu(llm, label, batches, 128 if on_gpu else 32, 16 if quick else 64, copy_bw, row,
                           baseline=plain if deterministic else None)

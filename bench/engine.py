@@ -233,7 +233,7 @@ class Bench:
 
 
 # budget far above what the bench needs, so no preemption; 512-token prompts in one chunk
-CACHE = CacheConfig(memory_budget_mib=512, max_num_seqs=16, prefix_caching=False)
+CACHE = CacheConfig(memory_budget_mib=512, max_num_seqs=16)
 SCHEDULER = SchedulerConfig(max_num_batched_tokens=2048)
 
 

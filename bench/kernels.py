@@ -282,7 +282,7 @@ def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:
         prompt_len = 2048 if on_gpu else 128
         max_batch = 64 if on_gpu else 4
         cache = CacheConfig(max_num_seqs=max_batch, memory_budget_mib=4096 if on_gpu else 256,
-                            tokens_per_block=args.tokens_per_block, prefix_caching=False)
+                            tokens_per_block=args.tokens_per_block)
         scheduler = SchedulerConfig(max_num_batched_tokens=prompt_len)
         llm = LLM(checkpoint, device="cuda" if on_gpu else "cpu", cache=cache, scheduler=scheduler)
         gen = torch.Generator().manual_seed(0)

@@ -12,19 +12,11 @@ same prefix with ``--new-tokens`` new ones: its TTFT with caching off and on (th
 prefix, 64 new tokens" case on the GPU). ``floor``: the best TTFT of a fresh prompt of as many
 tokens as the cached request computes (one prefill step over no context), measured in the same
 run: the cached request's TTFT cannot go under it, so where a step's fixed cost dominates (a small
-model, eager prefill) it bounds the on/off ratio. ``no_reuse`` (``--no-reuse-only``: nothing
-else): what caching on costs where it finds nothing, prefix caching being on by default. Random
-prompts, no two sharing a block: a batch run on the engine with caching off and on the one with
-it on, back to back (fresh prompts each repetition, the same on both, which goes first
-alternating), prompt + output tokens per second; and as many other prompts one at a time, each on
-both engines back to back, TTFT. The on/off column of these rows is the median of the pairs'
-ratios. On the CPU these rows count this process's CPU time, not wall time: another process on a
-shared machine would otherwise swing them by more than caching costs.
+model, eager prefill) it bounds the on/off ratio.
 
 The ratios are on / off of the same run; every row says whether the greedy tokens were equal.
 
     python bench/prefix_cache.py [--quick] [--out FILE] [--preset P] [--device cuda] [--dtype bfloat16]
-                                 [--no-reuse-only] [--no-reuse-repeats N]
 """
 
 from __future__ import annotations
@@ -34,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,17 +52,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_one(llm: LLM, rid: str, prompt: list[int], params: SamplingParams, device: str,
-            clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
-    """One request alone: its TTFT (by ``clock``), prefill tokens computed and tokens."""
+def run_one(llm: LLM, rid: str, prompt: list[int], params: SamplingParams, device: str) -> dict[str, Any]:
+    """One request alone: its TTFT, prefill tokens computed and tokens."""
     engine = llm.engine
     sync(device)
-    start = clock()
+    start = time.perf_counter()
     request = engine.add_request(rid, prompt, params)
     while request.num_output_tokens == 0 and engine.has_unfinished_requests():
         engine.step()
     sync(device)
-    ttft = clock() - start
+    ttft = time.perf_counter() - start
     while engine.has_unfinished_requests():
         engine.step()
     return {"ttft_s": ttft, "prefill_tokens": len(prompt) - (request.num_cached_tokens or 0),
@@ -115,64 +105,6 @@ def long_prefix(llms: dict[str, LLM], prefix_tokens: int, new_tokens: int, vocab
     return {key: run_one(llm, f"{key}-long-second", second, params, device) for key, llm in llms.items()}
 
 
-def no_reuse(llms: dict[str, LLM], shape: dict[str, int], vocab: int, device: str, repeats: int
-             ) -> tuple[list[dict[str, Any]], bool]:
-    """The no-reuse rows (see the module docstring) and whether the tokens were equal. Each
-    measurement is paired (the same prompts on both engines back to back, which goes first
-    alternating): the on/off column is the median of the pairs' ratios."""
-    params = SamplingParams(max_tokens=shape["new_tokens"], temperature=0.0, ignore_eos=True)
-    # on the CPU this process's CPU time: what other processes on a shared machine take is not counted
-    clock, unit = (time.perf_counter, "") if device.startswith("cuda") else (time.process_time, " of CPU time")
-    walls: dict[str, list[float]] = {key: [] for key in llms}
-    ttfts: dict[str, list[float]] = {key: [] for key in llms}
-    equal, hits_before = True, llms["on"].engine.cache_manager.prefix_stats.num_hit_tokens
-    for rep in range(repeats):
-        rng = random.Random(100 + rep)
-        prompts = [[rng.randrange(vocab) for _ in range(shape["tokens"])] for _ in range(2 * shape["prompts"])]
-        tokens = {}
-        for key, llm in (list(llms.items()) if rep % 2 == 0 else list(llms.items())[::-1]):
-            sync(device)
-            start = clock()
-            tokens[key] = [r.token_ids for r in llm.generate(prompts[:shape["prompts"]], params)]
-            sync(device)
-            walls[key].append(clock() - start)
-        equal = equal and tokens["off"] == tokens["on"]
-        for i, prompt in enumerate(prompts[shape["prompts"]:]):
-            for key, llm in (list(llms.items()) if i % 2 == 0 else list(llms.items())[::-1]):
-                ttfts[key].append(run_one(llm, f"{key}-random-{rep}-{i}", prompt, params, device, clock)["ttft_s"])
-    hits = llms["on"].engine.cache_manager.prefix_stats.num_hit_tokens - hits_before
-    total = shape["prompts"] * (shape["tokens"] + shape["new_tokens"])
-    label = (f"no reuse ({shape['tokens']}-token random prompts + {shape['new_tokens']} new, {hits} tokens found "
-             "cached; on/off: median of paired ratios):")
-    rows = [{"metric": f"{label} batch of {shape['prompts']}, prompt + output tokens per second{unit} (median of {repeats})",
-             **{k: total / percentile(walls[k], 0.5) for k in llms},
-             "on/off": percentile([off / on for off, on in zip(walls["off"], walls["on"], strict=True)], 0.5)},
-            {"metric": f"{label} one at a time, TTFT p50 in ms{unit} ({len(ttfts['on'])} prompts)",
-             **{k: 1e3 * percentile(ttfts[k], 0.5) for k in llms},
-             "on/off": percentile([on / off for off, on in zip(ttfts["off"], ttfts["on"], strict=True)], 0.5)}]
-    return rows, equal
-
-
-def reuse_rows(llms: dict[str, LLM], shape: dict[str, int], prefix_tokens: int, new_tokens: int, vocab: int,
-               device: str) -> tuple[list[dict[str, Any]], bool, dict[str, list[dict]]]:
-    """The multi-turn, long-prefix and floor rows, whether the tokens were equal, and per request."""
-    turns = multi_turn(llms, shape, vocab, device)
-    longs = long_prefix(llms, prefix_tokens, new_tokens, vocab, device)
-    floor = prefill_floor(llms["off"], new_tokens, vocab, device)
-    equal = ([r["tokens"] for r in turns["off"]] == [r["tokens"] for r in turns["on"]]
-             and longs["off"]["tokens"] == longs["on"]["tokens"])
-    s_off, s_on = summary(turns["off"]), summary(turns["on"])
-    rows = [{"metric": m, "off": s_off[m], "on": s_on[m], "on/off": s_on[m] / s_off[m]}
-            for m in ("ttft_p50_ms", "ttft_p90_ms", "prefill_tokens")]
-    lp = {k: 1e3 * longs[k]["ttft_s"] for k in ("off", "on")}
-    rows.append({"metric": f"long_prefix_ttft_ms ({prefix_tokens} cached + {new_tokens} new)",
-                 "off": lp["off"], "on": lp["on"], "on/off": lp["on"] / lp["off"]})
-    rows.append({"metric": f"floor: a fresh {new_tokens}-token prompt's ttft_ms (one prefill step), against the "
-                           "long prefix's 'on'", "off": floor, "on": lp["on"], "on/off": lp["on"] / floor})
-    per_request = {k: [{kk: vv for kk, vv in r.items() if kk != "tokens"} for r in turns[k]] for k in ("off", "on")}
-    return rows, equal, per_request
-
-
 def summary(requests: list[dict[str, Any]]) -> dict[str, float]:
     ttfts = [r["ttft_s"] for r in requests]
     return {"ttft_p50_ms": 1e3 * percentile(ttfts, 0.5), "ttft_p90_ms": 1e3 * percentile(ttfts, 0.9),
@@ -185,20 +117,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-reuse-only", action="store_true", help="only the no-reuse rows (what caching costs)")
-    parser.add_argument("--no-reuse-repeats", type=int, default=None, help="no-reuse batches (default 2, full 5)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = ({"system_tokens": 256, "conversations": 4, "turns": 4, "user_tokens": 32, "reply_tokens": 8}
              if args.quick else
              {"system_tokens": 2048, "conversations": 8, "turns": 8, "user_tokens": 64, "reply_tokens": 16})
     prefix_tokens, new_tokens = (1024, 64) if args.quick else (4096, 64)
-    random_shape = ({"prompts": 4, "tokens": 512, "new_tokens": 8} if args.quick else
-                    {"prompts": 8, "tokens": 1024, "new_tokens": 16})
     cache_kw = {"tokens_per_block": 16, "max_num_seqs": 4, "memory_budget_mib": 1024 if args.device == "cpu" else 8192,
                 "state_checkpoint_blocks": 64, "state_checkpoint_slots": 64}
     sched = SchedulerConfig(max_num_batched_tokens=2048)
-    rows, equal, per_request = [], True, {}
     with tempfile.TemporaryDirectory() as tmp:
         on_cuda = args.device.startswith("cuda")
         path = args.preset if on_cuda else make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0)
@@ -211,16 +138,27 @@ def main() -> None:
         for key, llm in llms.items():
             run_one(llm, f"{key}-warm", list(range(1, 65)), SamplingParams(max_tokens=2, temperature=0.0), args.device)
         llms["on"].engine.cache_manager.reset_prefix_cache()
-        if not args.no_reuse_only:
-            rows, equal, per_request = reuse_rows(llms, shape, prefix_tokens, new_tokens, vocab, args.device)
-        repeats = args.no_reuse_repeats or (2 if args.quick else 5)
-        random_rows, random_equal = no_reuse(llms, random_shape, vocab, args.device, repeats)
-    rows, equal = rows + random_rows, equal and random_equal
+        turns = multi_turn(llms, shape, vocab, args.device)
+        longs = long_prefix(llms, prefix_tokens, new_tokens, vocab, args.device)
+        floor = prefill_floor(llms["off"], new_tokens, vocab, args.device)
+    results = {key: {"multi_turn": turns[key], "long_prefix": longs[key]} for key in ("off", "on")}
+    off, on = results["off"], results["on"]
+    equal = ([r["tokens"] for r in off["multi_turn"]] == [r["tokens"] for r in on["multi_turn"]]
+             and off["long_prefix"]["tokens"] == on["long_prefix"]["tokens"])
+    s_off, s_on = summary(off["multi_turn"]), summary(on["multi_turn"])
+    rows = [{"metric": m, "off": s_off[m], "on": s_on[m], "on/off": s_on[m] / s_off[m]}
+            for m in ("ttft_p50_ms", "ttft_p90_ms", "prefill_tokens")]
+    lp = {k: 1e3 * results[k]["long_prefix"]["ttft_s"] for k in ("off", "on")}
+    rows.append({"metric": f"long_prefix_ttft_ms ({prefix_tokens} cached + {new_tokens} new)",
+                 "off": lp["off"], "on": lp["on"], "on/off": lp["on"] / lp["off"]})
+    rows.append({"metric": f"floor: a fresh {new_tokens}-token prompt's ttft_ms (one prefill step), against the "
+                           "long prefix's 'on'", "off": floor, "on": lp["on"], "on/off": lp["on"] / floor})
     print(f"{args.preset} on {args.device}, prefix_caching off vs on, {shape}, greedy tokens equal: {equal}")
     print(markdown_table(["metric", "off", "on", "on/off"], [[r["metric"], r["off"], r["on"], r["on/off"]] for r in rows]))
     write_json(args.out, {"machine": machine_info(), "preset": args.preset, "device": args.device, "shape": shape,
-                          "random_shape": random_shape, "cache": cache_kw, "tokens_equal": equal, "rows": rows,
-                          "per_request": per_request})
+                          "cache": cache_kw, "tokens_equal": equal, "rows": rows,
+                          "per_request": {k: [{kk: vv for kk, vv in r.items() if kk != "tokens"}
+                                              for r in results[k]["multi_turn"]] for k in ("off", "on")}})
 
 
 if __name__ == "__main__":

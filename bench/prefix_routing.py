@@ -81,8 +81,8 @@ async def _workload(url: str, shape: dict, timeout_s: float) -> list[float]:
 
 
 def run_setup(args, name: str, num_ctx: int, policy: str, shape: dict) -> dict:  # noqa: ANN001
-    overrides = {"router": {"policy": policy}}
-    servers = Servers(Path(args.model), Path(args.log), num_ctx=num_ctx, overrides=overrides, prefix_caching=True)
+    overrides = {"cache": {"prefix_caching": True}, "router": {"policy": policy}}
+    servers = Servers(Path(args.model), Path(args.log), num_ctx=num_ctx, overrides=overrides)
     try:
         servers.start(args.ready_timeout)
         before = _cache_counters(servers)

@@ -62,12 +62,11 @@ def _get(url: str) -> dict:
 
 class Servers:
     """``helixserve launch`` on a copy of `config` (deploy/configs/local.yaml) with free ports;
-    ``num_ctx``: that many ctx workers like the first; ``overrides``: sections' keys changed;
-    ``prefix_caching``: ``cache.prefix_caching``, stated by every bench (on by default otherwise)."""
+    ``num_ctx``: that many ctx workers like the first; ``overrides``: sections' keys changed."""
 
     def __init__(self, model: Path, log: Path, config: Path = REPO / "deploy" / "configs" / "local.yaml",
                  load_format: str = "auto", agg_only: bool = False, num_ctx: int = 1,
-                 overrides: dict[str, dict] | None = None, *, prefix_caching: bool) -> None:
+                 overrides: dict[str, dict] | None = None) -> None:
         from helixserve.config import DeploymentConfig
 
         router, ctx, gen, tx, *extra = free_ports(4 + 2 * (num_ctx - 1))
@@ -83,7 +82,6 @@ class Servers:
                            for i in range(num_ctx - 1)]
         base["gen"][0].update(port=gen)
         base["router"].update(port=router, health_check_interval_s=0.25)
-        base["cache"]["prefix_caching"] = prefix_caching
         for section, values in (overrides or {}).items():
             base[section].update(values)
         self.config = DeploymentConfig.model_validate(base)
@@ -204,8 +202,7 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     config = args.config or (GPU_CONFIG if args.device == "cuda" else REPO / "deploy" / "configs" / "local.yaml")
     agg_only = args.modes == "agg"
-    # random prompts, none shared: the figures are of serving without prefix caching
-    servers = Servers(Path(args.model), Path(args.log), config, args.load_format, agg_only, prefix_caching=False)
+    servers = Servers(Path(args.model), Path(args.log), config, args.load_format, agg_only)
     rng = random.Random(0)
     rows = []
     try:

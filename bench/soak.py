@@ -244,7 +244,7 @@ def run(args) -> dict:  # noqa: ANN001 (argparse namespace)
     args.refused_bodies = args.refused_bodies or (2 if args.quick else 24)
     if args.malloc_arena_max:
         os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)  # launch's processes inherit it
-    servers = Servers(Path(args.model), Path(args.log), prefix_caching=False)
+    servers = Servers(Path(args.model), Path(args.log))
     soak: dict = {}
     try:
         servers.start()

@@ -125,7 +125,7 @@ def spec_row(spec: LLM, prompts: list[list[int]], params: SamplingParams, tag: s
 
 def rows_for(ckpt: Path, drafts: dict[str, Path], k: int, quick: bool, prompts_from: Path | None = None,
              **llm_kw: Any) -> list[dict[str, Any]]:
-    cache = CacheConfig(tokens_per_block=16, max_num_seqs=8, prefix_caching=False)
+    cache = CacheConfig(tokens_per_block=16, max_num_seqs=8)
     plain = LLM(ckpt, cache=cache, **llm_kw)
     engines = spec_engines(ckpt, drafts, k, cache, **llm_kw)
     params = SamplingParams(max_tokens=24 if quick else 64, temperature=0.0, ignore_eos=True)
@@ -149,8 +149,7 @@ def rows_for(ckpt: Path, drafts: dict[str, Path], k: int, quick: bool, prompts_f
 
 def nothing_drafted_row(ckpt: Path, k: int, quick: bool, repeats: int, batch: int = 64, **llm_kw: Any) -> dict[str, Any]:
     """Plain vs speculative decode tok/s where the drafter finds nothing (see the module docstring)."""
-    cache = CacheConfig(tokens_per_block=16, max_num_seqs=batch, memory_budget_mib=256 if not llm_kw else 8192,
-                        prefix_caching=False)
+    cache = CacheConfig(tokens_per_block=16, max_num_seqs=batch, memory_budget_mib=256 if not llm_kw else 8192)
     spec = LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=k,
                                                                 prompt_lookup_min=5, prompt_lookup_max=5), **llm_kw)
     engines = {"plain": LLM(ckpt, cache=cache, **llm_kw), "spec": spec, "control": LLM(ckpt, cache=cache, **llm_kw)}

@@ -29,8 +29,7 @@ from serve import MODEL, REPO, Servers, _bodies, _level, _pct, _vocab  # noqa: E
 def _one_mode(args, is_warm_up: bool) -> dict:  # noqa: ANN001 (argparse namespace)
     from helixserve.config import DeploymentConfig
 
-    servers = Servers(Path(args.model), Path(args.log), args.config or REPO / "deploy" / "configs" / "local.yaml",
-                      prefix_caching=False)
+    servers = Servers(Path(args.model), Path(args.log), args.config or REPO / "deploy" / "configs" / "local.yaml")
     data = servers.config.model_dump(mode="json")
     for role in ("ctx", "gen"):
         for worker in data[role]:

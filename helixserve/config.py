@@ -13,10 +13,9 @@ there (``tests/unit/test_layering_timeouts.py`` checks that none is written else
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
@@ -37,8 +36,6 @@ DType = Literal["float32", "bfloat16", "float16"]
 INTERNAL_SECRET_ENV = "HELIXSERVE_INTERNAL_SECRET"
 INTERNAL_SECRET_FILE_ENV = "HELIXSERVE_INTERNAL_SECRET_FILE"
 API_KEYS_ENV = "HELIXSERVE_API_KEYS"  # comma-separated: the router's keys, kept out of the YAML
-
-logger = logging.getLogger(__name__)
 
 
 _Strict = Strict
@@ -81,9 +78,8 @@ class CacheConfig(_Strict):
     # chain over their tokens and the request's cache_salt) and KDA state checkpoints
     # (kvcache.prefix_manager); single-process engines, ctx workers and gen worlds (each CP group
     # caches its own prefixes: kvcache.group_prefix); a request whose cache a KV transfer filled
-    # publishes nothing (vLLM's enable_prefix_caching). On by default; left unset beside a
-    # speculative method 'draft' it resolves to off, set true there it is an error (for_speculative)
-    prefix_caching: bool = True
+    # publishes nothing (vLLM's enable_prefix_caching)
+    prefix_caching: bool = False
     # a prefill saves the KDA recurrent + conv state every this many blocks (and at the last full
     # block before the prompt's last token), taken inside the prefill chunk that covers it
     state_checkpoint_blocks: int = Field(64, ge=1, le=1 << 20)
@@ -94,20 +90,6 @@ class CacheConfig(_Strict):
     # block-stored / block-removed events a prefix-caching worker keeps for the router's
     # cache-aware policy (GET /v1/prefix_events); a router further behind resyncs
     prefix_events_capacity: int = Field(16384, ge=1, le=1 << 24)
-
-    def for_speculative(self, speculative: Sequence[SpeculativeConfig | None], where: str) -> CacheConfig:
-        """This config beside the engines' ``speculative`` configs (``where`` names them): a draft
-        model keeps no KDA state checkpoints of cached prefixes, so ``prefix_caching`` left unset
-        resolves to off there (logged once, here) and an explicit ``true`` is a ``ValueError``."""
-        if not self.prefix_caching or not any(s is not None and s.method == "draft" for s in speculative):
-            return self
-        if "prefix_caching" in self.model_fields_set:
-            raise ValueError(f"cache.prefix_caching: true does not run with speculative.method 'draft' ({where}): "
-                             "the draft model keeps no KDA state checkpoints of cached prefixes; set "
-                             "cache.prefix_caching: false or leave it unset")
-        logger.info("cache.prefix_caching resolves to off: %s speculates with method 'draft', whose draft model "
-                    "keeps no KDA state checkpoints of cached prefixes", where)
-        return self.model_copy(update={"prefix_caching": False})
 
 
 class SchedulerConfig(_Strict):
@@ -215,18 +197,10 @@ class DeploymentConfig(_Strict):
         return used + [endpoint for w in self.ctx for endpoint in w.transceiver_endpoints]
 
     @model_validator(mode="after")
-    def _resolve_prefix_caching(self) -> DeploymentConfig:
-        drafting = [w.speculative for w in (*self.ctx, *self.gen)]
-        # frozen model: the resolved cache config replaces the given one once
-        object.__setattr__(self, "cache", self.cache.for_speculative(drafting, "a worker of the deployment"))
-        return self
-
-    @model_validator(mode="after")
     def _check_cache_aware(self) -> DeploymentConfig:
         if self.router.policy == "cache_aware" and not self.cache.prefix_caching:
-            raise ValueError("router.policy cache_aware routes by the prefixes ctx workers cache, and "
-                             "cache.prefix_caching is off (set false, or resolved off beside a speculative "
-                             "method 'draft')")
+            raise ValueError("router.policy cache_aware routes by the prefixes ctx workers cache: "
+                             "set cache.prefix_caching: true")
         return self
 
     @model_validator(mode="after")

@@ -68,10 +68,7 @@ class LLM:
         ``load_format="dummy"``: random weights (seeded by ``seed``) at the shapes of ``model_dir``'s
         config or of the preset it names (:mod:`helixserve.models.dummy`); ``deterministic``: the
         process's kernels batch-invariant from now on (``model.deterministic``); ``speculative``:
-        draft and verify tokens each step (:mod:`helixserve.engine.spec`), beside which ``cache``
-        resolves once (:meth:`~helixserve.config.CacheConfig.for_speculative`: prefix caching left
-        unset is off with a draft model)."""
-        cache = cache.for_speculative([speculative], "the LLM's engine")
+        draft and verify tokens each step (:mod:`helixserve.engine.spec`)."""
         if deterministic:
             set_batch_invariant(True)
         self.model_dir = Path(model_dir)

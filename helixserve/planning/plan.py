@@ -10,8 +10,7 @@ is ``ctx_batch`` prefilled sequences held at once.
 Two ways to size the pools: from a config's ``cache.memory_budget_mib`` / ``max_num_seqs``
 (:func:`plan_configured`, what the engine allocates), or filling what the GPU has left after
 weights, activations and graph pools (:func:`plan_filled`, which also gives the cache settings
-to write into the config: with ``prefix_caching``, on by default as in the cache config, their
-budget holds the KDA state checkpoints the engine takes out of it too).
+to write into the config).
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ class PlanTarget:
     itemsize: int = 2  # bf16
     expert_format: str | None = None  # None: the checkpoint's
     cuda_graphs: bool = True
-    prefix_caching: bool = True  # cache.prefix_caching: KDA state checkpoints come out of the budget
 
     def sequences_needed(self, role: str) -> int:
         return self.ctx_batch if role == "ctx" else self.batch
@@ -127,10 +125,9 @@ def plan_filled(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: in
 
     def with_sequences(n: int) -> RolePlan | None:
         """The plan holding ``n`` sequences with the smallest whole-MiB budget, if it fits."""
-        budget_mib, checkpoints = filled_budget(n * per_seq, slot if cfg.kda_layer_ids else 0, t.prefix_caching)
-        num_blocks, num_slots = pools_from_budget(block, slot, budget_mib * MIB, n, checkpoints)
-        pools = PoolBytes(block, slot, num_blocks, num_slots, 1, checkpoints)
-        memory = _memory(cfg, role, dp, cp, gpu_bytes, t, pools, n)
+        budget_mib = -(-(n * per_seq) // MIB)
+        num_blocks, num_slots = pools_from_budget(block, slot, budget_mib * MIB, n)
+        memory = _memory(cfg, role, dp, cp, gpu_bytes, t, PoolBytes(block, slot, num_blocks, num_slots, 1), n)
         if not memory.fits:
             return None
         return RolePlan(memory, memory.pools.sequences_at(t.context_len, t.tokens_per_block, cp),
@@ -146,21 +143,6 @@ def plan_filled(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: in
     best = with_sequences(low)
     assert best is not None
     return best
-
-
-def filled_budget(pool_bytes: int, slot_bytes: int, prefix_caching: bool) -> tuple[int, int]:
-    """``(memory_budget_mib, num_checkpoint_slots)``: the smallest whole-MiB budget that holds
-    ``pool_bytes`` of sequences beside the KDA state checkpoints the engine takes out of that same
-    budget (:func:`~helixserve.planning.memory.checkpoint_slot_count`, a share of the budget: the
-    budget grows until it holds the checkpoints it gives, at most ``MAX_AUTO_CHECKPOINTS`` rounds)."""
-    budget_mib = -(-pool_bytes // MIB)
-    while True:
-        checkpoints = checkpoint_slot_count(CacheConfig(memory_budget_mib=budget_mib, prefix_caching=prefix_caching),
-                                            slot_bytes)
-        need_mib = -(-(pool_bytes + checkpoints * slot_bytes) // MIB)
-        if need_mib <= budget_mib:
-            return budget_mib, checkpoints
-        budget_mib = need_mib
 
 
 def mappings(cfg: KimiModelConfig, role: str, world_size: int) -> list[tuple[int, int]]:

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         deploy = DeploymentConfig.from_yaml(args.config)
         cache, gen = deploy.cache, deploy.gen[0]
         gpu_gib = gpu_gib if gpu_gib is not None else cache.gpu_memory_gib
-        t_kwargs = {"tokens_per_block": cache.tokens_per_block, "prefix_caching": cache.prefix_caching,
+        t_kwargs = {"tokens_per_block": cache.tokens_per_block,
                     "max_num_batched_tokens": deploy.scheduler.max_num_batched_tokens}
         configured = {"ctx": (1, deploy.ctx[0].tp, cache), "gen": (gen.dp, gen.cp, cache)}
         model_dir = args.model or (None if args.preset else deploy.model.path)

@@ -36,18 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = "kimi-k3-tiny"
 
 
-def usage_apart_from_cache(usage: Any) -> dict[str, Any]:
-    """An ``openai`` usage as the equality tests compare answers: every count but
-    ``prompt_tokens_details.cached_tokens``, which tells what that worker had cached before (prefix
-    caching is on by default; ``test_prefix_cache_disagg.py`` checks it), so a cached answer must
-    equal an uncached one in all else."""
-    counts = usage.model_dump()
-    details = counts.get("prompt_tokens_details")
-    if details is not None:
-        assert 0 <= details.pop("cached_tokens") < counts["prompt_tokens"]  # at least one token computed
-    return counts
-
-
 def metric(url: str, name: str, default: float | None = None) -> float:
     """The sample ``name`` (with its labels, or the first labeled one) of a ``/metrics`` page."""
     _, text = http("GET", f"{url}/metrics")

@@ -22,7 +22,7 @@ import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.engine.llm import LLM
-from tests.e2e.conftest import MODEL, REPO, Deployment, usage_apart_from_cache
+from tests.e2e.conftest import MODEL, REPO, Deployment
 
 BUDGET = 32
 MAX_MODEL_LEN = 512
@@ -48,7 +48,7 @@ def dep_options() -> dict:
 def complete(client: openai.OpenAI, prompt: list[int], stream: bool = False) -> tuple[str, str | None, dict]:
     if not stream:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, **GREEDY)
-        return r.choices[0].text, r.choices[0].finish_reason, usage_apart_from_cache(r.usage)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.model_dump()
     text, finish, usage = "", None, None
     for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
                                            stream_options={"include_usage": True}, **GREEDY):
@@ -56,13 +56,13 @@ def complete(client: openai.OpenAI, prompt: list[int], stream: bool = False) -> 
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
         if chunk.usage:
-            usage = usage_apart_from_cache(chunk.usage)
+            usage = chunk.usage.model_dump()
     return text, finish, usage
 
 
 def chat(client: openai.OpenAI, messages: list[dict]) -> tuple[str, str | None, dict]:
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, **GREEDY)
-    return r.choices[0].message.content, r.choices[0].finish_reason, usage_apart_from_cache(r.usage)
+    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.model_dump()
 
 
 def test_long_prompts_disaggregated_equal_aggregated(dep):

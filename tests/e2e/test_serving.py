@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, Deployment, http, metric, usage_apart_from_cache, wait_until
+from tests.e2e.conftest import MODEL, Deployment, http, metric, wait_until
 
 SHARED_DEPLOYMENT = "disagg"  # conftest: one deployment for these modules
 
@@ -31,13 +31,13 @@ IGNORE_EOS = {"ignore_eos": True}
 
 def complete(client: openai.OpenAI, prompt, max_tokens: int = 8, stream: bool = False,
              sampling: dict = GREEDY, **extra):
-    """``(text, finish_reason, usage apart from cached_tokens)`` of one completion, streamed or not."""
+    """``(text, finish_reason, usage)`` of one completion, streamed or not."""
     params = {k: v for k, v in sampling.items() if k != "seed"}
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, seed=sampling.get("seed"),
                   extra_body={**IGNORE_EOS, **extra.pop("extra_body", {})}, **params, **extra)
     if not stream:
         r = client.completions.create(**kwargs)
-        return r.choices[0].text, r.choices[0].finish_reason, usage_apart_from_cache(r.usage)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.model_dump()
     text, finish, usage = "", None, None
     for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
                                            **kwargs):
@@ -45,7 +45,7 @@ def complete(client: openai.OpenAI, prompt, max_tokens: int = 8, stream: bool = 
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
         if chunk.usage:
-            usage = usage_apart_from_cache(chunk.usage)
+            usage = chunk.usage.model_dump()
     return text, finish, usage
 
 
@@ -55,7 +55,7 @@ def chat(client: openai.OpenAI, content: str, max_tokens: int = 8, stream: bool 
                   max_tokens=max_tokens, temperature=0.0, extra_body=IGNORE_EOS)
     if not stream:
         r = client.chat.completions.create(**kwargs)
-        return r.choices[0].message.content, r.choices[0].finish_reason, usage_apart_from_cache(r.usage)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.model_dump()
     text, finish, usage, roles = "", None, None, []
     for chunk in client.chat.completions.create(stream=True,
                                                 stream_options={"include_usage": True}, **kwargs):
@@ -65,7 +65,7 @@ def chat(client: openai.OpenAI, content: str, max_tokens: int = 8, stream: bool 
             text += delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
         if chunk.usage:
-            usage = usage_apart_from_cache(chunk.usage)
+            usage = chunk.usage.model_dump()
     assert roles == ["assistant"]
     return text, finish, usage
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
-from helixserve.engine.rank_setup import allocate_checkpoints, allocate_rank_caches, size_cache
+from helixserve.engine.rank_setup import allocate_rank_caches, size_cache
 from helixserve.engine.llm import LLM
 from helixserve.models.presets import get_preset
 from helixserve.planning.memory import DeploymentDoesNotFitError, pool_unit_bytes
@@ -20,8 +20,7 @@ from helixserve.planning.weights import rank_weight_bytes
 MIB, GIB = 1 << 20, 1 << 30
 
 # (preset, dtype, tokens_per_block, memory_budget_mib, max_num_seqs, cp) -> (num_blocks, num_slots,
-# max_model_len): recorded sizes that the pool sizing must keep giving (prefix caching off: no KDA
-# state checkpoints in the budget; test_the_engine_sizes_what_the_plan_says counts them)
+# max_model_len): recorded sizes that the pool sizing must keep giving
 RECORDED = [
     ("kimi-linear-tiny", "bfloat16", 4, 256, 3, 2, 838598, 3, 4096),
     ("kimi-linear-tiny", "float32", 16, 8, 3, 1, 3203, 3, 4096),
@@ -37,8 +36,7 @@ RECORDED = [
 def test_sizes_are_the_recorded_ones(row):
     preset, dtype, tpb, mib, seqs, cp, *expected = row
     _, layout = size_cache(get_preset(preset), getattr(torch, dtype),
-                           CacheConfig(tokens_per_block=tpb, memory_budget_mib=mib, max_num_seqs=seqs,
-                                       prefix_caching=False), cp)
+                           CacheConfig(tokens_per_block=tpb, memory_budget_mib=mib, max_num_seqs=seqs), cp)
     assert [layout.num_blocks, layout.num_slots, layout.max_model_len] == expected
 
 
@@ -48,24 +46,20 @@ CONFIGS = list(itertools.product(["kimi-linear-tiny", "kimi-k3-tiny"], [torch.fl
 
 @pytest.mark.parametrize(("preset", "dtype", "tpb", "mib", "seqs", "cp"), CONFIGS)
 def test_sizes_fill_the_budget_with_the_tensors_allocated(preset, dtype, tpb, mib, seqs, cp):
-    """The test configs' budgets (prefix caching on, the default): the pools' tensors and the KDA
-    state checkpoints' fit, and one block more would not."""
+    """The test configs' budgets: the pools' tensors fit, and one block more would not."""
     spec, layout = size_cache(get_preset(preset), dtype,
                               CacheConfig(tokens_per_block=tpb, memory_budget_mib=mib, max_num_seqs=seqs), cp)
-    assert layout.num_slots == seqs and layout.num_checkpoint_slots >= 1
-    checkpoints = allocate_checkpoints(spec, layout, "meta")
-    assert checkpoints is not None
+    assert layout.num_slots == seqs
 
     def nbytes(num_blocks: int) -> int:
         caches = allocate_rank_caches(spec, layout.__class__(num_blocks, seqs, tpb, 0), "meta")
-        pools = (*caches.mla_kv.values(), *caches.kda_state.values(), *caches.conv_state.values(),
-                 *checkpoints.kda_state.values(), *checkpoints.conv_state.values())
+        pools = (*caches.mla_kv.values(), *caches.kda_state.values(), *caches.conv_state.values())
         return sum(t.numel() * t.element_size() for t in pools)
 
     assert nbytes(layout.num_blocks) <= mib * MIB < nbytes(layout.num_blocks + 1)
 
 
-@pytest.mark.parametrize("caching, checkpoints", [({"prefix_caching": False}, "none"), ({}, "auto"),
+@pytest.mark.parametrize("caching, checkpoints", [({}, "none"), ({"prefix_caching": True}, "auto"),
                                                    ({"prefix_caching": True, "state_checkpoint_slots": 5}, "5")])
 def test_the_engine_sizes_what_the_plan_says(tiny_checkpoints, caching, checkpoints):
     """Blocks, slots and KDA state checkpoints alike (the auto count: 1/16 of the budget's worth
@@ -96,12 +90,11 @@ def test_pools_over_the_gpu_memory_refuse_to_start_naming_the_shortfall(tiny_che
     weights = rank_weight_bytes(cfg, 4, expert_format="dense").total_bytes
     scheduler = SchedulerConfig(max_num_batched_tokens=64)
     activations = 64 * cfg.hidden_size * 32 * 4 + 2 * 4 * cfg.vocab_size * 4
-    cache = CacheConfig(tokens_per_block=4, memory_budget_mib=8, max_num_seqs=4)  # prefix caching on: checkpoints
+    cache = CacheConfig(tokens_per_block=4, memory_budget_mib=8, max_num_seqs=4)
     spec, layout = size_cache(cfg, torch.float32, cache, 1)
-    caches, checkpoints = allocate_rank_caches(spec, layout, "meta"), allocate_checkpoints(spec, layout, "meta")
-    assert checkpoints is not None
-    pools = sum(t.numel() * t.element_size() for c in (caches, checkpoints)
-                for d in (c.mla_kv, c.kda_state, c.conv_state) for t in d.values())
+    caches = allocate_rank_caches(spec, layout, "meta")
+    pools = sum(t.numel() * t.element_size() for d in (caches.mla_kv, caches.kda_state, caches.conv_state)
+                for t in d.values())
     need = weights + pools + activations  # CPU: no scratch slot, no graph pools
     for gpu, starts in ((need - 1, False), (need, True)):
         limited = cache.model_copy(update={"gpu_memory_gib": gpu / GIB})

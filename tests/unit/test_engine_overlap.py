@@ -131,9 +131,8 @@ def test_a_cache_too_small_to_run_ahead_falls_back_to_plain_steps(tiny_checkpoin
     the cache covers every request's next token; plain steps preempt as usual; the tokens match."""
     ckpt = tiny_checkpoints["kimi-linear-tiny"]
     spec = cache_spec_for(LLM(ckpt).model_config, torch.float32, 4)
-    # 3 slots, 9 blocks and (prefix caching on, the default) one KDA state checkpoint
-    budget = (4 * bytes_per_slot(spec) + 9 * bytes_per_block(spec)) / 2**20
-    cache = CacheConfig(tokens_per_block=4, max_num_seqs=3, memory_budget_mib=budget, state_checkpoint_slots=1)
+    budget = (3 * bytes_per_slot(spec) + 9 * bytes_per_block(spec)) / 2**20  # 3 slots, 9 blocks
+    cache = CacheConfig(tokens_per_block=4, max_num_seqs=3, memory_budget_mib=budget)
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0][::-1]]
     runs = []
     for overlap in (False, True):

@@ -47,7 +47,7 @@ def test_table_for_48b(capsys):
                  "--batch", "64"]) == 0
     text = capsys.readouterr().out
     assert "| ctx | tp 1 (ep 1) | 1 |" in text and "| gen | dp 1 x cp 2 | 2 |" in text
-    assert "| 45 | yes |" in text and "| 179 | yes |" in text  # beside prefix caching's KDA state checkpoints
+    assert "| 46 | yes |" in text and "| 180 | yes |" in text
 
 
 def test_a_deployment_config_is_planned_as_the_servers_size_it(tmp_path, tiny_checkpoints, capsys):
@@ -112,7 +112,7 @@ def test_k3_ctx_layouts_are_every_tp_its_heads_and_experts_divide_over(capsys):
     assert main(["plan", "--preset", "kimi-k3", "--gpu-memory-gib", "141"]) == 0
     text = capsys.readouterr().out
     assert "| ctx | tp 16 (ep 16) | 16 |" in text and "| 8 | 8 | 219.1 | 78.1 | 0 | no |" in text
-    assert "| 16 | 16 | 140.9 | - | 119 | yes |" in text
+    assert "| 16 | 16 | 141.0 | - | 127 | yes |" in text
 
 
 @pytest.mark.parametrize(("preset", "tps"), [("kimi-k3-tiny", [1, 2, 4]), ("kimi-linear-48b", [1, 2, 4, 8, 16, 32])])

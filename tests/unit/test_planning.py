@@ -16,15 +16,13 @@ from helixserve.models.mxfp4 import quantize_mxfp4
 from helixserve.models.presets import get_preset
 from helixserve.parallel.mapping import Mapping
 from helixserve.planning.memory import (
-    MAX_AUTO_CHECKPOINTS,
     DeploymentDoesNotFitError,
     PoolBytes,
     RankMemory,
     activation_bytes,
-    checkpoint_slot_count,
     pool_unit_bytes,
 )
-from helixserve.planning.plan import PlanTarget, filled_budget, plan_configured, plan_filled, smallest_mapping
+from helixserve.planning.plan import PlanTarget, plan_configured, plan_filled, smallest_mapping
 from helixserve.planning.weights import WeightBytes, mxfp4_bytes, rank_weight_bytes
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -118,23 +116,16 @@ def test_pool_units_match_the_hand_count():
     assert pool_unit_bytes(get_preset("kimi-linear-48b"), 2, 16) == (7 * 16 * 576 * 2, 20 * (2 * 2**20 + 73_728))
 
 
-def hand_filled_sequences(weights: int, block: int, slot: int, blocks_per_seq: int, batched: int, hidden: int,
-                          checkpoints: int) -> int:
+def hand_filled_sequences(weights: int, block: int, slot: int, blocks_per_seq: int, batched: int, hidden: int) -> int:
     """Sequences a GPU holds after weights, activations (2048 x hidden x 32 bf16 values + 2 fp32
-    logits rows a sequence), 1 GiB of graph pools and one scratch slot; the budget in whole MiB,
-    ``checkpoints`` KDA state checkpoints of prefix caching (on by default) inside it."""
+    logits rows a sequence), 1 GiB of graph pools and one scratch slot; the budget in whole MiB."""
     logits = 2 * 163840 * 4
     avail = H200 - weights - batched * hidden * 32 * 2 - GIB - slot
     per_seq = slot + blocks_per_seq * block
-    n = (avail - checkpoints * slot) // (per_seq + logits)
-    while ((avail - n * logits) // MIB * MIB - checkpoints * slot) // per_seq < n:
+    n = avail // (per_seq + logits)
+    while (avail - n * logits) // MIB * MIB // per_seq < n:
         n -= 1
     return n
-
-
-def hand_checkpoints(budget_mib: int, slot: int) -> int:
-    """The checkpoints a budget gives with prefix caching: a slot each out of 1/16 of it, 1 .. 32."""
-    return max(1, min(32, budget_mib * MIB // 16 // slot))
 
 
 def test_k3_on_141_gib_gpus_needs_16_per_role_at_32k():
@@ -146,10 +137,8 @@ def test_k3_on_141_gib_gpus_needs_16_per_role_at_32k():
     assert gen.memory.weights.total_bytes == weights
     block, slot = 24 * 16 * 576 * 2, 69 * (6 * 128 * 128 * 4 + 3 * 6 * 128 * 3 * 2)
     blocks_per_seq = -(-(32768 // 16) // 16)  # round-robin: rank 0 holds ceil(2048 / 16) blocks
-    checkpoints = hand_checkpoints(gen.memory_budget_mib, slot)
-    n = hand_filled_sequences(weights, block, slot, blocks_per_seq, 2048, 7168, checkpoints)
-    assert gen.sequences == n == 119 and gen.fits and gen.memory.total_bytes <= H200
-    assert gen.memory.pools.checkpoint_slots == checkpoints == 23
+    n = hand_filled_sequences(weights, block, slot, blocks_per_seq, 2048, 7168)
+    assert gen.sequences == n == 127 and gen.fits and gen.memory.total_bytes <= H200
     assert gen.memory.activation_bytes == 2048 * 7168 * 32 * 2 + 2 * n * 163840 * 4
     # fewer GPUs: every smaller world experts divide into (896 = 2^7 x 7) cannot hold the weights
     for world in (1, 2, 4, 7, 8, 14):
@@ -162,40 +151,23 @@ def test_48b_on_141_gib_gpus_at_128k_context():
     t = PlanTarget(context_len=131072, batch=64)
     ctx, gen = smallest_mapping(cfg, "ctx", H200, t), smallest_mapping(cfg, "gen", H200, t)
     block, slot = 7 * 16 * 576 * 2, 20 * (2 * 2**20 + 73_728)
-    assert hand_checkpoints(ctx.memory_budget_mib, slot) == ctx.memory.pools.checkpoint_slots == 32
-    one = hand_filled_sequences(hand_bytes(linear48b_hand, 1, 1, False), block, slot, 8192, 2048, 2304, 32)
-    assert (ctx.num_gpus, ctx.sequences) == (1, one) == (1, 45)
-    # one GPU holds 45 < 64: gen needs two; cp 2 (KDA heads and state halved, KV split) beats dp 2
+    one = hand_filled_sequences(hand_bytes(linear48b_hand, 1, 1, False), block, slot, 8192, 2048, 2304)
+    assert (ctx.num_gpus, ctx.sequences) == (1, one) == (1, 46)
+    # one GPU holds 46 < 64: gen needs two; cp 2 (KDA heads and state halved, KV split) beats dp 2
     slot2 = 20 * (16 * 128 * 128 * 4 + 3 * 16 * 128 * 3 * 2)
-    assert hand_checkpoints(gen.memory_budget_mib, slot2) == gen.memory.pools.checkpoint_slots == 32
-    two = hand_filled_sequences(hand_bytes(linear48b_hand, 1, 2, False), block, slot2, 4096, 2048, 2304, 32)
-    assert (gen.memory.dp, gen.memory.cp, gen.sequences) == (1, 2, two) == (1, 2, 179)
+    two = hand_filled_sequences(hand_bytes(linear48b_hand, 1, 2, False), block, slot2, 4096, 2048, 2304)
+    assert (gen.memory.dp, gen.memory.cp, gen.sequences) == (1, 2, two) == (1, 2, 180)
     assert plan_filled(cfg, "gen", 2, 1, H200, t).sequences < two
     assert not plan_filled(cfg, "gen", 1, 1, H200, t).fits
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_filled_cache_settings_give_the_same_pools_when_configured(prefix_caching):
-    """The cache settings a plan prints are what the engine sizes: same blocks, slots, sequences,
-    and with prefix caching (the default) the same KDA state checkpoints out of the same budget."""
-    cfg, t = get_preset("kimi-linear-48b"), PlanTarget(context_len=131072, batch=64, prefix_caching=prefix_caching)
+def test_filled_cache_settings_give_the_same_pools_when_configured():
+    """The cache settings a plan prints are what the engine sizes: same blocks, slots, sequences."""
+    cfg, t = get_preset("kimi-linear-48b"), PlanTarget(context_len=131072, batch=64)
     filled = plan_filled(cfg, "gen", 1, 2, H200, t)
-    cache = CacheConfig(memory_budget_mib=filled.memory_budget_mib, max_num_seqs=filled.max_num_seqs)
-    if not prefix_caching:
-        cache = cache.model_copy(update={"prefix_caching": False})
-    again = plan_configured(cfg, "gen", 1, 2, H200, t, cache)
+    again = plan_configured(cfg, "gen", 1, 2, H200, t,
+                            CacheConfig(memory_budget_mib=filled.memory_budget_mib, max_num_seqs=filled.max_num_seqs))
     assert again.memory.pools == filled.memory.pools and again.sequences == filled.sequences and again.fits
-    assert filled.memory.pools.checkpoint_slots == (MAX_AUTO_CHECKPOINTS if prefix_caching else 0)
-
-
-def test_a_filled_budget_holds_the_checkpoints_it_gives():
-    """The checkpoints are a share of the budget: the budget grows until it holds those it gives;
-    one MiB less holds the sequences but not the checkpoints."""
-    slot = 3 * MIB
-    budget_mib, checkpoints = filled_budget(40 * MIB, slot, True)
-    assert checkpoints == checkpoint_slot_count(CacheConfig(memory_budget_mib=budget_mib), slot) >= 1
-    assert budget_mib * MIB >= 40 * MIB + checkpoints * slot > (budget_mib - 1) * MIB
-    assert filled_budget(40 * MIB, slot, False) == (40, 0) == filled_budget(40 * MIB, 0, True)
 
 
 def test_budget_boundary_and_the_shortfall_message():
@@ -238,10 +210,9 @@ def test_filled_pools_hold_the_most_sequences_that_fit(preset, gpu, context_len)
     best = plan_filled(cfg, "gen", 1, 1, gpu, t)
     block, slot = pool_unit_bytes(cfg, 2, 16)
     per_seq = slot + -(-context_len // 16) * block
-    n, checkpoints = best.max_num_seqs, best.memory.pools.checkpoint_slots
-    assert best.fits and best.sequences == n and best.memory.total_bytes <= gpu and checkpoints >= 1
-    budget_mib = -(-((n + 1) * per_seq + checkpoints * slot) // MIB)  # beside the same checkpoints
-    more = plan_configured(cfg, "gen", 1, 1, gpu, t, CacheConfig(memory_budget_mib=budget_mib, max_num_seqs=n + 1,
-                                                                 state_checkpoint_slots=checkpoints))
+    n = best.max_num_seqs
+    assert best.fits and best.sequences == n and best.memory.total_bytes <= gpu
+    more = plan_configured(cfg, "gen", 1, 1, gpu, t, CacheConfig(memory_budget_mib=-(-(n + 1) * per_seq // MIB),
+                                                                 max_num_seqs=n + 1))
     assert more.sequences == n + 1 and not more.memory.fits
     assert (n > 2048) is (preset == "kimi-linear-tiny")

@@ -132,10 +132,8 @@ def test_no_match_goes_to_the_least_loaded_and_the_choice_is_remembered():
 
 
 def test_cache_aware_needs_prefix_caching():
-    base = {"model": {"path": "kimi-k3-tiny"}, "router": {"policy": "cache_aware"}}
-    with pytest.raises(ValueError, match="cache_aware .* cache.prefix_caching is off"):
-        DeploymentConfig.model_validate({**base, "cache": {"prefix_caching": False}})
-    assert DeploymentConfig.model_validate(base).cache.prefix_caching  # on by default
+    with pytest.raises(ValueError, match="set cache.prefix_caching: true"):
+        DeploymentConfig.model_validate({"model": {"path": "kimi-k3-tiny"}, "router": {"policy": "cache_aware"}})
 
 
 def test_a_match_below_the_cache_threshold_counts_as_none():

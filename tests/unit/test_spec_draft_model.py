@@ -194,21 +194,10 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both_sizes(target, tmp_
     (bad / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
     spec = SpeculativeConfig(method="draft", draft_model=bad)
     with pytest.raises(DraftVocabMismatchError, match="vocab_size 1024.*vocab_size 512") as err:
-        draft_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig(prefix_caching=False), is_world=False)
+        draft_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig(), is_world=False)
     assert (err.value.draft_vocab, err.value.target_vocab) == (1024, 512)
     argv = ["generate", "--model", str(target), "--prompt-ids", "1,2", "--speculative", "draft", "--draft-model", str(bad)]
     assert main(argv) == 2 and "vocab_size 1024" in capsys.readouterr().err
-
-
-def test_the_llm_resolves_prefix_caching_off_beside_a_draft_model_and_refuses_it_set(target, plain, near_llm):
-    """Prefix caching is on by default (``plain``); left unset beside a draft model the LLM's cache
-    config resolves it off, and an explicit ``true`` there is a named error before any weight loads."""
-    assert plain.engine.cache_manager.prefix_caching and plain.engine.layout.num_checkpoint_slots >= 1
-    assert not near_llm.engine.cache_manager.prefix_caching and near_llm.engine.layout.num_checkpoint_slots == 0
-    spec = SpeculativeConfig(method="draft", draft_model=target)
-    with pytest.raises(ValueError, match=r"cache.prefix_caching: true does not run with speculative.method 'draft' "
-                                         r"\(the LLM's engine\)"):
-        LLM(target, cache=CacheConfig(prefix_caching=True), speculative=spec)
 
 
 def test_worlds_and_prefix_caching_refuse_a_draft_model(target):
@@ -240,10 +229,7 @@ def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target):
     cfg = KimiModelConfig.from_pretrained(target)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=torch.float32)
-    # the cache config as it resolves beside a draft model: no prefix caching, no state checkpoints
-    spec = SpeculativeConfig(method="draft", draft_model=target)
-    cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6).for_speculative([spec], "test")
-    assert not cache.prefix_caching
+    cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
     _, layout = size_cache(cfg, torch.float32, cache, draft=cfg)
     shortfalls = []
     for draft in (None, cfg):
