@@ -160,7 +160,10 @@ def test_engine_bench_quick_has_ctx_world_rows(tmp_path):
 def test_kernels_bench_quick_has_world_engine_rows_on_cpu(tmp_path):
     data = _run_bench("kernels.py", tmp_path / "kernels.json", "--only", "engine")
     world = [r for r in data["rows"] if "world" in r["case"]]
-    assert [r["case"] for r in world] == ["kimi-k3-tiny world decode bs1", "kimi-k3-tiny world decode bs4"]
+    assert [r["case"] for r in world] == ["kimi-k3-tiny world decode bs1", "kimi-k3-tiny world decode bs4",
+                                          "kimi-k3-tiny ctx world of one prefill 2×128"]
     for row in world:
         assert row["ratio_value"] == pytest.approx(row["ours"] / row["baseline"])
+    assert world[2]["note"] == "first tokens equal 2/2"  # the world of one prefills as the single engine
+    for row in world[:2]:
         assert row["world_outside"] is None and row["single_outside"] is None  # no CUDA graphs on CPU
