@@ -52,15 +52,20 @@ def _assert_the_hook_counts(compilations: list[str]) -> None:
     compilations.clear()
 
 
-def test_gpu_no_triton_compilation_after_warm_up(compilations):
-    cache, sched = CacheConfig(memory_budget_mib=8192, max_num_seqs=16), SchedulerConfig()
-    llm = LLM("kimi-k3-mid", load_format="dummy", device="cuda", cache=cache, scheduler=sched)
+def _warm_as_a_worker(llm: LLM, sched: SchedulerConfig, compilations: list[str]) -> None:
+    """Run the worker's warm-up requests (alone and batched), then check the hook counts."""
     layout = llm.engine.layout
     for prompt, params, copies in warm_up_prompts(layout.max_model_len, layout.max_model_len,
                                                   llm.model_config.vocab_size, layout.tokens_per_block,
                                                   sched.max_num_batched_tokens):
         llm.generate([prompt] * copies, params)
     _assert_the_hook_counts(compilations)
+
+
+def test_gpu_no_triton_compilation_after_warm_up(compilations):
+    cache, sched = CacheConfig(memory_budget_mib=8192, max_num_seqs=16), SchedulerConfig()
+    llm = LLM("kimi-k3-mid", load_format="dummy", device="cuda", cache=cache, scheduler=sched)
+    _warm_as_a_worker(llm, sched, compilations)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for n in LENGTHS:
         prompt = [1 + (i * 31) % 500 for i in range(n)]
@@ -79,12 +84,7 @@ def test_gpu_no_triton_compilation_after_warm_up_with_speculation(compilations):
     cache, sched = CacheConfig(memory_budget_mib=8192, max_num_seqs=16), SchedulerConfig()
     spec = SpeculativeConfig(method="ngram", num_draft_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     llm = LLM("kimi-k3-mid", load_format="dummy", device="cuda", cache=cache, scheduler=sched, speculative=spec)
-    layout = llm.engine.layout
-    for prompt, params, copies in warm_up_prompts(layout.max_model_len, layout.max_model_len,
-                                                  llm.model_config.vocab_size, layout.tokens_per_block,
-                                                  sched.max_num_batched_tokens):
-        llm.generate([prompt] * copies, params)
-    _assert_the_hook_counts(compilations)
+    _warm_as_a_worker(llm, sched, compilations)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     scheduler = llm.engine.scheduler
     for n in (5, 17, 64, 300, 1000):
