@@ -106,7 +106,9 @@ def _gen_main(max_tokens: int, reps: int, inbox, outbox) -> None:  # noqa: ANN00
         ranks = groups[cp]
         start = time.perf_counter()
         for receiver, caches, manager in ranks:
-            receiver.start(rid, manager.allocate(rid, ticket.num_prompt_tokens), caches, ticket)
+            handle = manager.allocate(rid, ticket.num_prompt_tokens)
+            manager.arrange_for_sources(rid, ticket.layout.ctx_tp_size)  # as the gen's intake does
+            receiver.start(rid, handle, caches, ticket)
         pending = set(range(cp))
         while pending:
             for r in list(pending):

@@ -199,6 +199,8 @@ class KVIntake:
             if not self.cache.can_allocate(request.num_prompt_tokens):
                 break  # FIFO: later ones wait behind it
             del self._waiting[rid]
-            self.transfers.start(rid, self.cache.allocate(rid, request.num_prompt_tokens), received.ticket)
+            handle = self.cache.allocate(rid, request.num_prompt_tokens)
+            self.cache.arrange_for_sources(rid, received.ticket.layout.ctx_tp_size)  # each ctx rank's part one run
+            self.transfers.start(rid, handle, received.ticket)
             self._receiving[rid] = request
             self._starts.append((rid, received.ticket))

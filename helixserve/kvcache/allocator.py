@@ -74,12 +74,19 @@ class _IdAllocator:
 
 
 class BlockAllocator(_IdAllocator):
-    """Physical MLA cache blocks ``[0, num_blocks)``."""
+    """Physical MLA cache blocks ``[0, num_blocks)``, the ids of one allocation ascending: whatever
+    order blocks were freed in, a request's blocks that happen to be adjacent are adjacent in its
+    local order too, so a transfer moves them as one run (in place) rather than block by block."""
 
     _kind = "block"
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
+
+    def _take(self, n: int) -> list[int]:
+        ids = super()._take(n)
+        ids.sort()
+        return ids
 
     @property
     def num_blocks(self) -> int:

@@ -50,6 +50,11 @@ class GroupCacheManager:
         handles = [m.allocate(request_id, num_tokens) for m in self.ranks]
         return handles[0]
 
+    def arrange_for_sources(self, request_id: str, num_sources: int) -> None:
+        """On every rank: :meth:`CacheManager.arrange_for_sources`."""
+        for manager in self.ranks:
+            manager.arrange_for_sources(request_id, num_sources)
+
     def can_extend(self, handle: CacheHandle, new_num_tokens: int) -> bool:
         return self._leader.can_extend(handle, new_num_tokens)
 

@@ -49,3 +49,22 @@ def local_logical_blocks(
     """Global logical block ids held by ``cp_rank``, ascending (local order)."""
     _check(tokens_per_block, cp_rank, cp_size)
     return list(range(cp_rank, num_logical_blocks(num_tokens, tokens_per_block), cp_size))
+
+
+def arrange_by_source(block_ids: list[int], cp_rank: int, cp_size: int, num_sources: int) -> list[int]:
+    """The same physical blocks, reassigned (local order kept) so that the local blocks of each of
+    ``num_sources`` ctx ranks (global block ``b`` on ctx rank ``b % num_sources``) take ascending,
+    consecutive ids of the sorted set: where ``block_ids`` is one run, each ctx rank's part of this
+    rank's blocks is one run too, which a transfer receives in place instead of scattering it.
+    Unchanged where one ctx rank holds them all (``num_sources`` divides ``cp_size``)."""
+    _check(1, cp_rank, cp_size)
+    if num_sources < 1:
+        raise ValueError(f"num_sources must be >= 1, got {num_sources}")
+    if cp_size % num_sources == 0:
+        return list(block_ids)
+    ids = sorted(block_ids)
+    order = sorted(range(len(block_ids)), key=lambda k: ((cp_rank + k * cp_size) % num_sources, k))
+    arranged = [0] * len(block_ids)
+    for position, k in enumerate(order):
+        arranged[k] = ids[position]
+    return arranged

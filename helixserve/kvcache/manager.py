@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from helixserve.kvcache.allocator import BlockAllocator, SlotAllocator
 from helixserve.kvcache.errors import AllocationError, CacheCapacityError
-from helixserve.kvcache.helix import num_local_blocks, num_logical_blocks
+from helixserve.kvcache.helix import arrange_by_source, num_local_blocks, num_logical_blocks
 
 
 @dataclass(slots=True)
@@ -180,6 +180,14 @@ class CacheManager:
         )
         self._handles[request_id] = handle
         return handle
+
+    def arrange_for_sources(self, request_id: str, num_sources: int) -> None:
+        """Reassign a just-allocated request's blocks so each of ``num_sources`` ctx ranks' part is
+        one run where the blocks are (:func:`~.helix.arrange_by_source`); before anything is
+        written to or published from them."""
+        handle = self.get(request_id)
+        handle.block_ids = arrange_by_source(handle.block_ids, self.cp_rank, self.cp_size, num_sources)
+        handle._table = handle._table_key = None
 
     def can_extend(self, handle: CacheHandle, new_num_tokens: int) -> bool:
         self._own(handle)

@@ -151,3 +151,21 @@ def test_a_ready_request_starts_only_when_a_running_slot_is_free() -> None:
     starts.slots = 2
     intake.step(starts.can_start, starts)
     assert starts.started == ["a", "b"] and "b" not in intake
+
+
+def test_a_request_from_a_ctx_world_gets_each_ctx_ranks_blocks_as_one_run() -> None:
+    """From a ctx world of 2 ranks the blocks of each ctx rank (even, odd logical blocks) are
+    consecutive physical blocks, so each rank's messages land in place; from one ctx rank the
+    blocks stay as allocated."""
+    receiver = _Receiver(polls=3)
+    intake, cache = _intake(receiver, num_blocks=16)
+    world = LAYOUT.model_copy(update={"ctx_tp_size": 2})
+    intake.add(_request("w", 5 * TPB), KVTicket("ctx-w", TransceiverEndpoint(host="127.0.0.1", port=1), world,
+                                                5 * TPB, (7,), ctx_endpoints=(
+                                                    TransceiverEndpoint(host="127.0.0.1", port=1),
+                                                    TransceiverEndpoint(host="127.0.0.1", port=2))))
+    intake.add(_request("one", 3 * TPB), _ticket("one", 3 * TPB))
+    intake.step(_Starts().can_start, _Starts())
+    assert cache.get("w").block_ids == [0, 3, 1, 4, 2]  # logical 0, 2, 4 in 0..2; 1, 3 in 3..4
+    assert cache.get("w").block_table() == [0, 3, 1, 4, 2]
+    assert cache.get("one").block_ids == [5, 6, 7]

@@ -42,3 +42,26 @@ def test_examples_and_errors():
     for args in [(4, 0, 0, 1), (4, 2, 2, 2), (4, 2, 0, 0), (-1, 2, 0, 1)]:
         with pytest.raises(ValueError):
             num_local_blocks(*args)
+
+
+@pytest.mark.parametrize("sources", [1, 2, 3, 4])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_arranged_blocks_give_each_ctx_rank_one_run(cp, sources):
+    """A rank's fresh run of physical blocks, arranged for a ctx world of `sources` ranks: the same
+    set, local order kept per ctx rank, and each ctx rank's part one ascending run."""
+    from helixserve.kvcache.helix import arrange_by_source
+
+    for rank in range(cp):
+        for n in (0, 1, 5, 12, 13):
+            fresh = list(range(40, 40 + n))
+            arranged = arrange_by_source(fresh, rank, cp, sources)
+            assert sorted(arranged) == fresh
+            if cp % sources == 0:
+                assert arranged == fresh
+            parts = {}
+            for k, block in enumerate(arranged):
+                parts.setdefault((rank + k * cp) % sources, []).append(block)
+            for part in parts.values():
+                assert part == list(range(part[0], part[0] + len(part)))
+    with pytest.raises(ValueError, match="num_sources"):
+        arrange_by_source([1], 0, 1, 0)
