@@ -6,8 +6,9 @@ used out first), kept up to date by polling the worker's ``GET /v1/prefix_events
 (:mod:`helixserve.protocol.prefix_events`) after each health check, each poll bounded by the
 health check's timeout. A ``stored`` event adds a key, ``removed`` drops it, a resync answer
 replaces the set. A worker that fails its health check or a poll, answers with another epoch
-(it restarted: its cache is empty), does not publish events (404: caching off, or a ctx world),
-or blocks of another ``tokens_per_block`` has its set dropped; it is re-learnt from a resync.
+(it restarted: its cache is empty), does not publish events (404: caching off) or blocks of
+another ``tokens_per_block`` has its set dropped; it is re-learnt from a resync. A ctx world
+publishes its CP group's blocks from its leader, a world restarted in place under a new epoch.
 
 A request routed to a worker adds its keys at once (the worker is about to store them), so
 requests sharing a prefix that arrive before the worker's events follow the first one.

@@ -249,11 +249,12 @@ class Deployment:
         return http("GET", f"{self.gen_url}/health")[1]["world"]["rank_pids"][1:]
 
     def is_idle(self) -> bool:
-        """Nothing in use or in flight on ctx (sender included) and gen."""
-        ctx, gen = self.stats("ctx"), self.stats("gen")
-        return (ctx["num_used_blocks"] == ctx["num_used_slots"] == ctx["num_held"] == 0
-                and ctx["pickups_held"] == 0 and ctx["kv_transfers_in_flight"] == 0
-                and gen["num_used_blocks"] == gen["num_used_slots"] == gen["num_live_requests"] == 0)
+        """Nothing in use or in flight on any ctx worker (sender included) and gen."""
+        gen = self.stats("gen")
+        return all(ctx["num_used_blocks"] == ctx["num_used_slots"] == ctx["num_held"] == 0
+                   and ctx["pickups_held"] == 0 and ctx["kv_transfers_in_flight"] == 0
+                   for ctx in (http("GET", f"{url}/stats")[1] for url in self.ctx_urls)) and (
+            gen["num_used_blocks"] == gen["num_used_slots"] == gen["num_live_requests"] == 0)
 
     def client(self, url: str | None = None, api_key: str = "none", timeout: float = 60):  # noqa: ANN201
         import openai

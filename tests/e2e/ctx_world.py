@@ -88,6 +88,8 @@ def rank_used(url: str) -> list[float]:
 
 
 def wait_idle(d: Deployment, timeout: float = 10) -> None:
-    wait_until(lambda: d.is_idle() and not any(rank_used(d.ctx_url)) and not any(rank_used(d.gen_url)),
+    """Until nothing is held or allocated on any rank of any ctx worker and of the gen worker."""
+    urls = [*d.ctx_urls, d.gen_url]
+    wait_until(lambda: d.is_idle() and not any(any(rank_used(url)) for url in urls),
                timeout, "nothing held or allocated on any ctx or gen rank",
-               state=lambda: (d.stats("ctx"), d.stats("gen"), rank_used(d.ctx_url), rank_used(d.gen_url)))
+               state=lambda: (d.stats("ctx"), d.stats("gen"), [rank_used(url) for url in urls]))

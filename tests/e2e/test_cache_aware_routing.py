@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import MODEL, http, metric, wait_until
+from tests.e2e.cache_aware import all_ctx_healthy, mirrors_the_workers, router_ctx, served_by
+from tests.e2e.conftest import MODEL, wait_until
 
 BLOCK = 4  # the deployment's tokens_per_block
 SYSTEMS = {
@@ -25,42 +26,17 @@ def dep_options() -> dict:
             "router": {"policy": "cache_aware"}, "gen": {"cp": 1}}
 
 
-def _router_ctx(dep) -> list[dict]:
-    return http("GET", f"{dep.router_url}/ready")[1]["ctx"]
-
-
-def _all_ctx_healthy(dep) -> bool:
-    return all(w["healthy"] for w in _router_ctx(dep))
-
-
-def _counters(dep) -> list[tuple[float, float]]:
-    """(prompt tokens looked up, found cached) per ctx worker."""
-    return [(metric(url, "helixserve_worker_prefix_cache_queries_total", 0.0),
-             metric(url, "helixserve_worker_prefix_cache_hits_total", 0.0)) for url in dep.ctx_urls]
-
-
 def _ask(dep, prefix: str, question: str) -> tuple[int, float]:
     """Send one chat request; (index of the ctx worker that prefilled it, its cached tokens)."""
-    before = _counters(dep)
-    r = dep.client().chat.completions.create(
+    r, worker, cached = served_by(dep, lambda: dep.client().chat.completions.create(
         model=MODEL, max_tokens=2, temperature=0.0,
-        messages=[{"role": "system", "content": SYSTEMS[prefix]}, {"role": "user", "content": question}])
+        messages=[{"role": "system", "content": SYSTEMS[prefix]}, {"role": "user", "content": question}]))
     assert r.choices[0].finish_reason is not None
-    after = _counters(dep)
-    served = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a[0] > b[0]]
-    assert len(served) == 1, (before, after)
-    return served[0], after[served[0]][1] - before[served[0]][1]
-
-
-def _mirrors_the_workers(dep) -> bool:
-    """The router's index holds exactly the blocks each (idle) ctx worker caches."""
-    known = [w["prefix_blocks"] for w in _router_ctx(dep)]
-    cached = [len(http("GET", f"{url}/v1/prefix_events")[1]["blocks"]) for url in dep.ctx_urls]
-    return known == cached
+    return worker, cached
 
 
 def test_repeats_go_to_the_worker_holding_their_prefix(dep):
-    wait_until(lambda: _all_ctx_healthy(dep), 120, "both ctx workers in the router's pool")
+    wait_until(lambda: all_ctx_healthy(dep), 120, "both ctx workers in the router's pool")
     first_a, _ = _ask(dep, "a", "Is it sunny?")
     first_b, _ = _ask(dep, "b", "Comment cuire des pates ?")
     assert first_a != first_b  # equal load: fresh prefixes take turns
@@ -70,21 +46,21 @@ def test_repeats_go_to_the_worker_holding_their_prefix(dep):
         assert worker == first_a and cached >= shared, (i, worker, cached)
         worker, cached = _ask(dep, "b", f"Et le riz, {i} ?")
         assert worker == first_b and cached >= shared, (i, worker, cached)
-    wait_until(lambda: _mirrors_the_workers(dep), 20, "the router's index to mirror the workers' blocks")
+    wait_until(lambda: mirrors_the_workers(dep), 20, "the router's index to mirror the workers' blocks")
 
 
 def test_a_restarted_ctx_workers_blocks_are_dropped_and_relearnt(dep):
-    wait_until(lambda: _all_ctx_healthy(dep), 120, "both ctx workers in the router's pool")
+    wait_until(lambda: all_ctx_healthy(dep), 120, "both ctx workers in the router's pool")
     holder, _ = _ask(dep, "a", "Will it rain?")
     role = "ctx" if holder == 0 else f"ctx{holder}"
-    blocks_before = _router_ctx(dep)[holder]["prefix_blocks"]
+    blocks_before = router_ctx(dep)[holder]["prefix_blocks"]
     dep.kill(role)
-    wait_until(lambda: _router_ctx(dep)[holder]["prefix_blocks"] == 0, 20, "the router to drop its blocks")
+    wait_until(lambda: router_ctx(dep)[holder]["prefix_blocks"] == 0, 20, "the router to drop its blocks")
     dep.start(role)
-    wait_until(lambda: _all_ctx_healthy(dep), 120, "the restarted ctx worker back in the pool")
+    wait_until(lambda: all_ctx_healthy(dep), 120, "the restarted ctx worker back in the pool")
     # the new worker's blocks (its warm-up's) only: what the router knew of the old one is gone
-    wait_until(lambda: _mirrors_the_workers(dep), 20, "the router's index to mirror the restarted worker")
-    assert _router_ctx(dep)[holder]["prefix_blocks"] < blocks_before
+    wait_until(lambda: mirrors_the_workers(dep), 20, "the router's index to mirror the restarted worker")
+    assert router_ctx(dep)[holder]["prefix_blocks"] < blocks_before
     again, cached = _ask(dep, "a", "Will it snow?")
     assert again != holder or cached == 0  # the restarted worker had nothing cached
     for i in range(2):
