@@ -58,6 +58,12 @@ class TransceiverConfig(BaseModel):
             remaining time either).
         message_bytes: largest UCX message of a shard stream; a request's payload is cut into
             messages of at most this size, so one huge request cannot monopolize the link.
+        pack_bytes: a receiver's pack limit: segments of a shard stream (one layer's blocks or state)
+            smaller than this are packed into shared messages (staged: copied on each side), larger
+            ones travel in messages of their own, in place where their memory is one run. None:
+            every segment packed where the receiver's cache is on a GPU (the message count then
+            follows the bytes, not the layers), 1 MiB on the host (where a staging copy costs about
+            what the transfer does). The receiver asks with it; the ctx cuts with the asked value.
         send_window_bytes: bytes a sender keeps in flight per receiver stream (at least one
             message; round-robin over streams): bounds what one request holds of the link.
         rpc_timeout_ms: deadline of every control-plane (gRPC) call.
@@ -93,6 +99,7 @@ class TransceiverConfig(BaseModel):
     chunk_bytes: int = 32 * MIB
     slice_ms: float = Field(50.0, description="longest single blocking wait inside a deadline, ms")
     message_bytes: int = 16 * MIB
+    pack_bytes: int | None = Field(None, ge=1)
     send_window_bytes: int = 64 * MIB
     rpc_timeout_ms: float = 5000.0
     drain_timeout_ms: float = 2000.0

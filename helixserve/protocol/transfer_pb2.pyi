@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardRequest(_message.Message):
-    __slots__ = ("ctx_request_id", "gen_rank", "cp_rank", "cp_size", "layout_json", "ucx_worker_address", "tag_base", "num_prompt_tokens", "max_message_bytes", "deadline_ms", "dst_block_ids", "dst_slot", "pull_epoch")
+    __slots__ = ("ctx_request_id", "gen_rank", "cp_rank", "cp_size", "layout_json", "ucx_worker_address", "tag_base", "num_prompt_tokens", "max_message_bytes", "deadline_ms", "dst_block_ids", "dst_slot", "pull_epoch", "pack_bytes")
     CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GEN_RANK_FIELD_NUMBER: _ClassVar[int]
     CP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class ShardRequest(_message.Message):
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DST_SLOT_FIELD_NUMBER: _ClassVar[int]
     PULL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PACK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ctx_request_id: str
     gen_rank: int
     cp_rank: int
@@ -35,7 +36,8 @@ class ShardRequest(_message.Message):
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dst_slot: int
     pull_epoch: int
-    def __init__(self, ctx_request_id: _Optional[str] = ..., gen_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ..., layout_json: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_slot: _Optional[int] = ..., pull_epoch: _Optional[int] = ...) -> None: ...
+    pack_bytes: int
+    def __init__(self, ctx_request_id: _Optional[str] = ..., gen_rank: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ..., layout_json: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_slot: _Optional[int] = ..., pull_epoch: _Optional[int] = ..., pack_bytes: _Optional[int] = ...) -> None: ...
 
 class PayloadDescriptor(_message.Message):
     __slots__ = ("kind", "first_message", "message_nbytes")
@@ -58,20 +60,22 @@ class PayloadDescriptor(_message.Message):
     def __init__(self, kind: _Optional[_Union[PayloadDescriptor.Kind, str]] = ..., first_message: _Optional[int] = ..., message_nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardReply(_message.Message):
-    __slots__ = ("accepted", "error", "ucx_worker_address", "message_bytes", "payloads", "pull")
+    __slots__ = ("accepted", "error", "ucx_worker_address", "message_bytes", "payloads", "pull", "pack_bytes")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    PACK_BYTES_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     error: str
     ucx_worker_address: bytes
     message_bytes: int
     payloads: _containers.RepeatedCompositeFieldContainer[PayloadDescriptor]
     pull: PullShard
-    def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., message_bytes: _Optional[int] = ..., payloads: _Optional[_Iterable[_Union[PayloadDescriptor, _Mapping]]] = ..., pull: _Optional[_Union[PullShard, _Mapping]] = ...) -> None: ...
+    pack_bytes: int
+    def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[str] = ..., ucx_worker_address: _Optional[bytes] = ..., message_bytes: _Optional[int] = ..., payloads: _Optional[_Iterable[_Union[PayloadDescriptor, _Mapping]]] = ..., pull: _Optional[_Union[PullShard, _Mapping]] = ..., pack_bytes: _Optional[int] = ...) -> None: ...
 
 class PullShard(_message.Message):
     __slots__ = ("src_block_ids", "src_slot", "aux")
@@ -168,16 +172,18 @@ class CancelRequest(_message.Message):
     def __init__(self, ctx_request_id: _Optional[str] = ..., cp_rank: _Optional[int] = ..., gen_rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CancelReply(_message.Message):
-    __slots__ = ("known", "num_posted_messages", "message_bytes", "ucx_worker_address")
+    __slots__ = ("known", "num_posted_messages", "message_bytes", "ucx_worker_address", "pack_bytes")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NUM_POSTED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PACK_BYTES_FIELD_NUMBER: _ClassVar[int]
     known: bool
     num_posted_messages: int
     message_bytes: int
     ucx_worker_address: bytes
-    def __init__(self, known: _Optional[bool] = ..., num_posted_messages: _Optional[int] = ..., message_bytes: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ...) -> None: ...
+    pack_bytes: int
+    def __init__(self, known: _Optional[bool] = ..., num_posted_messages: _Optional[int] = ..., message_bytes: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ..., pack_bytes: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("ctx_request_id", "cp_rank", "gen_rank", "success", "error", "cp_size")

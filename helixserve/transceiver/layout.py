@@ -20,10 +20,10 @@ stream is cut into messages of at most ``message_bytes`` (:func:`plan_messages`)
 pieces ``(segment, offset, nbytes)`` of consecutive segments of ONE payload kind (what is
 accounted per kind, the sender's tasks and the receiver's completion, stays per kind):
 
-- whole units of consecutive segments smaller than ``ALONE_BYTES`` (1 MiB) are packed greedily:
+- whole units of consecutive segments smaller than the pack limit are packed greedily:
   the AUX word block, the conv states, the KV blocks of short prompts, and the KDA states of a
   shard split over many ranks. Their message count follows their bytes, not the layer count;
-- a segment of ``ALONE_BYTES`` or more starts and ends messages of its own, so it is sent and
+- a segment of the pack limit or more starts and ends messages of its own, so it is sent and
   received in place where its memory is one run. A packed message spans several pools and goes
   through a staging copy on each side; on the host that copy runs at about the speed of the
   transfer itself, so a packed byte costs about three times the memory traffic of an in-place
@@ -32,13 +32,16 @@ accounted per kind, the sender's tasks and the receiver's completion, stays per 
   states packed too (6 messages instead of 29) a 2048-token request to one gen rank took 46 to 54
   ms, with them in place 25 ms, and its paired ratio to a raw ucxx send fell to about 0.3 (0.4 to
   0.65 in place); the 512 KiB states of a gen cp 4 shard, packed, cost its fan-in rows 25 to 50 %,
-  the 72 KiB conv states nothing measurable. On a GPU the copy is cheap and a larger limit would
-  pay (the limit is the same on both sides: it is part of the cut). 1 MiB keeps the large runs
-  (long prompts' blocks, a shard's whole-head states) in place and packs the small segments of
-  a shard split over many ranks;
+  the 72 KiB conv states nothing measurable. So on the host the limit is ``ALONE_BYTES`` (1 MiB):
+  the large runs (long prompts' blocks, a shard's whole-head states) stay in place and the small
+  segments of a shard split over many ranks are packed. On a GPU a staging copy is a device copy,
+  far faster than any link, so a receiver there packs every segment and its message count follows
+  the bytes alone (:func:`default_pack_bytes`). The limit is part of the cut: the receiver asks
+  with it (``transceiver.pack_bytes``, ``ShardRequest.pack_bytes``) and the ctx cuts with it;
 - a unit larger than ``message_bytes`` is cut into byte pieces, in messages of their own.
 
-Both sides compute the same cut from the layout alone (:func:`plan_messages`).
+Both sides compute the same cut from the layout and the receiver's ``(message_bytes, pack_bytes)``
+(:func:`plan_messages`).
 
 **Memory.** Each side maps every segment to its own tensors (:class:`SegmentMemory`): the ctx
 sender to its pools (``H/N`` heads) and the physical blocks of its local blocks, a receiver to its
@@ -75,6 +78,14 @@ AUX_WORDS = 64
 AUX_MAGIC = 0x48454C4958  # "HELIX"
 MAX_FIRST_TOKENS = AUX_WORDS - 3
 ALONE_BYTES = 1 << 20  # a segment this large travels in messages of its own (see the module docstring)
+
+
+def default_pack_bytes(message_bytes: int, device: torch.device | None) -> int:
+    """The pack limit a receiver cuts with when ``transceiver.pack_bytes`` is unset: on a GPU every
+    segment is packed (a staging copy there is a device copy, far faster than the link, so the
+    message count follows the bytes, not the layers); on the host :data:`ALONE_BYTES` (see the
+    module docstring: an in-place byte is cheaper than a message there)."""
+    return message_bytes if device is not None and device.type == "cuda" else ALONE_BYTES
 
 
 class LayoutMismatchError(ValueError):
@@ -221,18 +232,19 @@ _STREAMS_LOCK = threading.Lock()  # a miss (insert, evict): the engine and the s
 MAX_STREAMS = 256
 
 
-def _stream(spec: ShardSpec, num_blocks: int, message_bytes: int) -> tuple[list[Segment], list[Message]]:
-    """(shard_segments(spec), plan_messages(them, message_bytes)), new lists of the same frozen
+def _stream(spec: ShardSpec, num_blocks: int, message_bytes: int,
+            pack_bytes: int) -> tuple[list[Segment], list[Message]]:
+    """(shard_segments(spec), plan_messages(them, message_bytes, pack_bytes)), new lists of the same frozen
     items for every spec of one shape (what the two depend on: layer kinds, sizes, dtypes, local
     heads, block count): a request's plan does not rebuild its stream's ~2 objects per layer."""
     lay = spec.layout
     key = (tuple(lay.layer_kinds), lay.tokens_per_block, lay.kv_lora_rank, lay.qk_rope_head_dim, lay.kv_dtype,
            lay.kda_head_dim, lay.conv_kernel_size, lay.state_dtype, lay.conv_dtype, spec.num_heads,
-           num_blocks, message_bytes)
+           num_blocks, message_bytes, pack_bytes)
     stream = _STREAMS.get(key)
     if stream is None:
         segments = shard_segments(spec)
-        stream = (segments, plan_messages(segments, message_bytes))
+        stream = (segments, plan_messages(segments, message_bytes, pack_bytes))
         with _STREAMS_LOCK:
             if len(_STREAMS) >= MAX_STREAMS:
                 _STREAMS.pop(next(iter(_STREAMS)), None)  # the oldest
@@ -270,7 +282,13 @@ class ShardPlan:
     map_memory: object  # () -> list[SegmentMemory]
     aux: torch.Tensor
     message_bytes: int
+    pack_bytes: int = ALONE_BYTES
     _memory: list[SegmentMemory] | None = None
+
+    @property
+    def cut(self) -> tuple[int, int]:
+        """``(message_bytes, pack_bytes)``: what both sides cut the stream with."""
+        return self.message_bytes, self.pack_bytes
 
     @property
     def memory(self) -> list[SegmentMemory]:
@@ -284,7 +302,7 @@ class ShardPlan:
 
     @classmethod
     def for_sender(cls, spec: ShardSpec, caches: ModelCaches, block_ids: Sequence[int], slot: int | None,
-                   first_tokens: Sequence[int], message_bytes: int) -> ShardPlan:
+                   first_tokens: Sequence[int], message_bytes: int, pack_bytes: int = ALONE_BYTES) -> ShardPlan:
         """The ctx rank's side: pools of its ``H/ctx_tp_size`` heads, ``block_ids[k]`` holding its
         k-th local block (global ``ctx_rank + k*ctx_tp_size``; logical block k at ``ctx_tp_size`` 1)."""
         blocks = spec.blocks
@@ -294,16 +312,16 @@ class ShardPlan:
             raise ValueError(f"shard needs logical block {blocks[-1]} (local block {last}), the request holds "
                              f"{len(block_ids)}")
         aux = encode_aux(spec.num_tokens, first_tokens)
-        segments, messages = _stream(spec, len(blocks), message_bytes)
+        segments, messages = _stream(spec, len(blocks), message_bytes, pack_bytes)
         physical = list(block_ids[first : last + 1 : spec.block_step // n])
 
         def map_memory() -> list[SegmentMemory]:
             return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_ctx_heads, spec.ctx_head0)
-        return cls(spec, segments, messages, map_memory, aux, message_bytes)
+        return cls(spec, segments, messages, map_memory, aux, message_bytes, pack_bytes)
 
     @classmethod
     def for_receiver(cls, spec: ShardSpec, caches: ModelCaches, local_block_ids: Sequence[int],
-                     slot: int | None, message_bytes: int) -> ShardPlan:
+                     slot: int | None, message_bytes: int, pack_bytes: int = ALONE_BYTES) -> ShardPlan:
         """A gen rank: pools of its ``H/cp_size`` heads; ``local_block_ids[k]`` holds its k-th local
         block (global ``cp_rank + k*cp_size``: at ``ctx_tp_size`` 1 the k-th shard block)."""
         blocks = spec.blocks
@@ -311,13 +329,13 @@ class ShardPlan:
         if len(local_block_ids) < end:
             raise ValueError(f"shard has {end} blocks, the handle holds {len(local_block_ids)}")
         aux = torch.zeros(AUX_WORDS, dtype=torch.int64)
-        segments, messages = _stream(spec, len(blocks), message_bytes)
+        segments, messages = _stream(spec, len(blocks), message_bytes, pack_bytes)
         physical = list(local_block_ids[first:end:spec.block_step // spec.cp_size])
 
         def map_memory() -> list[SegmentMemory]:
             return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads,
                                          spec.gen_head0)
-        return cls(spec, segments, messages, map_memory, aux, message_bytes)
+        return cls(spec, segments, messages, map_memory, aux, message_bytes, pack_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:
         """Views of the message's bytes on this side, in stream order (one: it goes in place)."""

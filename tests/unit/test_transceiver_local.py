@@ -65,8 +65,10 @@ def ctx():
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 @pytest.mark.parametrize("overrides", [{}, {"message_bytes": 1000}, {"bounce_size_bytes": 1 << 20, "chunk_bytes": 1 << 20},
-                                       {"message_bytes": 1000, "wake_on_completion": True}],
-                         ids=["direct", "small-messages", "bounce-pool", "wake-on-completion"])
+                                       {"message_bytes": 1000, "wake_on_completion": True},
+                                       {"message_bytes": 5000, "pack_bytes": 1 << 40}, {"pack_bytes": 1}],
+                         ids=["direct", "small-messages", "bounce-pool", "wake-on-completion", "all-packed",
+                              "each-segment-alone"])
 def test_each_rank_receives_exactly_its_shard(ctx, cp_size, overrides):
     c = ctx(**overrides)
     params = c.hold("r1")

@@ -18,7 +18,7 @@ from helixserve.models.presets import get_preset
 from helixserve.transceiver import layout as layout_module
 from helixserve.transceiver import memory_map
 from helixserve.transceiver.base import PayloadKind
-from helixserve.transceiver.layout import (MAX_FIRST_TOKENS, SegmentMemory, ShardPlan,
+from helixserve.transceiver.layout import (ALONE_BYTES, MAX_FIRST_TOKENS, SegmentMemory, ShardPlan,
                                            ShardSpec, encode_aux, layout_for, plan_messages, shard_segments)
 from helixserve.transceiver.segments import gather
 from helixserve.transceiver.gen.pull import PullPair
@@ -156,7 +156,7 @@ def test_stream_plans_are_shared_items_in_fresh_lists():
     longer = ShardSpec(LAYOUT, 23 + 2 * TPB, 1, 2)  # one more block for rank 1
     assert ShardPlan.for_receiver(longer, caches, list(range(4)), 0, 1300).segments == shard_segments(longer)
     for _ in range(layout_module.MAX_STREAMS + 1):  # bounded
-        layout_module._stream(dataclasses.replace(spec, num_tokens=spec.num_tokens + _ * 8), 1, 1300)
+        layout_module._stream(dataclasses.replace(spec, num_tokens=spec.num_tokens + _ * 8), 1, 1300, ALONE_BYTES)
     assert len(layout_module._STREAMS) <= layout_module.MAX_STREAMS
 
 

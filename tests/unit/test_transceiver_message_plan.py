@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helixserve.models.presets import get_preset
-from helixserve.transceiver.layout import KIND_ORDER, ShardSpec, layout_for, plan_messages, shard_segments
+from helixserve.transceiver.layout import (ALONE_BYTES, KIND_ORDER, ShardSpec, default_pack_bytes, layout_for,
+                                         plan_messages, shard_segments)
 from helixserve.transceiver.segments import Message, Segment
 
 CFG = get_preset("kimi-k3-tiny")
@@ -85,3 +86,18 @@ def test_a_long_model_stays_at_its_bytes():
     segments = shard_segments(spec)
     assert len(segments) == 106
     assert [m.kind for m in plan_messages(segments, 1 << 20)] == list(KIND_ORDER)
+
+
+def test_a_receiver_on_a_gpu_packs_every_segment_and_one_on_the_host_from_1_mib():
+    """The default pack limit: the message size on a GPU (every segment packed: a 60-layer stream of
+    a 1-token prompt is one message per kind even with 2 MiB states), 1 MiB on the host."""
+    assert default_pack_bytes(16 << 20, torch.device("cuda", 0)) == 16 << 20
+    assert default_pack_bytes(16 << 20, torch.device("cpu")) == default_pack_bytes(16 << 20, None) == ALONE_BYTES
+    wide = LAYOUT.model_copy(update={"layer_kinds": layers(60), "num_kda_heads": 32, "kda_head_dim": 128})
+    segments = shard_segments(ShardSpec(wide, 1))
+    assert max(seg.nbytes for seg in segments) == 2 << 20  # a state: 32 heads of 128 x 128 fp32
+    message_bytes = sum(seg.nbytes for seg in segments)
+    packed = plan_messages(segments, message_bytes, default_pack_bytes(message_bytes, torch.device("cuda", 0)))
+    assert [m.kind for m in packed] == list(KIND_ORDER)
+    alone = plan_messages(segments, message_bytes, default_pack_bytes(message_bytes, None))
+    assert len(alone) == 45 + 3  # each state alone; AUX, the conv states, the KV blocks packed

@@ -67,7 +67,7 @@ from helixserve.transceiver.ctx.control_server import SERVER_STOP_GRACE_S, Contr
 from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.ctx.grant_issue import GRANT_TASK, adopt_cp_group, grant_hold
 from helixserve.transceiver.cache_check import check_caches
-from helixserve.transceiver.layout import ShardPlan, check_layout
+from helixserve.transceiver.layout import ALONE_BYTES, ShardPlan, check_layout
 from helixserve.transceiver.ctx.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
 from helixserve.transceiver.ctx.hold import Hold, HoldSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
@@ -312,7 +312,8 @@ class KVSender:
         if outbound is None:
             return pb.CancelReply(known=True, num_posted_messages=0)
         return pb.CancelReply(known=True, num_posted_messages=outbound.num_posted,
-                              message_bytes=outbound.plan.message_bytes, ucx_worker_address=self.plane.address)
+                              message_bytes=outbound.plan.message_bytes, pack_bytes=outbound.plan.pack_bytes,
+                              ucx_worker_address=self.plane.address)
 
     def _do_acknowledge(self, request: pb.AckRequest) -> pb.AckReply:
         hold = self._holds.get(request.ctx_request_id)
@@ -346,9 +347,10 @@ class KVSender:
         except (ValueError, ValidationError) as error:
             logger.warning("refused %s's hold of %s: %s", who, request.ctx_request_id, error)
             return pb.ShardReply(accepted=False, error=str(error))
-        message_bytes = request.max_message_bytes  # the receiver's cut: its receives are posted with it
+        # the receiver's cut: its receives are posted with it
+        message_bytes, pack_bytes = request.max_message_bytes, request.pack_bytes or ALONE_BYTES
         plan = ShardPlan.for_sender(spec, self.caches, hold.block_ids, hold.slot,
-                                    hold.first_tokens, message_bytes)
+                                    hold.first_tokens, message_bytes, pack_bytes)
         if self._export.names(request.pull_epoch):
             release_at = self._clock.monotonic() + request.deadline_ms / 1e3 + self.config.drain_timeout_s
             return self._accept(hold, request, plan, PulledShard(plan, release_at, self._clock), pull=pb.PullShard(
@@ -379,5 +381,5 @@ class KVSender:
             session.attach(request.cp_rank, kind, KindHandle(outbound, kind))
         hold.outbounds[request.cp_rank] = outbound
         return pb.ShardReply(accepted=True, ucx_worker_address=self.plane.address, message_bytes=plan.message_bytes,
-                             payloads=payload_descriptors(plan.messages, plan.kinds), pull=pull)
+                             pack_bytes=plan.pack_bytes, payloads=payload_descriptors(plan.messages, plan.kinds), pull=pull)
 

@@ -37,7 +37,7 @@ from helixserve.transceiver.gen.asked_pull import AskedPull
 from helixserve.transceiver.gen.granted_pull import GrantedPull
 from helixserve.transceiver.gen.tagged_stream import TaggedStream
 from helixserve.transceiver.gen.transport import Progress, ShardTransport
-from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, source_layout
+from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, default_pack_bytes, source_layout
 from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,10 @@ class Inbound:
         self.num_losses = self.client.num_losses  # its connection closing from now on: ctx gone
         layout = source_layout(receiver.layout, ticket.layout)  # (a ctx world's rank: the part it holds)
         spec = ShardSpec(layout, ticket.num_prompt_tokens, receiver.cp_rank, receiver.cp_size, layout.ctx_rank)
-        self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot, receiver.config.message_bytes)
+        message_bytes, pack_bytes = receiver.config.message_bytes, receiver.config.pack_bytes
+        if pack_bytes is None:
+            pack_bytes = default_pack_bytes(message_bytes, device)
+        self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot, message_bytes, pack_bytes)
         self.device = device  # the one device of `caches` (None: several or none)
         self.phase = Phase.TRANSFERRING
         self.error: str | None = None
@@ -101,7 +104,7 @@ class Inbound:
         req = pb.ShardRequest(
             ctx_request_id=self.ticket.ctx_request_id, gen_rank=self.r.gen_rank, cp_rank=spec.cp_rank,
             cp_size=spec.cp_size, layout_json=spec.layout.model_dump_json(), ucx_worker_address=self.r.plane.address,
-            tag_base=self.tag_base, num_prompt_tokens=spec.num_tokens, max_message_bytes=self.plan.message_bytes,
+            tag_base=self.tag_base, num_prompt_tokens=spec.num_tokens, max_message_bytes=self.plan.message_bytes, pack_bytes=self.plan.pack_bytes,
             deadline_ms=int(deadline_s * 1e3), dst_block_ids=handle.block_ids,
             dst_slot=-1 if handle.slot is None else handle.slot)
         if pull_epoch is not None:
@@ -151,7 +154,7 @@ class Inbound:
             asked.start(max(self.deadline_at - self.r.clock.monotonic(), 0.0))
         elif progress is Progress.STREAMED:
             assert isinstance(transport, AskedPull) and transport.reply is not None
-            stream = TaggedStream(self, self.plan.message_bytes)
+            stream = TaggedStream(self, self.plan.cut)
             self.switch_to(stream, f"{self.ctx} answered with the tagged stream (its pools' epoch changed)")
             stream.take_reply(transport.reply)
 
@@ -235,7 +238,7 @@ class Inbound:
             return True
         stream = self.transport
         if not isinstance(stream, TaggedStream):  # it chose the tagged stream after all: drain what it posted
-            stream = TaggedStream(self, self.plan.message_bytes if stream.has_asked else None, is_live=False)
+            stream = TaggedStream(self, self.plan.cut if stream.has_asked else None, is_live=False)
             self.switch_to(stream, f"{self.ctx} posted {num_posted} message(s) before the Cancel")
         try:
             self.num_to_drain = stream.expect(num_posted, reply)

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.base import PayloadKind, TransferState
-from helixserve.transceiver.layout import ShardPlan, wire_tag
+from helixserve.transceiver.layout import ALONE_BYTES, ShardPlan, wire_tag
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.plane import TransferHandle
 from helixserve.transceiver.gen.transport import Progress, ShardOwner
@@ -37,11 +37,16 @@ class _Recv:
     is_done: bool = False
 
 
+def reply_cut(reply: pb.ShardReply | pb.CancelReply) -> tuple[int, int]:
+    """The ``(message_bytes, pack_bytes)`` a ctx's reply says it cut with (pack 0: the 1 MiB default)."""
+    return reply.message_bytes, reply.pack_bytes or ALONE_BYTES
+
+
 class TaggedStream:
     """The receives of one shard's tagged messages (see the module docstring).
 
-    `message_bytes`: the cut of the ctx's messages (None: not known yet: `start` asks for the
-    inbound's own, a drain learns it from the Cancel reply). `is_live`: it receives the shard
+    `cut`: ``(message_bytes, pack_bytes)`` of the ctx's messages (None: not known yet: `start`
+    asks for the inbound's own, a drain learns it from the Cancel reply). `is_live`: it receives the shard
     (False: it only drains what was posted)."""
 
     name: ClassVar[str] = "tagged stream"
@@ -49,7 +54,7 @@ class TaggedStream:
     has_asked: ClassVar[bool] = True
     copy = None  # (nothing is copied out of the ctx's pools)
 
-    def __init__(self, inbound: ShardOwner, message_bytes: int | None, *, is_live: bool = True) -> None:
+    def __init__(self, inbound: ShardOwner, cut: tuple[int, int] | None, *, is_live: bool = True) -> None:
         self.inbound = inbound
         self.plan: ShardPlan = inbound.plan
         self.recvs: list[_Recv] = []
@@ -59,14 +64,14 @@ class TaggedStream:
         self.peer: Hashable | None = None  # the plane's shared endpoint to the ctx worker, once known
         self.is_answered = False  # the ctx's reply checked against the posted plan
         self.is_live = is_live
-        if message_bytes is not None:
-            self._replan(message_bytes)
+        if cut is not None:
+            self._replan(cut)
 
-    def _replan(self, message_bytes: int) -> None:
-        if message_bytes != self.plan.message_bytes:
+    def _replan(self, cut: tuple[int, int]) -> None:
+        if cut != self.plan.cut:
             inbound = self.inbound
             self.plan = ShardPlan.for_receiver(self.plan.spec, inbound.caches, inbound.handle.block_ids,
-                                               inbound.handle.slot, message_bytes)
+                                               inbound.handle.slot, *cut)
         self.recvs = [_Recv() for _ in self.plan.messages]
         self.pending = deque()
         self._kind_indices = {k: [m.index for m in self.plan.kind_messages(k)] for k in self.plan.kinds}
@@ -74,7 +79,7 @@ class TaggedStream:
     # -- receiving ----------------------------------------------------------------------------
     def start(self, deadline_s: float) -> bool:
         self.future = self.inbound.ask(deadline_s)
-        self._replan(self.inbound.plan.message_bytes)  # the cut asked for
+        self._replan(self.inbound.plan.cut)  # the cut asked for
         self.post(len(self.recvs))  # while the request travels (maps our memory on the way)
         return True
 
@@ -103,8 +108,8 @@ class TaggedStream:
         """Check the ctx's accepted reply against the posted plan (an untrusted plan is refused)."""
         inbound = self.inbound
         try:
-            if reply.message_bytes != self.plan.message_bytes:  # our receives are posted with our cut
-                raise ValueError(f"message_bytes {reply.message_bytes} != the {self.plan.message_bytes} asked for")
+            if reply_cut(reply) != self.plan.cut:  # our receives are posted with our cut
+                raise ValueError(f"cut (message_bytes, pack_bytes) {reply_cut(reply)} != the {self.plan.cut} asked for")
             check_payloads(payload_descriptors(self.plan.messages, self.plan.kinds), reply.payloads)
             self.peer = inbound.r.plane.connect_worker(bytes(reply.ucx_worker_address))
         except Exception as error:
@@ -175,7 +180,7 @@ class TaggedStream:
         if not self.recvs:  # never asked: the ctx cut with its own message size
             if not 1 <= reply.message_bytes <= self.plan.message_bytes:
                 raise ValueError(f"message_bytes {reply.message_bytes} out of range")
-            self._replan(reply.message_bytes)
+            self._replan(reply_cut(reply))
         if self.peer is None:
             self.peer = self.inbound.r.plane.connect_worker(bytes(reply.ucx_worker_address))
         return min(num_posted, len(self.recvs))
