@@ -380,6 +380,7 @@ def test_a_world_of_one_is_the_single_engine(tiny_checkpoints) -> None:
     params = [p for _, p, _ in REQUESTS] + [SamplingParams(max_tokens=6, temperature=0.7, seed=2, ignore_eos=True)]
     want = LLM(model, cache=CACHE, scheduler=scheduler).generate(prompts, params)
     got = generate_many_on_world(model, prompts, params, dp=1, cp=1,
-                                 options=WorldOptions(cache=CACHE, scheduler=scheduler, timeout_s=30))
+                                 # on the CPU as LLM runs (a world of one would take a GPU where it has one)
+                                 options=WorldOptions(cache=CACHE, scheduler=scheduler, timeout_s=30, backend="gloo"))
     assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in want]
 
