@@ -16,6 +16,7 @@ pytest.importorskip("ucxx")
 from helixserve.config_transceiver import TransceiverConfig  # noqa: E402
 from helixserve.protocol import transfer_pb2 as pb  # noqa: E402
 from helixserve.protocol.disagg import DisaggregatedParams, TransceiverEndpoint  # noqa: E402
+from helixserve.transceiver import layout as layout_module  # noqa: E402
 from helixserve.transceiver.ctx import sender as sender_module  # noqa: E402
 from helixserve.transceiver.ctx.outbound import Outbound  # noqa: E402
 from helixserve.transceiver.gen.control_client import ControlClient  # noqa: E402
@@ -115,7 +116,8 @@ def test_layout_mismatch_is_refused_at_the_first_request_on_both_sides(ctx):
     client.close()
 
 
-def test_refusals_name_their_cause(ctx):
+def test_refusals_name_their_cause(ctx, monkeypatch):
+    monkeypatch.setattr(layout_module, "MAX_MESSAGES", 1000)  # a cut into more messages than a stream holds
     c = ctx()
     c.hold("r1")
     client = ControlClient(c.endpoint, timeout_s=2.0)
@@ -130,10 +132,12 @@ def test_refusals_name_their_cause(ctx):
              ({"ctx_request_id": "r1", "num_prompt_tokens": 5}, "expects 5 prompt tokens"),
              ({"ctx_request_id": "r1", "ucx_worker_address": b"x"}, "malformed UCX worker address"),
              ({"ctx_request_id": "r1", "ucx_worker_address": dead_address}, "cannot reach"),
-             ({"ctx_request_id": "r1", "cp_size": 3}, "cannot be split over cp_size=3")]
+             ({"ctx_request_id": "r1", "cp_size": 3}, "cannot be split over cp_size=3"),
+             ({"ctx_request_id": "r1", "max_message_bytes": 1, "pack_bytes": 1}, "messages > 1000: raise message_bytes")]
     for update, cause in cases:
         reply = client.request_shard(pb.ShardRequest(**{**base, **update}))
         assert not reply.accepted and cause in reply.error, (update, reply.error)
+        assert "ctx sender error" not in reply.error  # refused as a bad request, not failed inside
     assert client.request_shard(pb.ShardRequest(ctx_request_id="r1", cp_rank=0, **base)).accepted
     dup = client.request_shard(pb.ShardRequest(ctx_request_id="r1", cp_rank=0, **base))
     assert "already picked this request up" in dup.error

@@ -344,13 +344,12 @@ class KVSender:
                 raise ValueError(f"ctx request {request.ctx_request_id} is not held here (never held, "
                                  "already picked up and freed, cancelled, or expired)")
             spec = check_shard_request(hold, request, who, self.layout, self.config.message_bytes)
+            # the receiver's cut: its receives are posted with it (one it cannot use is refused here)
+            plan = ShardPlan.for_sender(spec, self.caches, hold.block_ids, hold.slot, hold.first_tokens,
+                                        request.max_message_bytes, request.pack_bytes or ALONE_BYTES)
         except (ValueError, ValidationError) as error:
             logger.warning("refused %s's hold of %s: %s", who, request.ctx_request_id, error)
             return pb.ShardReply(accepted=False, error=str(error))
-        # the receiver's cut: its receives are posted with it
-        message_bytes, pack_bytes = request.max_message_bytes, request.pack_bytes or ALONE_BYTES
-        plan = ShardPlan.for_sender(spec, self.caches, hold.block_ids, hold.slot,
-                                    hold.first_tokens, message_bytes, pack_bytes)
         if self._export.names(request.pull_epoch):
             release_at = self._clock.monotonic() + request.deadline_ms / 1e3 + self.config.drain_timeout_s
             return self._accept(hold, request, plan, PulledShard(plan, release_at, self._clock), pull=pb.PullShard(
