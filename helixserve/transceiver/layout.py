@@ -88,6 +88,11 @@ def default_pack_bytes(message_bytes: int, device: torch.device | None) -> int:
     return message_bytes if device is not None and device.type == "cuda" else ALONE_BYTES
 
 
+def wire_pack_bytes(value: int) -> int:
+    """The pack limit a ``pack_bytes`` field of the control plane names (0, unset: ALONE_BYTES)."""
+    return value or ALONE_BYTES
+
+
 class LayoutMismatchError(ValueError):
     """The two sides of a transfer disagree on the cache layout (names every differing field)."""
 

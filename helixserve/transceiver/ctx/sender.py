@@ -67,7 +67,7 @@ from helixserve.transceiver.ctx.control_server import SERVER_STOP_GRACE_S, Contr
 from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.ctx.grant_issue import GRANT_TASK, adopt_cp_group, grant_hold
 from helixserve.transceiver.cache_check import check_caches
-from helixserve.transceiver.layout import ALONE_BYTES, ShardPlan, check_layout
+from helixserve.transceiver.layout import ShardPlan, check_layout, wire_pack_bytes
 from helixserve.transceiver.ctx.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
 from helixserve.transceiver.ctx.hold import Hold, HoldSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)
@@ -346,7 +346,7 @@ class KVSender:
             spec = check_shard_request(hold, request, who, self.layout, self.config.message_bytes)
             # the receiver's cut: its receives are posted with it (one it cannot use is refused here)
             plan = ShardPlan.for_sender(spec, self.caches, hold.block_ids, hold.slot, hold.first_tokens,
-                                        request.max_message_bytes, request.pack_bytes or ALONE_BYTES)
+                                        request.max_message_bytes, wire_pack_bytes(request.pack_bytes))
         except (ValueError, ValidationError) as error:
             logger.warning("refused %s's hold of %s: %s", who, request.ctx_request_id, error)
             return pb.ShardReply(accepted=False, error=str(error))

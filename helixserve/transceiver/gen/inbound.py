@@ -104,8 +104,8 @@ class Inbound:
         req = pb.ShardRequest(
             ctx_request_id=self.ticket.ctx_request_id, gen_rank=self.r.gen_rank, cp_rank=spec.cp_rank,
             cp_size=spec.cp_size, layout_json=spec.layout.model_dump_json(), ucx_worker_address=self.r.plane.address,
-            tag_base=self.tag_base, num_prompt_tokens=spec.num_tokens, max_message_bytes=self.plan.message_bytes, pack_bytes=self.plan.pack_bytes,
-            deadline_ms=int(deadline_s * 1e3), dst_block_ids=handle.block_ids,
+            tag_base=self.tag_base, num_prompt_tokens=spec.num_tokens, max_message_bytes=self.plan.message_bytes,
+            pack_bytes=self.plan.pack_bytes, deadline_ms=int(deadline_s * 1e3), dst_block_ids=handle.block_ids,
             dst_slot=-1 if handle.slot is None else handle.slot)
         if pull_epoch is not None:
             req.pull_epoch = pull_epoch

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.transceiver.base import PayloadKind, TransferState
-from helixserve.transceiver.layout import ALONE_BYTES, ShardPlan, wire_tag
+from helixserve.transceiver.layout import ShardPlan, wire_pack_bytes, wire_tag
 from helixserve.transceiver.payloads import check_payloads, payload_descriptors
 from helixserve.transceiver.plane import TransferHandle
 from helixserve.transceiver.gen.transport import Progress, ShardOwner
@@ -39,7 +39,7 @@ class _Recv:
 
 def reply_cut(reply: pb.ShardReply | pb.CancelReply) -> tuple[int, int]:
     """The ``(message_bytes, pack_bytes)`` a ctx's reply says it cut with (pack 0: the 1 MiB default)."""
-    return reply.message_bytes, reply.pack_bytes or ALONE_BYTES
+    return reply.message_bytes, wire_pack_bytes(reply.pack_bytes)
 
 
 class TaggedStream:
