@@ -46,6 +46,7 @@ from helixserve.protocol.disagg import PullGrant
 from helixserve.serving.world_supervisor import ServedWorld
 from helixserve.transceiver.ctx.sender import KVSender
 from helixserve.transceiver.layout import layout_for
+from helixserve.transceiver.polling import TransferMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class RankSender:
         with self._lock:
             freed, self._freed = self._freed, []
         return freed
+
+    def metrics(self) -> TransferMetrics:
+        return self.sender.stats().metrics
 
     def close(self) -> None:
         self.sender.stop()
@@ -121,6 +125,8 @@ class CtxWorldTransceiver(DeferredCancels):
         self._out: dict[str, HoldRelay] = {}  # held on the ranks, not yet freed on every rank
         self.num_released = 0
         self.num_lost = 0  # holds of a world that failed
+        self._relay: HoldRelay | None = None  # whose counters metrics() read last
+        self._restarted = TransferMetrics()  # the counters of the worlds before a restart
 
     @property
     def endpoints(self) -> list[TransceiverEndpoint]:
@@ -170,14 +176,36 @@ class CtxWorldTransceiver(DeferredCancels):
             task.cancel()
             self._cancel_tasks()
 
+    def metrics(self) -> TransferMetrics:
+        """Every rank's transfer counters, a hold counted once (``engine.kv_holds.group_metrics``),
+        as of the ranks' last agreement; a restarted world's counters add to its predecessors'."""
+        relay = self.world.driver.core.kv_holds
+        if relay is not self._relay:
+            if self._relay is not None:
+                self._restarted = _added(self._restarted, self._relay.metrics)
+            self._relay = relay
+        return _added(self._restarted, relay.metrics if relay is not None else TransferMetrics())
+
     def stats(self) -> dict[str, float]:
-        return {"kv_transfers_in_flight": len(self._out), "kv_holds_released": self.num_released,
+        m = self.metrics()
+        return {"kv_transfer_bytes": m.bytes_transferred, "kv_transfer_seconds": m.seconds_transferred,
+                "kv_transfers_completed": m.completed, "kv_transfer_failures": m.failures,
+                "kv_transfer_timeouts": m.timeouts, "kv_transfers_cancelled": m.cancellations,
+                "kv_transfers_in_flight": len(self._out), "kv_holds_released": self.num_released,
                 "kv_holds_lost": self.num_lost}
 
     def gauges(self) -> list[tuple[str, str, float]]:
+        m = self.metrics()
         return [("kv_transfers_in_flight", "holds not freed on every ctx rank yet", len(self._out)),
                 ("kv_holds_released_total", "holds freed on every ctx rank and released", self.num_released),
-                ("kv_holds_lost_total", "holds of a ctx world that failed", self.num_lost)]
+                ("kv_holds_lost_total", "holds of a ctx world that failed", self.num_lost),
+                ("kv_transfer_bytes_total", "KV bytes sent to gen ranks by every ctx rank", m.bytes_transferred),
+                ("kv_transfer_seconds_total", "hold to last acknowledgement, summed over ctx ranks",
+                 m.seconds_transferred),
+                ("kv_transfers_completed_total", "holds acknowledged on every ctx rank", m.completed),
+                ("kv_transfer_failures_total", "holds failed or expired on some ctx rank", m.failures),
+                ("kv_transfer_timeouts_total", "holds that hit their deadline on some ctx rank", m.timeouts),
+                ("kv_transfers_cancelled_total", "holds cancelled on some ctx rank", m.cancellations)]
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -212,3 +240,12 @@ class CtxWorldTransceiver(DeferredCancels):
                 continue
             for rid in released:
                 self.requests.post(SenderFreed(rid))
+
+
+def _added(a: TransferMetrics, b: TransferMetrics) -> TransferMetrics:
+    """Counters ``a`` + ``b`` (``in_flight`` is ``b``'s: a gauge, not a counter)."""
+    return TransferMetrics(
+        bytes_transferred=a.bytes_transferred + b.bytes_transferred,
+        seconds_transferred=a.seconds_transferred + b.seconds_transferred, in_flight=b.in_flight,
+        completed=a.completed + b.completed, failures=a.failures + b.failures, timeouts=a.timeouts + b.timeouts,
+        cancellations=a.cancellations + b.cancellations, expired_holds=a.expired_holds + b.expired_holds)

@@ -16,6 +16,11 @@ Two owners, one per concern:
   request's cache (every rank's blocks: the group's cache manager) until the agreement says
   every rank's sender freed it; only then does the ctx worker release it.
 
+Each agreement also carries every rank's transfer counters; :attr:`RankHolds.world_metrics` counts a
+hold once for the group: bytes and seconds are every rank's summed; a hold is counted completed
+once every rank counted it (the ranks' least count), failed, timed out or cancelled once some rank
+did (the ranks' most). Counters move at agreements, which run while holds are out.
+
 A hold that cannot start on a rank counts as freed there (nothing of it is served) and is
 cancelled on every rank at the next agreement. Every sender frees a hold at its deadline at the
 latest, so every hold ends; a world that fails takes its holds with it (its ranks' pools are gone).
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from helixserve.cache_layout import ModelCaches
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.parallel import CollectiveError, Mapping
+from helixserve.transceiver.polling import TransferMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ class ShardSender(Protocol):
     def cancel(self, request_id: str, reason: str) -> bool: ...
     def take_freed(self) -> list[str]:
         """Holds freed since the last call (quiesced: no send reads their blocks any more)."""
+    def metrics(self) -> TransferMetrics:
+        """This rank's transfer counters so far (a snapshot)."""
     def close(self) -> None: ...
 
 
@@ -76,6 +84,7 @@ class RankHolds:
         self._freed: set[str] = set()  # freed here (or never held: failed), not yet agreed
         self._failed: set[str] = set()  # could not start here: cancelled on every rank
         self._lock = threading.Lock()
+        self.world_metrics = TransferMetrics()  # the group's counters as of the last agreement
 
     @property
     def num_held(self) -> int:
@@ -98,7 +107,7 @@ class RankHolds:
         """Every rank of the group calls this in the same message: the holds freed on every rank
         (forgotten here); holds that failed on some rank are cancelled here."""
         self._freed.update(rid for rid in self.sender.take_freed() if rid in self._held)
-        report = (sorted(self._freed), sorted(self._failed))
+        report = (sorted(self._freed), sorted(self._failed), self.sender.metrics())
         reports = [report]
         if self.group_size > 1:
             reports = [None] * self.group_size
@@ -108,6 +117,7 @@ class RankHolds:
                 raise CollectiveError(f"ctx hold agreement failed: {exc}") from exc
         freed = set.intersection(*(set(r[0]) for r in reports))
         failed = set().union(*(set(r[1]) for r in reports))
+        self.world_metrics = group_metrics([r[2] for r in reports])
         for request_id in failed - freed:
             self.cancel(request_id, "a ctx rank could not hold it")
         self._held -= freed
@@ -117,6 +127,16 @@ class RankHolds:
 
     def close(self) -> None:
         self.sender.close()
+
+
+def group_metrics(ranks: Sequence[TransferMetrics]) -> TransferMetrics:
+    """One group's counters from its ranks' (a hold counted once: see the module docstring)."""
+    return TransferMetrics(
+        bytes_transferred=sum(m.bytes_transferred for m in ranks),
+        seconds_transferred=sum(m.seconds_transferred for m in ranks),
+        in_flight=max(m.in_flight for m in ranks), completed=min(m.completed for m in ranks),
+        failures=max(m.failures for m in ranks), timeouts=max(m.timeouts for m in ranks),
+        cancellations=max(m.cancellations for m in ranks), expired_holds=max(m.expired_holds for m in ranks))
 
 
 class HoldSender(Protocol):
@@ -154,6 +174,11 @@ class HoldRelay:
     def cancel(self, request_id: str, reason: str) -> None:
         self.group.holds([[] for _ in self.endpoints], [(request_id, reason)], False)
         self.holds.cancel(request_id, reason)
+
+    @property
+    def metrics(self) -> TransferMetrics:
+        """The group's transfer counters as of the last agreement (:func:`group_metrics`)."""
+        return self.holds.world_metrics
 
     def agree(self) -> list[str]:
         """The holds every rank's sender freed: their cache may be released now."""

@@ -79,7 +79,8 @@ def test_repeats_go_to_the_ctx_world_or_worker_caching_their_prefix(dep: Deploym
     world_url = dep.ctx_urls[WORLD]
     router_gauge = f'helixserve_router_worker_prefix_blocks{{role="ctx",url="{world_url}"}}'
     assert metric(dep.router_url, router_gauge) == len(published(world_url)["blocks"])
-    held, pulled = dep.stats("ctx")["kv_holds_released"], dep.stats("gen")["kv_transfers_completed"]
+    before = dep.stats("ctx")
+    held, pulled = before["kv_holds_released"], dep.stats("gen")["kv_transfers_completed"]
     for i in range(2):
         for holder, prompt in PROMPTS.items():
             assert _routed(dep, prompt) == (want[holder], holder, CACHED), (i, holder)
@@ -87,6 +88,12 @@ def test_repeats_go_to_the_ctx_world_or_worker_caching_their_prefix(dep: Deploym
     # every repeat went disaggregated: prefilled on its ctx worker, the KV pulled by the gen worker
     world = dep.stats("ctx")
     assert (world["kv_holds_released"] - held, world["kv_holds_lost"]) == (2, 0), world
+    # the world's transfer counters: each hold once (both ranks sent a part of it)
+    assert (world["kv_transfers_completed"] - before["kv_transfers_completed"],
+            world["kv_transfer_failures"]) == (2, 0), world
+    assert world["kv_transfer_bytes"] > before["kv_transfer_bytes"], world
+    wait_until(lambda: metric(dep.router_url, f'helixserve_router_worker_kv_transfers_completed{{role="ctx",url="{world_url}"}}')
+               == dep.stats("ctx")["kv_transfers_completed"], 20, "the router's gauge to read the world's transfers")
     assert dep.stats("gen")["kv_transfers_completed"] - pulled == 4
     wait_until(lambda: mirrors_the_workers(dep), 20, "the router's index to mirror the workers' blocks")
 
@@ -101,6 +108,7 @@ def test_a_restarted_ctx_worlds_blocks_are_dropped_and_the_repeat_misses(dep: De
     wait_until(lambda: mirrors_the_workers(dep), 20, "the router's index to learn the world's blocks",
                state=lambda: router_ctx(dep))
     known_before = router_ctx(dep)[WORLD]["prefix_blocks"]
+    completed_before = dep.stats("ctx")["kv_transfers_completed"]
     health = http("GET", f"{world_url}/health")[1]["world"]
     (rank1,) = health["rank_pids"][1:]
     os.kill(rank1, signal.SIGKILL)
@@ -121,3 +129,5 @@ def test_a_restarted_ctx_worlds_blocks_are_dropped_and_the_repeat_misses(dep: De
     assert (text, cached) == (want[WORLD], 0), (worker, cached)
     assert _routed(dep, prompt) == (want[WORLD], worker, CACHED)  # and then the prompt follows its worker
     wait_idle(dep)
+    # the restarted world's counters add to the failed one's: they never decrease
+    assert dep.stats("ctx")["kv_transfers_completed"] >= completed_before

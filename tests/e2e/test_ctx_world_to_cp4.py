@@ -43,3 +43,6 @@ def test_routed_tokens_equal_the_single_process_workers_and_every_rank_frees(dep
     # every prompt prefilled on the ctx world, its KV pulled by the 4 gen ranks (no recompute)
     assert (gen["kv_transfers_completed"], gen["kv_transfer_failures"]) == (len(LENGTHS), 0), gen
     assert (ctx["kv_holds_released"], ctx["kv_holds_lost"]) == (len(LENGTHS), 0), ctx
+    # the world's transfer counters count each hold once, and every rank's bytes
+    assert (ctx["kv_transfers_completed"], ctx["kv_transfer_failures"]) == (len(LENGTHS), 0), ctx
+    assert ctx["kv_transfer_bytes"] > 0 and ctx["kv_transfer_seconds"] > 0, ctx

@@ -1,7 +1,8 @@
 """A ctx world's holds over a real gloo group of 2 ranks, each its real KV sender (UCX, gRPC) built
 by the world's factory on ``port + rank``: a hold is released only once every rank freed it
 (cancelled on both, or its deadline passed on both), every rank learns the same ids at the same
-agreement, and a hold one rank could not take is cancelled on the other at the next agreement."""
+agreement, and a hold one rank could not take is cancelled on the other at the next agreement; the
+group's transfer counters count each hold once."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def _rank(rank: int, world_size: int, init_method: str, port: int) -> dict:
         out["cancelled"] = _agree_until(holds, "cancelled")[0][-1]
         out["expired"] = _agree_until(holds, "expires")[0][-1]
         out["num_held"] = holds.num_held
+        m = holds.world_metrics
+        out["metrics"] = (m.completed, m.cancellations, m.timeouts, m.failures)
         return out
     finally:
         holds.close()
@@ -80,3 +83,6 @@ def test_holds_are_released_once_every_rank_freed_them() -> None:
     assert results[0]["refused"] == ["refused"]  # cancelled on rank 0 at once; the others still held
     assert results[0]["cancelled"] == ["cancelled"]
     assert results[0]["expired"] == ["expires"] and [r["num_held"] for r in results] == [0, 0]
+    # the group's counters count a hold once: "refused" and "cancelled" cancelled (rank 0 held both,
+    # rank 1 only "cancelled"), "expires" timed out on both; every rank agrees on them
+    assert results[0]["metrics"] == results[1]["metrics"] == (0, 2, 1, 1), results
