@@ -12,6 +12,11 @@ looked up, from their ``/metrics``), prefill tokens computed, TTFT p50 / p90 at 
 the hit rate as a fraction of the 1-worker run's.
 
     python bench/prefix_routing.py [--quick] [--out FILE] [--model DIR]
+    python bench/prefix_routing.py --device cuda --load-format dummy --model kimi-k3-mid
+
+``--device cuda`` starts deploy/configs/gpu1.yaml (every worker on one GPU; the 2 ctx workers and
+the gen world share it) unless ``--config``; ``--load-format dummy`` takes a preset name for
+``--model`` (random weights at its shapes, no checkpoint on disk).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, machine_info, markdown_table, sse_events, write_json  # noqa: E402
-from serve import MODEL, REPO, Servers, _pct  # noqa: E402
+from serve import GPU_CONFIG, MODEL, REPO, Servers, _pct  # noqa: E402
 
 SETUPS = [("1 ctx (ideal)", 1, "round_robin"), ("2 ctx round_robin", 2, "round_robin"),
           ("2 ctx cache_aware", 2, "cache_aware")]
@@ -82,7 +87,9 @@ async def _workload(url: str, shape: dict, timeout_s: float) -> list[float]:
 
 def run_setup(args, name: str, num_ctx: int, policy: str, shape: dict) -> dict:  # noqa: ANN001
     overrides = {"cache": {"prefix_caching": True}, "router": {"policy": policy}}
-    servers = Servers(Path(args.model), Path(args.log), num_ctx=num_ctx, overrides=overrides)
+    config = args.config or (GPU_CONFIG if args.device == "cuda" else REPO / "deploy" / "configs" / "local.yaml")
+    servers = Servers(Path(args.model), Path(args.log), config, args.load_format, num_ctx=num_ctx,
+                      overrides=overrides)
     try:
         servers.start(args.ready_timeout)
         before = _cache_counters(servers)
@@ -100,6 +107,11 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO / "checkpoints" / MODEL),
                         help="checkpoint directory (a missing kimi-k3-tiny one is made)")
+    parser.add_argument("--config", type=Path, default=None, help="deployment YAML (default: by --device)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help=f"cuda: {GPU_CONFIG.relative_to(REPO)} (every worker on one GPU) unless --config")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: --model names a preset (random weights, no checkpoint)")
     parser.add_argument("--conversations", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--system-chars", type=int, default=None)
@@ -118,7 +130,8 @@ def main() -> None:
     headers = ["setup", "requests", "prompt tok", "prefill tok", "hit rate", "of ideal", "TTFT p50 ms", "p90"]
     print(markdown_table(headers, [[r["setup"], r["requests"], r["prompt_tokens"], r["prefill_tokens"],
                                     r["hit_rate"], r["of_ideal"], r["ttft_p50_ms"], r["ttft_p90_ms"]] for r in rows]))
-    write_json(args.out, {"machine": machine_info(), "model": args.model, "shape": shape, "rows": rows})
+    write_json(args.out, {"machine": machine_info(), "model": args.model, "device": args.device,
+                          "load_format": args.load_format, "shape": shape, "rows": rows})
 
 
 if __name__ == "__main__":
