@@ -29,8 +29,10 @@ tokenizer. A model trained on text continues held-out text the way the text repe
 prompt lookup's drafts get accepted there; a random-weight model's do not.
 
 ``--device cuda`` runs ``--preset`` (default ``kimi-k3-mid``) with dummy weights in ``--dtype``,
-decode steps as CUDA graphs (verify steps run eagerly); the draft-model rows need a checkpoint
-directory and are left out there.
+decode and verify steps as CUDA graphs; the draft-model rows need a checkpoint directory and are
+left out there. The ``ngram, every draft right`` rows verify drafts scripted from plain decoding's
+tokens (every one accepted): what prompt lookup gains on this model where it always finds the
+continuation, the upper bound of its rows.
 
 Also printed: the KDA rollback's memory per speculating sequence for the full presets, replay
 (saved inputs + one pre-step state, what the engine does) against keeping the verify step's
@@ -65,6 +67,7 @@ from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.models.presets import get_preset, make_checkpoint  # noqa: E402
 from helixserve.models.tokenizer_loader import load_tokenizer  # noqa: E402
+from helixserve.testing.drafts import ScriptedDrafter  # noqa: E402
 from helixserve.training.checkpoint import TRAINING_LOG  # noqa: E402
 from helixserve.training.corpus import held_out_texts  # noqa: E402
 from helixserve.training.config import TrainingConfig  # noqa: E402
@@ -96,12 +99,18 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
     return run.decode_tokens / run.decode_seconds, run.tokens
 
 
+SCRIPTED = "ngram, every draft right"
+
+
 def spec_engines(ckpt: Path, drafts: dict[str, Path], k: int, cache: CacheConfig, **llm_kw: Any) -> dict[str, LLM]:
-    """The speculating engines of the decode rows: n-gram lookup, and a draft model per entry of
+    """The speculating engines of the decode rows: n-gram lookup; n-gram's verify steps with
+    drafts scripted from plain decoding's tokens (``SCRIPTED``: every draft accepted, the upper
+    bound of a prompt-lookup drafter on this model); and a draft model per entry of
     ``drafts`` (the target's own weights: every draft accepted, the upper bound; a trained draft;
     another seed's weights)."""
     ngram = SpeculativeConfig(method="ngram", num_draft_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
     return {"ngram": LLM(ckpt, cache=cache, speculative=ngram, **llm_kw),
+            SCRIPTED: LLM(ckpt, cache=cache, speculative=ngram, **llm_kw),
             **{name: LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="draft", draft_model=draft,
                                                                           num_draft_tokens=k), **llm_kw)
                for name, draft in drafts.items()}}
@@ -136,9 +145,11 @@ def rows_for(ckpt: Path, drafts: dict[str, Path], k: int, quick: bool, prompts_f
             sets["held-out"] = held_out_prompts(ckpt, prompts_from, batch, 64)
         for name, prompts in sets.items():
             decode(plain, prompts[:1], params, "warm-plain")
+            plain_rate, plain_tokens = decode(plain, prompts, params, f"plain-{name}-{batch}")
+            script = {tuple(p): t for p, t in zip(prompts, plain_tokens, strict=True)}
+            engines[SCRIPTED].engine.scheduler.drafter = ScriptedDrafter(k, script, vocab_size=plain.model_config.vocab_size)
             for method, spec in engines.items():
                 decode(spec, prompts[:1], params, f"warm-{method}")
-            plain_rate, plain_tokens = decode(plain, prompts, params, f"plain-{name}-{batch}")
             for method, spec in engines.items():
                 row = spec_row(spec, prompts, params, f"{method}-{name}-{batch}")
                 rows.append({"method": method, "prompts": name, "batch": batch, "plain_tok_s": plain_rate,

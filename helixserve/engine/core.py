@@ -89,6 +89,8 @@ class EngineCore:
         graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size)
         if graphs_off is None:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
+            if speculative is not None and world_size == 1 and self.runner.decode_graphs is not None:
+                self.runner.capture_verify_graphs(speculative.num_draft_tokens, *decode_graph_shape(cache, self.layout))
         elif is_cuda and use_cuda_graphs:
             logger.info("decode CUDA graphs off: %s", graphs_off)
         self.cache_manager = make_cache_manager(cache, spec, self.layout, cp)
@@ -330,7 +332,7 @@ class EngineCore:
                                       f"{type(exc).__name__}: {exc}") from exc
             raise
         launched = self._sample(out, logits)
-        launched.kda_record = prepared.batch.kda_record if prepared is not None else None
+        launched.kda_record = prepared.batch.kda_record if prepared is not None else self.runner.replayed_record
         launched.draft_record = draft_record
         return launched
 

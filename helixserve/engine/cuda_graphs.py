@@ -1,4 +1,5 @@
-"""CUDA graphs of decode steps (one new token per sequence) for a ladder of batch sizes.
+"""CUDA graphs of decode steps (one new token per sequence) and of verify steps (a speculating
+sequence's last token and its drafts, ``R`` rows per sequence) for a ladder of batch sizes.
 
 A decode step of ``n`` sequences replays the graph of the smallest captured size ``>= n``. The
 graphs read static device buffers (token ids, positions, context lengths, block tables, state
@@ -13,9 +14,21 @@ reads only the columns its ``kv_len`` covers, so the copies carry just the batch
 A row is rewritten on the host only when its table changed: the cache handle returns the same
 list object until a block is added (``CacheHandle.block_table``), so a step inside the rows'
 last blocks converts no table at all.
+
+**Verify steps** (``rows_per_seq`` R > 1; :mod:`helixserve.engine.spec`): a step whose every
+sequence continues its cache with ``R - 1`` drafts replays the graph of R rows per sequence. Its
+rows are flat (sequence after sequence, ``cu_seqlens = R * arange``), every row's logits are kept,
+and its KDA layers run row by row into a static :class:`~helixserve.models.kda_spec.KdaRecord`
+captured with the graph (its saved inputs and pre-step states are graph outputs, rewritten by each
+replay): the rollback after verification reads them before any graph replays again, since no
+step is enqueued ahead of a verify step. Padding sequences are R rows of an empty sequence, as for
+decode. Steps of mixed shapes (prompt chunks beside verify rows, sequences with fewer drafts than
+others) run eagerly.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -24,42 +37,66 @@ from helixserve.engine.scheduler import SchedulerOutput
 from helixserve.host_copy import to_device
 from helixserve.kernels.capture import no_collection
 from helixserve.models.context import ForwardBatch
+from helixserve.models.kda_spec import KdaRecord
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _WARMUP_RUNS = 2
+VERIFY_GRAPH_ROWS = 512  # verify graphs hold at most this many rows (sequences x rows per sequence)
 
 
 class DecodeGraphs:
-    """Captured decode steps of ``model`` over ``caches``; :meth:`run` returns ``None`` when a step
-    does not fit (not pure decode, too many sequences, a table wider than ``max_blocks``)."""
+    """Captured decode steps (``rows_per_seq`` 1) or verify steps (``rows_per_seq`` R > 1) of
+    ``model`` over ``caches``; :meth:`run` returns ``None`` when a step does not fit (not of this
+    shape, too many sequences, a table wider than ``max_blocks``). ``pool``: a memory pool to
+    capture in (``None``: a new one, :attr:`pool` after :meth:`capture`)."""
 
     def __init__(
         self, model: torch.nn.Module, caches: ModelCaches, device: torch.device, max_batch: int,
         max_blocks: int, scratch_slot: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+        rows_per_seq: int = 1, pool: tuple[int, int] | None = None,
     ) -> None:
         self.model, self.caches, self.device = model, caches, device
         self.sizes = sorted({s for s in batch_sizes if s < max_batch} | {max_batch})
         self.max_blocks, self.scratch_slot = max(1, max_blocks), scratch_slot
-        n = self.sizes[-1]
-        # rows of `ints`: input ids, positions, context lens, state slots
-        self._ints = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self.rows_per_seq, self.pool = rows_per_seq, pool
+        n, R = self.sizes[-1], rows_per_seq
+        # rows of `ints`: input ids, positions (n R of each), context lens, state slots (n of each)
+        self._ints = torch.zeros(4, n * R, dtype=torch.int64, device=device)
         self._ints[3].fill_(scratch_slot)
         self._tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, device=device)
-        self._cu = torch.arange(n + 1, dtype=torch.int64, device=device)
-        self._host_ints = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        self._cu = torch.arange(0, R * (n + 1), R, dtype=torch.int64, device=device)
+        self._host_ints = torch.zeros(4, n * R, dtype=torch.int64, pin_memory=True)
         self._host_tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, pin_memory=True)
         # the table list each host row was last written from (None: padding or never written)
         self._row_tables: list[list[int] | None] = [None] * n
         self._copied = torch.cuda.Event()
         self._copied.record()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._records: dict[int, KdaRecord] = {}  # verify graphs of a model with KDA layers: per size
+        self.record: KdaRecord | None = None  # the last verify replay's, for its rollback
+        self.num_replays = 0
 
     def _batch(self, n: int) -> ForwardBatch:
-        ids, positions, context_lens, slots = self._ints[:, :n]
-        return ForwardBatch(
+        R = self.rows_per_seq
+        ids, positions = self._ints[:2, : n * R]
+        context_lens, slots = self._ints[2:, :n]
+        batch = ForwardBatch(
             input_ids=ids, positions=positions, cu_seqlens=self._cu[: n + 1], context_lens=context_lens,
-            block_tables=self._tables[:n], state_slots=slots, logits_indices=self._cu[:n], is_decode=True,
+            block_tables=self._tables[:n], state_slots=slots, logits_indices=self._cu[:n] if R == 1 else None,
+            is_decode=R == 1,
         )
+        if R > 1 and self.caches.kda_state:
+            batch.kda_record = self._records.setdefault(n, self._static_record(n, slots))
+        return batch
+
+    def _static_record(self, n: int, slots: torch.Tensor) -> KdaRecord:
+        """A verify step's KDA record over ``n`` sequences of R rows each, row by row (every
+        sequence speculates; its tensors live as long as the graph)."""
+        R, device = self.rows_per_seq, self.device
+        seqs = torch.arange(n, dtype=torch.int64, device=device)
+        steps = [(seqs * R + j, slots) for j in range(R)]
+        return KdaRecord(seqs, torch.arange(n * R, dtype=torch.int64, device=device), list(range(0, n * R, R)),
+                         [R] * n, slots, list(range(n)), steps)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -70,42 +107,53 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def _capture_all(self) -> None:
-        pool = None
         for n in reversed(self.sizes):
             batch = self._batch(n)  # all rows padding: nothing outside the scratch slot is touched
             for _ in range(_WARMUP_RUNS):
                 self.model(batch, self.caches)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 logits = self.model(batch, self.caches)
-            pool = graph.pool()
+            self.pool = graph.pool()
             self._graphs[n] = (graph, logits)
 
     def fits(self, out: SchedulerOutput) -> bool:
-        """A pure decode step of at most the largest captured size, its tables within
-        ``max_blocks`` (what :meth:`run` replays). In a world every rank of a CP group answers
-        alike: same sequences, and each rank's share of a table is no wider than the whole."""
-        seqs = out.seqs
-        return (0 < len(seqs) <= self.sizes[-1] and all(s.num_tokens == 1 and s.context_len > 0 for s in seqs)
-                and max(len(s.block_table) for s in seqs) <= self.max_blocks)
+        """A step of this shape (pure decode; or every sequence verifying R - 1 drafts) of at most
+        the largest captured size, its tables within ``max_blocks`` (what :meth:`run` replays). In
+        a world every rank of a CP group answers alike: same sequences, and each rank's share of a
+        table is no wider than the whole."""
+        seqs, R = out.seqs, self.rows_per_seq
+        if not 0 < len(seqs) <= self.sizes[-1] or max(len(s.block_table) for s in seqs) > self.max_blocks:
+            return False
+        if R == 1:
+            return all(s.num_tokens == 1 and s.context_len > 0 for s in seqs)
+        return all(s.num_tokens == R and s.num_draft_tokens == R - 1 and s.sample and s.context_len > 0
+                   and s.slot is not None and not s.inner_saves for s in seqs)
 
     def run(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Logits ``[num sampled seqs, vocab]`` of a decode step, or ``None`` to run it eagerly.
-        ``input_tokens``: the step's input ids on the device (an overlapped step's, whose
-        ``token_ids`` are placeholders), copied in after the host buffers."""
-        if not self.fits(out):
+        """Logits ``[num sampled rows, vocab]`` of a step, or ``None`` to run it eagerly.
+        ``input_tokens``: the step's input ids on the device (an overlapped decode step's, whose
+        ``token_ids`` are placeholders), copied in after the host buffers. A verify step's KDA
+        record is :attr:`record` afterwards (its first ``len(out.seqs)`` sequences)."""
+        if not self.fits(out) or (input_tokens is not None and self.rows_per_seq > 1):
             return None
-        seqs = out.seqs
+        seqs, R = out.seqs, self.rows_per_seq
         n = len(seqs)
         width = max(len(s.block_table) for s in seqs)
         size = next(s for s in self.sizes if s >= n)
         self._copied.synchronize()  # the last step's copies have left the host buffers
         ints = self._host_ints.numpy()
-        ints[0, :n] = [s.token_ids[0] for s in seqs]
-        ints[1, :n] = ints[2, :n] = [s.context_len for s in seqs]
+        if R == 1:
+            ints[0, :n] = [s.token_ids[0] for s in seqs]
+            ints[1, :n] = ints[2, :n] = [s.context_len for s in seqs]
+        else:
+            ints[0, : n * R] = [t for s in seqs for t in s.token_ids]
+            ints[1, : n * R] = [s.context_len + j for s in seqs for j in range(R)]
+            ints[2, :n] = [s.context_len for s in seqs]
         ints[3, :n] = [self.scratch_slot if s.slot is None else s.slot for s in seqs]
-        ints[:3, n:size] = 0
+        ints[:2, n * R: size * R] = 0
+        ints[2, n:size] = 0
         ints[3, n:size] = self.scratch_slot
         tables = self._host_tables.numpy()
         written = self._row_tables
@@ -117,6 +165,10 @@ class DecodeGraphs:
         tables[n:size, :width] = -1
         written[n:size] = [None] * (size - n)
         logits = self.launch(size, input_tokens)
+        if R > 1:
+            record = self._records.get(size)
+            self.record = None if record is None else replace(record, batch_seqs=list(range(n)))
+            return logits[: n * R]
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         if len(sampled) == n:
             return logits[:n]
@@ -137,4 +189,5 @@ class DecodeGraphs:
             self._ints[0, : input_tokens.shape[0]].copy_(input_tokens)
         graph, logits = self._graphs[size]
         graph.replay()
+        self.num_replays += 1
         return logits

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helixserve.cache_layout import ModelCaches
-from helixserve.engine.cuda_graphs import DecodeGraphs
+from helixserve.engine.cuda_graphs import VERIFY_GRAPH_ROWS, DecodeGraphs
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.sampler import Sampler
 from helixserve.engine.scheduler import SchedulerOutput
@@ -157,7 +157,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed=seed)
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: dict[int, DecodeGraphs] = {}  # rows per sequence -> verify steps' graphs
         self.checkpoints: ModelCaches | None = None  # KDA state checkpoints (prefix caching)
+        self.replayed_record: KdaRecord | None = None  # the last graphed verify step's KDA record
 
     def capture_decode_graphs(self, max_batch: int, max_blocks: int, scratch_slot: int) -> str | None:
         """CUDA-graph the decode steps of up to ``max_batch`` sequences (see :mod:`.cuda_graphs`);
@@ -176,22 +178,44 @@ class ModelRunner:
         self.decode_graphs = graphs
         return None
 
+    def capture_verify_graphs(self, num_draft_tokens: int, max_batch: int, max_blocks: int,
+                              scratch_slot: int) -> str | None:
+        """CUDA-graph the verify steps of up to ``max_batch`` sequences (and ``VERIFY_GRAPH_ROWS`` rows)
+        with 1 .. ``num_draft_tokens`` drafts each, every sequence of a step the same count (see :mod:`.cuda_graphs`), in one
+        memory pool of their own. A failed capture leaves verify steps eager: one WARNING, the
+        reason returned (``None``: captured)."""
+        graphs: dict[int, DecodeGraphs] = {}
+        pool = None
+        try:
+            for rows in range(num_draft_tokens + 1, 1, -1):  # the largest first, in one pool
+                most = max(1, min(max_batch, VERIFY_GRAPH_ROWS // rows))
+                graphs[rows] = DecodeGraphs(self.model, self.caches, self.device, most, max_blocks, scratch_slot,
+                                            rows_per_seq=rows, pool=pool)
+                graphs[rows].capture()
+                pool = graphs[rows].pool
+        except RuntimeError as exc:  # as capture_decode_graphs
+            first_line = next(iter(str(exc).strip().splitlines()), "")
+            reason = f"capture failed: {type(exc).__name__}: {first_line}"
+            logger.warning("verify CUDA graphs off, verify steps run eagerly: %s", reason)
+            return reason
+        self.verify_graphs = graphs
+        return None
+
+    def graphs_for(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> DecodeGraphs | None:
+        """The captured graphs a step replays (``None``: it runs eagerly)."""
+        if out.num_draft_tokens:
+            graphs = self.verify_graphs.get(out.seqs[0].num_tokens) if input_tokens is None else None
+        else:
+            graphs = self.decode_graphs
+        return graphs if graphs is not None and graphs.fits(out) else None
+
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[num sampled seqs, vocab]`` fp32 for one step. ``input_tokens``: the input ids of
+        """Logits ``[num sampled rows, vocab]`` fp32 for one step. ``input_tokens``: the input ids of
         a decode step (one per sequence, on the device) in place of the sequences' ``token_ids``."""
-        if self.decode_graphs is None:
+        if self.graphs_for(out, input_tokens) is None:
             return self.run(self.prepare(out, input_tokens))
-        if out.reset_slot_ids:
-            reset_slots(self.caches, out.reset_slot_ids)
-        self.restore_states(out.state_restores)
-        logits = self.decode_graphs.run(out, input_tokens)
-        if logits is not None:
-            self.save_states(out.state_saves)
-            return logits
-        prepared = self.prepare(out, input_tokens)
-        prepared.reset_slot_ids, prepared.state_restores = [], []  # done above, once
-        return self.run(prepared)
+        return self.run_step(out, None, input_tokens)
 
     def prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> PreparedStep:
         """The step's batch, built on the device (no model code runs: a failure here leaves the
@@ -240,7 +264,7 @@ class ModelRunner:
         failures = self.sampler.check(sampled_ids, [params[r] for r in sampled_ids])
         if failures:
             raise StepPreparationError(f"sampling could not be set up for {sorted(failures)}", failures)
-        if self.decode_graphs is not None and self.decode_graphs.fits(out):
+        if self.graphs_for(out, input_tokens) is not None:
             return None
         try:
             return self.prepare(out, input_tokens)
@@ -250,15 +274,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, out: SchedulerOutput, prepared: PreparedStep | None,
                  input_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits of a step :meth:`prepare_step` prepared (``None``: its decode graph's)."""
+        """The logits of a step :meth:`prepare_step` prepared (``None``: its graph's; a verify
+        step's KDA record is :attr:`replayed_record` then)."""
         if prepared is not None:
             return self.run(prepared)
-        assert self.decode_graphs is not None
+        graphs = self.graphs_for(out, input_tokens)
+        assert graphs is not None, "prepare_step found the step fits captured graphs"
         if out.reset_slot_ids:
             reset_slots(self.caches, out.reset_slot_ids)
         self.restore_states(out.state_restores)  # a one-token final chunk after a cached prefix fits too
-        logits = self.decode_graphs.run(out, input_tokens)
-        assert logits is not None, "prepare_step found the step fits the decode graphs"
+        logits = graphs.run(out, input_tokens)
+        assert logits is not None
+        self.replayed_record = graphs.record
         self.save_states(out.state_saves)
         return logits
 
