@@ -25,7 +25,7 @@ PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
-    return [[1 + (i * 37 + 11 * j) % 700 for i in range(length + 9 * j)] for j in range(n)]
+    return [[1 + (i * 37 + 11 * j) % 500 for i in range(length + 9 * j)] for j in range(n)]
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
