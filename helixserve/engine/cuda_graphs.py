@@ -16,14 +16,19 @@ list object until a block is added (``CacheHandle.block_table``), so a step insi
 last blocks converts no table at all.
 
 **Verify steps** (``rows_per_seq`` R > 1; :mod:`helixserve.engine.spec`): a step whose every
-sequence continues its cache with ``R - 1`` drafts replays the graph of R rows per sequence. Its
-rows are flat (sequence after sequence, ``cu_seqlens = R * arange``), every row's logits are kept,
-and its KDA layers run row by row into a static :class:`~helixserve.models.kda_spec.KdaRecord`
-captured with the graph (its saved inputs and pre-step states are graph outputs, rewritten by each
-replay): the rollback after verification reads them before any graph replays again, since no
-step is enqueued ahead of a verify step. Padding sequences are R rows of an empty sequence, as for
-decode. Steps of mixed shapes (prompt chunks beside verify rows, sequences with fewer drafts than
-others) run eagerly.
+sequence continues its cache with at most ``R - 1`` drafts (a decode beside verify rows has none)
+replays the graph of R rows per sequence. Its rows are flat (sequence after sequence,
+``cu_seqlens = R * arange``) and its KDA layers run row by row into a static
+:class:`~helixserve.models.kda_spec.KdaRecord` captured with the graph (its saved inputs and
+pre-step states are graph outputs, rewritten by each replay): the rollback after verification
+reads them before any graph replays again, since no step is enqueued ahead of a verify step.
+
+A sequence with fewer rows than R is padded with its last token: its extra rows write their keys
+at its next positions (in its own blocks, rewritten by the step that computes those tokens before
+anything reads them; past its table the columns are ``-1``, nothing written), their logits are
+not read, and the KDA state they advanced is rolled back with the rejected drafts' (the record
+counts R rows for every sequence, so ``kept_rows`` replays the rows the sequence keeps). Padding
+sequences are R rows of an empty sequence, as for decode. Steps with prompt chunks run eagerly.
 """
 
 from __future__ import annotations
@@ -128,8 +133,9 @@ class DecodeGraphs:
             return False
         if R == 1:
             return all(s.num_tokens == 1 and s.context_len > 0 for s in seqs)
-        return all(s.num_tokens == R and s.num_draft_tokens == R - 1 and s.sample and s.context_len > 0
-                   and s.slot is not None and not s.inner_saves for s in seqs)
+        last = self.max_blocks * self.caches.tokens_per_block  # padded rows' positions stay in the tables
+        return all(s.num_tokens == 1 + s.num_draft_tokens <= R and s.sample and 0 < s.context_len
+                   and s.context_len + R <= last and s.slot is not None and not s.inner_saves for s in seqs)
 
     def run(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``[num sampled rows, vocab]`` of a step, or ``None`` to run it eagerly.
@@ -147,8 +153,8 @@ class DecodeGraphs:
         if R == 1:
             ints[0, :n] = [s.token_ids[0] for s in seqs]
             ints[1, :n] = ints[2, :n] = [s.context_len for s in seqs]
-        else:
-            ints[0, : n * R] = [t for s in seqs for t in s.token_ids]
+        else:  # a sequence with fewer rows repeats its last token (rows nobody reads)
+            ints[0, : n * R] = [t for s in seqs for t in s.token_ids + s.token_ids[-1:] * (R - s.num_tokens)]
             ints[1, : n * R] = [s.context_len + j for s in seqs for j in range(R)]
             ints[2, :n] = [s.context_len for s in seqs]
         ints[3, :n] = [self.scratch_slot if s.slot is None else s.slot for s in seqs]
@@ -164,11 +170,20 @@ class DecodeGraphs:
                 written[i] = table
         tables[n:size, :width] = -1
         written[n:size] = [None] * (size - n)
+        if R > 1:  # the columns a row's extra rows reach past its own table: nothing written there
+            tpb = self.caches.tokens_per_block
+            for i, s in enumerate(seqs):
+                reach = -(-(s.context_len + R) // tpb)
+                if reach > len(s.block_table):
+                    tables[i, len(s.block_table): reach] = -1
         logits = self.launch(size, input_tokens)
         if R > 1:
             record = self._records.get(size)
             self.record = None if record is None else replace(record, batch_seqs=list(range(n)))
-            return logits[: n * R]
+            if all(s.num_tokens == R for s in seqs):
+                return logits[: n * R]
+            rows = [i * R + j for i, s in enumerate(seqs) for j in range(s.num_tokens)]
+            return logits[to_device(torch.tensor(rows, dtype=torch.int64), self.device)]
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         if len(sampled) == n:
             return logits[:n]

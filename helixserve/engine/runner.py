@@ -203,8 +203,9 @@ class ModelRunner:
 
     def graphs_for(self, out: SchedulerOutput, input_tokens: torch.Tensor | None = None) -> DecodeGraphs | None:
         """The captured graphs a step replays (``None``: it runs eagerly)."""
-        if out.num_draft_tokens:
-            graphs = self.verify_graphs.get(out.seqs[0].num_tokens) if input_tokens is None else None
+        if out.num_draft_tokens:  # the fewest rows per sequence that hold the step's longest
+            rows = max(s.num_tokens for s in out.seqs)
+            graphs = self.verify_graphs.get(rows) if input_tokens is None else None
         else:
             graphs = self.decode_graphs
         return graphs if graphs is not None and graphs.fits(out) else None

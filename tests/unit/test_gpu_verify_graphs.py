@@ -5,7 +5,9 @@ in fp32 plain decoding's tokens; rejections roll the KDA state back from the gra
 Drafts are scripted from plain decoding (dummy weights continue no pattern): fully accepted runs
 and rejections at chosen positions, over prompts crossing 64-token pages, alone and batched
 (batches of 1, 2 and 4 sequences: sizes the graphs hold without padding, so graphed and eager
-steps run the same shapes, bit for bit in bf16; 3 sequences pad to 4). fp32 tokens equal plain
+steps run the same shapes, bit for bit in bf16; 3 sequences pad to 4). With uneven drafts (0 to
+3 per sequence, a step's sequences differing) the graph pads each sequence to the step's longest,
+and the extra rows are rolled back. fp32 tokens equal plain
 decoding's for 1 and 2 sequences; with 3 or 4 sequences of 130+ tokens a verify step (graphed or
 eager alike) computes its rows in other GEMM shapes than plain decode steps and one greedy pick
 of the dummy weights comes out otherwise (measured on the H200), so there only graphed == eager
@@ -19,7 +21,7 @@ import torch
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.llm import LLM
-from helixserve.engine.request import SamplingParams
+from helixserve.engine.request import Request, SamplingParams
 from helixserve.testing.drafts import ScriptedDrafter
 
 pytestmark = pytest.mark.gpu
@@ -42,10 +44,21 @@ def engines(request):
     return request.param, LLM("kimi-k3-mid", **kw), LLM("kimi-k3-mid", speculative=spec, **kw)
 
 
-def _run(llm: LLM, prompts: list[list[int]], script: dict, wrong: set[int], graphs: bool) -> tuple[list, int]:
+class UnevenDrafter(ScriptedDrafter):
+    """Scripted drafts, 0 .. K of them by the request's prompt length and output count: a step's
+    sequences carry different numbers of drafts (some none), padded to one shape by the graphs."""
+
+    def propose(self, request: Request, budget: int) -> list[int]:
+        n = (len(request.prompt_token_ids) + len(request.output_token_ids)) % (K + 1)
+        return super().propose(request, budget)[:n]
+
+
+def _run(llm: LLM, prompts: list[list[int]], script: dict, wrong: set[int], graphs: bool,
+         uneven: bool = False) -> tuple[list, int]:
     runner = llm.engine.runner
     kept, runner.verify_graphs = runner.verify_graphs, (runner.verify_graphs if graphs else {})
-    llm.engine.scheduler.drafter = ScriptedDrafter(K, script, wrong=wrong, vocab_size=llm.model_config.vocab_size)
+    kind = UnevenDrafter if uneven else ScriptedDrafter
+    llm.engine.scheduler.drafter = kind(K, script, wrong=wrong, vocab_size=llm.model_config.vocab_size)
     replays = sum(g.num_replays for g in kept.values())
     try:
         tokens = [r.token_ids for r in llm.generate(prompts, PARAMS)]
@@ -56,7 +69,8 @@ def _run(llm: LLM, prompts: list[list[int]], script: dict, wrong: set[int], grap
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4])
 @pytest.mark.parametrize("length", [5, 63, 64, 130])
-def test_gpu_graphed_verify_steps_equal_eager_and_plain(engines, batch: int, length: int) -> None:
+@pytest.mark.parametrize("uneven", [False, True])
+def test_gpu_graphed_verify_steps_equal_eager_and_plain(engines, batch: int, length: int, uneven: bool) -> None:
     dtype, plain, spec = engines
     assert sorted(spec.engine.runner.verify_graphs) == list(range(2, K + 2))
     prompts = _prompts(batch, length)
@@ -65,10 +79,10 @@ def test_gpu_graphed_verify_steps_equal_eager_and_plain(engines, batch: int, len
     drafted = spec.engine.spec_stats.num_draft_tokens
     accepted = spec.engine.spec_stats.num_accepted_tokens
     for wrong in (set(), {1}, {0, 2}):
-        graphed, replays = _run(spec, prompts, script, wrong, graphs=True)
-        eager, eager_replays = _run(spec, prompts, script, wrong, graphs=False)
+        graphed, replays = _run(spec, prompts, script, wrong, graphs=True, uneven=uneven)
+        eager, eager_replays = _run(spec, prompts, script, wrong, graphs=False, uneven=uneven)
         assert replays > 0 and eager_replays == 0, (replays, eager_replays)
-        if batch != 3:  # a padded graph runs another batch shape than the eager step
+        if batch != 3 and not uneven:  # a padded graph runs another shape than the eager step
             assert graphed == eager, (dtype, batch, length, wrong)
         if dtype == "float32" and batch <= 2:
             assert graphed == want, (batch, length, wrong)

@@ -128,9 +128,9 @@ def verify_step(sampler: Sampler, out: SchedulerOutput, logits: torch.Tensor,
 
 def kept_rows(out: SchedulerOutput, record: KdaRecord,
               get_request: Callable[[str], Request | None]) -> dict[int, int]:
-    """After ``update_from_output``: each of ``record``'s speculating sequences still running
-    whose cache kept fewer rows than the step ran (index into the record -> rows kept: its
-    computed count's advance)."""
+    """After ``update_from_output``: each of ``record``'s sequences still running whose cache kept
+    fewer rows than the step ran for it (``record.num_rows``: a graphed step pads every sequence to
+    the same rows) (index into the record -> rows kept: its computed count's advance)."""
     keep: dict[int, int] = {}
     for i, b in enumerate(record.batch_seqs):
         seq = out.seqs[b]
@@ -138,6 +138,6 @@ def kept_rows(out: SchedulerOutput, record: KdaRecord,
         if request is None or request.status is not RequestStatus.RUNNING:
             continue  # finished: its slot is freed, a new owner starts it from zero
         kept = request.num_computed_tokens - seq.context_len
-        if kept < seq.num_tokens:
+        if kept < record.num_rows[i]:
             keep[i] = kept
     return keep
