@@ -148,6 +148,9 @@ def test_a_prefill_the_decode_graphs_decline_zeroes_each_fresh_slot_once(llm, mo
                         lambda caches, ids: zeroed.append(list(ids)) or real_reset(caches, ids))
 
     class Declining:  # stands in for DecodeGraphs on a step they do not cover
+        def fits(self, out):
+            return False
+
         def run(self, out, input_tokens):
             return None
 
