@@ -9,7 +9,10 @@ rows cross them. In a dp 2 x cp 2 world and a cp 2 world:
   engine's, a seeded sampled request's tokens included;
 - a request aborted in the middle of its decoding leaves the world serving the next one as
   plain decoding does (its slot and pages, the draft's with them, are reused);
-- every rank's blocks and slots are free at the end, and no request holds draft pages.
+- every rank's blocks and slots are free at the end, and no request holds draft pages;
+- in a cp 2 world whose cache cannot hold its batch, requests are preempted and recomputed (the
+  draft's pages and slot go and come back with the target's) and still give plain decoding's
+  tokens.
 
 ``helixserve generate --dp 1 --cp 2 --speculative draft --draft-model DIR --json`` prints what
 plain decoding prints.
@@ -148,3 +151,46 @@ def test_cli_world_json_with_and_without_a_draft_model(tiny_checkpoints, capsys)
         assert main(base + extra) == 0
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 12
+
+
+TIGHT = CacheConfig(tokens_per_block=4, memory_budget_mib=0.6, max_num_seqs=4)  # 32 blocks a rank: 256 tokens
+LONG_PROMPTS = [_prompt(10 + i, 52) for i in range(4)]  # 4 x (52 + 24) tokens > the group's 256
+
+
+def _preempting_world(rank: int, world_size: int, init_method: str, model_dir: str,
+                      options: WorldOptions) -> dict | int:
+    groups = init_parallel(Mapping(world_size, rank, dp=1, cp=2), init_method, backend="gloo",
+                           timeout_s=options.timeout_s)
+    try:
+        part = build_rank(model_dir, groups, options)
+        if rank != 0:
+            return serve_rank(part)
+        assert isinstance(part, EngineCore)
+        preempted: list[str] = []
+        schedule = part.scheduler.schedule
+
+        def counting_schedule():  # what the scheduler preempted, read off its outputs
+            out = schedule()
+            preempted.extend(out.preempted_ids)
+            return out
+        part.scheduler.schedule = counting_schedule
+        driver = WorldDriver(part)
+        try:
+            results = drive_to_completion(driver, LONG_PROMPTS, [greedy(24)] * len(LONG_PROMPTS))
+            stats = driver.rank_stats()
+        finally:
+            driver.shutdown()
+        return {"tokens": [r.token_ids for r in results], "preempted": preempted, "rank_stats": stats,
+                "drafts": part.spec_stats.num_drafts}
+    finally:
+        groups.destroy()
+
+
+def test_a_preempted_request_recomputes_its_draft_cache_with_its_target_cache(reference):
+    plain = LLM(reference["model_dir"], cache=CACHE).generate(LONG_PROMPTS, greedy(24))
+    options = WorldOptions(cache=TIGHT, timeout_s=60, speculative=reference["spec_config"])
+    front = run_local_world(_preempting_world, 2, reference["model_dir"], options, timeout_s=300)[0]
+    assert front["preempted"] and front["drafts"] > 0
+    assert front["tokens"] == [r.token_ids for r in plain]
+    for stats in front["rank_stats"].values():
+        assert stats.num_used_blocks == 0 and stats.num_used_slots == 0
