@@ -77,14 +77,17 @@ def main() -> None:
         draft = KimiModelConfig.model_validate(two_layer_draft(PRESETS[preset]))
         for n in lengths:
             seconds = rebuild_seconds(draft, dtype, device, n, 2 if args.quick else args.reps)
-            extra, target_bytes = prompt_cache_bytes(draft, dtype.itemsize, n), prompt_cache_bytes(target, dtype.itemsize, n)
+            extra = prompt_cache_bytes(draft, dtype.itemsize, n)
+            target_bytes = prompt_cache_bytes(target, dtype.itemsize, n)
             transfer = extra / (args.gbps * 1e9)
             figures.append({"preset": preset, "prompt_tokens": n, "rebuild_ms": seconds * 1e3,
-                            "draft_cache_bytes": extra, "target_cache_bytes": target_bytes, "transfer_ms": transfer * 1e3})
+                            "draft_cache_bytes": extra, "target_cache_bytes": target_bytes,
+                            "transfer_ms": transfer * 1e3})
             rows.append([f"{preset} 2-layer draft", n, seconds * 1e3, extra / MIB, target_bytes / MIB,
                          f"{extra / target_bytes:.1%}", transfer * 1e3, seconds / transfer])
-    print(markdown_table(["draft", "prompt tokens", "rebuild ms", "draft cache MiB", "target cache MiB",
-                          "extra bytes", f"transfer ms at {args.gbps:g} GB/s", "rebuild / transfer"], rows))
+    headers = ["draft", "prompt tokens", "rebuild ms", "draft cache MiB", "target cache MiB", "extra bytes",
+               f"transfer ms at {args.gbps:g} GB/s", "rebuild / transfer"]
+    print(markdown_table(headers, rows))
     write_json(args.out, {"machine": machine_info(), "gbps": args.gbps, "dtype": str(dtype), "rows": figures})
 
 

@@ -68,7 +68,6 @@ from helixserve.models.loading import load_model
 logger = logging.getLogger(__name__)
 
 
-
 class DraftPages(Protocol):
     """What the draft reads of the engine's cache manager: a request's full-row block table (in
     the draft's pages) and its handle (its slot)."""

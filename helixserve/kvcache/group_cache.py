@@ -30,6 +30,7 @@ class GroupCacheManager:
         self.cp_size = cp_size
         self.has_mla, self.has_kda = has_mla, has_kda
         self.num_blocks = num_blocks
+        self._full_rows: dict[str, tuple[list[list[int]], list[int]]] = {}  # request -> (rank tables, table)
         self.ranks = [self._rank_manager(num_blocks, num_slots, r) for r in range(cp_size)]
 
     def _rank_manager(self, num_blocks: int, num_slots: int, cp_rank: int) -> CacheManager:
@@ -80,6 +81,7 @@ class GroupCacheManager:
             manager.shrink(manager.get(handle.request_id), new_num_tokens)
 
     def free(self, request_id: str) -> None:
+        self._full_rows.pop(request_id, None)
         for manager in self.ranks:
             manager.free(request_id)
 
@@ -92,8 +94,15 @@ class GroupCacheManager:
 
     def full_row_table(self, request_id: str) -> list[int]:
         """``request_id``'s blocks on every rank as one table over ``cp_size * num_blocks`` pages
-        (:func:`~helixserve.kvcache.helix.full_row_table`): the draft model's block table."""
-        return full_row_table([m.get(request_id).block_table() for m in self.ranks], self.num_blocks)
+        (:func:`~helixserve.kvcache.helix.full_row_table`): the draft model's block table. Built
+        again only when a rank's table changed (a decode step inside a block reuses it)."""
+        tables = [m.get(request_id).block_table() for m in self.ranks]
+        cached = self._full_rows.get(request_id)
+        if cached is not None and all(a is b for a, b in zip(cached[0], tables)):
+            return cached[1]
+        table = full_row_table(tables, self.num_blocks)
+        self._full_rows[request_id] = (tables, table)
+        return table
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leader

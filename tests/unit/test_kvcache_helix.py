@@ -84,6 +84,9 @@ def test_a_groups_full_row_tables_name_distinct_pages_and_follow_the_ranks_block
     assert [len(t) for t in tables.values()] == [3, 4]
     pages = tables["a"] + tables["b"]
     assert len(set(pages)) == len(pages) and all(0 <= p < cp * num_blocks for p in pages)
+    assert group.full_row_table("b") is tables["b"]  # built again only when a rank's blocks change
+    group.extend(group.get("b"), 17)
+    assert group.full_row_table("b")[:4] == tables["b"] and len(group.full_row_table("b")) == 5
     group.free("a")
     group.allocate("c", 9)
     assert sorted(group.full_row_table("c")) == sorted(tables["a"])
