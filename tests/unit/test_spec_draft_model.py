@@ -5,8 +5,9 @@ target's own weights as draft accept every draft, a stop string cuts inside an a
 draft's KDA state after a rejection is a fresh draft prefill's of the accepted tokens, prompt
 chunks run beside verify rows and non-speculating decodes, a seeded sampled request's tokens do
 not depend on its batch; a draft of another vocabulary and prefix caching are refused at
-start-up with named errors (gen worlds take a draft model); the draft's pools come out of the cache budget and its
-weights and pools count in the rank memory check."""
+start-up with named errors (gen worlds take a draft model); the draft's pools come out of the
+cache budget and its weights and pools (cp pages a block on a CP group's leader) count in the
+rank memory check."""
 
 from __future__ import annotations
 
@@ -225,17 +226,19 @@ def test_the_draft_pools_come_out_of_the_cache_budget(target):
                                                                                    budget, 8)
 
 
-def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target):
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target, cp):
+    """A CP group's leader holds the draft's full rows: ``cp`` draft pages a block of its own."""
     cfg = KimiModelConfig.from_pretrained(target)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=torch.float32)
     cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
-    _, layout = size_cache(cfg, torch.float32, cache, draft=cfg)
+    _, layout = size_cache(cfg, torch.float32, cache, cp, draft=cfg)
     shortfalls = []
     for draft in (None, cfg):
         with pytest.raises(DeploymentDoesNotFitError) as err:
-            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", draft=draft)
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, draft=draft)
         shortfalls.append(err.value.shortfall_bytes)
     block, slot = pool_unit_bytes(cfg, 4, TPB)
-    draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + layout.num_blocks * block + layout.num_slots * slot
+    draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + cp * layout.num_blocks * block + layout.num_slots * slot
     assert shortfalls[1] - shortfalls[0] == draft_bytes
