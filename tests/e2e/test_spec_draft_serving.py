@@ -9,7 +9,8 @@ step are the aggregated worker's after its prefill:
 - the disaggregated answer is the aggregated one, it drafts and accepts exactly the drafts the
   aggregated one does (the workers' ``/metrics`` counters, per position too, move alike), and
   some drafts are rejected;
-- both are plain decoding's answer (``helixserve generate --json`` without ``--speculative``).
+- both are plain decoding's answer: ``helixserve generate --json`` prints the same with and
+  without ``--speculative draft``, and the served text is its text.
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ def test_a_disaggregated_request_accepts_the_drafts_the_aggregated_one_accepts(s
     assert sum(v for k, v in world.items() if k.startswith("per_pos_")) == world["num_accepted_tokens"]
 
 
-def test_the_served_answer_is_plain_decodings(served, dep: Deployment, capsys):
+def test_the_served_answer_is_plain_decodings(served, dep: Deployment, draft_dir: Path, capsys):
     from helixserve.cli import main
 
-    argv = ["generate", "--model", str(dep.config.model.path), "--prompt-ids", ",".join(map(str, PROMPT)),
+    base = ["generate", "--model", str(dep.config.model.path), "--prompt-ids", ",".join(map(str, PROMPT)),
             "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json"]
-    assert main(argv) == 0
-    assert served["disaggregated"] == json.loads(capsys.readouterr().out)["text"]
+    outputs = []
+    for extra in ([], ["--speculative", "draft", "--draft-model", str(draft_dir), "--num-draft-tokens", "3"]):
+        assert main(base + extra) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == MAX_TOKENS
+    assert served["disaggregated"] == outputs[0]["text"]
