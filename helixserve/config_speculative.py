@@ -5,7 +5,7 @@ Torch-free, imports nothing of the package but the config base. Three drafters:
 - ``ngram``: prompt lookup, no weights; the last ``prompt_lookup_max`` .. ``prompt_lookup_min``
   tokens are matched against earlier tokens of the same sequence;
 - ``draft``: a smaller helixserve checkpoint with the target's vocabulary (``draft_model``), run
-  beside the target in a single-process engine (not in a gen world: :meth:`check_world`);
+  beside the target in a single-process engine, or on each CP group's leader of a gen world;
 - ``hidden``: a drafter reading the target's hidden states (EAGLE-3 class), ``draft_model`` is
   its checkpoint.
 
@@ -64,7 +64,8 @@ class SpeculativeConfig(Strict):
 
     def check_world(self, where: str) -> None:
         """``ValueError`` when this method cannot run in a gen world (``where`` names the world):
-        only ``ngram`` does; a draft model runs in a single-process engine only."""
-        if self.method != "ngram":
+        ``ngram`` and ``draft`` do (a draft model on each CP group's leader, on full rows)."""
+        if self.method not in ("ngram", "draft"):
             raise ValueError(f"speculative.method {self.method!r} is not supported in {where}: a gen world "
-                             "(dp x cp, or a gen worker receiving prompt caches) speculates with method 'ngram' only")
+                             "(dp x cp, or a gen worker receiving prompt caches) speculates with method 'ngram' "
+                             "or 'draft'")

@@ -115,7 +115,7 @@ class GenServerConfig(WorldWorkerConfig):
         "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
     connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
     speculative: SpeculativeConfig | None = Field(None, description=(
-        "speculative decoding in this worker's engine (None: off); in a world (method ngram only) each "
+        "speculative decoding in this worker's engine (None: off); in a world (method ngram or draft) each "
         "CP group's leader drafts and verifies, every rank runs the verify rows on its shard"))
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@ HTTP. It runs in two places:
   through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
 With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft``: a draft
-model's, :mod:`.draft_runner`, single process only), the target verifies them in the same
+model's, :mod:`.draft_runner`, on the leader of a world's group), the target verifies them in the same
 forward and a rejection rolls its KDA state (and the draft's) back (:mod:`helixserve.engine.spec`;
 in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
 single-process engine (or a world of one) with CUDA graphs replays captured verify steps where
@@ -79,7 +79,7 @@ class EngineCore:
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
-        draft_cfg = draft_config(speculative, model_config, cache, is_world=groups is not None)
+        draft_cfg = draft_config(speculative, model_config, cache)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs,
                           draft_cfg)
@@ -87,7 +87,6 @@ class EngineCore:
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)
         self.runner = ModelRunner(model, self.caches, device, seed=seed)
-        self.draft_runner = build_draft_runner(speculative, draft_cfg, model.dtype, self.layout, device)
         graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size)
         if graphs_off is None:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
@@ -96,6 +95,8 @@ class EngineCore:
         elif is_cuda and use_cuda_graphs:
             logger.info("decode CUDA graphs off: %s", graphs_off)
         self.cache_manager = make_cache_manager(cache, spec, self.layout, cp)
+        self.draft_runner = build_draft_runner(speculative, draft_cfg, model.dtype, self.layout, device,
+                                               self.cache_manager, cp)
         if self.cache_manager.prefix_caching:
             self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None
@@ -240,6 +241,8 @@ class EngineCore:
 
     def _start_prefilled(self, request: Request) -> list[RequestUpdate]:
         updates = self.scheduler.add_prefilled(request)
+        if self.draft_runner is not None:  # a received prompt: the draft's cache of it is rebuilt here
+            self.draft_runner.prefill(request, self.scheduler.max_num_batched_tokens)
         params = request.sampling_params
         if params.seed is not None and not params.is_greedy:
             generator = self.runner.sampler.generator(request.request_id, params)

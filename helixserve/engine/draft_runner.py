@@ -1,11 +1,25 @@
 """The ``draft`` method's drafter: a draft model beside the target, on its device and dtype, with
 a cache of its own, run before each step's target forward.
 
-**The cache.** The draft model's MLA pages and KDA state slots are its own pools with the
-target's page and slot ids: the same tokens sit at the same positions under the same block
-tables (a target page id indexes the draft pool as well), so the scheduler's one allocation
-serves both and the memory budget counts both (:func:`~helixserve.engine.rank_setup.size_cache`).
-After every step the draft cache holds exactly the tokens the target's does.
+**Where it runs.** In a single process beside the target; in a gen world (dp x cp) on each CP
+group's leader, the rank that schedules, drafts and verifies for its group: the leader holds a
+full copy of the draft model and its cache on full rows (every token of a sequence, not the
+blocks ``b % cp`` the rank holds of the target's). A draft model is small (its weights and KV fit
+one rank), so the other ranks hold none of it; they run the verify rows the leader sends. (Heads
+TP over the CP group would spread the draft's KV and weights too, at a collective per draft
+layer per draft token.)
+
+**The cache.** The draft model's MLA pages and KDA state slots are its own pools, named by the
+target's ids, so the scheduler's one allocation serves both and the draft's is freed with the
+target's (a finished, aborted or preempted request): slot ``s`` is the target's slot ``s`` (a
+group's slots are alike on every rank); page ``(r, p) -> r * num_blocks + p`` for block ``p`` of
+CP rank ``r`` (:func:`~helixserve.kvcache.helix.full_row_table`; in a single process page ``p``
+itself). Its pools hold ``cp * num_blocks`` pages and ``num_slots`` slots, and the memory budget
+counts them on every rank of the group alike, so capacity stays CP-uniform
+(:func:`~helixserve.engine.rank_setup.size_cache`). After every step the draft cache holds exactly
+the tokens the target's does. A prompt whose cache came from a ctx worker is run through the
+draft model when its request starts decoding (:meth:`DraftRunner.prefill`): the draft's prompt
+cache is rebuilt on the gen side, not transferred.
 
 **A step** (:meth:`DraftRunner.propose`), for a scheduled step of ``K`` = the most drafts of one
 sequence:
@@ -31,7 +45,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -44,11 +60,21 @@ from helixserve.engine.request import Request
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.host_copy import to_device
+from helixserve.kvcache.manager import CacheHandle
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kda_spec import KdaRecord, KdaSaved
 from helixserve.models.loading import load_model
 
 logger = logging.getLogger(__name__)
+
+
+class DraftPages(Protocol):
+    """What the draft reads of the engine's cache manager: a request's full-row block table (in
+    the draft's pages) and its handle (its slot)."""
+
+    def full_row_table(self, request_id: str) -> list[int]: ...
+
+    def get(self, request_id: str) -> CacheHandle: ...
 
 
 class DraftModelError(ValueError):
@@ -64,17 +90,14 @@ class DraftVocabMismatchError(DraftModelError):
         self.draft_vocab, self.target_vocab = draft_vocab, target_vocab
 
 
-def draft_config(speculative: SpeculativeConfig | None, target: KimiModelConfig, cache: CacheConfig,
-                 is_world: bool) -> KimiModelConfig | None:
+def draft_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
+                 cache: CacheConfig) -> KimiModelConfig | None:
     """The draft checkpoint's config (``None``: no ``draft`` method), checked against the target's
     and the engine's before any weight is read (:class:`DraftModelError`)."""
     if speculative is None or speculative.method != "draft":
         return None
     path = speculative.draft_model
     assert path is not None  # SpeculativeConfig requires it for method draft
-    if is_world:
-        raise DraftModelError("speculative.method 'draft' runs in a single-process engine only; a gen world "
-                              "(dp x cp, or a disaggregated gen worker) supports method 'ngram'")
     if cache.prefix_caching:
         raise DraftModelError("speculative.method 'draft' does not run with cache.prefix_caching: the draft "
                               "model keeps no KDA state checkpoints of cached prefixes")
@@ -90,9 +113,11 @@ def draft_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
 
 
 def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
-                       layout: CacheSizes, device: torch.device | str) -> DraftRunner | None:
+                       layout: CacheSizes, device: torch.device | str, pages: DraftPages,
+                       cp: int = 1) -> DraftRunner | None:
     """The draft model loaded at the target's dtype and device, its pools at the target's sizes
-    (``None`` without a draft config, :func:`draft_config`)."""
+    (``cp`` times one rank's blocks: full rows of a CP group); ``pages``: the engine's cache
+    manager. ``None`` without a draft config (:func:`draft_config`)."""
     if speculative is None or cfg is None:
         return None
     assert speculative.draft_model is not None
@@ -102,15 +127,32 @@ def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConf
     model = load_model(speculative.draft_model, dtype=dtype, device=device)
     spec = cache_spec_for(cfg, dtype, layout.tokens_per_block, kda_num_heads=cfg.kda_num_heads)
     logger.info("draft model %s loaded (%s, %s)", speculative.draft_model, dtype, device)
-    return DraftRunner(model, allocate_rank_caches(spec, layout, device), device)
+    return DraftRunner(model, allocate_rank_caches(spec, replace(layout, num_blocks=layout.num_blocks * cp), device),
+                       device, pages)
 
 
 class DraftRunner:
     """Runs the draft model of one engine (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: torch.device | str) -> None:
+    def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: torch.device | str,
+                 pages: DraftPages) -> None:
         self.runner = ModelRunner(model, caches, device)
         self.has_kda = bool(caches.kda_state)
+        self.pages = pages
+
+    @torch.inference_mode()
+    def prefill(self, request: Request, chunk_tokens: int) -> None:
+        """Run ``request``'s cached tokens (``num_computed_tokens`` of its prompt and outputs)
+        through the draft model into its cache, ``chunk_tokens`` at a time, from a fresh slot: a
+        request started on a prompt cache that came from a ctx worker."""
+        rid = request.request_id
+        table, slot = self.pages.full_row_table(rid), self.pages.get(rid).slot
+        token_ids = (request.prompt_token_ids + request.output_token_ids)[:request.num_computed_tokens]
+        for start in range(0, len(token_ids), chunk_tokens):
+            seq = ScheduledSeq(rid, token_ids[start:start + chunk_tokens], start, table, slot,
+                               is_prefill=True, sample=False)
+            self.runner.run(PreparedStep(build_forward_batch(SchedulerOutput(seqs=[seq]), self.runner.device),
+                                         [slot] if start == 0 and slot is not None else [], None))
 
     @property
     def caches(self) -> ModelCaches:
@@ -123,13 +165,14 @@ class DraftRunner:
         speculating sequences (``None``: none speculates, or the draft model has no KDA)."""
         spec = [i for i, s in enumerate(out.seqs) if s.num_draft_tokens]
         num_drafts = [out.seqs[i].num_draft_tokens for i in spec]
-        first = SchedulerOutput(seqs=[_first_rows(s) for s in out.seqs])
+        tables = [self.pages.full_row_table(s.request_id) for s in out.seqs]
+        first = SchedulerOutput(seqs=[_first_rows(s, t) for s, t in zip(out.seqs, tables)])
         records: list[KdaRecord] = []
         tokens = self._forward(first, out.reset_slot_ids, spec, records, None)
         drafts = [tokens] if tokens is not None else []
         for j in range(1, max(num_drafts, default=0) + 1):
             live = [i for i, n in zip(spec, num_drafts) if n >= j]
-            step = SchedulerOutput(seqs=[_draft_row(out.seqs[i], j) for i in live])
+            step = SchedulerOutput(seqs=[_draft_row(out.seqs[i], j, tables[i]) for i in live])
             tokens = self._forward(step, [], list(range(len(live))), records, tokens)
             if tokens is not None:
                 drafts.append(tokens)
@@ -165,20 +208,20 @@ class DraftRunner:
         self.runner.rollback(record, kept_rows(out, record, get_request))
 
 
-def _first_rows(seq: ScheduledSeq) -> ScheduledSeq:
-    """``seq`` as forward 0 runs it: a speculating sequence's last sampled token only, sampled;
-    anything else as scheduled, unsampled."""
+def _first_rows(seq: ScheduledSeq, table: list[int]) -> ScheduledSeq:
+    """``seq`` as forward 0 runs it (on the draft's block ``table``): a speculating sequence's
+    last sampled token only, sampled; anything else as scheduled, unsampled."""
     if not seq.num_draft_tokens:
-        return ScheduledSeq(seq.request_id, seq.token_ids, seq.context_len, seq.block_table, seq.slot,
+        return ScheduledSeq(seq.request_id, seq.token_ids, seq.context_len, table, seq.slot,
                             seq.is_prefill, sample=False)
-    return ScheduledSeq(seq.request_id, seq.token_ids[:1], seq.context_len, seq.block_table, seq.slot,
+    return ScheduledSeq(seq.request_id, seq.token_ids[:1], seq.context_len, table, seq.slot,
                         is_prefill=False, sample=True)
 
 
-def _draft_row(seq: ScheduledSeq, j: int) -> ScheduledSeq:
+def _draft_row(seq: ScheduledSeq, j: int, table: list[int]) -> ScheduledSeq:
     """Forward ``j``'s row of a speculating sequence: draft ``j`` (its token comes from the
     previous forward), sampled while drafts are left to draw."""
-    return ScheduledSeq(seq.request_id, [0], seq.context_len + j, seq.block_table, seq.slot, is_prefill=False,
+    return ScheduledSeq(seq.request_id, [0], seq.context_len + j, table, seq.slot, is_prefill=False,
                         sample=seq.num_draft_tokens > j)
 
 

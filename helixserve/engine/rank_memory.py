@@ -9,7 +9,7 @@ import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.models.config import KimiModelConfig
-from helixserve.planning.memory import GIB, PoolBytes, pool_unit_bytes, rank_memory
+from helixserve.planning.memory import GIB, PoolBytes, draft_unit_bytes, pool_unit_bytes, rank_memory
 from helixserve.planning.weights import WeightBytes, rank_weight_bytes
 
 
@@ -26,7 +26,8 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
     (:class:`~helixserve.planning.memory.DeploymentDoesNotFitError` naming the shortfall):
     ``cache.gpu_memory_gib``, else on CUDA the device's total memory; on the CPU without it,
     no check. The same arithmetic as ``helixserve plan``; a ``draft`` model's weights (in its
-    checkpoint's expert format) and pools (the target's counts) are counted with the target's."""
+    checkpoint's expert format) and pools (the target's counts, ``cp`` pages a block) are counted
+    with the target's."""
     is_cuda = torch.device(device).type == "cuda"
     if cache.gpu_memory_gib is not None:
         gpu_bytes = int(cache.gpu_memory_gib * GIB)
@@ -38,7 +39,8 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
     cfg, itemsize = model.cfg, model.dtype.itemsize
     block, slot = pool_unit_bytes(cfg, itemsize, cache.tokens_per_block, cp)
     if draft is not None:
-        block, slot = (a + b for a, b in zip((block, slot), pool_unit_bytes(draft, itemsize, cache.tokens_per_block)))
+        draft_block, draft_slot = draft_unit_bytes(draft, itemsize, cache.tokens_per_block, cp)
+        block, slot = block + draft_block, slot + draft_slot
     pools = PoolBytes(block, slot, layout.num_blocks,
                       layout.num_slots, scratch_slots=int(is_cuda), checkpoint_slots=layout.num_checkpoint_slots)
     batched = max(scheduler.max_num_batched_tokens, cache.max_num_seqs)

@@ -39,8 +39,8 @@ def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheCo
     """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
     group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer.
     With prefix caching every rank holds the group's state checkpoint slots (its head slice). A
-    ``draft`` model's pools (the same block and slot counts, :mod:`helixserve.engine.draft_runner`)
-    come out of the same budget."""
+    ``draft`` model's pools (``cp`` pages a block, a slot a slot, :mod:`helixserve.engine.draft_runner`)
+    come out of the same budget, on every rank of a CP group alike."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
     slot_bytes = pool_unit_bytes(model_config, dtype.itemsize, cache.tokens_per_block, cp)[1]
     num_checkpoints = checkpoint_slot_count(cache, slot_bytes) if spec.kda_layer_ids else 0

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
+from helixserve.engine.draft_runner import draft_config
 from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
@@ -112,7 +113,9 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
             assert core.group is not None
             core.kv_holds = HoldRelay(core.cache_manager, holds, core.group, endpoints)
         return core
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp)
+    # sized as the leader is, its draft model's pools counted: every rank has the group's block count
+    draft = draft_config(options.speculative, model.cfg, options.cache)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, draft)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
     runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots

@@ -13,6 +13,7 @@ Slots come out identical on every rank (same allocator, same calls).
 from __future__ import annotations
 
 from helixserve.kvcache.errors import AllocationError
+from helixserve.kvcache.helix import full_row_table
 from helixserve.kvcache.manager import NO_HIT, CacheHandle, CacheManager, CacheStats, PrefixHit
 
 
@@ -28,6 +29,8 @@ class GroupCacheManager:
         self.tokens_per_block = tokens_per_block
         self.cp_size = cp_size
         self.has_mla, self.has_kda = has_mla, has_kda
+        self.num_blocks = num_blocks
+        self._full_rows: dict[str, tuple[list[list[int]], list[int]]] = {}  # request -> (rank tables, table)
         self.ranks = [self._rank_manager(num_blocks, num_slots, r) for r in range(cp_size)]
 
     def _rank_manager(self, num_blocks: int, num_slots: int, cp_rank: int) -> CacheManager:
@@ -78,6 +81,7 @@ class GroupCacheManager:
             manager.shrink(manager.get(handle.request_id), new_num_tokens)
 
     def free(self, request_id: str) -> None:
+        self._full_rows.pop(request_id, None)
         for manager in self.ranks:
             manager.free(request_id)
 
@@ -87,6 +91,18 @@ class GroupCacheManager:
     def handle_on(self, cp_rank: int, request_id: str) -> CacheHandle:
         """CP rank ``cp_rank``'s handle of ``request_id`` (its own physical blocks)."""
         return self.ranks[cp_rank].get(request_id)
+
+    def full_row_table(self, request_id: str) -> list[int]:
+        """``request_id``'s blocks on every rank as one table over ``cp_size * num_blocks`` pages
+        (:func:`~helixserve.kvcache.helix.full_row_table`): the draft model's block table. Built
+        again only when a rank's table changed (a decode step inside a block reuses it)."""
+        tables = [m.get(request_id).block_table() for m in self.ranks]
+        cached = self._full_rows.get(request_id)
+        if cached is not None and all(a is b for a, b in zip(cached[0], tables)):
+            return cached[1]
+        table = full_row_table(tables, self.num_blocks)
+        self._full_rows[request_id] = (tables, table)
+        return table
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leader

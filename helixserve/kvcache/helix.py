@@ -68,3 +68,19 @@ def arrange_by_source(block_ids: list[int], cp_rank: int, cp_size: int, num_sour
     for position, k in enumerate(order):
         arranged[k] = ids[position]
     return arranged
+
+
+def full_row_table(rank_tables: list[list[int]], num_blocks: int) -> list[int]:
+    """One request's blocks over its whole CP group, named in a pool of ``cp * num_blocks`` pages
+    (a draft model's full-row cache on the group's leader): global block ``b``, at physical block
+    ``p`` of CP rank ``b % cp``, is page ``(b % cp) * num_blocks + p``. ``rank_tables[r]`` is rank
+    ``r``'s block table (``-1`` where not held there). Distinct (rank, block) pairs get distinct
+    pages, so the pages of live requests never collide and are free when the ranks' blocks are."""
+    cp = len(rank_tables)
+    length = max((len(t) for t in rank_tables), default=0)
+    table = [-1] * length
+    for b in range(length):
+        rank_table = rank_tables[b % cp]
+        if b < len(rank_table) and rank_table[b] >= 0:
+            table[b] = (b % cp) * num_blocks + rank_table[b]
+    return table

@@ -263,6 +263,11 @@ class CacheManager:
             raise AllocationError(f"request {request_id!r} holds no cache handle")
         return handle
 
+    def full_row_table(self, request_id: str) -> list[int]:
+        """``request_id``'s block table, every block being this rank's: the draft model's (as
+        ``GroupCacheManager.full_row_table`` is a CP group's)."""
+        return self.get(request_id).block_table()
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._handles
 

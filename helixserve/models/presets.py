@@ -95,7 +95,7 @@ _KIMI_K3_MID: dict[str, Any] = {
 }
 
 
-def _two_layer_draft(target: dict[str, Any]) -> dict[str, Any]:
+def two_layer_draft(target: dict[str, Any]) -> dict[str, Any]:
     """``target`` cut to two layers, a KDA layer (dense MLP) then an MLA layer (MoE): the same
     vocabulary and layer kinds, for a speculative draft model."""
     return {**target, "num_hidden_layers": 2,
@@ -108,8 +108,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kimi-linear-tiny": _KIMI_LINEAR_TINY,
     "kimi-k3-tiny": _KIMI_K3_TINY,
     "kimi-k3-mid": _KIMI_K3_MID,
-    "kimi-linear-tiny-draft": _two_layer_draft(_KIMI_LINEAR_TINY),
-    "kimi-k3-tiny-draft": _two_layer_draft(_KIMI_K3_TINY),
+    "kimi-linear-tiny-draft": two_layer_draft(_KIMI_LINEAR_TINY),
+    "kimi-k3-tiny-draft": two_layer_draft(_KIMI_K3_TINY),
 }
 # the draft preset ``make-checkpoint --train-on`` trains beside each target preset by default
 DRAFT_PRESETS: dict[str, str] = {"kimi-linear-tiny": "kimi-linear-tiny-draft", "kimi-k3-tiny": "kimi-k3-tiny-draft"}

@@ -96,12 +96,21 @@ def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int
                       draft: KimiModelConfig | None = None) -> tuple[int, int]:
     """``(num_blocks, num_slots)`` the engine allocates for ``cache.memory_budget_mib`` (after
     ``num_checkpoint_slots`` KDA state checkpoints). With a ``draft`` model (speculative decoding)
-    a block and a slot cost the target's plus the draft's: its pools share the target's ids."""
+    a block and a slot cost the target's plus the draft's (:func:`draft_unit_bytes`)."""
     block, slot = pool_unit_bytes(cfg, itemsize, tokens_per_block, cp)
     if draft is not None:
-        draft_block, draft_slot = pool_unit_bytes(draft, itemsize, tokens_per_block)
+        draft_block, draft_slot = draft_unit_bytes(draft, itemsize, tokens_per_block, cp)
         block, slot = block + draft_block, slot + draft_slot
     return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs, num_checkpoint_slots)
+
+
+def draft_unit_bytes(draft: KimiModelConfig, itemsize: int, tokens_per_block: int, cp: int = 1) -> tuple[int, int]:
+    """What one block and one slot of a rank's pools add for a ``draft`` model: its pools share
+    the target's ids on full rows, ``cp`` draft pages per block of one rank (a CP group's leader
+    holds the group's every block, :mod:`helixserve.engine.draft_runner`) and one full-head draft
+    slot per slot. Every rank of a group counts them alike, so its capacity stays CP-uniform."""
+    block, slot = pool_unit_bytes(draft, itemsize, tokens_per_block)
+    return cp * block, slot
 
 
 def activation_bytes(cfg: KimiModelConfig, itemsize: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:

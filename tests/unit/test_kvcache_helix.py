@@ -65,3 +65,28 @@ def test_arranged_blocks_give_each_ctx_rank_one_run(cp, sources):
                 assert part == list(range(part[0], part[0] + len(part)))
     with pytest.raises(ValueError, match="num_sources"):
         arrange_by_source([1], 0, 1, 0)
+
+
+def test_a_groups_full_row_tables_name_distinct_pages_and_follow_the_ranks_blocks():
+    """Full-row tables (a draft model's pages on a CP group's leader) of live requests: every block
+    of each request, page (rank, block) -> rank * num_blocks + block, no page shared; a freed
+    request's blocks, taken by a new one, give it the same pages."""
+    from helixserve.kvcache.group_cache import GroupCacheManager
+
+    cp, tpb, num_blocks = 2, 4, 8
+    group = GroupCacheManager(num_blocks, 4, tpb, cp)
+    group.allocate("a", 9)  # blocks 0, 1, 2: ranks 0, 1, 0
+    group.allocate("b", 13)  # blocks 0..3
+    tables = {rid: group.full_row_table(rid) for rid in ("a", "b")}
+    for rid, table in tables.items():
+        for b, page in enumerate(table):
+            assert page == (b % cp) * num_blocks + group.handle_on(b % cp, rid).block_table()[b]
+    assert [len(t) for t in tables.values()] == [3, 4]
+    pages = tables["a"] + tables["b"]
+    assert len(set(pages)) == len(pages) and all(0 <= p < cp * num_blocks for p in pages)
+    assert group.full_row_table("b") is tables["b"]  # built again only when a rank's blocks change
+    group.extend(group.get("b"), 17)
+    assert group.full_row_table("b")[:4] == tables["b"] and len(group.full_row_table("b")) == 5
+    group.free("a")
+    group.allocate("c", 9)
+    assert sorted(group.full_row_table("c")) == sorted(tables["a"])

@@ -4,9 +4,10 @@ pages, fp32 and bf16, a draft near the target, the target's own weights, another
 target's own weights as draft accept every draft, a stop string cuts inside an accepted run, the
 draft's KDA state after a rejection is a fresh draft prefill's of the accepted tokens, prompt
 chunks run beside verify rows and non-speculating decodes, a seeded sampled request's tokens do
-not depend on its batch; a draft of another vocabulary, a gen world and prefix caching are
-refused at start-up with named errors; the draft's pools come out of the cache budget and its
-weights and pools count in the rank memory check."""
+not depend on its batch; a draft of another vocabulary and prefix caching are refused at
+start-up with named errors (gen worlds take a draft model); the draft's pools come out of the
+cache budget and its weights and pools (cp pages a block on a CP group's leader) count in the
+rank memory check."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import size_cache
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spec.drafting import make_drafter
-from helixserve.launch.offline import generate_on_world
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.presets import make_checkpoint
@@ -194,25 +194,22 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both_sizes(target, tmp_
     (bad / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
     spec = SpeculativeConfig(method="draft", draft_model=bad)
     with pytest.raises(DraftVocabMismatchError, match="vocab_size 1024.*vocab_size 512") as err:
-        draft_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig(), is_world=False)
+        draft_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig())
     assert (err.value.draft_vocab, err.value.target_vocab) == (1024, 512)
     argv = ["generate", "--model", str(target), "--prompt-ids", "1,2", "--speculative", "draft", "--draft-model", str(bad)]
     assert main(argv) == 2 and "vocab_size 1024" in capsys.readouterr().err
 
 
-def test_worlds_and_prefix_caching_refuse_a_draft_model(target):
+def test_prefix_caching_refuses_a_draft_model_and_gen_worlds_take_one(target):
     spec = SpeculativeConfig(method="draft", draft_model=target)
     cfg = KimiModelConfig.from_pretrained(target)
-    with pytest.raises(DraftModelError, match="single-process engine only"):
-        draft_config(spec, cfg, CacheConfig(), is_world=True)
     with pytest.raises(DraftModelError, match="prefix_caching"):
-        draft_config(spec, cfg, CacheConfig(prefix_caching=True), is_world=False)
-    with pytest.raises(ValueError, match="'draft' is not supported in a dp 1 x cp 2 world"):
-        generate_on_world(target, None, [1, 2, 3], greedy(2), dp=1, cp=2, speculative=spec)
-    with pytest.raises(ValueError, match="'draft' is not supported in a gen world"):
-        GenServerConfig(dp=1, cp=1, kv_source="ucx", speculative=spec)
-    assert GenServerConfig(dp=1, cp=1, kv_source="recompute", speculative=spec).speculative == spec
-    assert draft_config(None, cfg, CacheConfig(), is_world=True) is None
+        draft_config(spec, cfg, CacheConfig(prefix_caching=True))
+    assert GenServerConfig(dp=1, cp=1, kv_source="ucx", speculative=spec).speculative == spec
+    assert GenServerConfig(dp=2, cp=2, kv_source="ucx", speculative=spec).speculative == spec
+    with pytest.raises(ValueError, match="'hidden' is not supported in a gen world"):
+        GenServerConfig(dp=1, cp=2, speculative=SpeculativeConfig(method="hidden", draft_model=target))
+    assert draft_config(None, cfg, CacheConfig()) is None
     with pytest.raises(ValueError, match="'hidden' is not supported by the engine"):
         make_drafter(SpeculativeConfig(method="hidden", draft_model=target), 64)
 
@@ -223,19 +220,25 @@ def test_the_draft_pools_come_out_of_the_cache_budget(target):
     budget = int(4.0 * MIB)
     assert engine_pool_sizes(cfg, 4, TPB, 4.0, 8) == pools_from_budget(block, slot, budget, 8)
     assert engine_pool_sizes(cfg, 4, TPB, 4.0, 8, draft=cfg) == pools_from_budget(2 * block, 2 * slot, budget, 8)
+    # a CP group's leader holds the draft on full rows: cp draft pages a block, full-head draft slots
+    block2, slot2 = pool_unit_bytes(cfg, 4, TPB, 2)
+    assert engine_pool_sizes(cfg, 4, TPB, 4.0, 8, 2, draft=cfg) == pools_from_budget(block2 + 2 * block, slot2 + slot,
+                                                                                   budget, 8)
 
 
-def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target):
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target, cp):
+    """A CP group's leader holds the draft's full rows: ``cp`` draft pages a block of its own."""
     cfg = KimiModelConfig.from_pretrained(target)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=torch.float32)
     cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
-    _, layout = size_cache(cfg, torch.float32, cache, draft=cfg)
+    _, layout = size_cache(cfg, torch.float32, cache, cp, draft=cfg)
     shortfalls = []
     for draft in (None, cfg):
         with pytest.raises(DeploymentDoesNotFitError) as err:
-            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", draft=draft)
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, draft=draft)
         shortfalls.append(err.value.shortfall_bytes)
     block, slot = pool_unit_bytes(cfg, 4, TPB)
-    draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + layout.num_blocks * block + layout.num_slots * slot
+    draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + cp * layout.num_blocks * block + layout.num_slots * slot
     assert shortfalls[1] - shortfalls[0] == draft_bytes

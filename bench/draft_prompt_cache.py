@@ -1,0 +1,95 @@
+"""A draft model's prompt cache on the gen side: rebuilt (the gen world's leader runs the received
+prompt through the draft model when the request starts, what helixserve does) against
+transferred (the ctx worker would run the draft too and send its cache with the target's).
+
+Per draft model and prompt length: the draft's prefill on this device (the rebuild, eager, median
+of ``--reps``), the bytes its prompt cache would add to the transfer (MLA pages of every prompt
+token and one full-head KDA state + conv slot, :func:`~helixserve.planning.memory.pool_unit_bytes`)
+next to the target's prompt cache bytes, the transfer time of those extra bytes at ``--gbps``, and
+the ratio rebuild / transfer. The draft models are two-layer cuts of the presets (one KDA, one
+MLA layer: :func:`~helixserve.models.presets.two_layer_draft`), dummy weights; on CPU the tiny
+ones, on a GPU also Kimi-Linear-48B's cut in bfloat16.
+
+    python bench/draft_prompt_cache.py [--quick] [--out FILE] [--gbps 25] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.modules.setdefault("triton", None)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import base_parser, gpu_timer, machine_info, markdown_table, write_json  # noqa: E402
+
+from helixserve.cache_layout import cache_spec_for  # noqa: E402
+from helixserve.engine.runner import ModelRunner, PreparedStep, build_forward_batch  # noqa: E402
+from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
+from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
+from helixserve.models.config import KimiModelConfig  # noqa: E402
+from helixserve.models.dummy import load_dummy_model  # noqa: E402
+from helixserve.models.presets import PRESETS, two_layer_draft  # noqa: E402
+from helixserve.planning.memory import MIB, pool_unit_bytes  # noqa: E402
+
+TPB = 64
+
+
+def prompt_cache_bytes(cfg: KimiModelConfig, itemsize: int, num_tokens: int) -> int:
+    block, slot = pool_unit_bytes(cfg, itemsize, TPB)
+    return -(-num_tokens // TPB) * block + slot
+
+
+def rebuild_seconds(cfg: KimiModelConfig, dtype: torch.dtype, device: torch.device, num_tokens: int,
+                    reps: int) -> float:
+    """The draft model's prefill of ``num_tokens`` tokens (one chunk, no LM head), median seconds."""
+    model = load_dummy_model(cfg, dtype, device)
+    num_blocks = -(-num_tokens // TPB)
+    caches = allocate_model_caches(cache_spec_for(cfg, dtype, TPB), num_blocks, 1, device)
+    runner = ModelRunner(model, caches, device)
+    prompt = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = ScheduledSeq("r", prompt, 0, list(range(num_blocks)), 0, is_prefill=True, sample=False)
+
+    def run() -> None:
+        with torch.inference_mode():
+            runner.run(PreparedStep(build_forward_batch(SchedulerOutput(seqs=[seq]), device), [0], None))
+
+    return gpu_timer([run], warmup=1, reps=reps)[0]
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--gbps", type=float, default=25.0, help="transfer bandwidth, GB/s (cross-host UCX)")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    is_cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if is_cuda else "cpu")
+    dtype = torch.bfloat16 if is_cuda else torch.float32
+    cases = [("kimi-k3-tiny", [512] if args.quick else [512, 4096])]
+    if is_cuda:
+        cases.append(("kimi-linear-48b", [512, 4096] if args.quick else [512, 4096, 32768]))
+    rows, figures = [], []
+    for preset, lengths in cases:
+        target = KimiModelConfig.model_validate(PRESETS[preset])
+        draft = KimiModelConfig.model_validate(two_layer_draft(PRESETS[preset]))
+        for n in lengths:
+            seconds = rebuild_seconds(draft, dtype, device, n, 2 if args.quick else args.reps)
+            extra = prompt_cache_bytes(draft, dtype.itemsize, n)
+            target_bytes = prompt_cache_bytes(target, dtype.itemsize, n)
+            transfer = extra / (args.gbps * 1e9)
+            figures.append({"preset": preset, "prompt_tokens": n, "rebuild_ms": seconds * 1e3,
+                            "draft_cache_bytes": extra, "target_cache_bytes": target_bytes,
+                            "transfer_ms": transfer * 1e3})
+            rows.append([f"{preset} 2-layer draft", n, seconds * 1e3, extra / MIB, target_bytes / MIB,
+                         f"{extra / target_bytes:.1%}", transfer * 1e3, seconds / transfer])
+    headers = ["draft", "prompt tokens", "rebuild ms", "draft cache MiB", "target cache MiB", "extra bytes",
+               f"transfer ms at {args.gbps:g} GB/s", "rebuild / transfer"]
+    print(markdown_table(headers, rows))
+    write_json(args.out, {"machine": machine_info(), "gbps": args.gbps, "dtype": str(dtype), "rows": figures})
+
+
+if __name__ == "__main__":
+    main()

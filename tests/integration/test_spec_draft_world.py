@@ -1,0 +1,196 @@
+"""A draft model (``speculative.method: draft``) in the helix gen world (gloo, CPU): each CP
+group's leader runs the draft model on full rows (its own pages, every block of a sequence), the
+group's ranks verify on their shards. A draft near the target (perturbed weights) accepts runs of
+every length and rejects at every position; pages hold 4 tokens, so prompts, drafts and verify
+rows cross them. In a dp 2 x cp 2 world and a cp 2 world:
+
+- greedy requests give plain decoding's tokens;
+- the tokens and the draft counts (both CP groups' summed) equal the single-process draft
+  engine's, a seeded sampled request's tokens included;
+- a request aborted in the middle of its decoding leaves the world serving the next one as
+  plain decoding does (its slot and pages, the draft's with them, are reused);
+- every rank's blocks and slots are free at the end, and no request holds draft pages;
+- in a cp 2 world whose cache cannot hold its batch, requests are preempted and recomputed (the
+  draft's pages and slot go and come back with the target's) and still give plain decoding's
+  tokens.
+
+``helixserve generate --dp 1 --cp 2 --speculative draft --draft-model DIR --json`` prints what
+plain decoding prints.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helixserve.cli import main
+from helixserve.config import CacheConfig, SpeculativeConfig
+from helixserve.engine.core import EngineCore
+from helixserve.engine.llm import LLM
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.spmd.driver import WorldDriver, drive_to_completion
+from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
+from helixserve.launch.processes import run_local_world
+from helixserve.models.dummy import tokenizer_of
+from helixserve.parallel import Mapping, init_parallel
+from helixserve.testing.drafts import perturbed_checkpoint
+
+PRESET = "kimi-k3-tiny"
+K = 3
+CACHE = CacheConfig(tokens_per_block=4, memory_budget_mib=4, max_num_seqs=6)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+PROMPTS = [list(range(20, 57)), _prompt(1, 11), _prompt(2, 9), _prompt(3, 13)]
+PARAMS = [greedy(17), greedy(14), greedy(11), SAMPLED]
+
+
+def _draft_world(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
+                 options: WorldOptions) -> dict | int:
+    groups = init_parallel(Mapping(world_size, rank, dp=dp, cp=cp), init_method, backend="gloo",
+                           timeout_s=options.timeout_s)
+    try:
+        part = build_rank(model_dir, groups, options)
+        if rank != 0:
+            return serve_rank(part)
+        assert isinstance(part, EngineCore) and part.draft_runner is not None
+        driver = WorldDriver(part)
+        try:
+            results = drive_to_completion(driver, PROMPTS, PARAMS, tokenizer_of(model_dir))
+            spec = driver.spec_stats
+            after_abort = _abort_midway(driver)
+            stats = driver.rank_stats()
+        finally:
+            driver.shutdown()
+        return {"tokens": [r.token_ids for r in results], "errors": [r.error for r in results], "spec": spec,
+                "after_abort": after_abort, "rank_stats": stats, "held": part.cache_manager.num_requests,
+                "draft_pages": part.draft_runner.caches.mla_kv[next(iter(part.draft_runner.caches.mla_kv))].shape[0],
+                "pages": part.caches.mla_kv[next(iter(part.caches.mla_kv))].shape[0]}
+    finally:
+        groups.destroy()
+
+
+def _abort_midway(driver: WorldDriver) -> list[int]:
+    """PROMPTS[0] aborted after a few decoding steps, then PROMPTS[1] again; its tokens."""
+    driver.add_request("aborted", PROMPTS[0], greedy(17))
+    num_tokens = 0
+    while num_tokens < 4:
+        num_tokens += sum(u.request_id == "aborted" for u in driver.step())
+    assert driver.abort("aborted")
+    driver.step()
+    return drive_to_completion(driver, [PROMPTS[1]], [PARAMS[1]], request_ids=["after"])[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints, tmp_path_factory):
+    """Plain decoding's tokens, and the single-process draft engine's tokens and counts."""
+    model_dir = str(tiny_checkpoints[PRESET])
+    near = perturbed_checkpoint(model_dir, tmp_path_factory.mktemp("draft") / "near", scale=0.01, seed=1)
+    spec = SpeculativeConfig(method="draft", draft_model=near, num_draft_tokens=K)
+    plain = LLM(model_dir, cache=CACHE).generate(PROMPTS, PARAMS)
+    llm = LLM(model_dir, cache=CACHE, speculative=spec)
+    return {"model_dir": model_dir, "spec_config": spec, "plain": [r.token_ids for r in plain],
+            "spec": [r.token_ids for r in llm.generate(PROMPTS, PARAMS)], "spec_stats": llm.engine.spec_stats}
+
+
+@pytest.fixture(scope="module", params=[(2, 2), (1, 2)], ids=["dp2xcp2", "cp2"])
+def world(request, reference):
+    dp, cp = request.param
+    options = WorldOptions(cache=CACHE, timeout_s=60, speculative=reference["spec_config"])
+    results = run_local_world(_draft_world, dp * cp, reference["model_dir"], dp, cp, options, timeout_s=300)
+    return dp, results[0]
+
+
+def test_greedy_draft_speculation_in_a_world_equals_plain_decoding(world, reference):
+    _, front = world
+    assert front["errors"] == [None] * len(PROMPTS)
+    for i in (0, 1, 2):
+        assert front["tokens"][i] == reference["plain"][i], f"request {i}"
+
+
+def test_a_world_drafts_accepts_and_samples_as_the_single_process_draft_engine(world, reference):
+    _, front = world
+    assert front["tokens"] == reference["spec"]
+    want = reference["spec_stats"]
+    assert front["spec"] == want
+    assert 0 < want.num_accepted_tokens < want.num_draft_tokens  # accepted runs and rejections
+    assert want.accepted_per_position[K - 1] > 0 and want.accepted_per_position[0] < want.num_drafts
+
+
+def test_an_abort_midway_keeps_the_world_right(world, reference):
+    _, front = world
+    assert front["after_abort"] == reference["plain"][1]
+
+
+def test_every_rank_frees_its_blocks_and_the_leader_drafts_on_full_rows(world):
+    dp, front = world
+    assert sorted(front["rank_stats"]) == [(d, c) for d in range(dp) for c in range(2)]
+    for stats in front["rank_stats"].values():
+        assert stats.num_used_blocks == 0 and stats.num_used_slots == 0 and stats.num_blocks > 0
+    assert front["held"] == 0  # the draft's pages are named by the target's blocks: none held
+    assert front["draft_pages"] == 2 * front["pages"]  # a page for every block of the CP group
+
+
+def test_cli_world_json_with_and_without_a_draft_model(tiny_checkpoints, capsys) -> None:
+    model = str(tiny_checkpoints["kimi-linear-tiny"])
+    base = ["generate", "--model", model, "--prompt-ids", ",".join(map(str, [9, 8, 7, 6] * 6)),
+            "--max-tokens", "12", "--ignore-eos", "--json"]
+    outputs = []
+    for extra in ([], ["--dp", "1", "--cp", "2", "--speculative", "draft", "--draft-model", model,
+                       "--num-draft-tokens", "3"]):
+        assert main(base + extra) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 12
+
+
+TIGHT = CacheConfig(tokens_per_block=4, memory_budget_mib=0.6, max_num_seqs=4)  # 32 blocks a rank: 256 tokens
+LONG_PROMPTS = [_prompt(10 + i, 52) for i in range(4)]  # 4 x (52 + 24) tokens > the group's 256
+
+
+def _preempting_world(rank: int, world_size: int, init_method: str, model_dir: str,
+                      options: WorldOptions) -> dict | int:
+    groups = init_parallel(Mapping(world_size, rank, dp=1, cp=2), init_method, backend="gloo",
+                           timeout_s=options.timeout_s)
+    try:
+        part = build_rank(model_dir, groups, options)
+        if rank != 0:
+            return serve_rank(part)
+        assert isinstance(part, EngineCore)
+        preempted: list[str] = []
+        schedule = part.scheduler.schedule
+
+        def counting_schedule():  # what the scheduler preempted, read off its outputs
+            out = schedule()
+            preempted.extend(out.preempted_ids)
+            return out
+        part.scheduler.schedule = counting_schedule
+        driver = WorldDriver(part)
+        try:
+            results = drive_to_completion(driver, LONG_PROMPTS, [greedy(24)] * len(LONG_PROMPTS))
+            stats = driver.rank_stats()
+        finally:
+            driver.shutdown()
+        return {"tokens": [r.token_ids for r in results], "preempted": preempted, "rank_stats": stats,
+                "drafts": part.spec_stats.num_drafts}
+    finally:
+        groups.destroy()
+
+
+def test_a_preempted_request_recomputes_its_draft_cache_with_its_target_cache(reference):
+    plain = LLM(reference["model_dir"], cache=CACHE).generate(LONG_PROMPTS, greedy(24))
+    options = WorldOptions(cache=TIGHT, timeout_s=60, speculative=reference["spec_config"])
+    front = run_local_world(_preempting_world, 2, reference["model_dir"], options, timeout_s=300)[0]
+    assert front["preempted"] and front["drafts"] > 0
+    assert front["tokens"] == [r.token_ids for r in plain]
+    for stats in front["rank_stats"].values():
+        assert stats.num_used_blocks == 0 and stats.num_used_slots == 0
