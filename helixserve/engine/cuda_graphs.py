@@ -29,6 +29,13 @@ anything reads them; past its table the columns are ``-1``, nothing written), th
 not read, and the KDA state they advanced is rolled back with the rejected drafts' (the record
 counts R rows for every sequence, so ``kept_rows`` replays the rows the sequence keeps). Padding
 sequences are R rows of an empty sequence, as for decode. Steps with prompt chunks run eagerly.
+
+The rollback of a verify replay is a graph too (:meth:`DecodeGraphs.roll_back`), captured per
+size beside its verify graph and reading that graph's record: every sequence is restored and
+advanced over R - 1 rows at fixed shapes, those that keep all their rows (or fewer than R - 1)
+naming the scratch slot where they are not rolled back (``kda_spec.replay_all``). An eager
+rollback launches a few kernels per KDA layer and kept row, which at batch 1 cost about as much
+as the verify step.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from helixserve.engine.scheduler import SchedulerOutput
 from helixserve.host_copy import to_device
 from helixserve.kernels.capture import no_collection
 from helixserve.models.context import ForwardBatch
-from helixserve.models.kda_spec import KdaRecord
+from helixserve.models.kda_spec import KdaRecord, replay_all
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _WARMUP_RUNS = 2
@@ -80,6 +87,16 @@ class DecodeGraphs:
         self._records: dict[int, KdaRecord] = {}  # verify graphs of a model with KDA layers: per size
         self.record: KdaRecord | None = None  # the last verify replay's, for its rollback
         self.num_replays = 0
+        # the rollback of a verify graph's rejected rows (see the module docstring): per size, a
+        # graph reading `_rollback_slots` (row 0: each sequence's restore slot, row 1 + j: the
+        # slot it advances at kept row j; the scratch slot where it does not)
+        self._rollbacks: dict[int, torch.cuda.CUDAGraph] = {}
+        self._rollback_slots = torch.full((R, n), scratch_slot, dtype=torch.int64, device=device)
+        self._host_rollback_slots = torch.full((R, n), scratch_slot, dtype=torch.int64, pin_memory=True)
+        self._rolled = torch.cuda.Event()
+        self._rolled.record()
+        self._last: tuple[int, list[int]] = (0, [])  # the last verify replay's size and slots
+        self.num_rollbacks = 0
 
     def _batch(self, n: int) -> ForwardBatch:
         R = self.rows_per_seq
@@ -122,6 +139,28 @@ class DecodeGraphs:
                 logits = self.model(batch, self.caches)
             self.pool = graph.pool()
             self._graphs[n] = (graph, logits)
+            if batch.kda_record is not None:
+                self._capture_rollback(n, batch.kda_record)
+
+    def _capture_rollback(self, n: int, record: KdaRecord) -> None:
+        """The rollback graph of the verify graph of size ``n``: it reads that graph's record (its
+        saved inputs and pre-step states) and every slot from ``_rollback_slots`` (all scratch
+        while capturing: nothing a request owns is touched)."""
+        R = self.rows_per_seq
+        restore, *advance_slots = self._rollback_slots[:, :n]
+        steps = [(record.steps[j][0], advance_slots[j]) for j in range(R - 1)]
+
+        def roll_back() -> None:
+            for mixer in self.model.kda_mixers():
+                replay_all(mixer, record.layers[mixer.layer_idx], self.caches.conv_state[mixer.layer_idx],
+                           self.caches.kda_state[mixer.layer_idx], restore, steps)
+
+        roll_back()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            roll_back()
+        self._rollbacks[n] = graph
 
     def fits(self, out: SchedulerOutput) -> bool:
         """A step of this shape (pure decode; or every sequence verifying R - 1 drafts) of at most
@@ -180,6 +219,7 @@ class DecodeGraphs:
         if R > 1:
             record = self._records.get(size)
             self.record = None if record is None else replace(record, batch_seqs=list(range(n)))
+            self._last = (size, [s.slot for s in seqs])  # type: ignore[misc] - fits: every slot is set
             if all(s.num_tokens == R for s in seqs):
                 return logits[: n * R]
             rows = [i * R + j for i, s in enumerate(seqs) for j in range(s.num_tokens)]
@@ -190,6 +230,23 @@ class DecodeGraphs:
         if not sampled:  # one-token prompt chunks that are not a prompt's last: no row to sample
             return logits[:0]
         return logits[to_device(torch.tensor(sampled, dtype=torch.int64), self.device)]
+
+    def roll_back(self, keep: dict[int, int]) -> None:
+        """Roll the last verify replay's sequences ``keep`` names (index -> rows kept, fewer than
+        R) back to their kept rows: one replay of its size's rollback graph. Call it before the
+        next replay of any graph of this pool (which rewrites the record it reads)."""
+        size, slots = self._last
+        R, scratch = self.rows_per_seq, self.scratch_slot
+        self._rolled.synchronize()  # the last rollback's copy has left the host buffer
+        host = self._host_rollback_slots.numpy()
+        host[:, :size] = scratch
+        for i, kept in keep.items():
+            host[0, i] = slots[i]
+            host[1: 1 + kept, i] = slots[i]
+        self._rollback_slots.copy_(self._host_rollback_slots, non_blocking=True)
+        self._rolled.record()
+        self._rollbacks[size].replay()
+        self.num_rollbacks += 1
 
     def launch(self, size: int, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The GPU part of a step: copy the filled host buffers (the first ``size`` table rows),

@@ -160,6 +160,7 @@ class ModelRunner:
         self.verify_graphs: dict[int, DecodeGraphs] = {}  # rows per sequence -> verify steps' graphs
         self.checkpoints: ModelCaches | None = None  # KDA state checkpoints (prefix caching)
         self.replayed_record: KdaRecord | None = None  # the last graphed verify step's KDA record
+        self._replayed_from: DecodeGraphs | None = None  # the graphs that replayed it
 
     def capture_decode_graphs(self, max_batch: int, max_blocks: int, scratch_slot: int) -> str | None:
         """CUDA-graph the decode steps of up to ``max_batch`` sequences (see :mod:`.cuda_graphs`);
@@ -286,7 +287,7 @@ class ModelRunner:
         self.restore_states(out.state_restores)  # a one-token final chunk after a cached prefix fits too
         logits = graphs.run(out, input_tokens)
         assert logits is not None
-        self.replayed_record = graphs.record
+        self.replayed_record, self._replayed_from = graphs.record, graphs
         self.save_states(out.state_saves)
         return logits
 
@@ -323,9 +324,13 @@ class ModelRunner:
     def rollback(self, record: KdaRecord, keep: dict[int, int]) -> None:
         """Roll the KDA state of a verify step's speculating sequences back to their kept rows
         (``keep``: index into ``record``'s sequences -> rows kept, fewer than it ran)."""
-        if keep:
-            for mixer in self.model.kda_mixers():
-                mixer.rollback(self.caches, record, keep)
+        if not keep:
+            return
+        if self._replayed_from is not None and record is self.replayed_record:
+            self._replayed_from.roll_back(keep)  # the verify graph's own rollback graph
+            return
+        for mixer in self.model.kda_mixers():
+            mixer.rollback(self.caches, record, keep)
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)

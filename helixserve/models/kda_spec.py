@@ -130,3 +130,14 @@ def replay(mixer: torch.nn.Module, saved: KdaSaved, conv_pool: torch.Tensor, sta
         rows = torch.tensor([record.row_starts[i] + j for _, i in live], dtype=torch.int64, device=device)
         steps.append((rows, slots.index_select(0, pos)))
     advance(mixer, saved.qkv, saved.g, saved.beta, conv_pool, state_pool, steps)
+
+
+def replay_all(mixer: torch.nn.Module, saved: KdaSaved, conv_pool: torch.Tensor, state_pool: torch.Tensor,
+               restore_slots: torch.Tensor, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """:func:`replay` at fixed shapes (a captured graph's, no host reads): every sequence of the
+    record is restored into ``restore_slots`` and advanced by ``steps`` (its rows, and the slot
+    each sequence advances at that row), where a sequence that keeps all its rows, and every
+    sequence past the rows it keeps, names a scratch slot no request owns."""
+    conv_pool.index_copy_(0, restore_slots, saved.conv_state)
+    state_pool.index_copy_(0, restore_slots, saved.kda_state.to(state_pool.dtype))
+    advance(mixer, saved.qkv, saved.g, saved.beta, conv_pool, state_pool, steps)

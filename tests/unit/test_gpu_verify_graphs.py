@@ -7,7 +7,8 @@ and rejections at chosen positions, over prompts crossing 64-token pages, alone 
 (batches of 1, 2 and 4 sequences: sizes the graphs hold without padding, so graphed and eager
 steps run the same shapes, bit for bit in bf16; 3 sequences pad to 4). With uneven drafts (0 to
 3 per sequence, a step's sequences differing) the graph pads each sequence to the step's longest,
-and the extra rows are rolled back. fp32 tokens equal plain
+and the extra rows are rolled back. Graphed verify steps roll back through their rollback graphs,
+eager ones eagerly: the tokens are equal. fp32 tokens equal plain
 decoding's for 1 and 2 sequences; with 3 or 4 sequences of 130+ tokens a verify step (graphed or
 eager alike) computes its rows in other GEMM shapes than plain decode steps and one greedy pick
 of the dummy weights comes out otherwise (measured on the H200), so there only graphed == eager
@@ -59,12 +60,12 @@ def _run(llm: LLM, prompts: list[list[int]], script: dict, wrong: set[int], grap
     kept, runner.verify_graphs = runner.verify_graphs, (runner.verify_graphs if graphs else {})
     kind = UnevenDrafter if uneven else ScriptedDrafter
     llm.engine.scheduler.drafter = kind(K, script, wrong=wrong, vocab_size=llm.model_config.vocab_size)
-    replays = sum(g.num_replays for g in kept.values())
+    replays = sum(g.num_replays + g.num_rollbacks for g in kept.values())
     try:
         tokens = [r.token_ids for r in llm.generate(prompts, PARAMS)]
     finally:
         runner.verify_graphs = kept
-    return tokens, sum(g.num_replays for g in kept.values()) - replays
+    return tokens, sum(g.num_replays + g.num_rollbacks for g in kept.values()) - replays
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4])
@@ -88,3 +89,4 @@ def test_gpu_graphed_verify_steps_equal_eager_and_plain(engines, batch: int, len
             assert graphed == want, (batch, length, wrong)
     stats = spec.engine.spec_stats
     assert stats.num_accepted_tokens - accepted < stats.num_draft_tokens - drafted  # rejections rolled back
+    assert sum(g.num_rollbacks for g in spec.engine.runner.verify_graphs.values()) > 0  # as graphs
