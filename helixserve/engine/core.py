@@ -16,10 +16,10 @@ With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft
 model's, :mod:`.draft_runner`, on the leader of a world's group), the target verifies them in the same
 forward and a rejection rolls its KDA state (and the draft's) back (:mod:`helixserve.engine.spec`;
 in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
-single-process engine (or a world of one) with CUDA graphs replays captured verify steps where
-every sequence of the step carries the same number of drafts (:mod:`.cuda_graphs`); other verify
-steps, and every verify step of a larger world, run eagerly. While no request would draft (``ngram``), decode steps overlap as without speculation
-(:mod:`.spec.drafting`); the ``draft`` method turns overlapped decoding off.
+single-process engine (or a world of one) with CUDA graphs replays captured verify steps and
+their rollbacks (:mod:`.cuda_graphs`; a step with a prompt chunk, and every verify step of a
+larger world, runs eagerly). While no request would draft (``ngram``), decode steps overlap as
+without speculation (:mod:`.spec.drafting`); the ``draft`` method turns overlapped decoding off.
 
 A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
 and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
