@@ -155,11 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode without CUDA graphs (model.enforce_eager)")
     gen.add_argument("--dp", type=int, default=1)
     gen.add_argument("--cp", type=int, default=1)
-    gen.add_argument("--speculative", choices=["ngram", "draft"], default=None,
-                     help="speculative decoding: draft tokens by prompt lookup (ngram) or a draft model (draft), "
-                          "verify them in one forward")
+    gen.add_argument("--speculative", choices=["ngram", "draft", "hidden"], default=None,
+                     help="speculative decoding: draft tokens by prompt lookup (ngram), a draft model (draft) or a "
+                          "drafter reading the target's hidden states (hidden, EAGLE-3 class)")
     gen.add_argument("--draft-model", default=None, metavar="DIR",
-                     help="--speculative draft: the draft checkpoint (the target's vocabulary)")
+                     help="--speculative draft or hidden: the drafter checkpoint (the target's vocabulary)")
     gen.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step (1-7)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)

@@ -24,7 +24,6 @@ from helixserve.engine.llm import LLM
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import size_cache
 from helixserve.engine.request import SamplingParams
-from helixserve.engine.spec.drafting import make_drafter
 from helixserve.launch.offline import generate_on_world
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
@@ -213,8 +212,6 @@ def test_worlds_and_prefix_caching_refuse_a_draft_model(target):
         GenServerConfig(dp=1, cp=1, kv_source="ucx", speculative=spec)
     assert GenServerConfig(dp=1, cp=1, kv_source="recompute", speculative=spec).speculative == spec
     assert draft_config(None, cfg, CacheConfig(), is_world=True) is None
-    with pytest.raises(ValueError, match="'hidden' is not supported by the engine"):
-        make_drafter(SpeculativeConfig(method="hidden", draft_model=target), 64)
 
 
 def test_the_draft_pools_come_out_of_the_cache_budget(target):

@@ -1,0 +1,35 @@
+"""The drafters that are models, chosen by ``speculative.method``: ``draft`` (a draft model,
+:mod:`.draft_runner`) and ``hidden`` (a hidden-state drafter, :mod:`.hidden_runner`). Both run
+in a single-process engine before each step's target forward, their caches indexed by the
+target's page ids; the engine drives either through the same calls (``propose`` before the
+forward, ``record`` after it, ``rollback`` after the verification, ``forget`` at a request's end)."""
+
+from __future__ import annotations
+
+import torch
+
+from helixserve.config import CacheConfig
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.draft_runner import DraftRunner, build_draft_runner, draft_config
+from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runner, hidden_config
+from helixserve.engine.rank_setup import CacheSizes
+from helixserve.models.config import KimiModelConfig
+
+ModelDrafter = DraftRunner | HiddenDraftRunner
+
+
+def drafter_config(speculative: SpeculativeConfig | None, target: KimiModelConfig, cache: CacheConfig,
+                   is_world: bool) -> KimiModelConfig | None:
+    """The drafter's layer config (its cache's shape; ``None``: no model drafter), checked against
+    the target and the engine before any weight is read."""
+    return draft_config(speculative, target, cache, is_world) or hidden_config(speculative, target, cache, is_world)
+
+
+def build_model_drafter(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
+                        layout: CacheSizes, device: torch.device | str) -> ModelDrafter | None:
+    """The drafter of ``speculative.method`` loaded beside the target (``None``: none)."""
+    if speculative is None or cfg is None:
+        return None
+    if speculative.method == "hidden":
+        return build_hidden_runner(speculative, cfg, dtype, layout, device)
+    return build_draft_runner(speculative, cfg, dtype, layout, device)
