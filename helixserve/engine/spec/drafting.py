@@ -95,14 +95,14 @@ class ModelDraftRows(Drafter):
 
     method = "draft"
 
+    def propose(self, request: Request, budget: int) -> list[int]:
+        return [DRAFT_PLACEHOLDER] * max(0, min(self.cap(request), budget))
+
 
 class HiddenDraftRows(ModelDraftRows):
     """The ``hidden`` method's rows, filled by the engine's hidden-state drafter."""
 
     method = "hidden"
-
-    def propose(self, request: Request, budget: int) -> list[int]:
-        return [DRAFT_PLACEHOLDER] * max(0, min(self.cap(request), budget))
 
 
 def make_drafter(config: SpeculativeConfig, max_model_len: int) -> Drafter:
