@@ -21,8 +21,8 @@ import torch
 
 from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.hidden_drafter import (HIDDEN_DRAFTER_KEY, HiddenDrafter, hidden_drafter_config,
-                                              save_hidden_drafter)
+from helixserve.models.hidden_drafter import (HIDDEN_DRAFTER_KEY, HiddenDrafter, HiddenDrafterSpec,
+                                              hidden_drafter_config, save_hidden_drafter)
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -215,11 +215,17 @@ def is_hidden_preset(name: str) -> bool:
     return HIDDEN_DRAFTER_KEY in PRESETS.get(name, {})
 
 
+def hidden_preset_config(preset: str) -> tuple[KimiModelConfig, HiddenDrafterSpec]:
+    """Hidden drafter preset ``preset``'s layer config and what it reads (``ValueError``: not one)."""
+    get_preset(preset)  # a named error for an unknown preset
+    if not is_hidden_preset(preset):
+        raise ValueError(f"preset {preset!r} is not a hidden-state drafter")
+    return hidden_drafter_config(PRESETS[preset])
+
+
 def new_hidden_drafter(preset: str, seed: int = 0) -> HiddenDrafter:
     """Hidden drafter preset ``preset`` in fp32 with seeded random weights (:func:`init_random_weights`)."""
-    get_preset(preset)  # a named error for an unknown preset
-    cfg, spec = hidden_drafter_config(PRESETS[preset])
-    drafter = HiddenDrafter(cfg, spec, dtype=torch.float32)
+    drafter = HiddenDrafter(*hidden_preset_config(preset), dtype=torch.float32)
     init_random_weights(drafter, seed)
     return drafter
 
