@@ -110,6 +110,8 @@ class HiddenDraftRunner:
     def propose(self, out: SchedulerOutput) -> KdaRecord | None:
         """Catch the drafter up on every scheduled sequence and write each speculating sequence's
         drafts into its ``token_ids[1:]`` (see the module docstring). No KDA record: ``None``."""
+        if not out.seqs:
+            return None
         rows, features = [], []
         for seq in out.seqs:
             row, feats = self._catch_up(seq)
