@@ -4,7 +4,7 @@ model (MLA decoder layers, dense MLP, RMSNorms) that reads the target's hidden s
 Row ``i`` of the drafter (its position ``i`` in the sequence) reads the embedding of token ``x_i``
 and a feature vector ``f_i`` and predicts ``x_{i+1}``:
 
-    x = combine([f_i | embed(x_i)])               # concat then project to hidden_size
+    x = combine([norm(f_i) | norm(embed(x_i))])   # RMSNorms, concat, project to hidden_size
     x = layer_N(...layer_1(x))                      # Kimi MLA layers with a dense gated MLP
     logits = lm_head(norm(x))
 
@@ -16,8 +16,8 @@ row before instead of ``f`` (as EAGLE does). The embedding and the LM head are t
 
 Checkpoint: ``config.json`` is a Kimi config (``model_type: kimi_linear``) of the drafter's layers
 plus a ``hidden_drafter`` object (:class:`HiddenDrafterSpec`); ``model.safetensors`` holds
-``model.embed_tokens``, ``model.layers.*``, ``model.norm``, ``lm_head``, ``fc`` and ``combine``
-weights under those names.
+``model.embed_tokens``, ``model.layers.*``, ``model.norm``, ``lm_head``, ``fc``, ``feature_norm``,
+``embed_norm`` and ``combine`` weights under those names.
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ class HiddenDrafter(nn.Module):
         hidden = cfg.hidden_size
         self.model = _Body(cfg, dtype)
         self.fc = nn.Linear(len(spec.hidden_layers) * spec.target_hidden_size, hidden, bias=False, dtype=dtype)
+        self.feature_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
+        self.embed_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         self.combine = nn.Linear(2 * hidden, hidden, bias=False, dtype=dtype)
         self.lm_head = nn.Linear(hidden, cfg.vocab_size, bias=False, dtype=dtype)
 
@@ -134,7 +136,8 @@ class HiddenDrafter(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches, fused: torch.Tensor) -> torch.Tensor:
         """Outputs ``[T, hidden]`` of the batch's rows, ``fused`` ``[T, hidden]`` their features."""
-        x = self.combine(torch.cat([fused, self.model.embed_tokens(batch.input_ids)], dim=-1))
+        embeds = self.embed_norm(self.model.embed_tokens(batch.input_ids))
+        x = self.combine(torch.cat([self.feature_norm(fused), embeds], dim=-1))
         with step_host_cache():
             for layer in self.model.layers:
                 x, _ = layer.forward(x, None, 0, batch, caches)

@@ -7,8 +7,9 @@ target over them keeping the outputs of the drafter's ``hidden_layers`` (the ser
 row ``i`` reads token ``x_i`` and the target's features at ``i - 1`` (zeros at the first row),
 exactly what serving feeds it. A second pass feeds each row the drafter's own first-pass output of
 the row before instead of the target's features (what a draft after the first reads, EAGLE-3's
-training-time test, with plain causal attention over the second pass's rows). The loss is the mean
-over both passes of the cross-entropy against the target's next-token distribution. AdamW, the
+training-time test, with plain causal attention over the second pass's rows). The loss is the
+cross-entropy against the target's next-token distribution, the first pass weighted 1 and the
+second 0.5. AdamW, the
 learning-rate schedule and gradient clipping are the target's (:mod:`.trainer`). Same seed, corpus
 and thread count: the same weights.
 """
@@ -29,7 +30,7 @@ from helixserve.training.trainer import lr_at, make_optimizer, run_saving_clones
 
 logger = logging.getLogger(__name__)
 
-NUM_PASSES = 2
+PASS_WEIGHTS = (1.0, 0.5)  # the target's features, then the drafter's own outputs
 
 
 @torch.no_grad()
@@ -58,18 +59,18 @@ def _own_features(hidden: torch.Tensor, num_seqs: int) -> torch.Tensor:
 
 
 def hidden_step_loss(drafter: HiddenDrafter, target: KimiForCausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy against the target's next-token distribution over both passes (see the
-    module docstring) of ``windows`` ``[B, L + 1]`` (the last token is not read)."""
+    """Cross-entropy against the target's next-token distribution, weighted over both passes (see
+    the module docstring), of ``windows`` ``[B, L + 1]`` (the last token is not read)."""
     inputs = windows[:, :-1]
     features, target_logits = target_features(target, drafter.spec.hidden_layers, inputs)
     want = torch.softmax(target_logits.float(), dim=-1)
     fused = drafter.fuse(features)
     loss = torch.zeros((), device=fused.device)
-    for _ in range(NUM_PASSES):
+    for weight in PASS_WEIGHTS:
         hidden = drafter_outputs(drafter, inputs, fused)
-        loss = loss - (want * F.log_softmax(drafter.logits(hidden), dim=-1)).sum(-1).mean() / NUM_PASSES
+        loss = loss - weight * (want * F.log_softmax(drafter.logits(hidden), dim=-1)).sum(-1).mean()
         fused = _own_features(hidden, inputs.shape[0])
-    return loss
+    return loss / sum(PASS_WEIGHTS)
 
 
 def train_hidden(drafter: HiddenDrafter, target: KimiForCausalLM, tokens: torch.Tensor, tc: TrainingConfig,
