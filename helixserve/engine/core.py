@@ -31,7 +31,7 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
-from helixserve.engine.model_drafters import build_model_drafter, drafter_config
+from helixserve.engine.model_drafters import build_model_drafter, drafter_config, drafter_extra_params
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_holds import HoldRelay
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
@@ -77,7 +77,7 @@ class EngineCore:
         draft_cfg = drafter_config(speculative, model_config, cache, is_world=groups is not None)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs,
-                          draft_cfg)
+                          draft_cfg, drafter_extra_params(speculative, draft_cfg))
         max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)

@@ -14,6 +14,7 @@ from helixserve.engine.draft_runner import DraftRunner, build_draft_runner, draf
 from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runner, hidden_config
 from helixserve.engine.rank_setup import CacheSizes
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.hidden_drafter import input_params, read_hidden_drafter_config
 
 ModelDrafter = DraftRunner | HiddenDraftRunner
 
@@ -33,3 +34,12 @@ def build_model_drafter(speculative: SpeculativeConfig | None, cfg: KimiModelCon
     if speculative.method == "hidden":
         return build_hidden_runner(speculative, cfg, dtype, layout, device)
     return build_draft_runner(speculative, cfg, dtype, layout, device)
+
+
+def drafter_extra_params(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None) -> int:
+    """Parameters of the drafter outside its Kimi layers, embedding and LM head (a hidden
+    drafter's input projections and norms; 0 for a draft model)."""
+    if speculative is None or cfg is None or speculative.method != "hidden":
+        return 0
+    assert speculative.draft_model is not None
+    return input_params(*read_hidden_drafter_config(speculative.draft_model))

@@ -102,6 +102,12 @@ def check_against_target(path: str | Path, cfg: KimiModelConfig, spec: HiddenDra
                                  f"{bad} out of range")
 
 
+def input_params(cfg: KimiModelConfig, spec: HiddenDrafterSpec) -> int:
+    """Parameters of ``fc``, ``combine`` and the two input norms (what a Kimi model of ``cfg`` lacks)."""
+    hidden = cfg.hidden_size
+    return len(spec.hidden_layers) * spec.target_hidden_size * hidden + 2 * hidden * hidden + 2 * hidden
+
+
 class _Body(nn.Module):
     def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()

@@ -5,7 +5,7 @@ logits; greedy output equals plain decoding's token for token (prompts and outpu
 the drafter's cache of accepted positions equals a fresh catch-up's; prompt chunks beside verify
 rows and decodes without drafts, seeded sampling reproducible; vocabulary, hidden size, layer,
 world, prefix-caching and checkpoint-kind mismatches refused with named errors; the drafter's pool
-comes out of the cache budget."""
+comes out of the cache budget and its weights and pool count in the rank memory check."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_runner import DraftModelError, draft_config
 from helixserve.engine.hidden_runner import hidden_config
 from helixserve.engine.llm import LLM
+from helixserve.engine.model_drafters import drafter_extra_params
+from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import size_cache
 from helixserve.engine.request import SamplingParams
 from helixserve.engine.spec.drafting import HiddenDraftRows, make_drafter
@@ -28,10 +30,12 @@ from helixserve.kvcache.sizing import pools_from_budget
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.hidden_capture import HiddenCapture
-from helixserve.models.hidden_drafter import HiddenDrafterError, read_hidden_drafter_config
+from helixserve.models.hidden_drafter import HiddenDrafterError, load_hidden_drafter, read_hidden_drafter_config
+from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.loading import load_model
 from helixserve.models.presets import make_checkpoint
-from helixserve.planning.memory import MIB, engine_pool_sizes, pool_unit_bytes
+from helixserve.planning.memory import MIB, DeploymentDoesNotFitError, engine_pool_sizes, pool_unit_bytes
+from helixserve.planning.weights import rank_weight_bytes
 from helixserve.testing.drafts import run_mixed
 
 TPB = 16
@@ -237,3 +241,21 @@ def test_the_drafter_pool_comes_out_of_the_cache_budget(target, drafter, hidden_
     _, layout = size_cache(cfg, torch.float32, CacheConfig(tokens_per_block=TPB, max_num_seqs=8), draft=hidden_cfg)
     assert engine.layout == layout
     assert engine.draft_runner.caches.mla_kv[0].shape[0] == layout.num_blocks
+
+
+def test_the_rank_memory_check_counts_the_drafter_weights_and_pool(target, drafter):
+    cfg = KimiModelConfig.from_pretrained(target)
+    hidden_cfg, _ = read_hidden_drafter_config(drafter)
+    spec = SpeculativeConfig(method="hidden", draft_model=drafter)
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg, dtype=torch.float32)
+    cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
+    _, layout = size_cache(cfg, torch.float32, cache, draft=hidden_cfg)
+    shortfalls = []
+    for draft, extra in ((None, 0), (hidden_cfg, drafter_extra_params(spec, hidden_cfg))):
+        with pytest.raises(DeploymentDoesNotFitError) as err:
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", draft=draft, draft_extra_params=extra)
+        shortfalls.append(err.value.shortfall_bytes)
+    weights = sum(p.numel() for p in load_hidden_drafter(drafter).parameters()) * 4
+    assert weights == rank_weight_bytes(hidden_cfg, 4).total_bytes + 4 * drafter_extra_params(spec, hidden_cfg)
+    assert shortfalls[1] - shortfalls[0] == weights + layout.num_blocks * pool_unit_bytes(hidden_cfg, 4, TPB)[0]
