@@ -6,7 +6,8 @@ token), on two prompt sets: ``repetitive`` (prompts made of a repeated short pat
 ``random`` (uniform random ids: the cost when nothing is accepted). The drafters: the n-gram
 lookup; the ``draft`` method with the target's own weights (every draft accepted: the upper
 bound of acceptance; each step costs k + 1 forwards of a draft model as large as the target
-here) and with another seed's weights (nothing accepted: the lower bound). Each row says whether
+here) and with another seed's weights (nothing accepted: the lower bound); the ``hidden`` method
+(a one-layer hidden-state drafter, ``kimi-linear-tiny-hidden``, random weights). Each row says whether
 the speculative tokens equal plain decoding's, the acceptance rate and acceptance per draft
 position. The random-weight presets do not continue their prompts' patterns, so n-gram
 acceptance stays low on both sets here; its rows measure the verify step's cost (k + 1 rows per
@@ -21,8 +22,9 @@ to other processes on a shared machine); tok/s are each side's best. A second pl
 in every round too: its median ratio to the first is the noise floor.
 
 ``--checkpoint DIR`` runs a given checkpoint instead of a random-weight ``kimi-linear-tiny`` (e.g.
-one ``helixserve make-checkpoint --train-on`` trained; its ``DIR/draft``, when there, is the
-second draft model in place of another seed's weights); ``--prompts-from DIR`` adds a third prompt
+one ``helixserve make-checkpoint --train-on`` trained; its ``DIR/draft`` and ``DIR/hidden``, when
+there, are the second draft model and the hidden drafter in place of random weights;
+``--methods`` picks the drafters to run); ``--prompts-from DIR`` adds a third prompt
 set, ``held-out``: windows of the held-out files under ``DIR`` (the split the training used, read
 from the checkpoint's ``training_log.json`` when it has one), tokenized with the checkpoint's
 tokenizer. A model trained on text continues held-out text the way the text repeats itself, so
@@ -39,7 +41,7 @@ Also printed: the KDA rollback's memory per speculating sequence for the full pr
 per-position states.
 
     python bench/spec_decode.py [--quick] [--out FILE] [--num-draft-tokens K] [--repeats N]
-                                [--checkpoint DIR] [--prompts-from DIR]
+                                [--checkpoint DIR] [--prompts-from DIR] [--methods ngram,draft,hidden]
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ from helixserve.training.corpus import held_out_texts  # noqa: E402
 from helixserve.training.config import TrainingConfig  # noqa: E402
 
 
+METHODS = ("ngram", "draft", "hidden")
+
+
 def prompt_sets(batch: int, length: int, vocab: int, seed: int) -> dict[str, list[list[int]]]:
     rng = random.Random(seed)
     repetitive = []
@@ -102,18 +107,23 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
 SCRIPTED = "ngram, every draft right"
 
 
-def spec_engines(ckpt: Path, drafts: dict[str, Path], k: int, cache: CacheConfig, **llm_kw: Any) -> dict[str, LLM]:
-    """The speculating engines of the decode rows: n-gram lookup; n-gram's verify steps with
-    drafts scripted from plain decoding's tokens (``SCRIPTED``: every draft accepted, the upper
-    bound of a prompt-lookup drafter on this model); and a draft model per entry of
-    ``drafts`` (the target's own weights: every draft accepted, the upper bound; a trained draft;
-    another seed's weights)."""
+def spec_engines(ckpt: Path, drafts: dict[str, Path], k: int, cache: CacheConfig, methods: tuple[str, ...],
+                 **llm_kw: Any) -> dict[str, LLM]:
+    """The speculating engines of the decode rows whose method is in ``methods``: n-gram lookup,
+    and n-gram's verify steps with drafts scripted from plain decoding's tokens (``SCRIPTED``:
+    every draft accepted, the upper bound of a prompt-lookup drafter on this model); and a model
+    drafter per entry of ``drafts`` (its name starts with its method: the target's own weights as
+    draft, every draft accepted, the upper bound; a trained draft or hidden drafter; another
+    seed's weights)."""
     ngram = SpeculativeConfig(method="ngram", num_draft_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
-    return {"ngram": LLM(ckpt, cache=cache, speculative=ngram, **llm_kw),
-            SCRIPTED: LLM(ckpt, cache=cache, speculative=ngram, **llm_kw),
-            **{name: LLM(ckpt, cache=cache, speculative=SpeculativeConfig(method="draft", draft_model=draft,
-                                                                          num_draft_tokens=k), **llm_kw)
-               for name, draft in drafts.items()}}
+    engines = ({"ngram": LLM(ckpt, cache=cache, speculative=ngram, **llm_kw),
+                SCRIPTED: LLM(ckpt, cache=cache, speculative=ngram, **llm_kw)} if "ngram" in methods else {})
+    for name, draft in drafts.items():
+        method = name.split(",")[0]
+        if method in methods:
+            spec = SpeculativeConfig(method=method, draft_model=draft, num_draft_tokens=k)
+            engines[name] = LLM(ckpt, cache=cache, speculative=spec, **llm_kw)
+    return engines
 
 
 def spec_row(spec: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> dict[str, Any]:
@@ -133,10 +143,10 @@ def spec_row(spec: LLM, prompts: list[list[int]], params: SamplingParams, tag: s
 
 
 def rows_for(ckpt: Path, drafts: dict[str, Path], k: int, quick: bool, prompts_from: Path | None = None,
-             **llm_kw: Any) -> list[dict[str, Any]]:
+             methods: tuple[str, ...] = METHODS, **llm_kw: Any) -> list[dict[str, Any]]:
     cache = CacheConfig(tokens_per_block=16, max_num_seqs=8)
     plain = LLM(ckpt, cache=cache, **llm_kw)
-    engines = spec_engines(ckpt, drafts, k, cache, **llm_kw)
+    engines = spec_engines(ckpt, drafts, k, cache, methods, **llm_kw)
     params = SamplingParams(max_tokens=24 if quick else 64, temperature=0.0, ignore_eos=True)
     rows = []
     for batch in (1, 8):
@@ -147,7 +157,9 @@ def rows_for(ckpt: Path, drafts: dict[str, Path], k: int, quick: bool, prompts_f
             decode(plain, prompts[:1], params, "warm-plain")
             plain_rate, plain_tokens = decode(plain, prompts, params, f"plain-{name}-{batch}")
             script = {tuple(p): t for p, t in zip(prompts, plain_tokens, strict=True)}
-            engines[SCRIPTED].engine.scheduler.drafter = ScriptedDrafter(k, script, vocab_size=plain.model_config.vocab_size)
+            if SCRIPTED in engines:
+                engines[SCRIPTED].engine.scheduler.drafter = ScriptedDrafter(k, script,
+                                                                             vocab_size=plain.model_config.vocab_size)
             for method, spec in engines.items():
                 decode(spec, prompts[:1], params, f"warm-{method}")
             for method, spec in engines.items():
@@ -226,7 +238,10 @@ def main() -> None:
                         help="checkpoint to run (default: a random-weight kimi-linear-tiny)")
     parser.add_argument("--prompts-from", type=Path, default=None, metavar="DIR",
                         help="add held-out prompts: the held-out files under DIR (make-checkpoint --train-on's split)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated drafters to run (ngram, draft, hidden); the nothing-drafted row needs ngram")
     args = parser.parse_args()
+    methods = tuple(args.methods.split(","))
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         on_cuda = args.device.startswith("cuda")
@@ -236,11 +251,14 @@ def main() -> None:
         else:
             ckpt = args.checkpoint or make_checkpoint("kimi-linear-tiny", Path(tmp) / "kimi-linear-tiny", seed=0)
             drafts = {"draft, same weights": ckpt}
-            trained = ckpt / "draft"
+            trained, hidden = ckpt / "draft", ckpt / "hidden"
             drafts.update({"draft, trained": trained} if trained.is_dir() else
                           {"draft, seed 1": make_checkpoint("kimi-linear-tiny", Path(tmp) / "seed1", seed=1)})
-        rows = rows_for(ckpt, drafts, args.num_draft_tokens, args.quick, args.prompts_from, **llm_kw)
-        none = nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats, **llm_kw)
+            drafts.update({"hidden, trained": hidden} if hidden.is_dir() else
+                          {"hidden, seed 1": make_checkpoint("kimi-linear-tiny-hidden", Path(tmp) / "hidden", seed=1)})
+        rows = rows_for(ckpt, drafts, args.num_draft_tokens, args.quick, args.prompts_from, methods, **llm_kw)
+        none = (nothing_drafted_row(ckpt, args.num_draft_tokens, args.quick, args.repeats, **llm_kw)
+                if "ngram" in methods else None)
     memory = rollback_memory(args.num_draft_tokens)
     name = (f"{args.preset} (dummy weights, {args.dtype})" if on_cuda else
             "kimi-linear-tiny (random weights)" if args.checkpoint is None else str(args.checkpoint))
@@ -249,6 +267,16 @@ def main() -> None:
                           "acceptance", "per position"],
                          [[r["method"], r["prompts"], r["batch"], r["plain_tok_s"], r["spec_tok_s"], r["ratio"], r["equal"],
                            r["drafted"], r["acceptance"], r["acceptance_per_position"]] for r in rows]))
+    if none is not None:
+        print_nothing_drafted(none)
+    print()
+    print(markdown_table(["preset", "KDA layers", "replay MiB/seq", "per-position states MiB/seq"],
+                         [[m["preset"], m["kda_layers"], m["replay_mib"], m["per_position_mib"]] for m in memory]))
+    write_json(args.out, {"machine": machine_info(), "checkpoint": name, "num_draft_tokens": args.num_draft_tokens,
+                          "decode": rows, "nothing_drafted": none, "rollback_memory": memory})
+
+
+def print_nothing_drafted(none: dict[str, Any]) -> None:
     print()
     print(f"nothing drafted (5-gram lookup over distinct ids), batch {none['batch']}, median of {none['repeats']} rounds")
     print(markdown_table(["batch", "plain tok/s", "spec tok/s", "ratio", "plain tok/CPU s", "spec tok/CPU s",
@@ -257,11 +285,6 @@ def main() -> None:
                            none["plain_tok_per_cpu_s"], none["spec_tok_per_cpu_s"], none["cpu_ratio"],
                            f"{none['control_ratio']:.2f} / {none['control_cpu_ratio']:.2f}",
                            none["equal"], none["drafted"]]]))
-    print()
-    print(markdown_table(["preset", "KDA layers", "replay MiB/seq", "per-position states MiB/seq"],
-                         [[m["preset"], m["kda_layers"], m["replay_mib"], m["per_position_mib"]] for m in memory]))
-    write_json(args.out, {"machine": machine_info(), "checkpoint": name, "num_draft_tokens": args.num_draft_tokens,
-                          "decode": rows, "nothing_drafted": none, "rollback_memory": memory})
 
 
 if __name__ == "__main__":

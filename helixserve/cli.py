@@ -34,8 +34,8 @@ def _parse_ids(text: str) -> list[int]:
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     if args.train_on is not None:
         return _train_checkpoint(args)
-    given = [f"--{name.replace('_', '-')}" for name in ("train_steps", "draft_preset", "draft_out", "draft_steps")
-             if getattr(args, name) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in ("train_steps", "draft_preset", "draft_out", "draft_steps",
+                                                        "hidden_preset", "hidden_out") if getattr(args, name) is not None]
     if given:
         flags = ", ".join(given)
         raise ValueError(f"{flags}: only with --train-on (a random-weight checkpoint is not trained)")
@@ -47,17 +47,21 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _train_checkpoint(args: argparse.Namespace) -> int:
-    from helixserve.training.checkpoint import default_draft_preset, train_checkpoint
+    from helixserve.training.checkpoint import default_draft_preset, default_hidden_preset, train_checkpoint
 
     draft = default_draft_preset(args.preset) if args.draft_preset is None else args.draft_preset
     if draft in (None, "none") and args.draft_out is not None:
         raise ValueError(f"--draft-out {args.draft_out}: no draft is trained for {args.preset} (name --draft-preset)")
+    hidden = default_hidden_preset(args.preset) if args.hidden_preset is None else args.hidden_preset
+    if hidden in (None, "none") and args.hidden_out is not None:
+        raise ValueError(f"--hidden-out {args.hidden_out}: no hidden drafter is trained for {args.preset} "
+                         "(name --hidden-preset)")
     given = {"steps": args.train_steps, "draft_steps": args.draft_steps}
     tc = TrainingConfig(seed=args.seed, tokenizer=args.tokenizer, dtype=args.dtype,
                         **{k: v for k, v in given.items() if v is not None})
     report = train_checkpoint(args.preset, args.out, args.train_on, tc, None if draft == "none" else draft,
-                              args.draft_out)
-    for m in filter(None, (report.target, report.draft)):
+                              args.draft_out, None if hidden == "none" else hidden, args.hidden_out)
+    for m in filter(None, (report.target, report.draft, report.hidden)):
         held = "" if m.held_out_loss is None else f"; held-out loss {m.held_out_loss_init:.3f} -> {m.held_out_loss:.3f}"
         agree = "" if m.greedy_agreement is None else f"; greedy agreement with the target {m.greedy_agreement:.1%}"
         print(f"trained {m.preset} for {len(m.losses)} steps in {m.seconds:.0f} s "
@@ -133,7 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --train-on: the draft model trained against the target on the same text "
                          "(default: the preset's two-layer cut, e.g. kimi-linear-tiny-draft; none: no draft)")
     mk.add_argument("--draft-out", default=None, metavar="DIR", help="the draft's checkpoint (default: OUT/draft)")
-    mk.add_argument("--draft-steps", type=int, default=None, help="the draft's training steps (default: --train-steps)")
+    mk.add_argument("--draft-steps", type=int, default=None,
+                    help="each drafter's training steps (default: --train-steps)")
+    mk.add_argument("--hidden-preset", default=None, metavar="NAME",
+                    help="with --train-on: the hidden-state drafter trained against the target on the same text "
+                         "(default: the preset's, e.g. kimi-linear-tiny-hidden; none: no hidden drafter)")
+    mk.add_argument("--hidden-out", default=None, metavar="DIR",
+                    help="the hidden drafter's checkpoint (default: OUT/hidden)")
     mk.set_defaults(func=_cmd_make_checkpoint)
 
     gen = sub.add_parser("generate", help="generate from a prompt with the built-in engine")
@@ -155,11 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode without CUDA graphs (model.enforce_eager)")
     gen.add_argument("--dp", type=int, default=1)
     gen.add_argument("--cp", type=int, default=1)
-    gen.add_argument("--speculative", choices=["ngram", "draft"], default=None,
-                     help="speculative decoding: draft tokens by prompt lookup (ngram) or a draft model (draft), "
-                          "verify them in one forward")
+    gen.add_argument("--speculative", choices=["ngram", "draft", "hidden"], default=None,
+                     help="speculative decoding: draft tokens by prompt lookup (ngram), a draft model (draft) or a "
+                          "drafter reading the target's hidden states (hidden, EAGLE-3 class)")
     gen.add_argument("--draft-model", default=None, metavar="DIR",
-                     help="--speculative draft: the draft checkpoint (the target's vocabulary)")
+                     help="--speculative draft or hidden: the drafter checkpoint (the target's vocabulary)")
     gen.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step (1-7)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)

@@ -5,26 +5,24 @@ HTTP. It runs in two places:
 
 - a single process (``LLM``, ctx workers, aggregated workers): steps run on its
   :class:`~helixserve.engine.runner.ModelRunner`;
-- the leader of each CP group of a gen world (``groups`` given): the scheduler is the group's
-  only one, over the group's cache (every CP rank's allocator,
-  :class:`~helixserve.kvcache.group_cache.GroupCacheManager`), and its
-  :class:`~helixserve.engine.spmd.leader.GroupLeader` sends each step to the group's other ranks
-  before it runs here and shares the sampled tokens. Requests whose prompt cache arrives from a ctx worker enter
-  through :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
+- the leader of each CP group of a gen world (``groups`` given): the scheduler is the group's only one, over the
+  group's cache (every CP rank's allocator, :class:`~helixserve.kvcache.group_cache.GroupCacheManager`), and its
+  :class:`~helixserve.engine.spmd.leader.GroupLeader` sends each step to the group's other ranks before it runs here
+  and shares the sampled tokens. Requests whose prompt cache arrives from a ctx worker enter through
+  :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
-With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft``: a draft
-model's, :mod:`.draft_runner`, on the leader of a world's group), the target verifies them in the same
-forward and a rejection rolls its KDA state (and the draft's) back (:mod:`helixserve.engine.spec`;
-in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
-single-process engine (or a world of one) with CUDA graphs replays captured verify steps and
-their rollbacks (:mod:`.cuda_graphs`; a step with a prompt chunk, and every verify step of a
-larger world, runs eagerly). While no request would draft (``ngram``), decode steps overlap as
-without speculation (:mod:`.spec.drafting`); the ``draft`` method turns overlapped decoding off.
+With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft`` / ``hidden``: a model
+drafter's, :mod:`.model_drafters`; ``draft`` on the leader of a world's group, ``hidden`` in a single process), the
+target verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
+(:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
+single-process engine (or a world of one) with CUDA graphs replays captured verify steps and their rollbacks
+(:mod:`.cuda_graphs`; a step with a prompt chunk, and every verify step of a larger world, runs eagerly). While no
+request would draft (``ngram``), decode steps overlap as without speculation (:mod:`.spec.drafting`); a model
+drafter turns overlapped decoding off.
 
-A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs
-and overlapped decoding: its tokens are the single process's. With dp > 1 every DP group must
-run one forward per world step (the MoE all-to-alls pair them up), so overlapped decoding,
-which launches two steps in one, is off there.
+A world of one (dp 1 x cp 1) is this class on the same model with the same caches, CUDA graphs and overlapped
+decoding: its tokens are the single process's. With dp > 1 every DP group must run one forward per world step (the
+MoE all-to-alls pair them up), so overlapped decoding, which launches two steps in one, is off there.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
-from helixserve.engine.draft_runner import build_draft_runner, draft_config
+from helixserve.engine.model_drafters import build_model_drafter, drafter_config, drafter_extra_params
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_holds import HoldRelay
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
@@ -64,9 +62,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the scheduler (queues, cache accounting) and the model runner (tensors); see the module
-    docstring. ``groups``: this process is the leader (``cp_rank == 0``) of a gen world's CP
-    group; ``kv_receiver``: its receiver of prompt caches from ctx workers."""
+    """Owns the scheduler (queues, cache accounting) and the model runner (tensors); see the module docstring.
+    ``groups``: this process is the leader (``cp_rank == 0``) of a gen world's CP group; ``kv_receiver``: its
+    receiver of prompt caches from ctx workers."""
 
     def __init__(self, model: torch.nn.Module, model_config: KimiModelConfig, tokenizer: HelixTokenizer | None,
                  cache: CacheConfig = CacheConfig(), scheduler: SchedulerConfig = SchedulerConfig(),
@@ -79,24 +77,26 @@ class EngineCore:
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
-        draft_cfg = draft_config(speculative, model_config, cache)
+        draft_cfg = drafter_config(speculative, model_config, cache, is_world=groups is not None)
         spec, self.layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
         check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs,
-                          draft_cfg)
+                          draft_cfg, drafter_extra_params(speculative, draft_cfg))
         max_model_len = self.layout.max_model_len
         is_cuda = torch.device(device).type == "cuda"
         self.caches = allocate_rank_caches(spec, self.layout, device)
         self.runner = ModelRunner(model, self.caches, device, seed=seed)
-        graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size)
+        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp)
+        self.draft_runner = build_model_drafter(speculative, draft_cfg, model.dtype, self.layout, device,
+                                                self.cache_manager, cp)
+        if self.draft_runner is not None:
+            self.runner.capture_layers = self.draft_runner.capture_layers
+        graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size, self.runner.capture_layers)
         if graphs_off is None:
             self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
             if speculative is not None and world_size == 1 and self.runner.decode_graphs is not None:
                 self.runner.capture_verify_graphs(speculative.num_draft_tokens, *decode_graph_shape(cache, self.layout))
         elif is_cuda and use_cuda_graphs:
             logger.info("decode CUDA graphs off: %s", graphs_off)
-        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp)
-        self.draft_runner = build_draft_runner(speculative, draft_cfg, model.dtype, self.layout, device,
-                                               self.cache_manager, cp)
         if self.cache_manager.prefix_caching:
             self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None
@@ -122,7 +122,7 @@ class EngineCore:
         overlap = scheduler.overlap_decode
         self.overlap_decode = self.runner.decode_graphs is not None if overlap is None else overlap
         if (mapping is not None and mapping.dp > 1) or self.draft_runner is not None:
-            # one forward per world step; a draft model reads every step's input tokens on the host
+            # one forward per world step; a model drafter reads every step's input tokens on the host
             self.overlap_decode = False
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_step_errors = 0
@@ -212,8 +212,7 @@ class EngineCore:
         return self._in_flight is not None
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run or to receive, or an overlapped step still to be read back (its caches
-        to free)."""
+        """Requests to run or to receive, or an overlapped step still to be read back."""
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
                 or (self.kv_intake is not None and self.kv_intake.num_waiting > 0))
 
@@ -251,11 +250,9 @@ class EngineCore:
         return updates
 
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run the model, apply the sampled tokens; returns this step's new tokens.
-
-        With overlapped decoding the next decode step is enqueued (``Scheduler.schedule_ahead``,
-        fed the sampled tokens on the device) before this step's tokens are read back, so the
-        device runs it while the host applies them; the next call starts from that step.
+        """Schedule, run the model, apply the sampled tokens; returns this step's new tokens. With
+        overlapped decoding the next decode step is enqueued (``Scheduler.schedule_ahead``, fed
+        the sampled tokens on the device) before this step's tokens are read back.
 
         A request's failure is its own: a step is prepared (each request's sampling, the batch)
         before any model code runs, and one that cannot be runs again without the requests the
@@ -336,6 +333,8 @@ class EngineCore:
                 raise CollectiveError(f"forward failed on rank {self.group.channel.mapping.rank}: "
                                       f"{type(exc).__name__}: {exc}") from exc
             raise
+        if self.draft_runner is not None and prepared is not None:
+            self.draft_runner.record(out, prepared.batch)
         launched = self._sample(out, logits)
         launched.kda_record = prepared.batch.kda_record if prepared is not None else self.runner.replayed_record
         launched.draft_record = draft_record
@@ -407,3 +406,5 @@ class EngineCore:
         for rid in request_ids:
             self._params.pop(rid, None)
         self.runner.release(request_ids)
+        if self.draft_runner is not None:
+            self.draft_runner.forget(request_ids)

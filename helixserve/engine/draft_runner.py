@@ -62,6 +62,8 @@ from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.host_copy import to_device
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.context import ForwardBatch
+from helixserve.models.hidden_drafter import is_hidden_drafter
 from helixserve.models.kda_spec import KdaRecord, KdaSaved
 from helixserve.models.loading import load_model
 
@@ -101,6 +103,8 @@ def draft_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
     if cache.prefix_caching:
         raise DraftModelError("speculative.method 'draft' does not run with cache.prefix_caching: the draft "
                               "model keeps no KDA state checkpoints of cached prefixes")
+    if is_hidden_drafter(path):
+        raise DraftModelError(f"speculative.draft_model {path} is a hidden-state drafter: use method 'hidden'")
     cfg = KimiModelConfig.from_pretrained(path)
     if cfg.vocab_size != target.vocab_size:
         raise DraftVocabMismatchError(path, cfg.vocab_size, target.vocab_size)
@@ -133,6 +137,8 @@ def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConf
 
 class DraftRunner:
     """Runs the draft model of one engine (see the module docstring)."""
+
+    capture_layers = None  # it reads no hidden state of the target
 
     def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: torch.device | str,
                  pages: DraftPages) -> None:
@@ -206,6 +212,12 @@ class DraftRunner:
         """After ``update_from_output`` of ``out``: roll the draft's KDA state back to the rows
         the target kept (:func:`~helixserve.engine.spec.verify_step.kept_rows`)."""
         self.runner.rollback(record, kept_rows(out, record, get_request))
+
+    def record(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
+        """Nothing to keep of the target's forward (the draft model reads tokens only)."""
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Nothing kept per request outside the cache."""
 
 
 def _first_rows(seq: ScheduledSeq, table: list[int]) -> ScheduledSeq:

@@ -97,16 +97,19 @@ def decode_graph_shape(cache: CacheConfig, layout: CacheSizes) -> tuple[int, int
 
 
 def decode_graphs_off_reason(model: torch.nn.Module, device: torch.device | str, use_cuda_graphs: bool,
-                             world_size: int) -> str | None:
+                             world_size: int, capture_layers: tuple[int, ...] | None = None) -> str | None:
     """Why this rank captures no decode CUDA graphs (``None``: it captures them).
 
     Graphs need the fast kernels: the PyTorch references read metadata on the host and check slot
     ids (padded rows repeat the scratch slot), neither of which a graph can hold. In a world of
     more than one rank they need the hooks' static mode (no host read in the MoE all-to-all, the
     same shapes on every rank), which every rank of the world sets alike, so every rank captures
-    (and replays) the same graphs, their collectives in the same order."""
+    (and replays) the same graphs, their collectives in the same order. Steps that keep layer
+    outputs (``capture_layers``: a hidden-state drafter's) run eagerly."""
     if not use_cuda_graphs:
         return "enforce_eager"
+    if capture_layers is not None:
+        return f"a hidden-state drafter reads layers {list(capture_layers)} of every step"
     if torch.device(device).type != "cuda":
         return "not on CUDA"
     if not has_fla():

@@ -25,6 +25,7 @@ from helixserve.engine.spec.verify_step import VerifiedStep, kda_record, verify_
 from helixserve.host_copy import to_device
 from helixserve.kvcache.pools import copy_states, reset_slots
 from helixserve.models.context import ForwardBatch
+from helixserve.models.hidden_capture import HiddenCapture
 from helixserve.models.kda_checkpoints import StateSaves, build_state_saves
 from helixserve.models.kda_spec import KdaRecord
 
@@ -161,6 +162,7 @@ class ModelRunner:
         self.checkpoints: ModelCaches | None = None  # KDA state checkpoints (prefix caching)
         self.replayed_record: KdaRecord | None = None  # the last graphed verify step's KDA record
         self._replayed_from: DecodeGraphs | None = None  # the graphs that replayed it
+        self.capture_layers: tuple[int, ...] | None = None  # layers whose outputs every step keeps
 
     def capture_decode_graphs(self, max_batch: int, max_blocks: int, scratch_slot: int) -> str | None:
         """CUDA-graph the decode steps of up to ``max_batch`` sequences (see :mod:`.cuda_graphs`);
@@ -225,14 +227,18 @@ class ModelRunner:
 
         A decode step whose slots are a permuted range runs in slot order: the model updates the
         slots' KDA/conv state rows in place (a view of the pools) instead of gathering and
-        scattering them; the logits go back to the scheduled order."""
-        order = slot_order(out)
+        scattering them; the logits go back to the scheduled order. With ``capture_layers`` the
+        rows keep the scheduled order and the batch keeps those layers' outputs (a hidden-state
+        drafter's features)."""
+        order = slot_order(out) if self.capture_layers is None else None
         by_slot = out if order is None else SchedulerOutput(seqs=[out.seqs[i] for i in order])
         batch = build_forward_batch(by_slot, self.device)
         if self.checkpoints is not None:
             batch.state_saves = inner_state_saves(by_slot, self.checkpoints, self.device)
         if out.num_draft_tokens and self.caches.kda_state:
             batch.kda_record = kda_record(out, self.device)
+        if self.capture_layers is not None:
+            batch.hidden_capture = HiddenCapture(self.capture_layers)
         if input_tokens is not None:
             if order is not None:
                 input_tokens = input_tokens[to_device(torch.tensor(order), input_tokens.device)]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from helixserve.models.hidden_capture import HiddenCapture
     from helixserve.models.kda_checkpoints import StateSaves
     from helixserve.models.kda_spec import KdaRecord
 
@@ -39,6 +40,8 @@ class ForwardBatch:
             pre-step states, for the rollback after acceptance (:mod:`.kda_spec`).
         state_saves: KDA state checkpoints taken inside the step's prefill chunks
             (:mod:`.kda_checkpoints`).
+        hidden_capture: the decoder layers whose outputs the forward keeps for every row (a
+            hidden-state drafter's features, :mod:`.hidden_capture`; ``None``: none kept).
     """
 
     input_ids: torch.Tensor
@@ -51,6 +54,7 @@ class ForwardBatch:
     is_decode: bool | None = None
     kda_record: KdaRecord | None = None
     state_saves: StateSaves | None = None
+    hidden_capture: HiddenCapture | None = None
 
     @property
     def wants_no_logits(self) -> bool:

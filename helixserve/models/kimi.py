@@ -117,15 +117,19 @@ class KimiModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches, hooks: HelixHooks | None = None) -> torch.Tensor:
         """Final normed hidden states of the rank's rows: ``[T, hidden]``, or ``[c, hidden]`` with
-        ``hooks`` slicing rows over the CP group from its first MoE layer on."""
+        ``hooks`` slicing rows over the CP group from its first MoE layer on. With
+        ``batch.hidden_capture`` the outputs of its layers are kept there (a single process's rows)."""
         h = self.embed_tokens(batch.input_ids)
         bank = h.new_empty(self.cfg.num_attn_res_blocks, *h.shape) if self.cfg.attn_res_block_size is not None else None
         num_banked = 0
         first_sliced = -1 if hooks is None else hooks.first_sliced_layer
+        capture = batch.hidden_capture
         for layer in self.layers:
             if layer.layer_idx == first_sliced:
                 h, bank = hooks.slice_rows(h, bank, num_banked)
             h, num_banked = layer.forward(h, bank, num_banked, batch, caches, hooks)  # no per-layer Module.__call__
+            if capture is not None:
+                capture.take(layer.layer_idx, h)
         with NO_PHASE if hooks is None else hooks.phase("residual"):
             if bank is not None:
                 h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked])

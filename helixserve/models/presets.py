@@ -5,7 +5,9 @@ and ``kimi-k3-tiny`` are small enough for CPU tests yet exercise every layer kin
 mixers, a dense layer 0 and MoE layers; K3-tiny adds q-LoRA MLA with output gate, the lower-bound
 KDA gate with full-rank output gate, SiTU, latent MoE, three attention-residual blocks and MXFP4
 routed experts in its checkpoint. ``kimi-linear-tiny-draft`` / ``kimi-k3-tiny-draft`` are their
-two-layer cuts (:data:`DRAFT_PRESETS`), draft models for speculative decoding. Tiny vocabularies
+two-layer cuts (:data:`DRAFT_PRESETS`), draft models for speculative decoding;
+``kimi-linear-tiny-hidden`` / ``kimi-k3-tiny-hidden`` are one-layer hidden-state drafters reading
+three of their layers (:data:`HIDDEN_PRESETS`, :mod:`.hidden_drafter`). Tiny vocabularies
 match the byte-level tokenizer (256 bytes + specials, bos 256, eos 257, pad 258).
 """
 
@@ -19,6 +21,8 @@ import torch
 
 from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.hidden_drafter import (HIDDEN_DRAFTER_KEY, HiddenDrafter, HiddenDrafterSpec,
+                                              hidden_drafter_config, save_hidden_drafter)
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -102,6 +106,15 @@ def two_layer_draft(target: dict[str, Any]) -> dict[str, Any]:
             "linear_attn_config": {**target["linear_attn_config"], "kda_layers": [1], "full_attn_layers": [2]}}
 
 
+def _hidden_drafter(target: dict[str, Any], hidden_layers: list[int]) -> dict[str, Any]:
+    """A one-layer MLA drafter (dense MLP, plain residual) reading ``target``'s layers
+    ``hidden_layers``: the same vocabulary and MLA shapes (:mod:`.hidden_drafter`)."""
+    return {**target, "model_type": "kimi_linear", "num_hidden_layers": 1, "attn_res_block_size": None,
+            "routed_expert_format": "dense",
+            "linear_attn_config": {**target["linear_attn_config"], "kda_layers": [], "full_attn_layers": [1]},
+            HIDDEN_DRAFTER_KEY: {"hidden_layers": hidden_layers, "target_hidden_size": target["hidden_size"]}}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "kimi-linear-48b": _KIMI_LINEAR_48B,
     "kimi-k3": _KIMI_K3,
@@ -110,9 +123,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kimi-k3-mid": _KIMI_K3_MID,
     "kimi-linear-tiny-draft": two_layer_draft(_KIMI_LINEAR_TINY),
     "kimi-k3-tiny-draft": two_layer_draft(_KIMI_K3_TINY),
+    "kimi-linear-tiny-hidden": _hidden_drafter(_KIMI_LINEAR_TINY, [0, 2, 3]),
+    "kimi-k3-tiny-hidden": _hidden_drafter(_KIMI_K3_TINY, [1, 3, 5]),
 }
-# the draft preset ``make-checkpoint --train-on`` trains beside each target preset by default
+# the drafter presets ``make-checkpoint --train-on`` trains beside each target preset by default
 DRAFT_PRESETS: dict[str, str] = {"kimi-linear-tiny": "kimi-linear-tiny-draft", "kimi-k3-tiny": "kimi-k3-tiny-draft"}
+HIDDEN_PRESETS: dict[str, str] = {"kimi-linear-tiny": "kimi-linear-tiny-hidden", "kimi-k3-tiny": "kimi-k3-tiny-hidden"}
 
 
 def get_preset(name: str) -> KimiModelConfig:
@@ -182,11 +198,36 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
     cfg = get_preset(preset)
     check_tokenizer_format(tokenizer, preset, cfg)
     torch_dtype = getattr(torch, dtype)
+    if is_hidden_preset(preset):
+        drafter = new_hidden_drafter(preset, seed)
+        out = save_hidden_drafter(drafter, out_dir, torch_dtype)
+        write_tokenizer(out, tokenizer, cfg)
+        return out
     model = KimiForCausalLM(cfg, dtype=torch.float32)
     init_random_weights(model, seed)
     out = save_checkpoint(model, cfg, out_dir, torch_dtype)
     write_tokenizer(out, tokenizer, cfg)
     return out
+
+
+def is_hidden_preset(name: str) -> bool:
+    """Whether preset ``name`` is a hidden-state drafter (:mod:`.hidden_drafter`)."""
+    return HIDDEN_DRAFTER_KEY in PRESETS.get(name, {})
+
+
+def hidden_preset_config(preset: str) -> tuple[KimiModelConfig, HiddenDrafterSpec]:
+    """Hidden drafter preset ``preset``'s layer config and what it reads (``ValueError``: not one)."""
+    get_preset(preset)  # a named error for an unknown preset
+    if not is_hidden_preset(preset):
+        raise ValueError(f"preset {preset!r} is not a hidden-state drafter")
+    return hidden_drafter_config(PRESETS[preset])
+
+
+def new_hidden_drafter(preset: str, seed: int = 0) -> HiddenDrafter:
+    """Hidden drafter preset ``preset`` in fp32 with seeded random weights (:func:`init_random_weights`)."""
+    drafter = HiddenDrafter(*hidden_preset_config(preset), dtype=torch.float32)
+    init_random_weights(drafter, seed)
+    return drafter
 
 
 def check_tokenizer_format(tokenizer: str, preset: str, cfg: KimiModelConfig) -> None:

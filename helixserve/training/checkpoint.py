@@ -4,10 +4,12 @@ The target preset is trained from its seeded random init (:func:`~helixserve.mod
 on the text under ``DIR`` tokenized with the checkpoint's own tokenizer (the files of the chosen
 format, loaded as a server loads them); then a draft preset (default
 :data:`~helixserve.models.presets.DRAFT_PRESETS`: the target's two-layer cut) is trained on the
-same text against the target (:mod:`.trainer`). Each is written as a normal checkpoint (config,
-weights, the same tokenizer files) with ``training_log.json``: the loss of every step, the
-held-out loss of the seeded init and of the trained weights, and for the draft the share of
-held-out positions where its greedy token is the target's.
+same text against the target (:mod:`.trainer`), and a hidden-state drafter preset (default
+:data:`~helixserve.models.presets.HIDDEN_PRESETS`) teacher-forced on the target's hidden states
+(:mod:`.hidden`). Each is written as a normal checkpoint (config, weights, the same tokenizer
+files) with ``training_log.json``: the loss of every step, the held-out loss of the seeded init and
+of the trained weights (the hidden drafter's: cross-entropy against the target's distribution),
+and for a drafter the share of held-out positions where its greedy token is the target's.
 """
 
 from __future__ import annotations
@@ -25,17 +27,21 @@ import torch
 from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
-from helixserve.models.presets import (DRAFT_PRESETS, check_tokenizer_format, get_preset, init_random_weights,
+from helixserve.models.hidden_drafter import check_against_target, save_hidden_drafter
+from helixserve.models.presets import (DRAFT_PRESETS, HIDDEN_PRESETS, check_tokenizer_format, get_preset,
+                                       hidden_preset_config, init_random_weights, new_hidden_drafter,
                                        round_to_stored_format, write_tokenizer)
 from helixserve.models.tokenizer_loader import load_tokenizer
 from helixserve.training.corpus import Corpus, load_corpus
 from helixserve.training.config import TrainingConfig
+from helixserve.training.hidden import hidden_eval, train_hidden
 from helixserve.training.trainer import eval_windows, greedy_agreement, held_out_loss, train
 
 logger = logging.getLogger(__name__)
 
 TRAINING_LOG = "training_log.json"
 DRAFT_SUBDIR = "draft"
+HIDDEN_SUBDIR = "hidden"
 _TOKEN_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -60,11 +66,17 @@ class TrainingReport:
     draft: ModelReport | None
     num_train_tokens: int
     num_held_out_tokens: int
+    hidden: ModelReport | None = None
 
 
 def default_draft_preset(preset: str) -> str | None:
     """The draft preset trained beside ``preset`` when none is named (None: no draft)."""
     return DRAFT_PRESETS.get(preset)
+
+
+def default_hidden_preset(preset: str) -> str | None:
+    """The hidden drafter preset trained beside ``preset`` when none is named (None: none)."""
+    return HIDDEN_PRESETS.get(preset)
 
 
 def _check_draft(preset: str, cfg: KimiModelConfig, draft_preset: str, draft_cfg: KimiModelConfig) -> None:
@@ -112,17 +124,36 @@ def _write(model: KimiForCausalLM, report: ModelReport, out_dir: Path, tc: Train
     (out / TRAINING_LOG).write_text(json.dumps({**asdict(report), **extra}, indent=1))
 
 
+def _fit_hidden(preset: str, out_dir: Path, corpus: Corpus, held_out: torch.Tensor | None, tc: TrainingConfig,
+                target: KimiForCausalLM) -> ModelReport:
+    """Hidden drafter ``preset`` from its seeded init, trained against ``target`` and written."""
+    drafter = new_hidden_drafter(preset, tc.seed)
+    before = None if held_out is None else hidden_eval(drafter, target, held_out, tc.batch_size)[0]
+    start, start_cpu = time.perf_counter(), time.process_time()
+    losses = train_hidden(drafter, target, corpus.train, tc, tc.draft_steps or tc.steps)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+    after, agreement = (None, None) if held_out is None else hidden_eval(drafter, target, held_out, tc.batch_size)
+    logger.info("%s: %d steps in %.1f s, held-out loss %s -> %s", preset, len(losses), seconds, before, after)
+    out = save_hidden_drafter(drafter, out_dir, getattr(torch, tc.dtype))
+    write_tokenizer(out, tc.tokenizer, target.cfg)
+    return ModelReport(preset, str(out_dir), losses, seconds, cpu_seconds, before, after, agreement)
+
+
 def train_checkpoint(preset: str, out_dir: str | Path, train_on: str | Path, tc: TrainingConfig,
-                     draft_preset: str | None = None, draft_out: str | Path | None = None) -> TrainingReport:
-    """Train ``preset`` (and ``draft_preset`` against it; None: no draft) on the text under
-    ``train_on``; write the target to ``out_dir`` and the draft to ``draft_out`` (default
-    ``out_dir/draft``). Nothing is written when the text or the presets are refused."""
+                     draft_preset: str | None = None, draft_out: str | Path | None = None,
+                     hidden_preset: str | None = None, hidden_out: str | Path | None = None) -> TrainingReport:
+    """Train ``preset`` (and ``draft_preset`` and ``hidden_preset`` against it; None: none) on the
+    text under ``train_on``; write the target to ``out_dir``, the draft to ``draft_out`` (default
+    ``out_dir/draft``) and the hidden drafter to ``hidden_out`` (default ``out_dir/hidden``).
+    Nothing is written when the text or the presets are refused."""
     cfg = get_preset(preset)
     check_tokenizer_format(tc.tokenizer, preset, cfg)
     if cfg.eos_token_id is None:
         raise ValueError(f"preset {preset!r} has no eos_token_id to separate the training files")
     if draft_preset is not None:
         _check_draft(preset, cfg, draft_preset, get_preset(draft_preset))
+    if hidden_preset is not None:
+        check_against_target(hidden_preset, *hidden_preset_config(hidden_preset), cfg)
     corpus = _load_text(train_on, cfg, tc)
     held_out = eval_windows(corpus.held_out, tc)
     if held_out is None:
@@ -138,4 +169,11 @@ def train_checkpoint(preset: str, out_dir: str | Path, train_on: str | Path, tc:
         draft_dir = out / DRAFT_SUBDIR if draft_out is None else Path(draft_out)
         draft, draft_report = _fit(draft_preset, draft_dir, corpus, held_out, tc, tc.draft_steps or tc.steps, target)
         _write(draft, draft_report, draft_dir, tc, {**extra, "target_preset": preset})
-    return TrainingReport(target_report, draft_report, int(corpus.train.numel()), int(corpus.held_out.numel()))
+    hidden_report = None
+    if hidden_preset is not None:
+        hidden_dir = out / HIDDEN_SUBDIR if hidden_out is None else Path(hidden_out)
+        hidden_report = _fit_hidden(hidden_preset, hidden_dir, corpus, held_out, tc, target)
+        (hidden_dir / TRAINING_LOG).write_text(json.dumps({**asdict(hidden_report), **extra,
+                                                           "target_preset": preset}, indent=1))
+    return TrainingReport(target_report, draft_report, int(corpus.train.numel()), int(corpus.held_out.numel()),
+                          hidden_report)

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from helixserve.cache_layout import ModelCaches
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.context import ForwardBatch
+from helixserve.models.hidden_capture import HiddenCapture
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.training.config import TrainingConfig
 from helixserve.training.corpus import CorpusError
@@ -38,14 +43,14 @@ logger = logging.getLogger(__name__)
 _TOKENS_PER_BLOCK = 16
 
 
-def _lr_at(step: int, steps: int, tc: TrainingConfig) -> float:
+def lr_at(step: int, steps: int, tc: TrainingConfig) -> float:
     if step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
     progress = (step - tc.warmup_steps) / max(1, steps - tc.warmup_steps)
     return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _optimizer(model: torch.nn.Module, tc: TrainingConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, tc: TrainingConfig) -> torch.optim.AdamW:
     for name, p in model.named_parameters():
         if name.endswith(".e_score_correction_bias"):
             p.requires_grad_(False)
@@ -55,19 +60,30 @@ def _optimizer(model: torch.nn.Module, tc: TrainingConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95))
 
 
-def window_logits(model: KimiForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
-    """``[B * L, vocab]`` logits of ``inputs`` ``[B, L]`` (one prefill of B sequences)."""
+def window_batch(cfg: KimiModelConfig, inputs: torch.Tensor, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[ForwardBatch, ModelCaches]:
+    """``inputs`` ``[B, L]`` as one prefill of B sequences, over fresh caches of ``cfg``'s layers."""
     num_seqs, length = inputs.shape
     blocks_per_seq = -(-length // _TOKENS_PER_BLOCK)
-    device = model.lm_head.weight.device
-    caches = allocate_caches(model.cfg, num_seqs * blocks_per_seq, _TOKENS_PER_BLOCK, num_seqs,
-                             dtype=model.dtype, device=device)
+    caches = allocate_caches(cfg, num_seqs * blocks_per_seq, _TOKENS_PER_BLOCK, num_seqs, dtype=dtype, device=device)
     chunks = [SeqChunk(row.tolist(), 0, slot) for slot, row in enumerate(inputs)]
-    batch = build_batch(chunks, _TOKENS_PER_BLOCK, blocks_per_seq, device=device)
+    return build_batch(chunks, _TOKENS_PER_BLOCK, blocks_per_seq, device=device), caches
+
+
+def run_saving_clones(forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``forward()``, with every tensor autograd saves cloned when grad is on (see the module docstring)."""
     if not torch.is_grad_enabled():
-        return model(batch, caches)
+        return forward()
     with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.clone, lambda saved: saved):
-        return model(batch, caches)
+        return forward()
+
+
+def window_logits(model: KimiForCausalLM, inputs: torch.Tensor, capture: HiddenCapture | None = None) -> torch.Tensor:
+    """``[B * L, vocab]`` logits of ``inputs`` ``[B, L]`` (one prefill of B sequences); ``capture``
+    keeps the outputs of its layers."""
+    batch, caches = window_batch(model.cfg, inputs, model.dtype, model.lm_head.weight.device)
+    batch.hidden_capture = capture
+    return run_saving_clones(lambda: model(batch, caches))
 
 
 def step_loss(model: KimiForCausalLM, windows: torch.Tensor, teacher: KimiForCausalLM | None = None,
@@ -94,7 +110,7 @@ def train(model: KimiForCausalLM, tokens: torch.Tensor, tc: TrainingConfig, step
     if tc.seq_len > model.cfg.max_position_embeddings:
         raise ValueError(f"seq_len {tc.seq_len} exceeds the model's {model.cfg.max_position_embeddings} positions")
     gen = torch.Generator().manual_seed(tc.seed)
-    optimizer = _optimizer(model, tc)
+    optimizer = make_optimizer(model, tc)
     offsets = torch.arange(tc.seq_len + 1)
     model.train()
     losses: list[float] = []
@@ -105,7 +121,7 @@ def train(model: KimiForCausalLM, tokens: torch.Tensor, tc: TrainingConfig, step
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, steps, tc)
+            group["lr"] = lr_at(step, steps, tc)
         optimizer.step()
         losses.append(loss.item())
         if step % tc.log_every == 0 or step == steps - 1:

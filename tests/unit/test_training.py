@@ -1,7 +1,7 @@
-"""Training a small checkpoint and its draft on local text: the corpus is read in the
-checkpoint's own tokenizer with a fixed held-out split, the loss falls, the same seed gives
-byte-identical weights (and another seed different ones), the target and its draft load through
-``LLM`` and generate with the same tokenizer files, and bad corpora or presets are refused with
+"""Training a small checkpoint and its drafters (a draft model, a hidden-state drafter) on local
+text: the corpus is read in the checkpoint's own tokenizer with a fixed held-out split, the loss
+falls, the same seed gives byte-identical weights (and another seed different ones), the target
+and its drafters load through ``LLM`` and generate with the same tokenizer files, and bad corpora or presets are refused with
 the offending value before anything is written."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.presets import TOKENIZER_FORMATS, get_preset, init_random_weights, write_tokenizer
 from helixserve.models.tokenizer import EOS_ID, NUM_BYTES, SPECIAL_TOKENS
 from helixserve.models.tokenizer_loader import dummy_tokenizer, load_tokenizer
-from helixserve.training.checkpoint import DRAFT_SUBDIR, TRAINING_LOG, default_draft_preset, train_checkpoint
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.training.checkpoint import (DRAFT_SUBDIR, HIDDEN_SUBDIR, TRAINING_LOG, default_draft_preset,
+                                            default_hidden_preset, train_checkpoint)
 from helixserve.training.corpus import CorpusError, held_out_texts, load_corpus, split_files, text_files
 from helixserve.training.config import TrainingConfig
 from helixserve.training.trainer import eval_windows, held_out_loss, step_loss
@@ -112,9 +114,9 @@ def test_the_prefill_forward_is_differentiable_in_every_weight(preset):
 
 
 def test_training_lowers_the_loss_and_is_reproducible(corpus, tmp_path):
-    draft = default_draft_preset(PRESET)
-    first = train_checkpoint(PRESET, tmp_path / "a", corpus, QUICK, draft_preset=draft)
-    again = train_checkpoint(PRESET, tmp_path / "b", corpus, QUICK, draft_preset=draft)
+    draft, hidden = default_draft_preset(PRESET), default_hidden_preset(PRESET)
+    first = train_checkpoint(PRESET, tmp_path / "a", corpus, QUICK, draft_preset=draft, hidden_preset=hidden)
+    again = train_checkpoint(PRESET, tmp_path / "b", corpus, QUICK, draft_preset=draft, hidden_preset=hidden)
     train_checkpoint(PRESET, tmp_path / "c", corpus, QUICK.model_copy(update={"seed": 1, "steps": 1}))
     losses = first.target.losses
     assert len(losses) == QUICK.steps and len(first.draft.losses) == QUICK.draft_steps
@@ -122,7 +124,9 @@ def test_training_lowers_the_loss_and_is_reproducible(corpus, tmp_path):
     assert first.target.held_out_loss < first.target.held_out_loss_init - 1.0
     assert first.draft.held_out_loss < first.draft.held_out_loss_init
     assert 0.0 <= first.draft.greedy_agreement <= 1.0
-    for sub in ("", DRAFT_SUBDIR):
+    assert len(first.hidden.losses) == QUICK.draft_steps and first.hidden.held_out_loss < first.hidden.held_out_loss_init
+    assert 0.0 <= first.hidden.greedy_agreement <= 1.0
+    for sub in ("", DRAFT_SUBDIR, HIDDEN_SUBDIR):
         a, b = ((tmp_path / d / sub / "model.safetensors").read_bytes() for d in "ab")
         assert a == b, sub
     assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
@@ -132,6 +136,8 @@ def test_training_lowers_the_loss_and_is_reproducible(corpus, tmp_path):
     assert log["held_out_loss"] == first.target.held_out_loss and log["held_out_files"]
     draft_log = json.loads((tmp_path / "a" / DRAFT_SUBDIR / TRAINING_LOG).read_text())
     assert draft_log["preset"] == draft and draft_log["target_preset"] == PRESET
+    hidden_log = json.loads((tmp_path / "a" / HIDDEN_SUBDIR / TRAINING_LOG).read_text())
+    assert hidden_log["preset"] == hidden and hidden_log["losses"] == first.hidden.losses
 
 
 def test_the_written_checkpoint_scores_the_reported_held_out_loss(corpus, tmp_path):
@@ -158,6 +164,12 @@ def test_the_trained_target_and_draft_serve_with_one_vocabulary(corpus, tmp_path
     for ckpt in (out, draft_out):
         result = LLM(ckpt).generate(["def f1"], params)[0]
         assert len(result.token_ids) == 8 and isinstance(result.text, str)
+    hidden = out / HIDDEN_SUBDIR
+    for name in TOKENIZER_FILES:
+        assert (out / name).read_bytes() == (hidden / name).read_bytes(), name
+    spec = SpeculativeConfig(method="hidden", draft_model=hidden, num_draft_tokens=2)
+    assert LLM(out, speculative=spec).generate(["def f1"], params)[0].token_ids == LLM(out).generate(
+        ["def f1"], params)[0].token_ids
 
 
 def test_bad_corpora_are_refused_naming_the_directory(corpus, tmp_path, capsys):
@@ -191,6 +203,11 @@ def test_a_draft_of_another_vocabulary_or_without_training_is_refused(corpus, tm
     assert main(["make-checkpoint", "--preset", PRESET, "--out", str(tmp_path / "y"),
                  "--draft-preset", "kimi-linear-tiny-draft"]) == 2
     assert "--draft-preset: only with --train-on" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="preset 'kimi-linear-tiny-draft' is not a hidden-state drafter"):
+        train_checkpoint(PRESET, tmp_path / "x", corpus, QUICK, hidden_preset="kimi-linear-tiny-draft")
+    assert main(["make-checkpoint", "--preset", PRESET, "--out", str(tmp_path / "y"),
+                 "--hidden-preset", "kimi-linear-tiny-hidden"]) == 2
+    assert "--hidden-preset: only with --train-on" in capsys.readouterr().err
     assert main(["make-checkpoint", "--preset", PRESET, "--out", str(tmp_path / "y"), "--train-on", str(corpus),
                  "--train-steps", "0"]) == 2
     assert main(["make-checkpoint", "--preset", PRESET, "--out", str(tmp_path / "y"), "--train-on", str(corpus),

@@ -8,10 +8,11 @@ fewer where more could never be emitted or cached:
 - none while forced output tokens are pending (a gen worker's first tokens from its ctx worker);
 - within the step's draft budget (the token budget left once every decode has its one row).
 
-The ``ngram`` method (prompt lookup, :mod:`.ngram`) drafts here. The ``draft`` method's tokens
-come from a draft model the engine runs before the target's forward
-(:mod:`helixserve.engine.draft_runner`): here it only reserves the rows (:class:`ModelDraftRows`,
-placeholder tokens the engine overwrites), under the same caps and budget. ``hidden`` is refused.
+The ``ngram`` method (prompt lookup, :mod:`.ngram`) drafts here. The ``draft`` and ``hidden``
+methods' tokens come from a model the engine runs before the target's forward (a draft model,
+:mod:`helixserve.engine.draft_runner`; a hidden-state drafter,
+:mod:`helixserve.engine.hidden_runner`): here they only reserve the rows (:class:`ModelDraftRows`,
+placeholder tokens the engine overwrites), under the same caps and budget.
 
 A step that drafts nothing should cost what a plain decode step costs: every occurrence of a
 suffix ends with the sequence's last token, so when that token is nowhere earlier (one scan of
@@ -19,8 +20,8 @@ the request's lists, no copy) there is nothing to look up and the request drafts
 while no request would draft, decode steps overlap as without speculation: a step scheduled
 ahead of the pending step's tokens carries no drafts, so the scheduler schedules one only when
 ``would_draft`` is false for every request on its tokens so far; the first step where one would
-runs after the pending step's tokens are applied, with its drafts (the ``draft`` method's rows
-always would: its engine does not overlap).
+runs after the pending step's tokens are applied, with its drafts (the ``draft`` and ``hidden`` methods'
+rows always would: their engine does not overlap).
 """
 
 from __future__ import annotations
@@ -98,10 +99,15 @@ class ModelDraftRows(Drafter):
         return [DRAFT_PLACEHOLDER] * max(0, min(self.cap(request), budget))
 
 
+class HiddenDraftRows(ModelDraftRows):
+    """The ``hidden`` method's rows, filled by the engine's hidden-state drafter."""
+
+    method = "hidden"
+
+
 def make_drafter(config: SpeculativeConfig, max_model_len: int) -> Drafter:
-    """The scheduler-side drafter of ``config.method`` (``ValueError`` for ``hidden``: no engine
-    runs a hidden-state drafter)."""
-    drafters: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "draft": ModelDraftRows}
+    """The scheduler-side drafter of ``config.method``."""
+    drafters: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "draft": ModelDraftRows, "hidden": HiddenDraftRows}
     if config.method not in drafters:
         raise ValueError(f"speculative method {config.method!r} is not supported by the engine; "
                          f"use one of {sorted(drafters)}")

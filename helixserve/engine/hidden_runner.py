@@ -1,0 +1,198 @@
+"""The ``hidden`` method's drafter: a hidden-state drafter (EAGLE-3 class,
+:mod:`helixserve.models.hidden_drafter`) beside the target, on its device and dtype, fed the
+target's layer outputs, run before each step's target forward.
+
+**What it reads.** Every target forward keeps the outputs of the drafter's ``hidden_layers`` for
+every row (``batch.hidden_capture``, no second forward); :meth:`HiddenDraftRunner.record` keeps
+each scheduled sequence's rows (their tokens and features) until the sequence's next step. Row
+``i`` of the drafter reads token ``x_i`` and the target's features at ``i - 1``.
+
+**The cache.** The drafter's MLA pages are its own pool with the target's page ids (as the ``draft``
+method's, :mod:`.draft_runner`): one allocation serves both and the memory budget counts both
+(:func:`~helixserve.engine.rank_setup.size_cache`). It has no KDA state, so nothing rolls back.
+
+**A step** (:meth:`HiddenDraftRunner.propose`), for a scheduled sequence at context ``c`` whose
+drafter cache holds positions ``< d``:
+
+0. catch-up: rows ``d .. c`` (tokens known: the accepted ones and ``x_c``; features from the
+   target's previous forward of the sequence: its accepted rows, a prompt chunk's rows), one
+   forward for every scheduled sequence; a speculating sequence's row ``c`` gives draft 1. So the
+   drafter's cache of accepted positions is written from the target's features a step late (the
+   EAGLE way), and its rows of drafts (written from its own outputs) are rewritten then.
+1. .. ``K - 1``. forward ``j`` runs draft ``j`` at position ``c + j`` for every speculating
+   sequence with more than ``j`` drafts, reading the drafter's own output of the row before in
+   place of the target's features; its argmax is draft ``j + 1``.
+
+Drafts are argmax (one-hot proposals: the verifier's rejection sampling is exact at any
+temperature). Rows the target's page table already covers are the only ones written (``c + j <
+c + n``). Target decode steps run eagerly (no CUDA graphs: every step's hidden states are read),
+and single-process only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from helixserve.cache_layout import ModelCaches, cache_spec_for
+from helixserve.config import CacheConfig
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
+from helixserve.engine.request import Request
+from helixserve.engine.runner import build_forward_batch
+from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.context import ForwardBatch
+from helixserve.models.hidden_drafter import (HiddenDrafter, HiddenDrafterError, check_against_target,
+                                              load_hidden_drafter, read_hidden_drafter_config)
+from helixserve.models.kda_spec import KdaRecord
+
+logger = logging.getLogger(__name__)
+
+
+def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig, cache: CacheConfig,
+                  is_world: bool) -> KimiModelConfig | None:
+    """The hidden drafter's layer config (``None``: no ``hidden`` method), checked against the
+    target's and the engine's before any weight is read (:class:`HiddenDrafterError`)."""
+    if speculative is None or speculative.method != "hidden":
+        return None
+    path = speculative.draft_model
+    assert path is not None  # SpeculativeConfig requires it for method hidden
+    if is_world:
+        raise HiddenDrafterError("speculative.method 'hidden' runs in a single-process engine only; a gen world "
+                                 "(dp x cp, or a disaggregated gen worker) supports method 'ngram'")
+    if cache.prefix_caching:
+        raise HiddenDrafterError("speculative.method 'hidden' does not run with cache.prefix_caching: a cached "
+                                 "prefix skips the target rows whose hidden states the drafter reads")
+    cfg, spec = read_hidden_drafter_config(path)
+    check_against_target(path, cfg, spec, target)
+    return cfg
+
+
+def build_hidden_runner(speculative: SpeculativeConfig, cfg: KimiModelConfig, dtype: torch.dtype,
+                        layout: CacheSizes, device: torch.device | str) -> HiddenDraftRunner:
+    """The drafter loaded at the target's dtype and device, its MLA pool at the target's block count."""
+    assert speculative.draft_model is not None
+    if cfg.max_position_embeddings < layout.max_model_len:
+        raise HiddenDrafterError(f"speculative.draft_model {speculative.draft_model} has max_position_embeddings "
+                                 f"{cfg.max_position_embeddings} < the engine's max_model_len {layout.max_model_len}")
+    model = load_hidden_drafter(speculative.draft_model, dtype=dtype, device=device)
+    spec = cache_spec_for(cfg, dtype, layout.tokens_per_block, kda_num_heads=cfg.kda_num_heads)
+    logger.info("hidden drafter %s loaded (%s, %s), reading target layers %s", speculative.draft_model, dtype,
+                device, list(model.spec.hidden_layers))
+    return HiddenDraftRunner(model, allocate_rank_caches(spec, layout, device), device)
+
+
+@dataclass(slots=True)
+class _SeqState:
+    """One sequence's drafter state: its cache holds positions ``< synced``; ``tokens`` and
+    ``features`` are the target's rows of its last step, from position ``start``."""
+
+    synced: int = 0
+    start: int = 0
+    tokens: list[int] = field(default_factory=list)
+    features: torch.Tensor | None = None
+
+
+class HiddenDraftRunner:
+    """Runs the hidden drafter of one engine (see the module docstring)."""
+
+    def __init__(self, model: HiddenDrafter, caches: ModelCaches, device: torch.device | str) -> None:
+        self.model, self.caches, self.device = model, caches, torch.device(device)
+        self.capture_layers: tuple[int, ...] | None = model.spec.hidden_layers
+        self._num_features = len(model.spec.hidden_layers) * model.spec.target_hidden_size
+        self._seqs: dict[str, _SeqState] = {}
+
+    @torch.inference_mode()
+    def propose(self, out: SchedulerOutput) -> KdaRecord | None:
+        """Catch the drafter up on every scheduled sequence and write each speculating sequence's
+        drafts into its ``token_ids[1:]`` (see the module docstring). No KDA record: ``None``."""
+        if not out.seqs:
+            return None
+        rows, features = [], []
+        for seq in out.seqs:
+            row, feats = self._catch_up(seq)
+            rows.append(row)
+            features.append(feats)
+        spec = [i for i, s in enumerate(out.seqs) if s.num_draft_tokens]
+        hidden, tokens = self._forward(rows, self.model.fuse(torch.cat(features)), None)
+        if not spec:
+            return None
+        drafts, live = [tokens], spec
+        for j in range(1, max(out.seqs[i].num_draft_tokens for i in spec)):
+            keep = [k for k, i in enumerate(live) if out.seqs[i].num_draft_tokens > j]
+            live = [live[k] for k in keep]
+            index = torch.tensor(keep, device=hidden.device)
+            step = [_draft_row(out.seqs[i], j) for i in live]
+            hidden, tokens = self._forward(step, hidden.index_select(0, index), tokens.index_select(0, index))
+            drafts.append(tokens)
+        host = torch.cat(drafts).tolist()
+        at = 0
+        for j in range(len(drafts)):
+            for i in spec:
+                if out.seqs[i].num_draft_tokens > j:
+                    out.seqs[i].token_ids[1 + j] = host[at]
+                    at += 1
+        return None
+
+    def _catch_up(self, seq: ScheduledSeq) -> tuple[ScheduledSeq, torch.Tensor]:
+        """The catch-up rows of ``seq`` (positions ``synced .. context_len``) and their features."""
+        state = self._seqs.setdefault(seq.request_id, _SeqState())
+        c = seq.context_len
+        if c < state.synced:  # recomputed from an earlier position (preemption): start over there
+            state.synced, state.start, state.tokens, state.features = c, c, [], None
+        first, last = state.synced - state.start, c - state.start  # rows of the kept tokens
+        assert 0 <= first and last <= len(state.tokens), (
+            f"request {seq.request_id}: drafter at {state.synced}, target rows {state.start}.."
+            f"{state.start + len(state.tokens)}, context {c}")
+        tokens = state.tokens[first:last] + seq.token_ids[:1]
+        feats = torch.zeros(len(tokens), self._num_features, dtype=self.model.dtype, device=self.device)
+        have = max(first - 1, 0)  # the feature of position p is row p - start; none before start
+        if state.features is not None and last > have:
+            feats[len(tokens) - (last - have):] = state.features[have:last]
+        row = ScheduledSeq(seq.request_id, tokens, state.synced, seq.block_table, seq.slot,
+                           is_prefill=len(tokens) > 1, sample=seq.num_draft_tokens > 0)
+        state.synced, state.start, state.tokens, state.features = c + 1, c, [], None
+        return row, feats
+
+    def record(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
+        """After the target's forward of ``out`` (``batch``'s rows in ``out``'s order): keep each
+        sequence's tokens and layer outputs for its next catch-up."""
+        assert batch.hidden_capture is not None, "the target forward kept no hidden states"
+        features = batch.hidden_capture.features()
+        at = 0
+        for seq in out.seqs:
+            state = self._seqs.setdefault(seq.request_id, _SeqState())
+            state.start, state.tokens = seq.context_len, list(seq.token_ids)
+            state.features = features[at: at + seq.num_tokens]
+            at += seq.num_tokens
+
+    def _forward(self, seqs: list[ScheduledSeq], fused: torch.Tensor, input_tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward; returns the outputs of its sampled rows and their argmax tokens."""
+        batch = build_forward_batch(SchedulerOutput(seqs=seqs), self.device)
+        if input_tokens is not None:
+            batch.input_ids.copy_(input_tokens)
+        hidden = self.model(batch, self.caches, fused)
+        if batch.logits_indices is not None:
+            hidden = hidden.index_select(0, batch.logits_indices)
+        tokens = self.model.logits(hidden).argmax(dim=-1) if hidden.shape[0] else hidden.new_zeros(0, dtype=torch.int64)
+        return hidden, tokens
+
+    def rollback(self, out: SchedulerOutput, record: KdaRecord, get_request: Callable[[str], Request | None]) -> None:
+        """Nothing to roll back: the drafter has no KDA state (its rejected rows are rewritten)."""
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop finished or aborted requests' rows."""
+        for rid in request_ids:
+            self._seqs.pop(rid, None)
+
+
+def _draft_row(seq: ScheduledSeq, j: int) -> ScheduledSeq:
+    """Forward ``j``'s row of a speculating sequence: draft ``j`` at position ``context_len + j``
+    (its token comes from the previous forward), sampled."""
+    return ScheduledSeq(seq.request_id, [0], seq.context_len + j, seq.block_table, seq.slot, is_prefill=False,
+                        sample=True)

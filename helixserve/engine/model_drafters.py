@@ -1,0 +1,47 @@
+"""The drafters that are models, chosen by ``speculative.method``: ``draft`` (a draft model,
+:mod:`.draft_runner`) and ``hidden`` (a hidden-state drafter, :mod:`.hidden_runner`). Both run
+before each step's target forward (a draft model in any engine, on a world's CP group leader; a
+hidden-state drafter in a single process), their caches indexed by the target's pages; the engine drives either through the same calls (``propose`` before the
+forward, ``record`` after it, ``rollback`` after the verification, ``forget`` at a request's end)."""
+
+from __future__ import annotations
+
+import torch
+
+from helixserve.config import CacheConfig
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.draft_runner import DraftPages, DraftRunner, build_draft_runner, draft_config
+from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runner, hidden_config
+from helixserve.engine.rank_setup import CacheSizes
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.hidden_drafter import input_params, read_hidden_drafter_config
+
+ModelDrafter = DraftRunner | HiddenDraftRunner
+
+
+def drafter_config(speculative: SpeculativeConfig | None, target: KimiModelConfig, cache: CacheConfig,
+                   is_world: bool) -> KimiModelConfig | None:
+    """The drafter's layer config (its cache's shape; ``None``: no model drafter), checked against
+    the target and the engine before any weight is read."""
+    return draft_config(speculative, target, cache) or hidden_config(speculative, target, cache, is_world)
+
+
+def build_model_drafter(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
+                        layout: CacheSizes, device: torch.device | str, pages: DraftPages,
+                        cp: int = 1) -> ModelDrafter | None:
+    """The drafter of ``speculative.method`` loaded beside the target (``None``: none); ``pages``:
+    the engine's cache manager (a draft model's full-row page tables, :mod:`.draft_runner`)."""
+    if speculative is None or cfg is None:
+        return None
+    if speculative.method == "hidden":
+        return build_hidden_runner(speculative, cfg, dtype, layout, device)
+    return build_draft_runner(speculative, cfg, dtype, layout, device, pages, cp)
+
+
+def drafter_extra_params(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None) -> int:
+    """Parameters of the drafter outside its Kimi layers, embedding and LM head (a hidden
+    drafter's input projections and norms; 0 for a draft model)."""
+    if speculative is None or cfg is None or speculative.method != "hidden":
+        return 0
+    assert speculative.draft_model is not None
+    return input_params(*read_hidden_drafter_config(speculative.draft_model))

@@ -1,0 +1,190 @@
+"""A hidden-state drafter (EAGLE-3 class) for ``speculative.method: hidden``: a small Kimi-architecture
+model (MLA decoder layers, dense MLP, RMSNorms) that reads the target's hidden states.
+
+Row ``i`` of the drafter (its position ``i`` in the sequence) reads the embedding of token ``x_i``
+and a feature vector ``f_i`` and predicts ``x_{i+1}``:
+
+    x = combine([norm(f_i) | norm(embed(x_i))])   # RMSNorms, concat, project to hidden_size
+    x = layer_N(...layer_1(x))                      # Kimi MLA layers with a dense gated MLP
+    logits = lm_head(norm(x))
+
+``f_i = fc([h^{l_1}_{i-1} | ... | h^{l_k}_{i-1}])`` where ``h^l_{i-1}`` is the output of the target's
+decoder layer ``l`` at position ``i - 1`` (``hidden_layers`` in the checkpoint, 0-based; zeros at
+``i = 0``); a draft row after the first (draft ``j > 1``) reads the drafter's own output ``x`` of the
+row before instead of ``f`` (as EAGLE does). The embedding and the LM head are the drafter's own
+(not tied to the target's).
+
+Checkpoint: ``config.json`` is a Kimi config (``model_type: kimi_linear``) of the drafter's layers
+plus a ``hidden_drafter`` object (:class:`HiddenDrafterSpec`); ``model.safetensors`` holds
+``model.embed_tokens``, ``model.layers.*``, ``model.norm``, ``lm_head``, ``fc``, ``feature_norm``,
+``embed_norm`` and ``combine`` weights under those names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from helixserve.cache_layout import ModelCaches
+from helixserve.kernels._host import step_host_cache
+from helixserve.models.checkpoint import CheckpointError
+from helixserve.models.config import KimiModelConfig
+from helixserve.models.context import ForwardBatch
+from helixserve.models.kimi import KimiDecoderLayer
+from helixserve.models.norm import RMSNorm
+from helixserve.models.packing import pack_for_cpu
+
+HIDDEN_DRAFTER_KEY = "hidden_drafter"
+
+
+class HiddenDrafterSpec(BaseModel):
+    """What a hidden drafter reads from its target (``config.json``'s ``hidden_drafter`` object)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden_layers: tuple[int, ...] = Field(min_length=1, description="target decoder layers read (0-based)")
+    target_hidden_size: int = Field(gt=0)
+
+
+class HiddenDrafterError(ValueError):
+    """A hidden drafter checkpoint that cannot serve beside its target."""
+
+
+def is_hidden_drafter(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` is a hidden drafter (its config has ``hidden_drafter``)."""
+    config = Path(path) / "config.json"
+    return config.is_file() and HIDDEN_DRAFTER_KEY in json.loads(config.read_text())
+
+
+def read_hidden_drafter_config(path: str | Path) -> tuple[KimiModelConfig, HiddenDrafterSpec]:
+    """The drafter's layer config and what it reads (:class:`HiddenDrafterError`: not a hidden drafter)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    raw = json.loads(config.read_text())
+    if HIDDEN_DRAFTER_KEY not in raw:
+        raise HiddenDrafterError(f"{path} is not a hidden-state drafter (its config.json has no "
+                                 f"{HIDDEN_DRAFTER_KEY!r}); a draft model of the target's kind is method 'draft'")
+    return hidden_drafter_config(raw)
+
+
+def hidden_drafter_config(raw: dict[str, Any]) -> tuple[KimiModelConfig, HiddenDrafterSpec]:
+    """Parse a hidden drafter's ``config.json`` dict (a preset's too); checks its own layers."""
+    cfg = KimiModelConfig.from_hf_dict(raw)
+    spec = HiddenDrafterSpec.model_validate(raw[HIDDEN_DRAFTER_KEY])
+    if cfg.kda_layer_ids or cfg.moe_layer_ids or cfg.attn_res_block_size is not None:
+        raise HiddenDrafterError("a hidden drafter's layers are MLA with a dense MLP and a plain residual stream; "
+                                 f"this one has KDA layers {cfg.kda_layer_ids}, MoE layers {cfg.moe_layer_ids}, "
+                                 f"attn_res_block_size {cfg.attn_res_block_size}")
+    return cfg, spec
+
+
+def check_against_target(path: str | Path, cfg: KimiModelConfig, spec: HiddenDrafterSpec,
+                         target: KimiModelConfig) -> None:
+    """:class:`HiddenDrafterError` naming both sides when the drafter cannot read ``target``: another
+    vocabulary, another hidden size, or a layer the target does not have."""
+    if cfg.vocab_size != target.vocab_size:
+        raise HiddenDrafterError(f"hidden drafter {path} has vocab_size {cfg.vocab_size}, the target model has "
+                                 f"vocab_size {target.vocab_size}: a drafter must share the target's vocabulary")
+    if spec.target_hidden_size != target.hidden_size:
+        raise HiddenDrafterError(f"hidden drafter {path} reads hidden states of size {spec.target_hidden_size}, the "
+                                 f"target model's hidden_size is {target.hidden_size}")
+    bad = [i for i in spec.hidden_layers if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise HiddenDrafterError(f"hidden drafter {path} reads target layers {list(spec.hidden_layers)}; the target "
+                                 f"has {target.num_hidden_layers} layers (0..{target.num_hidden_layers - 1}): "
+                                 f"{bad} out of range")
+
+
+def input_params(cfg: KimiModelConfig, spec: HiddenDrafterSpec) -> int:
+    """Parameters of ``fc``, ``combine`` and the two input norms (what a Kimi model of ``cfg`` lacks)."""
+    hidden = cfg.hidden_size
+    return len(spec.hidden_layers) * spec.target_hidden_size * hidden + 2 * hidden * hidden + 2 * hidden
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(KimiDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class HiddenDrafter(nn.Module):
+    """The drafter of the module docstring. ``fuse`` maps target features to the feature space;
+    ``forward`` runs rows (writing their MLA KV into ``caches``) and returns their outputs
+    (pre-norm, the next draft row's feature); ``logits`` scores outputs."""
+
+    def __init__(self, cfg: KimiModelConfig, spec: HiddenDrafterSpec, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg, self.spec = cfg, spec
+        hidden = cfg.hidden_size
+        self.model = _Body(cfg, dtype)
+        self.fc = nn.Linear(len(spec.hidden_layers) * spec.target_hidden_size, hidden, bias=False, dtype=dtype)
+        self.feature_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
+        self.embed_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
+        self.combine = nn.Linear(2 * hidden, hidden, bias=False, dtype=dtype)
+        self.lm_head = nn.Linear(hidden, cfg.vocab_size, bias=False, dtype=dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``[T, len(hidden_layers) * target_hidden]`` target features -> ``[T, hidden]``."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, fused: torch.Tensor) -> torch.Tensor:
+        """Outputs ``[T, hidden]`` of the batch's rows, ``fused`` ``[T, hidden]`` their features."""
+        embeds = self.embed_norm(self.model.embed_tokens(batch.input_ids))
+        x = self.combine(torch.cat([self.feature_norm(fused), embeds], dim=-1))
+        with step_host_cache():
+            for layer in self.model.layers:
+                x, _ = layer.forward(x, None, 0, batch, caches)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[R, vocab]`` of outputs ``[R, hidden]``."""
+        return self.lm_head(self.model.norm(hidden)).float()
+
+
+def drafter_config_dict(cfg: KimiModelConfig, spec: HiddenDrafterSpec) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` dict."""
+    return {**cfg.to_hf_dict(), HIDDEN_DRAFTER_KEY: spec.model_dump(mode="json")}
+
+
+def save_hidden_drafter(model: HiddenDrafter, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (weights in ``dtype``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter_config_dict(model.cfg, model.spec) | {"torch_dtype": str(dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {name: t.detach().to(dtype).contiguous().cpu() for name, t in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def load_hidden_drafter(path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> HiddenDrafter:
+    """The drafter at ``path`` in ``dtype`` on ``device`` (:class:`CheckpointError` naming missing,
+    unexpected or mis-shaped tensors), packed for inference on the CPU."""
+    cfg, spec = read_hidden_drafter_config(path)
+    with torch.device("meta"):
+        model = HiddenDrafter(cfg, spec, dtype)
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    shapes = [f"{n} {tuple(tensors[n].shape)} (want {expected[n]})" for n in expected
+              if n in tensors and tuple(tensors[n].shape) != expected[n]]
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"hidden drafter {path}: missing {missing[:8]}, unexpected {unexpected[:8]}, "
+                              f"mis-shaped {shapes[:8]}")
+    state = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return pack_for_cpu(model.eval().requires_grad_(False))  # type: ignore[return-value]
