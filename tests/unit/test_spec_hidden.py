@@ -222,7 +222,7 @@ def test_worlds_prefix_caching_and_the_wrong_checkpoint_kind_are_refused(target,
     with pytest.raises(HiddenDrafterError, match="not a hidden-state drafter"):
         hidden_config(SpeculativeConfig(method="hidden", draft_model=target), cfg, CacheConfig(), is_world=False)
     with pytest.raises(DraftModelError, match="is a hidden-state drafter: use method 'hidden'"):
-        draft_config(SpeculativeConfig(method="draft", draft_model=drafter), cfg, CacheConfig(), is_world=False)
+        draft_config(SpeculativeConfig(method="draft", draft_model=drafter), cfg, CacheConfig())
     argv = ["generate", "--model", str(target), "--prompt-ids", "1,2", "--speculative", "hidden", "--draft-model",
             str(target)]
     assert main(argv) == 2 and "not a hidden-state drafter" in capsys.readouterr().err
