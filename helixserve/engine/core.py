@@ -34,16 +34,13 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
-from helixserve.engine.model_drafters import build_model_drafter, drafter_config, drafter_extra_params
+from helixserve.engine.engine_parts import build_engine_parts
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_holds import HoldRelay
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
-from helixserve.engine.rank_memory import check_rank_memory
-from helixserve.engine.rank_setup import (allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
-                                          decode_graphs_off_reason, make_cache_manager, size_cache,
-                                          step_token_budget)
+from helixserve.engine.rank_setup import step_token_budget
 from helixserve.engine.request import Request, RequestStatus, SamplingParams
-from helixserve.engine.runner import LaunchedStep, ModelRunner, PreparedStep, StepPreparationError
+from helixserve.engine.runner import LaunchedStep, PreparedStep, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.engine.spec.drafting import make_drafter
 from helixserve.engine.spec.stats import SpecDecodeStats
@@ -77,28 +74,11 @@ class EngineCore:
         if mapping is not None and mapping.cp_rank != 0:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
-        draft_cfg = drafter_config(speculative, model_config, cache, is_world=groups is not None)
-        spec, self.layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
-        check_rank_memory(model, cache, scheduler, self.layout, device, world_size // cp, cp, use_cuda_graphs,
-                          draft_cfg, drafter_extra_params(speculative, draft_cfg))
+        parts = build_engine_parts(model, model_config, cache, scheduler, device, seed, use_cuda_graphs, speculative,
+                                   cp, world_size, is_world=groups is not None)
+        self.layout, self.caches, self.runner = parts.layout, parts.caches, parts.runner
+        self.cache_manager, self.draft_runner = parts.cache_manager, parts.draft_runner
         max_model_len = self.layout.max_model_len
-        is_cuda = torch.device(device).type == "cuda"
-        self.caches = allocate_rank_caches(spec, self.layout, device)
-        self.runner = ModelRunner(model, self.caches, device, seed=seed)
-        self.cache_manager = make_cache_manager(cache, spec, self.layout, cp)
-        self.draft_runner = build_model_drafter(speculative, draft_cfg, model.dtype, self.layout, device,
-                                                self.cache_manager, cp)
-        if self.draft_runner is not None:
-            self.runner.capture_layers = self.draft_runner.capture_layers
-        graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size, self.runner.capture_layers)
-        if graphs_off is None:
-            self.runner.capture_decode_graphs(*decode_graph_shape(cache, self.layout))
-            if speculative is not None and world_size == 1 and self.runner.decode_graphs is not None:
-                self.runner.capture_verify_graphs(speculative.num_draft_tokens, *decode_graph_shape(cache, self.layout))
-        elif is_cuda and use_cuda_graphs:
-            logger.info("decode CUDA graphs off: %s", graphs_off)
-        if self.cache_manager.prefix_caching:
-            self.runner.checkpoints = allocate_checkpoints(spec, self.layout, device)
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
         self.kv_holds: HoldRelay | None = None  # a ctx world's leader: every rank's KV sender (engine.kv_holds)

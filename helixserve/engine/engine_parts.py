@@ -1,0 +1,67 @@
+"""What an engine's rank holds, built in the one order that works: the cache sized (a model
+drafter's pools counted) and checked against the device, the pools, the model runner, the cache
+manager, the model drafter (whose reads of the target decide whether steps may be graphed), the
+CUDA graphs of decode steps (and, with speculation in a world of one, of verify steps and their
+rollbacks), and the KDA state checkpoints of prefix caching.
+
+Split from :mod:`.core`, which drives these parts step by step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from helixserve.cache_layout import ModelCaches
+from helixserve.config import CacheConfig, SchedulerConfig
+from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.model_drafters import ModelDrafter, build_model_drafter, drafter_config, drafter_extra_params
+from helixserve.engine.rank_memory import check_rank_memory
+from helixserve.engine.rank_setup import (CacheSizes, allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
+                                          decode_graphs_off_reason, make_cache_manager, size_cache)
+from helixserve.engine.runner import ModelRunner
+from helixserve.kvcache.group_cache import GroupCacheManager
+from helixserve.kvcache.manager import CacheManager
+from helixserve.models.config import KimiModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """One engine's rank-side parts (:func:`build_engine_parts`)."""
+
+    layout: CacheSizes
+    caches: ModelCaches
+    runner: ModelRunner
+    cache_manager: CacheManager | GroupCacheManager  # a world's CP group's: GroupCacheManager
+    draft_runner: ModelDrafter | None
+
+
+def build_engine_parts(model: torch.nn.Module, model_config: KimiModelConfig, cache: CacheConfig,
+                       scheduler: SchedulerConfig, device: torch.device | str, seed: int, use_cuda_graphs: bool,
+                       speculative: SpeculativeConfig | None, cp: int, world_size: int, is_world: bool) -> EngineParts:
+    """One engine's parts on ``device`` (see the module docstring); ``cp`` and ``world_size``: its
+    world's (1, 1 in a single process; ``is_world``: a gen world's CP group leader)."""
+    draft_cfg = drafter_config(speculative, model_config, cache, is_world=is_world)
+    spec, layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
+    check_rank_memory(model, cache, scheduler, layout, device, world_size // cp, cp, use_cuda_graphs,
+                      draft_cfg, drafter_extra_params(speculative, draft_cfg))
+    caches = allocate_rank_caches(spec, layout, device)
+    runner = ModelRunner(model, caches, device, seed=seed)
+    cache_manager = make_cache_manager(cache, spec, layout, cp)
+    draft_runner = build_model_drafter(speculative, draft_cfg, model.dtype, layout, device, cache_manager, cp)
+    if draft_runner is not None:
+        runner.capture_layers = draft_runner.capture_layers
+    graphs_off = decode_graphs_off_reason(model, device, use_cuda_graphs, world_size, runner.capture_layers)
+    if graphs_off is None:
+        runner.capture_decode_graphs(*decode_graph_shape(cache, layout))
+        if speculative is not None and world_size == 1 and runner.decode_graphs is not None:
+            runner.capture_verify_graphs(speculative.num_draft_tokens, *decode_graph_shape(cache, layout))
+    elif torch.device(device).type == "cuda" and use_cuda_graphs:
+        logger.info("decode CUDA graphs off: %s", graphs_off)
+    if cache_manager.prefix_caching:
+        runner.checkpoints = allocate_checkpoints(spec, layout, device)
+    return EngineParts(layout, caches, runner, cache_manager, draft_runner)
