@@ -123,9 +123,13 @@ def test_chunks_stop_at_checkpoint_positions_even_when_the_budget_is_not_block_a
 @pytest.mark.parametrize("budget", [BLOCK * INTERVAL_BLOCKS, 3 * BLOCK + 1], ids=["chunk-end", "inside-chunk"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_checkpoint_holds_the_state_of_a_fresh_prefill_at_its_position(tiny_checkpoints, preset, budget):
-    """fp32: the recurrent and conv state saved at 8 tokens equal, bit for bit, those of a prefill of
-    the same 8 tokens with caching off (read from its slot while it runs): saved after a chunk
-    that ends there, or taken inside a chunk of the whole 13-token prompt."""
+    """fp32: the recurrent and conv state saved at 8 tokens equal those of a prefill of the same 8
+    tokens with caching off (read from its slot while it runs): bit for bit when saved after a
+    chunk that ends there; taken inside a chunk of the whole 13-token prompt, within 1e-4: there the
+    13 rows are computed as one chunk and the fresh prefill's 8 as another, which on some CPUs
+    rounds differently (up to 1.7e-5 in the first layer's conv inputs measured on an AMD EPYC with
+    AVX-512; bit for bit on others, and on the GPU: tests/unit/test_gpu_prefix_cache.py). A state
+    of another position differs by orders of magnitude more."""
     path = tiny_checkpoints[preset]
     on = LLM(path, cache=cache(True), scheduler=SchedulerConfig(max_num_batched_tokens=budget))
     off = LLM(path, cache=cache(False), scheduler=SchedulerConfig(max_num_batched_tokens=BLOCK * INTERVAL_BLOCKS))
@@ -141,10 +145,11 @@ def test_a_checkpoint_holds_the_state_of_a_fresh_prefill_at_its_position(tiny_ch
     assert checkpoint is not None
     saved, live = on.engine.runner.checkpoints, off.engine.caches
     assert saved.kda_state and saved.kda_state.keys() == live.kda_state.keys()
+    tolerance = {"rtol": 0.0, "atol": 0.0 if budget == BLOCK * INTERVAL_BLOCKS else 1e-4}
     for layer in live.kda_state:
         assert saved.kda_state[layer].dtype == torch.float32
-        assert torch.equal(saved.kda_state[layer][checkpoint], live.kda_state[layer][slot])
-        assert torch.equal(saved.conv_state[layer][checkpoint], live.conv_state[layer][slot])
+        torch.testing.assert_close(saved.kda_state[layer][checkpoint], live.kda_state[layer][slot], **tolerance)
+        torch.testing.assert_close(saved.conv_state[layer][checkpoint], live.conv_state[layer][slot], **tolerance)
     while off.engine.has_unfinished_requests():
         off.engine.step()
 
