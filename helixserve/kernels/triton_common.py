@@ -75,6 +75,11 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def on_device(x: torch.Tensor) -> bool:
+    """``x`` lives on a CUDA device: the kernels take their sync-free, graph-safe branches."""
+    return x.is_cuda
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Take the Triton path for ``x``: a CUDA tensor and Triton installed."""
     return x.is_cuda and has_triton()

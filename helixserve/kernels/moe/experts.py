@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from helixserve.kernels._checks import as_f32, check_activation, check_integer, check_ndim, check_shape
 from helixserve.kernels.moe import gpu as moe_gpu
 from helixserve.kernels.moe.mxfp4 import MXFP4Weight
-from helixserve.kernels.triton_common import use_triton
+from helixserve.kernels.triton_common import on_device, use_triton
 
 _ACTIVATIONS = ("silu", "situ")
 # up to this many (token, k) pairs (decode batches) the pairs are grouped by expert on the host
@@ -92,13 +92,13 @@ def moe_experts(
         check_shape("w2", w2, (E_local, D, two_I // 2))
     check_activation(activation, _ACTIVATIONS)
     if is_packed:
-        if x.is_cuda and T == 0:  # as below: a rank that received no rows
+        if on_device(x) and T == 0:  # as below: a rank that received no rows
             return x.new_zeros(0, D)
         if use_triton(x):
             return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, lambda g, u: (
                 _act_and_mul_torch(g, u, activation, situ_beta, situ_linear_beta)))
         w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # the reference: dequantize, then matmul
-    if x.is_cuda:  # grouped GEMM (bf16), gathered bmm or every expert: no host sync (graph-safe)
+    if on_device(x):  # grouped GEMM (bf16), gathered bmm or every expert: no host sync (graph-safe)
         if T == 0:  # a rank that received no rows in the token-sliced all-to-all
             return x.new_zeros(0, D)
         def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
