@@ -55,6 +55,7 @@ METADATA = frozenset((
     "view_as", "flatten", "unflatten", "to", "contiguous", "lift_fresh", "resolve_conj", "resolve_neg",
     "result_type", "numel", "size", "stride", "movedim", "diagonal", "_has_compatible_shallow_copy_type",
     "is_nonzero", "type_as", "_local_scalar_dense", "item", "dim", "is_same_size", "lift_fresh_copy",
+    "promote_types", "can_cast",
 ))
 HOST_READS = frozenset(("_local_scalar_dense", "item", "is_nonzero"))
 # (phase, operator names); first match wins; triton:: / stub:: launches are "fused"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from helixserve.kernels._checks import as_f32, check_activation, check_integer, check_ndim, check_shape
 from helixserve.kernels.moe import gpu as moe_gpu
 from helixserve.kernels.moe.mxfp4 import MXFP4Weight
-from helixserve.kernels.triton_common import on_device, use_triton
+from helixserve.kernels.triton_common import has_triton, on_device, use_triton
 
 _ACTIVATIONS = ("silu", "situ")
 # up to this many (token, k) pairs (decode batches) the pairs are grouped by expert on the host
@@ -43,8 +43,25 @@ def act_and_mul(
     check_activation(activation, _ACTIVATIONS)
     if activation == "situ" and not (situ_beta > 0 and situ_linear_beta > 0):
         raise ValueError(f"situ betas must be positive, got {situ_beta}, {situ_linear_beta}")
+    if use_triton(gate):  # one kernel in place of the casts and the elementwise chain
+        return _device_act(activation, situ_beta, situ_linear_beta)(gate, up)
     out = _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
     return out if out.dtype == gate.dtype else out.to(gate.dtype)
+
+
+def _device_act(activation: str, situ_beta: float, situ_linear_beta: float) -> Callable:
+    """``act(gate, up)`` of the device paths, in gate's dtype: the Triton kernel where Triton is,
+    else the PyTorch chain."""
+    if has_triton():
+        from helixserve.kernels.moe import triton_act
+
+        return functools.partial(triton_act.act_and_mul, activation=activation, situ_beta=situ_beta,
+                                 situ_linear_beta=situ_linear_beta)
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta).to(gate.dtype)
+
+    return act
 
 
 def _act_and_mul_torch(
@@ -95,15 +112,13 @@ def moe_experts(
         if on_device(x) and T == 0:  # as below: a rank that received no rows
             return x.new_zeros(0, D)
         if use_triton(x):
-            return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, lambda g, u: (
-                _act_and_mul_torch(g, u, activation, situ_beta, situ_linear_beta)))
+            return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset,
+                                         _device_act(activation, situ_beta, situ_linear_beta))
         w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # the reference: dequantize, then matmul
     if on_device(x):  # grouped GEMM (bf16), gathered bmm or every expert: no host sync (graph-safe)
         if T == 0:  # a rank that received no rows in the token-sliced all-to-all
             return x.new_zeros(0, D)
-        def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
-
+        act = _device_act(activation, situ_beta, situ_linear_beta)
         if moe_gpu.can_group(x, w13, w2):
             return moe_gpu.grouped_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
         if moe_gpu.can_gather(topk_ids, w13):

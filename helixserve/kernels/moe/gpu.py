@@ -57,7 +57,7 @@ def grouped_experts(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     expert_offset: int, act_and_mul,
 ) -> torch.Tensor:
-    """``moe_experts`` through two ``torch._grouped_mm`` calls; ``act_and_mul(gate, up)`` -> fp32."""
+    """``moe_experts`` through two ``torch._grouped_mm`` calls; ``act_and_mul(gate, up)`` -> a float dtype."""
     T, D = x.shape
     E, two_I, _ = w13.shape
     I = two_I // 2

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from helixserve.kernels._checks import as_f32, check_shape
+from helixserve.kernels.triton_common import use_triton
 
 
 def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -25,6 +26,10 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: fp32 variance, ``weight * x_normed.to(x.dtype)``."""
     _check_norm_args(x, weight, eps)
+    if use_triton(x):  # one kernel in place of the casts, the norm and the weight product
+        from helixserve.kernels.norm import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
     return _rms_norm_torch(x, weight, eps)
 
 
@@ -32,6 +37,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """Gated RMSNorm over the last dim: ``weight * norm(x) * sigmoid(gate)`` in fp32, cast to x.dtype."""
     _check_norm_args(x, weight, eps)
     check_shape("gate", gate, tuple(x.shape))
+    if use_triton(x):
+        from helixserve.kernels.norm import triton_norm
+
+        return triton_norm.gated_rms_norm(x, gate, weight, eps)
     return _gated_rms_norm_torch(x, gate, weight, eps)
 
 

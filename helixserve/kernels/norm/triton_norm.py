@@ -1,0 +1,68 @@
+"""Triton RMS norms: one program per row, fp32 math, the rounding of the PyTorch references.
+
+Same contracts as :func:`helixserve.kernels.rms_norm` and :func:`helixserve.kernels.gated_rms_norm`
+(rows of ``x [..., D]`` with a unit last stride; the leading dims are flattened as a view).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from helixserve.kernels.triton_common import next_pow2
+
+
+@triton.jit(do_not_specialize=["M", "stride_x", "stride_g", "stride_out"])  # rows follow the batch
+def _rms_norm_kernel(
+    x_ptr, gate_ptr, w_ptr, out_ptr, M, D, stride_x, stride_g, stride_out, eps,
+    HAS_GATE: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    if ROUND_NORMED:  # HF: the normed row is cast to x's dtype before the weight multiplies it
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    out = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * normed
+    if HAS_GATE:
+        out = out * tl.sigmoid(tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    D = t.shape[-1]
+    rows = t if t.dim() == 2 else t.reshape(-1, D)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            out_dtype: torch.dtype, round_normed: bool) -> torch.Tensor:
+    D = x.shape[-1]
+    rows = _rows(x)
+    gate_rows = _rows(gate) if gate is not None else rows
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    M = rows.shape[0]
+    if M == 0:
+        return out
+    BLOCK_D = next_pow2(D)
+    _rms_norm_kernel[(M,)](
+        rows, gate_rows, weight if weight.is_contiguous() else weight.contiguous(), out, M, D,
+        rows.stride(0), gate_rows.stride(0), D, float(eps),
+        HAS_GATE=gate is not None, ROUND_NORMED=round_normed, BLOCK_D=BLOCK_D,
+        num_warps=8 if BLOCK_D >= 4096 else 4,
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton :func:`~helixserve.kernels.rms_norm`: ``weight * normed.to(x.dtype)`` in the promoted dtype."""
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    return _launch(x, None, weight, eps, out_dtype, round_normed=x.dtype != torch.float32)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton :func:`~helixserve.kernels.gated_rms_norm`: ``weight * norm(x) * sigmoid(gate)`` in fp32,
+    stored in x.dtype."""
+    return _launch(x, gate, weight, eps, x.dtype, round_normed=False)

@@ -1,0 +1,66 @@
+"""The fused Triton kernels of the decode step (norms, gated activation, KDA gate, MoE pair glue)
+under Triton's interpreter, each against its PyTorch reference on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helixserve import kernels
+from helixserve.kernels.moe.experts import _act_and_mul_torch
+from helixserve.kernels.norm.rms import _gated_rms_norm_torch, _rms_norm_torch
+from tests._testing import assert_close, needs_interpreter, run_under_triton_interpreter, triton_interpreter_patches
+
+
+def test_fusions_under_triton_interpreter():
+    run_under_triton_interpreter(__file__)
+
+
+@pytest.fixture(scope="module")
+def interp():
+    pytest.importorskip("triton")
+    with triton_interpreter_patches():
+        from helixserve.kernels.moe import triton_act
+        from helixserve.kernels.norm import triton_norm
+
+        yield {"norm": triton_norm, "act": triton_act}
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_rms_norm(interp, x_dtype, w_dtype):
+    wide = _rand(5, 3 * 40, seed=0, dtype=x_dtype)
+    weight = (1 + _rand(40, seed=1) / 10).to(w_dtype)
+    for x in (wide[:, 40:80], wide.view(5, 3, 40)):  # strided rows (a split's slice), leading dims
+        ref = _rms_norm_torch(x, weight, 1e-6)
+        out = interp["norm"].rms_norm(x, weight, 1e-6)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert_close(f"rms_norm {x_dtype} {w_dtype}", ref.float(), out.float(), 1e-2 if x_dtype == torch.bfloat16 else 1e-6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm(interp, dtype):
+    x, gate = _rand(3, 4, 32, seed=2, dtype=dtype), _rand(3, 4, 32, seed=3, dtype=dtype)
+    weight = 1 + _rand(32, seed=4) / 10
+    ref = _gated_rms_norm_torch(x, gate, weight, 1e-5)
+    out = interp["norm"].gated_rms_norm(x, gate, weight, 1e-5)
+    assert out.dtype == ref.dtype == dtype
+    assert_close(f"gated_rms_norm {dtype}", ref.float(), out.float(), 1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_and_mul(interp, activation, dtype):
+    h = _rand(6, 2 * 1100, seed=5, dtype=dtype)  # two column blocks of 1024
+    gate, up = h[:, :1100], h[:, 1100:]
+    ref = _act_and_mul_torch(gate, up, activation, 4.0, 25.0).to(dtype)
+    out = interp["act"].act_and_mul(gate, up, activation, 4.0, 25.0)
+    assert out.dtype == dtype
+    assert_close(f"act_and_mul {activation} {dtype}", ref.float(), out.float(), 1e-2 if dtype == torch.bfloat16 else 1e-5)
