@@ -64,3 +64,34 @@ def test_act_and_mul(interp, activation, dtype):
     out = interp["act"].act_and_mul(gate, up, activation, 4.0, 25.0)
     assert out.dtype == dtype
     assert_close(f"act_and_mul {activation} {dtype}", ref.float(), out.float(), 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("expert_offset", [0, 50])
+def test_moe_pair_sort_and_combine(interp, expert_offset):
+    """Pairs over several sort blocks and expert blocks (P = 246, E = 150), ties, and (offset 50)
+    pairs of experts held elsewhere, whose never-written rows hold NaN."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+    from helixserve.kernels.moe import triton_pairs
+
+    T, top_k, E, D = 41, 6, 150, 1100
+    gen = torch.Generator().manual_seed(7)
+    topk_ids = torch.stack([torch.randperm(200, generator=gen)[:top_k] for _ in range(T)])
+    topk_ids[3] = topk_ids[4]  # ties between tokens
+    weights = torch.rand(T, top_k, generator=gen)
+    ref = moe_gpu.sort_pairs(topk_ids, E, expert_offset)  # the PyTorch path (CPU tensors)
+    assert ref.rank is None
+    order, sorted_ids, valid, rows, rank, offs = triton_pairs.sort_pairs(topk_ids, E, expert_offset)
+    for name, a, b in (("order", ref.order, order), ("sorted_ids", ref.sorted_ids, sorted_ids),
+                       ("valid", ref.valid, valid), ("rows", ref.rows, rows), ("offs", ref.offs, offs)):
+        assert torch.equal(a, b), name
+    assert torch.equal(order[rank], torch.arange(T * top_k))
+    y = _rand(T * top_k, D, seed=8, dtype=torch.bfloat16)
+    y[~valid] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = moe_gpu.combine_pairs(y, ref, topk_ids, weights, E, expert_offset, dtype)
+        out = triton_pairs.combine_pairs(y, rank, topk_ids, weights, E, expert_offset, dtype)
+        if dtype == torch.float32:
+            assert torch.equal(expected, out)  # the same fp32 sums in the same order
+        else:  # the interpreter's bf16 store may round otherwise than PyTorch's cast
+            assert_close("combine bf16", expected.float(), out.float(), 1e-2)
