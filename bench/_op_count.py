@@ -208,7 +208,13 @@ def count_decode_step(preset: str, seed: int = 0) -> Counter:
     cfg = tiny_config(preset)
     model = kimi.KimiForCausalLM(cfg, dtype=torch.float32)
     init_random_weights(model, seed)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    from helixserve.models import packing
+
+    try:  # the device's packing (fused input projections, no CPU GEMM forms), where the package has it
+        packing._pack_tree(model, is_root=True, host_forms=False)
+    except TypeError:
+        pass
     tpb = 16
     caches = allocate_caches(cfg, num_blocks=8, tokens_per_block=tpb, num_slots=2, dtype=torch.bfloat16)
     prompt = [5, 17, 42, 7, 99, 3]

@@ -68,14 +68,15 @@ class MultiLatentAttention(nn.Module):
         q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         return [q, self.kv_a_proj_with_mqa, *([self.g_proj] if self.use_output_gate else [])]
 
-    def pack(self) -> None:
+    def pack(self, host_forms: bool = True) -> None:
         """Fuse the projections of ``x`` (q or q_a, kv_a, output gate) into ``in_proj`` (see
         :mod:`helixserve.models.packing`); ``kv_b_proj`` is read as per-head views and stays as is."""
         projections = self._input_projections
         self.in_proj_sizes = [p.out_features for p in projections]
         self.in_proj = fuse_weights([(p, "weight") for p in projections])
-        self.in_proj_cols = column_major(self.in_proj)
-        pack_linears(self, "o_proj", *([] if self.q_lora_rank is None else ["q_b_proj"]))
+        if host_forms:
+            self.in_proj_cols = column_major(self.in_proj)
+            pack_linears(self, "o_proj", *([] if self.q_lora_rank is None else ["q_b_proj"]))
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, kv_lora_rank + rope]`` cache rows of the new tokens."""

@@ -105,7 +105,7 @@ class KimiMoE(nn.Module):
         self.in_proj_sizes: list[int] = []
         self.is_router_packed = False
 
-    def pack(self) -> None:
+    def pack(self, host_forms: bool = True) -> None:
         """Fuse the projections of ``x`` into ``in_proj`` (the router only when it is fp32 like its
         logits) and store the expert stacks column-major (see :mod:`helixserve.models.packing`)."""
         self.is_router_packed = self.gate.weight.dtype == torch.float32
@@ -116,7 +116,9 @@ class KimiMoE(nn.Module):
         if owners:
             self.in_proj_sizes = [m.weight.shape[0] for m in owners]
             self.in_proj = fuse_weights([(m, "weight") for m in owners])
-            self.in_proj_cols = column_major(self.in_proj)
+            self.in_proj_cols = column_major(self.in_proj) if host_forms else None
+        if not host_forms:
+            return
         if not self.experts.is_mxfp4:
             store_column_major(self.experts, "w13")
             store_column_major(self.experts, "w2")
