@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from helixserve.kernels.attn_res.mix import attn_res_mix
 from helixserve.kernels.kda.chunk import kda_chunk_prefill
-from helixserve.kernels.kda.gate import kda_gate
+from helixserve.kernels.kda.gate import kda_gate, kda_gate_beta
 from helixserve.kernels.kda.recurrent import kda_recurrent_step
 from helixserve.kernels.mla.combine import lse_combine
 from helixserve.kernels.mla.paged import mla_paged_attention, mla_write_kv
@@ -27,6 +27,7 @@ __all__ = [
     "gated_rms_norm",
     "kda_chunk_prefill",
     "kda_gate",
+    "kda_gate_beta",
     "kda_recurrent_step",
     "lse_combine",
     "mla_paged_attention",

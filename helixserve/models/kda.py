@@ -118,8 +118,8 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
         qkv, f, b, gate = self._project(x)
-        g = kernels.kda_gate(f, self.A_log, self.dt_bias, num_heads=H, head_dim=K, lower_bound=self.lower_bound)
-        beta = torch.sigmoid(b if b.dtype == torch.float32 else b.float())
+        g, beta = kernels.kda_gate_beta(f, b, self.A_log, self.dt_bias, num_heads=H, head_dim=K,
+                                        lower_bound=self.lower_bound)
         conv_pool = caches.conv_state[self.layer_idx]
         state_pool = caches.kda_state[self.layer_idx]
         slots = batch.state_slots

@@ -117,7 +117,8 @@ class KimiMoE(nn.Module):
             self.in_proj_sizes = [m.weight.shape[0] for m in owners]
             self.in_proj = fuse_weights([(m, "weight") for m in owners])
             self.in_proj_cols = column_major(self.in_proj) if host_forms else None
-        if not host_forms:
+        if not host_forms:  # the router's weight in the fp32 of its logits: no cast per step
+            self.gate.weight = nn.Parameter(self.gate.weight.detach().float(), requires_grad=False)
             return
         if not self.experts.is_mxfp4:
             store_column_major(self.experts, "w13")

@@ -20,10 +20,11 @@ def test_fusions_under_triton_interpreter():
 def interp():
     pytest.importorskip("triton")
     with triton_interpreter_patches():
+        from helixserve.kernels.kda import triton_gate
         from helixserve.kernels.moe import triton_act
         from helixserve.kernels.norm import triton_norm
 
-        yield {"norm": triton_norm, "act": triton_act}
+        yield {"norm": triton_norm, "act": triton_act, "gate": triton_gate}
 
 
 def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -95,3 +96,20 @@ def test_moe_pair_sort_and_combine(interp, expert_offset):
             assert torch.equal(expected, out)  # the same fp32 sums in the same order
         else:  # the interpreter's bf16 store may round otherwise than PyTorch's cast
             assert_close("combine bf16", expected.float(), out.float(), 1e-2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gate_beta(interp, lower_bound, dtype):
+    """f spans softplus's linear range (> 20); b is a strided column block of a wider projection;
+    A_log padded past H (K3)."""
+    T, H, K = 5, 3, 24
+    f = (_rand(T, H * K, seed=9) * 4).to(dtype)
+    b = _rand(T, 40, seed=10, dtype=dtype)[:, 7:7 + H]
+    A_log, dt_bias = _rand(8, seed=11) / 3, _rand(H * K, seed=12) / 3
+    g_ref, beta_ref = kernels.kda_gate_beta(f, b, A_log, dt_bias, num_heads=H, head_dim=K, lower_bound=lower_bound)
+    g, beta = interp["gate"].kda_gate_beta(f, b, A_log, dt_bias, H, K, lower_bound)
+    assert g.dtype == beta.dtype == torch.float32
+    assert_close(f"g {lower_bound} {dtype}", g_ref, g, 1e-6)
+    assert_close(f"beta {lower_bound} {dtype}", beta_ref, beta, 1e-6)
