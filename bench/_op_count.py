@@ -129,6 +129,18 @@ def cuda_code_path() -> Iterator[None]:
         with record_function("stub::mla_decode_split"), record_function("stub::mla_decode_combine"):
             return reference_attention(*args, **kwargs)
 
+    experts = sys.modules["helixserve.kernels.moe.experts"]
+    if not hasattr(experts, "on_device"):  # a package (a --baseline ref) that tests x.is_cuda: its CUDA branch
+        from helixserve.kernels.moe import gpu as moe_gpu
+
+        def moe_experts(x, topk_ids, topk_weights, w13, w2, *, expert_offset=0, activation="silu",  # noqa: ANN001, ANN202
+                        situ_beta=4.0, situ_linear_beta=25.0):
+            def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+                return experts._act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
+
+            return moe_gpu.grouped_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
+
+        patch(kernels_pkg, "moe_experts", moe_experts)
     patch(kda_gpu, "recurrent_step", recurrent_stub)
     patch(kernels_pkg, "mla_paged_attention", attention_stub)
     patch(mla_paged, "_fast_path", lambda *_: False)
