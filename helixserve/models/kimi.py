@@ -80,16 +80,18 @@ class KimiDecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, bank: torch.Tensor | None, num_banked: int, batch: ForwardBatch, caches: ModelCaches,
-        hooks: HelixHooks | None = None,
-    ) -> tuple[torch.Tensor, int]:
+        hooks: HelixHooks | None = None, pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """One layer on the rank's rows ``h``; ``bank [max_blocks, M, D]`` holds ``num_banked``
         AttnRes snapshots (``None``: plain pre-norm residual). ``hooks`` (a world of more than
-        one rank, or a phase timer) wrap the mixer and the FFN; ``None`` calls them directly."""
+        one rank, or a phase timer) wrap the mixer and the FFN; ``None`` calls them directly.
+        Returns ``(h, num_banked, pending)``: with the plain residual the FFN output is ``pending``,
+        added to ``h`` by the next norm (its residual add runs in the norm's kernel), else ``None``."""
         if bank is None:
-            x = self.input_layernorm(h)
-            h = h + (self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches))
-            x = self.post_attention_layernorm(h)
-            return h + (self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)), num_banked
+            x, h = self.input_layernorm.add_forward(pending, h) if pending is not None else (self.input_layernorm(h), h)
+            a = self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches)
+            x, h = self.post_attention_layernorm.add_forward(a, h)
+            return h, num_banked, self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)
         prefix = h
         x = attn_res_mix(self.self_attention_res_norm, self.self_attention_res_proj, prefix, bank[:num_banked])
         keep_prefix = not self.starts_block
@@ -101,7 +103,7 @@ class KimiDecoderLayer(nn.Module):
         prefix = prefix + a if keep_prefix else a
         x = attn_res_mix(self.mlp_res_norm, self.mlp_res_proj, prefix, bank[:num_banked])
         x = self.post_attention_layernorm(x)
-        return prefix + (self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)), num_banked
+        return prefix + (self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)), num_banked, None
 
 
 class KimiModel(nn.Module):
@@ -121,15 +123,19 @@ class KimiModel(nn.Module):
         h = self.embed_tokens(batch.input_ids)
         bank = h.new_empty(self.cfg.num_attn_res_blocks, *h.shape) if self.cfg.attn_res_block_size is not None else None
         num_banked = 0
+        pending = None  # the last FFN output, not yet added to h (plain residual)
         first_sliced = -1 if hooks is None else hooks.first_sliced_layer
         for layer in self.layers:
             if layer.layer_idx == first_sliced:
+                if pending is not None:
+                    h, pending = h + pending, None
                 h, bank = hooks.slice_rows(h, bank, num_banked)
-            h, num_banked = layer.forward(h, bank, num_banked, batch, caches, hooks)  # no per-layer Module.__call__
+            # no per-layer Module.__call__
+            h, num_banked, pending = layer.forward(h, bank, num_banked, batch, caches, hooks, pending)
         with NO_PHASE if hooks is None else hooks.phase("residual"):
             if bank is not None:
                 h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked])
-            return self.norm(h)
+            return self.norm(h) if pending is None else self.norm.add_forward(pending, h)[0]
 
 
 class KimiForCausalLM(nn.Module):

@@ -16,3 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = residual + x``; ``(norm(h), h)`` (the residual add and the norm in one kernel on a GPU)."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)

@@ -113,3 +113,17 @@ def test_kda_gate_beta(interp, lower_bound, dtype):
     assert g.dtype == beta.dtype == torch.float32
     assert_close(f"g {lower_bound} {dtype}", g_ref, g, 1e-6)
     assert_close(f"beta {lower_bound} {dtype}", beta_ref, beta, 1e-6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm(interp, dtype):
+    """The sum as PyTorch rounds it (bf16: rounded before the norm reads it), and the norm of it."""
+    x, residual = _rand(7, 48, seed=13, dtype=dtype), _rand(7, 48, seed=14, dtype=dtype)
+    weight = (1 + _rand(48, seed=15) / 10).to(dtype)
+    normed_ref, summed_ref = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    normed, summed = interp["norm"].add_rms_norm(x, residual, weight, 1e-5)
+    assert normed.dtype == normed_ref.dtype and summed.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert_close(f"sum {dtype}", summed_ref.float(), summed.float(), tol)
+    assert_close(f"normed {dtype}", normed_ref.float(), normed.float(), tol)

@@ -2,6 +2,8 @@
 
 rms_norm:       x [..., D], weight [D] -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)
                 (variance in fp32; result dtype = promote(weight, x) as in HF).
+add_rms_norm:   x, residual [..., D] (same dtype), weight [D] -> (rms_norm(residual + x), residual + x):
+                the pre-norm residual step, the sum rounded to x.dtype before the norm reads it.
 gated_rms_norm: x [..., D], gate [..., D], weight [D] -> (weight * norm(x) * sigmoid(gate)) all fp32,
                 cast to x.dtype (HF KimiLinearRMSNormGated; KDA output norm per head).
 """
@@ -31,6 +33,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return triton_norm.rms_norm(x, weight, eps)
     return _rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + x; (rms_norm(h), h)`` (one kernel on the device)."""
+    _check_norm_args(x, weight, eps)
+    check_shape("residual", residual, tuple(x.shape))
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+    if use_triton(x):
+        from helixserve.kernels.norm import triton_norm
+
+        return triton_norm.add_rms_norm(x, residual, weight, eps)
+    summed = residual + x
+    return _rms_norm_torch(summed, weight, eps), summed
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
