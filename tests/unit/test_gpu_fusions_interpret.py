@@ -80,12 +80,15 @@ def test_moe_pair_sort_and_combine(interp, expert_offset):
     topk_ids = torch.stack([torch.randperm(200, generator=gen)[:top_k] for _ in range(T)])
     topk_ids[3] = topk_ids[4]  # ties between tokens
     weights = torch.rand(T, top_k, generator=gen)
-    ref = moe_gpu.sort_pairs(topk_ids, E, expert_offset)  # the PyTorch path (CPU tensors)
+    x = _rand(T, 300, seed=16, dtype=torch.bfloat16)
+    ref = moe_gpu.sort_pairs(topk_ids, E, expert_offset, x)  # the PyTorch path (CPU tensors)
     assert ref.rank is None
-    order, sorted_ids, valid, rows, rank, offs = triton_pairs.sort_pairs(topk_ids, E, expert_offset)
+    order, sorted_ids, valid, rows, rank, offs, gathered = triton_pairs.sort_pairs(topk_ids, E, expert_offset, x)
     for name, a, b in (("order", ref.order, order), ("sorted_ids", ref.sorted_ids, sorted_ids),
-                       ("valid", ref.valid, valid), ("rows", ref.rows, rows), ("offs", ref.offs, offs)):
+                       ("valid", ref.valid, valid), ("rows", ref.rows, rows), ("offs", ref.offs, offs),
+                       ("gathered", ref.gathered, gathered)):
         assert torch.equal(a, b), name
+    assert triton_pairs.sort_pairs(topk_ids, E, expert_offset)[-1] is None
     assert torch.equal(order[rank], torch.arange(T * top_k))
     y = _rand(T * top_k, D, seed=8, dtype=torch.bfloat16)
     y[~valid] = float("nan")

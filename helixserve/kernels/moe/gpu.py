@@ -62,7 +62,8 @@ class SortedPairs:
     """The (token, k) pairs sorted by local expert: ``order`` [P] (pair of each sorted row),
     ``sorted_ids`` [P] (its local expert; ``E`` for experts held elsewhere), ``valid`` [P], ``rows``
     [P] (its token), ``offs`` [E] int32 group ends, ``rank`` [P] (the sorted row of each pair;
-    ``None`` on the PyTorch path, which puts rows back with ``order``)."""
+    ``None`` on the PyTorch path, which puts rows back with ``order``), ``gathered`` [P, D] (the
+    token rows in sorted order, when asked for)."""
 
     order: torch.Tensor
     sorted_ids: torch.Tensor
@@ -70,18 +71,24 @@ class SortedPairs:
     rows: torch.Tensor
     offs: torch.Tensor
     rank: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
 
 
-def sort_pairs(topk_ids: torch.Tensor, num_local: int, expert_offset: int) -> SortedPairs:
-    """The pairs of ``topk_ids [T, k]`` sorted by local expert: one Triton kernel for decode-sized
-    batches, else ``argsort`` and a binary search."""
+def sort_pairs(topk_ids: torch.Tensor, num_local: int, expert_offset: int,
+               x: torch.Tensor | None = None) -> SortedPairs:
+    """The pairs of ``topk_ids [T, k]`` sorted by local expert (and ``x``'s rows gathered in that
+    order when given): one Triton kernel for decode-sized batches, else ``argsort``, a binary
+    search and ``index_select``."""
     if use_triton(topk_ids) and topk_ids.numel() <= MAX_TRITON_PAIRS:
         from helixserve.kernels.moe import triton_pairs
 
-        order, sorted_ids, valid, rows, rank, offs = triton_pairs.sort_pairs(topk_ids, num_local, expert_offset)
-        return SortedPairs(order, sorted_ids, valid, rows, offs, rank)
+        order, sorted_ids, valid, rows, rank, offs, gathered = triton_pairs.sort_pairs(
+            topk_ids, num_local, expert_offset, x)
+        return SortedPairs(order, sorted_ids, valid, rows, offs, rank, gathered)
     order, sorted_ids, valid = _sort_pairs(topk_ids, num_local, expert_offset)
-    return SortedPairs(order, sorted_ids, valid, order // topk_ids.shape[1], group_ends(sorted_ids, num_local))
+    rows = order // topk_ids.shape[1]
+    return SortedPairs(order, sorted_ids, valid, rows, group_ends(sorted_ids, num_local), None,
+                       x.index_select(0, rows) if x is not None else None)
 
 
 def combine_pairs(y: torch.Tensor, pairs: SortedPairs, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -106,9 +113,8 @@ def grouped_experts(
     T, D = x.shape
     E, two_I, _ = w13.shape
     I = two_I // 2
-    pairs = sort_pairs(topk_ids, E, expert_offset)
-    xs = x.index_select(0, pairs.rows)
-    h = grouped_mm(xs, w13.transpose(1, 2), pairs.offs)
+    pairs = sort_pairs(topk_ids, E, expert_offset, x)
+    h = grouped_mm(pairs.gathered, w13.transpose(1, 2), pairs.offs)
     act = act_and_mul(h[:, :I], h[:, I:]).to(x.dtype)
     y = grouped_mm(act, w2.transpose(1, 2), pairs.offs)
     return combine_pairs(y, pairs, topk_ids, topk_weights, E, expert_offset, x.dtype)
