@@ -7,7 +7,7 @@ plug in behind the same functions. Loop-form fp32 references live in ``<op>/naiv
 
 from __future__ import annotations
 
-from helixserve.kernels.attn_res.mix import attn_res_mix
+from helixserve.kernels.attn_res.mix import attn_res_mix, attn_res_mix_norm
 from helixserve.kernels.kda.chunk import kda_chunk_prefill
 from helixserve.kernels.kda.gate import kda_gate, kda_gate_beta
 from helixserve.kernels.kda.recurrent import kda_recurrent_step
@@ -24,6 +24,7 @@ __all__ = [
     "act_and_mul",
     "add_rms_norm",
     "attn_res_mix",
+    "attn_res_mix_norm",
     "dequantize_mxfp4",
     "gated_rms_norm",
     "kda_chunk_prefill",

@@ -20,11 +20,12 @@ def test_fusions_under_triton_interpreter():
 def interp():
     pytest.importorskip("triton")
     with triton_interpreter_patches():
+        from helixserve.kernels.attn_res import triton_attn_res
         from helixserve.kernels.kda import triton_gate
         from helixserve.kernels.moe import triton_act
         from helixserve.kernels.norm import triton_norm
 
-        yield {"norm": triton_norm, "act": triton_act, "gate": triton_gate}
+        yield {"norm": triton_norm, "act": triton_act, "gate": triton_gate, "attn_res": triton_attn_res}
 
 
 def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -130,3 +131,25 @@ def test_add_rms_norm(interp, dtype):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     assert_close(f"sum {dtype}", summed_ref.float(), summed.float(), tol)
     assert_close(f"normed {dtype}", normed_ref.float(), normed.float(), tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("with_addend,with_prefix_out", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_mix_norm(interp, dtype, with_addend, with_prefix_out):
+    """The residual add (stored where asked), the selection over a 3-deep bank and the norm after it."""
+    M, D = 5, 96
+    prefix, bank = _rand(M, D, seed=17, dtype=dtype), _rand(4, M, D, seed=18, dtype=dtype)[:3]
+    addend = _rand(M, D, seed=19, dtype=dtype) if with_addend else None
+    norm_w, proj_w = 1 + _rand(D, seed=20) / 10, _rand(1, D, seed=21) / 3
+    out_w = (1 + _rand(D, seed=22) / 10).to(dtype)
+    slot_ref, slot = (torch.zeros(M, D, dtype=dtype) for _ in range(2)) if with_prefix_out else (None, None)
+    x_ref, p_ref = kernels.attn_res_mix_norm(prefix, bank, norm_w, proj_w, 1e-5, out_w, 1e-6, addend=addend,
+                                             prefix_out=slot_ref)
+    x, p = interp["attn_res"].attn_res_mix_norm(prefix, bank, norm_w, proj_w, 1e-5, out_w, 1e-6, addend, slot)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert x.dtype == x_ref.dtype
+    assert_close(f"x {dtype}", x_ref.float(), x.float(), tol)
+    assert_close(f"prefix {dtype}", p_ref.float(), p.float(), tol)
+    if with_prefix_out:
+        assert p is slot and p_ref is slot_ref
