@@ -47,6 +47,14 @@ if TYPE_CHECKING:
     from helixserve.parallel.groups import ParallelGroups
 
 WORLD_OF_ONE = Mapping(1, 0, dp=1, cp=1)
+# a layer's FFN output not yet added to the residual stream: a tensor, or a MoE's (routed, shared)
+Pending = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+def _summed(pending: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    if not isinstance(pending, tuple):
+        return pending
+    return pending[0] if pending[1] is None else pending[0] + pending[1]
 
 
 class KimiDecoderLayer(nn.Module):
@@ -80,18 +88,19 @@ class KimiDecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, bank: torch.Tensor | None, num_banked: int, batch: ForwardBatch, caches: ModelCaches,
-        hooks: HelixHooks | None = None, pending: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        hooks: HelixHooks | None = None, pending: Pending = None,
+    ) -> tuple[torch.Tensor, int, Pending]:
         """One layer on the rank's rows ``h``; ``bank [max_blocks, M, D]`` holds ``num_banked``
         AttnRes snapshots (``None``: plain pre-norm residual). ``hooks`` (a world of more than
         one rank, or a phase timer) wrap the mixer and the FFN; ``None`` calls them directly.
-        Returns ``(h, num_banked, pending)``: the FFN output is ``pending``, added to ``h`` by the
-        next layer's first norm or selection site (or the model's last), in the same kernel."""
+        Returns ``(h, num_banked, pending)``: the FFN output is ``pending`` (a MoE's routed and shared
+        outputs as a pair), added to ``h`` by the next layer's first norm or selection site (or the
+        model's last), in the same kernel."""
         if bank is None:
             x, h = self.input_layernorm.add_forward(pending, h) if pending is not None else (self.input_layernorm(h), h)
             a = self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches)
             x, h = self.post_attention_layernorm.add_forward(a, h)
-            return h, num_banked, self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)
+            return h, num_banked, self._ffn(x, batch, hooks)
         # AttnRes: the residual adds, the selection sites and the norms after them fused in twos
         snapshot = bank[num_banked] if self.starts_block else None  # the prefix is stored there
         x, prefix = attn_res_norm(self.self_attention_res_norm, self.self_attention_res_proj, h, bank[:num_banked],
@@ -101,7 +110,12 @@ class KimiDecoderLayer(nn.Module):
         x, prefix = attn_res_norm(self.mlp_res_norm, self.mlp_res_proj, a if snapshot is not None else prefix,
                                   bank[:num_banked], self.post_attention_layernorm,
                                   None if snapshot is not None else a)
-        return prefix, num_banked, self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)
+        return prefix, num_banked, self._ffn(x, batch, hooks)
+
+    def _ffn(self, x: torch.Tensor, batch: ForwardBatch, hooks: HelixHooks | None) -> Pending:
+        if hooks is not None:
+            return hooks.ffn(self, x, batch.num_tokens)
+        return self.block_sparse_moe.forward_parts(x) if self.is_moe else self.mlp(x)
 
 
 class KimiModel(nn.Module):
@@ -126,7 +140,7 @@ class KimiModel(nn.Module):
         for layer in self.layers:
             if layer.layer_idx == first_sliced:
                 if pending is not None:
-                    h, pending = h + pending, None
+                    h, pending = h + _summed(pending), None
                 h, bank = hooks.slice_rows(h, bank, num_banked)
             # no per-layer Module.__call__
             h, num_banked, pending = layer.forward(h, bank, num_banked, batch, caches, hooks, pending)

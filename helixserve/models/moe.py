@@ -170,10 +170,16 @@ class KimiMoE(nn.Module):
         if self.in_proj is None:
             expert_in, weights, ids = self.route(x)
             return self.finish(self.routed(expert_in, weights, ids), x)
+        routed, shared = self.forward_parts(x)
+        return routed if shared is None else routed + shared
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed and the shared experts' outputs ``[T, hidden]`` (``None``: no shared experts),
+        whose sum is :meth:`forward`'s: the caller adds them in its next kernel (packed modules)."""
+        if self.in_proj is None:
+            return self.forward(x), None
         parts = list(packed_linear(x, self.in_proj, self.in_proj_cols).split_with_sizes(self.in_proj_sizes, dim=-1))
         weights, ids = self._select(parts.pop(0) if self.is_router_packed else self.gate.logits(x))
         expert_in = parts.pop(0) if self.is_latent else x
         y = self._latent_out(self.routed(expert_in, weights, ids).to(x.dtype))
-        if self.shared_experts is not None:
-            y = y + self.shared_experts.down(*parts)
-        return y
+        return y, self.shared_experts.down(*parts) if self.shared_experts is not None else None

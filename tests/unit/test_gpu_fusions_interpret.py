@@ -120,13 +120,16 @@ def test_kda_gate_beta(interp, lower_bound, dtype):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("with_x2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm(interp, dtype):
-    """The sum as PyTorch rounds it (bf16: rounded before the norm reads it), and the norm of it."""
+def test_add_rms_norm(interp, dtype, with_x2):
+    """The sums as PyTorch rounds them (bf16: x + x2, then the residual add, rounded before the
+    norm reads it), and the norm of it."""
     x, residual = _rand(7, 48, seed=13, dtype=dtype), _rand(7, 48, seed=14, dtype=dtype)
+    x2 = _rand(7, 48, seed=23, dtype=dtype) if with_x2 else None
     weight = (1 + _rand(48, seed=15) / 10).to(dtype)
-    normed_ref, summed_ref = kernels.add_rms_norm(x, residual, weight, 1e-5)
-    normed, summed = interp["norm"].add_rms_norm(x, residual, weight, 1e-5)
+    normed_ref, summed_ref = kernels.add_rms_norm(x, residual, weight, 1e-5, x2)
+    normed, summed = interp["norm"].add_rms_norm(x, residual, weight, 1e-5, x2)
     assert normed.dtype == normed_ref.dtype and summed.dtype == dtype
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     assert_close(f"sum {dtype}", summed_ref.float(), summed.float(), tol)
@@ -134,19 +137,21 @@ def test_add_rms_norm(interp, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("with_addend,with_prefix_out", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("with_addend,with_prefix_out", [(False, False), (True, False), (True, True), ("pair", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attn_res_mix_norm(interp, dtype, with_addend, with_prefix_out):
     """The residual add (stored where asked), the selection over a 3-deep bank and the norm after it."""
     M, D = 5, 96
     prefix, bank = _rand(M, D, seed=17, dtype=dtype), _rand(4, M, D, seed=18, dtype=dtype)[:3]
     addend = _rand(M, D, seed=19, dtype=dtype) if with_addend else None
+    addend2 = _rand(M, D, seed=24, dtype=dtype) if with_addend == "pair" else None
     norm_w, proj_w = 1 + _rand(D, seed=20) / 10, _rand(1, D, seed=21) / 3
     out_w = (1 + _rand(D, seed=22) / 10).to(dtype)
     slot_ref, slot = (torch.zeros(M, D, dtype=dtype) for _ in range(2)) if with_prefix_out else (None, None)
     x_ref, p_ref = kernels.attn_res_mix_norm(prefix, bank, norm_w, proj_w, 1e-5, out_w, 1e-6, addend=addend,
-                                             prefix_out=slot_ref)
-    x, p = interp["attn_res"].attn_res_mix_norm(prefix, bank, norm_w, proj_w, 1e-5, out_w, 1e-6, addend, slot)
+                                             prefix_out=slot_ref, addend2=addend2)
+    x, p = interp["attn_res"].attn_res_mix_norm(prefix, bank, norm_w, proj_w, 1e-5, out_w, 1e-6, addend, slot,
+                                                addend2)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert x.dtype == x_ref.dtype
     assert_close(f"x {dtype}", x_ref.float(), x.float(), tol)

@@ -5,7 +5,8 @@ Shapes: prefix [M, D]; bank [K, M, D] (K >= 0) or None; norm_weight [D]; proj_we
     logit_i = sum_d (V_i * rsqrt(mean(V_i^2) + eps))[d] * norm_weight[d] * proj_weight[d]
     out     = sum_i softmax_i(logit)_i * V_i
 attn_res_mix_norm: the residual step around a selection site, (rms_norm(mix(prefix + addend, bank)),
-    prefix + addend), in one kernel on the device (the prefix stored in ``prefix_out`` when given).
+    prefix + addend), in one kernel on the device (the prefix stored in ``prefix_out`` when given;
+    an optional addend2 added to addend first).
 """
 
 from __future__ import annotations
@@ -61,23 +62,30 @@ def attn_res_mix_norm(
     *,
     addend: torch.Tensor | None = None,
     prefix_out: torch.Tensor | None = None,
+    addend2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``p = prefix + addend`` (``prefix`` without an addend), stored in ``prefix_out [M, D]`` when
     given; returns ``(rms_norm(mix(p, bank), out_norm_weight, out_norm_eps), p)``, the mix being
     ``p`` itself for an empty bank. The prefix sum is rounded to prefix.dtype as ``prefix + addend``."""
+    if addend2 is not None and addend is None:
+        raise ValueError("addend2 needs addend")
     if addend is not None:
         check_shape("addend", addend, tuple(prefix.shape))
+    if addend2 is not None:
+        check_shape("addend2", addend2, tuple(prefix.shape))
     if prefix_out is not None:
         check_shape("prefix_out", prefix_out, tuple(prefix.shape))
     has_bank = bank is not None and bank.shape[0] > 0
-    if use_triton(prefix) and has_bank and (prefix_out is None or addend is not None):
+    if use_triton(prefix) and has_bank and (prefix_out is None or addend is not None and prefix_out.is_contiguous()):
         from helixserve.kernels.attn_res import triton_attn_res
 
         _check_mix_args(prefix, bank, norm_weight, proj_weight, eps)
         return triton_attn_res.attn_res_mix_norm(prefix, bank, norm_weight, proj_weight, eps, out_norm_weight,
-                                                 out_norm_eps, addend, prefix_out)
+                                                 out_norm_eps, addend, prefix_out, addend2)
     if use_triton(prefix) and not has_bank and addend is not None and prefix_out is None:
-        return add_rms_norm(addend, prefix, out_norm_weight, out_norm_eps)
+        return add_rms_norm(addend, prefix, out_norm_weight, out_norm_eps, addend2)
+    if addend2 is not None:
+        addend = addend + addend2
     if addend is not None:
         prefix = torch.add(prefix, addend) if prefix_out is None else torch.add(prefix, addend, out=prefix_out)
     elif prefix_out is not None:

@@ -32,9 +32,10 @@ def _mix_values(vals, query, D, eps, m, denom, acc):
 
 @triton.jit(do_not_specialize=["M", "stride_bank_k"])  # rows follow the batch: no variant per count
 def _attn_res_kernel(
-    prefix_ptr, bank_ptr, norm_ptr, proj_ptr, out_ptr, addend_ptr, prefix_out_ptr, out_norm_ptr,
+    prefix_ptr, bank_ptr, norm_ptr, proj_ptr, out_ptr, addend_ptr, addend2_ptr, prefix_out_ptr, out_norm_ptr,
     K, M, D, stride_prefix, stride_bank_k, stride_bank_m, stride_out, eps, out_eps,
-    BLOCK_D: tl.constexpr, HAS_ADDEND: tl.constexpr, HAS_OUT_NORM: tl.constexpr, ROUND_NORMED: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_ADDEND: tl.constexpr, HAS_ADDEND2: tl.constexpr, HAS_OUT_NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -49,8 +50,11 @@ def _attn_res_kernel(
                                     m, denom, acc)
     prefix = tl.load(prefix_ptr + row * stride_prefix + offs, mask=mask, other=0.0)
     if HAS_ADDEND:  # prefix + addend, rounded to the prefix's dtype and stored, is the last source
-        prefix = (prefix.to(tl.float32) + tl.load(addend_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
-                  ).to(prefix_out_ptr.dtype.element_ty)
+        addend = tl.load(addend_ptr + row * D + offs, mask=mask, other=0.0)
+        if HAS_ADDEND2:  # addend + addend2 rounded first, as PyTorch's two adds
+            addend = (addend.to(tl.float32) + tl.load(addend2_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+                      ).to(addend_ptr.dtype.element_ty)
+        prefix = (prefix.to(tl.float32) + addend.to(tl.float32)).to(prefix_out_ptr.dtype.element_ty)
         tl.store(prefix_out_ptr + row * D + offs, prefix, mask=mask)
     m, denom, acc = _mix_values(prefix.to(tl.float32), query, D, eps, m, denom, acc)
     mixed = acc / denom
@@ -79,17 +83,19 @@ def attn_res_mix(
 
 def _launch(prefix: torch.Tensor, bank: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
             eps: float, out: torch.Tensor, addend: torch.Tensor | None = None, prefix_out: torch.Tensor | None = None,
-            out_norm_weight: torch.Tensor | None = None, out_norm_eps: float = 0.0) -> None:
+            out_norm_weight: torch.Tensor | None = None, out_norm_eps: float = 0.0,
+            addend2: torch.Tensor | None = None) -> None:
     M, D = prefix.shape
     if M == 0:
         return
     BLOCK_D = next_pow2(D)
     _attn_res_kernel[(M,)](
         prefix, bank, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(), out,
-        addend if addend is not None else prefix, prefix_out if prefix_out is not None else out,
+        addend if addend is not None else prefix, addend2 if addend2 is not None else prefix,
+        prefix_out if prefix_out is not None else out,
         out_norm_weight.contiguous() if out_norm_weight is not None else norm_weight,
         bank.shape[0], M, D, prefix.stride(0), bank.stride(0), bank.stride(1), out.stride(0), float(eps),
-        float(out_norm_eps), BLOCK_D=BLOCK_D, HAS_ADDEND=addend is not None, HAS_OUT_NORM=out_norm_weight is not None,
+        float(out_norm_eps), BLOCK_D=BLOCK_D, HAS_ADDEND=addend is not None, HAS_ADDEND2=addend2 is not None, HAS_OUT_NORM=out_norm_weight is not None,
         ROUND_NORMED=prefix.dtype != torch.float32, num_warps=8 if BLOCK_D >= 4096 else 4,
     )
 
@@ -97,7 +103,7 @@ def _launch(prefix: torch.Tensor, bank: torch.Tensor, norm_weight: torch.Tensor,
 def attn_res_mix_norm(
     prefix: torch.Tensor, bank: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
     out_norm_weight: torch.Tensor, out_norm_eps: float, addend: torch.Tensor | None,
-    prefix_out: torch.Tensor | None,
+    prefix_out: torch.Tensor | None, addend2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`~helixserve.kernels.attn_res_mix_norm` for a non-empty bank (``prefix_out``
     only with ``addend``; contiguous rows)."""
@@ -109,7 +115,9 @@ def attn_res_mix_norm(
                       device=prefix.device)
     if addend is not None:
         addend = addend if addend.is_contiguous() else addend.contiguous()
+        addend2 = addend2 if addend2 is None or addend2.is_contiguous() else addend2.contiguous()
         if prefix_out is None:
             prefix_out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
-    _launch(prefix, bank, norm_weight, proj_weight, eps, out, addend, prefix_out, out_norm_weight, out_norm_eps)
+    _launch(prefix, bank, norm_weight, proj_weight, eps, out, addend, prefix_out, out_norm_weight, out_norm_eps,
+            addend2)
     return out, prefix_out if addend is not None else prefix

@@ -29,7 +29,7 @@ def _keys(ids_ptr, offs, P, E, expert_offset):
     return tl.where((local >= 0) & (local < E), local, E)
 
 
-@triton.jit(do_not_specialize=["P", "expert_offset", "stride_x"])
+@triton.jit(do_not_specialize=["P", "expert_offset", "stride_x", "NUM_I_BLOCKS"])  # sizes follow the batch
 def _sort_pairs_kernel(
     ids_ptr, order_ptr, sorted_ptr, valid_ptr, rows_ptr, rank_ptr, offs_ptr, x_ptr, gathered_ptr, P, E,
     expert_offset, D, stride_x, TOP_K: tl.constexpr, NUM_I_BLOCKS, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,

@@ -3,7 +3,8 @@
 rms_norm:       x [..., D], weight [D] -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)
                 (variance in fp32; result dtype = promote(weight, x) as in HF).
 add_rms_norm:   x, residual [..., D] (same dtype), weight [D] -> (rms_norm(residual + x), residual + x):
-                the pre-norm residual step, the sum rounded to x.dtype before the norm reads it.
+                the pre-norm residual step, the sum rounded to x.dtype before the norm reads it; an
+                optional x2 is added to x first (x + x2 rounded, as two PyTorch adds).
 gated_rms_norm: x [..., D], gate [..., D], weight [D] -> (weight * norm(x) * sigmoid(gate)) all fp32,
                 cast to x.dtype (HF KimiLinearRMSNormGated; KDA output norm per head).
 """
@@ -36,18 +37,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, x2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = residual + x; (rms_norm(h), h)`` (one kernel on the device)."""
+    """``h = residual + (x + x2)`` (``x2`` optional); ``(rms_norm(h), h)`` (one kernel on the device)."""
     _check_norm_args(x, weight, eps)
-    check_shape("residual", residual, tuple(x.shape))
-    if residual.dtype != x.dtype:
-        raise ValueError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+    for name, t in (("residual", residual), ("x2", x2)):
+        if t is not None:
+            check_shape(name, t, tuple(x.shape))
+            if t.dtype != x.dtype:
+                raise ValueError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
     if use_triton(x):
         from helixserve.kernels.norm import triton_norm
 
-        return triton_norm.add_rms_norm(x, residual, weight, eps)
-    summed = residual + x
+        return triton_norm.add_rms_norm(x, residual, weight, eps, x2)
+    summed = residual + (x if x2 is None else x + x2)
     return _rms_norm_torch(summed, weight, eps), summed
 
 

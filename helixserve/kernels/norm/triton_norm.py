@@ -16,13 +16,17 @@ from helixserve.kernels.triton_common import next_pow2
 
 @triton.jit(do_not_specialize=["M", "stride_x", "stride_g", "stride_out"])  # rows follow the batch
 def _rms_norm_kernel(
-    x_ptr, gate_ptr, w_ptr, out_ptr, residual_ptr, sum_ptr, M, D, stride_x, stride_g, stride_out, eps,
-    HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, gate_ptr, w_ptr, out_ptr, residual_ptr, sum_ptr, x2_ptr, M, D, stride_x, stride_g, stride_out, eps,
+    HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_X2: tl.constexpr, ROUND_NORMED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_X2:  # x + x2 rounded to x's dtype first, as PyTorch's two adds
+        x = (x + tl.load(x2_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = x.to(tl.float32)
     if HAS_RESIDUAL:  # the sum is rounded to its dtype, stored, and normed as stored
         x += tl.load(residual_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
         x = x.to(sum_ptr.dtype.element_ty)
@@ -45,7 +49,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
             out_dtype: torch.dtype, round_normed: bool, residual: torch.Tensor | None = None,
-            summed: torch.Tensor | None = None) -> torch.Tensor:
+            summed: torch.Tensor | None = None, x2: torch.Tensor | None = None) -> torch.Tensor:
     D = x.shape[-1]
     rows = _rows(x)
     gate_rows = _rows(gate) if gate is not None else rows
@@ -56,9 +60,10 @@ def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, ep
     BLOCK_D = next_pow2(D)
     _rms_norm_kernel[(M,)](
         rows, gate_rows, weight if weight.is_contiguous() else weight.contiguous(), out,
-        residual if residual is not None else rows, summed if summed is not None else out, M, D,
-        rows.stride(0), gate_rows.stride(0), D, float(eps),
-        HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None, ROUND_NORMED=round_normed, BLOCK_D=BLOCK_D,
+        residual if residual is not None else rows, summed if summed is not None else out,
+        x2 if x2 is not None else rows, M, D, rows.stride(0), gate_rows.stride(0), D, float(eps),
+        HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None, HAS_X2=x2 is not None,
+        ROUND_NORMED=round_normed, BLOCK_D=BLOCK_D,
         num_warps=8 if BLOCK_D >= 4096 else 4,
     )
     return out
@@ -76,11 +81,13 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return _launch(x, gate, weight, eps, x.dtype, round_normed=False)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`~helixserve.kernels.add_rms_norm`: ``(rms_norm(residual + x), residual + x)``."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 x2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`~helixserve.kernels.add_rms_norm`: ``h = residual + (x + x2)``, ``(rms_norm(h), h)``."""
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res = residual if residual.is_contiguous() else residual.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
+    x2 = x2 if x2 is None or x2.is_contiguous() else x2.contiguous()
     normed = _launch(x, None, weight, eps, torch.promote_types(x.dtype, weight.dtype),
-                     round_normed=x.dtype != torch.float32, residual=res, summed=summed)
+                     round_normed=x.dtype != torch.float32, residual=res, summed=summed, x2=x2)
     return normed, summed
