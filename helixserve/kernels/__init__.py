@@ -16,7 +16,7 @@ from helixserve.kernels.mla.paged import mla_paged_attention, mla_write_kv
 from helixserve.kernels.moe.experts import act_and_mul, moe_experts
 from helixserve.kernels.moe.mxfp4 import MXFP4Weight, dequantize_mxfp4
 from helixserve.kernels.moe.route import moe_route
-from helixserve.kernels.norm.rms import add_rms_norm, gated_rms_norm, rms_norm
+from helixserve.kernels.norm.rms import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_leading
 from helixserve.kernels.short_conv.conv import short_conv_prefill, short_conv_step
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "moe_experts",
     "moe_route",
     "rms_norm",
+    "rms_norm_leading",
     "short_conv_prefill",
     "short_conv_step",
 ]

@@ -83,8 +83,8 @@ class MultiLatentAttention(nn.Module):
         return self._latent_rows(self.kv_a_proj_with_mqa(x))
 
     def _latent_rows(self, ckv: torch.Tensor) -> torch.Tensor:
-        c, k_shared = ckv.split_with_sizes([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), k_shared], dim=-1)
+        """``[kv_a_layernorm(c) | k_shared]`` of ``ckv = [c | k_shared]``."""
+        return kernels.rms_norm_leading(ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
 
     def absorbed_query(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H, kv_lora_rank + rope]``."""
@@ -119,7 +119,7 @@ class MultiLatentAttention(nn.Module):
         o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         o = o.transpose(0, 1).reshape(o_lat.shape[0], self.num_heads * self.v_head_dim)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = kernels.act_and_mul(gate, o, activation="sigmoid")
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_gated_rms_norm(interp, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("activation", ["silu", "situ"])
+@pytest.mark.parametrize("activation", ["silu", "situ", "sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_act_and_mul(interp, activation, dtype):
     h = _rand(6, 2 * 1100, seed=5, dtype=dtype)  # two column blocks of 1024
@@ -158,3 +158,15 @@ def test_attn_res_mix_norm(interp, dtype, with_addend, with_prefix_out):
     assert_close(f"prefix {dtype}", p_ref.float(), p.float(), tol)
     if with_prefix_out:
         assert p is slot and p_ref is slot_ref
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_leading(interp, dtype):
+    """MLA's latent rows: the first 40 of 48 columns normed, the rest copied; strided rows."""
+    x = _rand(6, 100, seed=25, dtype=dtype)[:, 10:58]
+    weight = (1 + _rand(40, seed=26) / 10).to(dtype)
+    ref = kernels.rms_norm_leading(x, weight, 1e-6)
+    out = interp["norm"].rms_norm_leading(x, weight, 1e-6)
+    assert out.dtype == dtype and torch.equal(out[:, 40:], x[:, 40:])
+    assert_close(f"rms_norm_leading {dtype}", ref.float(), out.float(), 1e-2 if dtype == torch.bfloat16 else 1e-6)

@@ -2,6 +2,7 @@
 
 act_and_mul: gate, up [..., I] -> [..., I]
     silu: silu(gate) * up
+    sigmoid: sigmoid(gate) * up, in the inputs' dtype (an output gate, e.g. MLA's; not for experts)
     situ: beta * tanh(gate / beta) * sigmoid(gate) * (lin_beta * tanh(up / lin_beta))   (Kimi K3)
 moe_experts: x [T, D]; topk_ids, topk_weights [T, k]; w13 [E_local, 2I, D] (gate rows then up rows);
     w2 [E_local, D, I]; local experts are global ids [expert_offset, expert_offset + E_local) and
@@ -26,6 +27,7 @@ from helixserve.kernels.moe.mxfp4 import MXFP4Weight
 from helixserve.kernels.triton_common import has_triton, on_device, use_triton
 
 _ACTIVATIONS = ("silu", "situ")
+_GATES = (*_ACTIVATIONS, "sigmoid")
 # up to this many (token, k) pairs (decode batches) the pairs are grouped by expert on the host
 _FEW_PAIRS = 64
 
@@ -38,9 +40,9 @@ def act_and_mul(
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
 ) -> torch.Tensor:
-    """Gated activation in fp32, returned in gate.dtype."""
+    """Gated activation in fp32 (``sigmoid``: in the inputs' dtype on the CPU), returned in gate.dtype."""
     check_shape("up", up, tuple(gate.shape))
-    check_activation(activation, _ACTIVATIONS)
+    check_activation(activation, _GATES)
     if activation == "situ" and not (situ_beta > 0 and situ_linear_beta > 0):
         raise ValueError(f"situ betas must be positive, got {situ_beta}, {situ_linear_beta}")
     if use_triton(gate):  # one kernel in place of the casts and the elementwise chain
@@ -67,6 +69,8 @@ def _device_act(activation: str, situ_beta: float, situ_linear_beta: float) -> C
 def _act_and_mul_torch(
     gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float, situ_linear_beta: float
 ) -> torch.Tensor:
+    if activation == "sigmoid":
+        return up * torch.sigmoid(gate)
     gate, up = as_f32(gate), as_f32(up)
     if activation == "silu":
         return F.silu(gate) * up

@@ -1,7 +1,7 @@
 """Triton gated activation: ``act(gate) * up`` in fp32 in one pass, stored in gate's dtype.
 
 Same contract as :func:`helixserve.kernels.act_and_mul` (``gate``, ``up`` [..., I], rows with a unit
-last stride, e.g. the two halves of one ``[M, 2I]`` projection).
+last stride, e.g. the two halves of one ``[M, 2I]`` projection; "sigmoid" computed in fp32 too).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 _BLOCK = 1024
+_ACTIVATION_IDS = {"silu": 0, "situ": 1, "sigmoid": 2}
 
 
 @triton.jit
@@ -22,14 +23,16 @@ def _tanh(x):
 @triton.jit(do_not_specialize=["stride_gate", "stride_up"])
 def _act_and_mul_kernel(
     gate_ptr, up_ptr, out_ptr, I, stride_gate, stride_up, situ_beta, situ_linear_beta,
-    IS_SITU: tl.constexpr, BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     gate = tl.load(gate_ptr + row * stride_gate + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + offs, mask=mask, other=0.0).to(tl.float32)
-    if IS_SITU:
+    if ACTIVATION == 2:  # sigmoid
+        out = tl.sigmoid(gate) * up
+    elif ACTIVATION == 1:  # situ
         soft_gate = situ_beta * _tanh(gate / situ_beta) * tl.sigmoid(gate)
         out = soft_gate * (situ_linear_beta * _tanh(up / situ_linear_beta))
     else:
@@ -44,7 +47,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float,
                 situ_linear_beta: float) -> torch.Tensor:
-    """Triton :func:`~helixserve.kernels.act_and_mul` (``activation`` "silu" or "situ")."""
+    """Triton :func:`~helixserve.kernels.act_and_mul` (``activation`` "silu", "situ" or "sigmoid")."""
     I = gate.shape[-1]
     gate_rows, up_rows = _rows(gate), _rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -53,6 +56,6 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta
         return out
     _act_and_mul_kernel[(M, triton.cdiv(I, _BLOCK))](
         gate_rows, up_rows, out, I, gate_rows.stride(0), up_rows.stride(0), float(situ_beta),
-        float(situ_linear_beta), IS_SITU=activation == "situ", BLOCK=_BLOCK, num_warps=4,
+        float(situ_linear_beta), ACTIVATION=_ACTIVATION_IDS[activation], BLOCK=_BLOCK, num_warps=4,
     )
     return out

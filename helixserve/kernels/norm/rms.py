@@ -5,6 +5,8 @@ rms_norm:       x [..., D], weight [D] -> weight * (x * rsqrt(mean(x^2) + eps)).
 add_rms_norm:   x, residual [..., D] (same dtype), weight [D] -> (rms_norm(residual + x), residual + x):
                 the pre-norm residual step, the sum rounded to x.dtype before the norm reads it; an
                 optional x2 is added to x first (x + x2 rounded, as two PyTorch adds).
+rms_norm_leading: x [M, W], weight [D] (D <= W, x's dtype) -> [M, W]: rms_norm of the first D
+                columns, the others copied (MLA's latent rows: the normed latent, then the rope key).
 gated_rms_norm: x [..., D], gate [..., D], weight [D] -> (weight * norm(x) * sigmoid(gate)) all fp32,
                 cast to x.dtype (HF KimiLinearRMSNormGated; KDA output norm per head).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helixserve.kernels._checks import as_f32, check_shape
+from helixserve.kernels._checks import as_f32, check_ndim, check_shape
 from helixserve.kernels.triton_common import use_triton
 
 
@@ -52,6 +54,20 @@ def add_rms_norm(
         return triton_norm.add_rms_norm(x, residual, weight, eps, x2)
     summed = residual + (x if x2 is None else x + x2)
     return _rms_norm_torch(summed, weight, eps), summed
+
+
+def rms_norm_leading(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``cat([rms_norm(x[:, :D], weight, eps), x[:, D:]], -1)`` for ``weight [D]`` (one kernel on the device)."""
+    check_ndim("x", x, 2)
+    D = weight.shape[0] if weight.dim() == 1 else -1
+    if not 0 < D <= x.shape[1]:
+        raise ValueError(f"weight must be [D] with 0 < D <= {x.shape[1]}, got {tuple(weight.shape)}")
+    if use_triton(x) and weight.dtype == x.dtype:
+        from helixserve.kernels.norm import triton_norm
+
+        return triton_norm.rms_norm_leading(x, weight, eps)
+    head, tail = x.split_with_sizes([D, x.shape[1] - D], dim=-1)
+    return torch.cat([rms_norm(head, weight, eps), tail], dim=-1)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -91,3 +91,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     normed = _launch(x, None, weight, eps, torch.promote_types(x.dtype, weight.dtype),
                      round_normed=x.dtype != torch.float32, residual=res, summed=summed, x2=x2)
     return normed, summed
+
+
+@triton.jit(do_not_specialize=["stride_x"])
+def _rms_norm_leading_kernel(x_ptr, w_ptr, out_ptr, D, W, stride_x, eps, ROUND_NORMED: tl.constexpr,
+                             BLOCK_W: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_W)
+    raw = tl.load(x_ptr + row * stride_x + offs, mask=offs < W, other=0.0)
+    x = tl.where(offs < D, raw.to(tl.float32), 0.0)
+    normed = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    if ROUND_NORMED:
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32) * normed
+    tl.store(out_ptr + row * W + offs, tl.where(offs < D, normed.to(out_ptr.dtype.element_ty), raw), mask=offs < W)
+
+
+def rms_norm_leading(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton :func:`~helixserve.kernels.rms_norm_leading` (x 2-D, weight of x's dtype)."""
+    M, W = x.shape
+    rows = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(M, W, dtype=x.dtype, device=x.device)
+    if M:
+        _rms_norm_leading_kernel[(M,)](
+            rows, weight if weight.is_contiguous() else weight.contiguous(), out, weight.shape[0], W, rows.stride(0),
+            float(eps), ROUND_NORMED=x.dtype != torch.float32, BLOCK_W=next_pow2(W), num_warps=4,
+        )
+    return out
