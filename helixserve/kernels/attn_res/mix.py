@@ -87,9 +87,9 @@ def attn_res_mix_norm(
     if addend2 is not None:
         addend = addend + addend2
     if addend is not None:
-        prefix = torch.add(prefix, addend) if prefix_out is None else torch.add(prefix, addend, out=prefix_out)
-    elif prefix_out is not None:
-        prefix = prefix_out.copy_(prefix)
+        prefix = prefix + addend
+    if prefix_out is not None:  # a copy, as an indexed assignment would (autograd follows it)
+        prefix_out.copy_(prefix)
     mixed = attn_res_mix(prefix, bank, norm_weight, proj_weight, eps) if has_bank else prefix
     return rms_norm(mixed, out_norm_weight, out_norm_eps), prefix
 
