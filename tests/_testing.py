@@ -88,7 +88,7 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRI
 # the test files whose tests run in the interpreter child: one child runs them all, for the first
 # of them to ask (one child start-up, not one per file); a file not listed gets a child of its own
 INTERPRETER_FILES = ("tests/unit/test_gemm_batch_invariant.py", "tests/unit/test_gpu_kernels_interpret.py",
-                     "tests/unit/test_kernels_mxfp4.py", "tests/unit/test_mxfp4_decode_ptx.py")
+                     "tests/unit/test_gpu_fusions_interpret.py", "tests/unit/test_kernels_mxfp4.py", "tests/unit/test_mxfp4_decode_ptx.py")
 _CHILD_RUNS: dict[tuple[str, ...], tuple[int, str]] = {}  # files -> (exit status, output)
 
 

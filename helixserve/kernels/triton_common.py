@@ -17,6 +17,7 @@ import torch
 
 from helixserve.config import kernel_backend
 from helixserve.kernels.gemm import set_batch_invariant as set_batch_invariant_gemms
+from helixserve.kernels._host import step_value
 from helixserve.kernels._checks import check_cu_seqlens, check_integer, check_ndim, check_shape, check_slot_ids
 
 _value_checks = False
@@ -75,6 +76,11 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def on_device(x: torch.Tensor) -> bool:
+    """``x`` lives on a CUDA device: the kernels take their sync-free, graph-safe branches."""
+    return x.is_cuda
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Take the Triton path for ``x``: a CUDA tensor and Triton installed."""
     return x.is_cuda and has_triton()
@@ -90,9 +96,13 @@ def next_pow2(n: int) -> int:
 
 
 def seq_ids_of_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[num_rows]`` int32 sequence index of each flat row, computed on the device (no sync)."""
-    rows = torch.arange(num_rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True).to(torch.int32)
+    """``[num_rows]`` int32 sequence index of each flat row, computed on the device (no sync), once
+    per step (:func:`~helixserve.kernels._host.step_value`)."""
+    def compute() -> torch.Tensor:
+        rows = torch.arange(num_rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+        return torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True).to(torch.int32)
+
+    return step_value(cu_seqlens, f"seq_ids_of_rows:{num_rows}", compute)
 
 
 def gpu_num_seqs(name: str, cu_seqlens: torch.Tensor | None, num_tokens: int) -> int:

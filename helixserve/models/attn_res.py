@@ -28,3 +28,16 @@ def attn_res_mix(
     if bank is None or bank.shape[0] == 0:
         return prefix
     return kernels.attn_res_mix(prefix, bank, norm.weight, proj.weight, norm.eps)
+
+
+def attn_res_norm(
+    norm: RMSNorm, proj: AttnResProj, prefix: torch.Tensor, bank: torch.Tensor | None, out_norm: RMSNorm,
+    addend: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    prefix_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selection site and the norm after it: ``p = prefix + addend`` (``addend`` a pair:
+    ``addend[0] + addend[1]`` first; stored in ``prefix_out`` when given), ``(out_norm(AttnRes(p, bank)), p)``
+    (one kernel on a GPU)."""
+    addend, addend2 = addend if isinstance(addend, tuple) else (addend, None)
+    return kernels.attn_res_mix_norm(prefix, bank, norm.weight, proj.weight, norm.eps, out_norm.weight, out_norm.eps,
+                                     addend=addend, prefix_out=prefix_out, addend2=addend2)

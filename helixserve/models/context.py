@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from helixserve.kernels._host import step_value
+
 if TYPE_CHECKING:
     from helixserve.models.hidden_capture import HiddenCapture
     from helixserve.models.kda_checkpoints import StateSaves
@@ -75,5 +77,6 @@ class ForwardBatch:
 
     @property
     def kv_lens(self) -> torch.Tensor:
-        """Tokens of each sequence in the MLA cache once this step's tokens are written."""
-        return self.context_lens + self.seq_lens
+        """Tokens of each sequence in the MLA cache once this step's tokens are written (computed
+        once per step)."""
+        return step_value(self.context_lens, "kv_lens", lambda: self.context_lens + self.seq_lens)

@@ -43,7 +43,7 @@ from helixserve.models.helix_hooks import MoeMode
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.loading import model_tensors, resolve_expert_format, use_mxfp4_experts
 from helixserve.models.mxfp4 import dequantize_mxfp4
-from helixserve.models.packing import pack_for_cpu
+from helixserve.models.packing import pack_for_inference
 from helixserve.models.quantization import check_checkpoint_quantization
 from helixserve.parallel import Mapping
 
@@ -133,7 +133,7 @@ def materialize(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.eval().requires_grad_(False)
-    return pack_for_cpu(model) if mapping.world_size == 1 else model
+    return pack_for_inference(model) if mapping.world_size == 1 else model
 
 
 def _read_param(name: str, model: KimiForCausalLM, read: Reader) -> torch.Tensor:

@@ -70,7 +70,7 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj if self.use_full_rank_gate else self.g_a_proj
         return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
 
-    def pack(self) -> None:
+    def pack(self, host_forms: bool = True) -> None:
         """Fuse the projections of ``x`` into ``in_proj`` and the conv kernels into one weight
         (see :mod:`helixserve.models.packing`); with the low-rank output gate, ``f_a`` and ``g_a`` are
         adjacent in ``in_proj`` and ``f_b_proj``/``g_b_proj`` run as one bmm on a few rows (two GEMMs
@@ -79,14 +79,16 @@ class KimiDeltaAttention(nn.Module):
         projections = [q, k, v, f_a, gate, b]
         self.in_proj_sizes = [3 * q.out_features, f_a.out_features, gate.out_features, b.out_features]
         self.in_proj = fuse_weights([(p, "weight") for p in projections])
-        self.in_proj_cols = column_major(self.in_proj)
+        self.in_proj_cols = column_major(self.in_proj) if host_forms else None
         convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
         for conv in convs:  # fused as [rows, W]; the views keep the checkpoint's [rows, 1, W] shape
             conv.weight = nn.Parameter(conv.weight.detach().squeeze(1), requires_grad=False)
-        # column-major: the decode step reads it as [W, rows] rows
-        self.packed_conv_weight = fuse_weights([(c, "weight") for c in convs], is_column_major=True)
+        # CPU: column-major, the decode step reads it as [W, rows] rows; device: the Triton step's rows
+        self.packed_conv_weight = fuse_weights([(c, "weight") for c in convs], is_column_major=host_forms)
         for conv in convs:
             conv.weight = nn.Parameter(conv.weight.unsqueeze(1), requires_grad=False)
+        if not host_forms:
+            return
         pack_linears(self, "f_b_proj", "o_proj", *([] if self.use_full_rank_gate else ["g_b_proj"]))
         if not self.use_full_rank_gate:  # the linears' column-major copies become views of the stack
             self.f_g_b_stack = torch.stack([self.f_b_proj.weight_cols.t(), self.g_b_proj.weight_cols.t()])
@@ -116,8 +118,8 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
         qkv, f, b, gate = self._project(x)
-        g = kernels.kda_gate(f, self.A_log, self.dt_bias, num_heads=H, head_dim=K, lower_bound=self.lower_bound)
-        beta = torch.sigmoid(b if b.dtype == torch.float32 else b.float())
+        g, beta = kernels.kda_gate_beta(f, b, self.A_log, self.dt_bias, num_heads=H, head_dim=K,
+                                        lower_bound=self.lower_bound)
         conv_pool = caches.conv_state[self.layer_idx]
         state_pool = caches.kda_state[self.layer_idx]
         slots = batch.state_slots

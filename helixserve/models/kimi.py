@@ -33,7 +33,7 @@ from torch import nn
 
 from helixserve.cache_layout import ModelCaches
 from helixserve.kernels._host import step_host_cache
-from helixserve.models.attn_res import AttnResProj, attn_res_mix
+from helixserve.models.attn_res import AttnResProj, attn_res_norm
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
 from helixserve.models.helix_hooks import NO_PHASE, HelixHooks, MoeMode, PhaseTimer
@@ -47,6 +47,14 @@ if TYPE_CHECKING:
     from helixserve.parallel.groups import ParallelGroups
 
 WORLD_OF_ONE = Mapping(1, 0, dp=1, cp=1)
+# a layer's FFN output not yet added to the residual stream: a tensor, or a MoE's (routed, shared)
+Pending = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+def _summed(pending: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    if not isinstance(pending, tuple):
+        return pending
+    return pending[0] if pending[1] is None else pending[0] + pending[1]
 
 
 class KimiDecoderLayer(nn.Module):
@@ -80,28 +88,34 @@ class KimiDecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, bank: torch.Tensor | None, num_banked: int, batch: ForwardBatch, caches: ModelCaches,
-        hooks: HelixHooks | None = None,
-    ) -> tuple[torch.Tensor, int]:
+        hooks: HelixHooks | None = None, pending: Pending = None,
+    ) -> tuple[torch.Tensor, int, Pending]:
         """One layer on the rank's rows ``h``; ``bank [max_blocks, M, D]`` holds ``num_banked``
         AttnRes snapshots (``None``: plain pre-norm residual). ``hooks`` (a world of more than
-        one rank, or a phase timer) wrap the mixer and the FFN; ``None`` calls them directly."""
+        one rank, or a phase timer) wrap the mixer and the FFN; ``None`` calls them directly.
+        Returns ``(h, num_banked, pending)``: the FFN output is ``pending`` (a MoE's routed and shared
+        outputs as a pair), added to ``h`` by the next layer's first norm or selection site (or the
+        model's last), in the same kernel."""
         if bank is None:
-            x = self.input_layernorm(h)
-            h = h + (self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches))
-            x = self.post_attention_layernorm(h)
-            return h + (self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)), num_banked
-        prefix = h
-        x = attn_res_mix(self.self_attention_res_norm, self.self_attention_res_proj, prefix, bank[:num_banked])
-        keep_prefix = not self.starts_block
-        if self.starts_block:
-            bank[num_banked] = prefix
-            num_banked += 1
-        x = self.input_layernorm(x)
+            x, h = self.input_layernorm.add_forward(pending, h) if pending is not None else (self.input_layernorm(h), h)
+            a = self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches)
+            x, h = self.post_attention_layernorm.add_forward(a, h)
+            return h, num_banked, self._ffn(x, batch, hooks)
+        # AttnRes: the residual adds, the selection sites and the norms after them fused in twos
+        snapshot = bank[num_banked] if self.starts_block else None  # the prefix is stored there
+        x, prefix = attn_res_norm(self.self_attention_res_norm, self.self_attention_res_proj, h, bank[:num_banked],
+                                  self.input_layernorm, pending, snapshot)
+        num_banked += snapshot is not None
         a = self.self_attn(x, batch, caches) if hooks is None else hooks.mixer(self, x, batch, caches)
-        prefix = prefix + a if keep_prefix else a
-        x = attn_res_mix(self.mlp_res_norm, self.mlp_res_proj, prefix, bank[:num_banked])
-        x = self.post_attention_layernorm(x)
-        return prefix + (self.ffn(x) if hooks is None else hooks.ffn(self, x, batch.num_tokens)), num_banked
+        x, prefix = attn_res_norm(self.mlp_res_norm, self.mlp_res_proj, a if snapshot is not None else prefix,
+                                  bank[:num_banked], self.post_attention_layernorm,
+                                  None if snapshot is not None else a)
+        return prefix, num_banked, self._ffn(x, batch, hooks)
+
+    def _ffn(self, x: torch.Tensor, batch: ForwardBatch, hooks: HelixHooks | None) -> Pending:
+        if hooks is not None:
+            return hooks.ffn(self, x, batch.num_tokens)
+        return self.block_sparse_moe.forward_parts(x) if self.is_moe else self.mlp(x)
 
 
 class KimiModel(nn.Module):
@@ -122,18 +136,23 @@ class KimiModel(nn.Module):
         h = self.embed_tokens(batch.input_ids)
         bank = h.new_empty(self.cfg.num_attn_res_blocks, *h.shape) if self.cfg.attn_res_block_size is not None else None
         num_banked = 0
+        pending = None  # the last FFN output, not yet added to h
         first_sliced = -1 if hooks is None else hooks.first_sliced_layer
         capture = batch.hidden_capture
         for layer in self.layers:
             if layer.layer_idx == first_sliced:
+                if pending is not None:
+                    h, pending = h + _summed(pending), None
                 h, bank = hooks.slice_rows(h, bank, num_banked)
-            h, num_banked = layer.forward(h, bank, num_banked, batch, caches, hooks)  # no per-layer Module.__call__
-            if capture is not None:
-                capture.take(layer.layer_idx, h)
+            # no per-layer Module.__call__
+            h, num_banked, pending = layer.forward(h, bank, num_banked, batch, caches, hooks, pending)
+            if capture is not None:  # the layer's output: its FFN's too
+                capture.take(layer.layer_idx, h if pending is None else h + _summed(pending))
         with NO_PHASE if hooks is None else hooks.phase("residual"):
             if bank is not None:
-                h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked])
-            return self.norm(h)
+                return attn_res_norm(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked],
+                                     self.norm, pending)[0]
+            return self.norm(h) if pending is None else self.norm.add_forward(pending, h)[0]
 
 
 class KimiForCausalLM(nn.Module):

@@ -18,7 +18,7 @@ from helixserve.models.checkpoint import (CheckpointError, ExpertFormat, canonic
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.moe import RoutedExperts
-from helixserve.models.packing import pack_for_cpu
+from helixserve.models.packing import pack_for_inference
 from helixserve.models.quantization import check_checkpoint_quantization
 
 
@@ -58,9 +58,9 @@ def load_model(
 ) -> torch.nn.Module:
     """Build :class:`~helixserve.models.kimi.KimiForCausalLM` from an HF-format checkpoint dir.
 
-    ``experts``: see :func:`resolve_expert_format`. On the CPU its weights are packed for inference
-    (:func:`~helixserve.models.packing.pack_for_cpu`: fused input projections, column-major storage;
-    same names, shapes and values)."""
+    ``experts``: see :func:`resolve_expert_format`. Its weights are packed for inference
+    (:func:`~helixserve.models.packing.pack_for_inference`: fused input projections, on the CPU
+    column-major storage too; same names, shapes and values)."""
     cfg = KimiModelConfig.from_pretrained(model_dir)
     check_checkpoint_quantization(model_dir, cfg)
     is_packed = resolve_expert_format(experts, cfg, dtype, device) == "packed"
@@ -76,4 +76,4 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return pack_for_cpu(model.eval().requires_grad_(False))
+    return pack_for_inference(model.eval().requires_grad_(False))

@@ -68,22 +68,23 @@ class MultiLatentAttention(nn.Module):
         q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         return [q, self.kv_a_proj_with_mqa, *([self.g_proj] if self.use_output_gate else [])]
 
-    def pack(self) -> None:
+    def pack(self, host_forms: bool = True) -> None:
         """Fuse the projections of ``x`` (q or q_a, kv_a, output gate) into ``in_proj`` (see
         :mod:`helixserve.models.packing`); ``kv_b_proj`` is read as per-head views and stays as is."""
         projections = self._input_projections
         self.in_proj_sizes = [p.out_features for p in projections]
         self.in_proj = fuse_weights([(p, "weight") for p in projections])
-        self.in_proj_cols = column_major(self.in_proj)
-        pack_linears(self, "o_proj", *([] if self.q_lora_rank is None else ["q_b_proj"]))
+        if host_forms:
+            self.in_proj_cols = column_major(self.in_proj)
+            pack_linears(self, "o_proj", *([] if self.q_lora_rank is None else ["q_b_proj"]))
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, kv_lora_rank + rope]`` cache rows of the new tokens."""
         return self._latent_rows(self.kv_a_proj_with_mqa(x))
 
     def _latent_rows(self, ckv: torch.Tensor) -> torch.Tensor:
-        c, k_shared = ckv.split_with_sizes([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), k_shared], dim=-1)
+        """``[kv_a_layernorm(c) | k_shared]`` of ``ckv = [c | k_shared]``."""
+        return kernels.rms_norm_leading(ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
 
     def absorbed_query(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H, kv_lora_rank + rope]``."""
@@ -118,7 +119,7 @@ class MultiLatentAttention(nn.Module):
         o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         o = o.transpose(0, 1).reshape(o_lat.shape[0], self.num_heads * self.v_head_dim)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = kernels.act_and_mul(gate, o, activation="sigmoid")
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:

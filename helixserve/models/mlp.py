@@ -26,11 +26,13 @@ class GatedMLP(nn.Module):
         self.register_buffer("gate_up", None, persistent=False)  # set by pack(): [gate | up] rows
         self.register_buffer("gate_up_cols", None, persistent=False)
 
-    def pack(self) -> None:
-        """Fuse ``gate_proj`` and ``up_proj`` into ``gate_up`` (see :mod:`helixserve.models.packing`)."""
+    def pack(self, host_forms: bool = True) -> None:
+        """Fuse ``gate_proj`` and ``up_proj`` into ``gate_up``; ``host_forms``: also the CPU's
+        column-major copies (see :mod:`helixserve.models.packing`)."""
         self.gate_up = fuse_weights([(self.gate_proj, "weight"), (self.up_proj, "weight")])
-        self.gate_up_cols = column_major(self.gate_up)
-        pack_linears(self, "down_proj")
+        if host_forms:
+            self.gate_up_cols = column_major(self.gate_up)
+            pack_linears(self, "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:

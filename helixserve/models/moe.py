@@ -105,7 +105,7 @@ class KimiMoE(nn.Module):
         self.in_proj_sizes: list[int] = []
         self.is_router_packed = False
 
-    def pack(self) -> None:
+    def pack(self, host_forms: bool = True) -> None:
         """Fuse the projections of ``x`` into ``in_proj`` (the router only when it is fp32 like its
         logits) and store the expert stacks column-major (see :mod:`helixserve.models.packing`)."""
         self.is_router_packed = self.gate.weight.dtype == torch.float32
@@ -116,7 +116,10 @@ class KimiMoE(nn.Module):
         if owners:
             self.in_proj_sizes = [m.weight.shape[0] for m in owners]
             self.in_proj = fuse_weights([(m, "weight") for m in owners])
-            self.in_proj_cols = column_major(self.in_proj)
+            self.in_proj_cols = column_major(self.in_proj) if host_forms else None
+        if not host_forms:  # the router's weight in the fp32 of its logits: no cast per step
+            self.gate.weight = nn.Parameter(self.gate.weight.detach().float(), requires_grad=False)
+            return
         if not self.experts.is_mxfp4:
             store_column_major(self.experts, "w13")
             store_column_major(self.experts, "w2")
@@ -167,10 +170,16 @@ class KimiMoE(nn.Module):
         if self.in_proj is None:
             expert_in, weights, ids = self.route(x)
             return self.finish(self.routed(expert_in, weights, ids), x)
+        routed, shared = self.forward_parts(x)
+        return routed if shared is None else routed + shared
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed and the shared experts' outputs ``[T, hidden]`` (``None``: no shared experts),
+        whose sum is :meth:`forward`'s: the caller adds them in its next kernel (packed modules)."""
+        if self.in_proj is None:
+            return self.forward(x), None
         parts = list(packed_linear(x, self.in_proj, self.in_proj_cols).split_with_sizes(self.in_proj_sizes, dim=-1))
         weights, ids = self._select(parts.pop(0) if self.is_router_packed else self.gate.logits(x))
         expert_in = parts.pop(0) if self.is_latent else x
         y = self._latent_out(self.routed(expert_in, weights, ids).to(x.dtype))
-        if self.shared_experts is not None:
-            y = y + self.shared_experts.down(*parts)
-        return y
+        return y, self.shared_experts.down(*parts) if self.shared_experts is not None else None

@@ -15,7 +15,9 @@ are non-persistent buffers):
   at a time, are stored column-major once.
 
 Each layer class says what it fuses in its ``pack()`` method, which also packs its submodules;
-:func:`pack_for_cpu` calls the outermost ones. The rank-sharded models of a larger world are not packed (their
+:func:`pack_for_cpu` calls the outermost ones; on a GPU :func:`pack_for_inference` fuses the input
+projections only (no ``*_cols`` copies: one GEMM and no concatenation per module input in a decode
+step). The rank-sharded models of a larger world are not packed (their
 layers keep ``in_proj = None`` and run the per-projection path). After ``model.to(...)`` the views,
 the fused weights and their copies are separate tensors with equal values; pack after moving.
 """
@@ -101,7 +103,7 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     """Pack every layer of a loaded single-process model that lives on the CPU (see module docstring)."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return model
-    _pack_tree(model, is_root=True)
+    _pack_tree(model, is_root=True, host_forms=True)
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if isinstance(lm_head, nn.Linear) and (embed is None or lm_head.weight is not embed.weight):
@@ -109,10 +111,23 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
     return model
 
 
-def _pack_tree(module: nn.Module, is_root: bool = False) -> None:
+@torch.no_grad()
+def pack_for_inference(model: nn.Module) -> nn.Module:
+    """Pack a loaded single-process model where it lives: on the CPU :func:`pack_for_cpu`; on one
+    device the fused input projections and conv kernels only (one GEMM per module input and no
+    per-step concatenation; no column-major copies: cuBLAS picks its own form)."""
+    devices = {p.device.type for p in model.parameters()}
+    if devices == {"cpu"}:
+        return pack_for_cpu(model)
+    if len(devices) == 1 and "meta" not in devices:
+        _pack_tree(model, is_root=True, host_forms=False)
+    return model
+
+
+def _pack_tree(module: nn.Module, is_root: bool = False, host_forms: bool = True) -> None:
     """Call ``pack`` on the outermost modules that have one (each packs its own submodules)."""
     if not is_root and hasattr(module, "pack"):
-        module.pack()
+        module.pack(host_forms)
         return
     for child in module.children():
-        _pack_tree(child)
+        _pack_tree(child, host_forms=host_forms)

@@ -40,6 +40,9 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("helixserve/kernels/mla/combine.py", "helixserve.kernels.mla"): _TRITON,
     ("helixserve/kernels/moe/gpu.py", "helixserve.kernels.moe"): _TRITON,
     ("helixserve/kernels/moe/route.py", "helixserve.kernels.moe"): _TRITON,
+    ("helixserve/kernels/moe/experts.py", "helixserve.kernels.moe"): _TRITON,
+    ("helixserve/kernels/norm/rms.py", "helixserve.kernels.norm"): _TRITON,
+    ("helixserve/kernels/kda/gate.py", "helixserve.kernels.kda"): _TRITON,
 }
 
 

@@ -10,7 +10,7 @@ from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
 from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.loading import load_model
 from helixserve.models.kimi import KimiForCausalLM
-from helixserve.models.packing import PackedLinear, pack_for_cpu, packed_linear
+from helixserve.models.packing import PackedLinear, _pack_tree, pack_for_cpu, packed_linear
 from helixserve.models.presets import get_preset, init_random_weights
 from tests._testing import _err_ratio, assert_close
 
@@ -18,13 +18,18 @@ PRESETS = ["kimi-linear-tiny", "kimi-k3-tiny"]
 TPB, BLOCKS_PER_SEQ = 8, 8
 
 
-def _pair(preset: str, dtype: torch.dtype = torch.float32) -> tuple[KimiForCausalLM, KimiForCausalLM]:
+def _pair(preset: str, dtype: torch.dtype = torch.float32,
+          host_forms: bool = True) -> tuple[KimiForCausalLM, KimiForCausalLM]:
     plain = KimiForCausalLM(get_preset(preset)).eval().requires_grad_(False)
     init_random_weights(plain, seed=5)
     plain = plain.to(dtype)
     packed = KimiForCausalLM(get_preset(preset), dtype=dtype).eval().requires_grad_(False)
     packed.load_state_dict(plain.state_dict())
-    return plain, pack_for_cpu(packed)
+    if host_forms:
+        return plain, pack_for_cpu(packed)
+    with torch.no_grad():
+        _pack_tree(packed, is_root=True, host_forms=False)
+    return plain, packed
 
 
 def _steps(model: KimiForCausalLM) -> list[torch.Tensor]:
@@ -43,9 +48,11 @@ def _steps(model: KimiForCausalLM) -> list[torch.Tensor]:
     return outs
 
 
+@pytest.mark.parametrize("host_forms", [True, False])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_packing_keeps_names_shapes_values_and_logits(preset: str) -> None:
-    plain, packed = _pair(preset)
+def test_packing_keeps_names_shapes_values_and_logits(preset: str, host_forms: bool) -> None:
+    """``host_forms=False``: the device's packing (fused projections only), run here on the CPU."""
+    plain, packed = _pair(preset, host_forms=host_forms)
     want, got = plain.state_dict(), packed.state_dict()
     assert want.keys() == got.keys()
     for name, t in want.items():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from helixserve.kernels._checks import as_f32, check_ndim
+from helixserve.kernels.triton_common import use_triton
 
 
 def kda_gate(
@@ -33,6 +34,40 @@ def kda_gate(
     Returns:
         g: [T, H, K] float32.
     """
+    _check_gate_args(f, A_log, dt_bias, num_heads, head_dim, lower_bound)
+    return _kda_gate_torch(f, A_log, dt_bias, num_heads, head_dim, lower_bound)
+
+
+def kda_gate_beta(
+    f: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    num_heads: int,
+    head_dim: int,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's gates: ``(kda_gate(f, ...) [T, H, K], sigmoid(b) [T, H])``, both float32 (one
+    Triton kernel on the device).
+
+    Args:
+        b: [T, H] raw ``b_proj`` output (any float dtype).
+    """
+    _check_gate_args(f, A_log, dt_bias, num_heads, head_dim, lower_bound)
+    if b.dim() != 2 or tuple(b.shape) != (f.shape[0], num_heads):
+        raise ValueError(f"b must be [{f.shape[0]}, {num_heads}], got {tuple(b.shape)}")
+    if use_triton(f):
+        from helixserve.kernels.kda import triton_gate
+
+        return triton_gate.kda_gate_beta(f, b, A_log, dt_bias, num_heads, head_dim, lower_bound)
+    return _kda_gate_torch(f, A_log, dt_bias, num_heads, head_dim, lower_bound), torch.sigmoid(as_f32(b))
+
+
+def _check_gate_args(
+    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int, head_dim: int,
+    lower_bound: float | None,
+) -> None:
     if num_heads <= 0 or head_dim <= 0:
         raise ValueError(f"num_heads and head_dim must be positive, got {num_heads}, {head_dim}")
     check_ndim("f", f, 2)
@@ -45,7 +80,6 @@ def kda_gate(
         raise ValueError(f"dt_bias must hold {width} elements, got shape {tuple(dt_bias.shape)}")
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"lower_bound must be negative or None, got {lower_bound}")
-    return _kda_gate_torch(f, A_log, dt_bias, num_heads, head_dim, lower_bound)
 
 
 def _kda_gate_torch(

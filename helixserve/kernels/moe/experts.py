@@ -2,6 +2,7 @@
 
 act_and_mul: gate, up [..., I] -> [..., I]
     silu: silu(gate) * up
+    sigmoid: sigmoid(gate) * up, in the inputs' dtype (an output gate, e.g. MLA's; not for experts)
     situ: beta * tanh(gate / beta) * sigmoid(gate) * (lin_beta * tanh(up / lin_beta))   (Kimi K3)
 moe_experts: x [T, D]; topk_ids, topk_weights [T, k]; w13 [E_local, 2I, D] (gate rows then up rows);
     w2 [E_local, D, I]; local experts are global ids [expert_offset, expert_offset + E_local) and
@@ -23,9 +24,10 @@ import torch.nn.functional as F
 from helixserve.kernels._checks import as_f32, check_activation, check_integer, check_ndim, check_shape
 from helixserve.kernels.moe import gpu as moe_gpu
 from helixserve.kernels.moe.mxfp4 import MXFP4Weight
-from helixserve.kernels.triton_common import use_triton
+from helixserve.kernels.triton_common import has_triton, on_device, use_triton
 
 _ACTIVATIONS = ("silu", "situ")
+_GATES = (*_ACTIVATIONS, "sigmoid")
 # up to this many (token, k) pairs (decode batches) the pairs are grouped by expert on the host
 _FEW_PAIRS = 64
 
@@ -38,18 +40,37 @@ def act_and_mul(
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
 ) -> torch.Tensor:
-    """Gated activation in fp32, returned in gate.dtype."""
+    """Gated activation in fp32 (``sigmoid``: in the inputs' dtype on the CPU), returned in gate.dtype."""
     check_shape("up", up, tuple(gate.shape))
-    check_activation(activation, _ACTIVATIONS)
+    check_activation(activation, _GATES)
     if activation == "situ" and not (situ_beta > 0 and situ_linear_beta > 0):
         raise ValueError(f"situ betas must be positive, got {situ_beta}, {situ_linear_beta}")
+    if use_triton(gate):  # one kernel in place of the casts and the elementwise chain
+        return _device_act(activation, situ_beta, situ_linear_beta)(gate, up)
     out = _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
     return out if out.dtype == gate.dtype else out.to(gate.dtype)
+
+
+def _device_act(activation: str, situ_beta: float, situ_linear_beta: float) -> Callable:
+    """``act(gate, up)`` of the device paths, in gate's dtype: the Triton kernel where Triton is,
+    else the PyTorch chain."""
+    if has_triton():
+        from helixserve.kernels.moe import triton_act
+
+        return functools.partial(triton_act.act_and_mul, activation=activation, situ_beta=situ_beta,
+                                 situ_linear_beta=situ_linear_beta)
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta).to(gate.dtype)
+
+    return act
 
 
 def _act_and_mul_torch(
     gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float, situ_linear_beta: float
 ) -> torch.Tensor:
+    if activation == "sigmoid":
+        return up * torch.sigmoid(gate)
     gate, up = as_f32(gate), as_f32(up)
     if activation == "silu":
         return F.silu(gate) * up
@@ -92,18 +113,16 @@ def moe_experts(
         check_shape("w2", w2, (E_local, D, two_I // 2))
     check_activation(activation, _ACTIVATIONS)
     if is_packed:
-        if x.is_cuda and T == 0:  # as below: a rank that received no rows
+        if on_device(x) and T == 0:  # as below: a rank that received no rows
             return x.new_zeros(0, D)
         if use_triton(x):
-            return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, lambda g, u: (
-                _act_and_mul_torch(g, u, activation, situ_beta, situ_linear_beta)))
+            return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset,
+                                         _device_act(activation, situ_beta, situ_linear_beta))
         w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # the reference: dequantize, then matmul
-    if x.is_cuda:  # grouped GEMM (bf16), gathered bmm or every expert: no host sync (graph-safe)
+    if on_device(x):  # grouped GEMM (bf16), gathered bmm or every expert: no host sync (graph-safe)
         if T == 0:  # a rank that received no rows in the token-sliced all-to-all
             return x.new_zeros(0, D)
-        def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            return _act_and_mul_torch(gate, up, activation, situ_beta, situ_linear_beta)
-
+        act = _device_act(activation, situ_beta, situ_linear_beta)
         if moe_gpu.can_group(x, w13, w2):
             return moe_gpu.grouped_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)
         if moe_gpu.can_gather(topk_ids, w13):

@@ -15,16 +15,20 @@ and a fixed sum order (experts ascending).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from helixserve.kernels.gemm import batch_invariant_gemms, grouped_mm
-from helixserve.kernels.triton_common import batch_invariant_enabled
+from helixserve.kernels.triton_common import batch_invariant_enabled, use_triton
 
 # the gathered-weights fallback may materialize at most this many elements of w13[ids]
 _MAX_GATHERED_ELEMENTS = 1 << 27
 # MXFP4 stacks: from this many (token, k) rows per local expert on (prefill), dequantize the stacks
 # to bf16 once per call and run the bf16 grouped GEMMs; below (decode), the MXFP4 grouped kernel
 MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT = 128
+# up to this many (token, k) pairs the sort and the weighted sum are one Triton kernel each
+MAX_TRITON_PAIRS = 4096
 
 
 def can_group(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -53,26 +57,67 @@ def _sort_pairs(topk_ids: torch.Tensor, num_local: int, expert_offset: int):
     return order, key[order], is_local[order]
 
 
+@dataclass(slots=True)
+class SortedPairs:
+    """The (token, k) pairs sorted by local expert: ``order`` [P] (pair of each sorted row),
+    ``sorted_ids`` [P] (its local expert; ``E`` for experts held elsewhere), ``valid`` [P], ``rows``
+    [P] (its token), ``offs`` [E] int32 group ends, ``rank`` [P] (the sorted row of each pair;
+    ``None`` on the PyTorch path, which puts rows back with ``order``), ``gathered`` [P, D] (the
+    token rows in sorted order, when asked for)."""
+
+    order: torch.Tensor
+    sorted_ids: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+    offs: torch.Tensor
+    rank: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+
+
+def sort_pairs(topk_ids: torch.Tensor, num_local: int, expert_offset: int,
+               x: torch.Tensor | None = None) -> SortedPairs:
+    """The pairs of ``topk_ids [T, k]`` sorted by local expert (and ``x``'s rows gathered in that
+    order when given): one Triton kernel for decode-sized batches, else ``argsort``, a binary
+    search and ``index_select``."""
+    if use_triton(topk_ids) and topk_ids.numel() <= MAX_TRITON_PAIRS:
+        from helixserve.kernels.moe import triton_pairs
+
+        order, sorted_ids, valid, rows, rank, offs, gathered = triton_pairs.sort_pairs(
+            topk_ids, num_local, expert_offset, x)
+        return SortedPairs(order, sorted_ids, valid, rows, offs, rank, gathered)
+    order, sorted_ids, valid = _sort_pairs(topk_ids, num_local, expert_offset)
+    rows = order // topk_ids.shape[1]
+    return SortedPairs(order, sorted_ids, valid, rows, group_ends(sorted_ids, num_local), None,
+                       x.index_select(0, rows) if x is not None else None)
+
+
+def combine_pairs(y: torch.Tensor, pairs: SortedPairs, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  num_local: int, expert_offset: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, D]``: the expert outputs ``y [P, D]`` (sorted rows) weighted and summed per token over
+    ``k = 0, 1, ...`` in fp32 (:func:`sum_pairs`), rows of experts held elsewhere left out."""
+    if pairs.rank is not None:
+        from helixserve.kernels.moe import triton_pairs
+
+        return triton_pairs.combine_pairs(y, pairs.rank, topk_ids, topk_weights, num_local, expert_offset, out_dtype)
+    weights = topk_weights.flatten().index_select(0, pairs.order).float()
+    # rows past the last group are not written by the grouped GEMMs: mask, never multiply
+    y = torch.where(pairs.valid[:, None], y.float() * weights[:, None], 0.0)
+    return sum_pairs(y, pairs.order, topk_ids.shape[1]).to(out_dtype)
+
+
 def grouped_experts(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     expert_offset: int, act_and_mul,
 ) -> torch.Tensor:
-    """``moe_experts`` through two ``torch._grouped_mm`` calls; ``act_and_mul(gate, up)`` -> fp32."""
+    """``moe_experts`` through two ``torch._grouped_mm`` calls; ``act_and_mul(gate, up)`` -> a float dtype."""
     T, D = x.shape
     E, two_I, _ = w13.shape
     I = two_I // 2
-    top_k = topk_ids.shape[1]
-    order, sorted_ids, valid = _sort_pairs(topk_ids, E, expert_offset)
-    offs = group_ends(sorted_ids, E)
-    rows = order // top_k
-    xs = x.index_select(0, rows)
-    h = grouped_mm(xs, w13.transpose(1, 2), offs)
+    pairs = sort_pairs(topk_ids, E, expert_offset, x)
+    h = grouped_mm(pairs.gathered, w13.transpose(1, 2), pairs.offs)
     act = act_and_mul(h[:, :I], h[:, I:]).to(x.dtype)
-    y = grouped_mm(act, w2.transpose(1, 2), offs)
-    weights = topk_weights.flatten().index_select(0, order).float()
-    # rows past the last group are not written by _grouped_mm: mask, never multiply
-    y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
-    return sum_pairs(y, order, top_k).to(x.dtype)
+    y = grouped_mm(act, w2.transpose(1, 2), pairs.offs)
+    return combine_pairs(y, pairs, topk_ids, topk_weights, E, expert_offset, x.dtype)
 
 
 def group_ends(sorted_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -161,14 +206,10 @@ def mxfp4_experts(
             and _can_group_shapes(D, two_I) and not batch_invariant_enabled()):
         return grouped_experts(x, topk_ids, topk_weights, triton_mxfp4.dequantize_bf16(w13),
                                triton_mxfp4.dequantize_bf16(w2), expert_offset, act_and_mul)
-    order, sorted_ids, valid = _sort_pairs(topk_ids, E, expert_offset)
-    P = order.numel()
-    schedule = triton_mxfp4.block_schedule(sorted_ids, E, triton_mxfp4.choose_block_m(P, E))
-    rows = order // top_k
-    h = triton_mxfp4.grouped_gemm_mxfp4(x, w13, schedule, P, rows=rows)
+    pairs = sort_pairs(topk_ids, E, expert_offset)
+    P = pairs.order.numel()
+    schedule = triton_mxfp4.block_schedule(pairs.sorted_ids, E, triton_mxfp4.choose_block_m(P, E))
+    h = triton_mxfp4.grouped_gemm_mxfp4(x, w13, schedule, P, rows=pairs.rows)
     act = act_and_mul(h[:, :I], h[:, I:]).to(x.dtype)
     y = triton_mxfp4.grouped_gemm_mxfp4(act, w2, schedule, P)
-    weights = topk_weights.flatten().index_select(0, order).float()
-    # rows of experts held elsewhere are not written: mask, never multiply
-    y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
-    return sum_pairs(y, order, top_k).to(x.dtype)
+    return combine_pairs(y, pairs, topk_ids, topk_weights, E, expert_offset, x.dtype)
