@@ -36,7 +36,7 @@ from helixserve.kernels._host import step_host_cache
 from helixserve.models.checkpoint import CheckpointError
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
-from helixserve.models.kimi import KimiDecoderLayer
+from helixserve.models.kimi import KimiDecoderLayer, with_pending
 from helixserve.models.norm import RMSNorm
 from helixserve.models.packing import pack_for_cpu
 
@@ -144,10 +144,11 @@ class HiddenDrafter(nn.Module):
         """Outputs ``[T, hidden]`` of the batch's rows, ``fused`` ``[T, hidden]`` their features."""
         embeds = self.embed_norm(self.model.embed_tokens(batch.input_ids))
         x = self.combine(torch.cat([self.feature_norm(fused), embeds], dim=-1))
+        pending = None
         with step_host_cache():
             for layer in self.model.layers:
-                x, _ = layer.forward(x, None, 0, batch, caches)
-        return x
+                x, _, pending = layer.forward(x, None, 0, batch, caches, None, pending)
+        return with_pending(x, pending)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[R, vocab]`` of outputs ``[R, hidden]``."""

@@ -51,6 +51,12 @@ WORLD_OF_ONE = Mapping(1, 0, dp=1, cp=1)
 Pending = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None
 
 
+def with_pending(h: torch.Tensor, pending: Pending) -> torch.Tensor:
+    """A layer's whole output: ``h`` with its FFN output ``pending`` added (the next layer's norm
+    adds it otherwise)."""
+    return h if pending is None else h + _summed(pending)
+
+
 def _summed(pending: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
     if not isinstance(pending, tuple):
         return pending
@@ -147,7 +153,7 @@ class KimiModel(nn.Module):
             # no per-layer Module.__call__
             h, num_banked, pending = layer.forward(h, bank, num_banked, batch, caches, hooks, pending)
             if capture is not None:  # the layer's output: its FFN's too
-                capture.take(layer.layer_idx, h if pending is None else h + _summed(pending))
+                capture.take(layer.layer_idx, with_pending(h, pending))
         with NO_PHASE if hooks is None else hooks.phase("residual"):
             if bank is not None:
                 return attn_res_norm(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked],
