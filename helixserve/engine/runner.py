@@ -103,6 +103,14 @@ def inner_state_saves(out: SchedulerOutput, pools: ModelCaches, device: torch.de
     return build_state_saves([(first, s.num_tokens, s.inner_saves) for first, s in zip(firsts, out.seqs)], pools, device)
 
 
+def _capture_failed(exc: RuntimeError, what: str) -> str:
+    """The reason a graph capture failed (its first line), logged once as a WARNING after ``what``."""
+    first_line = next(iter(str(exc).strip().splitlines()), "")
+    reason = f"capture failed: {type(exc).__name__}: {first_line}"
+    logger.warning("%s: %s", what, reason)
+    return reason
+
+
 class StepPreparationError(Exception):
     """A step failed before any model code ran. ``failures``: request id -> why, for each request
     the failure is traced to (empty: not traced to any)."""
@@ -174,18 +182,15 @@ class ModelRunner:
             graphs.capture()
         except RuntimeError as exc:  # torch.AcceleratorError and torch.OutOfMemoryError are RuntimeErrors
             self.decode_graphs = None
-            first_line = next(iter(str(exc).strip().splitlines()), "")
-            reason = f"capture failed: {type(exc).__name__}: {first_line}"
-            logger.warning("decode CUDA graphs off, decode runs eagerly: %s", reason)
-            return reason
+            return _capture_failed(exc, "decode CUDA graphs off, decode runs eagerly")
         self.decode_graphs = graphs
         return None
 
     def capture_verify_graphs(self, num_draft_tokens: int, max_batch: int, max_blocks: int,
                               scratch_slot: int) -> str | None:
         """CUDA-graph the verify steps of up to ``max_batch`` sequences (and ``VERIFY_GRAPH_ROWS`` rows)
-        with 1 .. ``num_draft_tokens`` drafts each, every sequence of a step the same count (see :mod:`.cuda_graphs`), in one
-        memory pool of their own. A failed capture leaves verify steps eager: one WARNING, the
+        with 1 .. ``num_draft_tokens`` drafts each, a step's sequences padded to its longest (see
+        :mod:`.cuda_graphs`), and their rollbacks, in one memory pool of their own. A failed capture leaves verify steps eager: one WARNING, the
         reason returned (``None``: captured)."""
         graphs: dict[int, DecodeGraphs] = {}
         pool = None
@@ -197,10 +202,7 @@ class ModelRunner:
                 graphs[rows].capture()
                 pool = graphs[rows].pool
         except RuntimeError as exc:  # as capture_decode_graphs
-            first_line = next(iter(str(exc).strip().splitlines()), "")
-            reason = f"capture failed: {type(exc).__name__}: {first_line}"
-            logger.warning("verify CUDA graphs off, verify steps run eagerly: %s", reason)
-            return reason
+            return _capture_failed(exc, "verify CUDA graphs off, verify steps run eagerly")
         self.verify_graphs = graphs
         return None
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import Deployment
-from tests.e2e.test_spec_serving import SPEC, complete, counts, moved
+from tests.e2e.test_spec_serving import SPEC, serve_both
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,12 +24,9 @@ def dep_options() -> dict:
 
 
 def test_gpu_disaggregated_speculation_equals_aggregated(dep: Deployment) -> None:
-    world_before, single_before = counts(dep.gen_url), counts(dep.baseline_url)
-    disaggregated = complete(dep.router_url)
-    world = moved(world_before, counts(dep.gen_url))
-    aggregated = complete(dep.baseline_url)
-    single = moved(single_before, counts(dep.baseline_url))
-    assert disaggregated == aggregated
+    served = serve_both(dep)
+    world, single = served["world"], served["single"]
+    assert served["disaggregated"] == served["aggregated"]
     assert world == single, (world, single)
     assert world["num_draft_tokens"] > world["num_accepted_tokens"] > 0, world
     assert dep.is_idle()

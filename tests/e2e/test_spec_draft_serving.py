@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from helixserve.testing.drafts import perturbed_checkpoint
-from tests.e2e.conftest import MODEL, Deployment, http
-from tests.e2e.test_spec_serving import counts, moved
+from tests.e2e.conftest import Deployment
+from tests.e2e.test_spec_serving import serve_both
 
 PROMPT = [5, 77, 140, 9, 201, 33, 18, 250, 64, 120, 7, 90, 45]
 MAX_TOKENS = 30
@@ -40,23 +40,9 @@ def dep_options(draft_dir: Path) -> dict:
     return {"gen": {"speculative": spec}, "baseline_gen": {"speculative": spec}}
 
 
-def complete(url: str) -> dict:
-    status, answer = http("POST", f"{url}/v1/completions", {
-        "model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
-        timeout=120)
-    assert status == 200, answer
-    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
-    return answer["choices"][0]["text"]
-
-
 @pytest.fixture(scope="module")
 def served(dep: Deployment) -> dict:
-    world_before, single_before = counts(dep.gen_url), counts(dep.baseline_url)  # the warm-ups speculated too
-    disaggregated = complete(dep.router_url)
-    world = moved(world_before, counts(dep.gen_url))
-    aggregated = complete(dep.baseline_url)
-    single = moved(single_before, counts(dep.baseline_url))
-    return {"disaggregated": disaggregated, "aggregated": aggregated, "world": world, "single": single}
+    return serve_both(dep, PROMPT, MAX_TOKENS)
 
 
 def test_a_disaggregated_request_accepts_the_drafts_the_aggregated_one_accepts(served):

@@ -54,12 +54,12 @@ def counts(url: str) -> dict[str, float]:
     return out
 
 
-def complete(url: str) -> str:
+def complete(url: str, prompt: list[int] = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
     status, answer = http("POST", f"{url}/v1/completions", {
-        "model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
         timeout=120)
     assert status == 200, answer
-    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert answer["usage"]["completion_tokens"] == max_tokens
     return answer["choices"][0]["text"]
 
 
@@ -67,15 +67,21 @@ def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
+def serve_both(dep: Deployment, prompt: list[int] = PROMPT, max_tokens: int = MAX_TOKENS) -> dict:
+    """The disaggregated and the aggregated answer to ``prompt``, and what each one's worker
+    counted meanwhile."""
+    world_before, single_before = counts(dep.gen_url), counts(dep.baseline_url)  # the warm-ups speculated too
+    disaggregated = complete(dep.router_url, prompt, max_tokens)
+    world = moved(world_before, counts(dep.gen_url))
+    aggregated = complete(dep.baseline_url, prompt, max_tokens)
+    single = moved(single_before, counts(dep.baseline_url))
+    return {"disaggregated": disaggregated, "aggregated": aggregated, "world": world, "single": single}
+
+
 @pytest.fixture(scope="module")
 def served(dep: Deployment) -> dict:
     """The disaggregated and the aggregated answer, and what each one's worker counted."""
-    world_before, single_before = counts(dep.gen_url), counts(dep.baseline_url)  # the warm-ups speculated too
-    disaggregated = complete(dep.router_url)
-    world = moved(world_before, counts(dep.gen_url))
-    aggregated = complete(dep.baseline_url)
-    single = moved(single_before, counts(dep.baseline_url))
-    return {"disaggregated": disaggregated, "aggregated": aggregated, "world": world, "single": single}
+    return serve_both(dep)
 
 
 def test_a_disaggregated_request_accepts_the_drafts_the_aggregated_one_accepts(served):
