@@ -2,9 +2,7 @@
 drafter's pools counted) and checked against the device, the pools, the model runner, the cache
 manager, the model drafter (whose reads of the target decide whether steps may be graphed), the
 CUDA graphs of decode steps (and, with speculation in a world of one, of verify steps and their
-rollbacks), and the KDA state checkpoints of prefix caching.
-
-Split from :mod:`.core`, which drives these parts step by step.
+rollbacks), and the KDA state checkpoints of prefix caching. :mod:`.core` drives them.
 """
 
 from __future__ import annotations
