@@ -267,6 +267,39 @@ def bench_moe(args, on_gpu: bool) -> None:
         "TFLOP/s", "dense bf16 GEMM", f"{t_dense / t_grouped:.0%} of dense")
     row("moe", f"moe_experts (sort+GEMMs+act+sum){suffix}", flops / t_full / 1e12, flops / t_dense / 1e12,
         "TFLOP/s", "dense bf16 GEMM", f"{t_dense / t_full:.0%} of dense", f"{t_full * 1e3:.2f} ms")
+    if on_gpu:
+        _moe_decode_rows(args)
+
+
+def _moe_decode_rows(args) -> None:  # noqa: ANN001
+    """Decode-sized expert sums at Kimi-Linear-48B's shapes (D 2304, I 1024, 256 experts, top 8):
+    the pair matrix-vector kernels against the grouped path (Triton sort + two grouped GEMMs + act +
+    combine), same inputs; TB/s over the distinct experts' weight bytes."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+    from helixserve.kernels.moe.experts import _device_act
+
+    act = _device_act("situ", 4.0, 25.0)
+    D, I, E, top_k = 2304, 1024, 256, 8
+    w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    for T in (1, 4, 8, 16, 32):
+        x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+        weights, ids = kernels.moe_route(torch.randn(T, E, device="cuda"), top_k=top_k, correction_bias=None,
+                                         renormalize=True, routed_scaling_factor=1.0)
+        nbytes = ids.unique().numel() * 3 * D * I * 2
+
+        def pairs():
+            return moe_gpu.pair_experts(x, ids, weights, w13, w2, 0, "situ", 4.0, 25.0)
+
+        def grouped():
+            return moe_gpu.grouped_experts(x, ids, weights, w13, w2, 0, act)
+
+        t_pairs, t_grouped = timer([pairs, grouped], 3, args.reps * 4)
+        err = (pairs().float() - grouped().float()).abs().max().item()
+        row("moe", f"decode experts T={T} (48b shapes) pair GEMV", nbytes / t_pairs / 1e12, nbytes / t_grouped / 1e12,
+            "TB/s", "grouped path", f"{t_grouped / t_pairs:.2f}× faster",
+            f"{t_pairs * 1e6:.0f} µs vs {t_grouped * 1e6:.0f} µs; max |diff| {err:.2g}",
+            tokens=T, pair_us=t_pairs * 1e6, grouped_us=t_grouped * 1e6)
 
 
 def bench_engine(args, on_gpu: bool, checkpoint: Path | None) -> None:

@@ -58,3 +58,32 @@ def test_moe_pairs_on_cuda():
         out = moe_gpu.grouped_experts(x.cuda(), ids.cuda(), weights.cuda(), w13.cuda(), w2.cuda(), offset,
                                       lambda g, u: g.float() * u.float())
         assert_close(f"offset {offset}", ref.float(), out.float().cpu(), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_pair_gemv_on_cuda(dtype):
+    """Decode-sized batches (1 and 8 tokens, top 8 of 64 experts, widths of 48B's experts) take the
+    pair matrix-vector kernels, which equal the CPU reference and the grouped path on CUDA; a batch
+    past the pair limit does not take them; the same call twice gives the same bits."""
+    from helixserve.kernels.moe import gpu as moe_gpu
+    from helixserve.kernels.moe.experts import _device_act
+
+    D, I, E, top_k = 2304, 1024, 64, 8
+    w13, w2 = (_rand(E, 2 * I, D, seed=12) / 150).to(dtype), (_rand(E, D, I, seed=13) / 100).to(dtype)
+    cuda_w13, cuda_w2 = w13.cuda(), w2.cuda()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for T, offset in ((1, 0), (8, 0), (8, 16)):
+        x = _rand(T, D, seed=14 + T, dtype=dtype) / 3
+        weights, ids = kernels.moe_route(_rand(T, E, seed=15), top_k=top_k, correction_bias=None,
+                                         renormalize=True, routed_scaling_factor=1.0)
+        cuda = [t.cuda() for t in (x, ids, weights)]
+        assert moe_gpu.can_pair_gemv(cuda[0], cuda[1], cuda_w13)
+        ref = kernels.moe_experts(x, ids, weights, w13, w2, expert_offset=offset, activation="situ")
+        out = kernels.moe_experts(*cuda, cuda_w13, cuda_w2, expert_offset=offset, activation="situ")
+        assert torch.equal(out, kernels.moe_experts(*cuda, cuda_w13, cuda_w2, expert_offset=offset, activation="situ"))
+        assert_close(f"pairs T={T} offset={offset} vs cpu", ref.float(), out.float().cpu(), tol)
+        if dtype == torch.bfloat16:
+            grouped = moe_gpu.grouped_experts(*cuda, cuda_w13, cuda_w2, offset, _device_act("situ", 4.0, 25.0))
+            assert_close(f"pairs T={T} offset={offset} vs grouped", grouped.float(), out.float(), tol)
+    many = torch.zeros(moe_gpu.MAX_GEMV_PAIRS // top_k + 1, top_k, dtype=torch.int64, device="cuda")
+    assert not moe_gpu.can_pair_gemv(torch.zeros(many.shape[0], D, dtype=dtype, device="cuda"), many, cuda_w13)

@@ -103,6 +103,34 @@ def test_moe_pair_sort_and_combine(interp, expert_offset):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype,activation", [(torch.float32, "silu"), (torch.bfloat16, "situ")])
+def test_moe_pair_gemv(interp, dtype, activation):
+    """The few-pairs expert sum (the pair matrix-vector kernels) against the PyTorch reference: widths
+    that no block divides, 1 and 3 tokens, ties between tokens, pairs of experts held elsewhere
+    (offset 3: experts 3..8 local), row-major and column-major stacks, a K loop of two blocks."""
+    from helixserve.kernels.moe import triton_gemv
+    from helixserve.kernels.moe.experts import _moe_experts_torch
+
+    D, I, E, top_k = 140, 20, 6, 3
+    w13, w2 = (_rand(E, 2 * I, D, seed=20) / 40).to(dtype), (_rand(E, D, I, seed=21) / 30).to(dtype)
+    column_major = (w13.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2))
+    for T in (1, 3):
+        x = _rand(T, D, seed=22 + T, dtype=dtype) / 3
+        gen = torch.Generator().manual_seed(T)
+        ids = torch.stack([torch.randperm(10, generator=gen)[:top_k] for _ in range(T)])
+        ids[-1] = ids[0]  # two tokens with the same experts
+        weights = torch.rand(T, top_k, generator=gen)
+        for offset in (0, 3):
+            ref = _moe_experts_torch(x, ids, weights, w13, w2, offset, activation, 4.0, 25.0)
+            for stacks in ((w13, w2), column_major):
+                out = triton_gemv.pair_experts(x, ids, weights, *stacks, offset, activation, 4.0, 25.0)
+                assert out.dtype == dtype and out.shape == (T, D)
+                assert_close(f"pair gemv T={T} offset={offset} {activation} {dtype}", ref.float(), out.float(),
+                             2e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert triton_gemv.block_n(1, 1024) == 8 and triton_gemv.block_n(64, 4096) == 64
+
+
+@needs_interpreter
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kda_gate_beta(interp, lower_bound, dtype):

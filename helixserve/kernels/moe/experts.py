@@ -119,9 +119,12 @@ def moe_experts(
             return moe_gpu.mxfp4_experts(x, topk_ids, topk_weights, w13, w2, expert_offset,
                                          _device_act(activation, situ_beta, situ_linear_beta))
         w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # the reference: dequantize, then matmul
-    if on_device(x):  # grouped GEMM (bf16), gathered bmm or every expert: no host sync (graph-safe)
+    if on_device(x):  # pair GEMVs (decode), grouped GEMM (bf16), gathered bmm or every expert: no host sync
         if T == 0:  # a rank that received no rows in the token-sliced all-to-all
             return x.new_zeros(0, D)
+        if moe_gpu.can_pair_gemv(x, topk_ids, w13):
+            return moe_gpu.pair_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, activation,
+                                        situ_beta, situ_linear_beta)
         act = _device_act(activation, situ_beta, situ_linear_beta)
         if moe_gpu.can_group(x, w13, w2):
             return moe_gpu.grouped_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, act)

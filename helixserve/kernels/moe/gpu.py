@@ -29,6 +29,8 @@ _MAX_GATHERED_ELEMENTS = 1 << 27
 MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT = 128
 # up to this many (token, k) pairs the sort and the weighted sum are one Triton kernel each
 MAX_TRITON_PAIRS = 4096
+# up to this many (token, k) pairs (decode batches) the expert sum is the pair matrix-vector kernels
+MAX_GEMV_PAIRS = 64
 
 
 def can_group(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -38,6 +40,25 @@ def can_group(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     if batch_invariant_gemms():
         return x.dtype == w13.dtype == w2.dtype and x.dtype.is_floating_point
     return x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and _can_group_shapes(x.shape[1], w13.shape[1])
+
+
+def can_pair_gemv(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor) -> bool:
+    """The few-pairs matrix-vector kernels apply (:mod:`.triton_gemv`): Triton, a decode-sized batch,
+    float stacks of x's dtype, and batch invariance off (the grouped path's kernel must not change
+    with the batch's size then)."""
+    return (use_triton(x) and 0 < topk_ids.numel() <= MAX_GEMV_PAIRS and x.dtype == w13.dtype
+            and x.dtype.is_floating_point and not batch_invariant_enabled())
+
+
+def pair_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    expert_offset: int, activation: str, situ_beta: float, situ_linear_beta: float,
+) -> torch.Tensor:
+    """``moe_experts`` as matrix-vector kernels over the pairs: no sort, no gathered copy."""
+    from helixserve.kernels.moe import triton_gemv
+
+    return triton_gemv.pair_experts(x, topk_ids, topk_weights, w13, w2, expert_offset, activation,
+                                    situ_beta, situ_linear_beta)
 
 
 def _can_group_shapes(D: int, two_I: int) -> bool:
