@@ -25,9 +25,9 @@ TOP_KERNELS = 25  # the device-busy row's JSON lists this many kernels by time (
 
 # (phase, pattern over the lower-cased kernel name); first match wins
 PHASES: tuple[tuple[str, str], ...] = (
-    ("moe experts", r"grouped|moe|expert|mxfp4|act_and_mul|silu"),
+    ("moe experts", r"grouped|moe|expert|mxfp4|act_and_mul|silu|gate_up|down_pairs|sum_pairs"),
     ("kda", r"kda|delta|recurrent|short_conv|conv1d|chunk_"),
-    ("mla attention", r"mla|flash|attn|softmax|lse"),
+    ("mla attention", r"mla|flash|attn|softmax|_lse"),  # not "lse": cuBLAS names hold "false"
     ("gemm", r"gemm|gemv|matmul|_mm|cublas|cutlass|sm90|nvjet|splitk"),
     ("norm", r"norm|rsqrt"),
     ("sampling", r"argmax|topk|sort|multinomial|sample|gumbel"),
