@@ -24,7 +24,6 @@ import torch
 from _decode_rate import decode_rate, find_runner
 from _step_profile import step_profile_rows
 
-from helixserve import kernels
 from helixserve.config import CacheConfig
 from helixserve.engine.llm import LLM
 from helixserve.models.moe import RoutedExperts
@@ -91,22 +90,16 @@ def mbu_rows(quick: bool, on_gpu: bool, copy_bw: float | None, row) -> None:  # 
     batches = (1, 8, 64) if on_gpu else (1, 4)
     plain: dict[int, float] = {}
     # the batch-invariant mode is process-wide from the moment it is set: its rows come last
-    # (model, deterministic, one-row GEMMs by cuBLAS instead of the matrix-vector kernel: bs 1 only)
-    runs = [(m, False, False) for m in models] + ([(models[0], False, True)] if on_gpu else []) + [(models[0], True, False)]
-    for name, deterministic, cublas in runs:
-        kernels.set_decode_gemv(not cublas)
-        try:
-            llm = LLM(name, load_format="dummy", device="cuda" if on_gpu else "cpu",
-                      dtype="bfloat16" if on_gpu else "float32", deterministic=deterministic,
-                      cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256))
-            label = f"{name} deterministic" if deterministic else f"{name} cuBLAS one-row GEMMs" if cublas else name
-            rates = bench_mbu(llm, label, batches[:1] if cublas else batches, 128 if on_gpu else 32,
-                              16 if quick else 64, copy_bw, row, baseline=plain if deterministic or cublas else None)
-        finally:
-            kernels.set_decode_gemv(True)
-        if name == models[0] and not (deterministic or cublas):
+    for name, deterministic in [(m, False) for m in models] + [(models[0], True)]:
+        llm = LLM(name, load_format="dummy", device="cuda" if on_gpu else "cpu",
+                  dtype="bfloat16" if on_gpu else "float32", deterministic=deterministic,
+                  cache=CacheConfig(max_num_seqs=max(batches), memory_budget_mib=8192 if on_gpu else 256))
+        label = f"{name} deterministic" if deterministic else name
+        rates = bench_mbu(llm, label, batches, 128 if on_gpu else 32, 16 if quick else 64, copy_bw, row,
+                          baseline=plain if deterministic else None)
+        if name == models[0] and not deterministic:
             plain = rates
-        if not (deterministic or cublas):
+        if not deterministic:
             step_profile_rows(llm, name, 8 if quick else 32, on_gpu, row)
         del llm
         if on_gpu:

@@ -11,7 +11,6 @@ from helixserve.kernels.attn_res.mix import attn_res_mix, attn_res_mix_norm
 from helixserve.kernels.kda.chunk import kda_chunk_prefill
 from helixserve.kernels.kda.gate import kda_gate, kda_gate_beta
 from helixserve.kernels.kda.recurrent import kda_recurrent_step
-from helixserve.kernels.gemm.linear import linear, set_decode_gemv
 from helixserve.kernels.mla.combine import lse_combine
 from helixserve.kernels.mla.paged import mla_paged_attention, mla_write_kv
 from helixserve.kernels.moe.experts import act_and_mul, moe_experts
@@ -32,7 +31,6 @@ __all__ = [
     "kda_gate",
     "kda_gate_beta",
     "kda_recurrent_step",
-    "linear",
     "lse_combine",
     "mla_paged_attention",
     "mla_write_kv",
@@ -40,7 +38,6 @@ __all__ = [
     "moe_route",
     "rms_norm",
     "rms_norm_leading",
-    "set_decode_gemv",
     "short_conv_prefill",
     "short_conv_step",
 ]

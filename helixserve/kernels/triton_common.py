@@ -95,16 +95,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-# matrix-vector kernels: programs per launch aimed at (about 16 per SM of an H200; measured best of 512 / 2048)
-GEMV_TARGET_PROGRAMS = 2048
-
-
-def gemv_block_n(rows: int, width: int) -> int:
-    """Output columns per program of a matrix-vector kernel over ``rows`` vectors of ``width``
-    outputs: ``rows * width / BLOCK_N`` programs near :data:`GEMV_TARGET_PROGRAMS`, 8 to 64."""
-    return max(8, min(64, next_pow2(max(1, rows * width // GEMV_TARGET_PROGRAMS))))
-
-
 def seq_ids_of_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``[num_rows]`` int32 sequence index of each flat row, computed on the device (no sync), once
     per step (:func:`~helixserve.kernels._host.step_value`)."""

@@ -7,11 +7,11 @@ from torch import nn
 
 from helixserve import kernels
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.packing import Linear, column_major, fuse_weights, pack_linears, packed_linear
+from helixserve.models.packing import column_major, fuse_weights, pack_linears, packed_linear
 
 
 def linear(in_features: int, out_features: int, dtype: torch.dtype | None) -> nn.Linear:
-    return Linear(in_features, out_features, bias=False, dtype=dtype)
+    return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
 
 class GatedMLP(nn.Module):

@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helixserve import kernels
-
 # up to this many rows, the row-major weight is streamed as (W @ x^T)^T
 _ROWS_GEMM_MAX_M = 64
 
@@ -45,22 +43,14 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, weight_cols: torch.Tens
     """``F.linear(x, weight)`` for ``x [M, in]`` in the GEMM form for M (see module docstring);
     ``weight_cols``: the column-major copy of ``weight`` (``None``: plain ``F.linear``)."""
     if weight_cols is None or x.dim() != 2 or x.shape[0] > _ROWS_GEMM_MAX_M:
-        return kernels.linear(x, weight)
+        return F.linear(x, weight)
     if x.shape[0] == 1:
         return F.linear(x, weight_cols)
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-class Linear(nn.Linear):
-    """A bias-free ``nn.Linear`` computed by :func:`helixserve.kernels.linear` (one row on a GPU: the
-    matrix-vector kernel)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight)
-
-
-class PackedLinear(Linear):
-    """A :class:`Linear` (same ``weight`` parameter) that also holds ``weight_cols``."""
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` without bias (same ``weight`` parameter) that also holds ``weight_cols``."""
 
     @classmethod
     def of(cls, linear: nn.Linear) -> PackedLinear:

@@ -87,34 +87,3 @@ def test_moe_pair_gemv_on_cuda(dtype):
             assert_close(f"pairs T={T} offset={offset} vs grouped", grouped.float(), out.float(), tol)
     many = torch.zeros(moe_gpu.MAX_GEMV_PAIRS // top_k + 1, top_k, dtype=torch.int64, device="cuda")
     assert not moe_gpu.can_pair_gemv(torch.zeros(many.shape[0], D, dtype=dtype, device="cuda"), many, cuda_w13)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_row_linear_on_cuda(dtype):
-    """``kernels.linear`` of one row on CUDA takes the matrix-vector kernel and equals ``F.linear`` on
-    the CPU; an fp32 weight against bf16 rows gives fp32 (the router); two rows, a weight over the
-    size limit and the switch turned off take ``F.linear`` (bit-equal to it on CUDA)."""
-    from helixserve.kernels.gemm import linear as linear_module
-
-    weight = _rand(3000, 2304, seed=16, dtype=dtype) / 50
-    x = _rand(1, 2304, seed=17, dtype=dtype) / 3
-    cuda_w, cuda_x = weight.cuda(), x.cuda()
-    assert linear_module._takes_gemv(cuda_x, cuda_w)
-    ref = torch.nn.functional.linear(x.float(), weight.float())
-    out = kernels.linear(cuda_x, cuda_w)
-    assert out.dtype == dtype
-    assert_close(f"one row {dtype}", ref, out.float().cpu(), 1e-2 if dtype == torch.bfloat16 else 1e-5)
-    router = kernels.linear(cuda_x.to(torch.bfloat16), cuda_w.float(), torch.float32)
-    assert router.dtype == torch.float32
-    assert_close("router", torch.nn.functional.linear(x.to(torch.bfloat16).float(), weight.float()), router.cpu(), 1e-2)
-    two = _rand(2, 2304, seed=18, dtype=dtype).cuda()
-    assert not linear_module._takes_gemv(two, cuda_w)
-    assert torch.equal(kernels.linear(two, cuda_w), torch.nn.functional.linear(two, cuda_w))
-    big = torch.zeros(linear_module.MAX_GEMV_WEIGHT_BYTES // (2304 * cuda_w.element_size()) + 1, 2304,
-                      dtype=dtype, device="cuda")
-    assert not linear_module._takes_gemv(cuda_x, big)
-    kernels.set_decode_gemv(False)
-    try:
-        assert torch.equal(kernels.linear(cuda_x, cuda_w), torch.nn.functional.linear(cuda_x, cuda_w))
-    finally:
-        kernels.set_decode_gemv(True)

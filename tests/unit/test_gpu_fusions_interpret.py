@@ -131,25 +131,6 @@ def test_moe_pair_gemv(interp, dtype, activation):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.bfloat16, torch.float32)])
-def test_one_row_gemv(interp, x_dtype, w_dtype):
-    """The one-row matrix-vector kernel against ``F.linear`` in fp32: outputs no block divides, a K
-    loop of two blocks with a tail, a strided weight (a row block of a fused weight), mixed dtypes
-    (bf16 rows against an fp32 router weight, fp32 out)."""
-    from helixserve.kernels.gemm import triton_gemv
-
-    fused = _rand(50, 140, seed=30, dtype=w_dtype) / 10
-    weight = fused[7:44]  # 37 outputs
-    x = _rand(1, 140, seed=31, dtype=x_dtype)
-    out_dtype = torch.float32 if w_dtype == torch.float32 else x_dtype
-    ref = torch.nn.functional.linear(x.float(), weight.float())
-    out = triton_gemv.gemv(x, weight, out_dtype)
-    assert out.shape == (1, 37) and out.dtype == out_dtype
-    assert_close(f"gemv {x_dtype} {w_dtype}", ref, out.float(), 1e-2 if out_dtype == torch.bfloat16 else 1e-5)
-
-
-@needs_interpreter
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kda_gate_beta(interp, lower_bound, dtype):
