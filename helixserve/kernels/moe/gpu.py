@@ -30,6 +30,8 @@ MXFP4_DEQUANT_MIN_ROWS_PER_EXPERT = 128
 # up to this many (token, k) pairs the sort and the weighted sum are one Triton kernel each
 MAX_TRITON_PAIRS = 4096
 # up to this many (token, k) pairs (decode batches) the expert sum is the pair matrix-vector kernels
+# (measured faster than the grouped path up to 256 pairs over 256 experts; with fewer experts pairs
+# share experts, which the pair kernels read once per pair: kept where whole models were measured)
 MAX_GEMV_PAIRS = 64
 
 
