@@ -4,7 +4,7 @@ logits; greedy output equals plain decoding's token for token (prompts and outpu
 16-token page), also with forced drafts accepting whole runs and a stop string cutting inside one;
 the drafter's cache of accepted positions equals a fresh catch-up's; prompt chunks beside verify
 rows and decodes without drafts, seeded sampling reproducible; vocabulary, hidden size, layer,
-world, prefix-caching and checkpoint-kind mismatches refused with named errors; the drafter's pool
+prefix-caching and checkpoint-kind mismatches refused with named errors; the drafter's pool
 comes out of the cache budget and its weights and pool count in the rank memory check."""
 
 from __future__ import annotations
@@ -208,19 +208,17 @@ def _edited(drafter, tmp_path, **changes):
 def test_a_drafter_that_cannot_read_the_target_is_refused(target, drafter, tmp_path, changes, message):
     spec = SpeculativeConfig(method="hidden", draft_model=_edited(drafter, tmp_path, **changes))
     with pytest.raises(HiddenDrafterError, match=message):
-        hidden_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig(), is_world=False)
+        hidden_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig())
 
 
-def test_worlds_prefix_caching_and_the_wrong_checkpoint_kind_are_refused(target, drafter, capsys):
+def test_prefix_caching_and_the_wrong_checkpoint_kind_are_refused(target, drafter, capsys):
     cfg = KimiModelConfig.from_pretrained(target)
     spec = SpeculativeConfig(method="hidden", draft_model=drafter)
     assert isinstance(make_drafter(spec, 64), HiddenDraftRows)
-    with pytest.raises(HiddenDrafterError, match="single-process engine only"):
-        hidden_config(spec, cfg, CacheConfig(), is_world=True)
     with pytest.raises(HiddenDrafterError, match="prefix_caching"):
-        hidden_config(spec, cfg, CacheConfig(prefix_caching=True), is_world=False)
+        hidden_config(spec, cfg, CacheConfig(prefix_caching=True))
     with pytest.raises(HiddenDrafterError, match="not a hidden-state drafter"):
-        hidden_config(SpeculativeConfig(method="hidden", draft_model=target), cfg, CacheConfig(), is_world=False)
+        hidden_config(SpeculativeConfig(method="hidden", draft_model=target), cfg, CacheConfig())
     with pytest.raises(DraftModelError, match="is a hidden-state drafter: use method 'hidden'"):
         draft_config(SpeculativeConfig(method="draft", draft_model=drafter), cfg, CacheConfig())
     argv = ["generate", "--model", str(target), "--prompt-ids", "1,2", "--speculative", "hidden", "--draft-model",
