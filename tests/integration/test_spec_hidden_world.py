@@ -10,7 +10,9 @@ dp 2 x cp 2 world and a cp 2 world:
 - the drafter's own drafts, step by step, the tokens (a seeded sampled request's included) and the
   draft counts (both CP groups' summed) equal the single-process hidden engine's: the leader reads
   the same hidden states as a single process does;
-- every rank's blocks and slots are free at the end, no request holds drafter pages or rows.
+- every rank's blocks and slots are free at the end, no request holds drafter pages or rows;
+- in a cp 2 world whose cache cannot hold its batch, preempted requests recompute and still give
+  plain decoding's tokens.
 
 ``helixserve generate --dp 1 --cp 2 --speculative hidden --draft-model DIR --json`` prints what
 plain decoding prints.
@@ -35,6 +37,8 @@ from helixserve.models.dummy import tokenizer_of
 from helixserve.models.presets import make_checkpoint
 from helixserve.parallel import Mapping, init_parallel
 from helixserve.testing.drafts import record_drafts
+from tests.integration.test_spec_draft_world import LONG_PROMPTS
+from tests.integration.test_spec_draft_world import _preempting_world as preempting_world
 
 PRESET = "kimi-k3-tiny"
 K = 3
@@ -53,6 +57,7 @@ def greedy(n: int) -> SamplingParams:
 PROMPTS = [list(range(20, 57)), _prompt(1, 11), _prompt(2, 9), _prompt(3, 13)]
 PARAMS = [greedy(17), greedy(14), greedy(11), SAMPLED]
 SCRIPTED = (0, 2)  # prompts whose drafts are plain decoding's outputs
+TIGHT = CacheConfig(tokens_per_block=4, memory_budget_mib=0.24, max_num_seqs=4)  # 32 blocks a rank, drafter's counted
 
 
 def _hidden_world(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
@@ -150,3 +155,16 @@ def test_cli_world_json_with_and_without_a_hidden_drafter(tiny_checkpoints, tmp_
         assert main(base + extra) == 0
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 12
+
+
+def test_a_preempted_request_recomputes_its_drafter_rows_with_its_target_cache(reference):
+    """A cp 2 world whose cache cannot hold its batch preempts and recomputes requests (the
+    drafter's pages go and come back with the target's, its rows start over) and still gives plain
+    decoding's tokens."""
+    plain = LLM(reference["model_dir"], cache=CACHE).generate(LONG_PROMPTS, greedy(24))
+    options = WorldOptions(cache=TIGHT, timeout_s=60, speculative=reference["spec_config"])
+    front = run_local_world(preempting_world, 2, reference["model_dir"], options, timeout_s=300)[0]
+    assert front["preempted"] and front["drafts"] > 0
+    assert front["tokens"] == [r.token_ids for r in plain]
+    for stats in front["rank_stats"].values():
+        assert stats.num_used_blocks == 0 and stats.num_used_slots == 0
