@@ -36,7 +36,7 @@ from helixserve.models.loading import load_model
 from helixserve.models.presets import make_checkpoint
 from helixserve.planning.memory import MIB, DeploymentDoesNotFitError, engine_pool_sizes, pool_unit_bytes
 from helixserve.planning.weights import rank_weight_bytes
-from helixserve.testing.drafts import run_mixed
+from helixserve.testing.drafts import record_drafts, run_mixed
 
 TPB = 16
 K = 3
@@ -73,23 +73,6 @@ def hidden_llm(target, drafter):
     return make_llm(target, drafter)
 
 
-def force_drafts(llm, script):
-    """Test-only injector: the drafter runs (its forwards write its cache), then its drafts are
-    replaced by plain decoding's next tokens (``script``: prompt -> outputs), so runs are accepted."""
-    runner, engine = llm.engine.draft_runner, llm.engine
-    propose = runner.propose
-
-    def forced(out):
-        record = propose(out)
-        for s in out.seqs:
-            if s.num_draft_tokens:
-                request = engine.scheduler.get_request(s.request_id)
-                done = len(request.output_token_ids)
-                s.token_ids[1:] = script[tuple(request.prompt_token_ids)][done: done + s.num_draft_tokens]
-        return record
-    runner.propose = forced
-
-
 def test_the_forward_keeps_the_asked_layers_outputs_and_the_same_logits(target):
     model = load_model(target)
     tokens = list(range(3, 40))
@@ -119,7 +102,7 @@ def test_forced_drafts_accept_runs_and_a_stop_string_cuts_inside_one(target, dra
     prompt = PROMPTS[0]
     ref = plain.generate([prompt], greedy(14))[0]
     llm = make_llm(target, drafter)
-    force_drafts(llm, {tuple(prompt): ref.token_ids})
+    record_drafts(llm.engine, {tuple(prompt): ref.token_ids})
     assert llm.generate([prompt], greedy(14))[0].token_ids == ref.token_ids
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
@@ -147,7 +130,7 @@ def test_drafter_cache_of_accepted_positions_equals_a_fresh_catch_up(target, dra
     prompt = PROMPTS[0]
     ref = plain.generate([prompt], greedy(20))[0].token_ids
     llm = make_llm(target, drafter)
-    force_drafts(llm, {tuple(prompt): ref})
+    record_drafts(llm.engine, {tuple(prompt): ref})
     engine = llm.engine
     engine.add_request("r", prompt, greedy(20))
     for _ in range(4):  # the prefill and three verify steps of K + 1 tokens each
