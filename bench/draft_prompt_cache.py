@@ -23,7 +23,15 @@ pages of every prompt token, plus one feature row). One-layer drafters of the pr
 three target layers (:func:`~helixserve.models.presets.hidden_drafter_preset`), dummy weights: on
 CPU K3-tiny's, on a GPU also K3-mid's in bfloat16; K3's bytes are arithmetic (not run).
 
+What (a) costs in acceptance, with ``--checkpoint DIR --prompts-from DIR`` (a pair that
+``helixserve make-checkpoint --train-on`` trained, ``DIR/hidden`` its drafter; held-out prompts as
+``bench/spec_decode.py`` takes them): greedy decoding of the prompts at once, the drafter's prompt
+cache as an aggregated engine writes it (the target's features) against rewritten after the
+prefill by ``HiddenDraftRunner.prefill`` from zero features (what a disaggregated gen world's
+leader runs); acceptance of both, and whether their tokens are equal.
+
     python bench/draft_prompt_cache.py [--quick] [--out FILE] [--gbps 25] [--reps 5]
+                                       [--checkpoint DIR --prompts-from DIR]
 """
 
 from __future__ import annotations
@@ -38,10 +46,14 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, gpu_timer, machine_info, markdown_table, write_json  # noqa: E402
+from spec_decode import held_out_prompts  # noqa: E402
 
 import tempfile  # noqa: E402
 
 from helixserve.cache_layout import cache_spec_for  # noqa: E402
+from helixserve.config_speculative import SpeculativeConfig  # noqa: E402
+from helixserve.engine.llm import LLM  # noqa: E402
+from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.engine.runner import ModelRunner, PreparedStep, build_forward_batch  # noqa: E402
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
 from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
@@ -128,10 +140,44 @@ def hidden_rows(preset: str, lengths: list[int], dtype: torch.dtype, device: tor
     return rows, figures
 
 
+def hidden_acceptance(ckpt: Path, prompts: list[list[int]], k: int, max_tokens: int) -> dict[str, dict]:
+    """Acceptance of ``ckpt``'s trained hidden drafter on ``prompts`` (greedy, one batch), its
+    prompt cache from the target's features (aggregated) and from zero features (rewritten after
+    the prefill step, as a disaggregated gen world's leader writes it); each one's tokens."""
+    spec = SpeculativeConfig(method="hidden", draft_model=ckpt / "hidden", num_draft_tokens=k)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = {}
+    for mode in ("aggregated", "zero-feature prompt cache"):
+        engine = LLM(ckpt, speculative=spec).engine
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        num_steps = 0
+        while engine.has_unfinished_requests():
+            for update in engine.step():
+                tokens[update.request_id].append(update.token_id)
+            num_steps += 1
+            if num_steps == 1 and mode != "aggregated":
+                for rid, prompt in zip(ids, prompts):
+                    request = engine.scheduler.get_request(rid)
+                    assert request is not None and request.num_computed_tokens == len(prompt), "prefill in one step"
+                    engine.draft_runner.prefill(request, len(prompt))
+        stats = engine.spec_stats
+        out[mode] = {"num_draft_tokens": stats.num_draft_tokens, "num_accepted_tokens": stats.num_accepted_tokens,
+                     "acceptance": stats.num_accepted_tokens / max(1, stats.num_draft_tokens),
+                     "accepted_per_position": stats.accepted_per_position, "num_drafts": stats.num_drafts,
+                     "tokens": [tokens[rid] for rid in ids]}
+    return out
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--gbps", type=float, default=25.0, help="transfer bandwidth, GB/s (cross-host UCX)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a trained pair (DIR/hidden its drafter)")
+    parser.add_argument("--prompts-from", type=Path, default=None, metavar="DIR",
+                        help="with --checkpoint: held-out prompts from the files under DIR (its training split)")
     args = parser.parse_args()
     is_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if is_cuda else "cpu")
@@ -167,8 +213,18 @@ def main() -> None:
                           "(b) target prefill ms", "(c) features MiB", "features / target cache",
                           "drafter cache MiB", f"(c) transfer ms at {args.gbps:g} GB/s"],
                          [r for part in hidden for r in part[0]]))
+    acceptance = None
+    if args.checkpoint is not None and args.prompts_from is not None:
+        prompts = held_out_prompts(args.checkpoint, args.prompts_from, 4 if args.quick else 8, 64)
+        acceptance = hidden_acceptance(args.checkpoint, prompts, 3, 12 if args.quick else 24)
+        print()
+        print(markdown_table(["hidden drafter's prompt cache", "drafts", "accepted", "acceptance", "per position",
+                              "tokens equal the aggregated"],
+                             [[mode, a["num_draft_tokens"], a["num_accepted_tokens"], a["acceptance"],
+                               ", ".join(f"{n / max(1, a['num_drafts']):.2f}" for n in a["accepted_per_position"]),
+                               a["tokens"] == acceptance["aggregated"]["tokens"]] for mode, a in acceptance.items()]))
     write_json(args.out, {"machine": machine_info(), "gbps": args.gbps, "dtype": str(dtype), "rows": figures,
-                          "hidden_rows": [f for part in hidden for f in part[1]]})
+                          "hidden_rows": [f for part in hidden for f in part[1]], "hidden_acceptance": acceptance})
 
 
 if __name__ == "__main__":
