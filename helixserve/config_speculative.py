@@ -7,7 +7,7 @@ Torch-free, imports nothing of the package but the config base. Three drafters:
 - ``draft``: a smaller helixserve checkpoint with the target's vocabulary (``draft_model``), run
   beside the target in a single-process engine, or on each CP group's leader of a gen world;
 - ``hidden``: a drafter reading the target's hidden states (EAGLE-3 class), ``draft_model`` is
-  its checkpoint.
+  its checkpoint; it runs where ``draft`` does.
 
 Defaults are resolved here, once: an ``ngram`` config without window sizes gets vLLM's
 (``prompt_lookup_min = prompt_lookup_max = 5`` when neither is given; the one given sets the
@@ -61,11 +61,3 @@ class SpeculativeConfig(Strict):
         if given:
             raise ValueError(f"speculative.{given[0]} is for method ngram, not {self.method!r}")
         return self
-
-    def check_world(self, where: str) -> None:
-        """``ValueError`` when this method cannot run in a gen world (``where`` names the world):
-        ``ngram`` and ``draft`` do (a draft model on each CP group's leader, on full rows)."""
-        if self.method not in ("ngram", "draft"):
-            raise ValueError(f"speculative.method {self.method!r} is not supported in {where}: a gen world "
-                             "(dp x cp, or a gen worker receiving prompt caches) speculates with method 'ngram' "
-                             "or 'draft'")

@@ -115,14 +115,9 @@ class GenServerConfig(WorldWorkerConfig):
         "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
     connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
     speculative: SpeculativeConfig | None = Field(None, description=(
-        "speculative decoding in this worker's engine (None: off); in a world (method ngram or draft) each "
-        "CP group's leader drafts and verifies, every rank runs the verify rows on its shard"))
-
-    @model_validator(mode="after")
-    def _check_speculative(self) -> GenServerConfig:
-        if self.speculative is not None and self.runs_world:
-            self.speculative.check_world(f"a gen world (dp={self.dp}, cp={self.cp}, kv_source={self.kv_source})")
-        return self
+        "speculative decoding in this worker's engine (None: off); in a world each CP group's leader drafts "
+        "(a draft model or hidden-state drafter on full rows) and verifies, every rank runs the verify rows on "
+        "its shard"))
 
     @property
     def world_size(self) -> int:

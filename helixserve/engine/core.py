@@ -12,7 +12,7 @@ HTTP. It runs in two places:
   :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
 With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft`` / ``hidden``: a model
-drafter's, :mod:`.model_drafters`; ``draft`` on the leader of a world's group, ``hidden`` in a single process), the
+drafter's, :mod:`.model_drafters`, on the leader of a world's group), the
 target verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
 (:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
 single-process engine (or a world of one) with CUDA graphs replays captured verify steps and their rollbacks
@@ -75,7 +75,7 @@ class EngineCore:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         parts = build_engine_parts(model, model_config, cache, scheduler, device, seed, use_cuda_graphs, speculative,
-                                   cp, world_size, is_world=groups is not None)
+                                   cp, world_size)
         self.layout, self.caches, self.runner = parts.layout, parts.caches, parts.runner
         self.cache_manager, self.draft_runner = parts.cache_manager, parts.draft_runner
         max_model_len = self.layout.max_model_len
@@ -220,7 +220,7 @@ class EngineCore:
 
     def _start_prefilled(self, request: Request) -> list[RequestUpdate]:
         updates = self.scheduler.add_prefilled(request)
-        if self.draft_runner is not None:  # a received prompt: the draft's cache of it is rebuilt here
+        if self.draft_runner is not None:  # a received prompt: the drafter's cache of it is built here
             self.draft_runner.prefill(request, self.scheduler.max_num_batched_tokens)
         params = request.sampling_params
         if params.seed is not None and not params.is_greedy:

@@ -40,10 +40,10 @@ class EngineParts:
 
 def build_engine_parts(model: torch.nn.Module, model_config: KimiModelConfig, cache: CacheConfig,
                        scheduler: SchedulerConfig, device: torch.device | str, seed: int, use_cuda_graphs: bool,
-                       speculative: SpeculativeConfig | None, cp: int, world_size: int, is_world: bool) -> EngineParts:
+                       speculative: SpeculativeConfig | None, cp: int, world_size: int) -> EngineParts:
     """One engine's parts on ``device`` (see the module docstring); ``cp`` and ``world_size``: its
-    world's (1, 1 in a single process; ``is_world``: a gen world's CP group leader)."""
-    draft_cfg = drafter_config(speculative, model_config, cache, is_world=is_world)
+    world's (1, 1 in a single process)."""
+    draft_cfg = drafter_config(speculative, model_config, cache)
     spec, layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg)
     check_rank_memory(model, cache, scheduler, layout, device, world_size // cp, cp, use_cuda_graphs,
                       draft_cfg, drafter_extra_params(speculative, draft_cfg))

@@ -2,14 +2,31 @@
 :mod:`helixserve.models.hidden_drafter`) beside the target, on its device and dtype, fed the
 target's layer outputs, run before each step's target forward.
 
+**Where it runs.** In a single process beside the target; in a gen world (dp x cp) on each CP
+group's leader, the rank that schedules, drafts and verifies for its group, as the ``draft``
+method's draft model does (:mod:`.draft_runner`): the leader holds the drafter and its cache on
+full rows; the other ranks hold none of it.
+
 **What it reads.** Every target forward keeps the outputs of the drafter's ``hidden_layers`` for
 every row (``batch.hidden_capture``, no second forward); :meth:`HiddenDraftRunner.record` keeps
 each scheduled sequence's rows (their tokens and features) until the sequence's next step. Row
-``i`` of the drafter reads token ``x_i`` and the target's features at ``i - 1``.
+``i`` of the drafter reads token ``x_i`` and the target's features at ``i - 1``. In a world every
+rank of a CP group keeps the same layers and the forward all-gathers the token-sliced ones over
+the group (:mod:`helixserve.models.hidden_capture`), so the leader holds the group's every row.
 
-**The cache.** The drafter's MLA pages are its own pool with the target's page ids (as the ``draft``
-method's, :mod:`.draft_runner`): one allocation serves both and the memory budget counts both
-(:func:`~helixserve.engine.rank_setup.size_cache`). It has no KDA state, so nothing rolls back.
+**The cache.** The drafter's MLA pages are its own pool named by the target's page ids (as the
+``draft`` method's): one allocation serves both, the drafter's pages are freed with the target's,
+and the memory budget counts both (:func:`~helixserve.engine.rank_setup.size_cache`). In a world
+its pool holds ``cp * num_blocks`` pages, page ``r * num_blocks + p`` for block ``p`` of CP rank
+``r`` (the group's full-row table, :meth:`~helixserve.kvcache.group_cache.GroupCacheManager.full_row_table`).
+It has no KDA state, so nothing rolls back.
+
+**A prompt cache from a ctx worker** (a disaggregated gen worker): the target's hidden states of
+the prompt are not on the gen side. :meth:`HiddenDraftRunner.prefill` writes the drafter's cache of
+the prompt positions from the prompt tokens with zero features (the drafter's own forward over the
+prompt, no target forward); the drafter reads the target's features from the first decoded
+position on. Drafts are still verified by the target, so the output is exact; the drafter's cache
+of the prompt differs from an aggregated run's, so its drafts and acceptance may differ.
 
 **A step** (:meth:`HiddenDraftRunner.propose`), for a scheduled sequence at context ``c`` whose
 drafter cache holds positions ``< d``:
@@ -25,21 +42,21 @@ drafter cache holds positions ``< d``:
 
 Drafts are argmax (one-hot proposals: the verifier's rejection sampling is exact at any
 temperature). Rows the target's page table already covers are the only ones written (``c + j <
-c + n``). Target decode steps run eagerly (no CUDA graphs: every step's hidden states are read),
-and single-process only.
+c + n``). Target decode steps run eagerly (no CUDA graphs: every step's hidden states are read).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from helixserve.cache_layout import ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.draft_runner import DraftPages
 from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
 from helixserve.engine.request import Request
 from helixserve.engine.runner import build_forward_batch
@@ -53,17 +70,14 @@ from helixserve.models.kda_spec import KdaRecord
 logger = logging.getLogger(__name__)
 
 
-def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig, cache: CacheConfig,
-                  is_world: bool) -> KimiModelConfig | None:
+def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
+                  cache: CacheConfig) -> KimiModelConfig | None:
     """The hidden drafter's layer config (``None``: no ``hidden`` method), checked against the
     target's and the engine's before any weight is read (:class:`HiddenDrafterError`)."""
     if speculative is None or speculative.method != "hidden":
         return None
     path = speculative.draft_model
     assert path is not None  # SpeculativeConfig requires it for method hidden
-    if is_world:
-        raise HiddenDrafterError("speculative.method 'hidden' runs in a single-process engine only; a gen world "
-                                 "(dp x cp, or a disaggregated gen worker) supports method 'ngram'")
     if cache.prefix_caching:
         raise HiddenDrafterError("speculative.method 'hidden' does not run with cache.prefix_caching: a cached "
                                  "prefix skips the target rows whose hidden states the drafter reads")
@@ -73,8 +87,10 @@ def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig
 
 
 def build_hidden_runner(speculative: SpeculativeConfig, cfg: KimiModelConfig, dtype: torch.dtype,
-                        layout: CacheSizes, device: torch.device | str) -> HiddenDraftRunner:
-    """The drafter loaded at the target's dtype and device, its MLA pool at the target's block count."""
+                        layout: CacheSizes, device: torch.device | str, pages: DraftPages,
+                        cp: int = 1) -> HiddenDraftRunner:
+    """The drafter loaded at the target's dtype and device, its MLA pool at ``cp`` times one rank's
+    block count (full rows of a CP group); ``pages``: the engine's cache manager."""
     assert speculative.draft_model is not None
     if cfg.max_position_embeddings < layout.max_model_len:
         raise HiddenDrafterError(f"speculative.draft_model {speculative.draft_model} has max_position_embeddings "
@@ -83,7 +99,8 @@ def build_hidden_runner(speculative: SpeculativeConfig, cfg: KimiModelConfig, dt
     spec = cache_spec_for(cfg, dtype, layout.tokens_per_block, kda_num_heads=cfg.kda_num_heads)
     logger.info("hidden drafter %s loaded (%s, %s), reading target layers %s", speculative.draft_model, dtype,
                 device, list(model.spec.hidden_layers))
-    return HiddenDraftRunner(model, allocate_rank_caches(spec, layout, device), device)
+    pool = allocate_rank_caches(spec, replace(layout, num_blocks=layout.num_blocks * cp), device)
+    return HiddenDraftRunner(model, pool, device, pages)
 
 
 @dataclass(slots=True)
@@ -100,11 +117,30 @@ class _SeqState:
 class HiddenDraftRunner:
     """Runs the hidden drafter of one engine (see the module docstring)."""
 
-    def __init__(self, model: HiddenDrafter, caches: ModelCaches, device: torch.device | str) -> None:
-        self.model, self.caches, self.device = model, caches, torch.device(device)
+    def __init__(self, model: HiddenDrafter, caches: ModelCaches, device: torch.device | str,
+                 pages: DraftPages) -> None:
+        self.model, self.caches, self.device, self.pages = model, caches, torch.device(device), pages
         self.capture_layers: tuple[int, ...] | None = model.spec.hidden_layers
         self._num_features = len(model.spec.hidden_layers) * model.spec.target_hidden_size
         self._seqs: dict[str, _SeqState] = {}
+
+    @torch.inference_mode()
+    def prefill(self, request: Request, chunk_tokens: int) -> None:
+        """Write the drafter's cache of ``request``'s cached tokens (``num_computed_tokens`` of its
+        prompt and outputs), ``chunk_tokens`` at a time, with zero features: a request started on a
+        prompt cache from a ctx worker, whose target hidden states are not here (module docstring).
+        Its next catch-up starts at the first position the gen computes."""
+        rid = request.request_id
+        table, slot = self.pages.full_row_table(rid), self.pages.get(rid).slot
+        token_ids = (request.prompt_token_ids + request.output_token_ids)[:request.num_computed_tokens]
+        for start in range(0, len(token_ids), chunk_tokens):
+            chunk = token_ids[start:start + chunk_tokens]
+            seq = ScheduledSeq(rid, chunk, start, table, slot, is_prefill=True, sample=False)
+            fused = self.model.fuse(torch.zeros(len(chunk), self._num_features, dtype=self.model.dtype,
+                                                device=self.device))
+            self._forward([seq], fused, None)
+        n = len(token_ids)
+        self._seqs[rid] = _SeqState(synced=n, start=n)
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput) -> KdaRecord | None:
@@ -113,8 +149,9 @@ class HiddenDraftRunner:
         if not out.seqs:
             return None
         rows, features = [], []
-        for seq in out.seqs:
-            row, feats = self._catch_up(seq)
+        tables = [self.pages.full_row_table(s.request_id) for s in out.seqs]
+        for seq, table in zip(out.seqs, tables):
+            row, feats = self._catch_up(seq, table)
             rows.append(row)
             features.append(feats)
         spec = [i for i, s in enumerate(out.seqs) if s.num_draft_tokens]
@@ -126,7 +163,7 @@ class HiddenDraftRunner:
             keep = [k for k, i in enumerate(live) if out.seqs[i].num_draft_tokens > j]
             live = [live[k] for k in keep]
             index = torch.tensor(keep, device=hidden.device)
-            step = [_draft_row(out.seqs[i], j) for i in live]
+            step = [_draft_row(out.seqs[i], j, tables[i]) for i in live]
             hidden, tokens = self._forward(step, hidden.index_select(0, index), tokens.index_select(0, index))
             drafts.append(tokens)
         host = torch.cat(drafts).tolist()
@@ -138,8 +175,9 @@ class HiddenDraftRunner:
                     at += 1
         return None
 
-    def _catch_up(self, seq: ScheduledSeq) -> tuple[ScheduledSeq, torch.Tensor]:
-        """The catch-up rows of ``seq`` (positions ``synced .. context_len``) and their features."""
+    def _catch_up(self, seq: ScheduledSeq, table: list[int]) -> tuple[ScheduledSeq, torch.Tensor]:
+        """The catch-up rows of ``seq`` (positions ``synced .. context_len``, on the drafter's
+        block ``table``) and their features."""
         state = self._seqs.setdefault(seq.request_id, _SeqState())
         c = seq.context_len
         if c < state.synced:  # recomputed from an earlier position (preemption): start over there
@@ -153,7 +191,7 @@ class HiddenDraftRunner:
         have = max(first - 1, 0)  # the feature of position p is row p - start; none before start
         if state.features is not None and last > have:
             feats[len(tokens) - (last - have):] = state.features[have:last]
-        row = ScheduledSeq(seq.request_id, tokens, state.synced, seq.block_table, seq.slot,
+        row = ScheduledSeq(seq.request_id, tokens, state.synced, table, seq.slot,
                            is_prefill=len(tokens) > 1, sample=seq.num_draft_tokens > 0)
         state.synced, state.start, state.tokens, state.features = c + 1, c, [], None
         return row, feats
@@ -191,8 +229,8 @@ class HiddenDraftRunner:
             self._seqs.pop(rid, None)
 
 
-def _draft_row(seq: ScheduledSeq, j: int) -> ScheduledSeq:
+def _draft_row(seq: ScheduledSeq, j: int, table: list[int]) -> ScheduledSeq:
     """Forward ``j``'s row of a speculating sequence: draft ``j`` at position ``context_len + j``
-    (its token comes from the previous forward), sampled."""
-    return ScheduledSeq(seq.request_id, [0], seq.context_len + j, seq.block_table, seq.slot, is_prefill=False,
+    (its token comes from the previous forward; the drafter's block ``table``), sampled."""
+    return ScheduledSeq(seq.request_id, [0], seq.context_len + j, table, seq.slot, is_prefill=False,
                         sample=True)

@@ -1,8 +1,9 @@
 """The drafters that are models, chosen by ``speculative.method``: ``draft`` (a draft model,
 :mod:`.draft_runner`) and ``hidden`` (a hidden-state drafter, :mod:`.hidden_runner`). Both run
-before each step's target forward (a draft model in any engine, on a world's CP group leader; a
-hidden-state drafter in a single process), their caches indexed by the target's pages; the engine drives either through the same calls (``propose`` before the
-forward, ``record`` after it, ``rollback`` after the verification, ``forget`` at a request's end)."""
+before each step's target forward, in a single process or on a world's CP group leader, their
+caches on full rows named by the target's pages; the engine drives either through the same calls
+(``prefill`` of a prompt cache received from a ctx worker, ``propose`` before the forward,
+``record`` after it, ``rollback`` after the verification, ``forget`` at a request's end)."""
 
 from __future__ import annotations
 
@@ -19,22 +20,22 @@ from helixserve.models.hidden_drafter import input_params, read_hidden_drafter_c
 ModelDrafter = DraftRunner | HiddenDraftRunner
 
 
-def drafter_config(speculative: SpeculativeConfig | None, target: KimiModelConfig, cache: CacheConfig,
-                   is_world: bool) -> KimiModelConfig | None:
+def drafter_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
+                   cache: CacheConfig) -> KimiModelConfig | None:
     """The drafter's layer config (its cache's shape; ``None``: no model drafter), checked against
     the target and the engine before any weight is read."""
-    return draft_config(speculative, target, cache) or hidden_config(speculative, target, cache, is_world)
+    return draft_config(speculative, target, cache) or hidden_config(speculative, target, cache)
 
 
 def build_model_drafter(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
                         layout: CacheSizes, device: torch.device | str, pages: DraftPages,
                         cp: int = 1) -> ModelDrafter | None:
     """The drafter of ``speculative.method`` loaded beside the target (``None``: none); ``pages``:
-    the engine's cache manager (a draft model's full-row page tables, :mod:`.draft_runner`)."""
+    the engine's cache manager (the drafter's full-row page tables, :mod:`.draft_runner`)."""
     if speculative is None or cfg is None:
         return None
     if speculative.method == "hidden":
-        return build_hidden_runner(speculative, cfg, dtype, layout, device)
+        return build_hidden_runner(speculative, cfg, dtype, layout, device, pages, cp)
     return build_draft_runner(speculative, cfg, dtype, layout, device, pages, cp)
 
 
@@ -45,3 +46,14 @@ def drafter_extra_params(speculative: SpeculativeConfig | None, cfg: KimiModelCo
         return 0
     assert speculative.draft_model is not None
     return input_params(*read_hidden_drafter_config(speculative.draft_model))
+
+
+def drafter_capture_layers(speculative: SpeculativeConfig | None) -> tuple[int, ...] | None:
+    """The target layers whose outputs every forward keeps for the drafter (a hidden drafter's
+    ``hidden_layers``; ``None``: none). A world's followers keep them too, so that the forward's
+    gather of the token-sliced ones (:mod:`helixserve.models.hidden_capture`) runs on every rank of
+    the CP group and the rows keep one order there."""
+    if speculative is None or speculative.method != "hidden":
+        return None
+    assert speculative.draft_model is not None
+    return read_hidden_drafter_config(speculative.draft_model)[1].hidden_layers

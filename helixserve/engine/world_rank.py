@@ -25,7 +25,7 @@ import torch.distributed as dist
 from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
-from helixserve.engine.draft_runner import draft_config
+from helixserve.engine.model_drafters import drafter_capture_layers, drafter_config
 from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
@@ -113,15 +113,18 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
             assert core.group is not None
             core.kv_holds = HoldRelay(core.cache_manager, holds, core.group, endpoints)
         return core
-    # sized as the leader is, its draft model's pools counted: every rank has the group's block count
-    draft = draft_config(options.speculative, model.cfg, options.cache)
+    # sized as the leader is, its drafter's pools counted: every rank has the group's block count
+    draft = drafter_config(options.speculative, model.cfg, options.cache)
     spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, draft)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
     runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots
+    # the layers a hidden drafter reads, kept as the leader keeps them (their gather joins the group's)
+    runner.capture_layers = drafter_capture_layers(options.speculative)
     # the leaders capture in EngineCore, with the same shapes and at the same time: every rank's
     # graphs hold the same collectives in the same order
-    if decode_graphs_off_reason(model, groups.device, options.use_cuda_graphs, mapping.world_size) is None:
+    if decode_graphs_off_reason(model, groups.device, options.use_cuda_graphs, mapping.world_size,
+                                runner.capture_layers) is None:
         runner.capture_decode_graphs(*decode_graph_shape(options.cache, layout))
     holds = _rank_holds(options.kv_sender, groups, caches)[0] if options.kv_sender is not None else None
     return Follower(runner, GroupChannel(groups), RankTransfers(kv_receiver, caches, TransferConsensus(groups.cp_cpu)),

@@ -61,8 +61,6 @@ def generate_many_on_world(model_dir: str | Path, prompts: Sequence[str | list[i
         encoded.append(list(prompt))
     params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
     check_fits_world(cfg, dp, cp)
-    if options.speculative is not None:
-        options.speculative.check_world(f"a dp {dp} x cp {cp} world")
     results = run_local_world(_world_main, dp * cp, str(model_dir), dp, cp, encoded, params_list, options,
                               timeout_s=options.run_timeout_s, grace_s=options.stop_grace_s)
     return results[0]

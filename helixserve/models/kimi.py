@@ -138,7 +138,8 @@ class KimiModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches, hooks: HelixHooks | None = None) -> torch.Tensor:
         """Final normed hidden states of the rank's rows: ``[T, hidden]``, or ``[c, hidden]`` with
         ``hooks`` slicing rows over the CP group from its first MoE layer on. With
-        ``batch.hidden_capture`` the outputs of its layers are kept there (a single process's rows)."""
+        ``batch.hidden_capture`` the outputs of its layers are kept there, for all T rows of the step
+        (in a world the CP group's, :mod:`.hidden_capture`)."""
         h = self.embed_tokens(batch.input_ids)
         bank = h.new_empty(self.cfg.num_attn_res_blocks, *h.shape) if self.cfg.attn_res_block_size is not None else None
         num_banked = 0
@@ -154,6 +155,8 @@ class KimiModel(nn.Module):
             h, num_banked, pending = layer.forward(h, bank, num_banked, batch, caches, hooks, pending)
             if capture is not None:  # the layer's output: its FFN's too
                 capture.take(layer.layer_idx, with_pending(h, pending))
+        if capture is not None and hooks is not None and hooks.mapping.cp > 1:  # sliced layers: gather the group's rows
+            capture.gather_sliced(first_sliced, lambda x: hooks.gather(x, batch.num_tokens))
         with NO_PHASE if hooks is None else hooks.phase("residual"):
             if bank is not None:
                 return attn_res_norm(self.output_attn_res_norm, self.output_attn_res_proj, h, bank[:num_banked],

@@ -106,7 +106,7 @@ def two_layer_draft(target: dict[str, Any]) -> dict[str, Any]:
             "linear_attn_config": {**target["linear_attn_config"], "kda_layers": [1], "full_attn_layers": [2]}}
 
 
-def _hidden_drafter(target: dict[str, Any], hidden_layers: list[int]) -> dict[str, Any]:
+def hidden_drafter_preset(target: dict[str, Any], hidden_layers: list[int]) -> dict[str, Any]:
     """A one-layer MLA drafter (dense MLP, plain residual) reading ``target``'s layers
     ``hidden_layers``: the same vocabulary and MLA shapes (:mod:`.hidden_drafter`)."""
     return {**target, "model_type": "kimi_linear", "num_hidden_layers": 1, "attn_res_block_size": None,
@@ -123,8 +123,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kimi-k3-mid": _KIMI_K3_MID,
     "kimi-linear-tiny-draft": two_layer_draft(_KIMI_LINEAR_TINY),
     "kimi-k3-tiny-draft": two_layer_draft(_KIMI_K3_TINY),
-    "kimi-linear-tiny-hidden": _hidden_drafter(_KIMI_LINEAR_TINY, [0, 2, 3]),
-    "kimi-k3-tiny-hidden": _hidden_drafter(_KIMI_K3_TINY, [1, 3, 5]),
+    "kimi-linear-tiny-hidden": hidden_drafter_preset(_KIMI_LINEAR_TINY, [0, 2, 3]),
+    "kimi-k3-tiny-hidden": hidden_drafter_preset(_KIMI_K3_TINY, [1, 3, 5]),
 }
 # the drafter presets ``make-checkpoint --train-on`` trains beside each target preset by default
 DRAFT_PRESETS: dict[str, str] = {"kimi-linear-tiny": "kimi-linear-tiny-draft", "kimi-k3-tiny": "kimi-k3-tiny-draft"}

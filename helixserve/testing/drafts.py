@@ -2,7 +2,8 @@
 random weights a prompt-lookup drafter is never right, so accepted runs and rejections at chosen
 positions come from a script of plain decoding's outputs instead. For the ``draft`` method, a
 draft checkpoint near its target (:func:`perturbed_checkpoint`) accepts some drafts and rejects
-others."""
+others; a model drafter's own drafts are recorded (and some replaced by a script's) with
+:func:`record_drafts`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helixserve.engine.request import Request, SamplingParams
 from helixserve.engine.spec.drafting import NgramDrafter
 
 Script = Mapping[tuple[int, ...], list[int]]  # prompt -> plain decoding's outputs
+Proposals = dict[tuple[tuple[int, ...], int], list[int]]  # (prompt, context_len) -> the drafter's drafts
 
 
 class ScriptedDrafter(NgramDrafter):
@@ -75,3 +77,27 @@ def run_mixed(engine: Any, first: tuple[str, list[int], SamplingParams],
         engine.step()
         mixed |= waiting_before > 0 and engine.spec_stats.num_drafts > before
     return requests, mixed
+
+
+def record_drafts(engine: Any, script: Script | None = None) -> Proposals:
+    """Test-only injector on an :class:`~helixserve.engine.core.EngineCore`'s model drafter: the
+    drafter runs as it does (its forwards write its cache) and each speculating sequence's drafts
+    are recorded in the returned dict (filled as the engine steps), by prompt and context length;
+    then the drafts of the prompts in ``script`` are replaced by plain decoding's next outputs, so
+    verify steps accept whole runs."""
+    runner, script = engine.draft_runner, script or {}
+    propose = runner.propose
+    proposals: Proposals = {}
+
+    def recorded(out: Any) -> Any:
+        record = propose(out)
+        for s in out.seqs:
+            if s.num_draft_tokens:
+                request = engine.scheduler.get_request(s.request_id)
+                prompt, done = tuple(request.prompt_token_ids), len(request.output_token_ids)
+                proposals[(prompt, s.context_len)] = list(s.token_ids[1:])
+                if prompt in script:
+                    s.token_ids[1:] = script[prompt][done: done + s.num_draft_tokens]
+        return record
+    runner.propose = recorded
+    return proposals

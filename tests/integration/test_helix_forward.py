@@ -6,6 +6,9 @@ One world per (dp, cp) runs a whole scenario per preset; the tests below check i
   and in a run of multi-sequence decode steps whose blocks fill and cross block boundaries onto
   other CP ranks (tokens_per_block = 4);
 - greedy tokens equal at every step;
+- every decoder layer's output kept for a hidden-state drafter (``batch.hidden_capture``) holds
+  all T rows on every CP rank (the token-sliced layers' gathered over the group) and equals the
+  single-process one;
 - each rank's MLA blocks are exactly its round-robin share and hold the single-process rows;
 - each rank's KDA recurrent and conv state equal its head slice of the single-process state;
 - the CP groups of a dp = 2 world run different requests, one of them idle in some steps
@@ -28,6 +31,7 @@ from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.launch.processes import run_local_world
 from helixserve.models.loading import load_model
 from helixserve.models.context import ForwardBatch
+from helixserve.models.hidden_capture import HiddenCapture
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.sharding import HelixConfigError, check_helix_config
 from helixserve.models.helix_load import load_helix_model
@@ -145,8 +149,12 @@ def _scenario(model: KimiForCausalLM, ref_model, mapping: Mapping) -> list[dict]
             seqs.append((rid, tokens, context.get(rid, 0)))
         all_rows = step % 2 == 0
         host_cache_seen.clear()
-        got = model(helix.batch(seqs, all_rows), helix.caches)
-        want = ref_model(ref.batch(seqs, all_rows), ref.caches)
+        batches = helix.batch(seqs, all_rows), ref.batch(seqs, all_rows)
+        for batch in batches:  # every layer's output kept, as for a hidden-state drafter
+            batch.hidden_capture = HiddenCapture(tuple(range(cfg.num_hidden_layers)))
+        got = model(batches[0], helix.caches)
+        want = ref_model(batches[1], ref.caches)
+        got_features, want_features = (b.hidden_capture.features() for b in batches)
         if all_rows:
             ends = torch.tensor([sum(len(s[1]) for s in seqs[: i + 1]) - 1 for i in range(len(seqs))], device=got.device)
             got_last, want_last = got[ends], want[ends]
@@ -161,6 +169,7 @@ def _scenario(model: KimiForCausalLM, ref_model, mapping: Mapping) -> list[dict]
             "err": (got - want).abs().max().item(),
             "scale": want.abs().max().item(),
             "tokens_equal": got_last.argmax(-1).tolist() == want_last.argmax(-1).tolist(),
+            "capture_err": _rel_err(got_features, want_features),
             "state_err": state_err,
             "blocks_ok": blocks_ok,
             "host_cache": bool(host_cache_seen) and all(host_cache_seen),
@@ -222,6 +231,8 @@ def _check_records(per_rank: list[dict], dp: int, exact: bool = False) -> None:
                 assert rec["err"] <= (0.0 if exact else LOGITS_RTOL * max(1.0, rec["scale"])), \
                     f"{where}: logits differ by {rec['err']:.3e}"
                 assert rec["tokens_equal"], f"{where}: greedy tokens differ"
+                assert rec["capture_err"] <= (0.0 if exact else LOGITS_RTOL), \
+                    f"{where}: kept layer outputs differ by {rec['capture_err']:.3e}"
                 assert rec["state_err"] <= STATE_RTOL, f"{where}: KDA state differs by {rec['state_err']:.3e}"
                 assert rec["blocks_ok"], f"{where}: MLA blocks are not the round-robin share / rows differ"
                 assert rec["host_cache"], f"{where}: a mixer ran outside step_host_cache"

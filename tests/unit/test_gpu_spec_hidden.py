@@ -15,6 +15,7 @@ from helixserve.config_speculative import SpeculativeConfig  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.models.presets import make_checkpoint  # noqa: E402
+from helixserve.testing.drafts import record_drafts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [list(range(20, 41)), [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [(7 * i) % 250 for i in range(40)]]
@@ -31,17 +32,7 @@ def test_hidden_greedy_equals_plain_decoding_on_cuda(tiny_checkpoints, tmp_path,
     for forced in (False, True):
         llm = LLM(tiny_checkpoints[preset], dtype="float32", device="cuda", cache=cache, speculative=spec)
         if forced:  # the drafter runs, then its drafts are replaced by plain decoding's next tokens
-            runner, script = llm.engine.draft_runner, {tuple(p): r for p, r in zip(PROMPTS, ref)}
-            propose = runner.propose
-
-            def forced_propose(out, propose=propose, llm=llm, script=script):
-                propose(out)
-                for s in out.seqs:
-                    if s.num_draft_tokens:
-                        request = llm.engine.scheduler.get_request(s.request_id)
-                        done = len(request.output_token_ids)
-                        s.token_ids[1:] = script[tuple(request.prompt_token_ids)][done: done + s.num_draft_tokens]
-            runner.propose = forced_propose
+            record_drafts(llm.engine, {tuple(p): r for p, r in zip(PROMPTS, ref)})
         assert [r.token_ids for r in llm.generate(PROMPTS, params)] == ref
         stats = llm.engine.spec_stats
         assert stats.num_drafts > 0 and llm.engine.runner.decode_graphs is None

@@ -206,8 +206,8 @@ def test_prefix_caching_refuses_a_draft_model_and_gen_worlds_take_one(target):
         draft_config(spec, cfg, CacheConfig(prefix_caching=True))
     assert GenServerConfig(dp=1, cp=1, kv_source="ucx", speculative=spec).speculative == spec
     assert GenServerConfig(dp=2, cp=2, kv_source="ucx", speculative=spec).speculative == spec
-    with pytest.raises(ValueError, match="'hidden' is not supported in a gen world"):
-        GenServerConfig(dp=1, cp=2, speculative=SpeculativeConfig(method="hidden", draft_model=target))
+    hidden = SpeculativeConfig(method="hidden", draft_model=target)
+    assert GenServerConfig(dp=1, cp=2, speculative=hidden).speculative == hidden
     assert draft_config(None, cfg, CacheConfig()) is None
 
 

@@ -4,7 +4,7 @@ logits; greedy output equals plain decoding's token for token (prompts and outpu
 16-token page), also with forced drafts accepting whole runs and a stop string cutting inside one;
 the drafter's cache of accepted positions equals a fresh catch-up's; prompt chunks beside verify
 rows and decodes without drafts, seeded sampling reproducible; vocabulary, hidden size, layer,
-world, prefix-caching and checkpoint-kind mismatches refused with named errors; the drafter's pool
+prefix-caching and checkpoint-kind mismatches refused with named errors; the drafter's pool
 comes out of the cache budget and its weights and pool count in the rank memory check."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from helixserve.models.loading import load_model
 from helixserve.models.presets import make_checkpoint
 from helixserve.planning.memory import MIB, DeploymentDoesNotFitError, engine_pool_sizes, pool_unit_bytes
 from helixserve.planning.weights import rank_weight_bytes
-from helixserve.testing.drafts import run_mixed
+from helixserve.testing.drafts import record_drafts, run_mixed
 
 TPB = 16
 K = 3
@@ -73,23 +73,6 @@ def hidden_llm(target, drafter):
     return make_llm(target, drafter)
 
 
-def force_drafts(llm, script):
-    """Test-only injector: the drafter runs (its forwards write its cache), then its drafts are
-    replaced by plain decoding's next tokens (``script``: prompt -> outputs), so runs are accepted."""
-    runner, engine = llm.engine.draft_runner, llm.engine
-    propose = runner.propose
-
-    def forced(out):
-        record = propose(out)
-        for s in out.seqs:
-            if s.num_draft_tokens:
-                request = engine.scheduler.get_request(s.request_id)
-                done = len(request.output_token_ids)
-                s.token_ids[1:] = script[tuple(request.prompt_token_ids)][done: done + s.num_draft_tokens]
-        return record
-    runner.propose = forced
-
-
 def test_the_forward_keeps_the_asked_layers_outputs_and_the_same_logits(target):
     model = load_model(target)
     tokens = list(range(3, 40))
@@ -119,7 +102,7 @@ def test_forced_drafts_accept_runs_and_a_stop_string_cuts_inside_one(target, dra
     prompt = PROMPTS[0]
     ref = plain.generate([prompt], greedy(14))[0]
     llm = make_llm(target, drafter)
-    force_drafts(llm, {tuple(prompt): ref.token_ids})
+    record_drafts(llm.engine, {tuple(prompt): ref.token_ids})
     assert llm.generate([prompt], greedy(14))[0].token_ids == ref.token_ids
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
@@ -147,7 +130,7 @@ def test_drafter_cache_of_accepted_positions_equals_a_fresh_catch_up(target, dra
     prompt = PROMPTS[0]
     ref = plain.generate([prompt], greedy(20))[0].token_ids
     llm = make_llm(target, drafter)
-    force_drafts(llm, {tuple(prompt): ref})
+    record_drafts(llm.engine, {tuple(prompt): ref})
     engine = llm.engine
     engine.add_request("r", prompt, greedy(20))
     for _ in range(4):  # the prefill and three verify steps of K + 1 tokens each
@@ -208,19 +191,17 @@ def _edited(drafter, tmp_path, **changes):
 def test_a_drafter_that_cannot_read_the_target_is_refused(target, drafter, tmp_path, changes, message):
     spec = SpeculativeConfig(method="hidden", draft_model=_edited(drafter, tmp_path, **changes))
     with pytest.raises(HiddenDrafterError, match=message):
-        hidden_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig(), is_world=False)
+        hidden_config(spec, KimiModelConfig.from_pretrained(target), CacheConfig())
 
 
-def test_worlds_prefix_caching_and_the_wrong_checkpoint_kind_are_refused(target, drafter, capsys):
+def test_prefix_caching_and_the_wrong_checkpoint_kind_are_refused(target, drafter, capsys):
     cfg = KimiModelConfig.from_pretrained(target)
     spec = SpeculativeConfig(method="hidden", draft_model=drafter)
     assert isinstance(make_drafter(spec, 64), HiddenDraftRows)
-    with pytest.raises(HiddenDrafterError, match="single-process engine only"):
-        hidden_config(spec, cfg, CacheConfig(), is_world=True)
     with pytest.raises(HiddenDrafterError, match="prefix_caching"):
-        hidden_config(spec, cfg, CacheConfig(prefix_caching=True), is_world=False)
+        hidden_config(spec, cfg, CacheConfig(prefix_caching=True))
     with pytest.raises(HiddenDrafterError, match="not a hidden-state drafter"):
-        hidden_config(SpeculativeConfig(method="hidden", draft_model=target), cfg, CacheConfig(), is_world=False)
+        hidden_config(SpeculativeConfig(method="hidden", draft_model=target), cfg, CacheConfig())
     with pytest.raises(DraftModelError, match="is a hidden-state drafter: use method 'hidden'"):
         draft_config(SpeculativeConfig(method="draft", draft_model=drafter), cfg, CacheConfig())
     argv = ["generate", "--model", str(target), "--prompt-ids", "1,2", "--speculative", "hidden", "--draft-model",

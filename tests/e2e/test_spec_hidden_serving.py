@@ -1,0 +1,64 @@
+"""A hidden-state drafter served: a disaggregated request (router -> ctx prefill -> UCX -> a dp 1 x
+cp 2 gen world with ``gen[].speculative.method: hidden``) beside the aggregated single-process gen
+worker with the same ``speculative``.
+
+The target's hidden states of the prompt stay on the ctx worker (only the KV and KDA state
+travel): the gen world's leader writes the drafter's cache of the prompt from the prompt tokens
+with zero features when the request starts decoding, and reads the target's features from the
+first decoded position on. So the drafts may differ from the aggregated worker's (whose drafter
+read the prompt's features), and the answer may not:
+
+- the disaggregated answer is the aggregated one, and the gen world drafted (its ``/metrics``
+  counters moved);
+- both are plain decoding's answer: ``helixserve generate --json`` prints the same with and
+  without ``--speculative hidden``, and the served text is its text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helixserve.models.presets import make_checkpoint
+from tests.e2e.conftest import Deployment
+from tests.e2e.test_spec_serving import serve_both
+
+PROMPT = [5, 77, 140, 9, 201, 33, 18, 250, 64, 120, 7, 90, 45]  # crosses 4-token pages
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> Path:
+    return make_checkpoint("kimi-k3-tiny-hidden", tmp_path_factory.mktemp("hidden") / "drafter", seed=3)
+
+
+@pytest.fixture(scope="module")
+def dep_options(drafter_dir: Path) -> dict:
+    spec = {"method": "hidden", "draft_model": str(drafter_dir), "num_draft_tokens": 3}
+    return {"gen": {"speculative": spec}, "baseline_gen": {"speculative": spec}}
+
+
+@pytest.fixture(scope="module")
+def served(dep: Deployment) -> dict:
+    return serve_both(dep, PROMPT, MAX_TOKENS)
+
+
+def test_a_disaggregated_request_with_a_hidden_drafter_answers_as_the_aggregated_one(served):
+    assert served["disaggregated"] == served["aggregated"]
+    world, single = served["world"], served["single"]
+    assert world["num_drafts"] > 3 and single["num_drafts"] > 3
+
+
+def test_the_served_answer_is_plain_decodings(served, dep: Deployment, drafter_dir: Path, capsys):
+    from helixserve.cli import main
+
+    base = ["generate", "--model", str(dep.config.model.path), "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json"]
+    outputs = []
+    for extra in ([], ["--speculative", "hidden", "--draft-model", str(drafter_dir), "--num-draft-tokens", "3"]):
+        assert main(base + extra) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == MAX_TOKENS
+    assert served["disaggregated"] == outputs[0]["text"]

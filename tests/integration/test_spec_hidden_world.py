@@ -1,0 +1,170 @@
+"""A hidden-state drafter (``speculative.method: hidden``) in the helix gen world (gloo, CPU): each
+CP group's leader runs the drafter on full rows (its own pages, every block of a sequence), fed the
+target's layer outputs that the one forward keeps on every rank and all-gathers over the CP group
+(the drafter reads layers 1, 3, 5 of K3-tiny: all after the first MoE layer, token-sliced). Pages
+hold 4 tokens, so prompts, drafts and verify rows cross them. Two greedy prompts get plain
+decoding's outputs as drafts (whole runs accepted), the others the drafter's own (rejected). In a
+dp 2 x cp 2 world and a cp 2 world:
+
+- greedy requests give plain decoding's tokens;
+- the drafter's own drafts, step by step, the tokens (a seeded sampled request's included) and the
+  draft counts (both CP groups' summed) equal the single-process hidden engine's: the leader reads
+  the same hidden states as a single process does;
+- every rank's blocks and slots are free at the end, no request holds drafter pages or rows;
+- in a cp 2 world whose cache cannot hold its batch, preempted requests recompute and still give
+  plain decoding's tokens.
+
+``helixserve generate --dp 1 --cp 2 --speculative hidden --draft-model DIR --json`` prints what
+plain decoding prints.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helixserve.cli import main
+from helixserve.config import CacheConfig, SpeculativeConfig
+from helixserve.engine.core import EngineCore
+from helixserve.engine.llm import LLM
+from helixserve.engine.request import SamplingParams
+from helixserve.engine.spmd.driver import WorldDriver, drive_to_completion
+from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
+from helixserve.launch.processes import run_local_world
+from helixserve.models.dummy import tokenizer_of
+from helixserve.models.presets import make_checkpoint
+from helixserve.parallel import Mapping, init_parallel
+from helixserve.testing.drafts import record_drafts
+from tests.integration.test_spec_draft_world import LONG_PROMPTS
+from tests.integration.test_spec_draft_world import _preempting_world as preempting_world
+
+PRESET = "kimi-k3-tiny"
+K = 3
+CACHE = CacheConfig(tokens_per_block=4, memory_budget_mib=4, max_num_seqs=6)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+PROMPTS = [list(range(20, 57)), _prompt(1, 11), _prompt(2, 9), _prompt(3, 13)]
+PARAMS = [greedy(17), greedy(14), greedy(11), SAMPLED]
+SCRIPTED = (0, 2)  # prompts whose drafts are plain decoding's outputs
+TIGHT = CacheConfig(tokens_per_block=4, memory_budget_mib=0.24, max_num_seqs=4)  # 32 blocks a rank, drafter's counted
+
+
+def _hidden_world(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
+                  options: WorldOptions, script: dict) -> dict | int:
+    groups = init_parallel(Mapping(world_size, rank, dp=dp, cp=cp), init_method, backend="gloo",
+                           timeout_s=options.timeout_s)
+    try:
+        part = build_rank(model_dir, groups, options)
+        if not isinstance(part, EngineCore):
+            return serve_rank(part)
+        assert part.draft_runner is not None and part.runner.capture_layers == (1, 3, 5)
+        proposals = record_drafts(part, script)
+        if rank != 0:  # another group's leader
+            serve_rank(part)
+            return {"proposals": proposals}
+        driver = WorldDriver(part)
+        try:
+            results = drive_to_completion(driver, PROMPTS, PARAMS, tokenizer_of(model_dir))
+            stats = driver.rank_stats()
+        finally:
+            driver.shutdown()
+        pool = part.draft_runner.caches.mla_kv
+        return {"tokens": [r.token_ids for r in results], "errors": [r.error for r in results],
+                "spec": driver.spec_stats, "proposals": proposals, "rank_stats": stats,
+                "held": part.cache_manager.num_requests, "rows_left": len(part.draft_runner._seqs),
+                "draft_pages": pool[next(iter(pool))].shape[0],
+                "pages": part.caches.mla_kv[next(iter(part.caches.mla_kv))].shape[0]}
+    finally:
+        groups.destroy()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints, tmp_path_factory):
+    """Plain decoding's tokens, and the single-process hidden engine's tokens, counts and drafts."""
+    model_dir = str(tiny_checkpoints[PRESET])
+    drafter = make_checkpoint("kimi-k3-tiny-hidden", tmp_path_factory.mktemp("hidden") / "drafter", seed=3)
+    spec = SpeculativeConfig(method="hidden", draft_model=drafter, num_draft_tokens=K)
+    plain = [r.token_ids for r in LLM(model_dir, cache=CACHE).generate(PROMPTS, PARAMS)]
+    script = {tuple(PROMPTS[i]): plain[i] for i in SCRIPTED}
+    llm = LLM(model_dir, cache=CACHE, speculative=spec)
+    proposals = record_drafts(llm.engine, script)
+    tokens = [r.token_ids for r in llm.generate(PROMPTS, PARAMS)]
+    return {"model_dir": model_dir, "spec_config": spec, "plain": plain, "script": script, "spec": tokens,
+            "spec_stats": llm.engine.spec_stats, "proposals": proposals}
+
+
+@pytest.fixture(scope="module", params=[(2, 2), (1, 2)], ids=["dp2xcp2", "cp2"])
+def world(request, reference):
+    dp, cp = request.param
+    options = WorldOptions(cache=CACHE, timeout_s=60, speculative=reference["spec_config"])
+    results = run_local_world(_hidden_world, dp * cp, reference["model_dir"], dp, cp, options, reference["script"],
+                              timeout_s=300)
+    proposals = {}
+    for result in results:
+        if isinstance(result, dict):
+            proposals.update(result["proposals"])
+    return dp, results[0], proposals
+
+
+def test_greedy_hidden_speculation_in_a_world_equals_plain_decoding(world, reference):
+    _, front, _ = world
+    assert front["errors"] == [None] * len(PROMPTS)
+    for i in (0, 1, 2):
+        assert front["tokens"][i] == reference["plain"][i], f"request {i}"
+
+
+def test_a_world_drafts_accepts_and_samples_as_the_single_process_hidden_engine(world, reference):
+    _, front, proposals = world
+    assert proposals == reference["proposals"]  # the drafter's own drafts, step by step
+    assert len(proposals) > 10
+    assert front["tokens"] == reference["spec"]
+    want = reference["spec_stats"]
+    assert front["spec"] == want
+    assert 0 < want.num_accepted_tokens < want.num_draft_tokens  # accepted runs and rejections
+    assert want.accepted_per_position[K - 1] > 0
+
+
+def test_every_rank_frees_its_blocks_and_the_leader_drafts_on_full_rows(world):
+    dp, front, _ = world
+    assert sorted(front["rank_stats"]) == [(d, c) for d in range(dp) for c in range(2)]
+    for stats in front["rank_stats"].values():
+        assert stats.num_used_blocks == 0 and stats.num_used_slots == 0 and stats.num_blocks > 0
+    assert front["held"] == 0 and front["rows_left"] == 0
+    assert front["draft_pages"] == 2 * front["pages"]  # a page for every block of the CP group
+
+
+def test_cli_world_json_with_and_without_a_hidden_drafter(tiny_checkpoints, tmp_path, capsys) -> None:
+    model = str(tiny_checkpoints["kimi-linear-tiny"])
+    drafter = make_checkpoint("kimi-linear-tiny-hidden", tmp_path / "drafter", seed=3)
+    base = ["generate", "--model", model, "--prompt-ids", ",".join(map(str, [9, 8, 7, 6] * 6)),
+            "--max-tokens", "12", "--ignore-eos", "--json"]
+    outputs = []
+    for extra in ([], ["--dp", "1", "--cp", "2", "--speculative", "hidden", "--draft-model", str(drafter),
+                       "--num-draft-tokens", "3"]):
+        assert main(base + extra) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 12
+
+
+def test_a_preempted_request_recomputes_its_drafter_rows_with_its_target_cache(reference):
+    """A cp 2 world whose cache cannot hold its batch preempts and recomputes requests (the
+    drafter's pages go and come back with the target's, its rows start over) and still gives plain
+    decoding's tokens."""
+    plain = LLM(reference["model_dir"], cache=CACHE).generate(LONG_PROMPTS, greedy(24))
+    options = WorldOptions(cache=TIGHT, timeout_s=60, speculative=reference["spec_config"])
+    front = run_local_world(preempting_world, 2, reference["model_dir"], options, timeout_s=300)[0]
+    assert front["preempted"] and front["drafts"] > 0
+    assert front["tokens"] == [r.token_ids for r in plain]
+    for stats in front["rank_stats"].values():
+        assert stats.num_used_blocks == 0 and stats.num_used_slots == 0
