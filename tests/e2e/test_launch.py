@@ -115,7 +115,7 @@ def test_serve_gen_as_srun_tasks_is_one_world(tmp_path, k3_tiny):
         d.stop()
 
 
-STOPS = 3  # the stop is a race between the worker's shutdown and its ranks: a few in one test
+STOPS = 2  # the stop is a race between the worker's shutdown and its ranks: more than one in one test
 
 
 def test_a_sigterm_stops_launch_cleanly_with_requests_in_flight(tmp_path, k3_tiny):
