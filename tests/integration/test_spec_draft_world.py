@@ -2,7 +2,7 @@
 group's leader runs the draft model on full rows (its own pages, every block of a sequence), the
 group's ranks verify on their shards. A draft near the target (perturbed weights) accepts runs of
 every length and rejects at every position; pages hold 4 tokens, so prompts, drafts and verify
-rows cross them. In a dp 2 x cp 2 world and a cp 2 world:
+rows cross them. In a dp 2 x cp 2 world (two cp 2 groups):
 
 - greedy requests give plain decoding's tokens;
 - the tokens and the draft counts (both CP groups' summed) equal the single-process draft

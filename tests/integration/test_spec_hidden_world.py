@@ -4,7 +4,7 @@ target's layer outputs that the one forward keeps on every rank and all-gathers 
 (the drafter reads layers 1, 3, 5 of K3-tiny: all after the first MoE layer, token-sliced). Pages
 hold 4 tokens, so prompts, drafts and verify rows cross them. Two greedy prompts get plain
 decoding's outputs as drafts (whole runs accepted), the others the drafter's own (rejected). In a
-dp 2 x cp 2 world and a cp 2 world:
+dp 2 x cp 2 world (two cp 2 groups):
 
 - greedy requests give plain decoding's tokens;
 - the drafter's own drafts, step by step, the tokens (a seeded sampled request's included) and the
@@ -23,13 +23,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from helixserve.cli import main
 from helixserve.config import CacheConfig, SpeculativeConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
-from helixserve.engine.request import SamplingParams
 from helixserve.engine.spmd.driver import WorldDriver, drive_to_completion
 from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
 from helixserve.launch.processes import run_local_world
@@ -37,25 +35,9 @@ from helixserve.models.dummy import tokenizer_of
 from helixserve.models.presets import make_checkpoint
 from helixserve.parallel import Mapping, init_parallel
 from helixserve.testing.drafts import record_drafts
-from tests.integration.test_spec_draft_world import LONG_PROMPTS
+from tests.integration.test_spec_draft_world import CACHE, K, LONG_PROMPTS, PARAMS, PRESET, PROMPTS, greedy
 from tests.integration.test_spec_draft_world import _preempting_world as preempting_world
 
-PRESET = "kimi-k3-tiny"
-K = 3
-CACHE = CacheConfig(tokens_per_block=4, memory_budget_mib=4, max_num_seqs=6)
-SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-PROMPTS = [list(range(20, 57)), _prompt(1, 11), _prompt(2, 9), _prompt(3, 13)]
-PARAMS = [greedy(17), greedy(14), greedy(11), SAMPLED]
 SCRIPTED = (0, 2)  # prompts whose drafts are plain decoding's outputs
 TIGHT = CacheConfig(tokens_per_block=4, memory_budget_mib=0.24, max_num_seqs=4)  # 32 blocks a rank, drafter's counted
 

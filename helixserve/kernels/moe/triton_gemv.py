@@ -12,7 +12,8 @@ gate_up: x [T, D], topk_ids [T, k], w13 [E, 2I, D] -> act [P, I] (P = T k, pairs
 down: act [P, I], w2 [E, D, I] -> y [P, D] fp32: per pair, ``w2[e] act[p]`` rounded to x's dtype as
     the grouped GEMM stores it; zeros for a pair of an expert held elsewhere.
 sum: y, topk_weights [T, k] -> [T, D]: per token, ``sum_j w[t, j] * y[t k + j]`` in order
-    j = 0, 1, ... in fp32 (the grouped path's combine), stored in x's dtype.
+    j = 0, 1, ... in fp32, stored in x's dtype: the grouped path's combine kernel
+    (:func:`~helixserve.kernels.moe.triton_pairs.combine_pairs`, rows in pair order).
 
 No atomics and no host reads: a row's result depends on its own pairs only (the same on every run
 and whatever else is batched), and the launches capture in a CUDA graph. Each program reads a
@@ -30,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from helixserve.kernels.moe import triton_pairs
 from helixserve.kernels.moe.triton_act import _ACTIVATION_IDS, _tanh
 from helixserve.kernels.triton_common import next_pow2
 
 _BLOCK_K = 128
 _TARGET_PROGRAMS = 2048  # about 16 programs per SM of an H200 (measured best of 512 / 2048)
 _NUM_WARPS = 8
-_SUM_BLOCK = 1024
 
 
 def block_n(rows: int, width: int) -> int:
@@ -86,25 +87,6 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_row(act_ptr, ids_ptr, w_ptr, pair, offs_n, mask_n, I, E, expert_offset, stride_we, stride_wn, stride_wk,
-              BLOCK_K: tl.constexpr):
-    """One pair's down projection of columns ``offs_n``, rounded as the grouped GEMM stores it."""
-    local = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
-    is_local = (local >= 0) & (local < E)
-    expert = tl.where(is_local, local, 0)
-    rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
-    acc = tl.zeros([offs_n.shape[0]], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < I
-        a = tl.load(act_ptr + pair * I + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(rows + offs_k[None, :] * stride_wk, mask=(mask_n[:, None] & mask_k[None, :]) & is_local,
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], 1)
-    return acc.to(act_ptr.dtype.element_ty).to(tl.float32), is_local
-
-
-@triton.jit
 def _down_pairs_kernel(
     act_ptr, ids_ptr, w_ptr, y_ptr, D, I, E, expert_offset, stride_we, stride_wn, stride_wk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -112,21 +94,19 @@ def _down_pairs_kernel(
     pair = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
-    y, is_local = _down_row(act_ptr, ids_ptr, w_ptr, pair, offs_n, mask_n, I, E, expert_offset, stride_we,
-                            stride_wn, stride_wk, BLOCK_K)
-    tl.store(y_ptr + pair * D + offs_n, tl.where(is_local, y, 0.0), mask=mask_n)
-
-
-@triton.jit(do_not_specialize=["stride_out"])
-def _sum_pairs_kernel(y_ptr, weights_ptr, out_ptr, D, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < D
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        out += tl.load(y_ptr + pair * D + offs_n, mask=mask_n, other=0.0) * tl.load(weights_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+    local = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
+    is_local = (local >= 0) & (local < E)
+    rows = w_ptr + tl.where(is_local, local, 0) * stride_we + offs_n[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < I
+        a = tl.load(act_ptr + pair * I + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(rows + offs_k[None, :] * stride_wk, mask=(mask_n[:, None] & mask_k[None, :]) & is_local,
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], 1)
+    # rounded as the grouped GEMM stores it; a pair of an expert held elsewhere read no weight: 0
+    tl.store(y_ptr + pair * D + offs_n, acc.to(act_ptr.dtype.element_ty).to(tl.float32), mask=mask_n)
 
 
 def pair_experts(
@@ -139,9 +119,8 @@ def pair_experts(
     I = two_I // 2
     top_k = topk_ids.shape[1]
     P = T * top_k
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
-        return out
+        return torch.empty(0, D, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1)
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
@@ -151,13 +130,11 @@ def pair_experts(
         float(situ_linear_beta), TOP_K=top_k, ACTIVATION=_ACTIVATION_IDS[activation], BLOCK_N=n_up,
         BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS,
     )
-    weights = topk_weights.reshape(-1)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)
     n_down = block_n(P, D)
     _down_pairs_kernel[(P, triton.cdiv(D, n_down))](
         act, ids, w2, y, D, I, E, int(expert_offset), *w2.stride(), BLOCK_N=n_down, BLOCK_K=_BLOCK_K,
         num_warps=_NUM_WARPS,
     )
-    _sum_pairs_kernel[(T, triton.cdiv(D, _SUM_BLOCK))](y, weights, out, D, out.stride(0), TOP_K=top_k,
-                                                         BLOCK_N=_SUM_BLOCK, num_warps=4)
-    return out
+    # the grouped path's weighted sum, its rows already in pair order
+    return triton_pairs.combine_pairs(y, None, topk_ids, topk_weights, E, expert_offset, x.dtype)

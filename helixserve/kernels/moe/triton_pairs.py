@@ -7,8 +7,9 @@ sort_pairs: topk_ids [T, k] -> order [P] int64 (stable sort of the pairs by loca
     valid [P] bool, rows [P] int64 (the token of each sorted pair), rank [P] int64 (where each pair
     went: ``order[rank[p]] == p``), offs [E] int32 (group ends: pairs with a local id <= e), and,
     given ``x [T, D]``, gathered [P, D] (``x[rows]``, the grouped GEMM's input).
-combine_pairs: y [P, D] (sorted rows), weights [T, k] -> [T, D]: ``sum_j w[t, j] * y[rank[t k + j]]``
-    over the pairs of local experts, in order j = 0, 1, ... in fp32, stored in the output dtype.
+combine_pairs: y [P, D] (sorted rows; without ``rank``, rows in pair order), weights [T, k] -> [T, D]:
+    ``sum_j w[t, j] * y[rank[t k + j]]`` over the pairs of local experts, in order j = 0, 1, ... in
+    fp32, stored in the output dtype.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def sort_pairs(topk_ids: torch.Tensor, num_local: int, expert_offset: int, x: to
 @triton.jit(do_not_specialize=["stride_y", "stride_out"])
 def _combine_pairs_kernel(
     y_ptr, rank_ptr, ids_ptr, weights_ptr, out_ptr, D, E, expert_offset, stride_y, stride_out,
-    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RANK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -107,7 +108,7 @@ def _combine_pairs_kernel(
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
         local = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
-        pos = tl.load(rank_ptr + pair)
+        pos = tl.load(rank_ptr + pair) if HAS_RANK else pair
         w = tl.load(weights_ptr + pair).to(tl.float32)
         row = tl.load(y_ptr + pos * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
         # rows of experts held elsewhere were never written: select, never multiply
@@ -115,9 +116,10 @@ def _combine_pairs_kernel(
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine_pairs(y: torch.Tensor, rank: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+def combine_pairs(y: torch.Tensor, rank: torch.Tensor | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   num_local: int, expert_offset: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """``[T, D]`` in ``out_dtype``: the weighted per-token sum of the module docstring, one launch."""
+    """``[T, D]`` in ``out_dtype``: the weighted per-token sum of the module docstring, one launch
+    (``rank`` ``None``: ``y``'s rows are in pair order already)."""
     T, top_k = topk_ids.shape
     D = y.shape[1]
     out = torch.empty(T, D, dtype=out_dtype, device=y.device)
@@ -126,7 +128,8 @@ def combine_pairs(y: torch.Tensor, rank: torch.Tensor, topk_ids: torch.Tensor, t
     y = y if y.stride(1) == 1 else y.contiguous()
     BLOCK_D = min(1024, next_pow2(D))
     _combine_pairs_kernel[(T, triton.cdiv(D, BLOCK_D))](
-        y, rank, topk_ids.reshape(-1), topk_weights.reshape(-1), out, D, num_local, int(expert_offset),
-        y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_D=BLOCK_D, num_warps=4,
+        y, y if rank is None else rank, topk_ids.reshape(-1), topk_weights.reshape(-1), out, D, num_local,
+        int(expert_offset), y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_D=BLOCK_D, HAS_RANK=rank is not None,
+        num_warps=4,
     )
     return out
