@@ -44,14 +44,14 @@ drafts are simply rewritten by the next step. No CUDA graphs (the draft runs eag
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from helixserve.cache_layout import ModelCaches, cache_spec_for
+from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
@@ -131,8 +131,24 @@ def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConf
     model = load_model(speculative.draft_model, dtype=dtype, device=device)
     spec = cache_spec_for(cfg, dtype, layout.tokens_per_block, kda_num_heads=cfg.kda_num_heads)
     logger.info("draft model %s loaded (%s, %s)", speculative.draft_model, dtype, device)
-    return DraftRunner(model, allocate_rank_caches(spec, replace(layout, num_blocks=layout.num_blocks * cp), device),
-                       device, pages)
+    return DraftRunner(model, full_row_caches(spec, layout, cp, device), device, pages)
+
+
+def full_row_caches(spec: CacheSpec, layout: CacheSizes, cp: int, device: torch.device | str) -> ModelCaches:
+    """A drafter's pools of cache ``spec``: ``cp`` times one rank's blocks (a CP group's full rows)."""
+    return allocate_rank_caches(spec, replace(layout, num_blocks=layout.num_blocks * cp), device)
+
+
+def received_prompt_rows(pages: DraftPages, request: Request, chunk_tokens: int) -> Iterator[ScheduledSeq]:
+    """``request``'s cached tokens (``num_computed_tokens`` of its prompt and outputs) as prefill rows
+    of ``chunk_tokens`` on its full-row table: what a drafter writes for a request started on a
+    prompt cache that came from a ctx worker."""
+    rid = request.request_id
+    table, slot = pages.full_row_table(rid), pages.get(rid).slot
+    token_ids = (request.prompt_token_ids + request.output_token_ids)[:request.num_computed_tokens]
+    for start in range(0, len(token_ids), chunk_tokens):
+        yield ScheduledSeq(rid, token_ids[start:start + chunk_tokens], start, table, slot, is_prefill=True,
+                           sample=False)
 
 
 class DraftRunner:
@@ -151,14 +167,10 @@ class DraftRunner:
         """Run ``request``'s cached tokens (``num_computed_tokens`` of its prompt and outputs)
         through the draft model into its cache, ``chunk_tokens`` at a time, from a fresh slot: a
         request started on a prompt cache that came from a ctx worker."""
-        rid = request.request_id
-        table, slot = self.pages.full_row_table(rid), self.pages.get(rid).slot
-        token_ids = (request.prompt_token_ids + request.output_token_ids)[:request.num_computed_tokens]
-        for start in range(0, len(token_ids), chunk_tokens):
-            seq = ScheduledSeq(rid, token_ids[start:start + chunk_tokens], start, table, slot,
-                               is_prefill=True, sample=False)
+        for seq in received_prompt_rows(self.pages, request, chunk_tokens):
+            fresh = [seq.slot] if seq.context_len == 0 and seq.slot is not None else []
             self.runner.run(PreparedStep(build_forward_batch(SchedulerOutput(seqs=[seq]), self.runner.device),
-                                         [slot] if start == 0 and slot is not None else [], None))
+                                         fresh, None))
 
     @property
     def caches(self) -> ModelCaches:

@@ -49,15 +49,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from helixserve.cache_layout import ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.draft_runner import DraftPages
-from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
+from helixserve.engine.draft_runner import DraftPages, full_row_caches, received_prompt_rows
+from helixserve.engine.rank_setup import CacheSizes
 from helixserve.engine.request import Request
 from helixserve.engine.runner import build_forward_batch
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -99,8 +99,7 @@ def build_hidden_runner(speculative: SpeculativeConfig, cfg: KimiModelConfig, dt
     spec = cache_spec_for(cfg, dtype, layout.tokens_per_block, kda_num_heads=cfg.kda_num_heads)
     logger.info("hidden drafter %s loaded (%s, %s), reading target layers %s", speculative.draft_model, dtype,
                 device, list(model.spec.hidden_layers))
-    pool = allocate_rank_caches(spec, replace(layout, num_blocks=layout.num_blocks * cp), device)
-    return HiddenDraftRunner(model, pool, device, pages)
+    return HiddenDraftRunner(model, full_row_caches(spec, layout, cp, device), device, pages)
 
 
 @dataclass(slots=True)
@@ -130,17 +129,12 @@ class HiddenDraftRunner:
         prompt and outputs), ``chunk_tokens`` at a time, with zero features: a request started on a
         prompt cache from a ctx worker, whose target hidden states are not here (module docstring).
         Its next catch-up starts at the first position the gen computes."""
-        rid = request.request_id
-        table, slot = self.pages.full_row_table(rid), self.pages.get(rid).slot
-        token_ids = (request.prompt_token_ids + request.output_token_ids)[:request.num_computed_tokens]
-        for start in range(0, len(token_ids), chunk_tokens):
-            chunk = token_ids[start:start + chunk_tokens]
-            seq = ScheduledSeq(rid, chunk, start, table, slot, is_prefill=True, sample=False)
-            fused = self.model.fuse(torch.zeros(len(chunk), self._num_features, dtype=self.model.dtype,
+        for seq in received_prompt_rows(self.pages, request, chunk_tokens):
+            fused = self.model.fuse(torch.zeros(len(seq.token_ids), self._num_features, dtype=self.model.dtype,
                                                 device=self.device))
             self._forward([seq], fused, None)
-        n = len(token_ids)
-        self._seqs[rid] = _SeqState(synced=n, start=n)
+        n = request.num_computed_tokens
+        self._seqs[request.request_id] = _SeqState(synced=n, start=n)
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput) -> KdaRecord | None:
