@@ -64,7 +64,8 @@ def test_moe_pairs_on_cuda():
 def test_moe_pair_gemv_on_cuda(dtype):
     """Decode-sized batches (1 and 8 tokens, top 8 of 64 experts, widths of 48B's experts) take the
     pair matrix-vector kernels, which equal the CPU reference and the grouped path on CUDA; 64 pairs
-    take them and 65 do not; the same call twice gives the same bits."""
+    take them and 65 do not; the same call twice gives the same bits, and a token's row is the same
+    bits alone as batched with 7 others (the tile width changes with the batch, the sums' order not)."""
     from helixserve.kernels.moe import gpu as moe_gpu
     from helixserve.kernels.moe.experts import _device_act
 
@@ -85,6 +86,10 @@ def test_moe_pair_gemv_on_cuda(dtype):
         if dtype == torch.bfloat16:
             grouped = moe_gpu.grouped_experts(*cuda, cuda_w13, cuda_w2, offset, _device_act("situ", 4.0, 25.0))
             assert_close(f"pairs T={T} offset={offset} vs grouped", grouped.float(), out.float(), tol)
+        if T == 8:
+            alone = [kernels.moe_experts(*(t[i:i + 1] for t in cuda), cuda_w13, cuda_w2, expert_offset=offset,
+                                         activation="situ") for i in (0, 7)]
+            assert torch.equal(torch.cat(alone), out[[0, 7]]), "a token's row depends on its batch"
     for pairs, taken in ((moe_gpu.MAX_GEMV_PAIRS, True), (moe_gpu.MAX_GEMV_PAIRS + 1, False)):  # the limit, one past
         ids = torch.zeros(pairs, 1, dtype=torch.int64, device="cuda")
         assert moe_gpu.can_pair_gemv(torch.zeros(pairs, D, dtype=dtype, device="cuda"), ids, cuda_w13) == taken

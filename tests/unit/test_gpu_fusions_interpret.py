@@ -104,11 +104,11 @@ def test_moe_pair_sort_and_combine(interp, expert_offset):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype,activation", [(torch.float32, "silu"), (torch.bfloat16, "situ")])
-def test_moe_pair_gemv(interp, dtype, activation):
+def test_moe_pair_gemv(interp, dtype, activation, monkeypatch):
     """The few-pairs expert sum (the pair matrix-vector kernels) against the PyTorch reference: widths
     that no block divides, 1 and 3 tokens, ties between tokens, pairs of experts held elsewhere
     (3 tokens: offset 3, experts 3..8 local, column-major stacks; 1 token: row-major), a K loop of two
-    blocks."""
+    blocks. A token's row is the same bits alone as in a batch whose tiles are wider."""
     from helixserve.kernels.moe import triton_gemv
     from helixserve.kernels.moe.experts import _moe_experts_torch
 
@@ -128,6 +128,12 @@ def test_moe_pair_gemv(interp, dtype, activation):
         assert_close(f"pair gemv T={T} offset={offset} {activation} {dtype}", ref.float(), out.float(),
                      2e-2 if dtype == torch.bfloat16 else 1e-5)
     assert triton_gemv.block_n(1, 1024) == 8 and triton_gemv.block_n(64, 4096) == 64
+    # fewer target programs: 3 tokens' tiles (16 / 64 columns) are wider than 1 token's (8 / 8)
+    monkeypatch.setattr(triton_gemv, "_TARGET_PROGRAMS", 16)
+    assert triton_gemv.block_n(9, I) > triton_gemv.block_n(3, I) and triton_gemv.block_n(9, D) > triton_gemv.block_n(3, D)
+    batched = triton_gemv.pair_experts(x, ids, weights, w13, w2, 0, activation, 4.0, 25.0)
+    alone = triton_gemv.pair_experts(x[1:2], ids[1:2], weights[1:2], w13, w2, 0, activation, 4.0, 25.0)
+    assert torch.equal(alone[0], batched[1])
 
 
 @needs_interpreter

@@ -16,7 +16,10 @@ sum: y, topk_weights [T, k] -> [T, D]: per token, ``sum_j w[t, j] * y[t k + j]``
     (:func:`~helixserve.kernels.moe.triton_pairs.combine_pairs`, rows in pair order).
 
 No atomics and no host reads: a row's result depends on its own pairs only (the same on every run
-and whatever else is batched), and the launches capture in a CUDA graph. Each program reads a
+and whatever else is batched), and the launches capture in a CUDA graph. That holds although the
+tile's width ``BLOCK_N`` follows the batch: each program keeps one fp32 partial sum per column of
+its K tile and adds them up at the end in a fixed tree (``_row_sums``), so a product's additions
+come in one order at every width (a decode step, a padded graph replay and a verify step agree). Each program reads a
 ``[BLOCK_N, D]`` or ``[BLOCK_N, I]`` slice of one pair's expert; ``BLOCK_N`` shrinks with the batch
 so that a batch of one still spreads over every SM (on an H200 a token's 8 experts of Kimi-Linear-48B
 stream at 2.8 TB/s, about twice the grouped path's rate; splitting the down projection per pair and
@@ -35,7 +38,7 @@ from helixserve.kernels.moe import triton_pairs
 from helixserve.kernels.moe.triton_act import _ACTIVATION_IDS, _tanh
 from helixserve.kernels.triton_common import next_pow2
 
-_BLOCK_K = 128
+_BLOCK_K = 128  # _row_sums' tree is written for this width
 _TARGET_PROGRAMS = 2048  # about 16 programs per SM of an H200 (measured best of 512 / 2048)
 _NUM_WARPS = 8
 
@@ -43,6 +46,28 @@ _NUM_WARPS = 8
 def block_n(rows: int, width: int) -> int:
     """Output columns per program: ``rows * width / BLOCK_N`` programs near ``_TARGET_PROGRAMS``."""
     return max(8, min(64, next_pow2(max(1, rows * width // _TARGET_PROGRAMS))))
+
+
+@triton.jit
+def _halve(a, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
+    """``a [BLOCK_N, WIDTH]`` -> ``[BLOCK_N, WIDTH / 2]``: each even column plus the column after it."""
+    even, odd = tl.split(tl.reshape(a, (BLOCK_N, WIDTH // 2, 2)))
+    return even + odd
+
+
+@triton.jit
+def _row_sums(a, BLOCK_N: tl.constexpr):
+    """``a [BLOCK_N, 128]`` -> its row sums as a fixed tree of adjacent pairs: the same additions in
+    the same order whatever ``BLOCK_N`` (``tl.sum``'s order follows the register layout, which
+    changes with the tile's shape)."""
+    a = _halve(a, BLOCK_N, 128)
+    a = _halve(a, BLOCK_N, 64)
+    a = _halve(a, BLOCK_N, 32)
+    a = _halve(a, BLOCK_N, 16)
+    a = _halve(a, BLOCK_N, 8)
+    a = _halve(a, BLOCK_N, 4)
+    a = _halve(a, BLOCK_N, 2)
+    return tl.reshape(a, (BLOCK_N,))
 
 
 @triton.jit
@@ -68,8 +93,8 @@ def _gate_up_kernel(
     token = pair // TOP_K
     gate_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
-    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # per column of the K tile: summed at the end
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < D
@@ -77,11 +102,11 @@ def _gate_up_kernel(
         both = (mask_n[:, None] & mask_k[None, :]) & is_local
         w_gate = tl.load(gate_rows + offs_k[None, :] * stride_wk, mask=both, other=0.0).to(tl.float32)
         w_up = tl.load(up_rows + offs_k[None, :] * stride_wk, mask=both, other=0.0).to(tl.float32)
-        acc_gate += tl.sum(w_gate * x[None, :], 1)
-        acc_up += tl.sum(w_up * x[None, :], 1)
+        acc_gate += w_gate * x[None, :]
+        acc_up += w_up * x[None, :]
     # the grouped GEMM stores gate and up in the activations' dtype before the activation reads them
-    gate = acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    gate = _row_sums(acc_gate, BLOCK_N).to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = _row_sums(acc_up, BLOCK_N).to(act_ptr.dtype.element_ty).to(tl.float32)
     out = tl.where(is_local, _activate(gate, up, situ_beta, situ_linear_beta, ACTIVATION), 0.0)
     tl.store(act_ptr + pair * I + offs_n, out.to(act_ptr.dtype.element_ty), mask=mask_n)
 
@@ -97,14 +122,15 @@ def _down_pairs_kernel(
     local = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
     is_local = (local >= 0) & (local < E)
     rows = w_ptr + tl.where(is_local, local, 0) * stride_we + offs_n[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < I
         a = tl.load(act_ptr + pair * I + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         w = tl.load(rows + offs_k[None, :] * stride_wk, mask=(mask_n[:, None] & mask_k[None, :]) & is_local,
                     other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], 1)
+        acc += w * a[None, :]
+    acc = _row_sums(acc, BLOCK_N)
     # rounded as the grouped GEMM stores it; a pair of an expert held elsewhere read no weight: 0
     tl.store(y_ptr + pair * D + offs_n, acc.to(act_ptr.dtype.element_ty).to(tl.float32), mask=mask_n)
 
