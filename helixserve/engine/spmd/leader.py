@@ -32,7 +32,8 @@ from helixserve.engine.request import SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler_output import SchedulerOutput
 from helixserve.engine.kv_holds import HoldStart
-from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
+from helixserve.engine.draft_runner import DraftWork
+from helixserve.engine.spmd.channel import (Draft, GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
                                             Transfers, output_for_rank)
 from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.parallel import CollectiveError
@@ -59,6 +60,11 @@ class GroupLeader:
             keep, self._rollback = self._rollback, None
             self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous, keep)
                                  for r in range(1, self.cp)])
+
+    def send_draft(self, work: DraftWork) -> None:
+        """Every other rank of the group runs a heads-TP draft model's ``work`` with the leader
+        (after the last verify step's rollback, which rolls its draft back too)."""
+        self._send_all(Draft(work))
 
     def share_rollback(self, keep: dict[int, int]) -> None:
         """The other ranks roll the last verify step's sequences back to ``keep`` (index into its
