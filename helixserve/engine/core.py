@@ -333,8 +333,7 @@ class EngineCore:
             return self.draft_runner.propose(out)
         except Exception as exc:
             if isinstance(self.draft_runner, DraftRunner) and self.draft_runner.is_tensor_parallel:
-                raise CollectiveError(f"draft forward failed on rank {self.group.channel.mapping.rank}: "  # type: ignore[union-attr]
-                                      f"{type(exc).__name__}: {exc}") from exc
+                raise CollectiveError(f"draft forward failed{self._where}: {type(exc).__name__}: {exc}") from exc
             raise
 
     def _prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, failed: list[RequestUpdate]

@@ -47,10 +47,10 @@ sequence:
 Drafts are the draft model's argmax (a deterministic drafter: the verifier's rejection sampling
 treats them as one-hot proposals, exact at any temperature). Each forward's KDA layers keep, as a
 verify step's do (:mod:`helixserve.models.kda_spec`), the speculating rows' projected inputs and
-pre-step states; :func:`combined_record` puts them into one record shaped as the target's verify
-record (``n + 1`` rows per speculating sequence), so the target's ``keep`` rows roll the draft's
-KDA state back with the target's replay (:meth:`ModelRunner.rollback`). MLA positions of rejected
-drafts are simply rewritten by the next step. No CUDA graphs (the draft runs eagerly).
+pre-step states; :func:`~helixserve.engine.draft_rows.combined_record` puts them into one record
+shaped as the target's verify record (``n + 1`` rows per speculating sequence), so the target's
+``keep`` rows roll the draft's KDA state back with the target's replay (:meth:`ModelRunner.rollback`).
+MLA positions of rejected drafts are simply rewritten by the next step. No CUDA graphs (the draft runs eagerly).
 """
 
 from __future__ import annotations
@@ -66,17 +66,17 @@ import torch
 from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
+from helixserve.engine.draft_rows import combined_record, draft_record, draft_row, first_rows
 from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
 from helixserve.engine.runner import ModelRunner, PreparedStep, build_forward_batch
 from helixserve.engine.request import Request
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from helixserve.engine.spec.verify_step import kept_rows
-from helixserve.host_copy import to_device
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
 from helixserve.models.hidden_drafter import is_hidden_drafter
-from helixserve.models.kda_spec import KdaRecord, KdaSaved
+from helixserve.models.kda_spec import KdaRecord
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.loading import load_model
 from helixserve.parallel import ParallelGroups
@@ -264,10 +264,10 @@ class DraftRunner:
         spec = [i for i, s in enumerate(out.seqs) if s.num_draft_tokens]
         num_drafts = [out.seqs[i].num_draft_tokens for i in spec]
         tables = [self._pages.full_row_table(s.request_id) for s in out.seqs]
-        steps = [SchedulerOutput(seqs=[_first_rows(s, t) for s, t in zip(out.seqs, tables)])]
+        steps = [SchedulerOutput(seqs=[first_rows(s, t) for s, t in zip(out.seqs, tables)])]
         for j in range(1, max(num_drafts, default=0) + 1):
             live = [i for i, n in zip(spec, num_drafts) if n >= j]
-            steps.append(SchedulerOutput(seqs=[_draft_row(out.seqs[i], j, tables[i]) for i in live]))
+            steps.append(SchedulerOutput(seqs=[draft_row(out.seqs[i], j, tables[i]) for i in live]))
         return DraftPlan(steps, list(out.reset_slot_ids), spec, num_drafts)
 
     @torch.inference_mode()
@@ -294,7 +294,7 @@ class DraftRunner:
         if input_tokens is not None:
             batch.input_ids.copy_(input_tokens)
         if self.has_kda and recorded:
-            batch.kda_record = _record(step, recorded, self.runner.device)
+            batch.kda_record = draft_record(step, recorded, self.runner.device)
             if batch.kda_record.steps is not None:
                 batch.is_decode = False  # the row-by-row path keeps the inputs; the decode path does not
             records.append(batch.kda_record)
@@ -311,61 +311,3 @@ class DraftRunner:
 
     def forget(self, request_ids: list[str]) -> None:
         """Nothing kept per request outside the cache."""
-
-
-def _first_rows(seq: ScheduledSeq, table: list[int]) -> ScheduledSeq:
-    """``seq`` as forward 0 runs it (on the draft's block ``table``): a speculating sequence's
-    last sampled token only, sampled; anything else as scheduled, unsampled."""
-    if not seq.num_draft_tokens:
-        return ScheduledSeq(seq.request_id, seq.token_ids, seq.context_len, table, seq.slot,
-                            seq.is_prefill, sample=False)
-    return ScheduledSeq(seq.request_id, seq.token_ids[:1], seq.context_len, table, seq.slot,
-                        is_prefill=False, sample=True)
-
-
-def _draft_row(seq: ScheduledSeq, j: int, table: list[int]) -> ScheduledSeq:
-    """Forward ``j``'s row of a speculating sequence: draft ``j`` (its token comes from the
-    previous forward), sampled while drafts are left to draw."""
-    return ScheduledSeq(seq.request_id, [0], seq.context_len + j, table, seq.slot, is_prefill=False,
-                        sample=seq.num_draft_tokens > j)
-
-
-def _record(step: SchedulerOutput, recorded: list[int], device: torch.device) -> KdaRecord:
-    """A KDA record of one row (each sequence's last) of the sequences ``recorded``; row by row
-    when every sequence of ``step`` is one row after a cached context."""
-    ends, end = [], 0
-    for s in step.seqs:
-        end += s.num_tokens
-        ends.append(end - 1)
-    as_tensor = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), device)  # noqa: E731
-    slots = [step.seqs[i].slot for i in recorded]
-    record = KdaRecord(as_tensor(recorded), as_tensor([ends[i] for i in recorded]), list(range(len(recorded))),
-                       [1] * len(recorded), as_tensor(slots), list(recorded))
-    if all(s.num_tokens == 1 and s.context_len > 0 for s in step.seqs):
-        record.steps = [(as_tensor(list(range(len(step.seqs)))), as_tensor([s.slot for s in step.seqs]))]
-    return record
-
-
-def combined_record(records: list[KdaRecord], spec: list[int], num_drafts: list[int]) -> KdaRecord:
-    """The draft forwards' records as one verify record: speculating sequence ``p``'s rows
-    ``0 .. n_p`` (forward ``j``'s row for ``j``), sequence after sequence; the pre-step states
-    are forward 0's."""
-    order: list[int] = []
-    offsets = [0]
-    for j in range(len(records)):
-        offsets.append(offsets[-1] + sum(n >= j for n in num_drafts))
-    for p, n in enumerate(num_drafts):
-        order += [offsets[j] + sum(m >= j for m in num_drafts[:p]) for j in range(n + 1)]
-    device = records[0].slots.device
-    index = to_device(torch.tensor(order, dtype=torch.int64), device)
-    starts = [0]
-    for n in num_drafts[:-1]:
-        starts.append(starts[-1] + n + 1)
-    combined = KdaRecord(to_device(torch.tensor(spec, dtype=torch.int64), device), index, starts,
-                         [n + 1 for n in num_drafts], records[0].slots, list(spec))
-    for layer, first in records[0].layers.items():
-        parts = [r.layers[layer] for r in records]
-        combined.layers[layer] = KdaSaved(
-            *(torch.cat([getattr(s, name) for s in parts]).index_select(0, index) for name in ("qkv", "g", "beta")),
-            first.conv_state, first.kda_state)
-    return combined
