@@ -18,8 +18,11 @@ prompts, drafts and verify rows cross them. In a dp 2 x cp 2 world (two cp 2 gro
   recomputed (the draft's pages and slot go and come back with the target's) and still give plain
   decoding's tokens.
 
-``helixserve generate --dp 1 --cp 2 --speculative draft --draft-model DIR --json`` prints what
-plain decoding prints.
+A heads-TP draft model's forward (both presets, cp 2) gives identical logits on every rank, equal
+to the single-process model's to fp32 rounding.
+
+``helixserve generate --dp 1 --cp 2 --speculative draft --draft-model DIR --json`` (the draft on the
+leader alone) prints what plain decoding prints.
 """
 
 from __future__ import annotations
@@ -38,7 +41,13 @@ from helixserve.engine.spmd.driver import WorldDriver, drive_to_completion
 from helixserve.engine.spmd.follower import Follower
 from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
 from helixserve.launch.processes import run_local_world
+from helixserve.cache_layout import cache_spec_for
+from helixserve.engine.runner import build_forward_batch
+from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.helix_load import load_helix_model
+from helixserve.models.loading import load_model
 from helixserve.models.dummy import tokenizer_of
 from helixserve.parallel import Mapping, init_parallel
 from helixserve.testing.drafts import perturbed_checkpoint
@@ -158,6 +167,39 @@ def test_every_rank_frees_its_blocks_and_holds_full_draft_rows_and_half_its_head
     for draft_pools in [front["draft_pools"], *front["other_draft_pools"]]:
         # a page for every block of the CP group (the latent is head-independent), half the KDA heads
         assert draft_pools == ((2 * pages, *latent), (slots, draft_cfg.kda_num_heads // 2, *state))
+
+
+def _heads_tp_logits(rank: int, world_size: int, init_method: str, model_dirs: list[str]) -> list:
+    mapping = Mapping(world_size, rank, dp=1, cp=world_size)
+    groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=60)
+    try:
+        return [_two_steps(load_helix_model(d, mapping.for_draft_heads_tp()).bind(groups), world_size).numpy()
+                for d in model_dirs]
+    finally:
+        groups.destroy()
+
+
+def _two_steps(model, cp: int) -> torch.Tensor:
+    """The logits of a 13-token prompt crossing pages, then of one decoded token after it."""
+    caches = allocate_model_caches(cache_spec_for(model.cfg, torch.float32, 4, model.cfg.kda_num_heads // cp), 8, 2,
+                                   "cpu")
+    steps = [ScheduledSeq("a", _prompt(5, 13), 0, [3, 0, 6, 1], 1, True, True),
+             ScheduledSeq("a", [7], 13, [3, 0, 6, 1], 1, False, True)]
+    with torch.inference_mode():
+        return torch.cat([model(build_forward_batch(SchedulerOutput(seqs=[s]), torch.device("cpu")), caches)
+                          for s in steps])
+
+
+def test_a_heads_tp_draft_model_computes_the_single_process_logits_on_every_rank(tiny_checkpoints):
+    """Every layer kind of both presets (MLA with and without q-LoRA and output gate, KDA, MoE,
+    attention residuals) with its heads split over a cp 2 group: the ranks' logits are identical,
+    and equal the single-process model's to fp32 rounding."""
+    dirs = [str(tiny_checkpoints[p]) for p in (PRESET, "kimi-linear-tiny")]
+    ranks = run_local_world(_heads_tp_logits, 2, dirs, timeout_s=120)
+    for i, d in enumerate(dirs):
+        want = _two_steps(load_model(d), 1)
+        assert torch.equal(torch.from_numpy(ranks[0][i]), torch.from_numpy(ranks[1][i]))
+        torch.testing.assert_close(torch.from_numpy(ranks[0][i]), want, rtol=1e-4, atol=1e-4)
 
 
 def test_cli_world_json_with_and_without_a_draft_model(tiny_checkpoints, capsys) -> None:

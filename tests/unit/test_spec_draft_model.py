@@ -221,6 +221,9 @@ def test_the_draft_pools_come_out_of_the_cache_budget(target):
     block2, slot2 = pool_unit_bytes(cfg, 4, TPB, 2)
     assert engine_pool_sizes(cfg, 4, TPB, 4.0, 8, 2, draft=cfg) == pools_from_budget(block2 + 2 * block, slot2 + slot,
                                                                                    budget, 8)
+    # its heads split over the CP group: every rank holds the full-row latent pages, half the KDA heads
+    assert slot2 < slot and engine_pool_sizes(cfg, 4, TPB, 4.0, 8, 2, draft=cfg, draft_tp=2) == pools_from_budget(
+        block2 + 2 * block, 2 * slot2, budget, 8)
 
 
 @pytest.mark.parametrize("cp", [1, 2])
