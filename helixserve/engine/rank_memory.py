@@ -28,8 +28,8 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
     no check. The same arithmetic as ``helixserve plan``; a ``draft`` model's weights (in its
     checkpoint's expert format, plus ``draft_extra_params`` outside its Kimi layers: a hidden
     drafter's input projections and norms) and pools (the target's counts, ``cp`` pages a block,
-    ``H / draft_tp`` KDA heads a slot) are counted with the target's (its weights whole: an upper
-    bound under heads TP)."""
+    ``H / draft_tp`` KDA heads a slot; its heads' weights split over ``draft_tp`` ranks) are
+    counted with the target's."""
     is_cuda = torch.device(device).type == "cuda"
     if cache.gpu_memory_gib is not None:
         gpu_bytes = int(cache.gpu_memory_gib * GIB)
@@ -49,7 +49,7 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
     memory = rank_memory(cfg, "gen world" if dp * cp > 1 else "engine", dp, cp, itemsize, pools, batched,
                          cache.max_num_seqs, is_cuda and use_cuda_graphs, gpu_bytes, "mxfp4" if is_packed else "dense")
     if draft is not None:
-        weights = rank_weight_bytes(draft, itemsize)
+        weights = rank_weight_bytes(draft, itemsize, cp=draft_tp, heads_tp=draft_tp > 1)
         weights = replace(weights, dense_bytes=weights.dense_bytes + draft_extra_params * itemsize,
                           params={**weights.params, "inputs": draft_extra_params})
         memory = replace(memory, weights=_plus(memory.weights, weights))

@@ -242,3 +242,10 @@ def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target, cp):
     block, slot = pool_unit_bytes(cfg, 4, TPB)
     draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + cp * layout.num_blocks * block + layout.num_slots * slot
     assert shortfalls[1] - shortfalls[0] == draft_bytes
+    if cp == 2:  # its heads over the group: their weights and KDA heads halved, the latent pages whole
+        with pytest.raises(DeploymentDoesNotFitError) as err:
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, draft=cfg, draft_tp=cp)
+        tp_slot = pool_unit_bytes(cfg, 4, TPB, cp)[1]
+        tp_bytes = (rank_weight_bytes(cfg, 4, cp=cp, heads_tp=True).total_bytes + cp * layout.num_blocks * block
+                    + layout.num_slots * tp_slot)
+        assert err.value.shortfall_bytes - shortfalls[0] == tp_bytes < draft_bytes
