@@ -2,7 +2,7 @@
 tensor-parallel over each CP group (``draft_tensor_parallel_size: 2``): every rank of a group runs
 the draft model's forwards on full rows (its own pages, every block of a sequence) with its half
 of the heads, the leader verifies, the group's ranks run the verify rows on their shards. (The CLI
-test runs the default, the draft model on the leader alone.) A draft near the target (perturbed
+test runs the default too, the draft model on the leader alone.) A draft near the target (perturbed
 weights) accepts runs of every length and rejects at every position; pages hold 4 tokens, so
 prompts, drafts and verify rows cross them. In a dp 2 x cp 2 world (two cp 2 groups):
 
@@ -21,8 +21,8 @@ prompts, drafts and verify rows cross them. In a dp 2 x cp 2 world (two cp 2 gro
 A heads-TP draft model's forward (both presets, cp 2) gives identical logits on every rank, equal
 to the single-process model's to fp32 rounding.
 
-``helixserve generate --dp 1 --cp 2 --speculative draft --draft-model DIR --json`` (the draft on the
-leader alone) prints what plain decoding prints.
+``helixserve generate --dp 1 --cp 2 --speculative draft --draft-model DIR --json`` prints what plain
+decoding prints, the draft on the leader alone and with ``--draft-tensor-parallel-size 2``.
 """
 
 from __future__ import annotations
@@ -207,11 +207,11 @@ def test_cli_world_json_with_and_without_a_draft_model(tiny_checkpoints, capsys)
     base = ["generate", "--model", model, "--prompt-ids", ",".join(map(str, [9, 8, 7, 6] * 6)),
             "--max-tokens", "12", "--ignore-eos", "--json"]
     outputs = []
-    for extra in ([], ["--dp", "1", "--cp", "2", "--speculative", "draft", "--draft-model", model,
-                       "--num-draft-tokens", "3"]):
+    world = ["--dp", "1", "--cp", "2", "--speculative", "draft", "--draft-model", model, "--num-draft-tokens", "3"]
+    for extra in ([], world, [*world, "--draft-tensor-parallel-size", "2"]):
         assert main(base + extra) == 0
         outputs.append(json.loads(capsys.readouterr().out))
-    assert outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 12
+    assert outputs[2] == outputs[1] == outputs[0] and len(outputs[0]["token_ids"]) == 12
 
 
 # 32 blocks a rank (256 tokens) beside a heads-TP draft (its slots hold half the KDA heads: 0.6 MiB
