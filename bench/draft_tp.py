@@ -2,14 +2,17 @@
 the group (``speculative.draft_tensor_parallel_size: 2``), in the same run on the same checkpoint.
 
 A dp 1 x cp 2 world (gloo on CPU, NCCL with two GPUs) decodes a batch greedily with the ``draft``
-method, the draft model being the target's own weights (every draft accepted, so every step runs
-all ``k + 1`` draft forwards; as large as the target here, the case where splitting it pays most).
+method. Every step runs all ``k + 1`` draft forwards whatever is accepted; the draft model is
+``--draft target``, the target's own weights (every draft accepted; as large as the target, the
+case where splitting it pays most), or ``--draft cut``, the preset's two-layer cut (a KDA and an
+MLA layer, :func:`~helixserve.models.presets.two_layer_draft`; random weights, drafts rejected).
 Per mode: the leader's draft time per step (``DraftRunner.propose``: its forwards, and under heads
 TP the group's all-reduces and the plan message), the whole step's time, decode tok/s, and
 whether the tokens equal the other mode's; ratios against leader-only. The world's two modes run
 one after the other, ``--reps`` decodes each after a warm-up; figures are medians.
 
-    python bench/draft_tp.py [--quick] [--out FILE] [--preset kimi-k3-tiny] [--batch 4] [--reps 3]
+    python bench/draft_tp.py [--quick] [--out FILE] [--preset kimi-k3-tiny] [--draft target|cut]
+                             [--batch 4] [--reps 3]
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.engine.spmd.driver import WorldDriver  # noqa: E402
 from helixserve.engine.world_rank import WorldOptions, build_rank, pick_backend, serve_rank  # noqa: E402
 from helixserve.launch.processes import run_local_world  # noqa: E402
-from helixserve.models.presets import make_checkpoint  # noqa: E402
+from helixserve.models.checkpoint import save_checkpoint  # noqa: E402
+from helixserve.models.config import KimiModelConfig  # noqa: E402
+from helixserve.models.kimi import KimiForCausalLM  # noqa: E402
+from helixserve.models.presets import PRESETS, init_random_weights, make_checkpoint, two_layer_draft  # noqa: E402
 from helixserve.parallel import Mapping, init_parallel  # noqa: E402
 
 K = 3
@@ -81,9 +87,18 @@ def _world(rank: int, world_size: int, init_method: str, model_dir: str, options
         groups.destroy()
 
 
+def two_layer_checkpoint(preset: str, out: Path) -> Path:
+    """The preset's two-layer cut with random weights (seed 1)."""
+    cfg = KimiModelConfig.model_validate(two_layer_draft(PRESETS[preset]))
+    model = KimiForCausalLM(cfg, dtype=torch.float32)
+    init_random_weights(model, 1)
+    return save_checkpoint(model, cfg, out, torch.float32)
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--preset", default="kimi-k3-tiny")
+    parser.add_argument("--draft", choices=["target", "cut"], default="target")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
@@ -93,19 +108,22 @@ def main() -> None:
     cache = CacheConfig(tokens_per_block=16, memory_budget_mib=64, max_num_seqs=max(8, args.batch))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0))
+        draft = ckpt if args.draft == "target" else str(two_layer_checkpoint(args.preset, Path(tmp) / "cut"))
         results = {}
         for name, tp in (("leader only", 1), ("heads TP", 2)):
-            spec = SpeculativeConfig(method="draft", draft_model=ckpt, num_draft_tokens=K,
+            spec = SpeculativeConfig(method="draft", draft_model=draft, num_draft_tokens=K,
                                      draft_tensor_parallel_size=tp)
             options = WorldOptions(cache=cache, timeout_s=120, speculative=spec, use_cuda_graphs=False)
             results[name] = run_local_world(_world, 2, ckpt, options, prompts, max_tokens, reps, timeout_s=900)[0]
     base = results["leader only"]
     rows = [[name, r["draft_s"] * 1e3, r["draft_s"] / base["draft_s"], r["step_s"] * 1e3, r["step_s"] / base["step_s"],
              r["tok_s"], r["tokens"] == base["tokens"]] for name, r in results.items()]
-    print(f"{args.preset}, dp 1 x cp 2, batch {args.batch}, k {K}, the draft = the target's weights")
+    print(f"{args.preset}, dp 1 x cp 2, batch {args.batch}, k {K}, draft: "
+          + ("the target's weights" if args.draft == "target" else "the two-layer cut"))
     print(markdown_table(["draft", "draft ms/step", "vs leader only", "step ms", "vs leader only", "decode tok/s",
                           "tokens equal"], rows))
-    write_json(args.out, {"machine": machine_info(), "preset": args.preset, "batch": args.batch, "k": K,
+    write_json(args.out, {"machine": machine_info(), "preset": args.preset, "draft": args.draft, "batch": args.batch,
+                          "k": K,
                           "results": {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in results.items()}})
 
 

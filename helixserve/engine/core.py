@@ -12,8 +12,8 @@ HTTP. It runs in two places:
   :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
 With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft`` / ``hidden``: a model
-drafter's, :mod:`.model_drafters`, on the leader of a world's group, or a heads-TP draft model on all of its ranks), the
-target verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
+drafter's, :mod:`.model_drafters`, on the leader of a world's group, or a heads-TP draft model on all of
+its ranks), the target verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
 (:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
 single-process engine (or a world of one) with CUDA graphs replays captured verify steps and their rollbacks
 (:mod:`.cuda_graphs`; a step with a prompt chunk, and every verify step of a larger world, runs eagerly). While no

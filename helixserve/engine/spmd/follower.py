@@ -3,9 +3,10 @@
 :func:`serve_follower` loops over the leader's messages (:mod:`.channel`) until ``Shutdown``:
 a ``Launch`` runs this rank's ``ModelRunner`` on the step (its own block tables; input ids from
 the previous step's tokens when overlapped) and then receives the leader's sampled tokens (a
-verify step receives none; its KDA record is kept until the leader's ``rollback`` of it); an
-``Idle`` runs the model's empty step; a ``Draft`` runs a heads-TP draft model's forwards; a ``Holds`` (a ctx world's) holds, cancels and agrees on
-this rank's KV sender's holds; a ``Transfers`` starts and cancels this rank's KV
+verify step receives none; its KDA record is kept until the leader's ``rollback`` of it); a
+``Draft`` runs a heads-TP draft model's forwards (its KDA record kept likewise); an ``Idle`` runs
+the model's empty step; a ``Holds`` (a ctx world's) holds, cancels and agrees on this rank's KV
+sender's holds; a ``Transfers`` starts and cancels this rank's KV
 receptions and, when asked, agrees on their outcomes with the group. It raises on any failure
 (a collective timed out, the model raised): the process should then end, so that the other
 ranks' collectives fail fast and the world is restarted.

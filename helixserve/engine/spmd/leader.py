@@ -14,6 +14,10 @@ each speculating sequence keeps (:meth:`GroupLeader.share_rollback`) go to the o
 the next launch (or alone, ahead of any other message), so every rank rolls back the same rows
 before it runs anything else on those slots.
 
+A heads-TP draft model (``speculative.draft_tensor_parallel_size``) runs on every rank: before
+the draft forwards of a step (or of a received prompt) the leader sends the group their plan
+(:meth:`GroupLeader.send_draft`), after any pending rollback, which rolls the draft back too.
+
 It also carries the group's other messages: KV reception starts / cancels / agreement
 (:meth:`transfers`), the empty step an idle DP group runs for the MoE all-to-alls
 (:meth:`idle_step`), heartbeats and shutdown. ``num_forwards`` counts model forwards (real or
