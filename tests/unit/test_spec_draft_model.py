@@ -211,6 +211,12 @@ def test_prefix_caching_refuses_a_draft_model_and_gen_worlds_take_one(target):
     assert draft_config(None, cfg, CacheConfig()) is None
 
 
+def test_a_single_process_refuses_a_draft_split_over_ranks(target):
+    spec = SpeculativeConfig(method="draft", draft_model=target, draft_tensor_parallel_size=2)
+    with pytest.raises(DraftModelError, match="draft_tensor_parallel_size=2 must be 1 or the world's cp=1"):
+        LLM(target, cache=CacheConfig(tokens_per_block=TPB), speculative=spec)
+
+
 def test_the_draft_pools_come_out_of_the_cache_budget(target):
     cfg = KimiModelConfig.from_pretrained(target)
     block, slot = pool_unit_bytes(cfg, 4, TPB)
