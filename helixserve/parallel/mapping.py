@@ -195,4 +195,4 @@ class Mapping:
         ``local_vocab(V) == range(V)``. ``rank``, ``ep`` and ``attention_dp`` are unchanged;
         note that replicas of one original CP group still hold the same rows.
         """
-        return replace(self, dp=self.world_size // self.tp, cp=1)
+        return replace(self, dp=self.world_size // self.tp, cp=1, heads_tp=False)
