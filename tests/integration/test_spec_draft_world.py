@@ -169,25 +169,34 @@ def test_every_rank_frees_its_blocks_and_holds_full_draft_rows_and_half_its_head
         assert draft_pools == ((2 * pages, *latent), (slots, draft_cfg.kda_num_heads // 2, *state))
 
 
-def _heads_tp_logits(rank: int, world_size: int, init_method: str, model_dirs: list[str]) -> list:
+def _heads_tp_logits(rank: int, world_size: int, init_method: str, model_dirs: list[str],
+                     backend: str = "gloo") -> list:
+    """Per checkpoint: this rank's heads-TP logits and the single-process model's, on its device."""
     mapping = Mapping(world_size, rank, dp=1, cp=world_size)
-    groups = init_parallel(mapping, init_method, backend="gloo", timeout_s=60)
+    groups = init_parallel(mapping, init_method, backend=backend, local_rank=rank, timeout_s=60)
     try:
-        return [_two_steps(load_helix_model(d, mapping.for_draft_heads_tp()).bind(groups), world_size).numpy()
-                for d in model_dirs]
+        device = groups.device
+        return [[_two_steps(model, device).cpu().numpy() for model in (
+                    load_helix_model(d, mapping.for_draft_heads_tp(), device=device).bind(groups),
+                    load_model(d, device=device))] for d in model_dirs]
     finally:
         groups.destroy()
 
 
-def _two_steps(model, cp: int) -> torch.Tensor:
+def _two_steps(model, device: torch.device) -> torch.Tensor:
     """The logits of a 13-token prompt crossing pages, then of one decoded token after it."""
-    caches = allocate_model_caches(cache_spec_for(model.cfg, torch.float32, 4, model.cfg.kda_num_heads // cp), 8, 2,
-                                   "cpu")
+    spec = cache_spec_for(model.cfg, torch.float32, 4, model.cfg.kda_num_heads // model.mapping.cp)
+    caches = allocate_model_caches(spec, 8, 2, device)
     steps = [ScheduledSeq("a", _prompt(5, 13), 0, [3, 0, 6, 1], 1, True, True),
              ScheduledSeq("a", [7], 13, [3, 0, 6, 1], 1, False, True)]
     with torch.inference_mode():
-        return torch.cat([model(build_forward_batch(SchedulerOutput(seqs=[s]), torch.device("cpu")), caches)
-                          for s in steps])
+        return torch.cat([model(build_forward_batch(SchedulerOutput(seqs=[s]), device), caches) for s in steps])
+
+
+def _check_heads_tp_logits(ranks: list, tol: float) -> None:
+    for (rank0, want), (rank1, _) in zip(*ranks):
+        assert torch.equal(torch.from_numpy(rank0), torch.from_numpy(rank1))
+        torch.testing.assert_close(torch.from_numpy(rank0), torch.from_numpy(want), rtol=tol, atol=tol)
 
 
 def test_a_heads_tp_draft_model_computes_the_single_process_logits_on_every_rank(tiny_checkpoints):
@@ -195,11 +204,16 @@ def test_a_heads_tp_draft_model_computes_the_single_process_logits_on_every_rank
     attention residuals) with its heads split over a cp 2 group: the ranks' logits are identical,
     and equal the single-process model's to fp32 rounding."""
     dirs = [str(tiny_checkpoints[p]) for p in (PRESET, "kimi-linear-tiny")]
-    ranks = run_local_world(_heads_tp_logits, 2, dirs, timeout_s=120)
-    for i, d in enumerate(dirs):
-        want = _two_steps(load_model(d), 1)
-        assert torch.equal(torch.from_numpy(ranks[0][i]), torch.from_numpy(ranks[1][i]))
-        torch.testing.assert_close(torch.from_numpy(ranks[0][i]), want, rtol=1e-4, atol=1e-4)
+    _check_heads_tp_logits(run_local_world(_heads_tp_logits, 2, dirs, timeout_s=120), 1e-4)
+
+
+@pytest.mark.gpu
+def test_a_heads_tp_draft_model_over_nccl_computes_the_single_process_logits(tiny_checkpoints):
+    """The same on 2 GPUs over NCCL, fp32."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    dirs = [str(tiny_checkpoints[p]) for p in (PRESET, "kimi-linear-tiny")]
+    _check_heads_tp_logits(run_local_world(_heads_tp_logits, 2, dirs, "nccl", timeout_s=300), 1e-3)
 
 
 def test_cli_world_json_with_and_without_a_draft_model(tiny_checkpoints, capsys) -> None:
