@@ -86,7 +86,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     speculative = None
     if args.speculative is not None:
         speculative = SpeculativeConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
-                                        draft_model=args.draft_model)
+                                        draft_model=args.draft_model,
+                                        draft_tensor_parallel_size=args.draft_tensor_parallel_size)
     if args.dp * args.cp > 1:
         from helixserve.launch.offline import generate_on_world
 
@@ -171,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-model", default=None, metavar="DIR",
                      help="--speculative draft or hidden: the drafter checkpoint (the target's vocabulary)")
     gen.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step (1-7)")
+    gen.add_argument("--draft-tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="--speculative draft with --cp: 1 runs the draft model on each CP group's leader, the cp "
+                          "splits its heads over the group (speculative.draft_tensor_parallel_size)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)
     _add_server_commands(sub)

@@ -12,8 +12,8 @@ HTTP. It runs in two places:
   :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
 With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft`` / ``hidden``: a model
-drafter's, :mod:`.model_drafters`, on the leader of a world's group), the
-target verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
+drafter's, :mod:`.model_drafters`, on the leader of a world's group, or a heads-TP draft model on all of
+its ranks), the target verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
 (:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
 single-process engine (or a world of one) with CUDA graphs replays captured verify steps and their rollbacks
 (:mod:`.cuda_graphs`; a step with a prompt chunk, and every verify step of a larger world, runs eagerly). While no
@@ -34,6 +34,7 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
+from helixserve.engine.draft_runner import DraftRunner
 from helixserve.engine.engine_parts import build_engine_parts
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_holds import HoldRelay
@@ -49,6 +50,7 @@ from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.leader import GroupLeader
 from helixserve.engine.step_prepare import failing_alone, without
 from helixserve.kernels.triton_common import batch_invariant_enabled
+from helixserve.models.kda_spec import KdaRecord
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.parallel import CollectiveError, ParallelGroups
@@ -75,7 +77,7 @@ class EngineCore:
             raise ValueError(f"an EngineCore runs on a CP group's leader, not on rank {mapping.rank}")
         cp, world_size = (mapping.cp, mapping.world_size) if mapping is not None else (1, 1)
         parts = build_engine_parts(model, model_config, cache, scheduler, device, seed, use_cuda_graphs, speculative,
-                                   cp, world_size)
+                                   cp, world_size, groups)
         self.layout, self.caches, self.runner = parts.layout, parts.caches, parts.runner
         self.cache_manager, self.draft_runner = parts.cache_manager, parts.draft_runner
         max_model_len = self.layout.max_model_len
@@ -87,6 +89,8 @@ class EngineCore:
             consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
             self.transfers = RankTransfers(kv_receiver, self.caches, consensus)
             self.kv_intake = KVIntake(self.cache_manager, self.transfers, self.group if cp > 1 else None)
+            if isinstance(self.draft_runner, DraftRunner) and self.draft_runner.is_tensor_parallel:
+                self.draft_runner.announce = self.group.send_draft  # the group runs the draft's forwards too
         eos = set(tokenizer.eos_token_ids) if tokenizer else set()
         if model_config.eos_token_id is not None:
             eos.add(model_config.eos_token_id)
@@ -299,7 +303,7 @@ class EngineCore:
         """Enqueue ``out`` (forward, sampling, the tokens' copy to the host) without waiting for
         it; in a world the group's other ranks run it too. ``failed`` gets the requests dropped
         from a step that could not be prepared (:meth:`_prepare`)."""
-        draft_record = self.draft_runner.propose(out) if self.draft_runner is not None else None
+        draft_record = self._propose(out)
         prepared, input_tokens = self._prepare(out, input_tokens, failed)
         if out.is_empty:
             return LaunchedStep([], None, None, None)
@@ -319,6 +323,18 @@ class EngineCore:
         launched.kda_record = prepared.batch.kda_record if prepared is not None else self.runner.replayed_record
         launched.draft_record = draft_record
         return launched
+
+    def _propose(self, out: SchedulerOutput) -> KdaRecord | None:
+        """The model drafter's drafts written into ``out`` (its KDA record returned); a heads-TP
+        draft model that fails leaves its group's all-reduces unmatched: the world has stopped."""
+        if self.draft_runner is None:
+            return None
+        try:
+            return self.draft_runner.propose(out)
+        except Exception as exc:
+            if isinstance(self.draft_runner, DraftRunner) and self.draft_runner.is_tensor_parallel:
+                raise CollectiveError(f"draft forward failed{self._where}: {type(exc).__name__}: {exc}") from exc
+            raise
 
     def _prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, failed: list[RequestUpdate]
                  ) -> tuple[PreparedStep | None, torch.Tensor | None]:

@@ -1,7 +1,8 @@
 """The drafters that are models, chosen by ``speculative.method``: ``draft`` (a draft model,
 :mod:`.draft_runner`) and ``hidden`` (a hidden-state drafter, :mod:`.hidden_runner`). Both run
 before each step's target forward, in a single process or on a world's CP group leader, their
-caches on full rows named by the target's pages; the engine drives either through the same calls
+caches on full rows named by the target's pages (a draft model may instead run on every rank of the
+group, its heads split: ``speculative.draft_tensor_parallel_size``); the engine drives either through the same calls
 (``prefill`` of a prompt cache received from a ctx worker, ``propose`` before the forward,
 ``record`` after it, ``rollback`` after the verification, ``forget`` at a request's end)."""
 
@@ -16,6 +17,7 @@ from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runn
 from helixserve.engine.rank_setup import CacheSizes
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.hidden_drafter import input_params, read_hidden_drafter_config
+from helixserve.parallel import ParallelGroups
 
 ModelDrafter = DraftRunner | HiddenDraftRunner
 
@@ -29,14 +31,15 @@ def drafter_config(speculative: SpeculativeConfig | None, target: KimiModelConfi
 
 def build_model_drafter(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
                         layout: CacheSizes, device: torch.device | str, pages: DraftPages,
-                        cp: int = 1) -> ModelDrafter | None:
+                        cp: int = 1, groups: ParallelGroups | None = None) -> ModelDrafter | None:
     """The drafter of ``speculative.method`` loaded beside the target (``None``: none); ``pages``:
-    the engine's cache manager (the drafter's full-row page tables, :mod:`.draft_runner`)."""
+    the engine's cache manager (the drafter's full-row page tables, :mod:`.draft_runner`);
+    ``groups``: a world rank's (a heads-TP draft model's group)."""
     if speculative is None or cfg is None:
         return None
     if speculative.method == "hidden":
         return build_hidden_runner(speculative, cfg, dtype, layout, device, pages, cp)
-    return build_draft_runner(speculative, cfg, dtype, layout, device, pages, cp)
+    return build_draft_runner(speculative, cfg, dtype, layout, device, pages, cp, groups)
 
 
 def drafter_extra_params(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None) -> int:

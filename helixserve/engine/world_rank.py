@@ -25,6 +25,7 @@ import torch.distributed as dist
 from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
+from helixserve.engine.draft_runner import build_draft_runner, draft_tp_size
 from helixserve.engine.model_drafters import drafter_capture_layers, drafter_config
 from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
@@ -70,7 +71,8 @@ class WorldOptions:
     # on CUDA captures its decode steps as CUDA graphs. Opt-in: that capture has not run on GPUs
     # yet (the two-GPU issue checks it), and eagerly the padded path is slower on the CPU
     static_moe: bool = False
-    speculative: SpeculativeConfig | None = None  # drafted and verified on each CP group's leader
+    # drafted and verified on each CP group's leader (a heads-TP draft model drafts on every rank)
+    speculative: SpeculativeConfig | None = None
     kv_sender: ShardSenderFactory | None = None  # a ctx world's: each rank's KV sender (engine.kv_holds)
 
 
@@ -115,9 +117,13 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
         return core
     # sized as the leader is, its drafter's pools counted: every rank has the group's block count
     draft = drafter_config(options.speculative, model.cfg, options.cache)
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, draft)
+    draft_tp = draft_tp_size(options.speculative)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, draft, draft_tp)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
+    # a heads-TP draft model runs here too, on the leader's plans (engine.draft_runner)
+    draft_runner = (build_draft_runner(options.speculative, draft, dtype, layout, groups.device, None, mapping.cp,
+                                       groups) if draft_tp > 1 else None)
     runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots
     # the layers a hidden drafter reads, kept as the leader keeps them (their gather joins the group's)
     runner.capture_layers = drafter_capture_layers(options.speculative)
@@ -128,7 +134,7 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
         runner.capture_decode_graphs(*decode_graph_shape(options.cache, layout))
     holds = _rank_holds(options.kv_sender, groups, caches)[0] if options.kv_sender is not None else None
     return Follower(runner, GroupChannel(groups), RankTransfers(kv_receiver, caches, TransferConsensus(groups.cp_cpu)),
-                    holds=holds)
+                    holds=holds, draft=draft_runner)
 
 
 def _rank_holds(factory: ShardSenderFactory, groups: ParallelGroups, caches: ModelCaches) -> tuple[RankHolds, list]:

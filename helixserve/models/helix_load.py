@@ -7,7 +7,9 @@ conv kernels, dt_bias, A_log, b_proj rows, o_proj columns), its MLA value heads 
 ``cp == 1`` the whole ``kv_b_proj``) and its experts (``[rank*E/world, (rank+1)*E/world)``);
 everything else (embeddings, norms, routers, shared experts, the dense MLP, the LM head) is
 replicated. A world of one loads the whole model and, on the CPU, packs it like
-:func:`~helixserve.models.loading.load_model` (the single-process model).
+:func:`~helixserve.models.loading.load_model` (the single-process model). A draft model's heads-TP
+mapping (``mapping.heads_tp``) reads its KDA heads as above, its MLA heads' query, ``kv_b_proj`` and
+gate rows and o_proj columns, every expert, and is packed like a world of one.
 
 Checkpoints in the original tensor names (``save_checkpoint``'s output and the published
 layouts, MXFP4 experts included) are read lazily: per-head rows / columns through safetensors'
@@ -52,6 +54,10 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|block_sparse_moe)\.(.
 _KDA_ROWS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
              "v_conv1d.weight", "f_b_proj.weight", "g_proj.weight", "g_b_proj.weight", "dt_bias"}
 _EXPERT_PARTS = ("w1", "w2", "w3")
+# a heads-TP draft's MLA: rows per head of the projections whose rows are heads
+_MLA_HEAD_ROWS: dict[str, Callable[[KimiModelConfig], int]] = {
+    "q_proj.weight": lambda cfg: cfg.qk_head_dim, "q_b_proj.weight": lambda cfg: cfg.qk_head_dim,
+    "kv_b_proj.weight": lambda cfg: cfg.qk_nope_head_dim + cfg.v_head_dim}
 
 # read(name, dim, start, stop): a canonical tensor, or its [start, stop) slice along dim
 Reader = Callable[[str, int | None, int, int], torch.Tensor]
@@ -133,7 +139,7 @@ def materialize(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.eval().requires_grad_(False)
-    return pack_for_inference(model) if mapping.world_size == 1 else model
+    return pack_for_inference(model) if mapping.world_size == 1 or mapping.heads_tp else model
 
 
 def _read_param(name: str, model: KimiForCausalLM, read: Reader) -> torch.Tensor:
@@ -155,6 +161,9 @@ def _read_param(name: str, model: KimiForCausalLM, read: Reader) -> torch.Tensor
         return read(name, None, 0, 0)
     heads = mapping.local_heads(cfg.num_attention_heads)
     v, nope, r = cfg.v_head_dim, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if mapping.heads_tp and leaf in _MLA_HEAD_ROWS:  # a draft's heads: every per-head projection
+        width = _MLA_HEAD_ROWS[leaf](cfg)
+        return read(name, 0, heads.start * width, heads.stop * width)
     if leaf in ("w_uk", "w_uv"):
         kv_b = read(prefix + "kv_b_proj.weight", None, 0, 0).view(cfg.num_attention_heads, nope + v, r)
         return kv_b[:, :nope].clone() if leaf == "w_uk" else kv_b[heads.start:heads.stop, nope:].clone()

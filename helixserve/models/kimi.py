@@ -36,6 +36,7 @@ from helixserve.kernels._host import step_host_cache
 from helixserve.models.attn_res import AttnResProj, attn_res_norm
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
+from helixserve.models.heads_tp import HeadsTPHooks
 from helixserve.models.helix_hooks import NO_PHASE, HelixHooks, MoeMode, PhaseTimer
 from helixserve.models.mlp import GatedMLP
 from helixserve.models.moe import KimiMoE
@@ -169,7 +170,8 @@ class KimiForCausalLM(nn.Module):
     without running the LM head when ``logits_indices`` is empty), identical on every CP rank.
 
     ``mapping`` places the model in a ``dp x cp`` world (default: a world of one, the
-    single-process model). A rank of a larger world holds its slice (:mod:`.sharding`; build it on
+    single-process model), or, with ``mapping.heads_tp``, a draft model's heads over a CP group
+    (:mod:`.heads_tp`). A rank of a larger world holds its slice (:mod:`.sharding`; build it on
     the meta device and load it with :func:`helixserve.models.helix_load.load_helix_model` or
     :func:`~helixserve.models.helix_load.shard_state_dict`), and needs :meth:`bind` with its
     process groups before the first forward; its idle steps call :meth:`empty_step`.
@@ -190,7 +192,7 @@ class KimiForCausalLM(nn.Module):
             check_helix_config(cfg, mapping)
         self.cfg = cfg
         self.mapping = mapping
-        self.helix = HelixHooks(cfg, mapping, moe_mode)
+        self.helix = HeadsTPHooks(cfg, mapping) if mapping.heads_tp else HelixHooks(cfg, mapping, moe_mode)
         self.model = KimiModel(cfg, dtype, mapping)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:

@@ -29,16 +29,19 @@ MLA_LATENT_NORM_EPS = 1e-6
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, cfg: KimiModelConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: KimiModelConfig, layer_idx: int, dtype: torch.dtype | None = None,
+                 num_heads: int | None = None) -> None:
+        """``num_heads``: heads held here (default all; a heads-TP draft rank passes its share:
+        its heads' query rows, ``kv_b_proj`` rows, gate rows and o_proj columns)."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = cfg.num_attention_heads if num_heads is None else num_heads
         self.nope_dim = cfg.qk_nope_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.v_head_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = cfg.qk_head_dim**-0.5
-        hidden, H = cfg.hidden_size, cfg.num_attention_heads
+        hidden, H = cfg.hidden_size, self.num_heads
 
         self.q_lora_rank = cfg.q_lora_rank
         if cfg.q_lora_rank is None:

@@ -10,6 +10,10 @@ built at their sliced shapes by :func:`build_mixer` / :func:`num_local_experts`:
   ``w_uv [H/cp, v, r]`` (this rank's value heads), with its gate rows and o_proj columns;
 - routed experts ``[rank*E/world, (rank+1)*E/world)``; everything else is replicated.
 
+A draft model's heads-TP mapping (``mapping.heads_tp``, :mod:`helixserve.models.heads_tp`) holds
+KDA as above and, for MLA, a :class:`MultiLatentAttention` of its ``H/cp`` heads (their query rows,
+``kv_b_proj`` rows, gate rows and o_proj columns; the latent projection whole); every expert.
+
 The collectives that join the slices live in :mod:`helixserve.models.helix_hooks`; the loader that
 fills a rank's slice from a checkpoint in :mod:`helixserve.models.helix_load`. At a world of one
 every module is the single-process one (same names, shapes and values).
@@ -35,9 +39,19 @@ class HelixConfigError(ValueError):
 
 def check_helix_config(cfg: KimiModelConfig, mapping: Mapping) -> None:
     """Raise :class:`HelixConfigError` listing every reason ``cfg`` does not fit ``mapping``."""
-    problems = cfg.helix_mapping_problems(mapping.dp, mapping.cp)
+    problems = heads_tp_problems(cfg, mapping.cp) if mapping.heads_tp else cfg.helix_mapping_problems(mapping.dp, mapping.cp)
     if problems:
         raise HelixConfigError(f"{cfg.model_type} model does not fit dp={mapping.dp} cp={mapping.cp}: " + "; ".join(problems))
+
+
+def heads_tp_problems(cfg: KimiModelConfig, cp: int) -> list[str]:
+    """Why a draft model's heads cannot be split over a CP group of ``cp`` ranks (empty: they can)."""
+    problems = []
+    if cfg.kda_layer_ids and cfg.kda_num_heads % cp:
+        problems.append(f"KDA num_heads={cfg.kda_num_heads} is not divisible by cp={cp}")
+    if cfg.mla_layer_ids and cfg.num_attention_heads % cp:
+        problems.append(f"MLA num_attention_heads={cfg.num_attention_heads} is not divisible by cp={cp}")
+    return problems
 
 
 class HeadShardedMLA(MultiLatentAttention):
@@ -79,6 +93,8 @@ def build_mixer(cfg: KimiModelConfig, layer_idx: int, mapping: Mapping, dtype: t
         return KimiDeltaAttention(cfg, layer_idx, dtype, num_heads=cfg.kda_num_heads // mapping.cp)
     if mapping.cp == 1:
         return MultiLatentAttention(cfg, layer_idx, dtype)
+    if mapping.heads_tp:
+        return MultiLatentAttention(cfg, layer_idx, dtype, num_heads=cfg.num_attention_heads // mapping.cp)
     return HeadShardedMLA(cfg, layer_idx, mapping.local_heads(cfg.num_attention_heads), dtype)
 
 

@@ -1,4 +1,5 @@
-"""Collectives used by the helix_a2a model: row gather/scatter, uneven all-to-all, LSE exchange.
+"""Collectives used by the helix_a2a model: row gather/scatter, uneven all-to-all, LSE exchange,
+and the all-reduce of a heads-TP draft model's row-parallel projections.
 
 Every function is SPMD: every rank of ``group`` must call it, in the same order, even with zero
 rows (an empty step still enters the collective so no peer waits on it). Failures, timeouts
@@ -141,6 +142,15 @@ def all_gather_rows(
     with _collective("all_gather_rows", group):
         _wait(dist.all_gather_into_tensor(out, x_local.contiguous(), group=group, async_op=True), group)
     return out[:num_tokens]
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place (a row-parallel projection's partial sums: every rank gets
+    the same full sum). Sums in ``x.dtype``; returns ``x`` (made contiguous first if it was not)."""
+    x = x.contiguous()
+    with _collective("all_reduce_sum", group):
+        _wait(dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True), group)
+    return x
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: Group, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,6 +16,11 @@ Vocabulary used across ``helixserve.parallel``:
   the dp CP groups, in the Megatron sense. They hold *different* requests when ``attention_dp``.
 - **EP group** (``ep_group_ranks``): the whole world; expert ``e`` lives on rank
   ``e // (num_experts // ep)``.
+
+A draft model's mapping (``heads_tp``, :meth:`Mapping.for_draft_heads_tp`) is one CP group seen
+alone (``world_size = cp``, ``dp = 1``): every rank runs every row, the attention heads are split
+over the group (tensor parallel, o_proj row-parallel + an all-reduce), and experts, embedding and
+LM head are replicated (``local_experts`` is every expert).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Mapping:
         ep: expert parallelism; ``None`` means ``world_size`` (the only supported value).
         attention_dp: whether different CP groups hold different requests; ``None`` means
             ``dp > 1``.
+        heads_tp: a draft model's mapping over one CP group (see the module docstring); needs
+            ``dp == 1``.
     """
 
     world_size: int
@@ -45,6 +52,7 @@ class Mapping:
     tp: int = 1
     ep: int | None = None
     attention_dp: bool | None = None
+    heads_tp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "dp", "cp", "tp"):
@@ -69,6 +77,12 @@ class Mapping:
             )
         if self.attention_dp is None:
             object.__setattr__(self, "attention_dp", self.dp > 1)
+        if self.heads_tp and self.dp != 1:
+            raise ValueError(f"Mapping.heads_tp (a draft model's mapping over one CP group) needs dp=1, got dp={self.dp}")
+
+    def for_draft_heads_tp(self) -> Mapping:
+        """This rank's place in its CP group's heads-TP draft model (see the module docstring)."""
+        return Mapping(self.cp, self.cp_rank, dp=1, cp=self.cp, heads_tp=True)
 
     # ---- this rank's coordinates
     @property
@@ -152,8 +166,11 @@ class Mapping:
         return range(self.cp_rank * per_rank, (self.cp_rank + 1) * per_rank)
 
     def local_experts(self, num_experts: int) -> range:
-        """Experts this rank owns (contiguous): ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``."""
+        """Experts this rank owns (contiguous): ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``;
+        every expert under ``heads_tp``."""
         assert self.ep is not None
+        if self.heads_tp:
+            return range(num_experts)
         if num_experts < 1 or num_experts % self.ep != 0:
             raise ValueError(
                 f"num_experts={num_experts} is not divisible by ep={self.ep} (world size): experts "
@@ -178,4 +195,4 @@ class Mapping:
         ``local_vocab(V) == range(V)``. ``rank``, ``ep`` and ``attention_dp`` are unchanged;
         note that replicas of one original CP group still hold the same rows.
         """
-        return replace(self, dp=self.world_size // self.tp, cp=1)
+        return replace(self, dp=self.world_size // self.tp, cp=1, heads_tp=False)

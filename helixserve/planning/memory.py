@@ -93,23 +93,26 @@ def checkpoint_slot_count(cache: CacheConfig, slot_bytes: int) -> int:
 
 def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, memory_budget_mib: float,
                       max_num_seqs: int, cp: int = 1, num_checkpoint_slots: int = 0,
-                      draft: KimiModelConfig | None = None) -> tuple[int, int]:
+                      draft: KimiModelConfig | None = None, draft_tp: int = 1) -> tuple[int, int]:
     """``(num_blocks, num_slots)`` the engine allocates for ``cache.memory_budget_mib`` (after
     ``num_checkpoint_slots`` KDA state checkpoints). With a ``draft`` model (speculative decoding)
     a block and a slot cost the target's plus the draft's (:func:`draft_unit_bytes`)."""
     block, slot = pool_unit_bytes(cfg, itemsize, tokens_per_block, cp)
     if draft is not None:
-        draft_block, draft_slot = draft_unit_bytes(draft, itemsize, tokens_per_block, cp)
+        draft_block, draft_slot = draft_unit_bytes(draft, itemsize, tokens_per_block, cp, draft_tp)
         block, slot = block + draft_block, slot + draft_slot
     return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs, num_checkpoint_slots)
 
 
-def draft_unit_bytes(draft: KimiModelConfig, itemsize: int, tokens_per_block: int, cp: int = 1) -> tuple[int, int]:
+def draft_unit_bytes(draft: KimiModelConfig, itemsize: int, tokens_per_block: int, cp: int = 1,
+                     draft_tp: int = 1) -> tuple[int, int]:
     """What one block and one slot of a rank's pools add for a ``draft`` model: its pools share
-    the target's ids on full rows, ``cp`` draft pages per block of one rank (a CP group's leader
-    holds the group's every block, :mod:`helixserve.engine.draft_runner`) and one full-head draft
-    slot per slot. Every rank of a group counts them alike, so its capacity stays CP-uniform."""
-    block, slot = pool_unit_bytes(draft, itemsize, tokens_per_block)
+    the target's ids on full rows, ``cp`` draft pages per block of one rank (a rank that runs the
+    draft holds the group's every block, :mod:`helixserve.engine.draft_runner`: the MLA latent is
+    head-independent, so heads TP does not split it) and one draft slot per slot, of ``H /
+    draft_tp`` KDA heads (``draft_tp``: the ranks its heads are split over, 1 on a leader alone).
+    Every rank of a group counts them alike, so its capacity stays CP-uniform."""
+    block, slot = pool_unit_bytes(draft, itemsize, tokens_per_block, draft_tp)
     return cp * block, slot
 
 

@@ -12,6 +12,10 @@ checks the counts against a model built on the meta device). A rank of a ``dp x 
   one e8m0 ``weight_scale`` byte per 32 values: 17/32 byte a value) or in the model dtype;
 - everything else replicated: embeddings, LM head, norms, routers, shared experts, the dense MLP.
 
+A draft model's heads-TP rank (``heads_tp``: its heads over a CP group of ``cp`` ranks,
+:mod:`helixserve.models.heads_tp`) holds the KDA heads as above, its ``H / cp`` MLA heads'
+query, ``kv_b_proj`` and gate rows and o_proj columns, and every routed expert.
+
 Values are in the model dtype except ``dt_bias``, ``A_log`` and the router's
 ``e_score_correction_bias`` (fp32).
 """
@@ -58,14 +62,14 @@ def _kda_params(cfg: KimiModelConfig, cp: int) -> tuple[int, int]:
     return values, width + heads
 
 
-def _mla_params(cfg: KimiModelConfig, cp: int) -> int:
+def _mla_params(cfg: KimiModelConfig, cp: int, heads_tp: bool = False) -> int:
     d, heads, rank = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
     local = heads // cp
-    q_out = heads * cfg.qk_head_dim
+    q_out = (local if heads_tp else heads) * cfg.qk_head_dim
     q = d * q_out if cfg.q_lora_rank is None else d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * q_out
     kv_a = d * cfg.mla_latent_dim + rank
-    if cp == 1:
-        kv_b = rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    if cp == 1 or heads_tp:
+        kv_b = rank * local * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     else:  # HeadShardedMLA: w_uk of every head, w_uv of this rank's heads
         kv_b = heads * cfg.qk_nope_head_dim * rank + local * cfg.v_head_dim * rank
     gate = d * local * cfg.v_head_dim if cfg.mla_use_output_gate else 0
@@ -89,8 +93,9 @@ def routed_expert_values(cfg: KimiModelConfig, world_size: int) -> int:
 
 
 def rank_weight_bytes(cfg: KimiModelConfig, itemsize: int, dp: int = 1, cp: int = 1,
-                      expert_format: str | None = None) -> WeightBytes:
-    """What one rank of a ``dp x cp`` world holds (a world of one: the whole model).
+                      expert_format: str | None = None, heads_tp: bool = False) -> WeightBytes:
+    """What one rank of a ``dp x cp`` world holds (a world of one: the whole model), or with
+    ``heads_tp`` one rank of a draft model's heads over a CP group of ``cp`` (``dp`` 1).
 
     ``expert_format``: ``"mxfp4"`` (packed) or ``"dense"`` (the model dtype); default: the
     checkpoint's (``cfg.routed_expert_format``)."""
@@ -106,11 +111,11 @@ def rank_weight_bytes(cfg: KimiModelConfig, itemsize: int, dp: int = 1, cp: int 
         "embeddings": cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2),
         "norms": cfg.num_hidden_layers * per_layer_norms + d * (3 if cfg.attn_res_block_size is not None else 1),
         "kda": num_kda * kda,
-        "mla": num_mla * _mla_params(cfg, cp),
+        "mla": num_mla * _mla_params(cfg, cp, heads_tp),
         "dense_mlp": (cfg.num_hidden_layers - num_moe) * 3 * d * cfg.intermediate_size,
         "moe_shared": num_moe * moe,
         "fp32": num_kda * kda_fp32 + num_moe * moe_fp32,
-        "routed_experts": routed_expert_values(cfg, dp * cp),
+        "routed_experts": routed_expert_values(cfg, 1 if heads_tp else dp * cp),
     }
     dense = sum(v for k, v in params.items() if k not in ("fp32", "routed_experts"))
     experts = params["routed_experts"]

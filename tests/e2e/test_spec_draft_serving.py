@@ -2,9 +2,11 @@
 world with ``gen[].speculative.method: draft``) beside the aggregated single-process gen worker
 with the same ``speculative``.
 
-The draft model's prompt cache is not transferred: the gen world's leader runs the received
-prompt through the draft model when the request starts decoding, so its drafts from the first
-step are the aggregated worker's after its prefill:
+The gen world's draft model runs on both ranks of its CP group, its heads split
+(``draft_tensor_parallel_size: 2``). Its prompt cache is not transferred: the gen world runs the
+received prompt through the draft model when the request starts decoding (the leader sends its
+rows to the other rank), so its drafts from the first step are the aggregated worker's after its
+prefill (the split's fp32 rounding could change a draft; on this tiny model it does not):
 
 - the disaggregated answer is the aggregated one, it drafts and accepts exactly the drafts the
   aggregated one does (the workers' ``/metrics`` counters, per position too, move alike), and
@@ -37,7 +39,8 @@ def draft_dir(k3_tiny, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def dep_options(draft_dir: Path) -> dict:
     spec = {"method": "draft", "draft_model": str(draft_dir), "num_draft_tokens": 3}
-    return {"gen": {"speculative": spec}, "baseline_gen": {"speculative": spec}}
+    # the gen world's draft runs on both ranks, its heads split
+    return {"gen": {"speculative": {**spec, "draft_tensor_parallel_size": 2}}, "baseline_gen": {"speculative": spec}}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Row gather/scatter, uneven all-to-all and the helix LSE exchange on real gloo worlds."""
+"""Row gather/scatter, the all-reduce of row-parallel sums, uneven all-to-all and the helix LSE
+exchange on real gloo worlds."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from helixserve.parallel import (
     Mapping,
     all_gather_counts,
     all_gather_rows,
+    all_reduce_sum,
     all_to_all_rows,
     init_parallel,
     lse_all_to_all,
@@ -49,6 +51,12 @@ def _rows_worker(rank: int, world_size: int, init_method: str, dp: int, cp: int,
             assert torch.all(mine[expected.abs().sum(1) == 0] == 0)  # padding rows are exactly 0
             gathered = all_gather_rows(mine.to(dev), num_tokens, groups.cp).cpu()
             torch.testing.assert_close(gathered, total, rtol=1e-6, atol=1e-6)
+            # a heads-TP draft's row-parallel sums: every rank of the group gets the same full sum
+            summed = all_reduce_sum(partials[mapping.cp_rank].to(dev), groups.cp)
+            torch.testing.assert_close(summed.cpu(), total, rtol=1e-6, atol=1e-6)
+            leaders = summed.clone()
+            dist.broadcast(leaders, src=mapping.rank_of(mapping.dp_rank, 0), group=groups.cp)
+            assert torch.equal(summed, leaders)
             checks += 1
 
         assert all_gather_counts(3 * rank + 1, groups.world) == [3 * r + 1 for r in range(world_size)]

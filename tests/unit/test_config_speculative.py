@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from helixserve.config import GenServerConfig
 from helixserve.config_speculative import SpeculativeConfig
 
 
@@ -39,10 +40,23 @@ def test_num_draft_tokens_bounds_are_inclusive(k):
     ({"method": "draft", "draft_model": "d", "prompt_lookup_max": 3}, "prompt_lookup_max is for method ngram"),
     ({"method": "medusa"}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 3}, "num_speculative_tokens"),
+    ({"method": "hidden", "draft_model": "d", "draft_tensor_parallel_size": 2}, "is for method draft, not 'hidden'"),
+    ({"method": "draft", "draft_model": "d", "draft_tensor_parallel_size": 0}, "draft_tensor_parallel_size"),
 ])
 def test_bad_configs_name_the_key(fields, match):
     with pytest.raises(ValidationError, match=match):
         SpeculativeConfig(**fields)
+
+
+def test_a_gen_worlds_draft_heads_split_over_1_or_cp_ranks():
+    def spec(tp: int) -> SpeculativeConfig:
+        return SpeculativeConfig(method="draft", draft_model="d", draft_tensor_parallel_size=tp)
+
+    assert SpeculativeConfig(method="draft", draft_model="d").draft_tensor_parallel_size == 1
+    for tp in (1, 4):
+        assert GenServerConfig(dp=2, cp=4, speculative=spec(tp)).speculative.draft_tensor_parallel_size == tp
+    with pytest.raises(ValidationError, match=r"draft_tensor_parallel_size=2 must be 1 .* or gen.cp=4"):
+        GenServerConfig(dp=2, cp=4, speculative=spec(2))
 
 
 def test_draft_methods_keep_their_checkpoint():

@@ -75,6 +75,15 @@ def test_mapping_errors_name_values() -> None:
         m.local_experts(6)
     with pytest.raises(ValueError, match="dp_rank=2"):
         m.rank_of(2, 0)
+    with pytest.raises(ValueError, match="heads_tp .* needs dp=1, got dp=2"):
+        Mapping(4, 0, dp=2, cp=2, heads_tp=True)
+
+
+def test_a_draft_models_heads_tp_mapping_is_its_cp_group_alone() -> None:
+    draft = Mapping(8, 7, dp=2, cp=4).for_draft_heads_tp()  # dp rank 1, cp rank 3
+    assert draft == Mapping(4, 3, dp=1, cp=4, heads_tp=True)
+    assert draft.local_heads(8) == range(6, 8)  # heads split over the group
+    assert draft.local_experts(6) == range(6)  # every expert: replicated
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 3, 8, 33])

@@ -104,6 +104,18 @@ def test_weights_equal_the_modules_the_model_builds(preset, dp, cp):
     assert rank_weight_bytes(cfg, 2, dp, cp, expert_format="dense").total_bytes == held
 
 
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "kimi-k3-tiny"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_heads_tp_draft_ranks_weights_equal_the_modules_it_builds(preset, cp):
+    """A draft model's heads over a CP group: its heads' weights split, every expert held."""
+    cfg = get_preset(preset)
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg, torch.bfloat16, Mapping(cp, 1, dp=1, cp=cp, heads_tp=True))
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = rank_weight_bytes(cfg, 2, cp=cp, expert_format="dense", heads_tp=True)
+    assert weights.total_bytes == held < rank_weight_bytes(cfg, 2, expert_format="dense").total_bytes
+
+
 def test_mxfp4_bytes_are_the_packed_tensors():
     packed, scale = quantize_mxfp4(torch.randn(6, 3 * 64, generator=torch.Generator().manual_seed(0)))
     assert mxfp4_bytes(6 * 3 * 64) == packed.numel() + scale.numel() == 6 * 3 * 64 * 17 // 32

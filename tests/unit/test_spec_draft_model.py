@@ -211,6 +211,12 @@ def test_prefix_caching_refuses_a_draft_model_and_gen_worlds_take_one(target):
     assert draft_config(None, cfg, CacheConfig()) is None
 
 
+def test_a_single_process_refuses_a_draft_split_over_ranks(target):
+    spec = SpeculativeConfig(method="draft", draft_model=target, draft_tensor_parallel_size=2)
+    with pytest.raises(DraftModelError, match="draft_tensor_parallel_size=2 must be 1 or the world's cp=1"):
+        LLM(target, cache=CacheConfig(tokens_per_block=TPB), speculative=spec)
+
+
 def test_the_draft_pools_come_out_of_the_cache_budget(target):
     cfg = KimiModelConfig.from_pretrained(target)
     block, slot = pool_unit_bytes(cfg, 4, TPB)
@@ -221,6 +227,9 @@ def test_the_draft_pools_come_out_of_the_cache_budget(target):
     block2, slot2 = pool_unit_bytes(cfg, 4, TPB, 2)
     assert engine_pool_sizes(cfg, 4, TPB, 4.0, 8, 2, draft=cfg) == pools_from_budget(block2 + 2 * block, slot2 + slot,
                                                                                    budget, 8)
+    # its heads split over the CP group: every rank holds the full-row latent pages, half the KDA heads
+    assert slot2 < slot and engine_pool_sizes(cfg, 4, TPB, 4.0, 8, 2, draft=cfg, draft_tp=2) == pools_from_budget(
+        block2 + 2 * block, 2 * slot2, budget, 8)
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -239,3 +248,10 @@ def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target, cp):
     block, slot = pool_unit_bytes(cfg, 4, TPB)
     draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + cp * layout.num_blocks * block + layout.num_slots * slot
     assert shortfalls[1] - shortfalls[0] == draft_bytes
+    if cp == 2:  # its heads over the group: their weights and KDA heads halved, the latent pages whole
+        with pytest.raises(DeploymentDoesNotFitError) as err:
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, draft=cfg, draft_tp=cp)
+        tp_slot = pool_unit_bytes(cfg, 4, TPB, cp)[1]
+        tp_bytes = (rank_weight_bytes(cfg, 4, cp=cp, heads_tp=True).total_bytes + cp * layout.num_blocks * block
+                    + layout.num_slots * tp_slot)
+        assert err.value.shortfall_bytes - shortfalls[0] == tp_bytes < draft_bytes

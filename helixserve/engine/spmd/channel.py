@@ -10,7 +10,11 @@ model shard and ``ModelRunner`` and do what each message says, in order (:mod:`.
   drafts and decides what each run keeps; ``rollback`` carries that decision for the previous
   verify step (index into its speculating sequences -> rows kept), applied to this rank's KDA
   head slice before the step runs (every rank rolls back the same rows).
-- :class:`Rollback`: the same decision alone, when the leader's next message is not a launch.
+- :class:`Rollback`: the same decision alone, when the leader's next message is not a launch; it
+  rolls a heads-TP draft model's KDA heads back too (the same rows).
+- :class:`Draft`: run a heads-TP draft model's forwards of this step (a
+  :class:`~helixserve.engine.draft_runner.DraftPlan`) or of a received prompt's rows with the
+  leader (its all-reduces pair the ranks up), before the step's launch.
 - :class:`Idle`: join the MoE all-to-alls with no rows (another DP group runs a step).
 - :class:`Transfers`: start / cancel KV receptions into the handles given, then, with
   ``agree``, poll the receiver and agree on the outcomes (the transceiver consensus).
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from helixserve.engine.draft_runner import DraftWork
 from helixserve.engine.kv_holds import HoldStart
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from helixserve.kvcache.group_cache import GroupCacheManager
@@ -51,6 +56,11 @@ class Launch:
 @dataclass(slots=True)
 class Rollback:
     keep: dict[int, int]
+
+
+@dataclass(slots=True)
+class Draft:
+    work: DraftWork
 
 
 @dataclass(slots=True)
@@ -83,7 +93,7 @@ class Shutdown:
     pass
 
 
-Message = Launch | Rollback | Idle | Transfers | Holds | Heartbeat | Shutdown
+Message = Launch | Rollback | Draft | Idle | Transfers | Holds | Heartbeat | Shutdown
 
 
 def output_for_rank(out: SchedulerOutput, cache: GroupCacheManager, cp_rank: int) -> SchedulerOutput:

@@ -3,9 +3,10 @@
 :func:`serve_follower` loops over the leader's messages (:mod:`.channel`) until ``Shutdown``:
 a ``Launch`` runs this rank's ``ModelRunner`` on the step (its own block tables; input ids from
 the previous step's tokens when overlapped) and then receives the leader's sampled tokens (a
-verify step receives none; its KDA record is kept until the leader's ``rollback`` of it); an
-``Idle`` runs the model's empty step; a ``Holds`` (a ctx world's) holds, cancels and agrees on
-this rank's KV sender's holds; a ``Transfers`` starts and cancels this rank's KV
+verify step receives none; its KDA record is kept until the leader's ``rollback`` of it); a
+``Draft`` runs a heads-TP draft model's forwards (its KDA record kept likewise); an ``Idle`` runs
+the model's empty step; a ``Holds`` (a ctx world's) holds, cancels and agrees on this rank's KV
+sender's holds; a ``Transfers`` starts and cancels this rank's KV
 receptions and, when asked, agrees on their outcomes with the group. It raises on any failure
 (a collective timed out, the model raised): the process should then end, so that the other
 ranks' collectives fail fast and the world is restarted.
@@ -18,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from helixserve.engine.draft_runner import DraftPlan, DraftRunner
 from helixserve.engine.kv_holds import RankHolds
 from helixserve.engine.kv_intake import RankTransfers
 from helixserve.engine.runner import ModelRunner
-from helixserve.engine.spmd.channel import (GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
+from helixserve.engine.spmd.channel import (Draft, GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
                                             Transfers)
 from helixserve.models.kda_spec import KdaRecord
 
@@ -38,14 +40,30 @@ class Follower:
     num_steps: int = 0
     kda_record: KdaRecord | None = None  # the last verify step's, until the leader's rollback of it
     holds: RankHolds | None = None  # a ctx world's rank: its KV sender's holds
+    draft: DraftRunner | None = None  # a heads-TP draft model's rank
+    draft_record: KdaRecord | None = None  # the last draft plan's, until the leader's rollback of it
 
     def roll_back(self, keep: dict[int, int] | None) -> None:
         """Roll the last verify step's speculating sequences back to ``keep`` (the leader's
-        decision); a later step's record replaces the one rolled back."""
+        decision), the draft model's too (its record has the verify record's sequences and
+        rows); a later step's record replaces the one rolled back."""
         if keep:
             assert self.kda_record is not None, "a rollback without a verify step"
             self.runner.rollback(self.kda_record, keep)
+            if self.draft_record is not None:
+                assert self.draft is not None
+                self.draft.runner.rollback(self.draft_record, keep)
+            self.draft_record = None
         self.kda_record = None
+
+    def run_draft(self, message: Draft) -> None:
+        """A heads-TP draft model's forwards, with the leader's."""
+        if self.draft is None:
+            raise RuntimeError("a Draft message to a rank without a draft model")
+        if isinstance(message.work, DraftPlan):
+            self.draft_record = self.draft.run(message.work)[1]
+        else:
+            self.draft.run_prefill(message.work)
 
     def apply_holds(self, message: Holds) -> None:
         """A ctx world's holds on this rank's KV sender (a rank without one: a wiring bug)."""
@@ -86,6 +104,8 @@ def serve_follower(follower: Follower) -> int:
             previous = follower.launch(message, previous)
         elif isinstance(message, Rollback):
             follower.roll_back(message.keep)
+        elif isinstance(message, Draft):
+            follower.run_draft(message)
         elif isinstance(message, Transfers):
             for request_id in message.cancels:
                 follower.transfers.cancel(request_id)
