@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
@@ -78,6 +80,9 @@ class EngineCore:
                                    cp, world_size)
         self.layout, self.caches, self.runner = parts.layout, parts.caches, parts.runner
         self.cache_manager, self.draft_runner = parts.cache_manager, parts.draft_runner
+        # what a request's transfer reads or writes: the caches, and a hidden drafter's prompt cache
+        prompt_cache = self.draft_runner.prompt_cache if self.draft_runner is not None else None
+        self.transfer_caches = replace(self.caches, draft=prompt_cache) if prompt_cache is not None else self.caches
         max_model_len = self.layout.max_model_len
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
@@ -85,7 +90,7 @@ class EngineCore:
         if groups is not None:
             self.group = GroupLeader(self.runner, self.cache_manager, GroupChannel(groups))  # type: ignore[arg-type]
             consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
-            self.transfers = RankTransfers(kv_receiver, self.caches, consensus)
+            self.transfers = RankTransfers(kv_receiver, self.transfer_caches, consensus)
             self.kv_intake = KVIntake(self.cache_manager, self.transfers, self.group if cp > 1 else None)
         eos = set(tokenizer.eos_token_ids) if tokenizer else set()
         if model_config.eos_token_id is not None:
@@ -274,7 +279,10 @@ class EngineCore:
             applied = self.scheduler.update_from_output(out, launched.result())
             if launched.verified is not None:
                 self._verified(out, launched)
-            self._forget([u.request_id for u in applied if u.is_finished])
+            finished = [u.request_id for u in applied if u.is_finished]
+            if self.draft_runner is not None:  # a held prefill's drafter cache, completed to travel with it
+                self.draft_runner.hold([rid for rid in finished if self.scheduler.is_held(rid)])
+            self._forget(finished)
             return updates + failed + applied
         except CollectiveError:
             raise

@@ -155,6 +155,7 @@ class DraftRunner:
     """Runs the draft model of one engine (see the module docstring)."""
 
     capture_layers = None  # it reads no hidden state of the target
+    prompt_cache = None  # its cache of a prompt is rebuilt on the gen side (see the module docstring)
 
     def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: torch.device | str,
                  pages: DraftPages) -> None:
@@ -227,6 +228,9 @@ class DraftRunner:
 
     def record(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
         """Nothing to keep of the target's forward (the draft model reads tokens only)."""
+
+    def hold(self, request_ids: list[str]) -> None:
+        """Nothing to complete: after a prefill the draft's cache holds the prompt."""
 
     def forget(self, request_ids: list[str]) -> None:
         """Nothing kept per request outside the cache."""

@@ -47,10 +47,12 @@ class PayloadDescriptor(_message.Message):
         KDA_STATE: _ClassVar[PayloadDescriptor.Kind]
         CONV_STATE: _ClassVar[PayloadDescriptor.Kind]
         AUX: _ClassVar[PayloadDescriptor.Kind]
+        DRAFT: _ClassVar[PayloadDescriptor.Kind]
     KV_BLOCKS: PayloadDescriptor.Kind
     KDA_STATE: PayloadDescriptor.Kind
     CONV_STATE: PayloadDescriptor.Kind
     AUX: PayloadDescriptor.Kind
+    DRAFT: PayloadDescriptor.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     FIRST_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]

@@ -8,6 +8,7 @@ from helixserve.config import DeploymentConfig, SpeculativeConfig
 from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
+from helixserve.engine.model_drafters import drafter_prompt_layout
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
@@ -35,10 +36,13 @@ def load_engine(deploy: DeploymentConfig, speculative: SpeculativeConfig | None 
     return llm.driver, llm.tokenizer, llm.model_config
 
 
-def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLayout:
+def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str,
+              speculative: SpeculativeConfig | None = None) -> KVLayout:
     """The cache layout ``core`` holds (ctx sends it; gen checks it against its own): the one
-    builder, :func:`~helixserve.transceiver.layout.layout_for`, on the engine's model dtype."""
-    return layout_for(cfg, core.runner.model.dtype, core.layout.tokens_per_block, served_model)
+    builder, :func:`~helixserve.transceiver.layout.layout_for`, on the engine's model dtype; with
+    ``speculative`` the prompt cache of its hidden drafter too."""
+    dtype = core.runner.model.dtype
+    return layout_for(cfg, dtype, core.layout.tokens_per_block, served_model, drafter_prompt_layout(speculative, dtype))
 
 
 def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None,
@@ -51,7 +55,7 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
         deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"device": device})})
     driver, tokenizer, cfg = load_engine(deploy, speculative)
     core = driver.core
-    worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
+    worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name, speculative),
                        core.layout.max_model_len, max_queue_len)
     if speculative is not None:
         worker.export_spec_decode(lambda: driver.spec_stats)

@@ -107,6 +107,7 @@ class KVReceiver:
         self._reported: set[str] = set()
         self._acks: list = []
         self._tags = itertools.count(1)
+        self.draft_fallbacks: set[tuple] = set()  # (ctx, its drafter) whose drafter cache is rebuilt here (logged)
 
     def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches,
               ticket: KVTicket | DisaggregatedParams) -> None:

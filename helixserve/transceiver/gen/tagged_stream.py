@@ -71,7 +71,7 @@ class TaggedStream:
         if cut != self.plan.cut:
             inbound = self.inbound
             self.plan = ShardPlan.for_receiver(self.plan.spec, inbound.caches, inbound.handle.block_ids,
-                                               inbound.handle.slot, *cut)
+                                               inbound.handle.slot, *cut, draft_blocks=inbound.draft_blocks)
         self.recvs = [_Recv() for _ in self.plan.messages]
         self.pending = deque()
         self._kind_indices = {k: [m.index for m in self.plan.kind_messages(k)] for k in self.plan.kinds}

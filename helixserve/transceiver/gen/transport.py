@@ -69,6 +69,7 @@ class ShardOwner(Protocol):
     plan: ShardPlan  # this rank's shard, cut with the rank's own message size
     handle: CacheHandle
     caches: ModelCaches
+    draft_blocks: list[int]  # the drafter's pages of the request (its full-row table) when the shard takes them
     device: torch.device | None
     tag_base: int
     error: str | None  # the request's first error
