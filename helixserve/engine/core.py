@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
@@ -80,9 +79,7 @@ class EngineCore:
                                    cp, world_size)
         self.layout, self.caches, self.runner = parts.layout, parts.caches, parts.runner
         self.cache_manager, self.draft_runner = parts.cache_manager, parts.draft_runner
-        # what a request's transfer reads or writes: the caches, and a hidden drafter's prompt cache
-        prompt_cache = self.draft_runner.prompt_cache if self.draft_runner is not None else None
-        self.transfer_caches = replace(self.caches, draft=prompt_cache) if prompt_cache is not None else self.caches
+        self.transfer_caches = parts.transfer_caches  # what a request's KV transfer reads or writes
         max_model_len = self.layout.max_model_len
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None

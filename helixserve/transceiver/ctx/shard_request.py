@@ -6,8 +6,8 @@ from pydantic import ValidationError
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
-from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardSpec, check_layout,
-                                           check_mapping)
+from helixserve.transceiver.layout import MAX_TAG_BASE, ShardSpec
+from helixserve.transceiver.layout_match import LayoutMismatchError, check_layout, check_mapping
 
 MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
 

@@ -37,7 +37,8 @@ from helixserve.transceiver.gen.asked_pull import AskedPull
 from helixserve.transceiver.gen.granted_pull import GrantedPull
 from helixserve.transceiver.gen.tagged_stream import TaggedStream
 from helixserve.transceiver.gen.transport import Progress, ShardTransport
-from helixserve.transceiver.layout import ShardPlan, ShardSpec, asked_layout, decode_aux, default_pack_bytes
+from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, default_pack_bytes
+from helixserve.transceiver.layout_match import asked_layout
 from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
