@@ -21,12 +21,21 @@ its pool holds ``cp * num_blocks`` pages, page ``r * num_blocks + p`` for block 
 ``r`` (the group's full-row table, :meth:`~helixserve.kvcache.group_cache.GroupCacheManager.full_row_table`).
 It has no KDA state, so nothing rolls back.
 
-**A prompt cache from a ctx worker** (a disaggregated gen worker): the target's hidden states of
-the prompt are not on the gen side. :meth:`HiddenDraftRunner.prefill` writes the drafter's cache of
-the prompt positions from the prompt tokens with zero features (the drafter's own forward over the
-prompt, no target forward); the drafter reads the target's features from the first decoded
-position on. Drafts are still verified by the target, so the output is exact; the drafter's cache
-of the prompt differs from an aggregated run's, so its drafts and acceptance may differ.
+**A prompt cache from a ctx worker** (disaggregated serving): the target's hidden states of the
+prompt are on the ctx worker. A ctx engine with this drafter runs it over the prompt as any engine
+does (each prefill chunk's catch-up); when the prefill finishes with its cache held,
+:meth:`HiddenDraftRunner.hold` writes the rows the first decoded step would catch up (all but that
+position) and keeps the target's features of the last prompt position at the request's slot
+(``prompt_cache.features``). The transceiver sends both, the drafter's pages and that row
+(``prompt_cache``, :class:`~helixserve.cache_layout.DraftCaches`), to the gen CP group's leader,
+whose receiver marks the request (``prompt_cache.received``); :meth:`HiddenDraftRunner.prefill`
+then only sets the request's catch-up to start at the first decoded position with that row: the
+leader drafts exactly as an aggregated engine would. A request whose ctx sent no drafter cache
+(another drafter or none there, or a shard copied out of the ctx's pools) gets the drafter's cache
+of the prompt written from the prompt tokens with zero features (the drafter's own forward over
+the prompt, no target forward); the drafter reads the target's features from the first decoded
+position on. Drafts are verified by the target either way, so the output is exact; without the
+ctx's cache the drafts and acceptance may differ from an aggregated run's.
 
 **A step** (:meth:`HiddenDraftRunner.propose`), for a scheduled sequence at context ``c`` whose
 drafter cache holds positions ``< d``:
