@@ -122,9 +122,13 @@ class IpcTensor(_message.Message):
         MLA_KV: _ClassVar[IpcTensor.Kind]
         KDA_STATE: _ClassVar[IpcTensor.Kind]
         CONV_STATE: _ClassVar[IpcTensor.Kind]
+        DRAFT_KV: _ClassVar[IpcTensor.Kind]
+        DRAFT_FEATURES: _ClassVar[IpcTensor.Kind]
     MLA_KV: IpcTensor.Kind
     KDA_STATE: IpcTensor.Kind
     CONV_STATE: IpcTensor.Kind
+    DRAFT_KV: IpcTensor.Kind
+    DRAFT_FEATURES: IpcTensor.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYER_ID_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]

@@ -189,8 +189,8 @@ class Inbound:
     def _finish(self) -> None:
         self.phase = Phase.DONE  # every byte landed: nothing can write any more
         draft = self.caches.draft
-        if draft is not None and self.plan.spec.takes_draft and isinstance(self.transport, TaggedStream):
-            draft.received.add(self.request_id)  # (a pull copies the target's pools only)
+        if draft is not None and self.plan.spec.takes_draft and self.transport.moves_draft:
+            draft.received.add(self.request_id)  # (a pull out of a ctx exporting no drafter cache: none)
         self.r.send_ack(self, success=True, error="")
 
     def fail(self, error: str) -> None:

@@ -53,6 +53,7 @@ class TaggedStream:
     pulls: ClassVar[bool] = False
     has_asked: ClassVar[bool] = True
     copy = None  # (nothing is copied out of the ctx's pools)
+    moves_draft: ClassVar[bool] = True  # every segment of the shard is a message
 
     def __init__(self, inbound: ShardOwner, cut: tuple[int, int] | None, *, is_live: bool = True) -> None:
         self.inbound = inbound
