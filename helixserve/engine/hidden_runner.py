@@ -171,9 +171,9 @@ class HiddenDraftRunner:
         runs at the first decoded position, less that position) and keep the target's features of
         the last prompt position at the request's slot (``prompt_cache.features``): both travel
         with the request (module docstring)."""
-        if self.prompt_cache is None:
+        if self.prompt_cache is None or not request_ids:
             return
-        rows, features = [], []
+        rows, features, is_written = [], [], False
         for rid in request_ids:
             state = self._seqs.get(rid)
             slot = self.pages.get(rid).slot
@@ -181,6 +181,7 @@ class HiddenDraftRunner:
                 continue
             last = state.start + len(state.tokens) - 1  # the last prompt position
             self.prompt_cache.features[slot].copy_(state.features[-1])
+            is_written = True
             if state.synced <= last:
                 table = self.pages.full_row_table(rid)
                 seq = ScheduledSeq(rid, [state.tokens[-1]], last, table, slot, is_prefill=False, sample=False)
@@ -189,6 +190,8 @@ class HiddenDraftRunner:
                 features.append(feats)
         if rows:
             self._forward(rows, self.model.fuse(torch.cat(features)), None)
+        if is_written and self.device.type == "cuda":  # the KV sender reads these pages and rows once this returns
+            torch.cuda.current_stream(self.device).synchronize()
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput) -> KdaRecord | None:

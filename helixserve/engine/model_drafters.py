@@ -5,23 +5,19 @@ caches on full rows named by the target's pages; the engine drives either throug
 (``prefill`` of a prompt cache received from a ctx worker, ``propose`` before the forward,
 ``record`` after it, ``rollback`` after the verification, ``hold`` when a prefill's cache is held
 for its gen worker, ``forget`` at a request's end); ``prompt_cache``: what of the drafter's cache
-travels with a request (a hidden drafter's, :func:`drafter_prompt_layout`; none for a draft model)."""
+travels with a request (a hidden drafter's; none for a draft model)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.dtypes import dtype_name
 from helixserve.engine.draft_runner import DraftPages, DraftRunner, build_draft_runner, draft_config
 from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runner, hidden_config
 from helixserve.engine.rank_setup import CacheSizes
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.hidden_drafter import input_params, read_hidden_drafter_config
-from helixserve.protocol.disagg import DraftLayout
 
 ModelDrafter = DraftRunner | HiddenDraftRunner
 
@@ -52,19 +48,6 @@ def drafter_extra_params(speculative: SpeculativeConfig | None, cfg: KimiModelCo
         return 0
     assert speculative.draft_model is not None
     return input_params(*read_hidden_drafter_config(speculative.draft_model))
-
-
-def drafter_prompt_layout(speculative: SpeculativeConfig | None, dtype: torch.dtype) -> DraftLayout | None:
-    """The prompt cache of the ``hidden`` method's drafter as it travels from a ctx worker to a gen
-    CP group's leader (``KVLayout.draft``; ``None``: another method, or none), at the target's
-    ``dtype``: its MLA layers' pages and one row of target features."""
-    if speculative is None or speculative.method != "hidden":
-        return None
-    assert speculative.draft_model is not None
-    cfg, spec = read_hidden_drafter_config(speculative.draft_model)
-    return DraftLayout(model=Path(speculative.draft_model).name, num_layers=len(cfg.mla_layer_ids),
-                       kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                       feature_size=len(spec.hidden_layers) * spec.target_hidden_size, kv_dtype=dtype_name(dtype))
 
 
 def drafter_capture_layers(speculative: SpeculativeConfig | None) -> tuple[int, ...] | None:

@@ -16,11 +16,11 @@ import torch
 
 from helixserve.config import DeploymentConfig, GenServerConfig
 from helixserve.engine.llm import resolve_dtype
-from helixserve.engine.model_drafters import drafter_prompt_layout
 from helixserve.engine.world_rank import ShardReceiverFactory, WorldOptions, pick_backend
 from helixserve.models.dummy import model_config_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import KVLayout
+from helixserve.serving.loading import drafter_prompt_layout
 from helixserve.serving.world_core import start_served_world
 from helixserve.serving.world_supervisor import ServedWorld
 from helixserve.transceiver.layout import layout_for

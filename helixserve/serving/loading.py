@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+
+import torch
 
 from helixserve.config import DeploymentConfig, SpeculativeConfig
+from helixserve.dtypes import dtype_name
 from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
-from helixserve.engine.model_drafters import drafter_prompt_layout
 from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.generation_config import load_generation_defaults
+from helixserve.models.hidden_drafter import read_hidden_drafter_config
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
+from helixserve.protocol.disagg import DraftLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
 from helixserve.serving.prefix_metrics import PrefixCacheCollector
 from helixserve.serving.worker_app import Worker
@@ -34,6 +39,19 @@ def load_engine(deploy: DeploymentConfig, speculative: SpeculativeConfig | None 
               enforce_eager=spec.enforce_eager, load_format=spec.load_format,
               deterministic=spec.deterministic, speculative=speculative)
     return llm.driver, llm.tokenizer, llm.model_config
+
+
+def drafter_prompt_layout(speculative: SpeculativeConfig | None, dtype: torch.dtype) -> DraftLayout | None:
+    """The prompt cache of the ``hidden`` method's drafter as it travels from a ctx worker to a gen
+    CP group's leader (``KVLayout.draft``; ``None``: another method, or none), at the target's
+    ``dtype``: its MLA layers' pages and one row of target features."""
+    if speculative is None or speculative.method != "hidden":
+        return None
+    assert speculative.draft_model is not None
+    cfg, spec = read_hidden_drafter_config(speculative.draft_model)
+    return DraftLayout(model=Path(speculative.draft_model).name, num_layers=len(cfg.mla_layer_ids),
+                       kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                       feature_size=len(spec.hidden_layers) * spec.target_hidden_size, kv_dtype=dtype_name(dtype))
 
 
 def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str,

@@ -26,12 +26,11 @@ from helixserve.config import CacheConfig, SpeculativeConfig  # noqa: E402
 from helixserve.config_transceiver import TransceiverConfig  # noqa: E402
 from helixserve.engine.core import EngineCore  # noqa: E402
 from helixserve.engine.llm import LLM  # noqa: E402
-from helixserve.engine.model_drafters import drafter_prompt_layout  # noqa: E402
 from helixserve.engine.request import SamplingParams  # noqa: E402
 from helixserve.engine.world_rank import WorldOptions, build_rank  # noqa: E402
 from helixserve.models.presets import make_checkpoint  # noqa: E402
 from helixserve.parallel import Mapping, init_parallel  # noqa: E402
-from helixserve.serving.loading import kv_layout  # noqa: E402
+from helixserve.serving.loading import drafter_prompt_layout, kv_layout  # noqa: E402
 from helixserve.testing.drafts import record_drafts  # noqa: E402
 from helixserve.transceiver.ctx.sender import KVSender  # noqa: E402
 from helixserve.transceiver.gen.receiver import KVReceiver  # noqa: E402
