@@ -209,7 +209,9 @@ class UcxKVSource(KVSource):
         self.num_completed += 1
         self.seconds_received += seconds
         # a drafter's prompt cache came along when the ctx advertised this worker's drafter
-        layout = self.layout if advertised.draft == self.layout.draft else self.layout.model_copy(update={"draft": None})
+        layout = self.layout
+        if advertised.draft != layout.draft:
+            layout = layout.model_copy(update={"draft": None})
         self.bytes_received += sum(segment.nbytes for cp_rank in range(self.cp) for segment in
                                    shard_segments(ShardSpec(layout, num_prompt_tokens, cp_rank, self.cp)))
 
