@@ -13,22 +13,25 @@ MLA layer: :func:`~helixserve.models.presets.two_layer_draft`), dummy weights; o
 ones, on a GPU also Kimi-Linear-48B's cut in bfloat16.
 
 **Hidden-state drafter** (``method: hidden``): the target's hidden states of the prompt are on the
-ctx worker only. Three ways to the drafter's prompt cache, per prompt length: (a) what helixserve
-does, the drafter's forward over the prompt tokens with zero features on the gen (its time
-measured; exact output, drafts may differ from an aggregated run's); (b) the exact features
-rebuilt by the target's prefill on the gen (its time measured: the ctx worker's work done twice);
-(c) the features sent with the request: ``prompt_len x layers x hidden x itemsize`` bytes, and
-their transfer time at ``--gbps`` (or, smaller, the drafter's cache computed on the ctx: its MLA
-pages of every prompt token, plus one feature row). One-layer drafters of the presets reading
-three target layers (:func:`~helixserve.models.presets.hidden_drafter_preset`), dummy weights: on
-CPU K3-tiny's, on a GPU also K3-mid's in bfloat16; K3's bytes are arithmetic (not run).
+ctx worker only. Four ways to the drafter's prompt cache, per prompt length: (a) the drafter's
+forward over the prompt tokens with zero features on the gen (its time measured; exact output,
+drafts may differ from an aggregated run's: the fallback when the ctx sends none); (b) the exact
+features rebuilt by the target's prefill on the gen (its time measured: the ctx worker's work done
+twice); (c) the features sent with the request: ``prompt_len x layers x hidden x itemsize`` bytes,
+and their transfer time at ``--gbps``; (d) what helixserve does with a drafter on both sides: the
+ctx worker runs the drafter over the prompt with the target's features (the forward of (a), timed
+against the target's prefill there) and sends the drafter's cache, its MLA pages of every prompt
+token plus one feature row (bytes per prompt token shown). One-layer drafters of the presets
+reading three target layers (:func:`~helixserve.models.presets.hidden_drafter_preset`), dummy
+weights: on CPU K3-tiny's, on a GPU also K3-mid's in bfloat16; K3's bytes are arithmetic (not run).
 
-What (a) costs in acceptance, with ``--checkpoint DIR --prompts-from DIR`` (a pair that
-``helixserve make-checkpoint --train-on`` trained, ``DIR/hidden`` its drafter; held-out prompts as
-``bench/spec_decode.py`` takes them): greedy decoding of the prompts at once, the drafter's prompt
-cache as an aggregated engine writes it (the target's features) against rewritten after the
-prefill by ``HiddenDraftRunner.prefill`` from zero features (what a disaggregated gen world's
-leader runs); acceptance of both, and whether their tokens are equal.
+Acceptance, with ``--checkpoint DIR --prompts-from DIR`` (a pair that ``helixserve make-checkpoint
+--train-on`` trained, ``DIR/hidden`` its drafter; held-out prompts as ``bench/spec_decode.py``
+takes them): greedy decoding of the prompts at once, the drafter's prompt cache as an aggregated
+engine writes it (the target's features), as (d) installs it (after the prefill step the engine's
+own ``hold`` completes it as a ctx worker does and ``prefill`` installs it as the gen world's
+leader does, from the same pools), and rewritten by ``HiddenDraftRunner.prefill`` from zero
+features (a); acceptance of each, and whether their tokens are equal.
 
     python bench/draft_prompt_cache.py [--quick] [--out FILE] [--gbps 25] [--reps 5]
                                        [--checkpoint DIR --prompts-from DIR]
@@ -129,13 +132,16 @@ def hidden_rows(preset: str, lengths: list[int], dtype: torch.dtype, device: tor
             drafter_ms = hidden_rebuild_seconds(raw, dtype, device, n, reps) * 1e3
             target_ms = rebuild_seconds(target, dtype, device, n, reps) * 1e3
         transfer_ms = features / (gbps * 1e9) * 1e3
+        sent = drafter_cache + len(spec.hidden_layers) * target.hidden_size * dtype.itemsize  # (d): + one feature row
         figures.append({"preset": preset, "prompt_tokens": n, "zero_feature_rebuild_ms": drafter_ms,
                         "target_prefill_ms": target_ms, "feature_bytes": features,
                         "drafter_cache_bytes": drafter_cache, "target_cache_bytes": target_cache,
-                        "feature_transfer_ms": transfer_ms})
+                        "feature_transfer_ms": transfer_ms, "sent_drafter_cache_bytes": sent,
+                        "sent_bytes_per_token": sent / n, "sent_transfer_ms": sent / (gbps * 1e9) * 1e3})
         shown = [f"{preset} {dtype.itemsize * 8}-bit", n, "-" if drafter_ms is None else drafter_ms,
                  "-" if target_ms is None else target_ms, features / MIB, f"{features / target_cache:.1%}",
-                 drafter_cache / MIB, transfer_ms]
+                 transfer_ms, f"{sent / n:,.0f}", f"{sent / target_cache:.1%}",
+                 "-" if drafter_ms is None or target_ms is None else f"{drafter_ms / target_ms:.2f}"]
         rows.append(shown)
     return rows, figures
 
@@ -147,7 +153,7 @@ def hidden_acceptance(ckpt: Path, prompts: list[list[int]], k: int, max_tokens: 
     spec = SpeculativeConfig(method="hidden", draft_model=ckpt / "hidden", num_draft_tokens=k)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     out = {}
-    for mode in ("aggregated", "zero-feature prompt cache"):
+    for mode in ("aggregated", "(d) ctx's drafter cache", "(a) zero-feature prompt cache"):
         engine = LLM(ckpt, speculative=spec).engine
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
@@ -159,6 +165,9 @@ def hidden_acceptance(ckpt: Path, prompts: list[list[int]], k: int, max_tokens: 
                 tokens[update.request_id].append(update.token_id)
             num_steps += 1
             if num_steps == 1 and mode != "aggregated":
+                if mode.startswith("(d)"):  # the ctx's completion of a held prefill, then the gen leader's install
+                    engine.draft_runner.hold(ids)
+                    engine.draft_runner.prompt_cache.received.update(ids)
                 for rid, prompt in zip(ids, prompts):
                     request = engine.scheduler.get_request(rid)
                     assert request is not None and request.num_computed_tokens == len(prompt), "prefill in one step"
@@ -209,9 +218,10 @@ def main() -> None:
         hidden.insert(1, hidden_rows("kimi-k3-mid", [512, 4096] if args.quick else [512, 4096, 32768], dtype,
                                      device, reps, args.gbps))
     print()
-    print(markdown_table(["hidden drafter of", "prompt tokens", "(a) zero-feature rebuild ms",
+    print(markdown_table(["hidden drafter of", "prompt tokens", "(a), (d) drafter forward ms",
                           "(b) target prefill ms", "(c) features MiB", "features / target cache",
-                          "drafter cache MiB", f"(c) transfer ms at {args.gbps:g} GB/s"],
+                          f"(c) transfer ms at {args.gbps:g} GB/s", "(d) bytes / token", "(d) / target cache",
+                          "(d) drafter / target prefill"],
                          [r for part in hidden for r in part[0]]))
     acceptance = None
     if args.checkpoint is not None and args.prompts_from is not None:

@@ -16,10 +16,16 @@ Tensors, per 0-based decoder layer id (:class:`ModelCaches`; shapes of :class:`C
 
 ``H_local`` is the rank's KDA head count: CP rank ``r`` of ``c`` holds heads
 ``[r*H/c, (r+1)*H/c)`` (:func:`head_slice`), all of them on a single process.
+
+A hidden drafter's prompt cache travels with a request (``ModelCaches.draft``, :class:`DraftCaches`):
+its MLA pools ``[pages, tokens_per_block, kv_lora_rank + qk_rope_head_dim]`` on full rows, and
+``features`` ``[num_slots, feature_size]`` in the model dtype, the target's features at a held or
+received request's last prompt position, at its KDA state slot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,13 +33,29 @@ import torch
 
 
 @dataclass(slots=True)
+class DraftCaches:
+    """A hidden drafter's prompt cache as the transceiver moves it (module docstring): its MLA
+    pools by the drafter's layer id, its feature rows by slot, a request's pages in those pools
+    (``block_table``, on the engine thread), and the requests whose cache arrived (``received``:
+    the receiver adds, the drafter takes)."""
+
+    mla_kv: dict[int, torch.Tensor]
+    features: torch.Tensor
+    block_table: Callable[[str], list[int]]
+    received: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
 class ModelCaches:
-    """Cache tensors keyed by 0-based decoder layer index (layouts in the module docstring)."""
+    """Cache tensors keyed by 0-based decoder layer index (layouts in the module docstring);
+    ``draft``: a hidden drafter's prompt cache, where it travels with the requests (not one of
+    `tensors`: the model's forward never reads it)."""
 
     tokens_per_block: int
     mla_kv: dict[int, torch.Tensor] = field(default_factory=dict)
     kda_state: dict[int, torch.Tensor] = field(default_factory=dict)
     conv_state: dict[int, torch.Tensor] = field(default_factory=dict)
+    draft: DraftCaches | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every cache tensor: the MLA pools, then the KDA states, then the conv states."""

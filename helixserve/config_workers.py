@@ -56,7 +56,9 @@ class CtxServerConfig(WorldWorkerConfig):
         "a warm-up taking longer fails: /health answers 503 and the worker exits 1"))
     connections: WorkerConnectionsConfig = WorkerConnectionsConfig()
     speculative: SpeculativeConfig | None = Field(None, description=(
-        "speculative decoding in this worker's engine (None: off); a ctx worker of one rank only"))
+        "speculative decoding in this worker's engine (None: off); a ctx worker of one rank only. With "
+        "method hidden the drafter runs over each prompt here and its prompt cache travels with the request "
+        "to a gen worker running the same drafter (its CP group's leader drafts as an aggregated engine)"))
     tp: int = Field(1, ge=1, description=(
         "ranks of this ctx worker's world: KDA heads and MLA value heads tensor-parallel over them, "
         "MLA latent pages dealt round-robin (block b on rank b % tp), the helix layout dp 1 x cp tp; "

@@ -106,7 +106,7 @@ class CtxTransceiver(DeferredCancels):
         """Start the sender (UCX worker, gRPC server); stop it on exit."""
         self._loop = asyncio.get_running_loop()
         server = self.server
-        self.sender = KVSender(self.config, self.layout, self.core.runner.caches, self._on_free,
+        self.sender = KVSender(self.config, self.layout, self.core.transfer_caches, self._on_free,
                                host=server.transceiver_host, port=server.transceiver_port,
                                hold_timeout_s=server.pickup_timeout_s)
         await asyncio.to_thread(self.sender.start)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+
 import torch
 
 from helixserve.config import CacheConfig, SchedulerConfig
@@ -80,6 +81,7 @@ class EngineCore:
                                    cp, world_size, groups)
         self.layout, self.caches, self.runner = parts.layout, parts.caches, parts.runner
         self.cache_manager, self.draft_runner = parts.cache_manager, parts.draft_runner
+        self.transfer_caches = parts.transfer_caches  # what a request's KV transfer reads or writes
         max_model_len = self.layout.max_model_len
         self.group: GroupLeader | None = None
         self.kv_intake: KVIntake | None = None
@@ -87,7 +89,7 @@ class EngineCore:
         if groups is not None:
             self.group = GroupLeader(self.runner, self.cache_manager, GroupChannel(groups))  # type: ignore[arg-type]
             consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
-            self.transfers = RankTransfers(kv_receiver, self.caches, consensus)
+            self.transfers = RankTransfers(kv_receiver, self.transfer_caches, consensus)
             self.kv_intake = KVIntake(self.cache_manager, self.transfers, self.group if cp > 1 else None)
             if isinstance(self.draft_runner, DraftRunner) and self.draft_runner.is_tensor_parallel:
                 self.draft_runner.announce = self.group.send_draft  # the group runs the draft's forwards too
@@ -278,7 +280,10 @@ class EngineCore:
             applied = self.scheduler.update_from_output(out, launched.result())
             if launched.verified is not None:
                 self._verified(out, launched)
-            self._forget([u.request_id for u in applied if u.is_finished])
+            finished = [u.request_id for u in applied if u.is_finished]
+            if self.draft_runner is not None:  # a held prefill's drafter cache, completed to travel with it
+                self.draft_runner.hold([rid for rid in finished if self.scheduler.is_held(rid)])
+            self._forget(finished)
             return updates + failed + applied
         except CollectiveError:
             raise

@@ -200,6 +200,7 @@ class DraftRunner:
     docstring). ``announce``: set on a heads-TP leader, sends the group each piece of work first."""
 
     capture_layers = None  # it reads no hidden state of the target
+    prompt_cache = None  # its cache of a prompt is rebuilt on the gen side (see the module docstring)
 
     def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: torch.device | str,
                  pages: DraftPages | None) -> None:
@@ -308,6 +309,9 @@ class DraftRunner:
 
     def record(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
         """Nothing to keep of the target's forward (the draft model reads tokens only)."""
+
+    def hold(self, request_ids: list[str]) -> None:
+        """Nothing to complete: after a prefill the draft's cache holds the prompt."""
 
     def forget(self, request_ids: list[str]) -> None:
         """Nothing kept per request outside the cache."""

@@ -2,13 +2,14 @@
 drafter's pools counted) and checked against the device, the pools, the model runner, the cache
 manager, the model drafter (whose reads of the target decide whether steps may be graphed), the
 CUDA graphs of decode steps (and, with speculation in a world of one, of verify steps and their
-rollbacks), and the KDA state checkpoints of prefix caching. :mod:`.core` drives them.
+rollbacks), the KDA state checkpoints of prefix caching, and the caches a request's KV transfer
+moves (with a hidden drafter's prompt cache). :mod:`.core` drives them.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +39,7 @@ class EngineParts:
     runner: ModelRunner
     cache_manager: CacheManager | GroupCacheManager  # a world's CP group's: GroupCacheManager
     draft_runner: ModelDrafter | None
+    transfer_caches: ModelCaches  # `caches`, and a hidden drafter's prompt cache (``draft``) where it has one
 
 
 def build_engine_parts(model: torch.nn.Module, model_config: KimiModelConfig, cache: CacheConfig,
@@ -67,4 +69,6 @@ def build_engine_parts(model: torch.nn.Module, model_config: KimiModelConfig, ca
         logger.info("decode CUDA graphs off: %s", graphs_off)
     if cache_manager.prefix_caching:
         runner.checkpoints = allocate_checkpoints(spec, layout, device)
-    return EngineParts(layout, caches, runner, cache_manager, draft_runner)
+    prompt_cache = draft_runner.prompt_cache if draft_runner is not None else None
+    transfer_caches = replace(caches, draft=prompt_cache) if prompt_cache is not None else caches
+    return EngineParts(layout, caches, runner, cache_manager, draft_runner, transfer_caches)

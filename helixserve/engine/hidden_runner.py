@@ -21,12 +21,21 @@ its pool holds ``cp * num_blocks`` pages, page ``r * num_blocks + p`` for block 
 ``r`` (the group's full-row table, :meth:`~helixserve.kvcache.group_cache.GroupCacheManager.full_row_table`).
 It has no KDA state, so nothing rolls back.
 
-**A prompt cache from a ctx worker** (a disaggregated gen worker): the target's hidden states of
-the prompt are not on the gen side. :meth:`HiddenDraftRunner.prefill` writes the drafter's cache of
-the prompt positions from the prompt tokens with zero features (the drafter's own forward over the
-prompt, no target forward); the drafter reads the target's features from the first decoded
-position on. Drafts are still verified by the target, so the output is exact; the drafter's cache
-of the prompt differs from an aggregated run's, so its drafts and acceptance may differ.
+**A prompt cache from a ctx worker** (disaggregated serving): the target's hidden states of the
+prompt are on the ctx worker. A ctx engine with this drafter runs it over the prompt as any engine
+does (each prefill chunk's catch-up); when the prefill finishes with its cache held,
+:meth:`HiddenDraftRunner.hold` writes the rows the first decoded step would catch up (all but that
+position) and keeps the target's features of the last prompt position at the request's slot
+(``prompt_cache.features``). The transceiver sends both, the drafter's pages and that row
+(``prompt_cache``, :class:`~helixserve.cache_layout.DraftCaches`), to the gen CP group's leader,
+whose receiver marks the request (``prompt_cache.received``); :meth:`HiddenDraftRunner.prefill`
+then only sets the request's catch-up to start at the first decoded position with that row: the
+leader drafts exactly as an aggregated engine would. A request whose ctx sent no drafter cache
+(another drafter or none there, or a shard copied out of the ctx's pools) gets the drafter's cache
+of the prompt written from the prompt tokens with zero features (the drafter's own forward over
+the prompt, no target forward); the drafter reads the target's features from the first decoded
+position on. Drafts are verified by the target either way, so the output is exact; without the
+ctx's cache the drafts and acceptance may differ from an aggregated run's.
 
 **A step** (:meth:`HiddenDraftRunner.propose`), for a scheduled sequence at context ``c`` whose
 drafter cache holds positions ``< d``:
@@ -53,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from helixserve.cache_layout import ModelCaches, cache_spec_for
+from helixserve.cache_layout import DraftCaches, ModelCaches, cache_spec_for
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_runner import DraftPages, full_row_caches, received_prompt_rows
@@ -99,7 +108,10 @@ def build_hidden_runner(speculative: SpeculativeConfig, cfg: KimiModelConfig, dt
     spec = cache_spec_for(cfg, dtype, layout.tokens_per_block, kda_num_heads=cfg.kda_num_heads)
     logger.info("hidden drafter %s loaded (%s, %s), reading target layers %s", speculative.draft_model, dtype,
                 device, list(model.spec.hidden_layers))
-    return HiddenDraftRunner(model, full_row_caches(spec, layout, cp, device), device, pages)
+    runner = HiddenDraftRunner(model, full_row_caches(spec, layout, cp, device), device, pages)
+    features = torch.zeros(layout.num_slots + 1, runner.num_features, dtype=dtype, device=device)  # (a spare slot)
+    runner.prompt_cache = DraftCaches(runner.caches.mla_kv, features, pages.full_row_table)
+    return runner
 
 
 @dataclass(slots=True)
@@ -122,19 +134,64 @@ class HiddenDraftRunner:
         self.capture_layers: tuple[int, ...] | None = model.spec.hidden_layers
         self._num_features = len(model.spec.hidden_layers) * model.spec.target_hidden_size
         self._seqs: dict[str, _SeqState] = {}
+        self.prompt_cache: DraftCaches | None = None  # what travels with a request (see the module docstring)
+
+    @property
+    def num_features(self) -> int:
+        """Target features a drafter row reads (its hidden layers' outputs side by side)."""
+        return self._num_features
 
     @torch.inference_mode()
     def prefill(self, request: Request, chunk_tokens: int) -> None:
-        """Write the drafter's cache of ``request``'s cached tokens (``num_computed_tokens`` of its
-        prompt and outputs), ``chunk_tokens`` at a time, with zero features: a request started on a
-        prompt cache from a ctx worker, whose target hidden states are not here (module docstring).
-        Its next catch-up starts at the first position the gen computes."""
+        """A request started on a prompt cache from a ctx worker (module docstring): when the
+        drafter's cache of the prompt came with it (``prompt_cache.received``), its next catch-up
+        is the first decoded position, reading the target's features of the last prompt position
+        that came along. Else write the drafter's cache of its cached tokens
+        (``num_computed_tokens`` of its prompt and outputs), ``chunk_tokens`` at a time, with zero
+        features; its next catch-up starts at the first position the gen computes."""
+        rid, n = request.request_id, request.num_computed_tokens
+        if self.prompt_cache is not None and rid in self.prompt_cache.received:
+            self.prompt_cache.received.discard(rid)
+            slot = self.pages.get(rid).slot
+            assert slot is not None  # the receiver takes the drafter's cache only with a slot
+            tokens = request.prompt_token_ids + request.output_token_ids
+            self._seqs[rid] = _SeqState(synced=n, start=n - 1, tokens=[tokens[n - 1]],
+                                        features=self.prompt_cache.features[slot: slot + 1].clone())
+            return
         for seq in received_prompt_rows(self.pages, request, chunk_tokens):
             fused = self.model.fuse(torch.zeros(len(seq.token_ids), self._num_features, dtype=self.model.dtype,
                                                 device=self.device))
             self._forward([seq], fused, None)
-        n = request.num_computed_tokens
-        self._seqs[request.request_id] = _SeqState(synced=n, start=n)
+        self._seqs[rid] = _SeqState(synced=n, start=n)
+
+    @torch.inference_mode()
+    def hold(self, request_ids: list[str]) -> None:
+        """Requests whose cache is held for a gen worker (a ctx worker's finished prefills): write
+        the drafter's cache of their prompt rows not written yet (the catch-up an aggregated engine
+        runs at the first decoded position, less that position) and keep the target's features of
+        the last prompt position at the request's slot (``prompt_cache.features``): both travel
+        with the request (module docstring)."""
+        if self.prompt_cache is None or not request_ids:
+            return
+        rows, features, is_written = [], [], False
+        for rid in request_ids:
+            state = self._seqs.get(rid)
+            slot = self.pages.get(rid).slot
+            if state is None or not state.tokens or state.features is None or slot is None:
+                continue
+            last = state.start + len(state.tokens) - 1  # the last prompt position
+            self.prompt_cache.features[slot].copy_(state.features[-1])
+            is_written = True
+            if state.synced <= last:
+                table = self.pages.full_row_table(rid)
+                seq = ScheduledSeq(rid, [state.tokens[-1]], last, table, slot, is_prefill=False, sample=False)
+                row, feats = self._catch_up(seq, table)
+                rows.append(row)
+                features.append(feats)
+        if rows:
+            self._forward(rows, self.model.fuse(torch.cat(features)), None)
+        if is_written and self.device.type == "cuda":  # the KV sender reads these pages and rows once this returns
+            torch.cuda.current_stream(self.device).synchronize()
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput) -> KdaRecord | None:
@@ -218,9 +275,11 @@ class HiddenDraftRunner:
         """Nothing to roll back: the drafter has no KDA state (its rejected rows are rewritten)."""
 
     def forget(self, request_ids: list[str]) -> None:
-        """Drop finished or aborted requests' rows."""
+        """Drop finished or aborted requests' rows (and a received prompt cache not started)."""
         for rid in request_ids:
             self._seqs.pop(rid, None)
+            if self.prompt_cache is not None:
+                self.prompt_cache.received.discard(rid)
 
 
 def _draft_row(seq: ScheduledSeq, j: int, table: list[int]) -> ScheduledSeq:

@@ -4,7 +4,9 @@ before each step's target forward, in a single process or on a world's CP group 
 caches on full rows named by the target's pages (a draft model may instead run on every rank of the
 group, its heads split: ``speculative.draft_tensor_parallel_size``); the engine drives either through the same calls
 (``prefill`` of a prompt cache received from a ctx worker, ``propose`` before the forward,
-``record`` after it, ``rollback`` after the verification, ``forget`` at a request's end)."""
+``record`` after it, ``rollback`` after the verification, ``hold`` when a prefill's cache is held
+for its gen worker, ``forget`` at a request's end); ``prompt_cache``: what of the drafter's cache
+travels with a request (a hidden drafter's; none for a draft model)."""
 
 from __future__ import annotations
 

@@ -148,6 +148,10 @@ class Scheduler:
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
 
+    def is_held(self, request_id: str) -> bool:
+        """Whether ``request_id`` finished with its cache held (until ``release``)."""
+        return self._releases.is_held(request_id)
+
     @property
     def num_held(self) -> int:
         return self._releases.num_held

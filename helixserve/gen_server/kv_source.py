@@ -198,18 +198,22 @@ class UcxKVSource(KVSource):
                 async for out in outputs:
                     if not is_received:
                         is_received = True
-                        self._count_received(len(prompt), time.monotonic() - began)
+                        self._count_received(len(prompt), time.monotonic() - began, ticket.layout)
                     yield out
         except EngineError as err:
             if not is_received and err.code in KV_ERROR_CODES:
                 self.num_failed += 1
             raise
 
-    def _count_received(self, num_prompt_tokens: int, seconds: float) -> None:
+    def _count_received(self, num_prompt_tokens: int, seconds: float, advertised: KVLayout) -> None:
         self.num_completed += 1
         self.seconds_received += seconds
+        # a drafter's prompt cache came along when the ctx advertised this worker's drafter
+        layout = self.layout
+        if advertised.draft != layout.draft:
+            layout = layout.model_copy(update={"draft": None})
         self.bytes_received += sum(segment.nbytes for cp_rank in range(self.cp) for segment in
-                                   shard_segments(ShardSpec(self.layout, num_prompt_tokens, cp_rank, self.cp)))
+                                   shard_segments(ShardSpec(layout, num_prompt_tokens, cp_rank, self.cp)))
 
     def stats(self) -> dict[str, float]:
         return {"kv_transfer_bytes": self.bytes_received, "kv_transfer_seconds": self.seconds_received,

@@ -20,6 +20,7 @@ from helixserve.engine.world_rank import ShardReceiverFactory, WorldOptions, pic
 from helixserve.models.dummy import model_config_of
 from helixserve.parallel import DistEnv
 from helixserve.protocol import KVLayout
+from helixserve.serving.loading import drafter_prompt_layout
 from helixserve.serving.world_core import start_served_world
 from helixserve.serving.world_supervisor import ServedWorld
 from helixserve.transceiver.layout import layout_for
@@ -33,7 +34,8 @@ def world_layout(deploy: DeploymentConfig, server: GenServerConfig, options: Wor
     backend = pick_backend(server.world_size, options.backend)
     dtype = resolve_dtype(options.dtype, torch.device("cuda" if backend == "nccl" else "cpu"))
     cfg = model_config_of(deploy.model.path, deploy.model.load_format)
-    return layout_for(cfg, dtype, deploy.cache.tokens_per_block, deploy.model.name)
+    return layout_for(cfg, dtype, deploy.cache.tokens_per_block, deploy.model.name,
+                      drafter_prompt_layout(server.speculative, dtype))
 
 
 def start_gen_world(deploy: DeploymentConfig, server: GenServerConfig, options: WorldOptions,

@@ -59,6 +59,27 @@ class TransceiverEndpoint(_Strict):
 
 MAX_CTX_RANKS = 1024  # ctx_endpoints a request may name
 CTX_MAPPING_FIELDS = frozenset({"ctx_tp_size", "ctx_rank"})  # KVLayout's fields of the ctx world's sharding
+SIDE_FIELDS = CTX_MAPPING_FIELDS | {"draft"}  # fields that may differ between two sides that can pair up
+
+
+class DraftLayout(_Strict):
+    """A hidden-state drafter's prompt cache, as it travels with a request from a ctx worker that
+    runs the drafter over the prompt to the gen CP group's leader (``speculative.method: hidden``
+    on both sides).
+
+    Per request of ``P`` prompt tokens: for each of the drafter's ``num_layers`` MLA layers, the
+    ``ceil(P / tokens_per_block)`` blocks ``[tokens_per_block, kv_lora_rank + qk_rope_head_dim]``
+    in ``kv_dtype`` (full rows: every block, whichever CP rank holds the target's), and one row of
+    ``feature_size`` target features in ``kv_dtype`` (the target's hidden states at the last prompt
+    position, which the drafter reads at the first decoded one). ``model`` names the drafter.
+    """
+
+    model: NonEmptyStr
+    num_layers: PositiveInt
+    kv_lora_rank: PositiveInt
+    qk_rope_head_dim: NonNegativeInt
+    feature_size: PositiveInt
+    kv_dtype: DType
 
 
 class KVLayout(_Strict):
@@ -80,6 +101,9 @@ class KVLayout(_Strict):
     conv_dtype: DType
     ctx_tp_size: PositiveInt = 1
     ctx_rank: NonNegativeInt = 0
+    # a hidden drafter's prompt cache the ctx builds and sends (None: none); a gen side that runs
+    # another drafter, or none, leaves it where it is
+    draft: DraftLayout | None = None
 
     @model_validator(mode="after")
     def _check_shards(self) -> Self:
@@ -107,11 +131,12 @@ class KVLayout(_Strict):
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.tokens_per_block)
 
-    def mismatches(self, other: KVLayout, *, ignore: frozenset[str] = CTX_MAPPING_FIELDS) -> list[str]:
+    def mismatches(self, other: KVLayout, *, ignore: frozenset[str] = SIDE_FIELDS) -> list[str]:
         """``"field: ours != theirs"`` for every differing field (empty list = compatible).
 
         ``ctx_tp_size`` and ``ctx_rank`` are ignored by default: they say how the ctx side shards,
-        not what it holds.
+        not what it holds; and ``draft``: a drafter's prompt cache travels only when both sides
+        name the same one (a gen side falls back to rebuilding it otherwise).
         """
         return [f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
                 for name in type(self).model_fields

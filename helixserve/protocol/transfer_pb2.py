@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"helixserve/protocol/transfer.proto\x12\x13helixserve.transfer\"\xb9\x02\n\x0cShardRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\t\x12\x10\n\x08gen_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x63p_rank\x18\x03 \x01(\r\x12\x0f\n\x07\x63p_size\x18\x04 \x01(\r\x12\x13\n\x0blayout_json\x18\x05 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x06 \x01(\x0c\x12\x10\n\x08tag_base\x18\x07 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\n \x01(\x04\x12\x15\n\rdst_block_ids\x18\x0b \x03(\x03\x12\x10\n\x08\x64st_slot\x18\x0c \x01(\x03\x12\x12\n\npull_epoch\x18\r \x01(\x04\x12\x12\n\npack_bytes\x18\x0e \x01(\x04\"\xbc\x01\n\x11PayloadDescriptor\x12\x39\n\x04kind\x18\x01 \x01(\x0e\x32+.helixserve.transfer.PayloadDescriptor.Kind\x12\x15\n\rfirst_message\x18\x02 \x01(\x04\x12\x16\n\x0emessage_nbytes\x18\x03 \x03(\x04\"=\n\x04Kind\x12\r\n\tKV_BLOCKS\x10\x00\x12\r\n\tKDA_STATE\x10\x01\x12\x0e\n\nCONV_STATE\x10\x02\x12\x07\n\x03\x41UX\x10\x03\"\xdc\x01\n\nShardReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x15\n\rmessage_bytes\x18\x04 \x01(\x04\x12\x38\n\x08payloads\x18\x05 \x03(\x0b\x32&.helixserve.transfer.PayloadDescriptor\x12,\n\x04pull\x18\x06 \x01(\x0b\x32\x1e.helixserve.transfer.PullShard\x12\x12\n\npack_bytes\x18\x07 \x01(\x04\"A\n\tPullShard\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\x03\x12\x10\n\x08src_slot\x18\x02 \x01(\x03\x12\x0b\n\x03\x61ux\x18\x03 \x03(\x03\"1\n\x0cPoolsRequest\x12\x10\n\x08gen_rank\x18\x01 \x01(\r\x12\x0f\n\x07host_id\x18\x02 \x01(\t\"\xb1\x01\n\nIpcStorage\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"\xc7\x01\n\tIpcTensor\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.helixserve.transfer.IpcTensor.Kind\x12\x10\n\x08layer_id\x18\x02 \x01(\r\x12\x0f\n\x07storage\x18\x03 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\"1\n\x04Kind\x12\n\n\x06MLA_KV\x10\x00\x12\r\n\tKDA_STATE\x10\x01\x12\x0e\n\nCONV_STATE\x10\x02\"\xf3\x01\n\nPoolsReply\x12\x11\n\tsupported\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\x12\x31\n\x08storages\x18\x05 \x03(\x0b\x32\x1f.helixserve.transfer.IpcStorage\x12/\n\x07tensors\x18\x06 \x03(\x0b\x32\x1e.helixserve.transfer.IpcTensor\x12\x11\n\tgrant_key\x18\x07 \x01(\x0c\x12\x12\n\nlease_path\x18\x08 \x01(\t\x12\x13\n\x0blease_words\x18\t \x01(\r\"Z\n\rCancelRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63p_rank\x18\x02 \x01(\r\x12\x10\n\x08gen_rank\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x80\x01\n\x0b\x43\x61ncelReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1b\n\x13num_posted_messages\x18\x02 \x01(\x04\x12\x15\n\rmessage_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x12\n\npack_bytes\x18\x05 \x01(\x04\"x\n\nAckRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63p_rank\x18\x02 \x01(\r\x12\x10\n\x08gen_rank\x18\x03 \x01(\r\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07\x63p_size\x18\x06 \x01(\r\"(\n\x08\x41\x63kReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t2\xd4\x02\n\nKVTransfer\x12R\n\x0cRequestShard\x12!.helixserve.transfer.ShardRequest\x1a\x1f.helixserve.transfer.ShardReply\x12N\n\x06\x43\x61ncel\x12\".helixserve.transfer.CancelRequest\x1a .helixserve.transfer.CancelReply\x12M\n\x0b\x41\x63knowledge\x12\x1f.helixserve.transfer.AckRequest\x1a\x1d.helixserve.transfer.AckReply\x12S\n\rDescribePools\x12!.helixserve.transfer.PoolsRequest\x1a\x1f.helixserve.transfer.PoolsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"helixserve/protocol/transfer.proto\x12\x13helixserve.transfer\"\xb9\x02\n\x0cShardRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\t\x12\x10\n\x08gen_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x63p_rank\x18\x03 \x01(\r\x12\x0f\n\x07\x63p_size\x18\x04 \x01(\r\x12\x13\n\x0blayout_json\x18\x05 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x06 \x01(\x0c\x12\x10\n\x08tag_base\x18\x07 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\n \x01(\x04\x12\x15\n\rdst_block_ids\x18\x0b \x03(\x03\x12\x10\n\x08\x64st_slot\x18\x0c \x01(\x03\x12\x12\n\npull_epoch\x18\r \x01(\x04\x12\x12\n\npack_bytes\x18\x0e \x01(\x04\"\xc7\x01\n\x11PayloadDescriptor\x12\x39\n\x04kind\x18\x01 \x01(\x0e\x32+.helixserve.transfer.PayloadDescriptor.Kind\x12\x15\n\rfirst_message\x18\x02 \x01(\x04\x12\x16\n\x0emessage_nbytes\x18\x03 \x03(\x04\"H\n\x04Kind\x12\r\n\tKV_BLOCKS\x10\x00\x12\r\n\tKDA_STATE\x10\x01\x12\x0e\n\nCONV_STATE\x10\x02\x12\x07\n\x03\x41UX\x10\x03\x12\t\n\x05\x44RAFT\x10\x04\"\xdc\x01\n\nShardReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x15\n\rmessage_bytes\x18\x04 \x01(\x04\x12\x38\n\x08payloads\x18\x05 \x03(\x0b\x32&.helixserve.transfer.PayloadDescriptor\x12,\n\x04pull\x18\x06 \x01(\x0b\x32\x1e.helixserve.transfer.PullShard\x12\x12\n\npack_bytes\x18\x07 \x01(\x04\"A\n\tPullShard\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\x03\x12\x10\n\x08src_slot\x18\x02 \x01(\x03\x12\x0b\n\x03\x61ux\x18\x03 \x03(\x03\"1\n\x0cPoolsRequest\x12\x10\n\x08gen_rank\x18\x01 \x01(\r\x12\x0f\n\x07host_id\x18\x02 \x01(\t\"\xb1\x01\n\nIpcStorage\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"\xe9\x01\n\tIpcTensor\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.helixserve.transfer.IpcTensor.Kind\x12\x10\n\x08layer_id\x18\x02 \x01(\r\x12\x0f\n\x07storage\x18\x03 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\"S\n\x04Kind\x12\n\n\x06MLA_KV\x10\x00\x12\r\n\tKDA_STATE\x10\x01\x12\x0e\n\nCONV_STATE\x10\x02\x12\x0c\n\x08\x44RAFT_KV\x10\x03\x12\x12\n\x0e\x44RAFT_FEATURES\x10\x04\"\xf3\x01\n\nPoolsReply\x12\x11\n\tsupported\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\x12\x31\n\x08storages\x18\x05 \x03(\x0b\x32\x1f.helixserve.transfer.IpcStorage\x12/\n\x07tensors\x18\x06 \x03(\x0b\x32\x1e.helixserve.transfer.IpcTensor\x12\x11\n\tgrant_key\x18\x07 \x01(\x0c\x12\x12\n\nlease_path\x18\x08 \x01(\t\x12\x13\n\x0blease_words\x18\t \x01(\r\"Z\n\rCancelRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63p_rank\x18\x02 \x01(\r\x12\x10\n\x08gen_rank\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x80\x01\n\x0b\x43\x61ncelReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1b\n\x13num_posted_messages\x18\x02 \x01(\x04\x12\x15\n\rmessage_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x12\n\npack_bytes\x18\x05 \x01(\x04\"x\n\nAckRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63p_rank\x18\x02 \x01(\r\x12\x10\n\x08gen_rank\x18\x03 \x01(\r\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07\x63p_size\x18\x06 \x01(\r\"(\n\x08\x41\x63kReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t2\xd4\x02\n\nKVTransfer\x12R\n\x0cRequestShard\x12!.helixserve.transfer.ShardRequest\x1a\x1f.helixserve.transfer.ShardReply\x12N\n\x06\x43\x61ncel\x12\".helixserve.transfer.CancelRequest\x1a .helixserve.transfer.CancelReply\x12M\n\x0b\x41\x63knowledge\x12\x1f.helixserve.transfer.AckRequest\x1a\x1d.helixserve.transfer.AckReply\x12S\n\rDescribePools\x12!.helixserve.transfer.PoolsRequest\x1a\x1f.helixserve.transfer.PoolsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDREQUEST']._serialized_start=60
   _globals['_SHARDREQUEST']._serialized_end=373
   _globals['_PAYLOADDESCRIPTOR']._serialized_start=376
-  _globals['_PAYLOADDESCRIPTOR']._serialized_end=564
+  _globals['_PAYLOADDESCRIPTOR']._serialized_end=575
   _globals['_PAYLOADDESCRIPTOR_KIND']._serialized_start=503
-  _globals['_PAYLOADDESCRIPTOR_KIND']._serialized_end=564
-  _globals['_SHARDREPLY']._serialized_start=567
-  _globals['_SHARDREPLY']._serialized_end=787
-  _globals['_PULLSHARD']._serialized_start=789
-  _globals['_PULLSHARD']._serialized_end=854
-  _globals['_POOLSREQUEST']._serialized_start=856
-  _globals['_POOLSREQUEST']._serialized_end=905
-  _globals['_IPCSTORAGE']._serialized_start=908
-  _globals['_IPCSTORAGE']._serialized_end=1085
-  _globals['_IPCTENSOR']._serialized_start=1088
-  _globals['_IPCTENSOR']._serialized_end=1287
-  _globals['_IPCTENSOR_KIND']._serialized_start=1238
-  _globals['_IPCTENSOR_KIND']._serialized_end=1287
-  _globals['_POOLSREPLY']._serialized_start=1290
-  _globals['_POOLSREPLY']._serialized_end=1533
-  _globals['_CANCELREQUEST']._serialized_start=1535
-  _globals['_CANCELREQUEST']._serialized_end=1625
-  _globals['_CANCELREPLY']._serialized_start=1628
-  _globals['_CANCELREPLY']._serialized_end=1756
-  _globals['_ACKREQUEST']._serialized_start=1758
-  _globals['_ACKREQUEST']._serialized_end=1878
-  _globals['_ACKREPLY']._serialized_start=1880
-  _globals['_ACKREPLY']._serialized_end=1920
-  _globals['_KVTRANSFER']._serialized_start=1923
-  _globals['_KVTRANSFER']._serialized_end=2263
+  _globals['_PAYLOADDESCRIPTOR_KIND']._serialized_end=575
+  _globals['_SHARDREPLY']._serialized_start=578
+  _globals['_SHARDREPLY']._serialized_end=798
+  _globals['_PULLSHARD']._serialized_start=800
+  _globals['_PULLSHARD']._serialized_end=865
+  _globals['_POOLSREQUEST']._serialized_start=867
+  _globals['_POOLSREQUEST']._serialized_end=916
+  _globals['_IPCSTORAGE']._serialized_start=919
+  _globals['_IPCSTORAGE']._serialized_end=1096
+  _globals['_IPCTENSOR']._serialized_start=1099
+  _globals['_IPCTENSOR']._serialized_end=1332
+  _globals['_IPCTENSOR_KIND']._serialized_start=1249
+  _globals['_IPCTENSOR_KIND']._serialized_end=1332
+  _globals['_POOLSREPLY']._serialized_start=1335
+  _globals['_POOLSREPLY']._serialized_end=1578
+  _globals['_CANCELREQUEST']._serialized_start=1580
+  _globals['_CANCELREQUEST']._serialized_end=1670
+  _globals['_CANCELREPLY']._serialized_start=1673
+  _globals['_CANCELREPLY']._serialized_end=1801
+  _globals['_ACKREQUEST']._serialized_start=1803
+  _globals['_ACKREQUEST']._serialized_end=1923
+  _globals['_ACKREPLY']._serialized_start=1925
+  _globals['_ACKREPLY']._serialized_end=1965
+  _globals['_KVTRANSFER']._serialized_start=1968
+  _globals['_KVTRANSFER']._serialized_end=2308
 # @@protoc_insertion_point(module_scope)

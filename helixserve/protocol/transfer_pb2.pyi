@@ -47,10 +47,12 @@ class PayloadDescriptor(_message.Message):
         KDA_STATE: _ClassVar[PayloadDescriptor.Kind]
         CONV_STATE: _ClassVar[PayloadDescriptor.Kind]
         AUX: _ClassVar[PayloadDescriptor.Kind]
+        DRAFT: _ClassVar[PayloadDescriptor.Kind]
     KV_BLOCKS: PayloadDescriptor.Kind
     KDA_STATE: PayloadDescriptor.Kind
     CONV_STATE: PayloadDescriptor.Kind
     AUX: PayloadDescriptor.Kind
+    DRAFT: PayloadDescriptor.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     FIRST_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -120,9 +122,13 @@ class IpcTensor(_message.Message):
         MLA_KV: _ClassVar[IpcTensor.Kind]
         KDA_STATE: _ClassVar[IpcTensor.Kind]
         CONV_STATE: _ClassVar[IpcTensor.Kind]
+        DRAFT_KV: _ClassVar[IpcTensor.Kind]
+        DRAFT_FEATURES: _ClassVar[IpcTensor.Kind]
     MLA_KV: IpcTensor.Kind
     KDA_STATE: IpcTensor.Kind
     CONV_STATE: IpcTensor.Kind
+    DRAFT_KV: IpcTensor.Kind
+    DRAFT_FEATURES: IpcTensor.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYER_ID_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+
+import torch
 
 from helixserve.config import DeploymentConfig, SpeculativeConfig
+from helixserve.dtypes import dtype_name
 from helixserve.engine.async_engine import AsyncEngine, EngineCoreLike
 from helixserve.engine.core import EngineCore
 from helixserve.engine.llm import LLM
@@ -12,8 +16,10 @@ from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.generation_config import load_generation_defaults
+from helixserve.models.hidden_drafter import read_hidden_drafter_config
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
+from helixserve.protocol.disagg import DraftLayout
 from helixserve.serving.openai_serving import ServingLimits, max_bytes_per_token
 from helixserve.serving.prefix_metrics import PrefixCacheCollector
 from helixserve.serving.worker_app import Worker
@@ -35,10 +41,26 @@ def load_engine(deploy: DeploymentConfig, speculative: SpeculativeConfig | None 
     return llm.driver, llm.tokenizer, llm.model_config
 
 
-def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str) -> KVLayout:
+def drafter_prompt_layout(speculative: SpeculativeConfig | None, dtype: torch.dtype) -> DraftLayout | None:
+    """The prompt cache of the ``hidden`` method's drafter as it travels from a ctx worker to a gen
+    CP group's leader (``KVLayout.draft``; ``None``: another method, or none), at the target's
+    ``dtype``: its MLA layers' pages and one row of target features."""
+    if speculative is None or speculative.method != "hidden":
+        return None
+    assert speculative.draft_model is not None
+    cfg, spec = read_hidden_drafter_config(speculative.draft_model)
+    return DraftLayout(model=Path(speculative.draft_model).name, num_layers=len(cfg.mla_layer_ids),
+                       kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                       feature_size=len(spec.hidden_layers) * spec.target_hidden_size, kv_dtype=dtype_name(dtype))
+
+
+def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str,
+              speculative: SpeculativeConfig | None = None) -> KVLayout:
     """The cache layout ``core`` holds (ctx sends it; gen checks it against its own): the one
-    builder, :func:`~helixserve.transceiver.layout.layout_for`, on the engine's model dtype."""
-    return layout_for(cfg, core.runner.model.dtype, core.layout.tokens_per_block, served_model)
+    builder, :func:`~helixserve.transceiver.layout.layout_for`, on the engine's model dtype; with
+    ``speculative`` the prompt cache of its hidden drafter too."""
+    dtype = core.runner.model.dtype
+    return layout_for(cfg, dtype, core.layout.tokens_per_block, served_model, drafter_prompt_layout(speculative, dtype))
 
 
 def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device: str | None = None,
@@ -51,7 +73,7 @@ def make_worker(role: str, deploy: DeploymentConfig, max_queue_len: int, device:
         deploy = deploy.model_copy(update={"model": deploy.model.model_copy(update={"device": device})})
     driver, tokenizer, cfg = load_engine(deploy, speculative)
     core = driver.core
-    worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name),
+    worker = wrap_core(role, deploy, driver, tokenizer, cfg, kv_layout(core, cfg, deploy.model.name, speculative),
                        core.layout.max_model_len, max_queue_len)
     if speculative is not None:
         worker.export_spec_decode(lambda: driver.spec_stats)

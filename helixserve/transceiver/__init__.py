@@ -35,7 +35,7 @@ from helixserve.transceiver.polling import PollResult, TransferMetrics, Transfer
 
 _LAZY = {
     "KVSender": "ctx.sender", "SenderStats": "ctx.sender", "KVReceiver": "gen.receiver",
-    "LayoutMismatchError": "layout", "layout_for": "layout",
+    "LayoutMismatchError": "layout_match", "layout_for": "layout",
 }
 
 

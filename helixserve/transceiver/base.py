@@ -56,6 +56,7 @@ class PayloadKind(enum.Enum):
     KDA_STATE = "kda_state"
     CONV_STATE = "conv_state"
     AUX = "aux"
+    DRAFT = "draft"  # a hidden drafter's prompt cache (layout.shard_segments)
 
 
 class TransceiverError(RuntimeError):

@@ -17,8 +17,9 @@ GPU this process cannot see, another GPU than this rank's, containers without ``
 keeps using the tagged UCX stream.
 
 - ctx (:class:`PoolExport`): ``describe`` answers DescribePools: the pools' storages (one per
-  CUDA allocation), each cache tensor as (storage, byte offset, shape, dtype), the GPU's UUID and
-  an ``epoch`` naming this export; ``supported=False`` with the reason when the caches are not on
+  CUDA allocation), each cache tensor as (storage, byte offset, shape, dtype) (a hidden drafter's
+  prompt cache too, ``DRAFT_KV`` / ``DRAFT_FEATURES``), the GPU's UUID and an ``epoch`` naming
+  this export; ``supported=False`` with the reason when the caches are not on
   a GPU or the caller is on another host.
 - gen (:class:`PoolDirectory`): per ctx endpoint, DescribePools once (asynchronously; requests
   use the tagged stream until it answered), then :func:`open_pools` checks the tensors against
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from helixserve.cache_layout import ModelCaches
+from helixserve.cache_layout import DraftCaches, ModelCaches
 from helixserve.dtypes import ITEMSIZE, dtype_name, itemsize, torch_dtype
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
@@ -125,23 +126,33 @@ class PoolExport:
             reply.grant_key, reply.lease_path, reply.lease_words = (
                 self.grant_key, str(self.lease.path), self.lease.num_words)
         storages: dict[tuple[bytes, int], int] = {}
-        for kind, name in _KIND_FIELDS.items():
-            for layer_id, tensor in sorted(getattr(self.caches, name).items()):
-                storage = tensor.untyped_storage()
-                (_, handle, size, offset, ref_handle, ref_offset, event_handle,
-                 event_sync) = storage._share_cuda_()
-                key = (bytes(handle), int(offset))
-                if key not in storages:
-                    storages[key] = len(reply.storages)
-                    reply.storages.append(pb.IpcStorage(
-                        handle=handle, size_bytes=size, offset_bytes=offset, ref_counter_handle=ref_handle,
-                        ref_counter_offset=ref_offset, event_handle=event_handle or b"",
-                        event_sync_required=bool(event_sync)))
-                reply.tensors.append(pb.IpcTensor(
-                    kind=kind, layer_id=layer_id, storage=storages[key],
-                    byte_offset=tensor.storage_offset() * tensor.element_size(), shape=list(tensor.shape),
-                    dtype=dtype_name(tensor.dtype)))
+        for kind, layer_id, tensor in _exported_tensors(self.caches):
+            storage = tensor.untyped_storage()
+            (_, handle, size, offset, ref_handle, ref_offset, event_handle,
+             event_sync) = storage._share_cuda_()
+            key = (bytes(handle), int(offset))
+            if key not in storages:
+                storages[key] = len(reply.storages)
+                reply.storages.append(pb.IpcStorage(
+                    handle=handle, size_bytes=size, offset_bytes=offset, ref_counter_handle=ref_handle,
+                    ref_counter_offset=ref_offset, event_handle=event_handle or b"",
+                    event_sync_required=bool(event_sync)))
+            reply.tensors.append(pb.IpcTensor(
+                kind=kind, layer_id=layer_id, storage=storages[key],
+                byte_offset=tensor.storage_offset() * tensor.element_size(), shape=list(tensor.shape),
+                dtype=dtype_name(tensor.dtype)))
         return reply
+
+
+def _exported_tensors(caches: ModelCaches) -> list[tuple[int, int, torch.Tensor]]:
+    """``(IpcTensor kind, layer id, tensor)`` of every pool a ctx exports: the cache's, and a hidden
+    drafter's prompt cache where the ctx has one (``caches.draft``)."""
+    out = [(kind, layer_id, tensor) for kind, name in _KIND_FIELDS.items()
+           for layer_id, tensor in sorted(getattr(caches, name).items())]
+    if caches.draft is not None:
+        out += [(pb.IpcTensor.DRAFT_KV, layer_id, tensor) for layer_id, tensor in sorted(caches.draft.mla_kv.items())]
+        out.append((pb.IpcTensor.DRAFT_FEATURES, 0, caches.draft.features))
+    return out
 
 
 @dataclass(slots=True)
@@ -174,8 +185,11 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
         raise IpcOpenError(f"opening the ctx's CUDA IPC handles failed: {type(error).__name__}: {error}") from None
     flats = [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (s.nbytes(),)) for s in storages]
     caches = ModelCaches(layout.tokens_per_block)
+    draft_kv: dict[int, torch.Tensor] = {}
+    features = None
     for t in reply.tensors:
-        if t.kind not in _KIND_FIELDS or t.storage >= len(storages) or t.dtype not in ITEMSIZE:
+        is_draft = t.kind in (pb.IpcTensor.DRAFT_KV, pb.IpcTensor.DRAFT_FEATURES)
+        if (t.kind not in _KIND_FIELDS and not is_draft) or t.storage >= len(storages) or t.dtype not in ITEMSIZE:
             raise IpcOpenError(f"malformed pool entry for layer {t.layer_id}")
         size = itemsize(t.dtype)
         nbytes = math.prod(int(dim) for dim in t.shape) * size
@@ -183,7 +197,12 @@ def open_pools(reply: pb.PoolsReply, layout: KVLayout, device: torch.device) -> 
         if t.byte_offset + nbytes > flat.numel() or t.byte_offset % size:
             raise IpcOpenError(f"layer {t.layer_id}'s pool does not fit its {flat.numel()}-byte storage")
         view = flat[t.byte_offset : t.byte_offset + nbytes].view(torch_dtype(t.dtype)).view(tuple(t.shape))
-        getattr(caches, _KIND_FIELDS[t.kind])[int(t.layer_id)] = view
+        if t.kind == pb.IpcTensor.DRAFT_FEATURES:
+            features = view
+        else:
+            (draft_kv if is_draft else getattr(caches, _KIND_FIELDS[t.kind]))[int(t.layer_id)] = view
+    if draft_kv and features is not None:  # the drafter's prompt cache (pull.PullPair checks its shapes)
+        caches.draft = DraftCaches(draft_kv, features, lambda request_id: [])
     try:
         check_caches(layout, caches, _exported_heads(caches, layout))
     except ValueError as error:

@@ -7,6 +7,9 @@ The shard of a receiver with (cp_rank r, cp_size c), for a request of P cached p
 - KDA, for every KDA layer: heads ``[r*H/c, (r+1)*H/c)`` of the recurrent state ``[H, K, V]``
   (fp32) and of each of the three sections ``q | k | v`` of the conv state ``[3*H*K, W-1]``.
 - AUX: the prompt length and the first generated token(s) (checked against the request).
+- DRAFT (CP rank 0 only, when the layout names a drafter, ``KVLayout.draft``): a hidden drafter's
+  prompt cache, every block of each of its MLA layers (the leader holds the drafter on full rows),
+  then its row of target features.
 
 A ctx world of ``ctx_tp_size`` N ranks holds it on several ranks (:mod:`.fan`): each ctx rank s
 sends the receiver the part it holds, a stream of its own (:class:`ShardSpec` with ``ctx_rank``
@@ -14,7 +17,8 @@ s): the blocks above with ``b % N == s`` and the heads of ``[r*H/c, (r+1)*H/c)``
 ``[s*H/N, (s+1)*H/N)`` (no KDA segments when there are none). At N = 1 that is the whole shard.
 
 **Stream.** The shard is a list of segments in a fixed order: AUX; KDA_STATE per KDA layer;
-CONV_STATE per KDA layer; KV_BLOCKS per MLA layer (layers ascending, blocks ascending). A segment
+CONV_STATE per KDA layer; KV_BLOCKS per MLA layer (layers ascending, blocks ascending); DRAFT
+(the drafter's layers ascending, then its feature row). A segment
 is ``num_units`` equal units (an MLA block, a head slice of a state, a conv section slice). The
 stream is cut into messages of at most ``message_bytes`` (:func:`plan_messages`), each a list of
 pieces ``(segment, offset, nbytes)`` of consecutive segments of ONE payload kind (what is
@@ -65,12 +69,12 @@ import torch
 
 from helixserve.cache_layout import ModelCaches
 from helixserve.dtypes import dtype_name, itemsize
-from helixserve.protocol.disagg import CTX_MAPPING_FIELDS, KVLayout
+from helixserve.protocol.disagg import DraftLayout, KVLayout
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver import memory_map
 from helixserve.transceiver.segments import Message, Segment, SegmentMemory, ShardSpec
 
-KIND_ORDER = (PayloadKind.AUX, PayloadKind.KDA_STATE, PayloadKind.CONV_STATE, PayloadKind.KV_BLOCKS)
+KIND_ORDER = (PayloadKind.AUX, PayloadKind.KDA_STATE, PayloadKind.CONV_STATE, PayloadKind.KV_BLOCKS, PayloadKind.DRAFT)
 MESSAGE_INDEX_BITS = 20
 MAX_MESSAGES = 1 << MESSAGE_INDEX_BITS
 MAX_TAG_BASE = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
@@ -93,12 +97,9 @@ def wire_pack_bytes(value: int) -> int:
     return value or ALONE_BYTES
 
 
-class LayoutMismatchError(ValueError):
-    """The two sides of a transfer disagree on the cache layout (names every differing field)."""
-
-
-def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str) -> KVLayout:
-    """The KVLayout of a single-process cache of `cfg` (a KimiModelConfig) in `dtype`."""
+def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str, draft: DraftLayout | None = None) -> KVLayout:
+    """The KVLayout of a single-process cache of `cfg` (a KimiModelConfig) in `dtype`; `draft`: the
+    prompt cache of the hidden drafter the engine runs, if any."""
     kinds = ["kda" if cfg.is_kda_layer(i) else "mla" for i in range(cfg.num_hidden_layers)]
     name = dtype_name(dtype)
     return KVLayout(
@@ -106,52 +107,16 @@ def layout_for(cfg, dtype: torch.dtype, tokens_per_block: int, model: str) -> KV
         kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
         num_kda_heads=cfg.kda_num_heads, kda_head_dim=cfg.kda_head_dim,
         conv_kernel_size=cfg.conv_kernel_size, kv_dtype=name, state_dtype="float32",
-        conv_dtype=name,
+        conv_dtype=name, draft=draft,
     )
 
 
-def check_layout(ours: KVLayout, theirs: KVLayout, ours_name: str, theirs_name: str, *,
-                 mapping: bool = False) -> None:
-    """Raise LayoutMismatchError naming each differing field with both values (`ours_name`'s first).
-
-    What the caches hold must be equal. The ctx world's mapping (``ctx_tp_size``, ``ctx_rank``)
-    must be one each side can hold (KDA heads divisible by ``ctx_tp_size``, ``ctx_rank`` below it)
-    and, with `mapping`, the same on both sides: a ctx rank checking the layout a gen rank asks
-    it with, a gen rank checking a sender's against the ticket's.
-    """
-    check_mapping(ours, ours_name)
-    if theirs is ours or theirs == ours:  # (every request: the field walk only on a difference)
-        return
-    check_mapping(theirs, theirs_name)
-    diffs = ours.mismatches(theirs, ignore=frozenset() if mapping else CTX_MAPPING_FIELDS)
-    if diffs:
-        raise LayoutMismatchError(
-            f"KV layout mismatch ({ours_name} != {theirs_name}): " + "; ".join(diffs))
-
-
-def check_mapping(layout: KVLayout, name: str, cp_rank: int = 0, cp_size: int = 1) -> None:
-    """LayoutMismatchError unless `layout`'s ctx world, and a gen rank ``cp_rank`` of ``cp_size``,
-    can split its KDA heads (a layout built without validation, or a gen CP group, may not)."""
-    heads = layout.num_kda_heads
-    for field, rank_field, rank, size in (("ctx_tp_size", "ctx_rank", layout.ctx_rank, layout.ctx_tp_size),
-                                          ("cp_size", "cp_rank", cp_rank, cp_size)):
-        if size < 1 or heads % size:
-            raise LayoutMismatchError(f"{name}: num_kda_heads {heads} cannot be split over {field}={size}")
-        if not 0 <= rank < size:
-            raise LayoutMismatchError(f"{name}: {rank_field} {rank} outside {field}={size}")
-
-
-def source_layout(own: KVLayout, advertised: KVLayout) -> KVLayout:
-    """A gen rank's layout with the ctx mapping (``ctx_tp_size``, ``ctx_rank``) of `advertised`: what
-    it asks that ctx rank with. `own` itself when the mapping is its own or one no ctx world can
-    have (`check_layout` refuses that ticket, naming the field)."""
-    if (own.ctx_tp_size, own.ctx_rank) == (advertised.ctx_tp_size, advertised.ctx_rank):
-        return own
-    try:
-        check_mapping(advertised, "ctx")
-    except LayoutMismatchError:
-        return own
-    return own.model_copy(update={"ctx_tp_size": advertised.ctx_tp_size, "ctx_rank": advertised.ctx_rank})
+def draft_segments(draft: DraftLayout, tokens_per_block: int, num_blocks: int) -> list[Segment]:
+    """A drafter's prompt cache in stream order: every block of each of its MLA layers (full
+    rows), then its row of target features (layer id -1)."""
+    block_bytes = tokens_per_block * (draft.kv_lora_rank + draft.qk_rope_head_dim) * itemsize(draft.kv_dtype)
+    return ([Segment(PayloadKind.DRAFT, i, block_bytes, num_blocks) for i in range(draft.num_layers)]
+            + [Segment(PayloadKind.DRAFT, -1, draft.feature_size * itemsize(draft.kv_dtype), 1)])
 
 
 def shard_segments(spec: ShardSpec) -> list[Segment]:
@@ -168,6 +133,9 @@ def shard_segments(spec: ShardSpec) -> list[Segment]:
     block_bytes = lay.tokens_per_block * (lay.kv_lora_rank + lay.qk_rope_head_dim) * itemsize(lay.kv_dtype)
     num_blocks = len(spec.blocks)
     segments += [Segment(PayloadKind.KV_BLOCKS, i, block_bytes, num_blocks) for i in lay.mla_layers]
+    if spec.takes_draft:
+        assert lay.draft is not None
+        segments += draft_segments(lay.draft, lay.tokens_per_block, lay.num_blocks(spec.num_tokens))
     return segments
 
 
@@ -245,7 +213,8 @@ def _stream(spec: ShardSpec, num_blocks: int, message_bytes: int,
     lay = spec.layout
     key = (tuple(lay.layer_kinds), lay.tokens_per_block, lay.kv_lora_rank, lay.qk_rope_head_dim, lay.kv_dtype,
            lay.kda_head_dim, lay.conv_kernel_size, lay.state_dtype, lay.conv_dtype, spec.num_heads,
-           num_blocks, message_bytes, pack_bytes)
+           num_blocks, message_bytes, pack_bytes, lay.draft if spec.takes_draft else None,
+           lay.num_blocks(spec.num_tokens) if spec.takes_draft else 0)
     stream = _STREAMS.get(key)
     if stream is None:
         segments = shard_segments(spec)
@@ -309,7 +278,8 @@ class ShardPlan:
     def for_sender(cls, spec: ShardSpec, caches: ModelCaches, block_ids: Sequence[int], slot: int | None,
                    first_tokens: Sequence[int], message_bytes: int, pack_bytes: int = ALONE_BYTES) -> ShardPlan:
         """The ctx rank's side: pools of its ``H/ctx_tp_size`` heads, ``block_ids[k]`` holding its
-        k-th local block (global ``ctx_rank + k*ctx_tp_size``; logical block k at ``ctx_tp_size`` 1)."""
+        k-th local block (global ``ctx_rank + k*ctx_tp_size``; logical block k at ``ctx_tp_size`` 1;
+        a drafter's pages too: a ctx that drafts is one rank)."""
         blocks = spec.blocks
         n = spec.layout.ctx_tp_size
         first, last = blocks[0] // n if blocks else 0, blocks[-1] // n if blocks else -1
@@ -321,14 +291,18 @@ class ShardPlan:
         physical = list(block_ids[first : last + 1 : spec.block_step // n])
 
         def map_memory() -> list[SegmentMemory]:
-            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_ctx_heads, spec.ctx_head0)
+            return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_ctx_heads, spec.ctx_head0,
+                                         block_ids)
         return cls(spec, segments, messages, map_memory, aux, message_bytes, pack_bytes)
 
     @classmethod
     def for_receiver(cls, spec: ShardSpec, caches: ModelCaches, local_block_ids: Sequence[int],
-                     slot: int | None, message_bytes: int, pack_bytes: int = ALONE_BYTES) -> ShardPlan:
+                     slot: int | None, message_bytes: int, pack_bytes: int = ALONE_BYTES,
+                     draft_blocks: Sequence[int] = ()) -> ShardPlan:
         """A gen rank: pools of its ``H/cp_size`` heads; ``local_block_ids[k]`` holds its k-th local
-        block (global ``cp_rank + k*cp_size``: at ``ctx_tp_size`` 1 the k-th shard block)."""
+        block (global ``cp_rank + k*cp_size``: at ``ctx_tp_size`` 1 the k-th shard block);
+        ``draft_blocks``: the drafter's pages of the request (its full-row table, when
+        ``spec.takes_draft``)."""
         blocks = spec.blocks
         first, end = (blocks[0] // spec.cp_size, blocks[-1] // spec.cp_size + 1) if blocks else (0, 0)
         if len(local_block_ids) < end:
@@ -339,7 +313,7 @@ class ShardPlan:
 
         def map_memory() -> list[SegmentMemory]:
             return memory_map.map_memory(spec, segments, caches, aux, physical, slot, spec.num_local_heads,
-                                         spec.gen_head0)
+                                         spec.gen_head0, draft_blocks)
         return cls(spec, segments, messages, map_memory, aux, message_bytes, pack_bytes)
 
     def spans(self, message: Message) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from helixserve.cache_layout import ModelCaches
+from helixserve.cache_layout import DraftCaches, ModelCaches
 from helixserve.dtypes import torch_dtype
 from helixserve.transceiver.base import PayloadKind
 from helixserve.transceiver.segments import Segment, SegmentMemory, ShardSpec
@@ -102,17 +102,22 @@ def _unit_offsets(kind: PayloadKind, info: PoolInfo, physical_blocks: Sequence[i
 
 
 def map_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches, aux: torch.Tensor,
-               physical_blocks: Sequence[int], slot: int | None, num_heads: int, head0: int) -> list[SegmentMemory]:
+               physical_blocks: Sequence[int], slot: int | None, num_heads: int, head0: int,
+               draft_blocks: Sequence[int] = ()) -> list[SegmentMemory]:
     """Each segment's memory: AUX in `aux`; a layer's blocks ``physical_blocks`` of its MLA pool;
     its state and conv sections at `slot`, heads ``[head0, head0 + H)`` of pools of `num_heads`
-    heads (H the shard's head count). ValueError for a missing or misshapen pool, a strided one,
-    or a unit outside its pool (a block id or slot out of range)."""
+    heads (H the shard's head count); a drafter's blocks ``draft_blocks`` of its pools
+    (``caches.draft``) and its feature row at `slot`. ValueError for a missing or misshapen pool,
+    a strided one, or a unit outside its pool (a block id or slot out of range)."""
     lay = spec.layout
     k = lay.kda_head_dim
     out: list[SegmentMemory] = []
     patterns: dict[tuple, SegmentMemory] = {}  # (kind, geometry, unit bytes, units) -> the first such segment
     kind = code = pools = dtype = want = inner = None
     for seg in segments:
+        if seg.kind is PayloadKind.DRAFT:  # (the stream's last segments)
+            out.append(_draft_memory(seg, caches.draft, draft_blocks, slot, lay.draft.kv_dtype if lay.draft else ""))
+            continue
         if seg.kind is not kind:  # the stream holds each kind's segments together
             kind = seg.kind
             if kind is PayloadKind.AUX:
@@ -142,3 +147,27 @@ def map_memory(spec: ShardSpec, segments: Sequence[Segment], caches: ModelCaches
                 raise AssertionError(f"the runs of {seg} do not cover it")
         out.append(SegmentMemory(info.flat, pattern.runs, pattern.starts, pattern.unit_bytes, pattern.unit_rows))
     return out
+
+
+def _draft_memory(seg: Segment, draft: DraftCaches | None, draft_blocks: Sequence[int], slot: int | None,
+                  dtype: str) -> SegmentMemory:
+    """A drafter segment's memory: blocks ``draft_blocks`` of its layer's pool, or (layer id -1)
+    its feature row at `slot`."""
+    if draft is None:
+        raise ValueError("this rank holds no drafter prompt cache (caches.draft)")
+    if seg.layer_id < 0:
+        if slot is None:
+            raise ValueError("a drafter's feature row needs a state slot")
+        pool, units = draft.features, [slot]
+    else:
+        pool = draft.mla_kv.get(seg.layer_id)
+        if pool is None:
+            raise ValueError(f"no drafter cache tensor for layer {seg.layer_id}")
+        if len(draft_blocks) < seg.num_units:
+            raise ValueError(f"the drafter's block table holds {len(draft_blocks)} blocks, the shard {seg.num_units}")
+        units = list(draft_blocks[:seg.num_units])
+    row_bytes = pool.stride(0) * pool.element_size()
+    if pool.dtype != torch_dtype(dtype) or row_bytes != seg.unit_bytes:
+        raise ValueError(f"drafter cache {pool.dtype} {tuple(pool.shape)} does not hold units of {seg.unit_bytes} "
+                         f"bytes of {dtype}")
+    return SegmentMemory.of(pool, [u * row_bytes for u in units], seg.unit_bytes)

@@ -13,6 +13,7 @@ KIND_TO_PB = {
     PayloadKind.KDA_STATE: pb.PayloadDescriptor.KDA_STATE,
     PayloadKind.CONV_STATE: pb.PayloadDescriptor.CONV_STATE,
     PayloadKind.AUX: pb.PayloadDescriptor.AUX,
+    PayloadKind.DRAFT: pb.PayloadDescriptor.DRAFT,
 }
 PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
 

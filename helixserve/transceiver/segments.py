@@ -61,6 +61,12 @@ class ShardSpec:
         return list(self.source.blocks)
 
     @property
+    def takes_draft(self) -> bool:
+        """Whether the shard holds the drafter's prompt cache (``layout.draft``): the CP group's
+        leader takes it, from a ctx of one rank (the only kind that runs a drafter)."""
+        return self.layout.draft is not None and self.cp_rank == 0 and self.layout.ctx_tp_size == 1
+
+    @property
     def block_step(self) -> int:
         """Global blocks between two of this shard's (its local indices step by this / side size)."""
         return math.lcm(self.cp_size, self.layout.ctx_tp_size)

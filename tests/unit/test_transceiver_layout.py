@@ -13,9 +13,9 @@ from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.models.presets import get_preset
 from helixserve.transceiver.base import PayloadKind
 import helixserve.transceiver.segments as segments_module
-from helixserve.transceiver.layout import (ALONE_BYTES, AUX_WORDS, LayoutMismatchError, ShardPlan, ShardSpec,
-                                           check_layout, check_mapping, decode_aux, encode_aux, layout_for,
-                                           plan_messages, shard_segments, wire_tag)
+from helixserve.transceiver.layout import (ALONE_BYTES, AUX_WORDS, ShardPlan, ShardSpec, decode_aux, encode_aux,
+                                           layout_for, plan_messages, shard_segments, wire_tag)
+from helixserve.transceiver.layout_match import LayoutMismatchError, check_layout, check_mapping
 from helixserve.transceiver.segments import SMALL_SEGMENT_UNITS, SegmentMemory
 
 CFG = get_preset("kimi-k3-tiny")  # layers 0..5: kda 0,1,2,4; mla 3,5; 4 KDA heads of 32

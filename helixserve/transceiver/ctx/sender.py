@@ -67,7 +67,8 @@ from helixserve.transceiver.ctx.control_server import SERVER_STOP_GRACE_S, Contr
 from helixserve.transceiver.cuda_ipc import PoolExport
 from helixserve.transceiver.ctx.grant_issue import GRANT_TASK, adopt_cp_group, grant_hold
 from helixserve.transceiver.cache_check import check_caches
-from helixserve.transceiver.layout import ShardPlan, check_layout, wire_pack_bytes
+from helixserve.transceiver.layout import ShardPlan, wire_pack_bytes
+from helixserve.transceiver.layout_match import check_layout
 from helixserve.transceiver.ctx.outbound import Outbound, PulledShard
 from helixserve.transceiver.payloads import payload_descriptors
 from helixserve.transceiver.ctx.hold import Hold, HoldSession, SenderBusyError, SenderStats  # noqa: F401 (re-exported)

@@ -6,8 +6,8 @@ from pydantic import ValidationError
 
 from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import KVLayout
-from helixserve.transceiver.layout import (MAX_TAG_BASE, LayoutMismatchError, ShardSpec, check_layout,
-                                           check_mapping)
+from helixserve.transceiver.layout import MAX_TAG_BASE, ShardSpec
+from helixserve.transceiver.layout_match import LayoutMismatchError, check_layout, check_mapping
 
 MIN_ADDRESS_BYTES, MAX_ADDRESS_BYTES = 16, 1 << 16  # a sanity bound only: UCX trusts addresses
 
@@ -16,7 +16,8 @@ def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayo
     """The ShardSpec a RequestShard asks for from `hold` (a held request), or ValueError naming
     what is wrong: a settled hold, a malformed or different layout (another ctx world size or
     rank than this sender's, heads that do not split over its cp_size), a gen rank this ctx rank
-    holds nothing of, another prompt length or CP geometry, a duplicate cp rank, a malformed address, tag base or message size."""
+    holds nothing of, another prompt length or CP geometry, a duplicate cp rank, a malformed address, tag base or message size.
+    The drafter's prompt cache (``layout.draft``) is in the shard when the gen rank asks for it."""
     state = hold.session.state
     if state.is_settled:
         raise ValueError(f"ctx request {request.ctx_request_id} is {state.value}: {hold.session.error}")
@@ -45,6 +46,8 @@ def check_shard_request(hold, request: pb.ShardRequest, who: str, layout: KVLayo
         raise ValueError(f"{who} cuts the stream into messages of {request.max_message_bytes} bytes, more "
                          f"than this ctx's message_bytes {message_bytes}: configure "
                          "the same transceiver.message_bytes on both sides")
+    if theirs.draft != layout.draft:  # (check_layout: it asks for none) the drafter's cache stays here
+        layout = layout.model_copy(update={"draft": None})
     spec = ShardSpec(layout, hold.num_prompt_tokens, request.cp_rank, request.cp_size, layout.ctx_rank)
     if not spec.blocks and not spec.num_heads:
         raise ValueError(f"{who} needs nothing ctx rank {layout.ctx_rank} of {layout.ctx_tp_size} holds "

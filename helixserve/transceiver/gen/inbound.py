@@ -37,7 +37,8 @@ from helixserve.transceiver.gen.asked_pull import AskedPull
 from helixserve.transceiver.gen.granted_pull import GrantedPull
 from helixserve.transceiver.gen.tagged_stream import TaggedStream
 from helixserve.transceiver.gen.transport import Progress, ShardTransport
-from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, default_pack_bytes, source_layout
+from helixserve.transceiver.layout import ShardPlan, ShardSpec, decode_aux, default_pack_bytes
+from helixserve.transceiver.layout_match import asked_layout
 from helixserve.transceiver.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,16 @@ class Inbound:
         self.ctx = f"ctx worker {target(ticket.ctx_endpoint)}"
         self.client = receiver.clients.get(ticket.ctx_endpoint)
         self.num_losses = self.client.num_losses  # its connection closing from now on: ctx gone
-        layout = source_layout(receiver.layout, ticket.layout)  # (a ctx world's rank: the part it holds)
+        takes_draft = _takes_draft(receiver, ticket, caches, handle)
+        # (a ctx world's rank: the part it holds; the CP group's leader: the drafter's prompt cache)
+        layout = asked_layout(receiver.layout, ticket.layout, takes_draft)
         spec = ShardSpec(layout, ticket.num_prompt_tokens, receiver.cp_rank, receiver.cp_size, layout.ctx_rank)
         message_bytes, pack_bytes = receiver.config.message_bytes, receiver.config.pack_bytes
         if pack_bytes is None:
             pack_bytes = default_pack_bytes(message_bytes, device)
-        self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot, message_bytes, pack_bytes)
+        self.draft_blocks = caches.draft.block_table(request_id) if takes_draft and caches.draft is not None else []
+        self.plan = ShardPlan.for_receiver(spec, caches, handle.block_ids, handle.slot, message_bytes, pack_bytes,
+                                           self.draft_blocks)
         self.device = device  # the one device of `caches` (None: several or none)
         self.phase = Phase.TRANSFERRING
         self.error: str | None = None
@@ -183,6 +188,9 @@ class Inbound:
 
     def _finish(self) -> None:
         self.phase = Phase.DONE  # every byte landed: nothing can write any more
+        draft = self.caches.draft
+        if draft is not None and self.plan.spec.takes_draft and self.transport.moves_draft:
+            draft.received.add(self.request_id)  # (a pull out of a ctx exporting no drafter cache: none)
         self.r.send_ack(self, success=True, error="")
 
     def fail(self, error: str) -> None:
@@ -272,3 +280,22 @@ class Inbound:
         if self.phase not in (Phase.DONE, Phase.CLOSED):
             return False
         return all(t.is_quiesced() for t in (*self.retired, self.transport))
+
+
+def _takes_draft(receiver, ticket: KVTicket, caches: ModelCaches, handle: CacheHandle) -> bool:  # noqa: ANN001
+    """Whether this rank asks for the drafter's prompt cache: it holds the drafter (the CP group's
+    leader, ``caches.draft``) and the ctx built the same drafter's (``layout.draft``). A leader
+    whose ctx built none, or another drafter's, rebuilds it (the drafter's zero-feature prefill),
+    logged once per ctx and drafter."""
+    own = receiver.layout.draft
+    if own is None or caches.draft is None or handle.slot is None or ticket.layout.ctx_tp_size != 1:
+        return False
+    if ticket.layout.draft == own:
+        return True
+    seen = (target(ticket.ctx_endpoint), ticket.layout.draft)
+    if seen not in receiver.draft_fallbacks:
+        receiver.draft_fallbacks.add(seen)
+        logger.warning("ctx worker %s sends no prompt cache of the drafter %s (its layout names %s): the drafter's "
+                       "cache of its prompts is rebuilt here from the prompt tokens, its drafts may differ from an "
+                       "aggregated run's", seen[0], own.model, ticket.layout.draft)
+    return False

@@ -1,7 +1,10 @@
 """A pulled shard: the receiver copies its bytes out of the ctx's opened pools (see `cuda_ipc`).
 
 The shard is the bytes `layout` names for this receiver (see the `layout` module docstring):
-every MLA layer's blocks, every KDA layer's state and conv head slices. In the pools those are
+every MLA layer's blocks, every KDA layer's state and conv head slices, and on the CP group's
+leader a hidden drafter's prompt cache when the ctx exports one (``ModelCaches.draft``: its pages
+of every block, out of the ctx's block table into the leader's full-row table, and its feature
+row, slot to slot; :attr:`PullPair.moves_draft`). In the pools those are
 three groups of equal units repeated over layers (a block at the same ids in every MLA layer;
 a head slice at the same slot in every KDA layer), which is what one unit copy takes
 (`kernels.copy.units`): the per-layer pool pairs (a :class:`PullPair`, checked once per pair of
@@ -79,18 +82,31 @@ class PullPair:
                  (self.state, "kda_state", layout.kda_layers, layout.state_dtype, (h, k, k), (dst_heads, k, k)),
                  (self.conv, "conv_state", layout.kda_layers, layout.conv_dtype, (3 * h * k, layout.conv_kernel_size - 1),
                   (3 * dst_heads * k, layout.conv_kernel_size - 1))]
-        for kind, field_name, layers, dtype, src_inner, dst_inner in specs:
+        pools = [(kind, getattr(src, name), getattr(dst, name), layers, dtype, src_inner, dst_inner)
+                 for kind, name, layers, dtype, src_inner, dst_inner in specs]
+        # a hidden drafter's prompt cache, where both sides hold it: its pages, its feature rows
+        self.draft, self.features = _Kind(), _Kind()
+        draft = layout.draft
+        self.moves_draft = draft is not None and src.draft is not None and dst.draft is not None
+        if self.moves_draft:
+            page = (layout.tokens_per_block, draft.kv_lora_rank + draft.qk_rope_head_dim)
+            pools += [(self.draft, src.draft.mla_kv, dst.draft.mla_kv, range(draft.num_layers), draft.kv_dtype, page,
+                       page),
+                      (self.features, {0: src.draft.features}, {0: dst.draft.features}, [0], draft.kv_dtype,
+                       (draft.feature_size,), (draft.feature_size,))]
+        for kind, src_pools, dst_pools, layers, dtype, src_inner, dst_inner in pools:
             for layer in layers:
-                s = self._flat(self.srcs, getattr(src, field_name), layer, dtype, src_inner)
-                d = self._flat(self.dsts, getattr(dst, field_name), layer, dtype, dst_inner)
+                s = self._flat(self.srcs, src_pools, layer, dtype, src_inner)
+                d = self._flat(self.dsts, dst_pools, layer, dtype, dst_inner)
                 kind.add(s, len(self.srcs) - 1, d, len(self.dsts) - 1)
             kind.seal()
         self._identity = (src.identity(), dst.identity())
-        self.copier = UnitCopier(self.srcs, self.dsts, [*self.mla.segments, *self.state.segments, *self.conv.segments],
-                                 graphs=True)
+        self.copier = UnitCopier(self.srcs, self.dsts, [*self.mla.segments, *self.state.segments, *self.conv.segments,
+                                                        *self.draft.segments, *self.features.segments], graphs=True)
         # per request, only these are read: the pools' sizes (range checks) and unit strides
         self._blocks = _limits(self.mla.infos())
         self._slots = _limits(self.state.infos() + self.conv.infos())
+        self._draft_limits = (_limits(self.draft.infos()), _limits(self.features.infos()))
         self._head_units: dict[tuple[int, int, int], list[UnitGroup]] = {}  # (src slot, dst slot, head0)
 
     def _flat(self, flats: list[torch.Tensor], pools: dict, layer: int, dtype: str, inner: tuple[int, ...]) -> PoolInfo:
@@ -107,12 +123,14 @@ class PullPair:
         return (self.src_caches.identity(), self.dst_caches.identity()) == self._identity
 
     def groups(self, spec: ShardSpec, src_block_ids: Sequence[int], src_slot: int | None,
-               dst_block_ids: Sequence[int], dst_slot: int | None) -> list[UnitGroup]:
+               dst_block_ids: Sequence[int], dst_slot: int | None, draft_blocks: Sequence[int] = ()) -> list[UnitGroup]:
         """The unit groups of `spec`'s shard: the ctx rank holds its k-th local block (global
         ``ctx_rank + k*ctx_tp_size``) at ``src_block_ids[k]`` and its KDA state at `src_slot`;
         this rank's k-th local block (global ``cp_rank + k*cp_size``) is ``dst_block_ids[k]``,
-        its state slot `dst_slot`. ValueError naming a block id or slot outside its pool, or a
-        shard the block tables do not cover."""
+        its state slot `dst_slot`; a drafter's prompt cache (``spec.takes_draft`` and
+        `moves_draft`) goes from the ctx's pages ``src_block_ids`` to ``draft_blocks`` (this
+        rank's full-row table) and from slot to slot. ValueError naming a block id or slot outside
+        its pool, or a shard the block tables do not cover."""
         if spec.layout is not self.layout and spec.layout != self.layout:
             raise ValueError("the shard's layout is not the one these pools were checked against")
         if spec.num_local_heads != self.dst_heads:
@@ -142,6 +160,29 @@ class PullPair:
                     self._head_units.clear()
                 self._head_units[key] = head_groups
             groups += head_groups
+        if spec.takes_draft and self.moves_draft:
+            groups += self._draft_groups(spec, src_block_ids, src_slot, draft_blocks, dst_slot)
+        return groups
+
+    def _draft_groups(self, spec: ShardSpec, src_block_ids: Sequence[int], src_slot: int | None,
+                      draft_blocks: Sequence[int], dst_slot: int | None) -> list[UnitGroup]:
+        """The drafter's pages of every block of the request and its feature row (a ctx that drafts
+        is one rank: its local blocks are the logical ones)."""
+        if src_slot is None or dst_slot is None:
+            raise ValueError("a drafter's feature row needs a state slot on both sides")
+        blocks = np.arange(spec.layout.num_blocks(spec.num_tokens), dtype=np.int64)
+        (src_pages, dst_pages), (src_rows, dst_rows) = self._draft_limits
+        groups: list[UnitGroup] = []
+        for kind, ids, limits in ((self.draft, (_local(src_block_ids, blocks, blocks[-1], "the request holds"),
+                                                _local(draft_blocks, blocks, blocks[-1], "the drafter's table holds")),
+                                   (src_pages, dst_pages)),
+                                  (self.features, (np.asarray([src_slot]), np.asarray([dst_slot])), (src_rows, dst_rows))):
+            _in_range("drafter page or slot", ids[0], limits[0], "the ctx's")
+            _in_range("drafter page or slot", ids[1], limits[1], "this rank's")
+            s, d = kind.infos()[0]
+            rows = (s.strides[0] * s.itemsize, d.strides[0] * d.itemsize)
+            units = np.stack([ids[0] * rows[0], ids[1] * rows[1]], axis=1)
+            groups += kind.groups(rows[0], units, rows[0] | rows[1])
         return groups
 
     def _head_groups(self, src_slot: int, dst_slot: int, src_head0: int, dst_head0: int,

@@ -49,7 +49,8 @@ from helixserve.transceiver.control import target
 from helixserve.transceiver.cuda_ipc import PoolDirectory, ask_until_answered
 from helixserve.transceiver.gen.inbound import Inbound, Phase
 from helixserve.transceiver.cache_check import check_caches
-from helixserve.transceiver.layout import LayoutMismatchError, ShardSpec, check_layout
+from helixserve.transceiver.layout import ShardSpec
+from helixserve.transceiver.layout_match import LayoutMismatchError, check_layout
 from helixserve.transceiver.plane import DataPlane
 from helixserve.transceiver.gen.pull import warm_up_copy
 from helixserve.transceiver.polling import DEFAULT_TICK_S, PollResult, TransferMetrics, TransferPoller
@@ -107,6 +108,7 @@ class KVReceiver:
         self._reported: set[str] = set()
         self._acks: list = []
         self._tags = itertools.count(1)
+        self.draft_fallbacks: set[tuple] = set()  # (ctx, its drafter) whose drafter cache is rebuilt here (logged)
 
     def start(self, request_id: str, handle: CacheHandle, caches: ModelCaches,
               ticket: KVTicket | DisaggregatedParams) -> None:

@@ -53,6 +53,7 @@ class TaggedStream:
     pulls: ClassVar[bool] = False
     has_asked: ClassVar[bool] = True
     copy = None  # (nothing is copied out of the ctx's pools)
+    moves_draft: ClassVar[bool] = True  # every segment of the shard is a message
 
     def __init__(self, inbound: ShardOwner, cut: tuple[int, int] | None, *, is_live: bool = True) -> None:
         self.inbound = inbound
@@ -71,7 +72,7 @@ class TaggedStream:
         if cut != self.plan.cut:
             inbound = self.inbound
             self.plan = ShardPlan.for_receiver(self.plan.spec, inbound.caches, inbound.handle.block_ids,
-                                               inbound.handle.slot, *cut)
+                                               inbound.handle.slot, *cut, draft_blocks=inbound.draft_blocks)
         self.recvs = [_Recv() for _ in self.plan.messages]
         self.pending = deque()
         self._kind_indices = {k: [m.index for m in self.plan.kind_messages(k)] for k in self.plan.kinds}

@@ -69,6 +69,7 @@ class ShardOwner(Protocol):
     plan: ShardPlan  # this rank's shard, cut with the rank's own message size
     handle: CacheHandle
     caches: ModelCaches
+    draft_blocks: list[int]  # the drafter's pages of the request (its full-row table) when the shard takes them
     device: torch.device | None
     tag_base: int
     error: str | None  # the request's first error
@@ -102,6 +103,7 @@ class ShardTransport(Protocol):
     pulls: ClassVar[bool]  # its bytes come by a device copy, whose end sets no wakeup
     has_asked: ClassVar[bool]  # it asks with RequestShard: a ctx stream cuts messages as this rank asked
     copy: Pull | None  # the copy launched out of the ctx's pools, if any
+    moves_draft: bool  # it moves the drafter's prompt cache the shard names (a pull: when the ctx exports it)
 
     def start(self, deadline_s: float) -> bool:
         """Begin within `deadline_s`; False: nothing was started (the inbound asks instead)."""
@@ -149,6 +151,7 @@ class PullTransport:
         self.pools = pools
         self.copy: Pull | None = None
         self.has_landed = False
+        self.moves_draft = False  # the copy takes the drafter's prompt cache too (the ctx exports it)
 
     def launch(self, src_block_ids: Sequence[int], src_slot: int | None) -> Pull:
         """Launch the copy of this rank's shard out of the ctx rank's opened pools, whose request
@@ -156,7 +159,9 @@ class PullTransport:
         inbound = self.inbound
         spec = inbound.plan.spec
         pair = pull_pair(self.pools.pairs, spec.layout, self.pools.caches, inbound.caches, spec.num_local_heads)
-        groups = pair.groups(spec, src_block_ids, src_slot, inbound.handle.block_ids, inbound.handle.slot)
+        groups = pair.groups(spec, src_block_ids, src_slot, inbound.handle.block_ids, inbound.handle.slot,
+                             inbound.draft_blocks)
+        self.moves_draft = spec.takes_draft and pair.moves_draft
         return Pull(pair, groups, inbound.device)
 
     def stop(self) -> None:
