@@ -41,15 +41,15 @@ from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_holds import HoldRelay
 from helixserve.engine.kv_intake import KVIntake, RankTransfers, ShardReceiver
 from helixserve.engine.rank_setup import step_token_budget
-from helixserve.engine.request import Request, RequestStatus, SamplingParams
-from helixserve.engine.runner import LaunchedStep, PreparedStep, StepPreparationError
+from helixserve.engine.request import Request, SamplingParams
+from helixserve.engine.runner import LaunchedStep
 from helixserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from helixserve.engine.spec.drafting import make_drafter
 from helixserve.engine.spec.stats import SpecDecodeStats
 from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.engine.spmd.channel import GroupChannel
 from helixserve.engine.spmd.leader import GroupLeader
-from helixserve.engine.step_prepare import failing_alone, without
+from helixserve.engine.step_failures import StepFailures
 from helixserve.kernels.triton_common import batch_invariant_enabled
 from helixserve.models.kda_spec import KdaRecord
 from helixserve.models.config import KimiModelConfig
@@ -61,7 +61,7 @@ from helixserve.transceiver.ticket import KVTicket
 logger = logging.getLogger(__name__)
 
 
-class EngineCore:
+class EngineCore(StepFailures):
     """Owns the scheduler (queues, cache accounting) and the model runner (tensors); see the module docstring.
     ``groups``: this process is the leader (``cp_rank == 0``) of a gen world's CP group; ``kv_receiver``: its
     receiver of prompt caches from ctx workers."""
@@ -341,23 +341,6 @@ class EngineCore:
                 raise CollectiveError(f"draft forward failed{self._where}: {type(exc).__name__}: {exc}") from exc
             raise
 
-    def _prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, failed: list[RequestUpdate]
-                 ) -> tuple[PreparedStep | None, torch.Tensor | None]:
-        """Prepare ``out`` (nothing of it runs here). A step that cannot be prepared runs again
-        without the requests the failure is traced to, else without those that fail to prepare
-        alone; they end with an error (appended to ``failed``). A failure no request explains
-        raises. Returns the prepared step and the input tokens left."""
-        while True:
-            if out.is_empty:
-                return None, input_tokens
-            try:
-                return self.runner.prepare_step(out, self._params, input_tokens), input_tokens
-            except StepPreparationError as exc:
-                culprits = exc.failures or failing_alone(self.runner, out, self._params, input_tokens)
-                if not culprits:
-                    raise
-                input_tokens = self._drop(out, input_tokens, culprits, failed)
-
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> LaunchedStep:
         """Sample ``out``'s sampled rows, or verify its drafts (a world's leader shares the tokens
         with its group; it alone verifies)."""
@@ -377,31 +360,6 @@ class EngineCore:
                 self.group.share_rollback(keep)
         if launched.draft_record is not None and self.draft_runner is not None:
             self.draft_runner.rollback(out, launched.draft_record, self.scheduler.get_request)
-
-    def _drop(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, culprits: dict[str, str],
-              failed: list[RequestUpdate]) -> torch.Tensor | None:
-        """Take ``culprits`` out of ``out`` (and their rows out of ``input_tokens``, returned),
-        end them with their error and free what they hold."""
-        input_tokens = without(out, input_tokens, culprits)
-        for rid, why in culprits.items():
-            message = f"engine step failed{self._where}: {why}"
-            logger.error("%s; failed request %s alone", message, rid)
-            self.scheduler.abort(rid, error=message)
-            failed.append(RequestUpdate(rid, -1, RequestStatus.FINISHED_ERROR, error=message))
-        self.num_step_errors += 1
-        self._forget(list(culprits))
-        return input_tokens
-
-    def _fail_step(self, exc: Exception) -> list[RequestUpdate]:
-        self.num_step_errors += 1
-        if isinstance(exc, StepPreparationError) and exc.__cause__ is not None:
-            exc = exc.__cause__  # type: ignore[assignment] - name what failed to prepare
-        message = f"engine step failed{self._where}: {type(exc).__name__}: {exc}"
-        self._in_flight = None
-        request_ids = self.scheduler.fail_pending_step(message)
-        logger.error("%s; failed requests %s", message, request_ids, exc_info=exc)
-        self._forget(request_ids)
-        return [RequestUpdate(rid, -1, RequestStatus.FINISHED_ERROR, error=message) for rid in request_ids]
 
     def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
