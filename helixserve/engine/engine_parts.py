@@ -17,7 +17,8 @@ from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_runner import draft_tp_size
-from helixserve.engine.model_drafters import ModelDrafter, build_model_drafter, drafter_config, drafter_extra_params
+from helixserve.engine.model_drafters import (ModelDrafter, build_model_drafter, drafter_config, drafter_extra_params,
+                                              drafter_slot_features)
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (CacheSizes, allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
                                           decode_graphs_off_reason, make_cache_manager, size_cache)
@@ -50,7 +51,8 @@ def build_engine_parts(model: torch.nn.Module, model_config: KimiModelConfig, ca
     world's (1, 1 in a single process); ``groups``: a world leader's."""
     draft_cfg = drafter_config(speculative, model_config, cache)
     draft_tp = draft_tp_size(speculative)
-    spec, layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg, draft_tp)
+    spec, layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg, draft_tp,
+                              drafter_slot_features(speculative))
     check_rank_memory(model, cache, scheduler, layout, device, world_size // cp, cp, use_cuda_graphs,
                       draft_cfg, drafter_extra_params(speculative, draft_cfg), draft_tp)
     caches = allocate_rank_caches(spec, layout, device)

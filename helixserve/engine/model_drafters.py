@@ -53,6 +53,16 @@ def drafter_extra_params(speculative: SpeculativeConfig | None, cfg: KimiModelCo
     return input_params(*read_hidden_drafter_config(speculative.draft_model))
 
 
+def drafter_slot_features(speculative: SpeculativeConfig | None) -> int:
+    """Values a cache slot holds for the drafter beside its pools: a hidden drafter's feature row
+    of a prompt's last position (its prompt cache, :mod:`.hidden_runner`), 0 for the others."""
+    if speculative is None or speculative.method != "hidden":
+        return 0
+    assert speculative.draft_model is not None
+    spec = read_hidden_drafter_config(speculative.draft_model)[1]
+    return len(spec.hidden_layers) * spec.target_hidden_size
+
+
 def drafter_capture_layers(speculative: SpeculativeConfig | None) -> tuple[int, ...] | None:
     """The target layers whose outputs every forward keeps for the drafter (a hidden drafter's
     ``hidden_layers``; ``None``: none). A world's followers keep them too, so that the forward's

@@ -26,7 +26,7 @@ from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
 from helixserve.engine.draft_runner import build_draft_runner, draft_tp_size
-from helixserve.engine.model_drafters import drafter_capture_layers, drafter_config
+from helixserve.engine.model_drafters import drafter_capture_layers, drafter_config, drafter_slot_features
 from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
@@ -118,7 +118,8 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     # sized as the leader is, its drafter's pools counted: every rank has the group's block count
     draft = drafter_config(options.speculative, model.cfg, options.cache)
     draft_tp = draft_tp_size(options.speculative)
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, draft, draft_tp)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, draft, draft_tp,
+                              drafter_slot_features(options.speculative))
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
     # a heads-TP draft model runs here too, on the leader's plans (engine.draft_runner)

@@ -93,14 +93,16 @@ def checkpoint_slot_count(cache: CacheConfig, slot_bytes: int) -> int:
 
 def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, memory_budget_mib: float,
                       max_num_seqs: int, cp: int = 1, num_checkpoint_slots: int = 0,
-                      draft: KimiModelConfig | None = None, draft_tp: int = 1) -> tuple[int, int]:
+                      draft: KimiModelConfig | None = None, draft_tp: int = 1,
+                      draft_slot_bytes: int = 0) -> tuple[int, int]:
     """``(num_blocks, num_slots)`` the engine allocates for ``cache.memory_budget_mib`` (after
     ``num_checkpoint_slots`` KDA state checkpoints). With a ``draft`` model (speculative decoding)
-    a block and a slot cost the target's plus the draft's (:func:`draft_unit_bytes`)."""
+    a block and a slot cost the target's plus the draft's (:func:`draft_unit_bytes`), a slot
+    ``draft_slot_bytes`` more (a hidden drafter's feature row of a prompt's last position)."""
     block, slot = pool_unit_bytes(cfg, itemsize, tokens_per_block, cp)
     if draft is not None:
         draft_block, draft_slot = draft_unit_bytes(draft, itemsize, tokens_per_block, cp, draft_tp)
-        block, slot = block + draft_block, slot + draft_slot
+        block, slot = block + draft_block, slot + draft_slot + draft_slot_bytes
     return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs, num_checkpoint_slots)
 
 

@@ -21,7 +21,7 @@ from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_runner import DraftModelError, draft_config
 from helixserve.engine.hidden_runner import hidden_config
 from helixserve.engine.llm import LLM
-from helixserve.engine.model_drafters import drafter_extra_params
+from helixserve.engine.model_drafters import drafter_extra_params, drafter_slot_features
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import size_cache
 from helixserve.engine.request import SamplingParams
@@ -218,9 +218,16 @@ def test_the_drafter_pool_comes_out_of_the_cache_budget(target, drafter, hidden_
     assert hidden_block > 0 and hidden_slot == 0
     assert (engine_pool_sizes(cfg, 4, TPB, 4.0, 8, draft=hidden_cfg)
             == pools_from_budget(block + hidden_block, slot, int(4.0 * MIB), 8))
+    # a slot also holds the feature row of a prompt's last position (the drafter's prompt cache)
+    features = drafter_slot_features(SpeculativeConfig(method="hidden", draft_model=drafter))
+    assert features == 3 * cfg.hidden_size
+    assert (engine_pool_sizes(cfg, 4, TPB, 4.0, 8, draft=hidden_cfg, draft_slot_bytes=4 * features)
+            == pools_from_budget(block + hidden_block, slot + 4 * features, int(4.0 * MIB), 8))
     engine = hidden_llm.engine
-    _, layout = size_cache(cfg, torch.float32, CacheConfig(tokens_per_block=TPB, max_num_seqs=8), draft=hidden_cfg)
+    _, layout = size_cache(cfg, torch.float32, CacheConfig(tokens_per_block=TPB, max_num_seqs=8), draft=hidden_cfg,
+                           draft_slot_features=features)
     assert engine.layout == layout
+    assert engine.draft_runner.prompt_cache.features.shape == (layout.num_slots + 1, features)
     assert engine.draft_runner.caches.mla_kv[0].shape[0] == layout.num_blocks
 
 
