@@ -52,7 +52,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(tg):
     w = torch.randn(96, 200, generator=gen).t()
     rows = torch.randn(130, 200, generator=gen)
     alone = tg.bmm_nt(rows[None, 17:18], w[None])[0, 0]
-    for batch in (2, 63, 64, 65, 130):
+    for batch in (2, 64, 65, 130):  # one tile of rows, one row past it, three tiles
         start = max(0, 18 - batch)
         out = tg.bmm_nt(rows[None, start:start + batch], w[None])[0]
         assert torch.equal(out[17 - start], alone), batch
