@@ -16,7 +16,8 @@ What is asserted equal, and why not more:
   own: once the target's bf16 picks leave plain decoding's, the scripted drafts of one sequence are
   rejected where another's are not, the graph pads the shorter rows, and a step of up to 64
   (token, expert) pairs eagerly (the pair kernels) is over 64 padded (the grouped GEMM), which
-  rounds otherwise (measured on the H200: 4 sequences of 64+ tokens).
+  rounds otherwise (the failure seen on the H200 with 4 sequences of 64 tokens; the cause inferred,
+  not isolated kernel by kernel).
 - graphed == plain decoding under ``deterministic`` only: a verify step computes its rows in
   other shapes than a decode step (R rows a sequence), so without batch invariance its dense GEMMs
   round otherwise, in fp32 too, and the dummy weights' near-tied greedy picks come out otherwise at
