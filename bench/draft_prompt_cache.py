@@ -105,7 +105,7 @@ def hidden_rebuild_seconds(drafter_raw: dict, dtype: torch.dtype, device: torch.
     caches = allocate_model_caches(cache_spec_for(cfg, dtype, TPB), num_blocks, 0, device)
     prompt = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     seq = ScheduledSeq("r", prompt, 0, list(range(num_blocks)), None, is_prefill=True, sample=False)
-    zeros = torch.zeros(num_tokens, len(spec.hidden_layers) * spec.target_hidden_size, dtype=dtype, device=device)
+    zeros = torch.zeros(num_tokens, spec.feature_size, dtype=dtype, device=device)
 
     def run() -> None:
         with torch.inference_mode():
@@ -124,7 +124,7 @@ def hidden_rows(preset: str, lengths: list[int], dtype: torch.dtype, device: tor
     drafter_cfg, spec = hidden_drafter_config(raw)
     rows, figures = [], []
     for n in lengths:
-        features = n * len(spec.hidden_layers) * target.hidden_size * dtype.itemsize
+        features = n * spec.feature_size * dtype.itemsize
         drafter_cache = prompt_cache_bytes(drafter_cfg, dtype.itemsize, n)
         target_cache = prompt_cache_bytes(target, dtype.itemsize, n)
         drafter_ms = target_ms = None

@@ -132,7 +132,7 @@ class HiddenDraftRunner:
                  pages: DraftPages) -> None:
         self.model, self.caches, self.device, self.pages = model, caches, torch.device(device), pages
         self.capture_layers: tuple[int, ...] | None = model.spec.hidden_layers
-        self._num_features = len(model.spec.hidden_layers) * model.spec.target_hidden_size
+        self._num_features = model.spec.feature_size
         self._seqs: dict[str, _SeqState] = {}
         self.prompt_cache: DraftCaches | None = None  # what travels with a request (see the module docstring)
 

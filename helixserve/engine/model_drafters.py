@@ -59,8 +59,7 @@ def drafter_slot_features(speculative: SpeculativeConfig | None) -> int:
     if speculative is None or speculative.method != "hidden":
         return 0
     assert speculative.draft_model is not None
-    spec = read_hidden_drafter_config(speculative.draft_model)[1]
-    return len(spec.hidden_layers) * spec.target_hidden_size
+    return read_hidden_drafter_config(speculative.draft_model)[1].feature_size
 
 
 def drafter_capture_layers(speculative: SpeculativeConfig | None) -> tuple[int, ...] | None:

@@ -51,6 +51,11 @@ class HiddenDrafterSpec(BaseModel):
     hidden_layers: tuple[int, ...] = Field(min_length=1, description="target decoder layers read (0-based)")
     target_hidden_size: int = Field(gt=0)
 
+    @property
+    def feature_size(self) -> int:
+        """Target features a drafter row reads: its hidden layers' outputs side by side."""
+        return len(self.hidden_layers) * self.target_hidden_size
+
 
 class HiddenDrafterError(ValueError):
     """A hidden drafter checkpoint that cannot serve beside its target."""
@@ -105,7 +110,7 @@ def check_against_target(path: str | Path, cfg: KimiModelConfig, spec: HiddenDra
 def input_params(cfg: KimiModelConfig, spec: HiddenDrafterSpec) -> int:
     """Parameters of ``fc``, ``combine`` and the two input norms (what a Kimi model of ``cfg`` lacks)."""
     hidden = cfg.hidden_size
-    return len(spec.hidden_layers) * spec.target_hidden_size * hidden + 2 * hidden * hidden + 2 * hidden
+    return spec.feature_size * hidden + 2 * hidden * hidden + 2 * hidden
 
 
 class _Body(nn.Module):
@@ -126,7 +131,7 @@ class HiddenDrafter(nn.Module):
         self.cfg, self.spec = cfg, spec
         hidden = cfg.hidden_size
         self.model = _Body(cfg, dtype)
-        self.fc = nn.Linear(len(spec.hidden_layers) * spec.target_hidden_size, hidden, bias=False, dtype=dtype)
+        self.fc = nn.Linear(spec.feature_size, hidden, bias=False, dtype=dtype)
         self.feature_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         self.embed_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         self.combine = nn.Linear(2 * hidden, hidden, bias=False, dtype=dtype)

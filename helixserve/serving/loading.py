@@ -51,7 +51,7 @@ def drafter_prompt_layout(speculative: SpeculativeConfig | None, dtype: torch.dt
     cfg, spec = read_hidden_drafter_config(speculative.draft_model)
     return DraftLayout(model=Path(speculative.draft_model).name, num_layers=len(cfg.mla_layer_ids),
                        kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                       feature_size=len(spec.hidden_layers) * spec.target_hidden_size, kv_dtype=dtype_name(dtype))
+                       feature_size=spec.feature_size, kv_dtype=dtype_name(dtype))
 
 
 def kv_layout(core: EngineCore, cfg: KimiModelConfig, served_model: str,
