@@ -1,11 +1,13 @@
 """A failure is one request's, never its batch's: the engine core's handling of a step that
 cannot be prepared (it runs again without the requests the failure is traced to, which end with
-an error) and of a step that failed once launched (its requests end with the error). A mixin of
+an error: :func:`failing_alone`, :func:`without`; nothing of the step has run then) and of a step
+that failed once launched (its requests end with the error). The step handling is a mixin of
 :class:`~helixserve.engine.core.EngineCore`, kept apart from the step's happy path."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -13,9 +15,33 @@ from helixserve.engine.request import RequestStatus, SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner, PreparedStep, StepPreparationError
 from helixserve.engine.scheduler import RequestUpdate, Scheduler
 from helixserve.engine.scheduler_output import SchedulerOutput
-from helixserve.engine.step_prepare import failing_alone, without
+from helixserve.host_copy import to_device
 
 logger = logging.getLogger("helixserve.engine.core")
+
+
+def failing_alone(runner: ModelRunner, out: SchedulerOutput, params: Mapping[str, SamplingParams],
+                  input_tokens: torch.Tensor | None) -> dict[str, str]:
+    """Each request of ``out`` whose part of the step fails to prepare alone, and why."""
+    failures: dict[str, str] = {}
+    for j, seq in enumerate(out.seqs):
+        tokens = None if input_tokens is None else input_tokens[j:j + 1]
+        try:
+            runner.prepare_step(SchedulerOutput(seqs=[seq]), params, tokens)
+        except StepPreparationError as exc:
+            failures[seq.request_id] = exc.failures.get(seq.request_id, str(exc))
+    return failures
+
+
+def without(out: SchedulerOutput, input_tokens: torch.Tensor | None, request_ids: Mapping[str, str] | set[str]
+            ) -> torch.Tensor | None:
+    """Take ``request_ids`` out of ``out`` (in place) and their rows out of ``input_tokens``
+    (returned)."""
+    keep = [j for j, s in enumerate(out.seqs) if s.request_id not in request_ids]
+    if input_tokens is not None:
+        input_tokens = input_tokens.index_select(0, to_device(torch.tensor(keep), input_tokens.device))
+    out.seqs[:] = [out.seqs[j] for j in keep]
+    return input_tokens
 
 
 class StepFailures:
@@ -27,9 +53,7 @@ class StepFailures:
     _params: dict[str, SamplingParams]
     _in_flight: tuple[SchedulerOutput, LaunchedStep] | None
     _where: str
-
-    def _forget(self, request_ids: list[str]) -> None:
-        raise NotImplementedError
+    _forget: Callable[[list[str]], None]  # the core's: drops what it keeps of these requests
 
     def _prepare(self, out: SchedulerOutput, input_tokens: torch.Tensor | None, failed: list[RequestUpdate]
                  ) -> tuple[PreparedStep | None, torch.Tensor | None]:
