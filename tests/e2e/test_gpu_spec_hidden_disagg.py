@@ -13,24 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from helixserve.models.presets import make_checkpoint
 from tests.e2e.conftest import Deployment
-from tests.e2e.test_spec_hidden_serving import MAX_TOKENS, PROMPT
+from tests.e2e.test_spec_hidden_serving import MAX_TOKENS, PROMPT, drafter_dir, hidden_options  # noqa: F401
 from tests.e2e.test_spec_serving import serve_both
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory) -> Path:
-    return make_checkpoint("kimi-k3-tiny-hidden", tmp_path_factory.mktemp("hidden") / "drafter", seed=1)
-
-
-@pytest.fixture(scope="module")
 def dep_options(drafter_dir: Path) -> dict:
-    spec = {"method": "hidden", "draft_model": str(drafter_dir), "num_draft_tokens": 3}
-    return {"ctx": {"speculative": spec}, "gen": {"speculative": spec, "cp": 1}, "baseline_gen": {"speculative": spec},
-            "model": {"device": "cuda:0", "dtype": "float32"}}
+    options = hidden_options(drafter_dir)
+    options["gen"]["cp"] = 1
+    return {**options, "model": {"device": "cuda:0", "dtype": "float32"}}
 
 
 def test_gpu_disaggregated_hidden_speculation_drafts_as_aggregated(dep: Deployment) -> None:

@@ -34,10 +34,15 @@ def drafter_dir(tmp_path_factory) -> Path:
     return make_checkpoint("kimi-k3-tiny-hidden", tmp_path_factory.mktemp("hidden") / "drafter", seed=1)
 
 
-@pytest.fixture(scope="module")
-def dep_options(drafter_dir: Path) -> dict:
+def hidden_options(drafter_dir: Path) -> dict:
+    """The deployment options: the ctx, the gen world and the aggregated gen run the same drafter."""
     spec = {"method": "hidden", "draft_model": str(drafter_dir), "num_draft_tokens": 3}
     return {"ctx": {"speculative": spec}, "gen": {"speculative": spec}, "baseline_gen": {"speculative": spec}}
+
+
+@pytest.fixture(scope="module")
+def dep_options(drafter_dir: Path) -> dict:
+    return hidden_options(drafter_dir)
 
 
 @pytest.fixture(scope="module")
