@@ -119,7 +119,7 @@ class UcxReceiverFactory:
     config: TransceiverConfig
     layout: KVLayout
     ctx_hosts: tuple[str, ...] = ()  # the deployment's ctx transceivers (UCX's interface toward them)
-    ctx_endpoints: tuple[tuple[str, int], ...] = ()  # their control planes (asked for their pools at start)
+    ctx_endpoints: tuple[tuple[str, int], ...] = ()  # their control planes (connected, pools asked for, at start)
 
     def __call__(self, mapping, device) -> PacedKVReceiver:  # noqa: ANN001 (parallel.Mapping, torch.device)
         # the data plane comes from config.backend's factory (transceiver.plane), which may bind
@@ -127,7 +127,9 @@ class UcxReceiverFactory:
         receiver = KVReceiver(self.config, self.layout, cp_rank=mapping.cp_rank, cp_size=mapping.cp,
                               gen_rank=mapping.rank, peer_hosts=self.ctx_hosts)
         receiver.warm_up(device)  # compiles the pull's copy kernel before the worker is ready
-        receiver.prefetch([TransceiverEndpoint(host=h, port=p) for h, p in self.ctx_endpoints], device)
+        endpoints = [TransceiverEndpoint(host=h, port=p) for h, p in self.ctx_endpoints]
+        receiver.connect_ahead(endpoints)
+        receiver.prefetch(endpoints, device)
         return PacedKVReceiver(receiver, self.config.poll_interval_s)
 
 

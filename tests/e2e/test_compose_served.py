@@ -192,8 +192,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
         (tmp / "timings.json").write_text(json.dumps(stack.timings, indent=1))
 
 
+PROBE_CTX = ("import socket, sys\n"
+             "try:\n    print('ctx resolves to', sorted({a[4][0] for a in socket.getaddrinfo('ctx', 18100)}))\n"
+             "    socket.create_connection(('ctx', 18100), 3).close(); print('ctx:18100 accepts a connection')\n"
+             "except OSError as e:\n    print('ctx:18100:', repr(e))\n")
+
+
+def diagnosis(stack: Stack) -> str:
+    """What a failed request's reader needs: each service's restarts, the gen's view of the ctx's
+    transceiver now, and the workers' last log lines (the whole logs: :func:`save_logs`)."""
+    parts = [f"{s} restarts: {stack.script('restarts', s, check=False).stdout.strip()}" for s in ("ctx", "gen")]
+    parts.append(stack.script("exec", "gen", "python3", "-c", PROBE_CTX, check=False).stdout.strip())
+    for service in ("ctx", "gen"):
+        logs = stack.script("compose", "logs", "--no-color", "--timestamps", "--tail", "40", service,
+                            timeout=60, check=False)
+        parts.append(f"--- {service} log tail ---\n{logs.stdout[-6000:]}")
+    return "\n".join(parts)
+
+
 def test_compose_serves_the_same_greedy_tokens_as_launch(stack: Stack) -> None:
-    served = answers(stack.url, stack.api_key)  # the router takes the env file's API key
+    try:
+        served = answers(stack.url, stack.api_key)  # the router takes the env file's API key
+    except openai.APIError as error:
+        kept = save_logs(stack, f"compose-failed-{time.time():.0f}.log")
+        pytest.fail(f"{error}\n{diagnosis(stack)}\n(all logs: {kept})")
     assert set(served) == set(stack.baseline)
     for name, (text, tokens, finish) in served.items():
         assert tokens > 0 and text, f"{name}: empty answer {served[name]}"
@@ -265,11 +287,22 @@ def test_compose_ctx_killed_answers_503_then_restarts_and_serves_again(stack: St
     assert answers(stack.url, stack.api_key) == stack.baseline
 
 
-def save_logs(stack: Stack) -> Path:
-    """Every service's log (and the health checks') kept in the state dir, for a failure's reader."""
-    path = Path(stack.env["HELIX_CI_STATE"]) / "compose.log"
-    logs = stack.script("compose", "logs", "--no-color", "--timestamps", timeout=60, check=False)
-    path.write_text(logs.stdout + logs.stderr)
+def save_logs(stack: Stack, name: str = "compose.log") -> Path:
+    """Every container's log of the project (restarted ones' too) and the health checks', kept
+    in the state dir under ``name``, for a failure's reader."""
+    path = Path(stack.env["HELIX_CI_STATE"]) / name
+    label = f"label=com.docker.compose.project={stack.env['COMPOSE_PROJECT_NAME']}"
+    listed = subprocess.run(["podman", "ps", "-a", "--filter", label, "--format", "{{.ID}} {{.Names}}"],
+                            env=stack.env, capture_output=True, text=True, timeout=60)
+    parts = []
+    for line in listed.stdout.splitlines():
+        cid, names = line.split(maxsplit=1)
+        logs = subprocess.run(["podman", "logs", "--timestamps", cid], env=stack.env, capture_output=True,
+                              text=True, timeout=60)
+        parts.append(f"=== {names} ({cid}) ===\n{logs.stdout}{logs.stderr}")
+    health = Path(stack.env["HELIX_CI_STATE"]) / "health.log"
+    parts.append(f"=== health checks ===\n{health.read_text() if health.exists() else ''}")
+    path.write_text("\n".join(parts))
     return path
 
 

@@ -22,7 +22,7 @@ from helixserve.protocol import transfer_pb2 as pb
 from helixserve.protocol.disagg import TransceiverEndpoint
 from helixserve.testing.servers import free_ports
 from helixserve.transceiver.control import GENERATED, PROTO, generate_stubs
-from helixserve.transceiver.gen.control_client import ControlClient
+from helixserve.transceiver.gen.control_client import ControlClient, ControlClients
 from helixserve.transceiver.ctx.control_server import ControlServer
 from helixserve.transceiver.payloads import check_payloads
 
@@ -346,3 +346,74 @@ def test_a_closed_connection_is_seen_as_the_ctx_gone(server):
     while not client.is_lost_since(seen) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert client.is_lost_since(seen) and client.num_losses == seen + 1
+
+
+class _OneConnectionProxy(_SlowProxy):
+    """Forwards the first TCP connection to ``upstream_port``, then stops listening: every later
+    connection is refused (a peer whose name or address stopped answering after that one)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.accepted = threading.Event()
+        super().__init__(upstream_port, delay_s=0.0)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        self.sock.close()
+        self.accepted.set()
+        self._serve(conn)
+
+
+def _wait_state(clients: ControlClients, endpoint: TransceiverEndpoint, state: grpc.ChannelConnectivity) -> None:
+    deadline = time.monotonic() + 5.0
+    while clients.state(endpoint) is not state and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert clients.state(endpoint) is state
+
+
+def test_a_channel_connected_ahead_serves_the_first_transfer_when_new_connections_fail(server):
+    """`connect_ahead` connects before any call, so the first RequestShard needs no new
+    connection (no name lookup, no handshake): it succeeds where a fresh channel cannot connect."""
+    handler, _ = server
+    handler.release.set()
+    proxy = _OneConnectionProxy(handler.server.port)
+    endpoint = TransceiverEndpoint(host="127.0.0.1", port=proxy.port)
+    ahead, fresh = ControlClients(timeout_s=0.5), ControlClients(timeout_s=0.5)
+    try:
+        ahead.connect_ahead([endpoint])
+        assert proxy.accepted.wait(5.0), "connect_ahead opened no connection"
+        _wait_state(ahead, endpoint, grpc.ChannelConnectivity.READY)
+        client = ahead.get(endpoint)
+        assert client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=2.0).accepted
+        with pytest.raises(grpc.RpcError) as error:  # the proxy refuses any other connection
+            fresh.get(endpoint).request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=1.0)
+        assert error.value.code() is grpc.StatusCode.UNAVAILABLE and "could not connect" in error.value.details()
+    finally:
+        ahead.close()
+        fresh.close()
+        proxy.close()
+
+
+def test_a_channel_opened_ahead_is_not_handed_out_before_it_connects():
+    """A transfer never waits behind the ahead channel's pending attempt: until that channel is
+    connected, `get` gives a fresh client (as without connecting ahead), and it reaches the ctx."""
+    (port,) = free_ports(1)
+    endpoint = TransceiverEndpoint(host="127.0.0.1", port=port)
+    clients = ControlClients(timeout_s=0.5)
+    handler = _Handler()
+    handler.release.set()
+    srv = None
+    try:
+        clients.connect_ahead([endpoint])  # nothing listens yet
+        client = clients.get(endpoint)
+        assert not client.is_ahead and not client.is_ready
+        srv = ControlServer(handler, "127.0.0.1", port)
+        srv.start()
+        assert client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=5.0).accepted
+        assert clients.get(endpoint) is client  # a transfer's client stays until it fails
+    finally:
+        clients.close()
+        if srv is not None:
+            srv.stop(0.1)

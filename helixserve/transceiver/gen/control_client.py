@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from concurrent import futures
 
 import grpc
@@ -83,7 +84,7 @@ class ControlClient:
     """
 
     def __init__(self, endpoint: TransceiverEndpoint, timeout_s: float, *,
-                 config: TransceiverConfig | None = None) -> None:
+                 config: TransceiverConfig | None = None, connect_now: bool = False) -> None:
         if not timeout_s > 0:
             raise ValueError(f"control-plane timeout must be > 0 s, got {timeout_s}")
         self.endpoint = endpoint
@@ -100,7 +101,9 @@ class ControlClient:
         self.state = grpc.ChannelConnectivity.IDLE
         self._has_connected = False
         self.num_losses = 0  # connections to the ctx that closed under us (see `is_lost_since`)
-        self._channel.subscribe(self._on_state)
+        # connect_now: resolve and connect at once, not at the first call (`ControlClients.connect_ahead`)
+        self.is_ahead = connect_now
+        self._channel.subscribe(self._on_state, try_to_connect=connect_now)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
         ready = grpc.ChannelConnectivity.READY
@@ -116,6 +119,10 @@ class ControlClient:
         worker went away (its service never closes a connection while it serves: no idle or age
         limit), so what it was sending will not come."""
         return self.num_losses != num_losses
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is grpc.ChannelConnectivity.READY
 
     @property
     def is_failing(self) -> bool:
@@ -200,7 +207,15 @@ class ControlClients:
     """One client (one channel) per ctx endpoint, shared by a receiver's transfers. A client
     whose channel is failing (the ctx was down) is replaced by a fresh one for new transfers, so
     a restarted ctx worker is not refused for the rest of the old channel's reconnect backoff;
-    the old one stays with the transfers that use it."""
+    the old one stays with the transfers that use it.
+
+    `connect_ahead` opens the deployment's channels when the gen rank starts, so that a transfer
+    finds its connection up: no name lookup and no handshake on the request's path. (A name
+    service that stops answering for a while, as a container network's DNS did right after
+    another container joined it, would otherwise fail the transfer: gRPC cannot connect to a
+    name it cannot resolve.) A client opened ahead is handed out only while connected; until
+    then a transfer gets a fresh one, as without it, never one stuck behind a pending attempt.
+    """
 
     def __init__(self, timeout_s: float, config: TransceiverConfig | None = None) -> None:
         self.timeout_s = timeout_s
@@ -208,15 +223,31 @@ class ControlClients:
         self._clients: dict[str, ControlClient] = {}
         self._lock = threading.Lock()
 
+    def connect_ahead(self, endpoints: Iterable[TransceiverEndpoint]) -> None:
+        """Start connecting to each endpoint now (not blocking; gRPC retries until it answers)."""
+        with self._lock:
+            for endpoint in endpoints:
+                if target(endpoint) not in self._clients:
+                    self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s, config=self.config,
+                                                                    connect_now=True)
+
+    def state(self, endpoint: TransceiverEndpoint) -> grpc.ChannelConnectivity | None:
+        """The channel state of the endpoint's current client (None: no client)."""
+        client = self._clients.get(target(endpoint))
+        return None if client is None else client.state
+
     def get(self, endpoint: TransceiverEndpoint) -> ControlClient:
         with self._lock:
             client = self._clients.get(target(endpoint))
-            if client is not None and client.is_failing:
-                client.stop_watching()  # left to its transfers (closed when unreferenced)
+            # opened ahead and not connected (yet), or failing: left to the transfers that use it
+            # (none, if opened ahead), closed when unreferenced
+            if client is not None and (client.is_failing or client.is_ahead and not client.is_ready):
+                client.stop_watching()
                 client = None
             if client is None:
                 client = self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s,
                                                                         config=self.config)
+            client.is_ahead = False  # a transfer's now: replaced only as any client is
             return client
 
     def close(self) -> None:

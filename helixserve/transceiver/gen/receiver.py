@@ -295,6 +295,11 @@ class KVReceiver:
         if device.type == "cuda" and self.config.cuda_ipc:
             warm_up_copy(device)
 
+    def connect_ahead(self, endpoints: Sequence[TransceiverEndpoint]) -> None:
+        """Open the control channels to these ctx workers now, so that the first transfer from each
+        finds its connection up (`ControlClients.connect_ahead`); not blocking."""
+        self.clients.connect_ahead(endpoints)
+
     def prefetch(self, endpoints: Sequence[TransceiverEndpoint], device: torch.device) -> None:
         """Ask these ctx workers for their pools now (not blocking; `cuda_ipc`), so that the first
         request to each can already be pulled (and granted): a ctx that does not answer yet (still
