@@ -115,8 +115,10 @@ class Drafter:
 
     def weight_bytes(self, itemsize: int) -> WeightBytes:
         """Its weights on a rank that holds it (its heads-TP share when ``tp > 1``), in its
-        checkpoint's expert format; ``params["inputs"]``: ``extra_params``."""
+        checkpoint's expert format; ``params["inputs"]``: ``extra_params``, where it has any."""
         weights = rank_weight_bytes(self.cfg, itemsize, cp=self.tp, heads_tp=self.tp > 1)
+        if not self.extra_params:
+            return weights
         return replace(weights, dense_bytes=weights.dense_bytes + self.extra_params * itemsize,
                        params={**weights.params, "inputs": self.extra_params})
 
