@@ -1,11 +1,13 @@
 """``helixserve plan`` with speculative decoding: a model drafter's weights and pools are counted on
 the rank that holds it exactly as the engine allocates and checks them (the tiny model on the
 CPU); a heads-TP draft's share; a hidden drafter on a ctx worker too; ``ngram`` costs nothing; the
-filled cache settings start the engine; a bad draft path is an error naming it."""
+filled cache settings start the engine (with a ``max_model_len`` a short drafter needs); a bad draft
+path is an error naming it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -20,7 +22,7 @@ from helixserve.engine.rank_setup import size_cache
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.parallel.mapping import Mapping
-from helixserve.planning.drafter import resolve_drafter
+from helixserve.planning.drafter import DraftModelError, resolve_drafter
 from helixserve.planning.memory import GIB, MIB, DeploymentDoesNotFitError, pool_unit_bytes
 from helixserve.planning.plan import PlanTarget, plan_configured, plan_filled
 from helixserve.planning.weights import rank_weight_bytes
@@ -200,3 +202,24 @@ def test_a_bad_draft_path_is_an_error_naming_it(target, tmp_path, capsys):
     assert "not a hidden-state drafter" in capsys.readouterr().err
     assert main([*base, "--draft-model", str(missing)]) == 2
     assert "--draft-model: only with --speculative draft or hidden" in capsys.readouterr().err
+
+
+def test_a_drafter_with_fewer_positions_needs_max_model_len(target, cfg, tiny_drafters, tmp_path):
+    """The engine refuses a drafter shorter than its max_model_len; the plan names the setting
+    and the filled plan writes it."""
+    short = tmp_path / "short"
+    shutil.copytree(tiny_drafters["draft"], short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    speculative = _spec("draft", short)
+    drafter = resolve_drafter(speculative, cfg, CACHE)
+    plan = plan_configured(cfg, "gen", 1, 1, GIB, T, CACHE, drafter)
+    assert any("set cache.max_model_len <= 1024" in p for p in plan.problems) and not plan.fits
+    with pytest.raises(DraftModelError, match="max_position_embeddings 1024 < the engine's max_model_len 4096"):
+        LLM(target, cache=CACHE, scheduler=SCHEDULER, speculative=speculative)
+    limited = CACHE.model_copy(update={"max_model_len": 1024})
+    assert plan_configured(cfg, "gen", 1, 1, GIB, T, limited, drafter).fits
+    LLM(target, cache=limited, scheduler=SCHEDULER, speculative=speculative)
+    assert plan_filled(cfg, "gen", 1, 1, 48 * MIB, T, drafter).max_model_len == 1024
+    assert plan_filled(cfg, "gen", 1, 1, 48 * MIB, T, resolve_drafter(_spec("draft", tiny_drafters["draft"]), cfg,
+                                                                       CACHE)).max_model_len is None
