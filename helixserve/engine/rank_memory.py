@@ -40,7 +40,8 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
                       layout.num_slots, scratch_slots=int(is_cuda), checkpoint_slots=layout.num_checkpoint_slots)
     draft_weights = None
     if drafter is not None:
-        pools, draft_weights = drafter.pools(pools, itemsize, cache.tokens_per_block, cp), drafter.weight_bytes(itemsize)
+        pools = drafter.pools(pools, itemsize, cache.tokens_per_block, cp)
+        draft_weights = drafter.weight_bytes(itemsize)
     batched = max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
     memory = rank_memory(cfg, "gen world" if dp * cp > 1 else "engine", dp, cp, itemsize, pools, batched,
                          cache.max_num_seqs, is_cuda and use_cuda_graphs, gpu_bytes, "mxfp4" if is_packed else "dense",

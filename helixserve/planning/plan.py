@@ -21,6 +21,7 @@ to write into the config).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from helixserve.config import CacheConfig
 from helixserve.kvcache.helix import num_local_blocks
@@ -117,9 +118,8 @@ def _check(cfg: KimiModelConfig, role: str, dp: int, cp: int, t: PlanTarget,
     return tuple(problems)
 
 
-def _budget_units(cfg: KimiModelConfig, t: PlanTarget, cp: int, drafter: Drafter | None) -> tuple[int, int]:
-    draft = {} if drafter is None else drafter.budget_args(t.itemsize)
-    return budget_unit_bytes(cfg, t.itemsize, t.tokens_per_block, cp, **draft)
+def _draft_args(drafter: Drafter | None, t: PlanTarget) -> dict[str, Any]:
+    return {} if drafter is None else drafter.budget_args(t.itemsize)
 
 
 def _drafter_positions(cfg: KimiModelConfig, cp: int, t: PlanTarget, drafter: Drafter | None, num_blocks: int,
@@ -141,14 +141,14 @@ def plan_configured(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes
     problems = _check(cfg, role, dp, cp, t, drafter)
     slot = pool_unit_bytes(cfg, t.itemsize, t.tokens_per_block, cp)[1]
     num_checkpoint_slots = checkpoint_slot_count(cache, slot if cfg.kda_layer_ids else 0)
-    draft = {} if drafter is None else drafter.budget_args(t.itemsize)
     try:
         num_blocks, num_slots = engine_pool_sizes(cfg, t.itemsize, t.tokens_per_block, memory_budget_mib,
-                                                  max_num_seqs, cp, num_checkpoint_slots, **draft)
+                                                  max_num_seqs, cp, num_checkpoint_slots, **_draft_args(drafter, t))
     except ValueError as exc:
         problems, num_blocks, num_slots = (*problems, str(exc)), 0, 0
     positions = _drafter_positions(cfg, cp, t, drafter, num_blocks, cache.max_model_len)
     if positions is not None:
+        assert drafter is not None
         problems = (*problems, f"the drafter {drafter.path} has max_position_embeddings {positions} < the engine's "
                                f"max_model_len: set cache.max_model_len <= {positions}")
     pools = _pools(cfg, t, cp, drafter, num_blocks, num_slots, num_checkpoint_slots)
@@ -164,7 +164,7 @@ def plan_filled(cfg: KimiModelConfig, role: str, dp: int, cp: int, gpu_bytes: in
     budget is at least ``max_num_seqs``) and a model ``drafter``'s weights and pools, in whole MiB
     of cache budget."""
     problems = _check(cfg, role, dp, cp, t, drafter)
-    block, slot = _budget_units(cfg, t, cp, drafter)
+    block, slot = budget_unit_bytes(cfg, t.itemsize, t.tokens_per_block, cp, **_draft_args(drafter, t))
     per_seq = slot + num_local_blocks(t.context_len, t.tokens_per_block, 0, cp) * block
 
     def with_sequences(n: int) -> RolePlan | None:
@@ -206,7 +206,8 @@ def smallest_mapping(cfg: KimiModelConfig, role: str, gpu_bytes: int, t: PlanTar
     for n in range(1, max_world_size + 1):
         if n > 1 and cfg.moe_layer_ids and cfg.num_experts % n:
             continue  # experts are partitioned over the whole world
-        fitting = [p for dp, cp in mappings(cfg, role, n) if (p := plan_filled(cfg, role, dp, cp, gpu_bytes, t, drafter)).fits]
+        plans = [plan_filled(cfg, role, dp, cp, gpu_bytes, t, drafter) for dp, cp in mappings(cfg, role, n)]
+        fitting = [p for p in plans if p.fits]
         if fitting:
             return max(fitting, key=lambda p: (p.sequences, -p.memory.cp))
     return None

@@ -155,7 +155,8 @@ def test_a_configs_speculative_sections_are_planned_per_role(tmp_path, target, c
 def test_ngram_plans_as_no_speculation_and_says_so(target, capsys):
     base = ["--model", str(target), "--gpu-memory-gib", "2", "--context-len", "256"]
     plain, ngram = _plan_json(capsys, *base), _plan_json(capsys, *base, "--speculative", "ngram")
-    assert ngram.pop("speculative")["gen"]["method"] == "ngram" and plain.pop("speculative") == {"ctx": None, "gen": None}
+    assert ngram.pop("speculative")["gen"]["method"] == "ngram"
+    assert plain.pop("speculative") == {"ctx": None, "gen": None}
     assert ngram == plain
     assert main(["plan", *base, "--speculative", "ngram"]) == 0
     assert "| gen | ngram (prompt lookup) | - | none | none | none |" in capsys.readouterr().out
