@@ -62,8 +62,8 @@ from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput  # 
 from helixserve.kvcache.pools import allocate_model_caches  # noqa: E402
 from helixserve.models.config import KimiModelConfig  # noqa: E402
 from helixserve.models.dummy import load_dummy_model  # noqa: E402
-from helixserve.models.hidden_drafter import (HiddenDrafter, hidden_drafter_config, load_hidden_drafter,  # noqa: E402
-                                              save_hidden_drafter)
+from helixserve.models.hidden_drafter import HiddenDrafter, load_hidden_drafter, save_hidden_drafter  # noqa: E402
+from helixserve.models.hidden_drafter_config import hidden_drafter_config  # noqa: E402
 from helixserve.models.presets import PRESETS, hidden_drafter_preset, init_random_weights, two_layer_draft  # noqa: E402
 from helixserve.planning.memory import MIB, pool_unit_bytes  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny preset checkpoints written once per test session."""
+"""Shared fixtures: tiny preset checkpoints (targets and drafters) written once per test session."""
 
 from __future__ import annotations
 
@@ -22,6 +22,17 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("ckpt")
     return {name: make_checkpoint(name, root / name, seed=0) for name in TINY_PRESETS}
+
+
+@pytest.fixture(scope="session")
+def tiny_drafters(tmp_path_factory) -> dict[str, Path]:
+    """``{method: checkpoint dir}``: kimi-linear-tiny's draft model (``draft``) and hidden-state
+    drafter (``hidden``), seed 0, float32."""
+    from helixserve.models.presets import make_checkpoint
+
+    root = tmp_path_factory.mktemp("drafters")
+    return {"draft": make_checkpoint("kimi-linear-tiny-draft", root / "draft", seed=0),
+            "hidden": make_checkpoint("kimi-linear-tiny-hidden", root / "hidden", seed=0)}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -58,13 +58,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from helixserve.cache_layout import CacheSpec, ModelCaches, cache_spec_for
-from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_rows import combined_record, draft_record, draft_row, first_rows
 from helixserve.engine.rank_setup import CacheSizes, allocate_rank_caches
@@ -75,11 +73,11 @@ from helixserve.engine.spec.verify_step import kept_rows
 from helixserve.kvcache.manager import CacheHandle
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
-from helixserve.models.hidden_drafter import is_hidden_drafter
 from helixserve.models.kda_spec import KdaRecord
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.loading import load_model
 from helixserve.parallel import ParallelGroups
+from helixserve.planning.drafter import DraftModelError, draft_tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -93,48 +91,6 @@ class DraftPages(Protocol):
     def get(self, request_id: str) -> CacheHandle: ...
 
 
-class DraftModelError(ValueError):
-    """A draft model that cannot serve beside its target."""
-
-
-class DraftVocabMismatchError(DraftModelError):
-    """The draft checkpoint's vocabulary is not the target's (both sizes named)."""
-
-    def __init__(self, draft_model: Path, draft_vocab: int, target_vocab: int) -> None:
-        super().__init__(f"speculative.draft_model {draft_model} has vocab_size {draft_vocab}, the target model "
-                         f"has vocab_size {target_vocab}: a draft model must share the target's vocabulary")
-        self.draft_vocab, self.target_vocab = draft_vocab, target_vocab
-
-
-def draft_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
-                 cache: CacheConfig) -> KimiModelConfig | None:
-    """The draft checkpoint's config (``None``: no ``draft`` method), checked against the target's
-    and the engine's before any weight is read (:class:`DraftModelError`)."""
-    if speculative is None or speculative.method != "draft":
-        return None
-    path = speculative.draft_model
-    assert path is not None  # SpeculativeConfig requires it for method draft
-    if cache.prefix_caching:
-        raise DraftModelError("speculative.method 'draft' does not run with cache.prefix_caching: the draft "
-                              "model keeps no KDA state checkpoints of cached prefixes")
-    if is_hidden_drafter(path):
-        raise DraftModelError(f"speculative.draft_model {path} is a hidden-state drafter: use method 'hidden'")
-    cfg = KimiModelConfig.from_pretrained(path)
-    if cfg.vocab_size != target.vocab_size:
-        raise DraftVocabMismatchError(path, cfg.vocab_size, target.vocab_size)
-    for kind, draft_layers, target_layers in (("MLA", cfg.mla_layer_ids, target.mla_layer_ids),
-                                              ("KDA", cfg.kda_layer_ids, target.kda_layer_ids)):
-        if draft_layers and not target_layers:
-            raise DraftModelError(f"speculative.draft_model {path} has {kind} layers and the target none: its "
-                                  f"cache would have no {kind} pages or slots to share")
-    return cfg
-
-
-def draft_tp_size(speculative: SpeculativeConfig | None) -> int:
-    """Ranks the draft model's heads are split over (1: it runs whole, on a CP group's leader)."""
-    return 1 if speculative is None or speculative.method != "draft" else speculative.draft_tensor_parallel_size
-
-
 def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
                        layout: CacheSizes, device: torch.device | str, pages: DraftPages | None,
                        cp: int = 1, groups: ParallelGroups | None = None) -> DraftRunner | None:
@@ -142,7 +98,7 @@ def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConf
     (``cp`` times one rank's blocks: full rows of a CP group); ``pages``: the engine's cache
     manager (``None`` on a follower of a heads-TP draft: the leader's plans carry the tables);
     ``groups``: this rank's, for a heads-TP draft (its heads over ``groups.cp``). ``None``
-    without a draft config (:func:`draft_config`)."""
+    without a draft config (:func:`~helixserve.planning.drafter.draft_config`)."""
     if speculative is None or cfg is None:
         return None
     assert speculative.draft_model is not None

@@ -16,9 +16,7 @@ import torch
 from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.draft_runner import draft_tp_size
-from helixserve.engine.model_drafters import (ModelDrafter, build_model_drafter, drafter_config, drafter_extra_params,
-                                              drafter_slot_features)
+from helixserve.engine.model_drafters import ModelDrafter, build_model_drafter
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import (CacheSizes, allocate_checkpoints, allocate_rank_caches, decode_graph_shape,
                                           decode_graphs_off_reason, make_cache_manager, size_cache)
@@ -27,6 +25,7 @@ from helixserve.kvcache.group_cache import GroupCacheManager
 from helixserve.kvcache.manager import CacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.parallel import ParallelGroups
+from helixserve.planning.drafter import resolve_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +48,13 @@ def build_engine_parts(model: torch.nn.Module, model_config: KimiModelConfig, ca
                        groups: ParallelGroups | None = None) -> EngineParts:
     """One engine's parts on ``device`` (see the module docstring); ``cp`` and ``world_size``: its
     world's (1, 1 in a single process); ``groups``: a world leader's."""
-    draft_cfg = drafter_config(speculative, model_config, cache)
-    draft_tp = draft_tp_size(speculative)
-    spec, layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg, draft_tp,
-                              drafter_slot_features(speculative))
-    check_rank_memory(model, cache, scheduler, layout, device, world_size // cp, cp, use_cuda_graphs,
-                      draft_cfg, drafter_extra_params(speculative, draft_cfg), draft_tp)
+    drafter = resolve_drafter(speculative, model_config, cache)
+    spec, layout = size_cache(model_config, model.dtype, cache, cp, drafter)
+    check_rank_memory(model, cache, scheduler, layout, device, world_size // cp, cp, use_cuda_graphs, drafter)
     caches = allocate_rank_caches(spec, layout, device)
     runner = ModelRunner(model, caches, device, seed=seed)
     cache_manager = make_cache_manager(cache, spec, layout, cp)
-    draft_runner = build_model_drafter(speculative, draft_cfg, model.dtype, layout, device, cache_manager, cp,
+    draft_runner = build_model_drafter(speculative, drafter, model.dtype, layout, device, cache_manager, cp,
                                        groups)
     if draft_runner is not None:
         runner.capture_layers = draft_runner.capture_layers

@@ -63,7 +63,6 @@ from dataclasses import dataclass, field
 import torch
 
 from helixserve.cache_layout import DraftCaches, ModelCaches, cache_spec_for
-from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.draft_runner import DraftPages, full_row_caches, received_prompt_rows
 from helixserve.engine.rank_setup import CacheSizes
@@ -72,27 +71,11 @@ from helixserve.engine.runner import build_forward_batch
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
-from helixserve.models.hidden_drafter import (HiddenDrafter, HiddenDrafterError, check_against_target,
-                                              load_hidden_drafter, read_hidden_drafter_config)
+from helixserve.models.hidden_drafter import HiddenDrafter, load_hidden_drafter
+from helixserve.models.hidden_drafter_config import HiddenDrafterError
 from helixserve.models.kda_spec import KdaRecord
 
 logger = logging.getLogger(__name__)
-
-
-def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
-                  cache: CacheConfig) -> KimiModelConfig | None:
-    """The hidden drafter's layer config (``None``: no ``hidden`` method), checked against the
-    target's and the engine's before any weight is read (:class:`HiddenDrafterError`)."""
-    if speculative is None or speculative.method != "hidden":
-        return None
-    path = speculative.draft_model
-    assert path is not None  # SpeculativeConfig requires it for method hidden
-    if cache.prefix_caching:
-        raise HiddenDrafterError("speculative.method 'hidden' does not run with cache.prefix_caching: a cached "
-                                 "prefix skips the target rows whose hidden states the drafter reads")
-    cfg, spec = read_hidden_drafter_config(path)
-    check_against_target(path, cfg, spec, target)
-    return cfg
 
 
 def build_hidden_runner(speculative: SpeculativeConfig, cfg: KimiModelConfig, dtype: torch.dtype,

@@ -12,54 +12,29 @@ from __future__ import annotations
 
 import torch
 
-from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.draft_runner import DraftPages, DraftRunner, build_draft_runner, draft_config
-from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runner, hidden_config
+from helixserve.engine.draft_runner import DraftPages, DraftRunner, build_draft_runner
+from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runner
 from helixserve.engine.rank_setup import CacheSizes
-from helixserve.models.config import KimiModelConfig
-from helixserve.models.hidden_drafter import input_params, read_hidden_drafter_config
+from helixserve.models.hidden_drafter_config import read_hidden_drafter_config
 from helixserve.parallel import ParallelGroups
+from helixserve.planning.drafter import Drafter
 
 ModelDrafter = DraftRunner | HiddenDraftRunner
 
 
-def drafter_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
-                   cache: CacheConfig) -> KimiModelConfig | None:
-    """The drafter's layer config (its cache's shape; ``None``: no model drafter), checked against
-    the target and the engine before any weight is read."""
-    return draft_config(speculative, target, cache) or hidden_config(speculative, target, cache)
-
-
-def build_model_drafter(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
+def build_model_drafter(speculative: SpeculativeConfig | None, drafter: Drafter | None, dtype: torch.dtype,
                         layout: CacheSizes, device: torch.device | str, pages: DraftPages,
                         cp: int = 1, groups: ParallelGroups | None = None) -> ModelDrafter | None:
-    """The drafter of ``speculative.method`` loaded beside the target (``None``: none); ``pages``:
-    the engine's cache manager (the drafter's full-row page tables, :mod:`.draft_runner`);
-    ``groups``: a world rank's (a heads-TP draft model's group)."""
-    if speculative is None or cfg is None:
+    """The ``drafter`` (``speculative``'s, resolved and checked by
+    :func:`~helixserve.planning.drafter.resolve_drafter`) loaded beside the target (``None``:
+    none); ``pages``: the engine's cache manager (the drafter's full-row page tables,
+    :mod:`.draft_runner`); ``groups``: a world rank's (a heads-TP draft model's group)."""
+    if speculative is None or drafter is None:
         return None
-    if speculative.method == "hidden":
-        return build_hidden_runner(speculative, cfg, dtype, layout, device, pages, cp)
-    return build_draft_runner(speculative, cfg, dtype, layout, device, pages, cp, groups)
-
-
-def drafter_extra_params(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None) -> int:
-    """Parameters of the drafter outside its Kimi layers, embedding and LM head (a hidden
-    drafter's input projections and norms; 0 for a draft model)."""
-    if speculative is None or cfg is None or speculative.method != "hidden":
-        return 0
-    assert speculative.draft_model is not None
-    return input_params(*read_hidden_drafter_config(speculative.draft_model))
-
-
-def drafter_slot_features(speculative: SpeculativeConfig | None) -> int:
-    """Values a cache slot holds for the drafter beside its pools: a hidden drafter's feature row
-    of a prompt's last position (its prompt cache, :mod:`.hidden_runner`), 0 for the others."""
-    if speculative is None or speculative.method != "hidden":
-        return 0
-    assert speculative.draft_model is not None
-    return read_hidden_drafter_config(speculative.draft_model)[1].feature_size
+    if drafter.method == "hidden":
+        return build_hidden_runner(speculative, drafter.cfg, dtype, layout, device, pages, cp)
+    return build_draft_runner(speculative, drafter.cfg, dtype, layout, device, pages, cp, groups)
 
 
 def drafter_capture_layers(speculative: SpeculativeConfig | None) -> tuple[int, ...] | None:

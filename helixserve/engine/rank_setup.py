@@ -20,6 +20,7 @@ from helixserve.kvcache.pools import allocate_model_caches
 from helixserve.kvcache.prefix_events import PrefixEventLog
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
+from helixserve.planning.drafter import Drafter
 from helixserve.planning.memory import checkpoint_slot_count, engine_pool_sizes, pool_unit_bytes
 
 
@@ -35,21 +36,19 @@ class CacheSizes:
 
 
 def size_cache(model_config: KimiModelConfig, dtype: torch.dtype, cache: CacheConfig, cp: int = 1,
-               draft: KimiModelConfig | None = None, draft_tp: int = 1,
-               draft_slot_features: int = 0) -> tuple[CacheSpec, CacheSizes]:
+               drafter: Drafter | None = None) -> tuple[CacheSpec, CacheSizes]:
     """One rank's cache layout: its spec (``H / cp`` KDA heads) and sizes from the budget. A CP
     group holds ``cp`` times one rank's blocks, so its ``max_model_len`` is ``cp`` times longer.
     With prefix caching every rank holds the group's state checkpoint slots (its head slice). A
-    ``draft`` model's pools (``cp`` pages a block, a slot a slot, :mod:`helixserve.engine.draft_runner`)
-    come out of the same budget, on every rank of a CP group alike (``H / draft_tp`` KDA heads a slot:
-    ``draft_tp`` ranks split the draft's heads), and ``draft_slot_features`` values of the
-    drafter's a slot (a hidden drafter's feature row, :func:`~helixserve.engine.model_drafters.drafter_slot_features`)."""
+    model ``drafter``'s pools (``cp`` pages a block, a slot a slot, :mod:`helixserve.engine.draft_runner`;
+    ``H / drafter.tp`` KDA heads a slot; a hidden drafter's feature row a slot,
+    :mod:`helixserve.planning.drafter`) come out of the same budget, on every rank of a CP group alike."""
     spec = cache_spec_for(model_config, dtype, cache.tokens_per_block, kda_num_heads=model_config.kda_num_heads // cp)
     slot_bytes = pool_unit_bytes(model_config, dtype.itemsize, cache.tokens_per_block, cp)[1]
     num_checkpoints = checkpoint_slot_count(cache, slot_bytes) if spec.kda_layer_ids else 0
+    draft = {} if drafter is None else drafter.budget_args(dtype.itemsize)
     num_blocks, num_slots = engine_pool_sizes(model_config, dtype.itemsize, cache.tokens_per_block,
-                                              cache.memory_budget_mib, cache.max_num_seqs, cp, num_checkpoints, draft,
-                                              draft_tp, draft_slot_features * dtype.itemsize)
+                                              cache.memory_budget_mib, cache.max_num_seqs, cp, num_checkpoints, **draft)
     max_model_len = min(cache.max_model_len or model_config.max_position_embeddings,
                         num_blocks * cache.tokens_per_block * cp)
     return spec, CacheSizes(num_blocks, num_slots, cache.tokens_per_block, max_model_len, num_checkpoints)

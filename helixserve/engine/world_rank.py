@@ -25,8 +25,8 @@ import torch.distributed as dist
 from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
-from helixserve.engine.draft_runner import build_draft_runner, draft_tp_size
-from helixserve.engine.model_drafters import drafter_capture_layers, drafter_config, drafter_slot_features
+from helixserve.engine.draft_runner import build_draft_runner
+from helixserve.engine.model_drafters import drafter_capture_layers
 from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
@@ -43,6 +43,7 @@ from helixserve.models.dummy import LoadFormat, load_dummy_model, model_config_o
 from helixserve.models.helix_load import load_helix_model
 from helixserve.models.sharding import check_helix_config
 from helixserve.parallel import Mapping, ParallelGroups, init_parallel
+from helixserve.planning.drafter import resolve_drafter
 from helixserve.transceiver.consensus import TransferConsensus
 
 _OFFLINE = WorldRunConfig()  # the waits' defaults (config.py); a gen worker passes its own
@@ -116,15 +117,13 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
             core.kv_holds = HoldRelay(core.cache_manager, holds, core.group, endpoints)
         return core
     # sized as the leader is, its drafter's pools counted: every rank has the group's block count
-    draft = drafter_config(options.speculative, model.cfg, options.cache)
-    draft_tp = draft_tp_size(options.speculative)
-    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, draft, draft_tp,
-                              drafter_slot_features(options.speculative))
+    drafter = resolve_drafter(options.speculative, model.cfg, options.cache)
+    spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, drafter)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
     # a heads-TP draft model runs here too, on the leader's plans (engine.draft_runner)
-    draft_runner = (build_draft_runner(options.speculative, draft, dtype, layout, groups.device, None, mapping.cp,
-                                       groups) if draft_tp > 1 else None)
+    draft_runner = (build_draft_runner(options.speculative, drafter.cfg, dtype, layout, groups.device, None,
+                                       mapping.cp, groups) if drafter is not None and drafter.tp > 1 else None)
     runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots
     # the layers a hidden drafter reads, kept as the leader keeps them (their gather joins the group's)
     runner.capture_layers = drafter_capture_layers(options.speculative)

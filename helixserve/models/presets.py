@@ -21,8 +21,8 @@ import torch
 
 from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.hidden_drafter import (HIDDEN_DRAFTER_KEY, HiddenDrafter, HiddenDrafterSpec,
-                                              hidden_drafter_config, save_hidden_drafter)
+from helixserve.models.hidden_drafter import HiddenDrafter, save_hidden_drafter
+from helixserve.models.hidden_drafter_config import HIDDEN_DRAFTER_KEY, HiddenDrafterSpec, hidden_drafter_config
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 

@@ -13,6 +13,10 @@
   hidden) plus fp32 logits and sampling buffers, ``2 x max_num_seqs x vocab x 4`` bytes.
 - **CUDA graphs**: a stated allowance, ``CUDA_GRAPH_POOL_BYTES`` per GPU where decode steps are
   captured.
+- **A model drafter** (speculative decoding, :mod:`helixserve.planning.drafter`) on the rank that
+  holds it: its weights (``draft_weights``) and its pools beside the target's (``draft_*_bytes``
+  of :class:`PoolBytes`: ``cp`` draft pages per block, a draft slot per slot, a hidden drafter's
+  feature row per slot); every rank's budget counts them alike (:func:`engine_pool_sizes`).
 
 The servers size their pools with :func:`engine_pool_sizes` (from ``cache.memory_budget_mib``)
 and check the total with :meth:`RankMemory.check` before allocating anything.
@@ -46,7 +50,10 @@ class DeploymentDoesNotFitError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PoolBytes:
-    """One rank's cache pools: unit costs and counts."""
+    """One rank's cache pools: unit costs and counts; ``draft_*_bytes``: a model drafter's pools on
+    the rank that holds it (a block's ``cp`` draft pages, a draft slot, a hidden drafter's feature
+    row; the tensors of :mod:`helixserve.engine.draft_runner` and :mod:`helixserve.engine.hidden_runner`:
+    draft slots beside the target's and its scratch slot, ``num_slots + 1`` feature rows)."""
 
     block_bytes: int
     slot_bytes: int
@@ -54,11 +61,21 @@ class PoolBytes:
     num_slots: int
     scratch_slots: int = 0
     checkpoint_slots: int = 0
+    draft_block_bytes: int = 0
+    draft_slot_bytes: int = 0
+    draft_row_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         num_slots = self.num_slots + self.scratch_slots + self.checkpoint_slots
-        return self.num_blocks * self.block_bytes + num_slots * self.slot_bytes
+        return self.num_blocks * self.block_bytes + num_slots * self.slot_bytes + self.draft_bytes
+
+    @property
+    def draft_bytes(self) -> int:
+        """The drafter's pools (0 without one)."""
+        rows = self.num_slots + 1 if self.draft_row_bytes else 0
+        return (self.num_blocks * self.draft_block_bytes + (self.num_slots + self.scratch_slots) * self.draft_slot_bytes
+                + rows * self.draft_row_bytes)
 
     def sequences_at(self, context_len: int, tokens_per_block: int, cp: int) -> int:
         """Sequences of ``context_len`` tokens these pools hold at once (CP rank 0's share)."""
@@ -99,11 +116,20 @@ def engine_pool_sizes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int
     ``num_checkpoint_slots`` KDA state checkpoints). With a ``draft`` model (speculative decoding)
     a block and a slot cost the target's plus the draft's (:func:`draft_unit_bytes`), a slot
     ``draft_slot_bytes`` more (a hidden drafter's feature row of a prompt's last position)."""
+    block, slot = budget_unit_bytes(cfg, itemsize, tokens_per_block, cp, draft, draft_tp, draft_slot_bytes)
+    return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs, num_checkpoint_slots)
+
+
+def budget_unit_bytes(cfg: KimiModelConfig, itemsize: int, tokens_per_block: int, cp: int = 1,
+                      draft: KimiModelConfig | None = None, draft_tp: int = 1,
+                      draft_slot_bytes: int = 0) -> tuple[int, int]:
+    """``(block_bytes, slot_bytes)`` the cache budget pays for one block and one slot: the
+    target's, plus a ``draft`` model's (:func:`draft_unit_bytes`) and ``draft_slot_bytes``."""
     block, slot = pool_unit_bytes(cfg, itemsize, tokens_per_block, cp)
     if draft is not None:
         draft_block, draft_slot = draft_unit_bytes(draft, itemsize, tokens_per_block, cp, draft_tp)
         block, slot = block + draft_block, slot + draft_slot + draft_slot_bytes
-    return pools_from_budget(block, slot, int(memory_budget_mib * MIB), max_num_seqs, num_checkpoint_slots)
+    return block, slot
 
 
 def draft_unit_bytes(draft: KimiModelConfig, itemsize: int, tokens_per_block: int, cp: int = 1,
@@ -126,17 +152,19 @@ def activation_bytes(cfg: KimiModelConfig, itemsize: int, max_num_batched_tokens
 
 def rank_memory(cfg: KimiModelConfig, role: str, dp: int, cp: int, itemsize: int, pools: PoolBytes,
                 max_num_batched_tokens: int, max_num_seqs: int, cuda_graphs: bool, gpu_bytes: int | None,
-                expert_format: str | None = None) -> RankMemory:
-    """One rank's memory with these pools (the planner's and the engine's)."""
+                expert_format: str | None = None, draft_weights: WeightBytes | None = None) -> RankMemory:
+    """One rank's memory with these pools (the planner's and the engine's); ``draft_weights``: a
+    model drafter's on this rank."""
     weights = rank_weight_bytes(cfg, itemsize, dp, cp, expert_format)
     activations = activation_bytes(cfg, itemsize, max_num_batched_tokens, max_num_seqs)
     return RankMemory(role, dp, cp, weights, pools, activations, CUDA_GRAPH_POOL_BYTES if cuda_graphs else 0,
-                      gpu_bytes)
+                      gpu_bytes, draft_weights)
 
 
 @dataclass(frozen=True, slots=True)
 class RankMemory:
-    """What one GPU of a role holds; ``gpu_bytes`` ``None``: no limit known (CPU)."""
+    """What one GPU of a role holds; ``gpu_bytes`` ``None``: no limit known (CPU);
+    ``draft_weights``: a model drafter's weights (``None``: none on this rank)."""
 
     role: str
     dp: int
@@ -146,10 +174,16 @@ class RankMemory:
     activation_bytes: int
     graph_bytes: int
     gpu_bytes: int | None
+    draft_weights: WeightBytes | None = None
+
+    @property
+    def draft_weight_bytes(self) -> int:
+        return 0 if self.draft_weights is None else self.draft_weights.total_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.weights.total_bytes + self.pools.total_bytes + self.activation_bytes + self.graph_bytes
+        return (self.weights.total_bytes + self.draft_weight_bytes + self.pools.total_bytes + self.activation_bytes
+                + self.graph_bytes)
 
     @property
     def shortfall_bytes(self) -> int:
@@ -161,17 +195,20 @@ class RankMemory:
 
     def describe(self) -> str:
         w = self.weights
+        draft = (f" + drafter weights {gib(self.draft_weight_bytes)}" if self.draft_weights is not None else "")
+        draft_pools = f" (drafter's {gib(self.pools.draft_bytes)})" if self.pools.draft_bytes else ""
         return (f"weights {gib(w.total_bytes)} (dense {gib(w.dense_bytes)} + fp32 {gib(w.fp32_bytes)} + routed "
-                f"experts {gib(w.expert_bytes)} as {w.expert_format}) + KV/state pools {gib(self.pools.total_bytes)} "
-                f"+ activations {gib(self.activation_bytes)} + CUDA graphs {gib(self.graph_bytes)} "
-                f"= {gib(self.total_bytes)}")
+                f"experts {gib(w.expert_bytes)} as {w.expert_format}){draft} + KV/state pools "
+                f"{gib(self.pools.total_bytes)}{draft_pools} + activations {gib(self.activation_bytes)} "
+                f"+ CUDA graphs {gib(self.graph_bytes)} = {gib(self.total_bytes)}")
 
     def check(self) -> None:
         """Raise :class:`DeploymentDoesNotFitError` naming the shortfall when this does not fit."""
         if self.fits:
             return
         assert self.gpu_bytes is not None
-        what = ("the weights alone exceed the GPU memory" if self.weights.total_bytes > self.gpu_bytes
+        weights = self.weights.total_bytes + self.draft_weight_bytes
+        what = ("the weights alone exceed the GPU memory" if weights > self.gpu_bytes
                 else "lower cache.memory_budget_mib / max_num_seqs / max_num_batched_tokens, or shard over more GPUs")
         raise DeploymentDoesNotFitError(
             f"{self.role} rank (dp {self.dp} x cp {self.cp}) does not fit {gib(self.gpu_bytes)} of GPU memory: "

@@ -6,7 +6,10 @@ none fits), ``ctx_tp`` (the smallest ctx world whose shard fits: ``ctx[].tp`` to
 settings to configure), ``ctx_layouts`` (every ctx world the model can be laid out on, ``tp`` =
 ``ep``, and whether its shard fits), and with ``-c CONFIG`` ``config.{ctx,gen}``: the config's own
 mappings (its first ctx worker's ``tp``, its first gen worker's ``dp x cp``) with its cache
-settings, sized as the servers size them.
+settings, sized as the servers size them. With speculative decoding (the config's per-role
+``speculative`` sections, or ``--speculative``), ``speculative.{ctx,gen}`` names each role's method
+and each role's ``drafter`` its model drafter's bytes on the rank that holds it (counted in
+``per_rank`` too): ``null`` without one (no speculation, or ``ngram``: no weights, no pools).
 """
 
 from __future__ import annotations
@@ -16,17 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.config import CacheConfig, DeploymentConfig
+from helixserve.config_speculative import SpeculativeConfig
 from helixserve.dtypes import MODEL_DTYPES, check_dtype, itemsize
 from helixserve.models.config import KimiModelConfig
+from helixserve.planning.drafter import resolve_drafter
 from helixserve.planning.memory import GIB, RankMemory
 from helixserve.planning.plan import ROLES, PlanTarget, RolePlan, ctx_layouts, plan_configured, smallest_mapping
+from helixserve.planning.report_drafter import drafter_json, drafter_table, role_speculative, speculative_from_args
 
 
 CTX_WORLD_NOTE = ("one GPU cannot hold the model: run each ctx worker as a ctx world of this many "
                   "ranks (ctx[].tp, ep = tp); each rank sends its own shard of the KV to gen")
 
 
-def role_json(plan: RolePlan | None) -> dict[str, Any] | None:
+def role_json(plan: RolePlan | None, t: PlanTarget) -> dict[str, Any] | None:
     if plan is None:
         return None
     m: RankMemory = plan.memory
@@ -46,15 +52,23 @@ def role_json(plan: RolePlan | None) -> dict[str, Any] | None:
             "activation_bytes": m.activation_bytes, "cuda_graph_bytes": m.graph_bytes,
             "total_bytes": m.total_bytes, "shortfall_bytes": m.shortfall_bytes,
         },
-        "cache_config": {"memory_budget_mib": plan.memory_budget_mib, "max_num_seqs": plan.max_num_seqs},
+        "cache_config": {"memory_budget_mib": plan.memory_budget_mib, "max_num_seqs": plan.max_num_seqs,
+                         **({"max_model_len": plan.max_model_len} if plan.max_model_len is not None else {})},
+        "drafter": drafter_json(plan, t.context_len, t.tokens_per_block),
     }
 
 
 def build_plan(cfg: KimiModelConfig, name: str, gpu_memory_gib: float, t: PlanTarget,
-               configured: dict[str, tuple[int, int, CacheConfig]] | None = None) -> dict[str, Any]:
-    """The JSON object; ``configured``: role -> (dp, cp, memory_budget_mib, max_num_seqs)."""
+               configured: dict[str, tuple[int, int, CacheConfig]] | None = None,
+               speculative: dict[str, SpeculativeConfig | None] | None = None) -> dict[str, Any]:
+    """The JSON object; ``configured``: role -> (dp, cp, cache settings); ``speculative``: role ->
+    its speculative decoding (its drafter read and checked here, against the role's cache settings
+    when configured)."""
     gpu_bytes = int(gpu_memory_gib * GIB)
-    best = {role: smallest_mapping(cfg, role, gpu_bytes, t) for role in ROLES}
+    speculative = speculative or {}
+    caches = {role: c[2] for role, c in (configured or {}).items()}
+    drafters = {role: resolve_drafter(speculative.get(role), cfg, caches.get(role, CacheConfig())) for role in ROLES}
+    best = {role: smallest_mapping(cfg, role, gpu_bytes, t, drafter=drafters[role]) for role in ROLES}
     out: dict[str, Any] = {
         "model": name, "gpu_memory_gib": float(gpu_memory_gib), "context_len": t.context_len, "batch": t.batch,
         "ctx_batch": t.ctx_batch, "tokens_per_block": t.tokens_per_block,
@@ -62,16 +76,18 @@ def build_plan(cfg: KimiModelConfig, name: str, gpu_memory_gib: float, t: PlanTa
         "ctx_gpus": best["ctx"].num_gpus if best["ctx"] else None,
         "gen_gpus": best["gen"].num_gpus if best["gen"] else None,
         "ctx_tp": best["ctx"].memory.cp if best["ctx"] else None,
-        "roles": {role: role_json(plan) for role, plan in best.items()},
+        "speculative": {role: role_speculative(speculative.get(role)) for role in ROLES},
+        "roles": {role: role_json(plan, t) for role, plan in best.items()},
         "ctx_layouts": [{"tp": p.memory.cp, "ep": p.memory.cp, "fits": p.fits, "total_bytes": p.memory.total_bytes,
                          "shortfall_bytes": p.memory.shortfall_bytes, "sequences_at_context": p.sequences,
-                         "problems": list(p.problems)} for p in ctx_layouts(cfg, gpu_bytes, t)],
+                         "problems": list(p.problems)}
+                        for p in ctx_layouts(cfg, gpu_bytes, t, drafter=drafters["ctx"])],
     }
     ctx = best["ctx"]
     if ctx is not None and ctx.num_gpus > 1:
         out["roles"]["ctx"]["note"] = CTX_WORLD_NOTE
     if configured:
-        out["config"] = {role: role_json(plan_configured(cfg, role, dp, cp, gpu_bytes, t, cache))
+        out["config"] = {role: role_json(plan_configured(cfg, role, dp, cp, gpu_bytes, t, cache, drafters[role]), t)
                          for role, (dp, cp, cache) in configured.items()}
     return out
 
@@ -106,7 +122,7 @@ def table(plan: dict[str, Any]) -> str:
                 f"| {r['sequences_at_context']} | {'yes' if r['fits'] else 'no'} |")
     if plan["roles"].get("ctx") and plan["roles"]["ctx"].get("note"):
         lines += ["", f"ctx: {plan['roles']['ctx']['note']}."]
-    return "\n".join(lines + ctx_layouts_table(plan["ctx_layouts"]))
+    return "\n".join(lines + drafter_table(plan, sections) + ctx_layouts_table(plan["ctx_layouts"]))
 
 
 def ctx_layouts_table(layouts: list[dict[str, Any]]) -> list[str]:
@@ -126,9 +142,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configured = None
     t_kwargs: dict[str, Any] = {}
     gpu_gib = args.gpu_memory_gib
+    speculative: dict[str, SpeculativeConfig | None] = {}
     if args.config:
         deploy = DeploymentConfig.from_yaml(args.config)
         cache, gen = deploy.cache, deploy.gen[0]
+        speculative = {"ctx": deploy.ctx[0].speculative, "gen": gen.speculative}
         gpu_gib = gpu_gib if gpu_gib is not None else cache.gpu_memory_gib
         t_kwargs = {"tokens_per_block": cache.tokens_per_block,
                     "max_num_batched_tokens": deploy.scheduler.max_num_batched_tokens}
@@ -152,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_kwargs.setdefault("max_num_batched_tokens", args.max_num_batched_tokens)
     target = PlanTarget(context_len=args.context_len, batch=args.batch, ctx_batch=args.ctx_batch,
                         itemsize=itemsize(check_dtype(args.dtype, MODEL_DTYPES)), **t_kwargs)
-    return build_plan(cfg, name, gpu_gib, target, configured)
+    return build_plan(cfg, name, gpu_gib, target, configured, speculative_from_args(args) or speculative)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,3 +186,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="bfloat16")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--speculative", choices=["ngram", "draft", "hidden"], default=None,
+                   help="count speculative decoding's drafter (replaces the config's speculative sections): a "
+                        "draft model on gen (draft), a hidden-state drafter on ctx and gen (hidden; the ctx builds "
+                        "its prompt cache); ngram costs nothing")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="--speculative draft or hidden: the drafter checkpoint (its config.json is read)")
+    p.add_argument("--draft-tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="--speculative draft: 1 holds the draft model on each CP group's leader, the gen cp splits "
+                        "its heads over the group (speculative.draft_tensor_parallel_size)")

@@ -16,7 +16,7 @@ from helixserve.engine.spmd.driver import WorldDriver
 from helixserve.kvcache.prefix_manager import PrefixCachingCacheManager
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.generation_config import load_generation_defaults
-from helixserve.models.hidden_drafter import read_hidden_drafter_config
+from helixserve.models.hidden_drafter_config import read_hidden_drafter_config
 from helixserve.models.tokenizer import HelixTokenizer
 from helixserve.protocol import KVLayout
 from helixserve.protocol.disagg import DraftLayout

@@ -27,7 +27,8 @@ import torch
 from helixserve.models.checkpoint import save_checkpoint
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
-from helixserve.models.hidden_drafter import check_against_target, save_hidden_drafter
+from helixserve.models.hidden_drafter import save_hidden_drafter
+from helixserve.models.hidden_drafter_config import check_against_target
 from helixserve.models.presets import (DRAFT_PRESETS, HIDDEN_PRESETS, check_tokenizer_format, get_preset,
                                        hidden_preset_config, init_random_weights, new_hidden_drafter,
                                        round_to_stored_format, write_tokenizer)

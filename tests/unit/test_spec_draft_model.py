@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,6 @@ import torch
 from helixserve.cli import main
 from helixserve.config import CacheConfig, GenServerConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.draft_runner import DraftModelError, DraftVocabMismatchError, draft_config
 from helixserve.engine.llm import LLM
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import size_cache
@@ -29,6 +29,7 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.presets import make_checkpoint
 from helixserve.kvcache.sizing import pools_from_budget
+from helixserve.planning.drafter import DraftModelError, DraftVocabMismatchError, draft_config, resolve_drafter
 from helixserve.planning.memory import MIB, DeploymentDoesNotFitError, engine_pool_sizes, pool_unit_bytes
 from helixserve.planning.weights import rank_weight_bytes
 from helixserve.testing.drafts import perturbed_checkpoint, run_mixed
@@ -239,18 +240,20 @@ def test_the_rank_memory_check_counts_the_draft_weights_and_pools(target, cp):
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=torch.float32)
     cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
-    _, layout = size_cache(cfg, torch.float32, cache, cp, draft=cfg)
+    drafter = resolve_drafter(SpeculativeConfig(method="draft", draft_model=target), cfg, cache)
+    _, layout = size_cache(cfg, torch.float32, cache, cp, drafter)
     shortfalls = []
-    for draft in (None, cfg):
+    for draft in (None, drafter):
         with pytest.raises(DeploymentDoesNotFitError) as err:
-            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, draft=draft)
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, drafter=draft)
         shortfalls.append(err.value.shortfall_bytes)
     block, slot = pool_unit_bytes(cfg, 4, TPB)
     draft_bytes = rank_weight_bytes(cfg, 4).total_bytes + cp * layout.num_blocks * block + layout.num_slots * slot
     assert shortfalls[1] - shortfalls[0] == draft_bytes
     if cp == 2:  # its heads over the group: their weights and KDA heads halved, the latent pages whole
         with pytest.raises(DeploymentDoesNotFitError) as err:
-            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, draft=cfg, draft_tp=cp)
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp,
+                              drafter=replace(drafter, tp=cp))
         tp_slot = pool_unit_bytes(cfg, 4, TPB, cp)[1]
         tp_bytes = (rank_weight_bytes(cfg, 4, cp=cp, heads_tp=True).total_bytes + cp * layout.num_blocks * block
                     + layout.num_slots * tp_slot)

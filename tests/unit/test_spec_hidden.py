@@ -18,10 +18,7 @@ import torch
 from helixserve.cli import main
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.draft_runner import DraftModelError, draft_config
-from helixserve.engine.hidden_runner import hidden_config
 from helixserve.engine.llm import LLM
-from helixserve.engine.model_drafters import drafter_extra_params, drafter_slot_features
 from helixserve.engine.rank_memory import check_rank_memory
 from helixserve.engine.rank_setup import size_cache
 from helixserve.engine.request import SamplingParams
@@ -30,10 +27,12 @@ from helixserve.kvcache.sizing import pools_from_budget
 from helixserve.models.caches import SeqChunk, allocate_caches, build_batch
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.hidden_capture import HiddenCapture
-from helixserve.models.hidden_drafter import HiddenDrafterError, load_hidden_drafter, read_hidden_drafter_config
+from helixserve.models.hidden_drafter import load_hidden_drafter
+from helixserve.models.hidden_drafter_config import HiddenDrafterError, read_hidden_drafter_config
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.models.loading import load_model
 from helixserve.models.presets import make_checkpoint
+from helixserve.planning.drafter import DraftModelError, draft_config, hidden_config, resolve_drafter
 from helixserve.planning.memory import MIB, DeploymentDoesNotFitError, engine_pool_sizes, pool_unit_bytes
 from helixserve.planning.weights import rank_weight_bytes
 from helixserve.testing.drafts import record_drafts, run_mixed
@@ -219,13 +218,13 @@ def test_the_drafter_pool_comes_out_of_the_cache_budget(target, drafter, hidden_
     assert (engine_pool_sizes(cfg, 4, TPB, 4.0, 8, draft=hidden_cfg)
             == pools_from_budget(block + hidden_block, slot, int(4.0 * MIB), 8))
     # a slot also holds the feature row of a prompt's last position (the drafter's prompt cache)
-    features = drafter_slot_features(SpeculativeConfig(method="hidden", draft_model=drafter))
-    assert features == 3 * cfg.hidden_size
+    hidden = resolve_drafter(SpeculativeConfig(method="hidden", draft_model=drafter), cfg, CacheConfig())
+    features = hidden.slot_features
+    assert features == 3 * cfg.hidden_size and hidden.budget_args(4)["draft_slot_bytes"] == 4 * features
     assert (engine_pool_sizes(cfg, 4, TPB, 4.0, 8, draft=hidden_cfg, draft_slot_bytes=4 * features)
             == pools_from_budget(block + hidden_block, slot + 4 * features, int(4.0 * MIB), 8))
     engine = hidden_llm.engine
-    _, layout = size_cache(cfg, torch.float32, CacheConfig(tokens_per_block=TPB, max_num_seqs=8), draft=hidden_cfg,
-                           draft_slot_features=features)
+    _, layout = size_cache(cfg, torch.float32, CacheConfig(tokens_per_block=TPB, max_num_seqs=8), drafter=hidden)
     assert engine.layout == layout
     assert engine.draft_runner.prompt_cache.features.shape == (layout.num_slots + 1, features)
     assert engine.draft_runner.caches.mla_kv[0].shape[0] == layout.num_blocks
@@ -234,16 +233,19 @@ def test_the_drafter_pool_comes_out_of_the_cache_budget(target, drafter, hidden_
 def test_the_rank_memory_check_counts_the_drafter_weights_and_pool(target, drafter):
     cfg = KimiModelConfig.from_pretrained(target)
     hidden_cfg, _ = read_hidden_drafter_config(drafter)
-    spec = SpeculativeConfig(method="hidden", draft_model=drafter)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=torch.float32)
     cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
-    _, layout = size_cache(cfg, torch.float32, cache, draft=hidden_cfg)
+    hidden = resolve_drafter(SpeculativeConfig(method="hidden", draft_model=drafter), cfg, cache)
+    _, layout = size_cache(cfg, torch.float32, cache, drafter=hidden)
     shortfalls = []
-    for draft, extra in ((None, 0), (hidden_cfg, drafter_extra_params(spec, hidden_cfg))):
+    for draft in (None, hidden):
         with pytest.raises(DeploymentDoesNotFitError) as err:
-            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", draft=draft, draft_extra_params=extra)
+            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", drafter=draft)
         shortfalls.append(err.value.shortfall_bytes)
     weights = sum(p.numel() for p in load_hidden_drafter(drafter).parameters()) * 4
-    assert weights == rank_weight_bytes(hidden_cfg, 4).total_bytes + 4 * drafter_extra_params(spec, hidden_cfg)
-    assert shortfalls[1] - shortfalls[0] == weights + layout.num_blocks * pool_unit_bytes(hidden_cfg, 4, TPB)[0]
+    assert weights == rank_weight_bytes(hidden_cfg, 4).total_bytes + 4 * hidden.extra_params
+    assert weights == hidden.weight_bytes(4).total_bytes
+    # its MLA pages, and a feature row per slot plus a spare (the prompt cache a ctx worker sends)
+    pages = layout.num_blocks * pool_unit_bytes(hidden_cfg, 4, TPB)[0]
+    assert shortfalls[1] - shortfalls[0] == weights + pages + (layout.num_slots + 1) * 4 * hidden.slot_features
