@@ -131,8 +131,11 @@ def draft_config(speculative: SpeculativeConfig | None, target: KimiModelConfig,
 
 
 def draft_tp_size(speculative: SpeculativeConfig | None) -> int:
-    """Ranks the draft model's heads are split over (1: it runs whole, on a CP group's leader)."""
-    return 1 if speculative is None or speculative.method != "draft" else speculative.draft_tensor_parallel_size
+    """Ranks a model drafter's heads are split over (a draft model's or a hidden drafter's; 1: it
+    runs whole, on a CP group's leader)."""
+    if speculative is None or speculative.method not in ("draft", "hidden"):
+        return 1
+    return speculative.draft_tensor_parallel_size
 
 
 def build_draft_runner(speculative: SpeculativeConfig | None, cfg: KimiModelConfig | None, dtype: torch.dtype,
@@ -217,6 +220,15 @@ class DraftRunner:
     def _pages(self) -> DraftPages:
         assert self.pages is not None, "a follower of a heads-TP draft runs the leader's plans only"
         return self.pages
+
+    @torch.inference_mode()
+    def run_work(self, work: DraftWork) -> KdaRecord | None:
+        """Run one piece of the leader's work (a follower's): a step's plan (its draft KDA record
+        returned) or a received prompt's rows."""
+        if isinstance(work, DraftPlan):
+            return self.run(work)[1]
+        self.run_prefill(work)
+        return None
 
     @torch.inference_mode()
     def prefill(self, request: Request, chunk_tokens: int) -> None:

@@ -32,6 +32,7 @@ from helixserve.engine.spmd.driver import WorldDriver, drive_to_completion
 from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
 from helixserve.launch.processes import run_local_world
 from helixserve.models.dummy import tokenizer_of
+from helixserve.models.hidden_drafter import read_hidden_drafter_config
 from helixserve.models.presets import make_checkpoint
 from helixserve.parallel import Mapping, init_parallel
 from helixserve.testing.drafts import record_drafts
@@ -49,7 +50,13 @@ def _hidden_world(rank: int, world_size: int, init_method: str, model_dir: str, 
     try:
         part = build_rank(model_dir, groups, options)
         if not isinstance(part, EngineCore):
-            return serve_rank(part)
+            draft = part.draft
+            steps = serve_rank(part)
+            if draft is None:
+                return steps
+            pool = draft.caches.mla_kv
+            return {"follower_draft_pages": pool[next(iter(pool))].shape[0], "feature_rows": draft.slot_features.shape,
+                    "heads": draft.model.model.layers[0].self_attn.num_heads}
         assert part.draft_runner is not None and part.runner.capture_layers == (1, 3, 5)
         proposals = record_drafts(part, script)
         if rank != 0:  # another group's leader
@@ -65,6 +72,7 @@ def _hidden_world(rank: int, world_size: int, init_method: str, model_dir: str, 
         return {"tokens": [r.token_ids for r in results], "errors": [r.error for r in results],
                 "spec": driver.spec_stats, "proposals": proposals, "rank_stats": stats,
                 "held": part.cache_manager.num_requests, "rows_left": len(part.draft_runner._seqs),
+                "feature_rows": part.draft_runner.slot_features.shape,
                 "draft_pages": pool[next(iter(pool))].shape[0],
                 "pages": part.caches.mla_kv[next(iter(part.caches.mla_kv))].shape[0]}
     finally:
@@ -86,29 +94,32 @@ def reference(tiny_checkpoints, tmp_path_factory):
             "spec_stats": llm.engine.spec_stats, "proposals": proposals}
 
 
-# dp 2 x cp 2 only: its groups are cp 2 worlds, and the CLI test and the preemption test run dp 1 x cp 2
-@pytest.fixture(scope="module", params=[(2, 2)], ids=["dp2xcp2"])
+# dp 2 x cp 2 only: its groups are cp 2 worlds, and the CLI test and the preemption test run dp 1 x cp 2;
+# the drafter on each group's leader (draft_tensor_parallel_size 1), or its heads over the group (2)
+@pytest.fixture(scope="module", params=[(2, 2, 1), (2, 2, 2)], ids=["dp2xcp2", "dp2xcp2-heads-tp"])
 def world(request, reference):
-    dp, cp = request.param
-    options = WorldOptions(cache=CACHE, timeout_s=60, speculative=reference["spec_config"])
+    dp, cp, tp = request.param
+    spec = reference["spec_config"].model_copy(update={"draft_tensor_parallel_size": tp})
+    options = WorldOptions(cache=CACHE, timeout_s=60, speculative=spec)
     results = run_local_world(_hidden_world, dp * cp, reference["model_dir"], dp, cp, options, reference["script"],
                               timeout_s=300)
     proposals = {}
     for result in results:
-        if isinstance(result, dict):
+        if isinstance(result, dict) and "proposals" in result:
             proposals.update(result["proposals"])
-    return dp, results[0], proposals
+    followers = [r for r in results if isinstance(r, dict) and "follower_draft_pages" in r]
+    return dp, results[0], proposals, tp, followers
 
 
 def test_greedy_hidden_speculation_in_a_world_equals_plain_decoding(world, reference):
-    _, front, _ = world
+    front = world[1]
     assert front["errors"] == [None] * len(PROMPTS)
     for i in (0, 1, 2):
         assert front["tokens"][i] == reference["plain"][i], f"request {i}"
 
 
 def test_a_world_drafts_accepts_and_samples_as_the_single_process_hidden_engine(world, reference):
-    _, front, proposals = world
+    _, front, proposals, _, _ = world
     assert proposals == reference["proposals"]  # the drafter's own drafts, step by step
     assert len(proposals) > 10
     assert front["tokens"] == reference["spec"]
@@ -118,13 +129,22 @@ def test_a_world_drafts_accepts_and_samples_as_the_single_process_hidden_engine(
     assert want.accepted_per_position[K - 1] > 0
 
 
-def test_every_rank_frees_its_blocks_and_the_leader_drafts_on_full_rows(world):
-    dp, front, _ = world
+def test_every_rank_frees_its_blocks_and_the_drafter_runs_on_full_rows(world, reference):
+    dp, front, _, tp, followers = world
     assert sorted(front["rank_stats"]) == [(d, c) for d in range(dp) for c in range(2)]
     for stats in front["rank_stats"].values():
         assert stats.num_used_blocks == 0 and stats.num_used_slots == 0 and stats.num_blocks > 0
     assert front["held"] == 0 and front["rows_left"] == 0
     assert front["draft_pages"] == 2 * front["pages"]  # a page for every block of the CP group
+    if tp == 1:  # the leader alone holds the drafter
+        assert followers == []
+        return
+    heads = read_hidden_drafter_config(reference["spec_config"].draft_model)[0].num_attention_heads
+    assert len(followers) == dp * (2 - 1) and heads % tp == 0
+    for follower in followers:  # its heads' share, the group's full-row pages and a feature row a slot
+        assert follower["heads"] == heads // tp
+        assert follower["follower_draft_pages"] == front["draft_pages"]
+        assert follower["feature_rows"] == front["feature_rows"]
 
 
 def test_cli_world_json_with_and_without_a_hidden_drafter(tiny_checkpoints, tmp_path, capsys) -> None:
