@@ -51,10 +51,10 @@ def build_engine_parts(model: torch.nn.Module, model_config: KimiModelConfig, ca
     world's (1, 1 in a single process); ``groups``: a world leader's."""
     draft_cfg = drafter_config(speculative, model_config, cache)
     draft_tp = draft_tp_size(speculative)
-    spec, layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg, draft_tp,
-                              drafter_slot_features(speculative))
+    slot_features = drafter_slot_features(speculative)
+    spec, layout = size_cache(model_config, model.dtype, cache, cp, draft_cfg, draft_tp, slot_features)
     check_rank_memory(model, cache, scheduler, layout, device, world_size // cp, cp, use_cuda_graphs,
-                      draft_cfg, drafter_extra_params(speculative, draft_cfg), draft_tp)
+                      draft_cfg, drafter_extra_params(speculative, draft_cfg), draft_tp, slot_features)
     caches = allocate_rank_caches(spec, layout, device)
     runner = ModelRunner(model, caches, device, seed=seed)
     cache_manager = make_cache_manager(cache, spec, layout, cp)

@@ -21,15 +21,16 @@ class _Sizes(Protocol):
 
 def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: SchedulerConfig, layout: _Sizes,
                       device: torch.device | str, dp: int = 1, cp: int = 1, use_cuda_graphs: bool = True,
-                      draft: KimiModelConfig | None = None, draft_extra_params: int = 0, draft_tp: int = 1) -> None:
+                      draft: KimiModelConfig | None = None, draft_extra_params: int = 0, draft_tp: int = 1,
+                      draft_slot_features: int = 0) -> None:
     """Refuse a rank whose weights + pools + activations + graph pools exceed one GPU
     (:class:`~helixserve.planning.memory.DeploymentDoesNotFitError` naming the shortfall):
     ``cache.gpu_memory_gib``, else on CUDA the device's total memory; on the CPU without it,
     no check. The same arithmetic as ``helixserve plan``; a ``draft`` model's weights (in its
     checkpoint's expert format, plus ``draft_extra_params`` outside its Kimi layers: a hidden
     drafter's input projections and norms) and pools (the target's counts, ``cp`` pages a block,
-    ``H / draft_tp`` KDA heads a slot; its heads' weights split over ``draft_tp`` ranks) are
-    counted with the target's."""
+    ``H / draft_tp`` KDA heads a slot, ``draft_slot_features`` values a slot: a hidden drafter's
+    feature row; its heads' weights split over ``draft_tp`` ranks) are counted with the target's."""
     is_cuda = torch.device(device).type == "cuda"
     if cache.gpu_memory_gib is not None:
         gpu_bytes = int(cache.gpu_memory_gib * GIB)
@@ -42,7 +43,7 @@ def check_rank_memory(model: torch.nn.Module, cache: CacheConfig, scheduler: Sch
     block, slot = pool_unit_bytes(cfg, itemsize, cache.tokens_per_block, cp)
     if draft is not None:
         draft_block, draft_slot = draft_unit_bytes(draft, itemsize, cache.tokens_per_block, cp, draft_tp)
-        block, slot = block + draft_block, slot + draft_slot
+        block, slot = block + draft_block, slot + draft_slot + draft_slot_features * itemsize
     pools = PoolBytes(block, slot, layout.num_blocks,
                       layout.num_slots, scratch_slots=int(is_cuda), checkpoint_slots=layout.num_checkpoint_slots)
     batched = max(scheduler.max_num_batched_tokens, cache.max_num_seqs)
