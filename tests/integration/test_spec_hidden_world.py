@@ -11,6 +11,10 @@ dp 2 x cp 2 world (two cp 2 groups):
   draft counts (both CP groups' summed) equal the single-process hidden engine's: the leader reads
   the same hidden states as a single process does;
 - every rank's blocks and slots are free at the end, no request holds drafter pages or rows;
+- with the drafter's heads over each CP group (``draft_tensor_parallel_size: 2``, a parameter of
+  the same world) all of the above holds too; each follower holds its heads' share, the group's
+  full-row pages and a feature row a slot, reads bitwise the leader's hidden states every forward
+  and drafts the leader's tokens every step;
 - in a cp 2 world whose cache cannot hold its batch, preempted requests recompute and still give
   plain decoding's tokens.
 
@@ -20,13 +24,17 @@ plain decoding prints.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from typing import Any
 
 import pytest
+import torch
 
 from helixserve.cli import main
 from helixserve.config import CacheConfig, SpeculativeConfig
 from helixserve.engine.core import EngineCore
+from helixserve.engine.hidden_runner import HiddenDraftRunner
 from helixserve.engine.llm import LLM
 from helixserve.engine.spmd.driver import WorldDriver, drive_to_completion
 from helixserve.engine.world_rank import WorldOptions, build_rank, serve_rank
@@ -43,6 +51,25 @@ SCRIPTED = (0, 2)  # prompts whose drafts are plain decoding's outputs
 TIGHT = CacheConfig(tokens_per_block=4, memory_budget_mib=0.24, max_num_seqs=4)  # 32 blocks a rank, drafter's counted
 
 
+def _trace(drafter: HiddenDraftRunner) -> dict[str, list]:
+    """Test-only tap on a rank's drafter: each run's drafts, and a digest of the target's hidden
+    states each forward hands it (their bytes: equal digests, identical features)."""
+    trace: dict[str, list] = {"drafts": [], "features": []}
+    run, record = drafter._run, drafter.record
+
+    def traced_run(work: Any) -> list[torch.Tensor]:
+        drafts = run(work)
+        trace["drafts"].append(torch.cat(drafts).tolist() if drafts else [])
+        return drafts
+
+    def traced_record(out: Any, batch: Any) -> None:
+        trace["features"].append(hashlib.sha1(batch.hidden_capture.features().numpy().tobytes()).hexdigest())
+        record(out, batch)
+
+    drafter._run, drafter.record = traced_run, traced_record  # type: ignore[method-assign]
+    return trace
+
+
 def _hidden_world(rank: int, world_size: int, init_method: str, model_dir: str, dp: int, cp: int,
                   options: WorldOptions, script: dict) -> dict | int:
     groups = init_parallel(Mapping(world_size, rank, dp=dp, cp=cp), init_method, backend="gloo",
@@ -51,17 +78,21 @@ def _hidden_world(rank: int, world_size: int, init_method: str, model_dir: str, 
         part = build_rank(model_dir, groups, options)
         if not isinstance(part, EngineCore):
             draft = part.draft
-            steps = serve_rank(part)
             if draft is None:
-                return steps
+                return serve_rank(part)
+            assert isinstance(draft, HiddenDraftRunner)
+            trace = _trace(draft)
+            serve_rank(part)
             pool = draft.caches.mla_kv
             return {"follower_draft_pages": pool[next(iter(pool))].shape[0], "feature_rows": draft.slot_features.shape,
-                    "heads": draft.model.model.layers[0].self_attn.num_heads}
-        assert part.draft_runner is not None and part.runner.capture_layers == (1, 3, 5)
+                    "heads": draft.model.model.layers[0].self_attn.num_heads, "dp_rank": groups.mapping.dp_rank,
+                    "trace": trace}
+        assert isinstance(part.draft_runner, HiddenDraftRunner) and part.runner.capture_layers == (1, 3, 5)
         proposals = record_drafts(part, script)
+        trace = _trace(part.draft_runner)
         if rank != 0:  # another group's leader
             serve_rank(part)
-            return {"proposals": proposals}
+            return {"proposals": proposals, "traces": {groups.mapping.dp_rank: trace}}
         driver = WorldDriver(part)
         try:
             results = drive_to_completion(driver, PROMPTS, PARAMS, tokenizer_of(model_dir))
@@ -69,7 +100,7 @@ def _hidden_world(rank: int, world_size: int, init_method: str, model_dir: str, 
         finally:
             driver.shutdown()
         pool = part.draft_runner.caches.mla_kv
-        return {"tokens": [r.token_ids for r in results], "errors": [r.error for r in results],
+        return {"tokens": [r.token_ids for r in results], "errors": [r.error for r in results], "traces": {0: trace},
                 "spec": driver.spec_stats, "proposals": proposals, "rank_stats": stats,
                 "held": part.cache_manager.num_requests, "rows_left": len(part.draft_runner._seqs),
                 "feature_rows": part.draft_runner.slot_features.shape,
@@ -103,11 +134,13 @@ def world(request, reference):
     options = WorldOptions(cache=CACHE, timeout_s=60, speculative=spec)
     results = run_local_world(_hidden_world, dp * cp, reference["model_dir"], dp, cp, options, reference["script"],
                               timeout_s=300)
-    proposals = {}
+    proposals, traces = {}, {}
     for result in results:
         if isinstance(result, dict) and "proposals" in result:
             proposals.update(result["proposals"])
-    followers = [r for r in results if isinstance(r, dict) and "follower_draft_pages" in r]
+            traces.update(result["traces"])
+    followers = [r | {"leader_trace": traces[r["dp_rank"]]} for r in results
+                 if isinstance(r, dict) and "follower_draft_pages" in r]
     return dp, results[0], proposals, tp, followers
 
 
@@ -145,6 +178,20 @@ def test_every_rank_frees_its_blocks_and_the_drafter_runs_on_full_rows(world, re
         assert follower["heads"] == heads // tp
         assert follower["follower_draft_pages"] == front["draft_pages"]
         assert follower["feature_rows"] == front["feature_rows"]
+
+
+def test_under_heads_tp_every_rank_reads_the_same_hidden_states_and_drafts_the_same(world):
+    """The target's captured hidden states are bitwise the same on every rank of a CP group (the
+    gathered sliced layers), so every rank drafts the same tokens without a broadcast."""
+    _, _, _, tp, followers = world
+    if tp == 1:
+        assert followers == []  # nothing to compare: the leader alone drafts
+        return
+    for follower in followers:
+        trace, leader = follower["trace"], follower["leader_trace"]
+        assert trace["features"] == leader["features"] and trace["drafts"] == leader["drafts"]
+    assert sum(len(f["trace"]["features"]) for f in followers) > 10  # every forward of both groups
+    assert sum(len(d) for f in followers for d in f["trace"]["drafts"]) > 10
 
 
 def test_cli_world_json_with_and_without_a_hidden_drafter(tiny_checkpoints, tmp_path, capsys) -> None:
