@@ -2,10 +2,19 @@
 :mod:`helixserve.models.hidden_drafter`) beside the target, on its device and dtype, fed the
 target's layer outputs, run before each step's target forward.
 
-**Where it runs.** In a single process beside the target; in a gen world (dp x cp) on each CP
-group's leader, the rank that schedules, drafts and verifies for its group, as the ``draft``
-method's draft model does (:mod:`.draft_runner`): the leader holds the drafter and its cache on
-full rows; the other ranks hold none of it.
+**Where it runs.** In a single process beside the target; in a gen world (dp x cp), as the
+``draft`` method's draft model does (:mod:`.draft_runner`), chosen by
+``speculative.draft_tensor_parallel_size``: ``1``, on each CP group's leader, the rank that
+schedules, drafts and verifies for its group (the leader holds the drafter and its cache on full
+rows; the other ranks hold none of it); ``cp``, on every rank of the group in lockstep, its MLA
+heads split over the group (:mod:`helixserve.models.hidden_drafter`). Then the leader sends the
+group each call that runs drafter forwards or moves its per-request state (a step, a received
+prompt, held prefills: :mod:`.hidden_work`) before running it itself; every rank keeps its own
+copy of each sequence's target rows (:meth:`HiddenDraftRunner.record` after each target forward:
+the captured hidden states are the same on every rank), holds the drafter's full-row pages, a
+feature row per slot and its heads' weights, and computes the same drafts (the all-reduced
+outputs and the replicated LM head), so nothing is broadcast per step but the step's sequences.
+The requests the leader forgot go to the group with its next step.
 
 **What it reads.** Every target forward keeps the outputs of the drafter's ``hidden_layers`` for
 every row (``batch.hidden_capture``, no second forward); :meth:`HiddenDraftRunner.record` keeps
@@ -29,8 +38,9 @@ position) and keeps the target's features of the last prompt position at the req
 (``prompt_cache.features``). The transceiver sends both, the drafter's pages and that row
 (``prompt_cache``, :class:`~helixserve.cache_layout.DraftCaches`), to the gen CP group's leader,
 whose receiver marks the request (``prompt_cache.received``); :meth:`HiddenDraftRunner.prefill`
-then only sets the request's catch-up to start at the first decoded position with that row: the
-leader drafts exactly as an aggregated engine would. A request whose ctx sent no drafter cache
+then only sets the request's catch-up to start at the first decoded position with that row (under
+heads TP after broadcasting the request's drafter pages and that row to the group,
+:func:`~.hidden_work.share_prompt_cache`): the leader drafts exactly as an aggregated engine would. A request whose ctx sent no drafter cache
 (another drafter or none there, or a shard copied out of the ctx's pools) gets the drafter's cache
 of the prompt written from the prompt tokens with zero features (the drafter's own forward over
 the prompt, no target forward); the drafter reads the target's features from the first decoded
