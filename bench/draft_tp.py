@@ -5,13 +5,15 @@ A dp 1 x cp 2 world (gloo on CPU, NCCL with two GPUs) decodes a batch greedily w
 method. Every step runs all ``k + 1`` draft forwards whatever is accepted; the draft model is
 ``--draft target``, the target's own weights (every draft accepted; as large as the target, the
 case where splitting it pays most), or ``--draft cut``, the preset's two-layer cut (a KDA and an
-MLA layer, :func:`~helixserve.models.presets.two_layer_draft`; random weights, drafts rejected).
+MLA layer, :func:`~helixserve.models.presets.two_layer_draft`; random weights, drafts rejected),
+or ``--draft hidden``, the preset's hidden-state drafter (``method: hidden``, one MLA layer,
+random weights: only its own draft forwards, k a step, plus the catch-up rows).
 Per mode: the leader's draft time per step (``DraftRunner.propose``: its forwards, and under heads
 TP the group's all-reduces and the plan message), the whole step's time, decode tok/s, and
 whether the tokens equal the other mode's; ratios against leader-only. The world's two modes run
 one after the other, ``--reps`` decodes each after a warm-up; figures are medians.
 
-    python bench/draft_tp.py [--quick] [--out FILE] [--preset kimi-k3-tiny] [--draft target|cut]
+    python bench/draft_tp.py [--quick] [--out FILE] [--preset kimi-k3-tiny] [--draft target|cut|hidden]
                              [--batch 4] [--reps 3]
 """
 
@@ -98,7 +100,7 @@ def two_layer_checkpoint(preset: str, out: Path) -> Path:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--preset", default="kimi-k3-tiny")
-    parser.add_argument("--draft", choices=["target", "cut"], default="target")
+    parser.add_argument("--draft", choices=["target", "cut", "hidden"], default="target")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
@@ -108,18 +110,22 @@ def main() -> None:
     cache = CacheConfig(tokens_per_block=16, memory_budget_mib=64, max_num_seqs=max(8, args.batch))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0))
-        draft = ckpt if args.draft == "target" else str(two_layer_checkpoint(args.preset, Path(tmp) / "cut"))
+        if args.draft == "hidden":
+            draft = str(make_checkpoint(f"{args.preset}-hidden", Path(tmp) / "hidden", seed=3))
+        else:
+            draft = ckpt if args.draft == "target" else str(two_layer_checkpoint(args.preset, Path(tmp) / "cut"))
         results = {}
         for name, tp in (("leader only", 1), ("heads TP", 2)):
-            spec = SpeculativeConfig(method="draft", draft_model=draft, num_draft_tokens=K,
+            spec = SpeculativeConfig(method="hidden" if args.draft == "hidden" else "draft", draft_model=draft,
+                                     num_draft_tokens=K,
                                      draft_tensor_parallel_size=tp)
             options = WorldOptions(cache=cache, timeout_s=120, speculative=spec, use_cuda_graphs=False)
             results[name] = run_local_world(_world, 2, ckpt, options, prompts, max_tokens, reps, timeout_s=900)[0]
     base = results["leader only"]
     rows = [[name, r["draft_s"] * 1e3, r["draft_s"] / base["draft_s"], r["step_s"] * 1e3, r["step_s"] / base["step_s"],
              r["tok_s"], r["tokens"] == base["tokens"]] for name, r in results.items()]
-    print(f"{args.preset}, dp 1 x cp 2, batch {args.batch}, k {K}, draft: "
-          + ("the target's weights" if args.draft == "target" else "the two-layer cut"))
+    drafts = {"target": "the target's weights", "cut": "the two-layer cut", "hidden": "the preset's hidden drafter"}
+    print(f"{args.preset}, dp 1 x cp 2, batch {args.batch}, k {K}, draft: {drafts[args.draft]}")
     print(markdown_table(["draft", "draft ms/step", "vs leader only", "step ms", "vs leader only", "decode tok/s",
                           "tokens equal"], rows))
     write_json(args.out, {"machine": machine_info(), "preset": args.preset, "draft": args.draft, "batch": args.batch,

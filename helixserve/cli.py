@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--speculative draft or hidden: the drafter checkpoint (the target's vocabulary)")
     gen.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step (1-7)")
     gen.add_argument("--draft-tensor-parallel-size", type=int, default=1, metavar="N",
-                     help="--speculative draft with --cp: 1 runs the draft model on each CP group's leader, the cp "
-                          "splits its heads over the group (speculative.draft_tensor_parallel_size)")
+                     help="--speculative draft or hidden with --cp: 1 runs the drafter on each CP group's leader, "
+                          "the cp splits its heads over the group (speculative.draft_tensor_parallel_size)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)
     _add_server_commands(sub)

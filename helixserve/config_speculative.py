@@ -9,7 +9,7 @@ Torch-free, imports nothing of the package but the config base. Three drafters:
   (``draft_tensor_parallel_size: 1``, the default) or on every rank of the group, its attention
   heads split over the group (``draft_tensor_parallel_size`` = the world's ``cp``);
 - ``hidden``: a drafter reading the target's hidden states (EAGLE-3 class), ``draft_model`` is
-  its checkpoint; it runs where ``draft`` does.
+  its checkpoint; it runs where ``draft`` does (``draft_tensor_parallel_size`` too).
 
 Defaults are resolved here, once: an ``ngram`` config without window sizes gets vLLM's
 (``prompt_lookup_min = prompt_lookup_max = 5`` when neither is given; the one given sets the
@@ -39,15 +39,15 @@ class SpeculativeConfig(Strict):
     num_draft_tokens: int = Field(3, ge=1, le=MAX_NUM_DRAFT_TOKENS,
                                   description="draft tokens per sequence per step")
     draft_tensor_parallel_size: int = Field(
-        1, ge=1, description="method draft in a gen world: 1 runs the draft model on each CP group's leader; "
-                             "the world's cp splits its attention heads over the CP group's ranks")
+        1, ge=1, description="method draft or hidden in a gen world: 1 runs the drafter on each CP group's "
+                             "leader; the world's cp splits its attention heads over the CP group's ranks")
     prompt_lookup_min: int | None = Field(None, ge=1, description="ngram: shortest suffix matched")
     prompt_lookup_max: int | None = Field(None, ge=1, description="ngram: longest suffix matched")
 
     @model_validator(mode="after")
     def _resolve(self) -> SpeculativeConfig:
-        if self.draft_tensor_parallel_size != 1 and self.method != "draft":
-            raise ValueError(f"speculative.draft_tensor_parallel_size is for method draft, not {self.method!r}")
+        if self.draft_tensor_parallel_size != 1 and self.method == "ngram":
+            raise ValueError("speculative.draft_tensor_parallel_size is for method draft or hidden, not 'ngram'")
         if self.method == "ngram":
             if self.draft_model is not None:
                 raise ValueError(f"speculative.draft_model ({self.draft_model}) is for method draft or "

@@ -119,14 +119,14 @@ class GenServerConfig(WorldWorkerConfig):
     speculative: SpeculativeConfig | None = Field(None, description=(
         "speculative decoding in this worker's engine (None: off); in a world each CP group's leader drafts "
         "(a draft model or hidden-state drafter on full rows) and verifies, every rank runs the verify rows on "
-        "its shard; a draft model with draft_tensor_parallel_size = cp runs on every rank, its heads split"))
+        "its shard; a drafter with draft_tensor_parallel_size = cp runs on every rank, its heads split"))
 
     @model_validator(mode="after")
     def _check_draft_tp(self) -> GenServerConfig:
         tp = 1 if self.speculative is None else self.speculative.draft_tensor_parallel_size
         if tp not in (1, self.cp):
             raise ValueError(f"speculative.draft_tensor_parallel_size={tp} must be 1 (each CP group's leader) or "
-                             f"gen.cp={self.cp} (the draft's heads over the CP group)")
+                             f"gen.cp={self.cp} (the drafter's heads over the CP group)")
         return self
 
     @property

@@ -12,7 +12,7 @@ HTTP. It runs in two places:
   :class:`~helixserve.engine.kv_intake.KVIntake` (``add_request(..., kv_ticket=...)``).
 
 With ``speculative`` a decoding request's row carries drafts (``ngram``; ``draft`` / ``hidden``: a model
-drafter's, :mod:`.model_drafters`, on the leader of a world's group, or a heads-TP draft model on all of
+drafter's, :mod:`.model_drafters`, on the leader of a world's group, or a heads-TP drafter on all of
 its ranks), the target verifies them in the same forward and a rejection rolls its KDA state (and the draft's) back
 (:mod:`helixserve.engine.spec`; in a world on every rank, :mod:`.spmd.leader`); nothing overlaps a verify step. A
 single-process engine (or a world of one) with CUDA graphs replays captured verify steps and their rollbacks
@@ -35,7 +35,6 @@ import torch
 from helixserve.config import CacheConfig, SchedulerConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.admission import check_engine_request
-from helixserve.engine.draft_runner import DraftRunner
 from helixserve.engine.engine_parts import build_engine_parts
 from helixserve.engine.engine_stats import EngineStats
 from helixserve.engine.kv_holds import HoldRelay
@@ -91,8 +90,8 @@ class EngineCore(StepFailures):
             consensus = TransferConsensus(groups.cp_cpu) if cp > 1 else TransferConsensus(is_local=True)
             self.transfers = RankTransfers(kv_receiver, self.transfer_caches, consensus)
             self.kv_intake = KVIntake(self.cache_manager, self.transfers, self.group if cp > 1 else None)
-            if isinstance(self.draft_runner, DraftRunner) and self.draft_runner.is_tensor_parallel:
-                self.draft_runner.announce = self.group.send_draft  # the group runs the draft's forwards too
+            if self.draft_runner is not None and self.draft_runner.is_tensor_parallel:
+                self.draft_runner.announce = self.group.send_draft  # the group runs the drafter's forwards too
         eos = set(tokenizer.eos_token_ids) if tokenizer else set()
         if model_config.eos_token_id is not None:
             eos.add(model_config.eos_token_id)
@@ -331,13 +330,13 @@ class EngineCore(StepFailures):
 
     def _propose(self, out: SchedulerOutput) -> KdaRecord | None:
         """The model drafter's drafts written into ``out`` (its KDA record returned); a heads-TP
-        draft model that fails leaves its group's all-reduces unmatched: the world has stopped."""
+        drafter that fails leaves its group's all-reduces unmatched: the world has stopped."""
         if self.draft_runner is None:
             return None
         try:
             return self.draft_runner.propose(out)
         except Exception as exc:
-            if isinstance(self.draft_runner, DraftRunner) and self.draft_runner.is_tensor_parallel:
+            if self.draft_runner.is_tensor_parallel:
                 raise CollectiveError(f"draft forward failed{self._where}: {type(exc).__name__}: {exc}") from exc
             raise
 

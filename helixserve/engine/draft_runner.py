@@ -175,6 +175,15 @@ class DraftRunner:
         return self.pages
 
     @torch.inference_mode()
+    def run_work(self, work: DraftWork) -> KdaRecord | None:
+        """Run one piece of the leader's work (a follower's): a step's plan (its draft KDA record
+        returned) or a received prompt's rows."""
+        if isinstance(work, DraftPlan):
+            return self.run(work)[1]
+        self.run_prefill(work)
+        return None
+
+    @torch.inference_mode()
     def prefill(self, request: Request, chunk_tokens: int) -> None:
         """Run ``request``'s cached tokens (``num_computed_tokens`` of its prompt and outputs)
         through the draft model into its cache, ``chunk_tokens`` at a time, from a fresh slot: a

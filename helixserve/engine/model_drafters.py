@@ -1,8 +1,9 @@
 """The drafters that are models, chosen by ``speculative.method``: ``draft`` (a draft model,
 :mod:`.draft_runner`) and ``hidden`` (a hidden-state drafter, :mod:`.hidden_runner`). Both run
 before each step's target forward, in a single process or on a world's CP group leader, their
-caches on full rows named by the target's pages (a draft model may instead run on every rank of the
-group, its heads split: ``speculative.draft_tensor_parallel_size``); the engine drives either through the same calls
+caches on full rows named by the target's pages (either may instead run on every rank of the
+group, its heads split: ``speculative.draft_tensor_parallel_size``, the leader announcing each
+piece of work to the group first: ``announce``, followers ``run_work``); the engine drives either through the same calls
 (``prefill`` of a prompt cache received from a ctx worker, ``propose`` before the forward,
 ``record`` after it, ``rollback`` after the verification, ``hold`` when a prefill's cache is held
 for its gen worker, ``forget`` at a request's end); ``prompt_cache``: what of the drafter's cache
@@ -13,27 +14,30 @@ from __future__ import annotations
 import torch
 
 from helixserve.config_speculative import SpeculativeConfig
-from helixserve.engine.draft_runner import DraftPages, DraftRunner, build_draft_runner
+from helixserve.engine.draft_runner import DraftPages, DraftRunner, DraftWork, build_draft_runner
 from helixserve.engine.hidden_runner import HiddenDraftRunner, build_hidden_runner
+from helixserve.engine.hidden_work import HiddenWork
 from helixserve.engine.rank_setup import CacheSizes
 from helixserve.models.hidden_drafter_config import read_hidden_drafter_config
 from helixserve.parallel import ParallelGroups
 from helixserve.planning.drafter import Drafter
 
 ModelDrafter = DraftRunner | HiddenDraftRunner
+ModelDrafterWork = DraftWork | HiddenWork  # what a heads-TP drafter's leader sends its group
 
 
 def build_model_drafter(speculative: SpeculativeConfig | None, drafter: Drafter | None, dtype: torch.dtype,
-                        layout: CacheSizes, device: torch.device | str, pages: DraftPages,
+                        layout: CacheSizes, device: torch.device | str, pages: DraftPages | None,
                         cp: int = 1, groups: ParallelGroups | None = None) -> ModelDrafter | None:
     """The ``drafter`` (``speculative``'s, resolved and checked by
     :func:`~helixserve.planning.drafter.resolve_drafter`) loaded beside the target (``None``:
     none); ``pages``: the engine's cache manager (the drafter's full-row page tables,
-    :mod:`.draft_runner`); ``groups``: a world rank's (a heads-TP draft model's group)."""
+    :mod:`.draft_runner`; ``None`` on a heads-TP drafter's follower); ``groups``: a world rank's
+    (a heads-TP drafter's group)."""
     if speculative is None or drafter is None:
         return None
     if drafter.method == "hidden":
-        return build_hidden_runner(speculative, drafter.cfg, dtype, layout, device, pages, cp)
+        return build_hidden_runner(speculative, drafter.cfg, dtype, layout, device, pages, cp, groups)
     return build_draft_runner(speculative, drafter.cfg, dtype, layout, device, pages, cp, groups)
 
 

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from helixserve.cache_layout import ModelCaches
 from helixserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, WorldRunConfig
 from helixserve.engine.core import EngineCore
-from helixserve.engine.draft_runner import build_draft_runner
-from helixserve.engine.model_drafters import drafter_capture_layers
+from helixserve.engine.model_drafters import build_model_drafter, drafter_capture_layers
 from helixserve.engine.kv_holds import HoldRelay, RankHolds, ShardSenderFactory
 from helixserve.engine.kv_intake import RankTransfers, ShardReceiver
 from helixserve.engine.llm import resolve_dtype
@@ -121,9 +120,9 @@ def build_rank(model_dir: str | Path, groups: ParallelGroups, options: WorldOpti
     spec, layout = size_cache(model.cfg, dtype, options.cache, mapping.cp, drafter)
     caches = allocate_rank_caches(spec, layout, groups.device)
     runner = ModelRunner(model, caches, groups.device, seed=options.seed)
-    # a heads-TP draft model runs here too, on the leader's plans (engine.draft_runner)
-    draft_runner = (build_draft_runner(options.speculative, drafter.cfg, dtype, layout, groups.device, None,
-                                       mapping.cp, groups) if drafter is not None and drafter.tp > 1 else None)
+    # a heads-TP drafter runs here too, on the leader's work (engine.draft_runner, engine.hidden_work)
+    draft_runner = (build_model_drafter(options.speculative, drafter, dtype, layout, groups.device, None,
+                                        mapping.cp, groups) if drafter is not None and drafter.tp > 1 else None)
     runner.checkpoints = allocate_checkpoints(spec, layout, groups.device)  # the group's checkpoint slots
     # the layers a hidden drafter reads, kept as the leader keeps them (their gather joins the group's)
     runner.capture_layers = drafter_capture_layers(options.speculative)

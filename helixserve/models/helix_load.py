@@ -94,7 +94,7 @@ def load_helix_model(
         tensors = read_checkpoint_tensors(model_dir, cfg, log_skipped=False)
         canonical = canonicalize(tensors, cfg, keep_mxfp4=is_packed)
         check_tensors(canonical, expected)
-        reader, expert_reader = _dict_readers(to_internal(canonical, cfg))
+        reader, expert_reader = dict_readers(to_internal(canonical, cfg))
     return materialize(model, reader, expert_reader, dtype, device)
 
 
@@ -105,7 +105,7 @@ def shard_state_dict(
     """This rank's model from a full single-process ``state_dict`` (stacked experts; tests, benches)."""
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype, mapping, moe_mode)
-    reader, expert_reader = _dict_readers(state)
+    reader, expert_reader = dict_readers(state)
     return materialize(model, reader, expert_reader, dtype, device)
 
 
@@ -129,7 +129,7 @@ def materialize(
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             state[name] = read("model.embed_tokens.weight", None, 0, 0)
         else:
-            state[name] = _read_param(name, model, read)
+            state[name] = read_rank_param(name, cfg, mapping, read)
     for name, p in params.items():
         value = state[name]
         if tuple(value.shape) != tuple(p.shape):
@@ -142,8 +142,10 @@ def materialize(
     return pack_for_inference(model) if mapping.world_size == 1 or mapping.heads_tp else model
 
 
-def _read_param(name: str, model: KimiForCausalLM, read: Reader) -> torch.Tensor:
-    cfg, mapping = model.cfg, model.mapping
+def read_rank_param(name: str, cfg: KimiModelConfig, mapping: Mapping, read: Reader) -> torch.Tensor:
+    """Parameter ``name`` (a canonical ``model.layers.*`` / top-level name) as the rank of
+    ``mapping`` holds it, read through ``read`` (see the module docstring); a hidden drafter's
+    layers read theirs through it too."""
     m = _LAYER_RE.match(name)
     if m is None or m.group(2) != "self_attn":
         return read(name, None, 0, 0)
@@ -174,7 +176,7 @@ def _read_param(name: str, model: KimiForCausalLM, read: Reader) -> torch.Tensor
     return read(name, None, 0, 0)
 
 
-def _dict_readers(state: dict[str, torch.Tensor]) -> tuple[Reader, ExpertReader]:
+def dict_readers(state: dict[str, torch.Tensor]) -> tuple[Reader, ExpertReader]:
     def read(name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
         if name not in state:
             raise CheckpointError(f"missing tensor {name!r}")

@@ -19,6 +19,13 @@ plus a ``hidden_drafter`` object (:class:`~helixserve.models.hidden_drafter_conf
 read torch-free there); ``model.safetensors`` holds
 ``model.embed_tokens``, ``model.layers.*``, ``model.norm``, ``lm_head``, ``fc``, ``feature_norm``,
 ``embed_norm`` and ``combine`` weights under those names.
+
+**Heads TP** (``mapping.heads_tp``, ``speculative.draft_tensor_parallel_size`` = the world's
+``cp``): each rank of a CP group holds its ``H/cp`` MLA heads of every layer (read as a draft
+model's heads are, :func:`~helixserve.models.helix_load.read_rank_param`) and runs every row, the
+o_proj partial sums all-reduced over the group (:class:`~helixserve.models.heads_tp.HeadsTPHooks`);
+``fc``, ``combine``, the norms, the MLP, the embedding and the LM head are replicated. Given the
+same rows and features on every rank, every rank computes the same outputs and logits.
 """
 
 from __future__ import annotations
@@ -36,29 +43,36 @@ from helixserve.kernels._host import step_host_cache
 from helixserve.models.checkpoint import CheckpointError
 from helixserve.models.config import KimiModelConfig
 from helixserve.models.context import ForwardBatch
+from helixserve.models.heads_tp import HeadsTPHooks
+from helixserve.models.helix_load import dict_readers, read_rank_param
 from helixserve.models.hidden_drafter_config import HIDDEN_DRAFTER_KEY, HiddenDrafterSpec, read_hidden_drafter_config
-from helixserve.models.kimi import KimiDecoderLayer, with_pending
+from helixserve.models.kimi import WORLD_OF_ONE, KimiDecoderLayer, with_pending
 from helixserve.models.norm import RMSNorm
 from helixserve.models.packing import pack_for_cpu
+from helixserve.models.sharding import check_helix_config
+from helixserve.parallel import Mapping, ParallelGroups
 
 class _Body(nn.Module):
-    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: KimiModelConfig, dtype: torch.dtype | None, mapping: Mapping) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(KimiDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(KimiDecoderLayer(cfg, i, dtype, mapping) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class HiddenDrafter(nn.Module):
     """The drafter of the module docstring. ``fuse`` maps target features to the feature space;
     ``forward`` runs rows (writing their MLA KV into ``caches``) and returns their outputs
-    (pre-norm, the next draft row's feature); ``logits`` scores outputs."""
+    (pre-norm, the next draft row's feature); ``logits`` scores outputs. ``mapping``: a world of
+    one, or one rank of the heads-TP drafter of a CP group (module docstring; needs :meth:`bind`)."""
 
-    def __init__(self, cfg: KimiModelConfig, spec: HiddenDrafterSpec, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: KimiModelConfig, spec: HiddenDrafterSpec, dtype: torch.dtype | None = None,
+                 mapping: Mapping = WORLD_OF_ONE) -> None:
         super().__init__()
-        self.cfg, self.spec = cfg, spec
+        self.cfg, self.spec, self.mapping = cfg, spec, mapping
+        self.hooks = HeadsTPHooks(cfg, mapping) if mapping.heads_tp else None
         hidden = cfg.hidden_size
-        self.model = _Body(cfg, dtype)
+        self.model = _Body(cfg, dtype, mapping)
         self.fc = nn.Linear(spec.feature_size, hidden, bias=False, dtype=dtype)
         self.feature_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         self.embed_norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
@@ -68,6 +82,13 @@ class HiddenDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def bind(self, groups: ParallelGroups) -> HiddenDrafter:
+        """Attach this rank's process groups (a heads-TP drafter's CP group all-reduces)."""
+        if self.hooks is None:
+            raise ValueError("a hidden drafter of one process has no groups to bind")
+        self.hooks.bind(groups)
+        return self
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """``[T, len(hidden_layers) * target_hidden]`` target features -> ``[T, hidden]``."""
@@ -80,7 +101,7 @@ class HiddenDrafter(nn.Module):
         pending = None
         with step_host_cache():
             for layer in self.model.layers:
-                x, _, pending = layer.forward(x, None, 0, batch, caches, None, pending)
+                x, _, pending = layer.forward(x, None, 0, batch, caches, self.hooks, pending)
         return with_pending(x, pending)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -105,20 +126,28 @@ def save_hidden_drafter(model: HiddenDrafter, out_dir: str | Path, dtype: torch.
 
 
 def load_hidden_drafter(path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> HiddenDrafter:
+                        device: str | torch.device = "cpu", mapping: Mapping = WORLD_OF_ONE) -> HiddenDrafter:
     """The drafter at ``path`` in ``dtype`` on ``device`` (:class:`CheckpointError` naming missing,
-    unexpected or mis-shaped tensors), packed for inference on the CPU."""
+    unexpected or mis-shaped tensors), packed for inference on the CPU; with a heads-TP
+    ``mapping`` this rank's heads of it (unbound: call ``bind(groups)``; a
+    :class:`~helixserve.models.sharding.HelixConfigError` when its heads do not split)."""
     cfg, spec = read_hidden_drafter_config(path)
+    if mapping.heads_tp:
+        check_helix_config(cfg, mapping)
     with torch.device("meta"):
-        model = HiddenDrafter(cfg, spec, dtype)
+        full = HiddenDrafter(cfg, spec, dtype)
+        model = HiddenDrafter(cfg, spec, dtype, mapping) if mapping.heads_tp else full
     tensors = load_file(str(Path(path) / "model.safetensors"))
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in full.state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     shapes = [f"{n} {tuple(tensors[n].shape)} (want {expected[n]})" for n in expected
               if n in tensors and tuple(tensors[n].shape) != expected[n]]
     if missing or unexpected or shapes:
         raise CheckpointError(f"hidden drafter {path}: missing {missing[:8]}, unexpected {unexpected[:8]}, "
                               f"mis-shaped {shapes[:8]}")
+    if mapping.heads_tp:
+        read = dict_readers(tensors)[0]
+        tensors = {name: read_rank_param(name, cfg, mapping, read) for name in model.state_dict()}
     state = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return pack_for_cpu(model.eval().requires_grad_(False))  # type: ignore[return-value]

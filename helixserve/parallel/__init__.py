@@ -5,7 +5,7 @@
   :class:`ParallelGroups` (world, cp, dp, ep, cpu groups; every group has a timeout).
 - :mod:`.row_split`: token slicing, ``c = ceil(T / cp)`` rows per CP rank.
 - :mod:`.collectives`: all-gather / reduce-scatter rows, uneven all-to-all, helix LSE exchange,
-  the all-reduce of a heads-TP draft model.
+  the all-reduce of a heads-TP drafter and its leader's broadcast of a received prompt cache.
 - :mod:`.moe_a2a`: MoE dispatch/combine over the whole world with an expert callback.
 - :mod:`.moe_padded`: the same with static shapes (padded all-to-all, per-rank capacity, no host
   read), for CUDA graphs; ``moe_a2a(..., capacity=int)`` picks it.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 _MODULE_OF = {
     **dict.fromkeys(("CollectiveError", "LseBuffers", "all_gather_counts", "all_reduce_sum", "all_gather_rows", "all_to_all_equal",
-                     "all_to_all_rows", "exchange_split_sizes", "lse_all_to_all", "lse_buffers",
+                     "all_to_all_rows", "broadcast_from", "exchange_split_sizes", "lse_all_to_all", "lse_buffers",
                      "reduce_scatter_rows"), "collectives"),
     **dict.fromkeys(("DistEnv", "ParallelGroups", "dist_env_from", "init_from_env", "init_parallel"),
                     "groups"),
@@ -45,7 +45,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from helixserve.parallel.collectives import (CollectiveError, LseBuffers, all_gather_counts, all_gather_rows,
-                                                 all_reduce_sum,
+                                                 all_reduce_sum, broadcast_from,
                                                  all_to_all_equal, all_to_all_rows, exchange_split_sizes,
                                                  lse_all_to_all, lse_buffers, reduce_scatter_rows)
     from helixserve.parallel.groups import DistEnv, ParallelGroups, dist_env_from, init_from_env, init_parallel
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CollectiveError", "DistEnv", "LseBuffers", "Mapping", "MoeCapacityError", "MoeDispatch",
     "PaddedMoeDispatch", "ParallelGroups", "RowSlice", "all_gather_counts", "all_gather_rows", "all_reduce_sum", "all_to_all_equal",
-    "all_to_all_rows", "dist_env_from", "exchange_split_sizes", "init_from_env", "init_parallel",
+    "all_to_all_rows", "broadcast_from", "dist_env_from", "exchange_split_sizes", "init_from_env", "init_parallel",
     "lse_all_to_all", "lse_buffers", "moe_a2a", "moe_combine", "moe_combine_padded", "moe_dispatch",
     "moe_dispatch_padded", "raise_if_overflow", "pad_rows", "per_rank_token_counts", "reduce_scatter_rows",
     "row_chunk", "rows_for_rank", "split_rows", "valid_rows",

@@ -153,6 +153,16 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x
 
 
+def broadcast_from(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """``x`` of global rank ``src`` on every rank of ``group``, in place (``x`` contiguous, of the
+    same shape and dtype on every rank: a heads-TP drafter's prompt cache, forwarded by its leader)."""
+    if not x.is_contiguous():
+        raise ValueError("broadcast_from needs a contiguous tensor (it is written in place)")
+    with _collective("broadcast_from", group):
+        _wait(dist.broadcast(x, src=src, group=group, async_op=True), group)
+    return x
+
+
 def reduce_scatter_rows(x: torch.Tensor, group: Group, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum partial full-row tensors over the CP group and leave rank r its row slice.
 

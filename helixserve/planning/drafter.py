@@ -9,8 +9,9 @@ it costs the rank that holds it. The engine (:mod:`helixserve.engine.engine_part
   world's ``cp``, every rank of the group holds its heads-TP share (:func:`rank_weight_bytes` with
   ``heads_tp``). Its pools: ``cp`` draft pages per target block (full rows) and one draft slot
   per slot, of ``H / draft_tp`` KDA heads (:func:`~helixserve.planning.memory.draft_unit_bytes`).
-- ``hidden``: a hidden-state drafter (:mod:`helixserve.engine.hidden_runner`) on the leader: its
-  Kimi layers' weights plus its input projections and norms
+- ``hidden``: a hidden-state drafter (:mod:`helixserve.engine.hidden_runner`) on the leader, or
+  with ``draft_tensor_parallel_size`` = ``cp`` its heads' share on every rank of the group: its
+  Kimi layers' weights plus its input projections and norms (replicated)
   (:func:`~helixserve.models.hidden_drafter_config.input_params`); its MLA pages as a draft
   model's (no KDA state), and per slot one feature row of a prompt's last position
   (``feature_size`` values, ``num_slots + 1`` rows: the prompt cache a ctx worker sends).
@@ -95,8 +96,11 @@ def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig
 
 
 def draft_tp_size(speculative: SpeculativeConfig | None) -> int:
-    """Ranks the draft model's heads are split over (1: it runs whole, on a CP group's leader)."""
-    return 1 if speculative is None or speculative.method != "draft" else speculative.draft_tensor_parallel_size
+    """Ranks a model drafter's heads are split over (a draft model's or a hidden drafter's; 1: it
+    runs whole, on a CP group's leader)."""
+    if speculative is None or speculative.method not in ("draft", "hidden"):
+        return 1
+    return speculative.draft_tensor_parallel_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +156,8 @@ def resolve_drafter(speculative: SpeculativeConfig | None, target: KimiModelConf
     cfg = hidden_config(speculative, target, cache)
     assert cfg is not None and speculative.draft_model is not None
     spec = read_hidden_drafter_config(speculative.draft_model)[1]
-    return Drafter("hidden", Path(speculative.draft_model), cfg, 1, input_params(cfg, spec), spec.feature_size)
+    return Drafter("hidden", Path(speculative.draft_model), cfg, draft_tp_size(speculative), input_params(cfg, spec),
+                   spec.feature_size)
 
 
 def drafter_problems(drafter: Drafter, role: str, cp: int, context_len: int) -> list[str]:

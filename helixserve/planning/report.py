@@ -193,5 +193,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="--speculative draft or hidden: the drafter checkpoint (its config.json is read)")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="--speculative draft: 1 holds the draft model on each CP group's leader, the gen cp splits "
-                        "its heads over the group (speculative.draft_tensor_parallel_size)")
+                   help="--speculative draft or hidden: 1 holds the drafter on each CP group's leader, the gen cp "
+                        "splits its heads over the group (speculative.draft_tensor_parallel_size)")

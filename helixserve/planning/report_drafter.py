@@ -27,7 +27,8 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, SpeculativeConf
         return None
     spec = SpeculativeConfig(method=args.speculative, draft_model=args.draft_model,
                              draft_tensor_parallel_size=args.draft_tensor_parallel_size)
-    return {"ctx": spec if spec.method == "hidden" else None, "gen": spec}
+    ctx = spec.model_copy(update={"draft_tensor_parallel_size": 1})  # a ctx worker runs it in its one rank
+    return {"ctx": ctx if spec.method == "hidden" else None, "gen": spec}
 
 
 def role_speculative(spec: SpeculativeConfig | None) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ def test_num_draft_tokens_bounds_are_inclusive(k):
     ({"method": "draft", "draft_model": "d", "prompt_lookup_max": 3}, "prompt_lookup_max is for method ngram"),
     ({"method": "medusa"}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 3}, "num_speculative_tokens"),
-    ({"method": "hidden", "draft_model": "d", "draft_tensor_parallel_size": 2}, "is for method draft, not 'hidden'"),
+    ({"method": "ngram", "draft_tensor_parallel_size": 2}, "is for method draft or hidden, not 'ngram'"),
     ({"method": "draft", "draft_model": "d", "draft_tensor_parallel_size": 0}, "draft_tensor_parallel_size"),
 ])
 def test_bad_configs_name_the_key(fields, match):
@@ -48,15 +48,17 @@ def test_bad_configs_name_the_key(fields, match):
         SpeculativeConfig(**fields)
 
 
-def test_a_gen_worlds_draft_heads_split_over_1_or_cp_ranks():
+@pytest.mark.parametrize("method", ["draft", "hidden"])
+def test_a_gen_worlds_drafter_heads_split_over_1_or_cp_ranks(method):
     def spec(tp: int) -> SpeculativeConfig:
-        return SpeculativeConfig(method="draft", draft_model="d", draft_tensor_parallel_size=tp)
+        return SpeculativeConfig(method=method, draft_model="d", draft_tensor_parallel_size=tp)
 
-    assert SpeculativeConfig(method="draft", draft_model="d").draft_tensor_parallel_size == 1
+    assert SpeculativeConfig(method=method, draft_model="d").draft_tensor_parallel_size == 1
     for tp in (1, 4):
         assert GenServerConfig(dp=2, cp=4, speculative=spec(tp)).speculative.draft_tensor_parallel_size == tp
-    with pytest.raises(ValidationError, match=r"draft_tensor_parallel_size=2 must be 1 .* or gen.cp=4"):
-        GenServerConfig(dp=2, cp=4, speculative=spec(2))
+    for tp in (2, 8):
+        with pytest.raises(ValidationError, match=rf"draft_tensor_parallel_size={tp} must be 1 .* or gen.cp=4"):
+            GenServerConfig(dp=2, cp=4, speculative=spec(tp))
 
 
 def test_draft_methods_keep_their_checkpoint():

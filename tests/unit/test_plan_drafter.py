@@ -20,6 +20,7 @@ from helixserve.config_speculative import SpeculativeConfig
 from helixserve.engine.llm import LLM
 from helixserve.engine.rank_setup import size_cache
 from helixserve.models.config import KimiModelConfig
+from helixserve.models.hidden_drafter import load_hidden_drafter
 from helixserve.models.kimi import KimiForCausalLM
 from helixserve.parallel.mapping import Mapping
 from helixserve.planning.drafter import DraftModelError, resolve_drafter
@@ -111,6 +112,28 @@ def test_a_heads_tp_draft_holds_its_share_on_every_rank(cfg, tiny_drafters):
     drafter = resolve_drafter(_spec("draft", path, draft_tensor_parallel_size=2), cfg, CACHE)
     wrong = plan_configured(cfg, "gen", 1, 4, GIB, T, CACHE, drafter)
     assert "speculative.draft_tensor_parallel_size=2 must be 1 or the gen's cp=4" in wrong.problems
+
+
+def test_a_heads_tp_hidden_drafter_holds_its_share_on_every_gen_rank_and_whole_on_the_ctx(
+        target, cfg, tiny_drafters, capsys):
+    """A hidden drafter's heads over a gen CP group of 2: each rank the modules it builds (its
+    heads' share, the input projections and norms whole), full-row pages either way; the ctx
+    worker, one rank, holds it whole (the flag is the gen's)."""
+    path = tiny_drafters["hidden"]
+    plans = {}
+    for tp in (1, 2):
+        drafter = resolve_drafter(_spec("hidden", path, draft_tensor_parallel_size=tp), cfg, CACHE)
+        plans[tp] = plan = plan_configured(cfg, "gen", 1, 2, GIB, T, CACHE, drafter)
+        assert plan.fits and plan.drafter.tp == tp
+    mapping = Mapping(2, 0, dp=1, cp=2, heads_tp=True)
+    share = _nbytes(load_hidden_drafter(path, mapping=mapping).parameters())
+    assert plans[2].memory.draft_weight_bytes == share < plans[1].memory.draft_weight_bytes
+    assert plans[2].memory.pools.draft_bytes == plans[1].memory.pools.draft_bytes
+    base = ["--model", str(target), "--gpu-memory-gib", "2", "--context-len", "256"]
+    tp2 = _plan_json(capsys, *base, "--speculative", "hidden", "--draft-model", str(path),
+                     "--draft-tensor-parallel-size", "2")
+    assert tp2["speculative"]["ctx"]["draft_tensor_parallel_size"] == 1
+    assert tp2["speculative"]["gen"]["draft_tensor_parallel_size"] == 2
 
 
 def _plan_json(capsys, *args: str) -> dict:

@@ -29,9 +29,10 @@ from helixserve.models.config import KimiModelConfig
 from helixserve.models.hidden_capture import HiddenCapture
 from helixserve.models.hidden_drafter import load_hidden_drafter
 from helixserve.models.hidden_drafter_config import HiddenDrafterError, read_hidden_drafter_config
-from helixserve.models.kimi import KimiForCausalLM
+from helixserve.models.kimi import WORLD_OF_ONE, KimiForCausalLM
 from helixserve.models.loading import load_model
 from helixserve.models.presets import make_checkpoint
+from helixserve.parallel import Mapping
 from helixserve.planning.drafter import DraftModelError, draft_config, hidden_config, resolve_drafter
 from helixserve.planning.memory import MIB, DeploymentDoesNotFitError, engine_pool_sizes, pool_unit_bytes
 from helixserve.planning.weights import rank_weight_bytes
@@ -230,22 +231,29 @@ def test_the_drafter_pool_comes_out_of_the_cache_budget(target, drafter, hidden_
     assert engine.draft_runner.caches.mla_kv[0].shape[0] == layout.num_blocks
 
 
-def test_the_rank_memory_check_counts_the_drafter_weights_and_pool(target, drafter):
+@pytest.mark.parametrize("cp", [1, 2])
+def test_the_rank_memory_check_counts_the_drafter_weights_and_pool(target, drafter, cp):
+    """Every rank counts the drafter's full-row pages and feature rows; its weights whole, or its
+    heads' share of them with its heads over the CP group (``draft_tp`` = cp)."""
     cfg = KimiModelConfig.from_pretrained(target)
     hidden_cfg, _ = read_hidden_drafter_config(drafter)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype=torch.float32)
     cache = CacheConfig(tokens_per_block=TPB, memory_budget_mib=4.0, gpu_memory_gib=1e-6)
-    hidden = resolve_drafter(SpeculativeConfig(method="hidden", draft_model=drafter), cfg, cache)
-    _, layout = size_cache(cfg, torch.float32, cache, drafter=hidden)
-    shortfalls = []
-    for draft in (None, hidden):
-        with pytest.raises(DeploymentDoesNotFitError) as err:
-            check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", drafter=draft)
-        shortfalls.append(err.value.shortfall_bytes)
-    weights = sum(p.numel() for p in load_hidden_drafter(drafter).parameters()) * 4
-    assert weights == rank_weight_bytes(hidden_cfg, 4).total_bytes + 4 * hidden.extra_params
-    assert weights == hidden.weight_bytes(4).total_bytes
-    # its MLA pages, and a feature row per slot plus a spare (the prompt cache a ctx worker sends)
-    pages = layout.num_blocks * pool_unit_bytes(hidden_cfg, 4, TPB)[0]
-    assert shortfalls[1] - shortfalls[0] == weights + pages + (layout.num_slots + 1) * 4 * hidden.slot_features
+    for tp in sorted({1, cp}):
+        spec = SpeculativeConfig(method="hidden", draft_model=drafter, draft_tensor_parallel_size=tp)
+        hidden = resolve_drafter(spec, cfg, cache)
+        _, layout = size_cache(cfg, torch.float32, cache, cp, drafter=hidden)
+        shortfalls = []
+        for draft in (None, hidden):
+            with pytest.raises(DeploymentDoesNotFitError) as err:
+                check_rank_memory(model, cache, SchedulerConfig(), layout, "cpu", cp=cp, drafter=draft)
+            shortfalls.append(err.value.shortfall_bytes)
+        mapping = Mapping(cp, 0, dp=1, cp=cp, heads_tp=True) if tp > 1 else WORLD_OF_ONE
+        weights = sum(p.numel() for p in load_hidden_drafter(drafter, mapping=mapping).parameters()) * 4
+        assert weights == rank_weight_bytes(hidden_cfg, 4, cp=tp, heads_tp=tp > 1).total_bytes + 4 * hidden.extra_params
+        assert weights == hidden.weight_bytes(4).total_bytes
+        # the group's full-row MLA pages, and a feature row per slot plus a spare (the prompt
+        # cache a ctx worker sends)
+        pages = cp * layout.num_blocks * pool_unit_bytes(hidden_cfg, 4, TPB)[0]
+        assert shortfalls[1] - shortfalls[0] == weights + pages + (layout.num_slots + 1) * 4 * hidden.slot_features

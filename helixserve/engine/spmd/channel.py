@@ -12,9 +12,10 @@ model shard and ``ModelRunner`` and do what each message says, in order (:mod:`.
   head slice before the step runs (every rank rolls back the same rows).
 - :class:`Rollback`: the same decision alone, when the leader's next message is not a launch; it
   rolls a heads-TP draft model's KDA heads back too (the same rows).
-- :class:`Draft`: run a heads-TP draft model's forwards of this step (a
-  :class:`~helixserve.engine.draft_runner.DraftPlan`) or of a received prompt's rows with the
-  leader (its all-reduces pair the ranks up), before the step's launch.
+- :class:`Draft`: run a heads-TP drafter's forwards with the leader (its all-reduces pair the
+  ranks up), before the step's launch: a draft model's step (a
+  :class:`~helixserve.engine.draft_runner.DraftPlan`) or received prompt's rows, a hidden
+  drafter's step, received prompt or held prefills (:mod:`helixserve.engine.hidden_work`).
 - :class:`Idle`: join the MoE all-to-alls with no rows (another DP group runs a step).
 - :class:`Transfers`: start / cancel KV receptions into the handles given, then, with
   ``agree``, poll the receiver and agree on the outcomes (the transceiver consensus).
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from helixserve.engine.draft_runner import DraftWork
+from helixserve.engine.model_drafters import ModelDrafterWork
 from helixserve.engine.kv_holds import HoldStart
 from helixserve.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from helixserve.kvcache.group_cache import GroupCacheManager
@@ -60,7 +61,7 @@ class Rollback:
 
 @dataclass(slots=True)
 class Draft:
-    work: DraftWork
+    work: ModelDrafterWork
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@
 a ``Launch`` runs this rank's ``ModelRunner`` on the step (its own block tables; input ids from
 the previous step's tokens when overlapped) and then receives the leader's sampled tokens (a
 verify step receives none; its KDA record is kept until the leader's ``rollback`` of it); a
-``Draft`` runs a heads-TP draft model's forwards (its KDA record kept likewise); an ``Idle`` runs
+``Draft`` runs a heads-TP drafter's forwards (a draft model's KDA record kept likewise; a hidden
+drafter keeps each launched step's hidden states, as the leader's does); an ``Idle`` runs
 the model's empty step; a ``Holds`` (a ctx world's) holds, cancels and agrees on this rank's KV
 sender's holds; a ``Transfers`` starts and cancels this rank's KV
 receptions and, when asked, agrees on their outcomes with the group. It raises on any failure
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from helixserve.engine.draft_runner import DraftPlan, DraftRunner
+from helixserve.engine.draft_runner import DraftRunner
 from helixserve.engine.kv_holds import RankHolds
 from helixserve.engine.kv_intake import RankTransfers
+from helixserve.engine.model_drafters import ModelDrafter
 from helixserve.engine.runner import ModelRunner
 from helixserve.engine.spmd.channel import (Draft, GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
                                             Transfers)
@@ -40,7 +42,7 @@ class Follower:
     num_steps: int = 0
     kda_record: KdaRecord | None = None  # the last verify step's, until the leader's rollback of it
     holds: RankHolds | None = None  # a ctx world's rank: its KV sender's holds
-    draft: DraftRunner | None = None  # a heads-TP draft model's rank
+    draft: ModelDrafter | None = None  # a heads-TP drafter's rank
     draft_record: KdaRecord | None = None  # the last draft plan's, until the leader's rollback of it
 
     def roll_back(self, keep: dict[int, int] | None) -> None:
@@ -51,19 +53,17 @@ class Follower:
             assert self.kda_record is not None, "a rollback without a verify step"
             self.runner.rollback(self.kda_record, keep)
             if self.draft_record is not None:
-                assert self.draft is not None
+                assert isinstance(self.draft, DraftRunner)
                 self.draft.runner.rollback(self.draft_record, keep)
             self.draft_record = None
         self.kda_record = None
 
     def run_draft(self, message: Draft) -> None:
-        """A heads-TP draft model's forwards, with the leader's."""
+        """A heads-TP drafter's forwards, with the leader's (a draft model's step: its KDA record kept)."""
         if self.draft is None:
-            raise RuntimeError("a Draft message to a rank without a draft model")
-        if isinstance(message.work, DraftPlan):
-            self.draft_record = self.draft.run(message.work)[1]
-        else:
-            self.draft.run_prefill(message.work)
+            raise RuntimeError("a Draft message to a rank without a drafter")
+        # the leader's drafter is of this one's kind: it sends its own kind of work
+        self.draft_record = self.draft.run_work(message.work)  # type: ignore[arg-type]
 
     def apply_holds(self, message: Holds) -> None:
         """A ctx world's holds on this rank's KV sender (a rank without one: a wiring bug)."""
@@ -85,8 +85,17 @@ class Follower:
             prepared = runner.prepare(out)
             runner.run(prepared)
             self.kda_record = prepared.batch.kda_record
+            if self.draft is not None:
+                self.draft.record(out, prepared.batch)
             return None
-        runner.forward(out, previous if message.use_previous_tokens else None)
+        input_tokens = previous if message.use_previous_tokens else None
+        if runner.graphs_for(out, input_tokens) is None:
+            prepared = runner.prepare(out, input_tokens)
+            runner.run(prepared)
+            if self.draft is not None:  # a hidden drafter keeps the step's hidden states, as the leader's
+                self.draft.record(out, prepared.batch)
+        else:
+            runner.run_step(out, None, input_tokens)
         num_sampled = sum(1 for s in out.seqs if s.sample)
         if not num_sampled:
             return previous

@@ -14,9 +14,10 @@ each speculating sequence keeps (:meth:`GroupLeader.share_rollback`) go to the o
 the next launch (or alone, ahead of any other message), so every rank rolls back the same rows
 before it runs anything else on those slots.
 
-A heads-TP draft model (``speculative.draft_tensor_parallel_size``) runs on every rank: before
-the draft forwards of a step (or of a received prompt) the leader sends the group their plan
-(:meth:`GroupLeader.send_draft`), after any pending rollback, which rolls the draft back too.
+A heads-TP drafter (``speculative.draft_tensor_parallel_size``: a draft model or a hidden
+drafter) runs on every rank: before the drafter forwards of a step (or of a received prompt, or
+of held prefills) the leader sends the group their work (:meth:`GroupLeader.send_draft`), after
+any pending rollback, which rolls a draft model back too.
 
 It also carries the group's other messages: KV reception starts / cancels / agreement
 (:meth:`transfers`), the empty step an idle DP group runs for the MoE all-to-alls
@@ -36,7 +37,7 @@ from helixserve.engine.request import SamplingParams
 from helixserve.engine.runner import LaunchedStep, ModelRunner
 from helixserve.engine.scheduler_output import SchedulerOutput
 from helixserve.engine.kv_holds import HoldStart
-from helixserve.engine.draft_runner import DraftWork
+from helixserve.engine.model_drafters import ModelDrafterWork
 from helixserve.engine.spmd.channel import (Draft, GroupChannel, Heartbeat, Holds, Idle, Launch, Rollback, Shutdown,
                                             Transfers, output_for_rank)
 from helixserve.kvcache.group_cache import GroupCacheManager
@@ -65,9 +66,9 @@ class GroupLeader:
             self._send([None] + [Launch(output_for_rank(out, self.cache, r), use_previous, keep)
                                  for r in range(1, self.cp)])
 
-    def send_draft(self, work: DraftWork) -> None:
-        """Every other rank of the group runs a heads-TP draft model's ``work`` with the leader
-        (after the last verify step's rollback, which rolls its draft back too)."""
+    def send_draft(self, work: ModelDrafterWork) -> None:
+        """Every other rank of the group runs a heads-TP drafter's ``work`` with the leader
+        (after the last verify step's rollback, which rolls a draft model back too)."""
         self._send_all(Draft(work))
 
     def share_rollback(self, keep: dict[int, int]) -> None:
