@@ -386,7 +386,7 @@ def test_a_channel_connected_ahead_serves_the_first_transfer_when_new_connection
         assert proxy.accepted.wait(5.0), "connect_ahead opened no connection"
         _wait_state(ahead, endpoint, grpc.ChannelConnectivity.READY)
         client = ahead.get(endpoint)
-        assert client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=2.0).accepted
+        assert client.opened_ahead and client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=2.0).accepted
         with pytest.raises(grpc.RpcError) as error:  # the proxy refuses any other connection
             fresh.get(endpoint).request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=1.0)
         assert error.value.code() is grpc.StatusCode.UNAVAILABLE and "could not connect" in error.value.details()
@@ -408,7 +408,7 @@ def test_a_channel_opened_ahead_is_not_handed_out_before_it_connects():
     try:
         clients.connect_ahead([endpoint])  # nothing listens yet
         client = clients.get(endpoint)
-        assert not client.is_ahead and not client.is_ready
+        assert not client.opened_ahead and not client.is_ready
         srv = ControlServer(handler, "127.0.0.1", port)
         srv.start()
         assert client.request_shard(pb.ShardRequest(ctx_request_id="r"), timeout_s=5.0).accepted

@@ -102,7 +102,7 @@ class ControlClient:
         self._has_connected = False
         self.num_losses = 0  # connections to the ctx that closed under us (see `is_lost_since`)
         # connect_now: resolve and connect at once, not at the first call (`ControlClients.connect_ahead`)
-        self.is_ahead = connect_now
+        self.opened_ahead = connect_now
         self._channel.subscribe(self._on_state, try_to_connect=connect_now)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
@@ -211,47 +211,54 @@ class ControlClients:
 
     `connect_ahead` opens the deployment's channels when the gen rank starts, so that a transfer
     finds its connection up: no name lookup and no handshake on the request's path. (A name
-    service that stops answering for a while, as a container network's DNS did right after
-    another container joined it, would otherwise fail the transfer: gRPC cannot connect to a
-    name it cannot resolve.) A client opened ahead is handed out only while connected; until
-    then a transfer gets a fresh one, as without it, never one stuck behind a pending attempt.
+    service that stops answering for a while, as a container network's DNS can while containers
+    join it, would otherwise fail the transfer: gRPC cannot connect to a name it cannot resolve.)
+    A channel opened ahead is handed to a transfer only once connected; until then a transfer gets
+    a fresh one, as without it, never one stuck behind a pending attempt, and the one opened ahead
+    stays (connecting) for when the transfers' channel fails; only `close` closes it (grpc's
+    connectivity thread fails on a channel collected while it connects).
     """
 
     def __init__(self, timeout_s: float, config: TransceiverConfig | None = None) -> None:
         self.timeout_s = timeout_s
         self.config = config
         self._clients: dict[str, ControlClient] = {}
+        self._ahead: dict[str, ControlClient] = {}  # opened ahead, not yet handed out
         self._lock = threading.Lock()
 
     def connect_ahead(self, endpoints: Iterable[TransceiverEndpoint]) -> None:
         """Start connecting to each endpoint now (not blocking; gRPC retries until it answers)."""
         with self._lock:
             for endpoint in endpoints:
-                if target(endpoint) not in self._clients:
-                    self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s, config=self.config,
-                                                                    connect_now=True)
+                key = target(endpoint)
+                if key not in self._clients and key not in self._ahead:
+                    self._ahead[key] = ControlClient(endpoint, self.timeout_s, config=self.config, connect_now=True)
 
     def state(self, endpoint: TransceiverEndpoint) -> grpc.ChannelConnectivity | None:
-        """The channel state of the endpoint's current client (None: no client)."""
-        client = self._clients.get(target(endpoint))
-        return None if client is None else client.state
+        """The channel state of the client `get` would hand out now (None: none yet)."""
+        with self._lock:
+            client = self._clients.get(target(endpoint)) or self._ahead.get(target(endpoint))
+            return None if client is None else client.state
 
     def get(self, endpoint: TransceiverEndpoint) -> ControlClient:
         with self._lock:
-            client = self._clients.get(target(endpoint))
-            # opened ahead and not connected (yet), or failing: left to the transfers that use it
-            # (none, if opened ahead), closed when unreferenced
-            if client is not None and (client.is_failing or client.is_ahead and not client.is_ready):
-                client.stop_watching()
+            key = target(endpoint)
+            client = self._clients.get(key)
+            if client is not None and client.is_failing:
+                client.stop_watching()  # left to its transfers (closed when unreferenced)
                 client = None
             if client is None:
-                client = self._clients[target(endpoint)] = ControlClient(endpoint, self.timeout_s,
-                                                                        config=self.config)
-            client.is_ahead = False  # a transfer's now: replaced only as any client is
+                ahead = self._ahead.get(key)
+                if ahead is not None and ahead.is_ready:
+                    client = self._ahead.pop(key)
+                else:
+                    client = ControlClient(endpoint, self.timeout_s, config=self.config)
+                self._clients[key] = client
             return client
 
     def close(self) -> None:
         with self._lock:
-            for client in self._clients.values():
+            for client in (*self._clients.values(), *self._ahead.values()):
                 client.close()
             self._clients.clear()
+            self._ahead.clear()
