@@ -40,6 +40,9 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconn
 # arrive within the receiver's own deadline); a fraction of any sane kv_transfer_timeout_ms
 SHARD_DEADLINE_MARGIN_S = 0.1
 ASYNC_CALL_THREADS = 4  # per client: concurrent *_async calls (each bounded by its deadline)
+# internal: a closed client's channel is closed this much later, once grpc's connectivity thread
+# (it wakes every 0.2 s) has seen the unsubscription and ended: closed under it, it raises
+CHANNEL_CLOSE_DELAY_S = 0.5
 
 
 class ControlUnreachableError(grpc.RpcError):
@@ -198,9 +201,12 @@ class ControlClient:
         self._channel.unsubscribe(self._on_state)
 
     def close(self) -> None:
+        """Stop watching the channel and close it (after `CHANNEL_CLOSE_DELAY_S`, not blocking)."""
         self.stop_watching()
         self._pool.shutdown(wait=False, cancel_futures=True)  # calls in flight end by their deadline
-        self._channel.close()
+        closer = threading.Timer(CHANNEL_CLOSE_DELAY_S, self._channel.close)
+        closer.daemon = True
+        closer.start()
 
 
 class ControlClients:
@@ -216,7 +222,7 @@ class ControlClients:
     A channel opened ahead is handed to a transfer only once connected; until then a transfer gets
     a fresh one, as without it, never one stuck behind a pending attempt, and the one opened ahead
     stays (connecting) for when the transfers' channel fails; only `close` closes it (grpc's
-    connectivity thread fails on a channel collected while it connects).
+    connectivity thread fails on a channel collected under it).
     """
 
     def __init__(self, timeout_s: float, config: TransceiverConfig | None = None) -> None:
