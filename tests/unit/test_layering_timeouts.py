@@ -32,6 +32,8 @@ INTERNAL = {
     ("helixserve/transceiver/ctx/sender.py", "STOP_JOIN_S"): "shutdown only: joining the sender thread",
     ("helixserve/transceiver/ctx/control_server.py", "SERVER_STOP_GRACE_S"):
         "shutdown only; every gRPC call is bounded by its own deadline (rpc_timeout_ms)",
+    ("helixserve/transceiver/gen/control_client.py", "CHANNEL_CLOSE_DELAY_S"):
+        "a closed client's channel is closed once grpc's connectivity thread (0.2 s wakeups) ended; no one waits",
     ("helixserve/transceiver/gen/control_client.py", "SHARD_DEADLINE_MARGIN_S"):
         "a margin under the configured transfer deadline, not a wait of its own",
     ("helixserve/serving/warm_up.py", "SETTLE_S"):
