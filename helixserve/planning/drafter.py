@@ -29,8 +29,8 @@ from typing import Any
 from helixserve.config import CacheConfig
 from helixserve.config_speculative import SpeculativeConfig
 from helixserve.models.config import KimiModelConfig
-from helixserve.models.hidden_drafter_config import (HiddenDrafterError, check_against_target, input_params,
-                                                     is_hidden_drafter, read_hidden_drafter_config)
+from helixserve.models.hidden_drafter_config import (HiddenDrafterError, HiddenDrafterSpec, check_against_target,
+                                                     input_params, is_hidden_drafter, read_hidden_drafter_config)
 from helixserve.planning.memory import PoolBytes, draft_unit_bytes
 from helixserve.planning.weights import WeightBytes, rank_weight_bytes
 
@@ -84,6 +84,13 @@ def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig
                   cache: CacheConfig) -> KimiModelConfig | None:
     """The hidden drafter's layer config (``None``: no ``hidden`` method), checked against the
     target's and the engine's before any weight is read (:class:`HiddenDrafterError`)."""
+    checked = _checked_hidden(speculative, target, cache)
+    return None if checked is None else checked[0]
+
+
+def _checked_hidden(speculative: SpeculativeConfig | None, target: KimiModelConfig,
+                    cache: CacheConfig) -> tuple[KimiModelConfig, HiddenDrafterSpec] | None:
+    """:func:`hidden_config`'s layer config and the drafter's spec, its ``config.json`` read once."""
     if speculative is None or speculative.method != "hidden":
         return None
     path = _checkpoint_dir(speculative)
@@ -92,7 +99,7 @@ def hidden_config(speculative: SpeculativeConfig | None, target: KimiModelConfig
                                  "prefix skips the target rows whose hidden states the drafter reads")
     cfg, spec = read_hidden_drafter_config(path)
     check_against_target(path, cfg, spec, target)
-    return cfg
+    return cfg, spec
 
 
 def draft_tp_size(speculative: SpeculativeConfig | None) -> int:
@@ -153,9 +160,9 @@ def resolve_drafter(speculative: SpeculativeConfig | None, target: KimiModelConf
         cfg = draft_config(speculative, target, cache)
         assert cfg is not None
         return Drafter("draft", Path(speculative.draft_model or ""), cfg, draft_tp_size(speculative))
-    cfg = hidden_config(speculative, target, cache)
-    assert cfg is not None and speculative.draft_model is not None
-    spec = read_hidden_drafter_config(speculative.draft_model)[1]
+    checked = _checked_hidden(speculative, target, cache)
+    assert checked is not None and speculative.draft_model is not None
+    cfg, spec = checked
     return Drafter("hidden", Path(speculative.draft_model), cfg, draft_tp_size(speculative), input_params(cfg, spec),
                    spec.feature_size)
 

@@ -241,7 +241,8 @@ class ControlClients:
                     self._ahead[key] = ControlClient(endpoint, self.timeout_s, config=self.config, connect_now=True)
 
     def state(self, endpoint: TransceiverEndpoint) -> grpc.ChannelConnectivity | None:
-        """The channel state of the client `get` would hand out now (None: none yet)."""
+        """The channel state of the endpoint's transfers' client, else of the one opened ahead
+        (None: neither)."""
         with self._lock:
             client = self._clients.get(target(endpoint)) or self._ahead.get(target(endpoint))
             return None if client is None else client.state
